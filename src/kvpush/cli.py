@@ -1,0 +1,42 @@
+"""`kvpush` command line: one entry point, a sub-command per job.
+
+Sub-commands live with the package they drive and are imported lazily, so
+`kvpush --help` answers without importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpush",
+        description=(
+            "kvpush: prefill/decode-disaggregated LLM serving whose KV cache moves by "
+            "push. Start with `kvpush models install smollm2-135m`, then "
+            "`kvpush serve MODEL_DIR`."
+        ),
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    from kvpush.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
+    from kvpush.models.cli import add_models_parser
+
+    add_models_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""One frozen configuration tree, built once from CLI flags (or code) and validated once.
+
+Everything downstream reads these dataclasses and never mutates them. Validation
+errors raise :class:`ConfigError` with a message meant for a human at the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+#: Default tokens per KV block. With the layer-major layout one layer of a run of
+#: consecutive blocks is one memory range, so the descriptor count of a transfer grows
+#: with fragmentation, not with block count; 32 tokens keeps one layer of one block at
+#: 48 KiB for SmolLM2 (fp32) and 128 KiB for a Qwen3-32B shape (bf16), big enough for
+#: RDMA to run at line rate even when every block is a descriptor of its own, while
+#: still small enough that the prefix cache matches at useful granularity.
+DEFAULT_BLOCK_SIZE = 32
+
+SUPPORTED_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user can fix (bad flag, unsupported model, ...)."""
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ConfigError(
+            f"unknown dtype {name!r}; choose one of: float32, bfloat16, float16"
+        ) from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer, read from a Hugging Face config.json."""
+
+    path: str
+    arch: Literal["llama", "qwen3"]
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    attention_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    hf_config: dict[str, Any] = field(repr=False, compare=False, hash=False)
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> ModelConfig:
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"{path} is not a model folder: no config.json in it")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{cfg_file} is not valid JSON: {e}") from None
+        archs = raw.get("architectures") or []
+        arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
+        if arch is None:
+            mt = raw.get("model_type")
+            arch = {"llama": "llama", "qwen3": "qwen3"}.get(mt)
+        if arch is None:
+            raise ConfigError(
+                f"unsupported model in {path}: architectures={archs}, "
+                f"model_type={raw.get('model_type')!r}; kvpush runs Llama and Qwen3"
+            )
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        head_dim = raw.get("head_dim") or hidden // num_heads
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        # Generation config may name extra EOS ids (chat models often do).
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():
+            try:
+                gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+            except json.JSONDecodeError:
+                gen_eos = None
+            if isinstance(gen_eos, int):
+                gen_eos = [gen_eos]
+            for t in gen_eos or []:
+                if t not in eos_ids:
+                    eos_ids = (*eos_ids, t)
+        return cls(
+            path=str(path),
+            arch=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+            hf_config=raw,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int
+    dtype: torch.dtype
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    threads: int | None = None
+    seed: int = 0
+    served_model_name: str = ""
+
+    @classmethod
+    def build(
+        cls,
+        model_dir: str | os.PathLike,
+        *,
+        served_model_name: str | None = None,
+        max_model_len: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        dtype: str = "float32",
+        kv_dtype: str | None = None,
+        device: str = "cpu",
+        threads: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 1024,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+    ) -> EngineConfig:
+        """Validate every knob once and return the frozen tree."""
+        model = ModelConfig.from_dir(model_dir)
+        torch_dtype = parse_dtype(dtype)
+        cache_dtype = parse_dtype(kv_dtype) if kv_dtype else torch_dtype
+        if device != "cpu" and not device.startswith("cuda"):
+            raise ConfigError(f"unknown device {device!r}; use cpu or cuda[:N]")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device")
+        if block_size <= 0 or block_size & (block_size - 1):
+            raise ConfigError(f"--block-size must be a power of two > 0, got {block_size}")
+        if threads is not None and threads <= 0:
+            raise ConfigError(f"--threads must be > 0, got {threads}")
+        if max_num_seqs <= 0:
+            raise ConfigError(f"--max-num-seqs must be > 0, got {max_num_seqs}")
+        if max_model_len is None:
+            max_model_len = model.max_position_embeddings
+        if max_model_len <= 1:
+            raise ConfigError(f"--max-model-len must be > 1, got {max_model_len}")
+        if max_model_len > model.max_position_embeddings:
+            raise ConfigError(
+                f"--max-model-len {max_model_len} is longer than the model's "
+                f"max_position_embeddings {model.max_position_embeddings}"
+            )
+        if max_num_batched_tokens < block_size:
+            raise ConfigError(
+                f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least "
+                f"the block size ({block_size})"
+            )
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                "without chunked prefill --max-num-batched-tokens must be at least "
+                f"--max-model-len ({max_model_len}) so every prompt fits in one step"
+            )
+        per_block = model.kv_bytes_per_token(cache_dtype) * block_size
+        if num_blocks is not None and kv_cache_memory is not None:
+            raise ConfigError("give either --num-blocks or --kv-cache-memory, not both")
+        if num_blocks is None:
+            if kv_cache_memory is None:
+                kv_cache_memory = 1 << 30
+            if kv_cache_memory <= 0:
+                raise ConfigError(f"--kv-cache-memory must be > 0, got {kv_cache_memory}")
+            num_blocks = kv_cache_memory // per_block
+        min_blocks = -(-max_model_len // block_size)
+        if num_blocks < min_blocks:
+            raise ConfigError(
+                f"KV cache of {num_blocks} blocks cannot hold one request of "
+                f"--max-model-len {max_model_len} ({min_blocks} blocks of {block_size} "
+                f"tokens, {per_block} bytes each); raise --kv-cache-memory/--num-blocks "
+                "or lower --max-model-len"
+            )
+        return cls(
+            model=model,
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=int(num_blocks),
+                dtype=cache_dtype,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            device=device,
+            dtype=torch_dtype,
+            threads=threads,
+            seed=seed,
+            served_model_name=served_model_name or Path(model_dir).name,
+        )
+
+
+def parse_size(text: str) -> int:
+    """Parse '512MiB', '2GiB', '1G', '1048576' into bytes."""
+    s = text.strip().upper().replace(" ", "")
+    units = {
+        "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+        "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+        "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "B": 1,
+    }
+    unit = next((u for u in units if s.endswith(u)), "")
+    num, mult = (s[: -len(unit)], units[unit]) if unit else (s, 1)
+    try:
+        value = float(num)
+    except ValueError:
+        raise ConfigError(f"cannot read {text!r} as a size (e.g. 512MiB, 2GiB)") from None
+    if value <= 0:
+        raise ConfigError(f"size must be > 0, got {text!r}")
+    return int(value * mult)

@@ -1,0 +1,65 @@
+"""ModelRunner: owns the model and the KV region; turns a StepPlan into sampled tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpush.config import EngineConfig
+from kvpush.kv_cache.kv_region import KVRegion
+from kvpush.model.attention import build_metadata
+from kvpush.model.loader import load_model
+from kvpush.model.sampler import sample
+from kvpush.scheduler.scheduler import StepPlan
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.device
+        self.block_size = config.cache.block_size
+        self.model = load_model(
+            config.model, config.dtype, config.device, config.scheduler.max_model_len
+        )
+        self.kv_region = KVRegion(config.model, config.cache, config.device)
+        self.default_generator = torch.Generator().manual_seed(config.seed)
+
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """One forward pass over every chunk of the plan; returns float32 logits, one
+        row per chunk whose ``sample`` is set, in plan order."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        for c in plan.chunks:
+            input_ids.extend(c.token_ids)
+            positions.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
+            if c.sample:
+                logits_rows.append(len(input_ids) - 1)
+        md = build_metadata(
+            [(c.start_pos, len(c.token_ids), c.block_ids) for c in plan.chunks],
+            self.block_size,
+            self.device,
+        )
+        return self.model.forward(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_region.kv,
+            md,
+            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+        )
+
+    def execute(self, plan: StepPlan) -> dict[str, tuple[int, float | None]]:
+        """Run the plan and sample one token for every chunk that asks for one."""
+        logits = self.forward(plan)
+        sampled_chunks = [c for c in plan.chunks if c.sample]
+        if not sampled_chunks:
+            return {}
+        tokens, logprobs = sample(
+            logits.cpu(),
+            [c.params for c in sampled_chunks],
+            [c.generator for c in sampled_chunks],
+            self.default_generator,
+        )
+        return {
+            c.request_id: (tokens[i], logprobs[i] if logprobs is not None else None)
+            for i, c in enumerate(sampled_chunks)
+        }

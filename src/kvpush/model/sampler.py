@@ -1,0 +1,58 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Logprobs are those of the model's raw distribution (log_softmax of the logits before
+temperature and truncation), as vLLM and OpenAI report them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvpush.sampling_params import SamplingParams
+
+
+def _truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask a 1-D logits row to its top-k and nucleus (top-p) support."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always)
+        cum = probs.cumsum(-1) - probs
+        drop = cum >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,  # [N, V] float32
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> tuple[list[int], list[float] | None]:
+    """One token per row; logprobs only computed when a row asks for them."""
+    n = logits.shape[0]
+    tokens = [0] * n
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if greedy_rows:
+        idx = torch.tensor(greedy_rows)
+        for i, t in zip(greedy_rows, logits[idx].argmax(-1).tolist(), strict=False):
+            tokens[i] = t
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        row = logits[i] / p.temperature
+        row = _truncate(row, p.top_k, p.top_p)
+        probs = row.softmax(-1)
+        gen = generators[i] or default_generator
+        tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+    logprobs: list[float] | None = None
+    if any(p.logprobs for p in params):
+        lp = torch.log_softmax(logits, dim=-1)
+        logprobs = lp[torch.arange(n), torch.tensor(tokens)].tolist()
+    return tokens, logprobs

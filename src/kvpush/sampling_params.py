@@ -1,0 +1,57 @@
+"""Per-request sampling parameters, validated on construction.
+
+Validation raises :class:`SamplingParamsError`; the HTTP layer turns it into a 400 with
+an OpenAI-style error body naming the offending parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    include_stop_str_in_output: bool = False
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise SamplingParamsError("max_tokens must be an integer", "max_tokens")
+        if self.max_tokens <= 0:
+            raise SamplingParamsError(
+                f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens"
+            )
+        if self.temperature < 0:
+            raise SamplingParamsError(
+                f"temperature must be >= 0, got {self.temperature}", "temperature"
+            )
+        if not 0 < self.top_p <= 1:
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise SamplingParamsError(
+                f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}",
+                "top_k",
+            )
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingParamsError("stop must be non-empty strings", "stop")
+        if len(self.stop) > 16:
+            raise SamplingParamsError("at most 16 stop strings", "stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,241 @@
+"""Scheduler: continuous batching with chunked prefill, prefix caching and preemption.
+
+Each call to :meth:`Scheduler.schedule` makes one :class:`StepPlan` under a token budget
+(``max_num_batched_tokens``):
+
+1. running requests first, in arrival order: a decode takes 1 token, an unfinished
+   prefill takes its next chunk. When a request needs a block and none is free, the
+   newest running request is preempted (its blocks freed; it is recomputed later),
+   repeatedly, possibly the request itself;
+2. then waiting requests (preempted ones at the front), while budget, blocks and the
+   ``max_num_seqs`` cap allow; each first looks up its full prompt blocks in the prefix
+   cache and only computes the rest. At least the last prompt token is always computed,
+   so the step that finishes the prompt produces logits to sample from.
+
+After the runner executes the plan, :meth:`Scheduler.update_after_step` advances
+``num_computed_tokens``, registers newly full blocks in the prefix cache and appends
+sampled tokens. Finishing and aborting free every block of the request at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpush.config import CacheConfig, SchedulerConfig
+from kvpush.kv_cache.block_pool import BlockPool, hash_block_tokens
+from kvpush.sampling_params import SamplingParams
+from kvpush.scheduler.request import Request, RequestState
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens of one request to run this step (plain data for the runner)."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int  # position of token_ids[0] in the sequence
+    block_ids: list[int]  # the request's whole block table (covers start_pos+len)
+    sample: bool  # True when the chunk ends at the last known token: sample the next
+    params: SamplingParams
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig):
+        self.config = sched
+        self.block_size = cache.block_size
+        self.pool = BlockPool(cache.num_blocks, cache.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    # ---- intake ------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- planning ----------------------------------------------------------------
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self._blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
+            while need > self.pool.num_free:
+                victim = self.running.pop()
+                self._preempt(victim)
+                plan.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.state is not RequestState.RUNNING:
+                break  # req itself was preempted; everything after it already was too
+            if need > 0:
+                req.block_ids.extend(self.pool.allocate(need))
+            plan.chunks.append(self._chunk(req, num_new))
+            scheduled.append(req)
+            budget -= num_new
+            i += 1
+
+        if not plan.preempted:
+            while (
+                self.waiting
+                and budget > 0
+                and len(self.running) < self.config.max_num_seqs
+            ):
+                req = self.waiting[0]
+                num_new = self._admit(req, budget)
+                if num_new == 0:
+                    break
+                self.waiting.popleft()
+                req.state = RequestState.RUNNING
+                self.running.append(req)
+                plan.chunks.append(self._chunk(req, num_new))
+                budget -= num_new
+        return plan
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Give a waiting request its cached prefix and new blocks; 0 if it cannot run."""
+        tokens = req.all_token_ids
+        bs = self.block_size
+        self._extend_hashes(req, len(tokens))
+        max_hit_blocks = (len(tokens) - 1) // bs  # always compute the last token
+        hit = self.pool.lookup(req.block_hashes[:max_hit_blocks])
+        num_computed = len(hit) * bs
+        num_new = len(tokens) - num_computed
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return 0
+            num_new = budget
+        need = self._blocks_for(num_computed + num_new) - len(hit)
+        reclaimed = sum(1 for b in hit if self.pool.ref_counts[b] == 0)
+        if need > self.pool.num_free - reclaimed:
+            return 0
+        self.pool.touch(hit)
+        req.block_ids = hit + self.pool.allocate(need)
+        req.num_computed_tokens = num_computed
+        req.num_registered_blocks = len(hit)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_computed
+            self.prefix_hit_tokens += num_computed
+            self.prefix_query_tokens += len(tokens)
+        return num_new
+
+    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        end = start + num_new
+        return ScheduledChunk(
+            request_id=req.request_id,
+            token_ids=req.tokens_slice(start, end),
+            start_pos=start,
+            block_ids=list(req.block_ids),
+            sample=end == req.num_tokens,
+            params=req.params,
+            generator=req.generator,
+        )
+
+    def _extend_hashes(self, req: Request, upto_tokens: int) -> None:
+        bs = self.block_size
+        while (len(req.block_hashes) + 1) * bs <= upto_tokens:
+            j = len(req.block_hashes)
+            parent = req.block_hashes[-1] if j else None
+            req.block_hashes.append(
+                hash_block_tokens(parent, req.tokens_slice(j * bs, (j + 1) * bs))
+            )
+
+    def _preempt(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_registered_blocks = 0
+        req.state = RequestState.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- results -----------------------------------------------------------------
+    def update_after_step(
+        self, plan: StepPlan, sampled: dict[str, tuple[int, float | None]]
+    ) -> list[Request]:
+        """Advance computed counts and append sampled tokens; returns requests that got a
+        new token (the engine checks their stop conditions)."""
+        got_token: list[Request] = []
+        for chunk in plan.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.state is not RequestState.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
+            self._cache_full_blocks(req)
+            if chunk.sample:
+                token, logprob = sampled[chunk.request_id]
+                req.output_token_ids.append(token)
+                if logprob is not None:
+                    req.output_logprobs.append(logprob)
+                got_token.append(req)
+        return got_token
+
+    def _cache_full_blocks(self, req: Request) -> None:
+        if not self.pool.enable_prefix_caching:
+            return
+        self._extend_hashes(req, req.num_computed_tokens)
+        n_full = req.num_computed_tokens // self.block_size
+        for j in range(req.num_registered_blocks, n_full):
+            self.pool.cache_full_block(req.block_ids[j], req.block_hashes[j])
+        req.num_registered_blocks = max(req.num_registered_blocks, n_full)
+
+    # ---- ending ------------------------------------------------------------------
+    def finish(self, request_id: str, state: RequestState) -> Request | None:
+        """End a request in any state (finished, aborted, failed) and free its blocks."""
+        assert state.finished
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(req)
+        if req.block_ids:
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+        req.state = state
+        return req
