@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random models (built once per session) and engines over them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory) -> Callable[..., Path]:
+    """make(arch, preset="tiny", tied=None, seed=0) -> folder, built once per key."""
+    from kvpush.models.random_model import make_random_model
+
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str, preset: str = "tiny", tied: bool | None = None, seed: int = 0) -> Path:
+        key = (arch, preset, tied, seed)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{arch}-{preset}-{tied}-{seed}")
+            cache[key] = make_random_model(out, arch, preset, seed=seed, tie_word_embeddings=tied)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(model_factory) -> Path:
+    return model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(model_factory) -> Path:
+    return model_factory("qwen3")

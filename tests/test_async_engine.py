@@ -1,0 +1,134 @@
+"""AsyncEngine: concurrent streams through the step-loop thread, cancellation frees."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine_helpers import greedy, hf_greedy, make_engine, random_prompts
+from kvpush.engine.async_engine import AsyncEngine
+from kvpush.engine.outputs import FinishReason, RequestError
+
+
+def _async_engine(model_dir, **kw) -> AsyncEngine:
+    eng = make_engine(model_dir, **kw)
+    return AsyncEngine(eng.config, engine=eng)
+
+
+async def _wait_all_free(engine: AsyncEngine, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        s = engine.stats()
+        if s.num_free_blocks == s.num_total_blocks and s.num_running + s.num_waiting == 0:
+            return
+        assert asyncio.get_running_loop().time() < deadline, s
+        await asyncio.sleep(0.01)
+
+
+def test_concurrent_requests_match_hf(tiny_qwen3):
+    prompts = random_prompts([3, 20, 47, 90, 130], seed=8)
+
+    async def main():
+        engine = _async_engine(tiny_qwen3, max_num_batched_tokens=64)
+        engine.start()
+        try:
+            async def one(i, p):
+                toks, reason = [], None
+                async for out in engine.generate(f"r{i}", p, greedy(12)):
+                    toks += out.new_token_ids
+                    reason = out.finish_reason
+                return toks, reason
+
+            results = await asyncio.wait_for(
+                asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))), 60
+            )
+            await _wait_all_free(engine)
+            return results
+        finally:
+            await engine.shutdown()
+
+    results = asyncio.run(main())
+    for p, (toks, reason) in zip(prompts, results):
+        assert reason is FinishReason.LENGTH
+        assert toks == hf_greedy(tiny_qwen3, p, 12)
+
+
+def test_consumer_leaving_aborts_and_frees(tiny_llama):
+    async def main():
+        engine = _async_engine(tiny_llama)
+        engine.start()
+        try:
+            n = 0
+            stream = engine.generate("r", random_prompts([30])[0], greedy(500))
+            async for _ in stream:
+                n += 1
+                if n == 3:
+                    break
+            await stream.aclose()
+            await _wait_all_free(engine)
+
+            # a task cancelled while waiting for output aborts too
+            async def consume():
+                async for _ in engine.generate("c", random_prompts([30])[0], greedy(500)):
+                    pass
+
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await _wait_all_free(engine)
+            assert engine.is_healthy()
+        finally:
+            await engine.shutdown()
+        assert not engine.is_healthy()
+
+    asyncio.run(main())
+
+
+def test_bad_request_raises_before_streaming(tiny_llama):
+    async def main():
+        engine = _async_engine(tiny_llama, max_model_len=64)
+        engine.start()
+        try:
+            with pytest.raises(RequestError):
+                async for _ in engine.generate("r", [5] * 70, greedy(4)):
+                    pass
+            # the engine keeps serving
+            toks = []
+            async for out in engine.generate("ok", [5] * 10, greedy(4)):
+                toks += out.new_token_ids
+            assert len(toks) == 4
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_step_loop_sleeps_when_idle(tiny_llama):
+    """No spinning: an idle engine's step-loop thread uses (almost) no CPU."""
+
+    async def main():
+        engine = _async_engine(tiny_llama)
+        engine.start()
+        try:
+            await asyncio.sleep(0.1)
+            tid = engine._thread.native_id
+            t0 = _thread_cpu(tid)
+            await asyncio.sleep(0.5)
+            return _thread_cpu(tid) - t0
+        finally:
+            await engine.shutdown()
+
+    used = asyncio.run(main())
+    assert used < 0.05, f"idle step loop used {used:.3f} s CPU in 0.5 s"
+
+
+def _thread_cpu(tid: int) -> float:
+    import os
+
+    with open(f"/proc/{os.getpid()}/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks

@@ -1,0 +1,210 @@
+"""Engine behaviour: prefix cache, chunked prefill, preemption, aborts, sampling, stops."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_helpers import (
+    assert_all_blocks_free,
+    greedy,
+    hf_greedy,
+    make_engine,
+    random_prompts,
+    run_to_completion,
+)
+from kvpush.engine.outputs import FinishReason, RequestError
+from kvpush.sampling_params import SamplingParams, SamplingParamsError
+from kvpush.scheduler.request import RequestState
+
+
+def test_prefix_cache_hit_gives_identical_output(tiny_llama):
+    shared = random_prompts([70], seed=5)[0]
+    a, b = shared + [11, 12, 13], shared + [21, 22]
+    engine = make_engine(tiny_llama)
+    first = run_to_completion(engine, {"a": a}, greedy(12))
+    stats0 = engine.stats()
+    second = run_to_completion(engine, {"b": b, "a2": a}, greedy(12))
+    stats1 = engine.stats()
+    hit = stats1.prefix_cache_hit_tokens - stats0.prefix_cache_hit_tokens
+    # 70 shared tokens = 4 full blocks of 16 for b; a2 hits every full block of a
+    assert hit >= 64 + 64
+    assert second["a2"] == first["a"]
+    cold = make_engine(tiny_llama, enable_prefix_caching=False)
+    assert run_to_completion(cold, {"b": b}, greedy(12))["b"] == second["b"]
+    assert cold.stats().prefix_cache_hit_tokens == 0
+    assert_all_blocks_free(engine)
+    assert_all_blocks_free(cold)
+
+
+def test_full_prompt_hit_recomputes_last_token(tiny_qwen3):
+    prompt = random_prompts([64], seed=9)[0]  # exactly 4 blocks
+    engine = make_engine(tiny_qwen3)
+    first = run_to_completion(engine, {"a": prompt}, greedy(5))
+    again = run_to_completion(engine, {"b": prompt}, greedy(5))
+    assert again["b"] == first["a"]
+    assert engine.stats().prefix_cache_hit_tokens == 48  # 3 blocks; the last recomputed
+    assert_all_blocks_free(engine)
+
+
+def test_chunked_prefill_same_output(tiny_qwen3):
+    prompts = {f"r{i}": p for i, p in enumerate(random_prompts([300, 45, 130], seed=1))}
+    whole = make_engine(tiny_qwen3, max_num_batched_tokens=1024, enable_chunked_prefill=False)
+    chunked = make_engine(tiny_qwen3, max_num_batched_tokens=32)
+    out_whole = run_to_completion(whole, prompts, greedy(10))
+    out_chunked = run_to_completion(chunked, prompts, greedy(10))
+    assert out_whole == out_chunked
+    assert_all_blocks_free(whole)
+    assert_all_blocks_free(chunked)
+
+
+def test_preemption_recomputes_and_gives_same_output(tiny_llama):
+    prompts = {f"r{i}": p for i, p in enumerate(random_prompts([40, 50, 60, 30], seed=2))}
+    roomy = make_engine(tiny_llama, num_blocks=256, max_model_len=256)
+    # 4 requests of ~45 + 60 tokens need ~28 blocks of 16; 14 blocks force preemption
+    tight = make_engine(tiny_llama, num_blocks=14, max_model_len=160)
+    ref = run_to_completion(roomy, prompts, greedy(60))
+    got = run_to_completion(tight, prompts, greedy(60))
+    assert tight.stats().num_preemptions > 0
+    assert got == ref
+    for rid, p in prompts.items():
+        assert got[rid] == hf_greedy(tiny_llama, p, 60)
+    assert_all_blocks_free(tight)
+
+
+def test_max_num_seqs_caps_running(tiny_llama):
+    engine = make_engine(tiny_llama, max_num_seqs=2)
+    for i, p in enumerate(random_prompts([10] * 5)):
+        engine.add_request(f"r{i}", p, greedy(4))
+    engine.step()
+    assert engine.stats().num_running == 2
+    assert engine.stats().num_waiting == 3
+    while engine.has_work():
+        engine.step()
+        assert engine.stats().num_running <= 2
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("when", ["waiting", "prefilling", "decoding"])
+def test_abort_frees_blocks_at_any_moment(tiny_qwen3, when):
+    engine = make_engine(tiny_qwen3, max_num_batched_tokens=32)
+    start = engine.stats().num_free_blocks
+    engine.add_request("keep", random_prompts([20], seed=4)[0], greedy(6))
+    engine.add_request("x", random_prompts([200], seed=4)[0], greedy(50))
+    keep_tokens: list[int] = []
+
+    def step():
+        for o in engine.step():
+            if o.request_id == "keep":
+                keep_tokens.extend(o.new_token_ids)
+
+    if when != "waiting":
+        step()
+        req = engine.scheduler.requests["x"]
+        if when == "decoding":
+            while req.num_output_tokens == 0:
+                step()
+        assert req.block_ids and req.state is RequestState.RUNNING
+    out = engine.abort_request("x")
+    assert out.finished and out.finish_reason is FinishReason.ABORT
+    assert engine.abort_request("x") is None  # second abort: nothing left
+    while engine.has_work():
+        step()
+    assert len(keep_tokens) == 6
+    assert engine.stats().num_free_blocks == start
+    assert_all_blocks_free(engine)
+
+
+def test_request_validation(tiny_llama):
+    engine = make_engine(tiny_llama, max_model_len=64)
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request("a", [], greedy())
+    with pytest.raises(RequestError, match="maximum context length is 64"):
+        engine.add_request("a", [10] * 60, greedy(5))
+    with pytest.raises(RequestError, match="maximum context length"):
+        engine.add_request("a", [10] * 64, greedy(1))
+    with pytest.raises(RequestError, match="token ids"):
+        engine.add_request("a", [10, 100_000], greedy())
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(temperature=-1)
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(top_p=0)
+    assert_all_blocks_free(engine)
+
+
+def test_seeded_sampling_is_reproducible_and_varies(tiny_llama):
+    prompt = random_prompts([12])[0]
+
+    def run(seed, **kw):
+        engine = make_engine(tiny_llama)
+        p = SamplingParams(max_tokens=20, temperature=1.0, seed=seed, ignore_eos=True, **kw)
+        return run_to_completion(engine, {"r": prompt}, p)["r"]
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+    engine = make_engine(tiny_llama)
+    ref = run_to_completion(engine, {"r": prompt}, greedy(20))["r"]
+    # top_k=1 and a tiny top_p both collapse to the argmax
+    assert run(3, top_k=1) == ref
+    assert run(4, top_p=1e-6) == ref
+
+
+def test_seed_independent_of_batch(tiny_llama):
+    """A seeded request samples the same tokens alone and beside other requests."""
+    p = SamplingParams(max_tokens=15, temperature=0.8, seed=7, ignore_eos=True)
+    prompts = random_prompts([12, 30, 50], seed=6)
+    alone = run_to_completion(make_engine(tiny_llama), {"r": prompts[0]}, p)["r"]
+    engine = make_engine(tiny_llama)
+    together = run_to_completion(
+        engine, {"r": prompts[0], "o1": prompts[1], "o2": prompts[2]}, p
+    )
+    assert together["r"] == alone
+
+
+def _collect(engine, rid, prompt, params):
+    engine.add_request(rid, prompt, params)
+    toks, text, last = [], "", None
+    while engine.has_work():
+        for o in engine.step():
+            toks += o.new_token_ids
+            text += o.new_text
+            last = o
+    return toks, text, last
+
+
+def test_stop_token_ids_eos_and_length(tiny_llama):
+    engine = make_engine(tiny_llama)
+    prompt = random_prompts([15])[0]
+    ref, _, last = _collect(engine, "a", prompt, greedy(12))
+    assert last.finish_reason is FinishReason.LENGTH and len(ref) == 12
+    # stop at the 5th generated token id
+    stop_tok = ref[4]
+    first = ref.index(stop_tok)
+    toks, _, last = _collect(engine, "b", prompt, greedy(12, stop_token_ids=(stop_tok,)))
+    assert toks == ref[: first + 1] and last.finish_reason is FinishReason.STOP
+    # the same token as EOS (ignore_eos False)
+    engine.eos_token_ids = frozenset({stop_tok})
+    toks, _, last = _collect(
+        engine, "c", prompt, SamplingParams(max_tokens=12, temperature=0)
+    )
+    assert toks == ref[: first + 1] and last.finish_reason is FinishReason.STOP
+    assert_all_blocks_free(engine)
+
+
+def test_stop_strings_cut_text(tiny_llama):
+    engine = make_engine(tiny_llama)
+    prompt = random_prompts([15], seed=11)[0]
+    ref_toks, ref_text, _ = _collect(engine, "a", prompt, greedy(30))
+    assert ref_text == engine.tokenizer.decode(ref_toks, skip_special_tokens=True)
+    stop = ref_text[len(ref_text) // 2 : len(ref_text) // 2 + 3]
+    assert stop.strip(), "pick a visible stop string"
+    cut = ref_text.index(stop)
+    _, text, last = _collect(engine, "b", prompt, greedy(30, stop=(stop,)))
+    assert last.finish_reason is FinishReason.STOP
+    assert text == ref_text[:cut]
+    _, text, _ = _collect(
+        engine, "c", prompt, greedy(30, stop=(stop,), include_stop_str_in_output=True)
+    )
+    assert text == ref_text[: cut + len(stop)]
+    assert_all_blocks_free(engine)
