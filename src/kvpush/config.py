@@ -6,6 +6,8 @@ errors raise :class:`ConfigError` with a message meant for a human at the comman
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -133,6 +135,14 @@ class ModelConfig:
             hf_config=raw,
         )
 
+    def fingerprint(self) -> str:
+        """Identity of the weights' shape and files, compared at the P/D handshake."""
+        h = hashlib.blake2b(digest_size=8)
+        h.update(json.dumps(self.hf_config, sort_keys=True).encode())
+        for f in sorted(Path(self.path).glob("*.safetensors")):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+        return f"{self.arch}-{self.num_layers}x{self.hidden_size}-{h.hexdigest()}"
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
@@ -155,6 +165,49 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    """How this instance takes part in disaggregated serving.
+
+    ``role``: ``both`` is a plain single instance; ``prefill`` computes prompts and sends
+    (push) or lends (pull) their KV; ``decode`` receives KV and generates.
+    """
+
+    role: Literal["both", "prefill", "decode"] = "both"
+    mode: Literal["push", "pull"] = "push"
+    engine_id: str = ""
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0  # 0: pick a free port at start-up
+    transport: Literal["nixl", "inproc"] = "nixl"
+    lease_timeout_s: float = 15.0
+    heartbeat_interval_s: float = 1.0
+    load_failure_policy: Literal["fail", "recompute"] = "fail"
+
+    @property
+    def enabled(self) -> bool:
+        return self.role != "both"
+
+    def validate(self) -> None:
+        if self.role not in ("both", "prefill", "decode"):
+            raise ConfigError(f"--role must be both, prefill or decode, got {self.role!r}")
+        if self.mode not in ("push", "pull"):
+            raise ConfigError(f"--kv-transfer must be push or pull, got {self.mode!r}")
+        if self.transport not in ("nixl", "inproc"):
+            raise ConfigError(f"unknown KV transport {self.transport!r}")
+        if self.load_failure_policy not in ("fail", "recompute"):
+            raise ConfigError(
+                "--kv-load-failure-policy must be fail or recompute, "
+                f"got {self.load_failure_policy!r}"
+            )
+        if not 0 <= self.side_channel_port < 65536:
+            raise ConfigError(f"--side-channel-port out of range: {self.side_channel_port}")
+        if self.heartbeat_interval_s <= 0 or self.lease_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                "--lease-timeout must be longer than the heartbeat interval "
+                f"({self.lease_timeout_s} <= {self.heartbeat_interval_s})"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -164,6 +217,7 @@ class EngineConfig:
     threads: int | None = None
     seed: int = 0
     served_model_name: str = ""
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     @classmethod
     def build(
@@ -184,9 +238,18 @@ class EngineConfig:
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        kv_transfer: KVTransferConfig | None = None,
     ) -> EngineConfig:
         """Validate every knob once and return the frozen tree."""
         model = ModelConfig.from_dir(model_dir)
+        kv_transfer = kv_transfer or KVTransferConfig()
+        kv_transfer.validate()
+        if kv_transfer.enabled and not kv_transfer.engine_id:
+            import uuid
+
+            kv_transfer = dataclasses.replace(
+                kv_transfer, engine_id=f"{kv_transfer.role}-{uuid.uuid4().hex[:8]}"
+            )
         torch_dtype = parse_dtype(dtype)
         cache_dtype = parse_dtype(kv_dtype) if kv_dtype else torch_dtype
         if device != "cpu" and not device.startswith("cuda"):
@@ -254,6 +317,7 @@ class EngineConfig:
             threads=threads,
             seed=seed,
             served_model_name=served_model_name or Path(model_dir).name,
+            kv_transfer=kv_transfer,
         )
 
 
