@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvpush.config import EngineConfig
@@ -23,7 +25,9 @@ class ModelRunner:
         self.kv_region = KVRegion(config.model, config.cache, config.device)
         self.default_generator = torch.Generator().manual_seed(config.seed)
 
-    def forward(self, plan: StepPlan) -> torch.Tensor:
+    def forward(
+        self, plan: StepPlan, layer_done: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
         """One forward pass over every chunk of the plan; returns float32 logits, one
         row per chunk whose ``sample`` is set, in plan order."""
         input_ids: list[int] = []
@@ -45,11 +49,14 @@ class ModelRunner:
             self.kv_region.kv,
             md,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            layer_done,
         )
 
-    def execute(self, plan: StepPlan) -> dict[str, tuple[int, float | None]]:
+    def execute(
+        self, plan: StepPlan, layer_done: Callable[[int], None] | None = None
+    ) -> dict[str, tuple[int, float | None]]:
         """Run the plan and sample one token for every chunk that asks for one."""
-        logits = self.forward(plan)
+        logits = self.forward(plan, layer_done)
         sampled_chunks = [c for c in plan.chunks if c.sample]
         if not sampled_chunks:
             return {}

@@ -8,6 +8,7 @@ layer is four matmuls.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,7 +103,11 @@ class DecoderModel:
         kv: torch.Tensor,  # the KV region [L, NB, 2, bs, Hkv, D]
         md: AttentionMetadata,
         logits_idx: torch.Tensor,  # [N] rows of the batch whose logits are wanted
+        layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        """Logits [N, vocab] (float32). ``layer_done(i)`` is called as soon as layer i's
+        K/V are in the KV region, so a transfer of that layer can start while the
+        following layers compute."""
         cfg = self.cfg
         h = F.embedding(input_ids, self.embed)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
@@ -121,6 +126,8 @@ class DecoderModel:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             attn = paged_attention(q, k, v, kv[i], md, self.scale)
+            if layer_done is not None:
+                layer_done(i)
             h = h + F.linear(attn.reshape(T, self.q_size), lw.o, lw.o_bias)
             x = self._norm(h, lw.post_norm)
             gu = F.linear(x, lw.gate_up, lw.gate_up_bias)
