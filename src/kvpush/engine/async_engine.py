@@ -3,10 +3,10 @@
 Threads and hand-offs::
 
     event loop (HTTP)                      step-loop thread (owns the model)
-    generate() ── command queue ──────────▶ add / abort, then engine.step()
+    generate() ── engine.inbox ───────────▶ add / abort, then engine.step()
     per-request asyncio.Queue ◀── call_soon_threadsafe(one batch per step) ──┘
 
-The step loop blocks on the command queue when it has no work (it never spins) and
+The step loop blocks on the engine's inbox when it has no work (it never spins) and
 never waits on the event loop: outputs are posted and it goes on. The event loop never
 runs model code. A consumer that stops iterating a generate() stream (client gone,
 cancellation) aborts the request, which frees its blocks.
@@ -17,13 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import queue
 import threading
 from collections.abc import AsyncIterator
 
 from kvpush.config import EngineConfig
 from kvpush.engine.llm_engine import LLMEngine
-from kvpush.engine.outputs import EngineStats, FinishReason, RequestError, RequestOutput
+from kvpush.engine.outputs import EngineStats, RequestError, RequestOutput
 from kvpush.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,7 +35,6 @@ class AsyncEngine:
         self.engine = engine if engine is not None else LLMEngine(config)
         self.config = config
         self.tokenizer = self.engine.tokenizer
-        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -53,7 +51,7 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         if self._thread is None:
             return
-        self._commands.put(_STOP)
+        self.engine.inbox.put(_STOP)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
         self._thread = None
 
@@ -65,7 +63,11 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_healthy():
             raise RuntimeError("the engine's step loop is not running")
@@ -74,7 +76,7 @@ class AsyncEngine:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_token_ids, params))
+        self.engine.inbox.put(("add", request_id, prompt_token_ids, params, kv_transfer_params))
         finished = False
         try:
             while True:
@@ -87,19 +89,22 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id))
+                self.engine.inbox.put(("abort", request_id))
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self.engine.inbox.put(("abort", request_id))
 
     # ---- the step loop (its own thread) --------------------------------------------
     def _run(self) -> None:
+        engine = self.engine
         try:
             while True:
-                block = not self.engine.has_work()
-                if not self._drain_commands(block):
+                outputs = engine.process_inbox(block=not engine.has_work())
+                if outputs and outputs[-1] == "stop":
+                    if outputs[:-1]:
+                        self._post(outputs[:-1])
                     break
-                outputs = self.engine.step()
+                outputs += engine.step()
                 if outputs:
                     self._post(outputs)
         except BaseException as e:  # pragma: no cover - reported through is_healthy
@@ -107,47 +112,7 @@ class AsyncEngine:
             self._fatal = e
         finally:
             self._abort_all()
-
-    def _drain_commands(self, block: bool) -> bool:
-        """Apply queued commands; wait for one when idle. False means stop."""
-        try:
-            cmd = self._commands.get(block=block)
-        except queue.Empty:
-            return True
-        while True:
-            if cmd[0] == "stop":
-                return False
-            outputs = self._apply(cmd)
-            if outputs:
-                self._post(outputs)
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _apply(self, cmd: tuple) -> list[RequestOutput]:
-        kind, request_id = cmd[0], cmd[1]
-        if kind == "add":
-            try:
-                self.engine.add_request(request_id, cmd[2], cmd[3])
-            except RequestError as e:
-                return [self._error_output(request_id, str(e))]
-            return []
-        if kind == "abort":
-            out = self.engine.abort_request(request_id)
-            return [out] if out is not None else []
-        raise ValueError(f"unknown command {kind!r}")
-
-    @staticmethod
-    def _error_output(request_id: str, message: str) -> RequestOutput:
-        return RequestOutput(
-            request_id=request_id,
-            new_token_ids=[],
-            new_text="",
-            finished=True,
-            finish_reason=FinishReason.ERROR,
-            error=message,
-        )
+            engine.shutdown()
 
     def _post(self, outputs: list[RequestOutput]) -> None:
         loop = self._loop

@@ -1,13 +1,17 @@
-"""LLMEngine: the synchronous core of one instance — scheduler, runner, detokenizers.
+"""LLMEngine: the synchronous core of one instance — scheduler, runner, detokenizers
+and, in a P/D role, the KV connector.
 
-It is driven by exactly one thread (AsyncEngine's step loop). ``step()`` plans a batch,
-runs it and returns the new output of every request that advanced. Stop conditions
-(EOS, stop token ids, stop strings, max_tokens, the model's context) are checked here.
+It is driven by exactly one thread (AsyncEngine's step loop). Other threads talk to it
+only through ``inbox``: commands (add, abort, stop) from the front end and events from
+the transfer thread. ``process_inbox()`` applies them; ``step()`` plans a batch, runs it
+and returns the new output of every request that advanced. Stop conditions (EOS, stop
+token ids, stop strings, max_tokens, the model's context) are checked here.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import time
 
 import torch
@@ -37,7 +41,7 @@ def load_tokenizer(path: str):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None):
+    def __init__(self, config: EngineConfig, tokenizer=None, faults=None):
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
@@ -51,6 +55,70 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = config.model.vocab_size
+        self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.connector = None
+        if config.kv_transfer.enabled:
+            from kvpush.kv_transfer.connector import KVConnector
+
+            self.connector = KVConnector(
+                config,
+                self.runner.kv_region,
+                self.scheduler,
+                post_event=lambda ev: self.inbox.put(("kv", ev)),
+                faults=faults,
+            )
+            self.scheduler.on_preempt = self.connector.on_preempt
+            self.connector.start()
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
+
+    # ---- the inbox -------------------------------------------------------------------
+    def process_inbox(self, block: bool = False, timeout: float | None = None) -> list:
+        """Apply queued commands and transfer events; wait for one first when ``block``.
+        Returns outputs they produced; the string "stop" in it means: stop the loop."""
+        outputs: list = []
+        try:
+            cmd = self.inbox.get(block=block, timeout=timeout)
+        except queue.Empty:
+            return outputs
+        while True:
+            kind = cmd[0]
+            if kind == "stop":
+                outputs.append("stop")
+                return outputs
+            if kind == "add":
+                try:
+                    self.add_request(*cmd[1:])
+                except RequestError as e:
+                    outputs.append(_error_output(cmd[1], str(e)))
+            elif kind == "abort":
+                out = self.abort_request(cmd[1])
+                if out is not None:
+                    outputs.append(out)
+            elif kind == "kv":
+                self.connector.handle_event(cmd[1])
+                outputs += self._apply_connector_actions()
+            try:
+                cmd = self.inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+
+    def _apply_connector_actions(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for action in self.connector.take_actions():
+            kind, rid = action[0], action[1]
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                continue
+            if kind == "first_token":
+                outputs.append(self._token_output(req, time.perf_counter()))
+            elif kind == "fail":
+                outputs.append(self._finish(req, FinishReason.ERROR, [], None, action[2]))
+            elif kind == "abort":
+                outputs.append(self._finish(req, FinishReason.ABORT, [], None, action[2]))
+        return outputs
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -73,7 +141,11 @@ class LLMEngine:
             )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
     ) -> Request:
         self.validate(prompt_token_ids, params)
         if request_id in self.scheduler.requests:
@@ -84,9 +156,15 @@ class LLMEngine:
             params=params,
             max_total_tokens=self.max_model_len,
         )
-        self.scheduler.add_request(req)
+        if kv_transfer_params is not None and self.connector is None:
+            raise RequestError(
+                "kv_transfer_params given, but this instance runs with --role both",
+                "kv_transfer_params",
+            )
+        if self.connector is None or not self.connector.add_request(req, kv_transfer_params):
+            self.scheduler.add_request(req)
         self.detoks[request_id] = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.include_stop_str_in_output
+            self.tokenizer, req.params.stop, req.params.include_stop_str_in_output
         )
         return req
 
@@ -101,11 +179,18 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        layer_hook = None
+        if self.connector is not None:
+            self.connector.before_schedule()
+            outputs += self._apply_connector_actions()
         plan = self.scheduler.schedule()
         if plan.empty:
-            return []
+            return outputs
+        if self.connector is not None:
+            layer_hook = self.connector.layer_hook(plan)
         try:
-            sampled = self.runner.execute(plan)
+            sampled = self.runner.execute(plan, layer_hook)
         except Exception as e:  # a bug or OOM fails this batch, not the engine
             log.exception("step failed; failing %d requests", len(plan.chunks))
             outs = []
@@ -113,34 +198,34 @@ class LLMEngine:
                 req = self.scheduler.requests.get(c.request_id)
                 if req is not None:
                     outs.append(self._finish(req, FinishReason.ERROR, [], None, str(e)))
-            return outs
+            return outputs + outs
         now = time.perf_counter()
-        outputs: list[RequestOutput] = []
         for req in self.scheduler.update_after_step(plan, sampled):
-            token = req.output_token_ids[-1]
-            if req.first_token_time is None:
-                req.first_token_time = now
-            detok = self.detoks[req.request_id]
-            detok.add(token)
-            reason = self._stop_reason(req, token, detok)
-            logprobs = [req.output_logprobs[-1]] if req.params.logprobs else None
-            if reason is not None:
-                outputs.append(self._finish(req, reason, [token], logprobs))
-            else:
-                outputs.append(
-                    RequestOutput(
-                        request_id=req.request_id,
-                        new_token_ids=[token],
-                        new_text=detok.take(final=False),
-                        new_logprobs=logprobs,
-                        num_prompt_tokens=req.num_prompt_tokens,
-                        num_output_tokens=req.num_output_tokens,
-                        num_cached_tokens=req.num_cached_tokens,
-                        first_token_time=req.first_token_time,
-                        arrival_time=req.arrival_time,
-                    )
-                )
+            outputs.append(self._token_output(req, now))
         return outputs
+
+    def _token_output(self, req: Request, now: float) -> RequestOutput:
+        """Output for the request's newest token, finishing it if a stop condition hit."""
+        token = req.output_token_ids[-1]
+        if req.first_token_time is None:
+            req.first_token_time = now
+        detok = self.detoks[req.request_id]
+        detok.add(token)
+        reason = self._stop_reason(req, token, detok)
+        logprobs = [req.output_logprobs[-1]] if req.params.logprobs else None
+        if reason is not None:
+            return self._finish(req, reason, [token], logprobs)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            new_text=detok.take(final=False),
+            new_logprobs=logprobs,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            first_token_time=req.first_token_time,
+            arrival_time=req.arrival_time,
+        )
 
     def _stop_reason(
         self, req: Request, token: int, detok: IncrementalDetokenizer
@@ -164,7 +249,11 @@ class LLMEngine:
         logprobs: list[float] | None,
         error: str | None = None,
     ) -> RequestOutput:
-        self.scheduler.finish(req.request_id, _FINISH_STATE[reason])
+        keep, kv_params = False, None
+        if self.connector is not None:
+            ok = reason in (FinishReason.STOP, FinishReason.LENGTH)
+            keep, kv_params = self.connector.on_finish(req, ok, error)
+        self.scheduler.finish(req.request_id, _FINISH_STATE[reason], keep_blocks=keep)
         detok = self.detoks.pop(req.request_id, None)
         text = detok.take(final=True) if detok is not None else ""
         return RequestOutput(
@@ -180,6 +269,7 @@ class LLMEngine:
             error=error,
             first_token_time=req.first_token_time,
             arrival_time=req.arrival_time,
+            extra={"kv_transfer_params": kv_params} if kv_params else {},
         )
 
     def stats(self) -> EngineStats:
@@ -193,3 +283,14 @@ class LLMEngine:
             prefix_cache_hit_tokens=s.prefix_hit_tokens,
             prefix_cache_query_tokens=s.prefix_query_tokens,
         )
+
+
+def _error_output(request_id: str, message: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason=FinishReason.ERROR,
+        error=message,
+    )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,7 +66,12 @@ class Scheduler:
         self.pool = BlockPool(cache.num_blocks, cache.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # decode side of P/D: requests whose prompt KV comes from a prefill instance
+        self.remote_waiting: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        # set by the KV connector: returns True when it takes over a preempted request's
+        # blocks (KV being sent from them must not be overwritten)
+        self.on_preempt: Callable[[Request], bool] | None = None
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
@@ -77,8 +83,60 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
+    def add_remote_request(self, req: Request) -> None:
+        """A request whose prompt KV will come from a prefill instance. The KV connector
+        gives it blocks with :meth:`allocate_remote` and releases it with
+        :meth:`remote_kv_arrived` (or fails it)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        req.state = RequestState.WAITING_FOR_REMOTE_KV
+        self.requests[req.request_id] = req
+
     def has_work(self) -> bool:
+        """Whether step() would compute anything (remote-KV waits are not work)."""
         return bool(self.waiting or self.running)
+
+    def can_allocate_remote(self) -> bool:
+        return len(self.running) + len(self.remote_waiting) < self.config.max_num_seqs
+
+    def allocate_remote(self, req: Request) -> bool:
+        """Blocks for the whole prompt of a remote-KV request, reusing cached prefix
+        blocks; False (nothing taken) when blocks or the seq cap do not allow it yet."""
+        if not self.can_allocate_remote():
+            return False
+        if self._admit(req, budget=req.num_tokens) == 0:
+            return False
+        self.remote_waiting[req.request_id] = req
+        return True
+
+    def remote_kv_arrived(
+        self, request_id: str, num_computed: int, first: tuple[int, float | None] | None
+    ) -> Request:
+        """The request's KV up to ``num_computed`` tokens is in its blocks: it runs from
+        here. ``first`` is token #1 (and its logprob) when prefill sent it along."""
+        req = self.remote_waiting.pop(request_id)
+        req.num_computed_tokens = num_computed
+        if first is not None:
+            req.output_token_ids.append(first[0])
+            if first[1] is not None:
+                req.output_logprobs.append(first[1])
+        self._cache_full_blocks(req)
+        req.state = RequestState.RUNNING
+        self.running.append(req)
+        return req
+
+    def remote_kv_failed(self, request_id: str) -> Request:
+        """Give up on remote KV and prefill locally: the request queues like a new one
+        (its blocks are freed; the prefix cache may still hold part of its prompt)."""
+        req = self.remote_waiting.pop(request_id, None) or self.requests[request_id]
+        if req.block_ids:
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_registered_blocks = 0
+        req.state = RequestState.WAITING
+        self.waiting.appendleft(req)
+        return req
 
     @property
     def num_waiting(self) -> int:
@@ -183,7 +241,8 @@ class Scheduler:
             )
 
     def _preempt(self, req: Request) -> None:
-        self.pool.free(req.block_ids)
+        if self.on_preempt is None or not self.on_preempt(req):
+            self.pool.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
@@ -223,18 +282,22 @@ class Scheduler:
         req.num_registered_blocks = max(req.num_registered_blocks, n_full)
 
     # ---- ending ------------------------------------------------------------------
-    def finish(self, request_id: str, state: RequestState) -> Request | None:
-        """End a request in any state (finished, aborted, failed) and free its blocks."""
+    def finish(
+        self, request_id: str, state: RequestState, keep_blocks: bool = False
+    ) -> Request | None:
+        """End a request in any state (finished, aborted, failed) and free its blocks —
+        unless ``keep_blocks``: then the caller (the KV connector, lending them to a
+        transfer) owns ``req.block_ids`` and frees them with ``pool.free`` later."""
         assert state.finished
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         if req in self.running:
             self.running.remove(req)
-        else:
+        elif self.remote_waiting.pop(request_id, None) is None:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
-        if req.block_ids:
+        if req.block_ids and not keep_blocks:
             self.pool.free(req.block_ids)
             req.block_ids = []
         req.state = state

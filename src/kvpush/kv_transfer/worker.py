@@ -1,0 +1,414 @@
+"""TransferWorker: the transfer thread of one instance.
+
+It owns the side channel and drives the KV transport; the engine's step loop hands it
+commands through a queue (and a wake-up pipe) and gets events back through the engine's
+inbox. Nothing here touches the block pool: block ownership stays on the step loop.
+
+The thread blocks in one poll on the side-channel socket and the wake-up pipe. With
+transfers in flight it wakes every ``busy_poll_s`` (0.5 ms) to progress the transport and
+check completions; idle, it wakes only for heartbeats and lease deadlines. It never
+spins.
+
+Per transfer it keeps a lease: a deadline renewed by the peer's heartbeats (or any
+message about the transfer). An expired lease becomes an ``lease_expired`` event for the
+engine and an ``Abort`` for the peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import select
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.transport import KVTransport, TransferPostError, XferState
+
+log = logging.getLogger(__name__)
+
+Event = tuple  # ("kind", ...) posted to the engine inbox as ("kv", event)
+
+
+@dataclass
+class Peer:
+    address: str
+    hello: m.Hello | None = None  # the peer's Hello once received
+    agent: str | None = None
+    sent_hello: bool = False
+    refused: str | None = None
+    queued: list[m.Message] = field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        return self.agent is not None and self.refused is None
+
+
+@dataclass
+class Lease:
+    deadline: float
+    address: str | None  # peer that renews it; None: any peer
+
+
+@dataclass
+class WriteGroup:
+    """The WRITEs of one push transfer and what to send once they are done."""
+
+    address: str
+    pending: set[int] = field(default_factory=set)
+    failed: str | None = None
+    num_descriptors: int = 0
+    num_bytes: int = 0
+    post_s: float = 0.0
+    first_post: float | None = None
+    finish: m.PushDone | None = None  # set by finalize
+    abort_ack: bool = False  # answer AbortAck instead of PushDone
+    cancelled: bool = False
+
+
+class TransferWorker:
+    def __init__(
+        self,
+        hello: m.Hello,
+        channel,  # kvpush.kv_transfer.side_channel.SideChannel
+        transport: KVTransport,
+        post_event: Callable[[Event], None],
+        lease_timeout_s: float,
+        heartbeat_interval_s: float,
+        busy_poll_s: float = 0.0005,
+    ):
+        self.hello = hello
+        self.channel = channel
+        self.transport = transport
+        self.transport_lock = threading.Lock()
+        self.post_event = post_event
+        self.lease_timeout_s = lease_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.busy_poll_s = busy_poll_s
+        self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.peers: dict[str, Peer] = {}
+        self.leases: dict[str, Lease] = {}
+        self.writes: dict[str, WriteGroup] = {}
+        self.handles: dict[int, str] = {}  # transport handle -> transfer id (writes)
+        self.reads: dict[int, tuple[str, str]] = {}  # handle -> (transfer id, address)
+        self.counters = {"leases_expired": 0, "transfers_failed": 0, "messages_bad": 0}
+        self._next_heartbeat = 0.0
+        self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
+        self._stopped = False
+
+    # ---- called from other threads --------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, *cmd) -> None:
+        self.commands.put(cmd)
+        with contextlib.suppress(BlockingIOError):  # pipe full: the thread is awake anyway
+            os.write(self._wake_w, b"x")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._stopped:
+            return
+        self.submit("stop")
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._stopped = True
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ---- the thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._drain_commands():
+                    break
+                for payload in self.channel.recv(0):
+                    self._on_frame(payload)
+                self._poll_transfers()
+                now = time.monotonic()
+                if now >= self._next_heartbeat:
+                    self._heartbeat(now)
+                self._expire(now)
+                self._wait(self._timeout(now))
+        except Exception:  # pragma: no cover - logged, the engine sees transfers fail
+            log.exception("transfer thread died")
+            self.post_event(("worker_died",))
+        finally:
+            self.channel.close()
+            with self.transport_lock:
+                self.transport.close()
+
+    def _timeout(self, now: float) -> float:
+        if self.handles or self.reads:
+            return self.busy_poll_s
+        t = self._next_heartbeat - now
+        if self.leases:
+            t = min(t, min(lease.deadline for lease in self.leases.values()) - now)
+        # keep the transport progressing while peers may be setting up connections
+        return max(0.0, min(t, 0.02 if self.peers else 0.2))
+
+    def _wait(self, timeout: float) -> None:
+        fds = [self._wake_r]
+        sock_fd = self.channel.fileno()
+        if sock_fd is not None:
+            fds.append(sock_fd)
+        # the ZMQ fd is edge-triggered: it only says "look"; recv(0) above drains it.
+        if self.channel.pending():
+            return
+        r, _, _ = select.select(fds, [], [], timeout)
+        if self._wake_r in r:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def _drain_commands(self) -> bool:
+        while True:
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                return True
+            if cmd[0] == "stop":
+                return False
+            try:
+                getattr(self, "_cmd_" + cmd[0])(*cmd[1:])
+            except Exception:
+                log.exception("transfer command %s failed", cmd[0])
+
+    # ---- peers and messages ----------------------------------------------------------
+    def _peer(self, address: str) -> Peer:
+        peer = self.peers.get(address)
+        if peer is None:
+            peer = self.peers[address] = Peer(address)
+        return peer
+
+    def _send(self, address: str, msg: m.Message) -> None:
+        peer = self._peer(address)
+        if not isinstance(msg, m.Hello | m.HelloRefused) and not peer.ready:
+            if peer.refused:
+                return
+            peer.queued.append(msg)
+            self._cmd_ensure_peer(address)
+            return
+        self.channel.send(address, m.encode(msg))
+
+    def _cmd_ensure_peer(self, address: str) -> None:
+        peer = self._peer(address)
+        if peer.ready or peer.sent_hello or peer.refused:
+            if peer.refused:
+                self.post_event(("peer_refused", address, peer.refused))
+            return
+        peer.sent_hello = True
+        self.channel.send(address, m.encode(self.hello))
+
+    def _on_frame(self, payload: bytes) -> None:
+        try:
+            msg = m.decode(payload)
+        except Exception:
+            self.counters["messages_bad"] += 1
+            log.warning("dropped a malformed side-channel frame (%d bytes)", len(payload))
+            return
+        handler = getattr(self, "_on_" + type(msg).__name__)
+        handler(msg)
+
+    def _on_Hello(self, msg: m.Hello) -> None:
+        peer = self._peer(msg.address)
+        problems = m.compatibility_problems(self.hello, msg)
+        if problems:
+            reason = f"peer {msg.engine_id} at {msg.address} is incompatible: " + "; ".join(
+                problems
+            )
+            peer.refused = reason
+            self.channel.send(msg.address, m.encode(m.HelloRefused(self.hello.engine_id, reason)))
+            log.error(reason)
+            self.post_event(("peer_refused", msg.address, reason))
+            return
+        with self.transport_lock:
+            peer.agent = self.transport.add_peer(msg.agent_metadata)
+        peer.hello = msg
+        if not msg.reply:
+            reply = m.Hello(**{**_fields(self.hello), "reply": True})
+            self.channel.send(msg.address, m.encode(reply))
+            peer.sent_hello = True
+        queued, peer.queued = peer.queued, []
+        for q in queued:
+            self.channel.send(msg.address, m.encode(q))
+        self.post_event(("peer_ready", msg.address, msg))
+
+    def _on_HelloRefused(self, msg: m.HelloRefused) -> None:
+        # which peer? the one(s) we said Hello to and have not heard from
+        for peer in self.peers.values():
+            if peer.sent_hello and not peer.ready and not peer.refused:
+                peer.refused = msg.reason
+                peer.queued.clear()
+                self.post_event(("peer_refused", peer.address, msg.reason))
+
+    def _renew(self, tid: str) -> None:
+        lease = self.leases.get(tid)
+        if lease is not None:
+            lease.deadline = time.monotonic() + self.lease_timeout_s
+
+    def _on_Heartbeat(self, msg: m.Heartbeat) -> None:
+        for tid in msg.transfer_ids:
+            self._renew(tid)
+
+    def _on_PushRegister(self, msg: m.PushRegister) -> None:
+        self._renew(msg.transfer_id)
+        self.post_event(("register", msg))
+
+    def _on_PushDone(self, msg: m.PushDone) -> None:
+        self.post_event(("push_done", msg))
+
+    def _on_PullDone(self, msg: m.PullDone) -> None:
+        self.post_event(("pull_done", msg))
+
+    def _on_Abort(self, msg: m.Abort) -> None:
+        self.post_event(("abort", msg))
+
+    def _on_AbortAck(self, msg: m.AbortAck) -> None:
+        self.post_event(("abort_ack", msg))
+
+    # ---- commands from the engine --------------------------------------------------------
+    def _cmd_send(self, address: str, msg: m.Message) -> None:
+        self._send(address, msg)
+
+    def _cmd_track(self, tid: str, address: str | None) -> None:
+        self.leases[tid] = Lease(time.monotonic() + self.lease_timeout_s, address)
+
+    def _cmd_untrack(self, tid: str) -> None:
+        self.leases.pop(tid, None)
+
+    def _cmd_write(self, tid: str, address: str, local: list, remote: list) -> None:
+        group = self.writes.get(tid)
+        if group is None:
+            group = self.writes[tid] = WriteGroup(address)
+        if group.cancelled or group.failed or not local:
+            return
+        peer = self.peers.get(address)
+        if peer is None or not peer.ready:
+            group.failed = f"no connection to decode instance at {address}"
+            return
+        t0 = time.perf_counter()
+        try:
+            with self.transport_lock:
+                handle = self.transport.post("WRITE", peer.agent, local, remote)
+        except TransferPostError as e:
+            group.failed = f"WRITE failed to post: {e}"
+            return
+        group.post_s += time.perf_counter() - t0
+        group.first_post = group.first_post or t0
+        group.pending.add(handle)
+        group.num_descriptors += len(local)
+        group.num_bytes += sum(length for _, length in local)
+        self.handles[handle] = tid
+        self._maybe_finish(tid)
+
+    def _cmd_finalize(self, tid: str, address: str, done: m.PushDone) -> None:
+        """Send ``done`` to decode once every WRITE of the transfer has completed."""
+        group = self.writes.setdefault(tid, WriteGroup(address))
+        group.address = address
+        group.finish = done
+        self._maybe_finish(tid)
+
+    def _cmd_cancel_writes(self, tid: str, address: str) -> None:
+        """Decode aborted: post nothing more; AbortAck once in-flight WRITEs drain."""
+        group = self.writes.setdefault(tid, WriteGroup(address))
+        group.cancelled = True
+        group.abort_ack = True
+        group.finish = group.finish or m.PushDone(tid, ok=False, error="aborted")
+        self._maybe_finish(tid)
+
+    def _cmd_watch_read(self, tid: str, handle: int, address: str) -> None:
+        self.reads[handle] = (tid, address)
+
+    def _maybe_finish(self, tid: str) -> None:
+        group = self.writes.get(tid)
+        if group is None or group.finish is None or group.pending:
+            return
+        del self.writes[tid]
+        if group.abort_ack:
+            self._send(group.address, m.AbortAck(tid))
+        else:
+            done = group.finish
+            if group.failed:
+                done = m.PushDone(tid, ok=False, error=group.failed)
+                self.counters["transfers_failed"] += 1
+            done.num_descriptors = group.num_descriptors
+            done.num_bytes = group.num_bytes
+            self._send(group.address, done)
+        elapsed = time.perf_counter() - group.first_post if group.first_post else 0.0
+        self.post_event(
+            ("writes_done", tid, group.failed, group.num_descriptors, group.num_bytes,
+             group.post_s, elapsed)
+        )
+
+    # ---- transfers in flight ----------------------------------------------------------
+    def _poll_transfers(self) -> None:
+        if not (self.handles or self.reads):
+            if self.peers:
+                with self.transport_lock:
+                    self.transport.progress()
+            return
+        with self.transport_lock:
+            states = {h: self.transport.state(h) for h in (*self.handles, *self.reads)}
+        for h, st in states.items():
+            if st is XferState.PENDING:
+                continue
+            with self.transport_lock:
+                self.transport.release(h)
+            if h in self.handles:
+                tid = self.handles.pop(h)
+                group = self.writes.get(tid)
+                if group is not None:
+                    group.pending.discard(h)
+                    if st is XferState.FAILED and not group.failed:
+                        group.failed = "WRITE failed to complete"
+                    self._maybe_finish(tid)
+            else:
+                tid, address = self.reads.pop(h)
+                ok = st is XferState.DONE
+                if not ok:
+                    self.counters["transfers_failed"] += 1
+                self._send(address, m.PullDone(tid, ok=ok))
+                self.post_event(("read_done", tid, ok))
+
+    # ---- heartbeats and leases ----------------------------------------------------------
+    def _heartbeat(self, now: float) -> None:
+        self._next_heartbeat = now + self.heartbeat_interval_s
+        by_peer: dict[str, list[str]] = {}
+        unbound: list[str] = []
+        for tid, lease in self.leases.items():
+            if lease.address is None:
+                unbound.append(tid)
+            else:
+                by_peer.setdefault(lease.address, []).append(tid)
+        for tid, group in self.writes.items():
+            by_peer.setdefault(group.address, []).append(tid)
+        for address, peer in self.peers.items():
+            tids = by_peer.get(address, []) + unbound
+            if tids and peer.ready:
+                self.channel.send(
+                    address, m.encode(m.Heartbeat(self.hello.engine_id, sorted(set(tids))))
+                )
+
+    def _expire(self, now: float) -> None:
+        expired = [tid for tid, lease in self.leases.items() if lease.deadline <= now]
+        for tid in expired:
+            lease = self.leases.pop(tid)
+            self.counters["leases_expired"] += 1
+            if lease.address is not None:
+                peer = self.peers.get(lease.address)
+                if peer is not None and peer.ready:
+                    self.channel.send(lease.address, m.encode(m.Abort(tid, "lease expired")))
+            self.post_event(("lease_expired", tid))
+
+
+def _fields(s) -> dict:
+    return {f: getattr(s, f) for f in s.__struct_fields__}
