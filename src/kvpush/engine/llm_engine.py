@@ -175,6 +175,8 @@ class LLMEngine:
         return self._finish(req, FinishReason.ABORT, [], None)
 
     def has_work(self) -> bool:
+        if self.connector is not None and self.connector.has_pending_work():
+            return True
         return self.scheduler.has_work()
 
     # ---- the step ------------------------------------------------------------------

@@ -48,6 +48,9 @@ from kvpush.scheduler.scheduler import Scheduler, StepPlan
 
 log = logging.getLogger(__name__)
 
+#: Re-sends of a registration that prefill says it never got, before decode gives up.
+MAX_REGISTER_RESENDS = 3
+
 
 class SendState(enum.Enum):
     AWAITING_REGISTRATION = "awaiting_registration"
@@ -86,6 +89,8 @@ class DecodeRecv:
     remote_block_ids: list[int] = field(default_factory=list)
     state: RecvState = RecvState.PENDING_BLOCKS
     held: list[int] = field(default_factory=list)  # quarantined blocks
+    register: m.PushRegister | None = None  # kept to re-send if it was lost
+    resends: int = 0
     t_start: float = field(default_factory=time.perf_counter)
 
 
@@ -229,6 +234,12 @@ class KVConnector:
         # what the engine must do next: ("abort"|"fail", request_id, why),
         # ("first_token", request_id)
         self.actions: list[tuple] = []
+        self._stalled = False
+
+    def has_pending_work(self) -> bool:
+        """Whether before_schedule() could make progress now (no spinning: after a pass
+        that could not, this stays False until an event or a finish changes things)."""
+        return bool(self.pending) and not self._stalled
 
     def take_actions(self) -> list[tuple]:
         actions, self.actions = self.actions, []
@@ -325,6 +336,7 @@ class KVConnector:
             self.pending.popleft()
             self._allocated(recv, req)
         self.pending.extendleft(reversed(skipped))
+        self._stalled = bool(self.pending)
 
     def _allocated(self, recv: DecodeRecv, req: Request) -> None:
         bs = self.block_size
@@ -333,8 +345,9 @@ class KVConnector:
         skip = hit // bs
         if recv.mode == "push":
             full_hit = skip > 0 and skip == (n - 1) // bs
-            self.worker.submit("send", recv.address, m.PushRegister(
-                recv.tid, self.engine_id, self.address, list(req.block_ids), skip, n, full_hit))
+            recv.register = m.PushRegister(
+                recv.tid, self.engine_id, self.address, list(req.block_ids), skip, n, full_hit)
+            self.worker.submit("send", recv.address, recv.register)
             if full_hit:  # everything prefill could send is here already: compute the rest
                 self._end_recv(recv, ok=True, why="full prefix hit on decode")
                 self.scheduler.remote_kv_arrived(req.request_id, hit, None)
@@ -467,6 +480,7 @@ class KVConnector:
     def on_finish(self, req: Request, ok: bool, error: str | None) -> tuple[bool, dict | None]:
         """A request ends. Returns (connector keeps its blocks, kv_transfer_params for the
         response)."""
+        self._stalled = False  # blocks may come free
         tid = self.by_request.pop(req.request_id, None)
         if tid is None:
             return False, None
@@ -581,6 +595,7 @@ class KVConnector:
 
     # ---- events from the transfer thread ----------------------------------------------
     def handle_event(self, ev: tuple) -> None:
+        self._stalled = False
         getattr(self, "_ev_" + ev[0])(*ev[1:])
 
     def _ev_peer_ready(self, address: str, hello: m.Hello) -> None:
@@ -602,11 +617,27 @@ class KVConnector:
                 self.worker.submit("send", reg.address,
                                    m.PushDone(reg.transfer_id, ok=False, error=why))
                 return
-            self.early_regs[reg.transfer_id] = reg  # the request has not arrived yet
-            self.worker.submit("track", reg.transfer_id, reg.address)
+            # the request has not arrived yet; it should come about when decode's did, so
+            # this wait has a fixed deadline (decode's heartbeats do not extend it)
+            self.early_regs[reg.transfer_id] = reg
+            self.worker.submit("track", reg.transfer_id, reg.address, False)
             return
         if send.reg is None:
             self._registered(send, reg)
+
+    def _ev_awaiting_registration(self, tids: list[str]) -> None:
+        """Prefill has no registration for these: re-send ours (it was lost)."""
+        for tid in tids:
+            recv = self.recvs.get(tid)
+            if recv is None or recv.register is None or recv.state is not RecvState.AWAITING_KV:
+                continue
+            recv.resends += 1
+            if recv.resends > MAX_REGISTER_RESENDS:
+                why = f"registration lost {MAX_REGISTER_RESENDS + 1} times"
+                self.worker.submit("send", recv.address, m.Abort(tid, why))
+                self._recv_failed(recv, why)
+            else:
+                self.worker.submit("send", recv.address, recv.register)
 
     def _ev_writes_done(self, tid: str, failed: str | None, ndesc: int, nbytes: int,
                         post_s: float, elapsed: float) -> None:

@@ -94,8 +94,12 @@ class Abort(msgspec.Struct, tag=True):
 
 
 class Heartbeat(msgspec.Struct, tag=True):
+    """Renews the receiver's leases on these transfers. ``awaiting_registration`` lists
+    push transfers prefill has no registration for: decode re-sends a lost one."""
+
     engine_id: str
     transfer_ids: list[str]
+    awaiting_registration: list[str] = []
 
 
 Message = (

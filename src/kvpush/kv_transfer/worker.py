@@ -4,10 +4,10 @@ It owns the side channel and drives the KV transport; the engine's step loop han
 commands through a queue (and a wake-up pipe) and gets events back through the engine's
 inbox. Nothing here touches the block pool: block ownership stays on the step loop.
 
-The thread blocks in one poll on the side-channel socket and the wake-up pipe. With
-transfers in flight it wakes every ``busy_poll_s`` (0.5 ms) to progress the transport and
-check completions; idle, it wakes only for heartbeats and lease deadlines. It never
-spins.
+The thread blocks in the side channel's poll (its socket and its wake-up pipe, which
+``submit`` writes to). With transfers in flight it wakes every millisecond to progress
+the transport and check completions; idle, it wakes for heartbeats, lease deadlines and
+(while peers exist) every 20 ms to progress connection set-up. It never spins.
 
 Per transfer it keeps a lease: a deadline renewed by the peer's heartbeats (or any
 message about the transfer). An expired lease becomes an ``lease_expired`` event for the
@@ -16,11 +16,8 @@ engine and an ``Abort`` for the peer.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import queue
-import select
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +49,7 @@ class Peer:
 class Lease:
     deadline: float
     address: str | None  # peer that renews it; None: any peer
+    renewable: bool = True  # False: a fixed deadline, heartbeats do not extend it
 
 
 @dataclass
@@ -79,7 +77,7 @@ class TransferWorker:
         post_event: Callable[[Event], None],
         lease_timeout_s: float,
         heartbeat_interval_s: float,
-        busy_poll_s: float = 0.0005,
+        busy_poll_s: float = 0.001,
     ):
         self.hello = hello
         self.channel = channel
@@ -90,9 +88,6 @@ class TransferWorker:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.busy_poll_s = busy_poll_s
         self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
         self.peers: dict[str, Peer] = {}
         self.leases: dict[str, Lease] = {}
         self.writes: dict[str, WriteGroup] = {}
@@ -109,8 +104,7 @@ class TransferWorker:
 
     def submit(self, *cmd) -> None:
         self.commands.put(cmd)
-        with contextlib.suppress(BlockingIOError):  # pipe full: the thread is awake anyway
-            os.write(self._wake_w, b"x")
+        self.channel.wake()
 
     def stop(self, timeout: float = 5.0) -> None:
         if self._stopped:
@@ -119,8 +113,6 @@ class TransferWorker:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._stopped = True
-        os.close(self._wake_r)
-        os.close(self._wake_w)
 
     # ---- the thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -128,14 +120,14 @@ class TransferWorker:
             while True:
                 if not self._drain_commands():
                     break
-                for payload in self.channel.recv(0):
+                timeout_ms = int(self._timeout(time.monotonic()) * 1000)
+                for _sender, payload in self.channel.recv(timeout_ms):
                     self._on_frame(payload)
                 self._poll_transfers()
                 now = time.monotonic()
                 if now >= self._next_heartbeat:
                     self._heartbeat(now)
                 self._expire(now)
-                self._wait(self._timeout(now))
         except Exception:  # pragma: no cover - logged, the engine sees transfers fail
             log.exception("transfer thread died")
             self.post_event(("worker_died",))
@@ -145,29 +137,14 @@ class TransferWorker:
                 self.transport.close()
 
     def _timeout(self, now: float) -> float:
-        if self.handles or self.reads:
-            return self.busy_poll_s
+        """How long the next wait for messages may last (commands wake it early)."""
+        if self.handles or self.reads or not self.commands.empty():
+            return 0.0 if not self.commands.empty() else self.busy_poll_s
         t = self._next_heartbeat - now
         if self.leases:
             t = min(t, min(lease.deadline for lease in self.leases.values()) - now)
         # keep the transport progressing while peers may be setting up connections
         return max(0.0, min(t, 0.02 if self.peers else 0.2))
-
-    def _wait(self, timeout: float) -> None:
-        fds = [self._wake_r]
-        sock_fd = self.channel.fileno()
-        if sock_fd is not None:
-            fds.append(sock_fd)
-        # the ZMQ fd is edge-triggered: it only says "look"; recv(0) above drains it.
-        if self.channel.pending():
-            return
-        r, _, _ = select.select(fds, [], [], timeout)
-        if self._wake_r in r:
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
 
     def _drain_commands(self) -> bool:
         while True:
@@ -252,12 +229,14 @@ class TransferWorker:
 
     def _renew(self, tid: str) -> None:
         lease = self.leases.get(tid)
-        if lease is not None:
+        if lease is not None and lease.renewable:
             lease.deadline = time.monotonic() + self.lease_timeout_s
 
     def _on_Heartbeat(self, msg: m.Heartbeat) -> None:
         for tid in msg.transfer_ids:
             self._renew(tid)
+        if msg.awaiting_registration:
+            self.post_event(("awaiting_registration", msg.awaiting_registration))
 
     def _on_PushRegister(self, msg: m.PushRegister) -> None:
         self._renew(msg.transfer_id)
@@ -279,8 +258,8 @@ class TransferWorker:
     def _cmd_send(self, address: str, msg: m.Message) -> None:
         self._send(address, msg)
 
-    def _cmd_track(self, tid: str, address: str | None) -> None:
-        self.leases[tid] = Lease(time.monotonic() + self.lease_timeout_s, address)
+    def _cmd_track(self, tid: str, address: str | None, renewable: bool = True) -> None:
+        self.leases[tid] = Lease(time.monotonic() + self.lease_timeout_s, address, renewable)
 
     def _cmd_untrack(self, tid: str) -> None:
         self.leases.pop(tid, None)
@@ -394,9 +373,8 @@ class TransferWorker:
         for address, peer in self.peers.items():
             tids = by_peer.get(address, []) + unbound
             if tids and peer.ready:
-                self.channel.send(
-                    address, m.encode(m.Heartbeat(self.hello.engine_id, sorted(set(tids))))
-                )
+                hb = m.Heartbeat(self.hello.engine_id, sorted(set(tids)), sorted(unbound))
+                self.channel.send(address, m.encode(hb))
 
     def _expire(self, now: float) -> None:
         expired = [tid for tid, lease in self.leases.items() if lease.deadline <= now]

@@ -1,0 +1,1 @@
+"""KV transfer: transports (NIXL, in-process), side channel, fault injection, protocols."""

@@ -1,0 +1,134 @@
+"""A prefill and a decode LLMEngine in one process over the in-process transport, and a
+driver that plays the router's two legs and steps both engines."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from kvpush.config import EngineConfig, KVTransferConfig
+from kvpush.engine.llm_engine import LLMEngine
+from kvpush.engine.outputs import FinishReason
+from kvpush.kv_transfer.faults import FaultPlan
+from kvpush.sampling_params import SamplingParams
+
+
+def make_instance(model_dir, role: str, mode: str, faults: FaultPlan | None = None,
+                  lease: float = 5.0, heartbeat: float = 0.1, policy: str = "fail",
+                  transport: str = "inproc", **kw) -> LLMEngine:
+    kw.setdefault("block_size", 16)
+    kw.setdefault("num_blocks", 256)
+    kw.setdefault("max_model_len", 1024)
+    kvt = KVTransferConfig(
+        role=role, mode=mode, engine_id=f"{role}-{uuid.uuid4().hex[:6]}", transport=transport,
+        lease_timeout_s=lease, heartbeat_interval_s=heartbeat, load_failure_policy=policy,
+    )
+    return LLMEngine(EngineConfig.build(model_dir, kv_transfer=kvt, **kw), faults=faults)
+
+
+@dataclass
+class Leg:
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    kv_transfer_params: dict | None = None
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class PDDriver:
+    """Sends each request's two legs like the router does, and steps both engines."""
+
+    def __init__(self, prefill: LLMEngine, decode: LLMEngine):
+        self.p, self.d = prefill, decode
+        self.p_legs: dict[str, Leg] = {}
+        self.d_legs: dict[str, Leg] = {}
+        self._pull_waiting: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.mode = decode.config.kv_transfer.mode
+
+    def d_params(self, tid: str) -> dict:
+        host, port = self.p.connector.address.rsplit(":", 1)
+        return {"do_remote_prefill": True, "transfer_id": tid, "remote_host": host,
+                "remote_port": int(port), "remote_engine_id": self.p.connector.engine_id}
+
+    def send_prefill(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        self.p_legs[rid] = Leg()
+        self.p.add_request(f"p-{rid}", prompt, params,
+                           {"do_remote_decode": True, "transfer_id": rid})
+
+    def send_decode(self, rid: str, prompt: list[int], params: SamplingParams,
+                    kv_params: dict | None = None) -> None:
+        self.d_legs[rid] = Leg()
+        self.d.add_request(f"d-{rid}", prompt, params, kv_params or self.d_params(rid))
+
+    def submit(self, rid: str, prompt: list[int], params: SamplingParams,
+               decode_first: bool = False) -> None:
+        if self.mode == "pull":  # P first; D once P's answer carries its block ids
+            self.send_prefill(rid, prompt, params)
+            self._pull_waiting[rid] = (prompt, params)
+        elif decode_first:
+            self.send_decode(rid, prompt, params)
+            self.send_prefill(rid, prompt, params)
+        else:
+            self.send_prefill(rid, prompt, params)
+            self.send_decode(rid, prompt, params)
+
+    def _absorb(self, outs, legs: dict[str, Leg]) -> None:
+        for o in outs:
+            leg = legs.get(o.request_id[2:])
+            if leg is None:
+                continue
+            leg.tokens += o.new_token_ids
+            leg.text += o.new_text
+            leg.logprobs += o.new_logprobs or []
+            if o.finished:
+                leg.finish_reason = o.finish_reason
+                leg.error = o.error
+                leg.kv_transfer_params = o.extra.get("kv_transfer_params")
+
+    def pump(self) -> bool:
+        """One round of both engines; True if either computed something."""
+        busy = False
+        for eng, legs in ((self.p, self.p_legs), (self.d, self.d_legs)):
+            outs = eng.process_inbox()
+            if eng.has_work():
+                busy = True
+                outs += eng.step()
+            self._absorb([o for o in outs if o != "stop"], legs)
+        for rid in list(self._pull_waiting):
+            leg = self.p_legs[rid]
+            if leg.finished:
+                prompt, params = self._pull_waiting.pop(rid)
+                if leg.kv_transfer_params is not None:
+                    self.send_decode(rid, prompt, params, leg.kv_transfer_params)
+        return busy
+
+    def run(self, until=None, timeout: float = 30.0) -> None:
+        """Pump until every decode leg finished (or ``until()`` is true)."""
+        done = until or (lambda: all(leg.finished for leg in self.d_legs.values())
+                         and not self._pull_waiting)
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"P/D did not finish in {timeout} s: p={self.p_legs} d={self.d_legs}")
+            if not self.pump():
+                time.sleep(0.001)
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Pump until both instances hold no blocks and track no transfers."""
+        def idle(e: LLMEngine) -> bool:
+            s = e.stats()
+            c = e.connector
+            return (s.num_free_blocks == s.num_total_blocks and not e.scheduler.requests
+                    and not c.sends and not c.recvs and not c.lent and not c.early_regs)
+        self.run(until=lambda: idle(self.p) and idle(self.d), timeout=timeout)
+
+    def close(self) -> None:
+        self.p.shutdown()
+        self.d.shutdown()

@@ -1,0 +1,251 @@
+"""Push and pull between a prefill and a decode engine in one process (in-process
+transport): outputs equal a single instance, KV bytes equal, every fault ends cleanly."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_helpers import greedy, make_engine, random_prompts, run_to_completion
+from kvpush.engine.outputs import FinishReason
+from kvpush.kv_cache.block_pool import hash_prefix_blocks
+from kvpush.kv_transfer.faults import FaultPlan
+from pd_helpers import PDDriver, make_instance
+
+LENGTHS = [7, 16, 33, 100, 161, 250]  # 1 to 16 blocks of 16, mostly not multiples
+
+
+@pytest.fixture
+def pd(tiny_qwen3, request):
+    mode, kw = request.param if isinstance(request.param, tuple) else (request.param, {})
+    faults = FaultPlan()
+    p = make_instance(tiny_qwen3, "prefill", mode, faults=faults, **kw)
+    d = make_instance(tiny_qwen3, "decode", mode, faults=faults, **kw)
+    drv = PDDriver(p, d)
+    drv.faults = faults
+    yield drv
+    drv.close()
+
+
+def single_outputs(model_dir, prompts, n):
+    eng = make_engine(model_dir)
+    return run_to_completion(eng, {f"r{i}": p for i, p in enumerate(prompts)}, greedy(n))
+
+
+@pytest.mark.parametrize("pd", ["push", "pull"], indirect=True)
+@pytest.mark.parametrize("decode_first", [False, True])
+def test_disaggregated_equals_single(pd, tiny_qwen3, decode_first):
+    prompts = random_prompts(LENGTHS, seed=21)
+    ref = single_outputs(tiny_qwen3, prompts, 12)
+    for i, p in enumerate(prompts):
+        pd.submit(f"r{i}", p, greedy(12), decode_first=decode_first)
+    pd.run()
+    for i in range(len(prompts)):
+        leg = pd.d_legs[f"r{i}"]
+        assert leg.error is None and leg.finish_reason is FinishReason.LENGTH
+        assert leg.tokens == ref[f"r{i}"], f"r{i}"
+    pd.settle()
+    assert pd.p.connector.counters["transfers_ok"] == len(prompts)
+    assert pd.d.connector.counters["transfers_ok"] == len(prompts)
+
+
+@pytest.mark.parametrize("pd", ["push", "pull"], indirect=True)
+def test_kv_bytes_on_decode_equal_prefill(pd):
+    prompt = random_prompts([150], seed=4)[0]
+    pd.submit("r", prompt, greedy(1))
+    pd.run()
+    pd.settle()
+    # the prompt's full blocks are in both prefix caches: compare their bytes
+    hashes = hash_prefix_blocks(prompt, 16)
+    n = len(hashes) if pd.mode == "push" else (len(prompt) - 1) // 16
+    p_blocks = pd.p.scheduler.pool.lookup(hashes[:n])
+    d_blocks = pd.d.scheduler.pool.lookup(hashes[:n])
+    assert len(p_blocks) == len(d_blocks) == n > 0
+    p_kv = pd.p.runner.kv_region.kv[:, p_blocks]
+    d_kv = pd.d.runner.kv_region.kv[:, d_blocks]
+    assert p_kv.abs().sum() > 0
+    assert (p_kv == d_kv).all()
+
+
+@pytest.mark.parametrize("pd", ["push"], indirect=True)
+def test_push_token1_travels_with_kv(pd, tiny_qwen3):
+    """Decode does not recompute the last prompt token: its first step decodes token #1."""
+    prompt = random_prompts([90], seed=5)[0]
+    ref = single_outputs(tiny_qwen3, [prompt], 4)["r0"]
+    pd.submit("r", prompt, greedy(4, logprobs=True))
+    pd.run()
+    leg = pd.d_legs["r"]
+    assert leg.tokens == ref
+    assert pd.p_legs["r"].tokens == ref[:1]  # prefill sampled token #1 ...
+    assert len(leg.logprobs) == 4 and leg.logprobs[0] == pytest.approx(pd.p_legs["r"].logprobs[0])
+    # ... and decode computed only the 3 tokens after it, never the prompt
+    assert pd.d.stats().prefix_cache_query_tokens == 90
+    pd.settle()
+
+
+def _assert_clean(pd) -> None:
+    pd.settle()
+    for eng in (pd.p, pd.d):
+        s = eng.stats()
+        assert s.num_free_blocks == s.num_total_blocks
+
+
+@pytest.mark.parametrize("pd", [("push", {"lease": 0.6})], indirect=True)
+def test_lost_registration_is_sent_again(pd, tiny_qwen3):
+    """Prefill's heartbeat lists transfers it has no registration for; decode re-sends."""
+    prompt = random_prompts([60])[0]
+    pd.faults.arm(drop_messages={"PushRegister": 1})
+    pd.submit("r", prompt, greedy(5))
+    pd.run(timeout=15)
+    leg = pd.d_legs["r"]
+    assert leg.finish_reason is FinishReason.LENGTH
+    assert leg.tokens == single_outputs(tiny_qwen3, [prompt], 5)["r0"]
+    assert pd.faults.count("message_drops:PushRegister") == 1
+    _assert_clean(pd)
+
+
+@pytest.mark.parametrize("pd", [("push", {"lease": 0.6})], indirect=True)
+def test_all_registrations_lost_ends_with_clear_error(pd):
+    pd.faults.arm(drop_messages={"PushRegister": 1000})
+    pd.submit("r", random_prompts([60])[0], greedy(5))
+    pd.run(timeout=15)
+    leg = pd.d_legs["r"]
+    assert leg.finish_reason is FinishReason.ERROR
+    assert "registration lost 4 times" in leg.error
+    _assert_clean(pd)
+
+
+@pytest.mark.parametrize("pd", ["push", "pull"], indirect=True)
+def test_failed_post_fails_request_cleanly(pd):
+    pd.faults.arm(fail_posts=1)
+    pd.submit("r", random_prompts([70])[0], greedy(5))
+    pd.run(timeout=15)
+    leg = pd.d_legs["r"]
+    assert leg.finish_reason is FinishReason.ERROR
+    assert "failed to post" in leg.error
+    assert pd.faults.count("post_failures") == 1
+    _assert_clean(pd)
+    # the next request goes through
+    pd.submit("ok", random_prompts([70])[0], greedy(5))
+    pd.run(timeout=15)
+    assert pd.d_legs["ok"].finish_reason is FinishReason.LENGTH
+    _assert_clean(pd)
+
+
+@pytest.mark.parametrize("pd", [("push", {"policy": "recompute"}),
+                                ("pull", {"policy": "recompute"})], indirect=True)
+def test_recompute_policy_gives_correct_answer(pd, tiny_qwen3):
+    prompt = random_prompts([70], seed=8)[0]
+    ref = single_outputs(tiny_qwen3, [prompt], 6)["r0"]
+    pd.faults.arm(fail_transfers=1)
+    pd.submit("r", prompt, greedy(6))
+    pd.run(timeout=15)
+    assert pd.d_legs["r"].tokens == ref
+    assert pd.faults.count("transfer_failures") == 1
+    assert pd.d.connector.counters["transfers_failed"] == 1
+    _assert_clean(pd)
+
+
+@pytest.mark.parametrize("pd", [("push", {"lease": 0.5})], indirect=True)
+def test_prefill_lease_expires_when_decode_never_registers(pd):
+    pd.send_prefill("r", random_prompts([50])[0], greedy(5))  # no decode leg at all
+    pd.run(until=lambda: pd.p_legs["r"].finished, timeout=10)
+    assert pd.p.stats().num_free_blocks < pd.p.stats().num_total_blocks  # held for D
+    _assert_clean(pd)
+    assert pd.p.connector.counters["leases_expired"] == 1
+
+
+@pytest.mark.parametrize("pd", [("pull", {"lease": 0.5})], indirect=True)
+def test_pull_lease_expires_when_decode_never_reads(pd):
+    pd.send_prefill("r", random_prompts([50])[0], greedy(5))
+    pd.run(until=lambda: pd.p_legs["r"].finished, timeout=10)
+    assert pd.p_legs["r"].kv_transfer_params["remote_block_ids"]
+    pd._pull_waiting.clear()
+    _assert_clean(pd)
+    assert pd.p.connector.counters["leases_expired"] == 1
+
+
+@pytest.mark.parametrize("pd", [("push", {"lease": 0.5})], indirect=True)
+def test_decode_lease_expires_when_prefill_never_gets_request(pd):
+    pd.send_decode("r", random_prompts([50])[0], greedy(5))  # P never hears of it
+    pd.run(timeout=10)
+    leg = pd.d_legs["r"]
+    assert leg.finish_reason is FinishReason.ERROR
+    assert "lease expired" in leg.error
+    _assert_clean(pd)
+
+
+@pytest.mark.parametrize("pd", ["push", "pull"], indirect=True)
+@pytest.mark.parametrize("when", ["before_kv", "while_decoding"])
+def test_decode_abort_propagates(pd, when):
+    prompt = random_prompts([120])[0]
+    pd.faults.arm(transfer_delay_s=0.3 if when == "before_kv" else 0.0)
+    pd.submit("r", prompt, greedy(200))
+    if when == "before_kv":
+        pd.run(until=lambda: "d-r" in pd.d.scheduler.remote_waiting, timeout=10)
+    else:
+        pd.run(until=lambda: "r" in pd.d_legs and len(pd.d_legs["r"].tokens) >= 3,
+               timeout=10)
+    out = pd.d.abort_request("d-r")
+    assert out.finish_reason is FinishReason.ABORT
+    pd.d_legs["r"].finish_reason = FinishReason.ABORT
+    _assert_clean(pd)
+
+
+@pytest.mark.parametrize("pd", [("push", {"max_num_batched_tokens": 16})], indirect=True)
+def test_prefill_abort_fails_decode(pd):
+    """Prefill aborted mid-prefill, with layer WRITEs in flight: decode hears of it after
+    they drain and fails the request."""
+    pd.faults.arm(transfer_delay_s=0.05)
+    pd.submit("r", random_prompts([300])[0], greedy(5))
+    pd.run(until=lambda: pd.p.connector.sends.get("r") is not None
+           and pd.p.connector.sends["r"].written_blocks >= 2, timeout=10)
+    assert "p-r" in pd.p.scheduler.requests  # still prefilling
+    pd.p.abort_request("p-r")
+    pd.run(timeout=10)
+    leg = pd.d_legs["r"]
+    assert leg.finish_reason is FinishReason.ERROR and "aborted" in leg.error
+    _assert_clean(pd)
+
+
+@pytest.mark.parametrize("pd", ["push"], indirect=True)
+def test_decode_prefix_hit_trims_the_write(pd, tiny_qwen3):
+    shared = random_prompts([96], seed=30)[0]
+    first, second = shared + [9, 9, 9], shared + list(range(100, 120))
+    pd.submit("a", first, greedy(3))
+    pd.run()
+    pd.settle()
+    bytes_a = pd.p.connector.records[-1].num_bytes
+    pd.submit("b", second, greedy(3))
+    pd.run()
+    ref = single_outputs(tiny_qwen3, [second], 3)["r0"]
+    assert pd.d_legs["b"].tokens == ref
+    pd.settle()
+    bytes_b = pd.p.connector.records[-1].num_bytes
+    # 'a' sent 7 blocks (99 tokens); 'b' (116) only the 2 blocks after the 6 shared ones
+    assert bytes_b * 7 == bytes_a * 2
+    assert pd.d.stats().prefix_cache_hit_tokens == 96
+    # a full hit (every full block cached): decode computes the 3-token tail itself and
+    # prefill stops without writing
+    n_records = len(pd.p.connector.records)
+    pd.submit("c", list(first), greedy(3))
+    pd.run()
+    assert pd.d_legs["c"].tokens == pd.d_legs["a"].tokens
+    _assert_clean(pd)
+    assert len(pd.p.connector.records) == n_records
+    assert pd.p_legs["c"].finish_reason in (FinishReason.ABORT, FinishReason.LENGTH)
+
+
+def test_incompatible_peer_is_refused_with_reason(tiny_qwen3):
+    p = make_instance(tiny_qwen3, "prefill", "push", block_size=16)
+    d = make_instance(tiny_qwen3, "decode", "push", block_size=32)
+    drv = PDDriver(p, d)
+    try:
+        drv.submit("r", random_prompts([40])[0], greedy(3))
+        drv.run(timeout=10)
+        leg = drv.d_legs["r"]
+        assert leg.finish_reason is FinishReason.ERROR
+        assert "block_size" in leg.error and "16" in leg.error and "32" in leg.error
+        drv.p.abort_request("p-r")
+        drv.settle()
+    finally:
+        drv.close()

@@ -1,0 +1,238 @@
+"""SideChannel: real ZMQ sockets on 127.0.0.1, faults, signing, bounded waits, idle CPU."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import zmq
+
+from kvpush.kv_transfer.faults import FaultPlan
+from kvpush.kv_transfer.side_channel import SideChannel, hmac_signer, hmac_verifier
+
+HOST = "127.0.0.1"
+
+
+@pytest.fixture
+def channels() -> Iterator[Callable[..., SideChannel]]:
+    """make(**kwargs) -> SideChannel on 127.0.0.1, a free port; all closed afterwards."""
+    made: list[SideChannel] = []
+
+    def make(port: int = 0, **kwargs) -> SideChannel:
+        ch = SideChannel(HOST, port, **kwargs)
+        made.append(ch)
+        return ch
+
+    yield make
+    for ch in made:
+        ch.close()
+
+
+def recv_until(ch: SideChannel, n: int, timeout: float = 5.0, others=()) -> list[tuple[str, bytes]]:
+    """Receive until n messages arrived (bounded); ``others`` get recv(0) to flush outboxes."""
+    got: list[tuple[str, bytes]] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"only {len(got)} of {n} messages arrived: {got}"
+        for o in others:
+            o.recv(0)
+        got += ch.recv(10)
+    return got
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def thread_cpu_s() -> float:
+    """CPU time (user + system) of the calling thread, from /proc."""
+    tid = threading.get_native_id()
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def kind(payload: bytes) -> str:
+    return payload.split(b":", 1)[0].decode()
+
+
+def test_two_channels_exchange_both_ways(channels):
+    a, b = channels(), channels()
+    assert a.port > 0 and a.address == f"{HOST}:{a.port}" and a.address != b.address
+    for i in range(5):
+        assert a.send(b.address, b"ping:%d" % i)
+    got = recv_until(b, 5)
+    assert got == [(a.address, b"ping:%d" % i) for i in range(5)]  # in order, with sender
+    for sender, payload in got:
+        assert b.send(sender, payload.replace(b"ping", b"pong"))
+    assert recv_until(a, 5) == [(b.address, b"pong:%d" % i) for i in range(5)]
+    big = os.urandom(3 << 20)
+    assert a.send(b.address, big)
+    assert recv_until(b, 1) == [(a.address, big)]
+    assert a.stats.sent == 6 and b.stats.received == 6 and a.stats.send_dropped == 0
+
+
+def test_drop_faults_by_message_type(channels):
+    plan = FaultPlan(drop_messages={"Ping": 1})
+    a, b = channels(faults=plan, type_of=kind), channels()
+    for p in (b"Ping:1", b"Ping:2", b"Pong:1"):
+        assert a.send(b.address, p)  # a lost message still "went out"
+    assert [p for _, p in recv_until(b, 2)] == [b"Ping:2", b"Pong:1"]
+    assert plan.count("message_drops:Ping") == 1 and plan.count("message_drops") == 1
+    plan.arm(drop_messages={"*": 2})
+    for p in (b"Done:1", b"Ping:3", b"Pong:2"):
+        a.send(b.address, p)
+    assert [p for _, p in recv_until(b, 1)] == [b"Pong:2"]
+    assert b.recv(50) == []
+    assert plan.count("message_drops") == 3 and plan.count("message_drops:Done") == 1
+
+
+def test_delay_fault_holds_messages(channels):
+    plan = FaultPlan(message_delay_s=0.2)
+    a, b = channels(faults=plan), channels()
+    t0 = time.monotonic()
+    assert a.send(b.address, b"late")
+    assert 0 < a.timeout_hint() <= 0.2
+    assert b.recv(50) == []  # not yet
+    got = recv_until(b, 1, others=(a,))  # a's recv flushes its outbox when due
+    assert got == [(a.address, b"late")]
+    assert 0.2 <= time.monotonic() - t0 < 2.0
+    assert plan.count("message_delays") == 1 and a.timeout_hint() is None
+
+
+def test_delayed_message_is_sent_by_a_waiting_recv(channels):
+    """recv wakes up for a due delayed send, then keeps waiting for arrivals."""
+    plan = FaultPlan(message_delay_s=0.1)
+    a, b = channels(faults=plan), channels()
+    a.send(b.address, b"x")
+    t0 = time.monotonic()
+    assert a.recv(300) == []  # flushed at ~0.1 s inside this wait
+    assert time.monotonic() - t0 >= 0.29
+    assert b.recv(1000) == [(a.address, b"x")]
+
+
+def test_send_to_missing_peer_never_blocks(channels):
+    a = channels(sndhwm=10)
+    nowhere = f"{HOST}:{free_port()}"
+    t0 = time.monotonic()
+    results = [a.send(nowhere, b"hello %d" % i) for i in range(200)]
+    assert time.monotonic() - t0 < 1.0
+    assert results[0] and not results[-1]  # queued up to the HWM, then dropped
+    assert a.stats.send_dropped == results.count(False) >= 150
+    a.forget(nowhere)  # discard what was queued; sending again is bounded too
+    assert a.send(nowhere, b"again")
+    assert a.send("not-an-address", b"x") is False
+
+
+def test_signing_rejects_unsigned_and_wrong_signatures(channels):
+    secret = b"shared secret"
+    b = channels(signer=hmac_signer(secret), verifier=hmac_verifier(secret))
+    good = channels(signer=hmac_signer(secret), verifier=hmac_verifier(secret))
+    unsigned = channels()
+    forged = channels(signer=hmac_signer(b"wrong secret"))
+    assert good.send(b.address, b"ok")
+    assert unsigned.send(b.address, b"nope")
+    assert forged.send(b.address, b"nope either")
+    assert recv_until(b, 1) == [(good.address, b"ok")]
+    deadline = time.monotonic() + 5
+    while b.stats.rejected < 2 and time.monotonic() < deadline:
+        assert b.recv(20) == []
+    assert b.stats.rejected == 2
+    assert b.send(good.address, b"signed reply")
+    assert recv_until(good, 1) == [(b.address, b"signed reply")]
+
+
+def test_signature_covers_the_sender():
+    """A signature made for one sender does not verify for another."""
+    sign, verify = hmac_signer(b"k"), hmac_verifier(b"k")
+    sig = sign(b"127.0.0.1:1\nhello")
+    assert verify(b"127.0.0.1:1\nhello", sig)
+    assert not verify(b"127.0.0.1:2\nhello", sig)
+
+
+def test_recv_timeout_is_bounded_and_idle_costs_no_cpu(channels):
+    a = channels()
+    t0 = time.monotonic()
+    assert a.recv(200) == []
+    assert 0.19 <= time.monotonic() - t0 < 0.5
+    t0 = time.monotonic()
+    assert a.recv(0) == []
+    assert time.monotonic() - t0 < 0.05
+    cpu0, t0 = thread_cpu_s(), time.monotonic()
+    while time.monotonic() - t0 < 0.5:
+        assert a.recv(100) == []
+    assert thread_cpu_s() - cpu0 < 0.05
+
+
+def test_wake_from_another_thread_ends_the_wait(channels):
+    a = channels()
+    timer = threading.Timer(0.1, a.wake)
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        assert a.recv(5000) == []
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 1.0
+    assert a.recv(0) == []  # the wake was consumed
+
+
+def test_fileno_and_pending_for_an_own_select_loop(channels):
+    a, b = channels(), channels()
+    fd = b.fileno()
+    assert isinstance(fd, int) and not b.pending()
+    a.send(b.address, b"m")
+    deadline = time.monotonic() + 5
+    while not b.pending():
+        assert time.monotonic() < deadline
+        select.select([fd], [], [], 0.05)
+    assert b.recv(0) == [(a.address, b"m")]
+    assert not b.pending()
+
+
+def test_restarted_peer_on_same_address_is_heard(channels):
+    """ROUTER_HANDOVER: a new channel reusing a closed one's address gets through."""
+    b = channels()
+    a = channels()
+    port = a.port
+    a.send(b.address, b"first")
+    assert recv_until(b, 1) == [(a.address, b"first")]
+    a.close()
+    a2 = channels(port=port)
+    assert a2.address == a.address
+    a2.send(b.address, b"second")
+    assert recv_until(b, 1) == [(a2.address, b"second")]
+
+
+def test_malformed_frames_are_counted(channels):
+    b = channels()
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.ROUTING_ID, b"raw:1")
+    try:
+        raw.connect(f"tcp://{b.address}")
+        raw.send_multipart([b"a", b"b", b"c"])  # 3 payload frames: too many
+        raw.send(b"fine")
+        got = recv_until(b, 1)
+        assert [p for _, p in got] == [b"fine"] and b.stats.malformed == 1
+    finally:
+        raw.close()
+
+
+def test_close_is_idempotent_and_stops_sending(channels):
+    a, b = channels(), channels()
+    a.close()
+    a.close()
+    assert a.send(b.address, b"x") is False
+    assert a.recv(10) == []
+    assert a.fileno() is None
+    a.wake()  # harmless after close
