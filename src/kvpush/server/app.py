@@ -1,0 +1,366 @@
+"""The OpenAI-compatible HTTP server: ``build_app(engine) -> FastAPI``.
+
+The engine is injected, so tests run the real app on a fake engine. Request handling:
+parse (strictly, OpenAI error shapes) -> tokenize -> validate against the context ->
+``engine.generate`` -> JSON body or SSE stream. Whatever way a request ends (finished,
+client gone, server error), its engine generator is closed, which makes the engine abort
+the request and free its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Literal, Protocol, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from kvpush.engine.outputs import EngineStats, FinishReason, RequestOutput
+from kvpush.sampling_params import SamplingParams
+from kvpush.server import chat
+from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
+from kvpush.server.metrics import RequestTimer, ServerMetrics
+from kvpush.server.protocol import (
+    ChatCompletionRequest,
+    ChatFormat,
+    CompletionFormat,
+    CompletionRequest,
+    Format,
+    Job,
+    ModelCard,
+    ModelList,
+)
+
+logger = logging.getLogger("kvpush.server")
+
+T = TypeVar("T")
+
+#: Largest request body accepted (413 above): a full 128k-token context as JSON token ids
+#: is ~1 MiB, so this only stops abuse.
+MAX_BODY_BYTES = 32 << 20
+
+
+class EngineClient(Protocol):
+    """What the server needs from :class:`kvpush.engine.async_engine.AsyncEngine`."""
+
+    config: Any
+    tokenizer: Any
+
+    def start(self) -> None: ...
+    async def shutdown(self) -> None: ...
+    def stats(self) -> EngineStats: ...
+    def is_healthy(self) -> bool: ...
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]: ...
+    async def abort(self, request_id: str) -> None: ...
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    """Return when the client goes away (call only after the body has been read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(aw: Awaitable[T], receive: Receive) -> tuple[bool, T | None]:
+    """Run ``aw`` but cancel it if the client disconnects first: (disconnected, result).
+
+    A plain (non-streaming) handler is not cancelled by the server when its client goes
+    away, so without this a long generation would run to the end for nobody.
+    """
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.wait({task, watcher})  # let the cancelled task clean up (abort)
+    if task.cancelled():
+        return True, None
+    return False, task.result()
+
+
+class EventStreamResponse(Response):
+    """Server-sent events from an async generator of ready-made ``data: ...`` frames.
+
+    Unlike Starlette's StreamingResponse this always closes the generator (so the engine
+    request is aborted) however the response ends, and it notices a client that goes away
+    both by ``http.disconnect`` (ASGI < 2.4 servers such as uvicorn) and by an OSError
+    from ``send`` (ASGI 2.4).
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def produce() -> None:
+            try:
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                async for frame in self.events:
+                    await send({"type": "http.response.body", "body": frame,
+                                "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                await self.events.aclose()
+
+        producer = asyncio.ensure_future(produce())
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            producer.cancel()  # no-op when it already finished
+            await asyncio.wait({producer, watcher})
+        if not producer.cancelled():
+            exc = producer.exception()
+            if exc is not None and not isinstance(exc, OSError):  # OSError: client gone
+                raise exc
+
+
+def _outcome(out: RequestOutput) -> str:
+    return "abort" if out.finish_reason is None else FinishReason(out.finish_reason).value
+
+
+class _Server:
+    """Per-app state and the request handlers (closures would hide them from tests)."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+        cfg = engine.config
+        self.model_name: str = cfg.served_model_name or Path(cfg.model.path).name
+        self.max_model_len: int = cfg.scheduler.max_model_len
+        self.token_texts = chat.TokenTexts(engine.tokenizer)
+        self.metrics = ServerMetrics(engine.stats, engine.is_healthy)
+        self.created = int(time.time())
+        self.executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                           thread_name_prefix="kvpush-tokenize")
+        self.prompts = chat.PromptBuilder(engine.tokenizer, self.model_name,
+                                          self.max_model_len, cfg.model.vocab_size,
+                                          self.executor)
+
+    @staticmethod
+    def _request_id(request: Request, prefix: str) -> str:
+        """The client's X-Request-Id (the router sends the same one to prefill and decode
+        servers), or a fresh ``<prefix>-<uuid>``."""
+        rid = request.headers.get("x-request-id")
+        if rid is None:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        rid = rid.strip()
+        if not rid or len(rid) > 256 or not rid.isprintable():
+            raise APIError("the X-Request-Id header must be 1 to 256 printable characters",
+                           param="X-Request-Id")
+        return rid
+
+    # ------------------------------------------------------------------- generation
+
+    async def handle(self, request: Request, kind: Literal["completion", "chat"]) -> Response:
+        arrival = time.perf_counter()
+        job: Job | None = None
+        gen: AsyncIterator[RequestOutput] | None = None
+        timer: RequestTimer | None = None
+        handed_over = False
+        try:
+            try:
+                body = await request.body()
+            except ClientDisconnect:
+                return Response(status_code=499)
+            if kind == "chat":
+                chat_req = ChatCompletionRequest.model_validate_json(body)
+                rid = self._request_id(request, "chatcmpl")
+                job = await self.prompts.chat(chat_req, rid, arrival)
+            else:
+                cmpl_req = CompletionRequest.model_validate_json(body)
+                rid = self._request_id(request, "cmpl")
+                job = await self.prompts.completion(cmpl_req, rid, arrival)
+            if not self.engine.is_healthy():
+                raise APIError("the engine is not running; the server cannot serve requests",
+                               status_code=503)
+            fmt: Format
+            if kind == "chat":
+                fmt = ChatFormat(job, self.model_name, self.token_texts)
+            else:
+                fmt = CompletionFormat(job, self.model_name, self.token_texts)
+            gen = aiter(self.engine.generate(job.request_id, job.prompt_ids, job.params))
+            timer = RequestTimer(self.metrics, arrival, len(job.prompt_ids))
+
+            # Wait for the first output before answering: the engine refuses requests by
+            # raising RequestError there, and a refusal must be a plain 4xx, not an error
+            # event inside a 200 stream.
+            async def first_output() -> RequestOutput | None:
+                return await anext(gen, None)  # type: ignore[arg-type]
+
+            gone, first = await _unless_disconnected(first_output(), request.receive)
+            if gone:
+                timer.finish("abort", time.perf_counter())
+                return Response(status_code=499)
+            if job.stream:
+                handed_over = True
+                events = self._events(job, fmt, gen, first, timer)
+                return EventStreamResponse(events, {"X-Request-Id": job.request_id})
+            gone, result = await _unless_disconnected(
+                self._collect(fmt, gen, first, timer), request.receive)
+            if gone:
+                timer.finish("abort", time.perf_counter())
+                return Response(status_code=499)
+            assert result is not None
+            return JSONResponse(result, headers={"X-Request-Id": job.request_id})
+        except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI body
+            err = to_api_error(exc)
+            if err is None:
+                logger.exception("error serving %s request %s", kind,
+                                 job.request_id if job else "?")
+                err = internal_error()
+            outcome = "error" if err.status_code >= 500 else "rejected"
+            if timer is not None:
+                timer.finish(outcome, time.perf_counter())  # no-op if already counted
+            else:
+                self.metrics.count(outcome)
+            headers = {"X-Request-Id": job.request_id} if job else None
+            return err.response(headers=headers)
+        finally:
+            if gen is not None and not handed_over:
+                await self._close(gen, job.request_id if job else "")
+
+    @staticmethod
+    async def _close(gen: AsyncIterator[RequestOutput], request_id: str) -> None:
+        """Close the engine stream: the engine aborts the request if it is unfinished.
+
+        No extra ``engine.abort(request_id)`` on top: with ids that clients choose
+        (X-Request-Id), a retry under the same id may already be queued behind this one,
+        and a late abort would kill it.
+        """
+        aclose = getattr(gen, "aclose", None)
+        if aclose is None:
+            return
+        try:
+            await aclose()
+        except Exception:  # noqa: BLE001
+            logger.warning("closing the engine stream of %s failed", request_id,
+                           exc_info=True)
+
+    async def _collect(self, fmt: Format, gen: AsyncIterator[RequestOutput],
+                       first: RequestOutput | None, timer: RequestTimer) -> dict[str, Any]:
+        out = first
+        while out is not None:
+            timer.on_output(len(out.new_token_ids), time.perf_counter())
+            fmt.add(out)
+            if out.finished:
+                break
+            out = await anext(gen, None)  # type: ignore[arg-type]
+        if out is None or not out.finished:
+            fmt.finish_reason = "abort"
+        outcome = _outcome(out) if out is not None and out.finished else "abort"
+        if outcome == "error":
+            timer.finish("error", time.perf_counter())
+            raise APIError(f"the engine failed this request: {out.error or 'unknown error'}"
+                           if out else "the engine failed this request", status_code=500)
+        timer.finish(outcome, time.perf_counter())
+        return fmt.response()
+
+    async def _events(self, job: Job, fmt: Format, gen: AsyncIterator[RequestOutput],
+                      first: RequestOutput | None, timer: RequestTimer
+                      ) -> AsyncGenerator[bytes, None]:
+        outcome = "abort"
+        try:
+            for frame in fmt.stream_start():
+                yield frame
+            out = first
+            while out is not None:
+                timer.on_output(len(out.new_token_ids), time.perf_counter())
+                frame = fmt.stream_chunk(out)
+                if frame is not None:
+                    yield frame
+                if out.finished:
+                    break
+                out = await anext(gen, None)  # type: ignore[arg-type]
+            if out is None or not out.finished:  # stream ended without a final output
+                yield fmt.stream_finish("abort")
+            else:
+                outcome = _outcome(out)
+                if outcome == "error":
+                    yield fmt.error_frame(APIError(
+                        f"the engine failed this request: {out.error or 'unknown error'}",
+                        status_code=500))
+                    yield b"data: [DONE]\n\n"
+                    return
+            if job.include_usage:
+                yield fmt.usage_chunk()
+            yield b"data: [DONE]\n\n"
+        except Exception as exc:  # noqa: BLE001 - the status line has gone: report in-band
+            outcome = "error"
+            err = to_api_error(exc)
+            if err is None:
+                logger.exception("error while streaming request %s", job.request_id)
+                err = internal_error()
+            yield fmt.error_frame(err)
+            yield b"data: [DONE]\n\n"
+        finally:
+            timer.finish(outcome, time.perf_counter())
+            await self._close(gen, job.request_id)
+
+
+def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving ``engine``; its lifespan starts and shuts down the engine."""
+    server = _Server(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            try:
+                await engine.shutdown()
+            finally:
+                server.executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="kvpush", summary="OpenAI-compatible LLM serving", lifespan=lifespan,
+                  max_body_size=max_body_bytes)
+    app.state.server = server
+    install_error_handlers(app)
+
+    @app.post("/v1/completions", summary="Text completion (OpenAI legacy API)")
+    async def completions(request: Request) -> Response:
+        return await server.handle(request, "completion")
+
+    @app.post("/v1/chat/completions", summary="Chat completion")
+    async def chat_completions(request: Request) -> Response:
+        return await server.handle(request, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=server.model_name, created=server.created,
+                                         root=str(engine.config.model.path),
+                                         max_model_len=server.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy():
+            return JSONResponse({"status": "ok"})
+        return APIError("the engine step loop is not running", status_code=503).response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=server.metrics.content_type)
+
+    return app

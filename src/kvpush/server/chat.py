@@ -1,0 +1,329 @@
+"""Prompt building: request -> (validated) prompt token ids + SamplingParams, chat
+messages -> template text -> token ids, and token display text for logprobs.
+
+The tokenizer is the engine's (a transformers fast tokenizer with a ``chat_template``);
+nothing here imports transformers itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+from kvpush.sampling_params import SamplingParams
+from kvpush.server.errors import APIError
+from kvpush.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    Job,
+    SamplingRequest,
+)
+
+T = TypeVar("T")
+
+#: Roles a chat request may use. "developer" is OpenAI's newer name for "system" (the
+#: official clients send it for some models); chat templates only know "system", so it
+#: is renamed. "tool" is passed through: templates that can't render it say so.
+ALLOWED_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Validate roles and flatten content parts into the plain dicts templates expect."""
+    if not messages:
+        raise APIError("messages must contain at least one message", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        role = msg.role
+        if role not in ALLOWED_ROLES:
+            raise APIError(
+                f"messages[{i}].role: unknown role {role!r}; use one of "
+                + ", ".join(ALLOWED_ROLES),
+                param=f"messages[{i}].role",
+            )
+        if role == "developer":
+            role = "system"
+        content = msg.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise APIError(
+                        f"messages[{i}].content[{j}]: content parts of type {part.type!r} "
+                        "are not supported, only 'text'",
+                        param=f"messages[{i}].content[{j}].type",
+                    )
+                texts.append(part.text or "")
+            content = "\n".join(texts)
+        elif content is None:
+            if role != "assistant":
+                raise APIError(
+                    f"messages[{i}].content must be given for role {role!r}",
+                    param=f"messages[{i}].content",
+                )
+            content = ""
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if msg.name is not None:
+            entry["name"] = msg.name
+        out.append(entry)
+    return out
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+    """The model's chat template applied to ``messages``, ending in the assistant header."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(
+            "this model's tokenizer has no chat template; use /v1/completions with a "
+            "prompt you format yourself",
+            param="messages",
+        )
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+    except TemplateError as e:  # raise_exception(...) in the template: a client error
+        raise APIError(f"the model's chat template rejected the messages: {e}",
+                       param="messages") from None
+    if not isinstance(text, str):  # pragma: no cover - defensive, transformers API drift
+        raise TypeError(f"apply_chat_template returned {type(text).__name__}, not str")
+    return text
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of the rendered chat.
+
+    The template writes every special token the model needs (Llama 3's writes
+    ``{{ bos_token }}`` itself), so the text is encoded *without* the tokenizer's own
+    special tokens: encoding with them would give Llama-style models two BOS tokens.
+    """
+    return encode_text(tokenizer, render_chat(tokenizer, messages), add_special_tokens=False)
+
+
+def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[int]:
+    """Token ids of ``text``. Completion prompts are encoded with the tokenizer's special
+    tokens (its BOS, as vLLM does); rendered chats without (see :func:`encode_chat`)."""
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+#: Prompts longer than this many characters are tokenized on a worker thread. Below it
+#: encoding costs well under a millisecond, less than the thread hop; above it (a
+#: 100k-character prompt takes tens of ms) encoding on the event loop would hold up token
+#: delivery of every other stream for that long. transformers encodes through the Rust
+#: ``encode_batch``, which releases the GIL, so the worker stalls neither the event loop
+#: nor the engine's step-loop thread; chat-template rendering (Jinja, Python) shares the
+#: GIL in the interpreter's 5 ms slices.
+INLINE_TOKENIZE_CHARS = 4096
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class PromptBuilder:
+    """Turns a parsed request into a :class:`Job`: checks the fields kvpush does not
+    support, tokenizes, and checks prompt + max_tokens against the context length."""
+
+    def __init__(self, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
+                 executor: Executor) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.executor = executor
+
+    async def _offload(self, size: int, fn: Callable[[], T]) -> T:
+        if size <= INLINE_TOKENIZE_CHARS:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+
+    def _check_common(self, req: SamplingRequest) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(f"the model {req.model!r} does not exist; this server serves "
+                           f"{self.model_name!r}", status_code=404, param="model",
+                           code="model_not_found")
+        if req.n not in (None, 1):
+            raise APIError(f"n must be 1 (only one choice per request is supported), got "
+                           f"{req.n}", param="n")
+        if req.max_tokens is not None and req.max_tokens < 1:
+            raise APIError(f"max_tokens must be at least 1, got {req.max_tokens}",
+                           param="max_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) not in (None, 0):
+                raise APIError(f"{name} is not supported", param=name)
+        if req.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        if req.stop_token_ids:
+            self._check_token_ids(req.stop_token_ids, "stop_token_ids")
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise APIError(f"{param}: token id {bad} is out of range [0, {self.vocab_size})",
+                           param=param)
+
+    def _check_context(self, prompt_len: int, max_tokens: int, what: str) -> None:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"{what} is {prompt_len} tokens, which leaves no room to generate. Please "
+                f"reduce the length of the {what}.",
+                param="messages" if what == "messages" else "prompt",
+                code="context_length_exceeded",
+            )
+        if prompt_len + max_tokens > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, "
+                f"{max_tokens} in the completion). Please reduce the length of the {what} "
+                "or completion.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+    @staticmethod
+    def _sampling_params(req: SamplingRequest, max_tokens: int, logprobs: bool) -> SamplingParams:
+        extra: dict[str, Any] = {}
+        if req.kv_transfer_params is not None:
+            extra["kv_transfer_params"] = req.kv_transfer_params
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            seed=req.seed,
+            stop=tuple(req.stop or ()),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            extra=extra,
+        )
+
+    async def completion(self, req: CompletionRequest, request_id: str, arrival: float) -> Job:
+        """Validate a completion request and tokenize its prompt."""
+        self._check_common(req)
+        if req.echo:
+            raise APIError("echo is not supported", param="echo")
+        if req.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if req.best_of not in (None, 1):
+            raise APIError("best_of must be 1", param="best_of")
+        if req.logprobs is not None and not 0 <= req.logprobs <= 5:
+            raise APIError(f"logprobs must be between 0 and 5, got {req.logprobs}",
+                           param="logprobs")
+        prompt = req.prompt
+        if not prompt:
+            raise APIError("prompt must not be empty", param="prompt")
+        if isinstance(prompt, str):
+            text = prompt
+            ids = await self._offload(len(text), lambda: encode_text(
+                self.tokenizer, text, add_special_tokens=True))
+            if not ids:
+                raise APIError("prompt encodes to no tokens", param="prompt")
+        else:
+            self._check_token_ids(prompt, "prompt")
+            ids = list(prompt)
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
+        self._check_context(len(ids), 1, "prompt")
+        params = self._sampling_params(req, max_tokens, logprobs=req.logprobs is not None)
+        self._check_context(len(ids), max_tokens, "prompt")
+        return Job(request_id, ids, params, arrival, bool(req.stream),
+                   bool(req.stream_options and req.stream_options.include_usage),
+                   req.logprobs)
+
+    async def chat(self, req: ChatCompletionRequest, request_id: str, arrival: float) -> Job:
+        """Validate a chat request, render its messages and tokenize them."""
+        self._check_common(req)
+        mct = req.max_completion_tokens
+        if mct is not None and mct < 1:
+            raise APIError(f"max_completion_tokens must be at least 1, got {mct}",
+                           param="max_completion_tokens")
+        if req.tools or req.functions:
+            raise APIError("tools are not supported", param="tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError("only response_format {\"type\": \"text\"} is supported",
+                           param="response_format")
+        top = req.top_logprobs
+        if top is not None and not 0 <= top <= 20:
+            raise APIError(f"top_logprobs must be between 0 and 20, got {top}",
+                           param="top_logprobs")
+        if top and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        messages = normalize_messages(req.messages)
+        size = sum(len(m["content"]) for m in messages)
+        ids = await self._offload(size, lambda: encode_chat(self.tokenizer, messages))
+        self._check_context(len(ids), 1, "messages")
+        max_tokens = mct if mct is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(ids)
+        params = self._sampling_params(req, max_tokens, logprobs=bool(req.logprobs))
+        self._check_context(len(ids), max_tokens, "messages")
+        return Job(request_id, ids, params, arrival, bool(req.stream),
+                   bool(req.stream_options and req.stream_options.include_usage),
+                   (top or 0) if req.logprobs else None)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte <-> printable character table used by byte-level BPE vocabularies."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenTexts:
+    """Display text and raw UTF-8 bytes of single tokens, for logprobs; cached per id.
+
+    A token can hold part of a UTF-8 character: its ``bytes`` are then the exact bytes
+    (clients join them to rebuild the text), and its display text has U+FFFD for the
+    incomplete part, as the tokenizer's own decode would.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        self._byte_level = decoder is not None and "ByteLevel" in str(decoder)
+        # SentencePiece-style vocabularies write a leading space as U+2581
+        self._metaspace = decoder is not None and "\u2581" in str(decoder)
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._compute(token_id)
+            if len(self._cache) < 1 << 20:
+                self._cache[token_id] = hit
+        return hit
+
+    def _compute(self, token_id: int) -> tuple[str, list[int]]:
+        raw: bytes | None = None
+        piece = self._tok.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            m = _BYTE_FALLBACK.fullmatch(piece)
+            if m:
+                raw = bytes([int(m.group(1), 16)])
+            elif self._byte_level and all(c in _BYTE_DECODER for c in piece):
+                raw = bytes(_BYTE_DECODER[c] for c in piece)
+            elif self._metaspace:
+                raw = piece.replace("\u2581", " ").encode("utf-8")
+        if raw is None:
+            text = self._tok.decode([token_id])
+            return text, list(text.encode("utf-8"))
+        return raw.decode("utf-8", errors="replace"), list(raw)

@@ -1,0 +1,189 @@
+"""`kvpush serve MODEL_DIR`: load a model and serve it over the OpenAI-compatible API.
+
+Only argparse is imported at module level: `kvpush --help` builds this parser and must
+not pay for torch, transformers or FastAPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+#: Seconds uvicorn lets open requests finish on Ctrl-C / SIGTERM before cancelling them
+#: (the engine then aborts them and the process exits).
+GRACEFUL_SHUTDOWN_S = 10
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _size(text: str) -> int:
+    from kvpush.config import ConfigError, parse_size
+
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the `serve` sub-command on ``subparsers`` (from add_subparsers)."""
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description=(
+            "Load a Llama or Qwen3 model and serve /v1/completions, /v1/chat/completions, "
+            "/v1/models, /health and /metrics (Prometheus) over HTTP."
+        ),
+    )
+    p.add_argument(
+        "model", metavar="MODEL_DIR",
+        help="model folder (config.json, tokenizer, *.safetensors) or the name of a model "
+             "installed with `kvpush models install`",
+    )
+    net = p.add_argument_group("HTTP")
+    net.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
+    net.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000)")
+    net.add_argument("--served-model-name", metavar="NAME",
+                     help="model name clients must send in `model` (default: the registered "
+                          "model name, or the model folder's name)")
+    net.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                     help="logging level (default: info)")
+
+    mdl = p.add_argument_group("model and KV cache")
+    mdl.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                     help="longest prompt + completion, in tokens (default: the model's "
+                          "max_position_embeddings)")
+    mdl.add_argument("--block-size", type=int, metavar="TOKENS",
+                     help="tokens per KV-cache block, a power of two (default: 32)")
+    kv = mdl.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-memory", type=_size, metavar="SIZE",
+                    help="memory for the KV cache, e.g. 512MiB, 2GiB, 1G (binary units) or "
+                         "bytes (default: 1GiB)")
+    kv.add_argument("--num-blocks", type=int, metavar="N",
+                    help="size the KV cache in blocks instead of bytes")
+    mdl.add_argument("--dtype", default="float32", metavar="DTYPE",
+                     help="weight and activation dtype: float32, bfloat16 or float16 "
+                          "(default: float32)")
+    mdl.add_argument("--kv-dtype", metavar="DTYPE",
+                     help="KV-cache dtype, same choices (default: --dtype)")
+    mdl.add_argument("--device", default="cpu",
+                     help="cpu or cuda[:N] (default: cpu)")
+    mdl.add_argument("--threads", type=int, metavar="N",
+                     help="CPU threads for torch (default: torch's own choice, usually one "
+                          "per physical core)")
+    mdl.add_argument("--seed", type=int, default=0,
+                     help="engine random seed; requests may also send their own (default: 0)")
+
+    sch = p.add_argument_group("scheduler")
+    sch.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
+                     help="most requests in the running batch (default: 64)")
+    sch.add_argument("--max-num-batched-tokens", type=int, default=1024, metavar="TOKENS",
+                     help="most tokens (prefill chunks + decodes) in one engine step "
+                          "(default: 1024)")
+    sch.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
+                     action="store_false",
+                     help="prefill each prompt in one step (then --max-num-batched-tokens "
+                          "must be at least --max-model-len); chunked prefill is on by "
+                          "default")
+    sch.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                     help="do not reuse KV blocks of shared prompt prefixes (on by default)")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"kvpush serve: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _resolve_model(name_or_dir: str) -> tuple[str, str | None]:
+    """(model folder, default served name or None for "the folder's name")."""
+    try:
+        from kvpush.models.registry import resolve_model
+    except ModuleNotFoundError as e:  # registry not there (yet): MODEL_DIR is a folder
+        if e.name not in ("kvpush.models", "kvpush.models.registry"):
+            raise
+        return name_or_dir, None
+    path = str(resolve_model(name_or_dir))
+    # A registered name is served under that name, not under its cache folder's name.
+    return path, (None if Path(name_or_dir).exists() else name_or_dir)
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    """The EngineConfig for parsed ``serve`` arguments (raises ConfigError)."""
+    from kvpush.config import EngineConfig
+
+    model_dir, default_name = _resolve_model(args.model)
+    kwargs: dict[str, Any] = {}
+    if args.block_size is not None:  # else EngineConfig's DEFAULT_BLOCK_SIZE
+        kwargs["block_size"] = args.block_size
+    return EngineConfig.build(
+        model_dir,
+        served_model_name=args.served_model_name or default_name,
+        max_model_len=args.max_model_len,
+        num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+        device=args.device,
+        threads=args.threads,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+        **kwargs,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("kvpush.server")
+    from kvpush.config import ConfigError
+
+    try:
+        config = build_config(args)
+    except ConfigError as e:
+        return _fail(str(e))
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)  # before the model loads
+    from kvpush.engine.async_engine import AsyncEngine
+
+    log.info("loading %s (%s, max_model_len %d, %d KV blocks of %d tokens)",
+             config.model.path, config.model.arch, config.scheduler.max_model_len,
+             config.cache.num_blocks, config.cache.block_size)
+    try:
+        engine = AsyncEngine(config)
+    except ConfigError as e:
+        return _fail(str(e))
+
+    import uvicorn
+
+    from kvpush.server.app import build_app
+
+    app = build_app(engine)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    ))
+    log.info("serving %r on http://%s:%d/v1", config.served_model_name, args.host, args.port)
+    server.run()
+    # uvicorn returns normally on Ctrl-C; a failed bind or startup leaves started False.
+    return 0 if server.started else 1

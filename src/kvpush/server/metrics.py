@@ -1,0 +1,158 @@
+"""Prometheus metrics of one server: request outcomes, latencies, token counts, and
+engine gauges read from ``engine.stats()`` at scrape time.
+
+Each app gets its own :class:`CollectorRegistry`, so several apps in one process (tests,
+a prefill and a decode server side by side) never clash on metric names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from kvpush.engine.outputs import EngineStats
+
+logger = logging.getLogger("kvpush.server")
+
+OUTCOMES = ("stop", "length", "abort", "error", "rejected")
+
+# Time to first token: a few ms (prefix hit, GPU) up to minutes (long prompt queued on CPU).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+# Mean time between output tokens of one request: sub-ms (GPU, small model) to seconds.
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+# Whole request, arrival to last token.
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+               30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters owned by the engine, read once per scrape."""
+
+    def __init__(self, stats: Callable[[], EngineStats], healthy: Callable[[], bool]) -> None:
+        self._stats = stats
+        self._healthy = healthy
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # unchecked collector: names are not known to clash
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            healthy = bool(self._healthy())
+        except Exception:  # noqa: BLE001 - a scrape must never fail
+            healthy = False
+        yield GaugeMetricFamily("kvpush_engine_healthy", "1 while the engine step loop runs",
+                                value=1.0 if healthy else 0.0)
+        try:
+            s = self._stats()
+        except Exception:  # noqa: BLE001
+            logger.warning("engine.stats() failed during a metrics scrape", exc_info=True)
+            return
+        gauges = {
+            "kvpush_num_requests_running": ("Requests in the running batch", s.num_running),
+            "kvpush_num_requests_waiting": ("Requests queued for admission", s.num_waiting),
+            "kvpush_kv_blocks_free": ("Free KV-cache blocks", s.num_free_blocks),
+            "kvpush_kv_blocks_total": ("KV-cache blocks in the pool", s.num_total_blocks),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        counters = {
+            "kvpush_num_preemptions": ("Requests preempted to free KV blocks",
+                                       s.num_preemptions),
+            "kvpush_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache",
+                                               s.prefix_cache_hit_tokens),
+            "kvpush_prefix_cache_query_tokens": ("Prompt tokens looked up in the prefix cache",
+                                                 s.prefix_cache_query_tokens),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=float(value))
+
+
+class ServerMetrics:
+    """All metrics of one app, with a small API the request handlers call."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, stats: Callable[[], EngineStats], healthy: Callable[[], bool]) -> None:
+        # The *_created series double the exposition for no use here (vLLM drops them too);
+        # the switch is process-wide.
+        disable_created_metrics()
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kvpush_requests", "Finished generation requests by outcome",
+                                ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)  # export zeros from the start
+        self.ttft = Histogram("kvpush_time_to_first_token_seconds",
+                              "Arrival to first output token", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("kvpush_time_per_output_token_seconds",
+                              "Mean time between output tokens of a request (after the "
+                              "first)", buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("kvpush_e2e_request_latency_seconds",
+                             "Arrival to last token of requests that finished (stop or "
+                             "length)", buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvpush_prompt_tokens", "Prompt tokens of requests the "
+                                     "engine started generating for", registry=r)
+        self.generation_tokens = Counter("kvpush_generation_tokens", "Generated tokens",
+                                         registry=r)
+        r.register(_EngineCollector(stats, healthy))
+
+    def count(self, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Per-request timing and token accounting; reports once, in :meth:`finish`."""
+
+    __slots__ = ("_m", "arrival", "first_token", "last_token", "num_tokens", "_started",
+                 "_done", "_prompt_tokens")
+
+    def __init__(self, metrics: ServerMetrics, arrival: float, prompt_tokens: int) -> None:
+        self._m = metrics
+        self.arrival = arrival
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.num_tokens = 0
+        self._started = False
+        self._done = False
+        self._prompt_tokens = prompt_tokens
+
+    def on_output(self, num_new_tokens: int, now: float) -> None:
+        if not self._started:
+            self._started = True
+            self._m.prompt_tokens.inc(self._prompt_tokens)
+        if num_new_tokens <= 0:
+            return
+        if self.first_token is None:
+            self.first_token = now
+            self._m.ttft.observe(now - self.arrival)
+        self.last_token = now
+        self.num_tokens += num_new_tokens
+        self._m.generation_tokens.inc(num_new_tokens)
+
+    def finish(self, outcome: str, now: float) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._m.count(outcome)
+        if outcome not in ("stop", "length"):
+            return
+        self._m.e2e.observe(now - self.arrival)
+        if self.first_token is not None and self.last_token is not None and self.num_tokens > 1:
+            self._m.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))

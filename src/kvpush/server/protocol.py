@@ -1,0 +1,445 @@
+"""Request and response bodies of the OpenAI-compatible API, as pydantic models, and
+the formatters that turn engine outputs into them.
+
+Requests are parsed strictly where a wrong type would otherwise be coerced into a
+surprising value (``"max_tokens": "10"`` or ``true`` is a 400, not 10 or 1), unknown
+fields are ignored (OpenAI clients send some we do not use), and NaN/Infinity are
+refused. Fields that change what the model would generate but that kvpush does not
+implement (``n > 1``, ``echo``, penalties, tools, ...) are parsed so that the server can
+refuse them with a clear 400 instead of silently ignoring them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+
+from kvpush.engine.outputs import FinishReason, RequestOutput
+from kvpush.sampling_params import SamplingParams
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # strict float still takes JSON integers
+Bool = Annotated[bool, Strict()]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Model):
+    include_usage: Bool = False
+
+
+class SamplingRequest(_Model):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None  # extension (vLLM): 0 or -1 disables
+    seed: Int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[Int] | None = None  # extension (vLLM)
+    ignore_eos: Bool = False  # extension (vLLM)
+    include_stop_str_in_output: Bool = False  # extension (vLLM)
+    n: Int | None = 1
+    stream: Bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+    #: Opaque KV-transfer instructions from the disaggregation router; passed through to
+    #: SamplingParams.extra["kv_transfer_params"].
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [v]
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not -(2**63) <= v < 2**64:
+            raise ValueError("seed must fit in 64 bits")
+        return v
+
+
+class CompletionRequest(SamplingRequest):
+    #: A string, a list of one string, a list of token ids, or a list of one such list;
+    #: normalized by the validator to ``str`` or ``list[int]``.
+    prompt: str | list[int]
+    echo: Bool | None = False
+    logprobs: Int | None = None
+    suffix: str | None = None
+    best_of: Int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+                return v
+            if all(isinstance(t, (str, list)) for t in v):
+                raise ValueError("batched prompts are not supported: send one prompt per request")
+        raise ValueError("prompt must be a string, a list of one string, or a list of token ids")
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        # Checked by hand so that a bad part gives one clear error, not one per union member.
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ValueError("content must be a string or a list of content parts")
+        parts = []
+        for i, part in enumerate(v):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ValueError(f"content part {i} must be an object with a string 'type'")
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} of type 'text' needs a string 'text'")
+            parts.append(ContentPart(type=part["type"], text=part.get("text")))
+        return parts
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: Int | None = None
+    logprobs: Bool | None = False
+    top_logprobs: Int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+class UsageInfo(_Model):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Model):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Model):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Model):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class TopLogprob(_Model):
+    token: str
+    logprob: float | None
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(_Model):
+    token: str
+    logprob: float | None
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Model):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Model):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Model):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Model):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+def _is_none(v: Any) -> bool:
+    return v is None
+
+
+class DeltaMessage(_Model):
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
+    content: str | None = Field(default=None, exclude_if=_is_none)
+
+
+class ChatStreamChoice(_Model):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Model):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_Model):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvpush"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Model):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ------------------------------------------------------------ engine outputs -> bodies
+
+
+@dataclass
+class Job:
+    """A validated, tokenized request, ready for the engine."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    stream: bool
+    include_usage: bool
+    #: None: no logprobs; else how many top alternatives the client asked for (only the
+    #: sampled token's logprob is known, so at most that one is listed).
+    logprobs: int | None
+
+
+TokenTexts = Callable[[int], tuple[str, list[int]]]
+
+
+def _frame(model: BaseModel) -> bytes:
+    return b"data: " + model.model_dump_json().encode() + b"\n\n"
+
+
+class Format:
+    """Turns one request's engine outputs into an OpenAI body or SSE frames."""
+
+    def __init__(self, job: Job, model: str, token_texts: TokenTexts) -> None:
+        self.job = job
+        self.model = model
+        self.texts = token_texts
+        self.created = int(time.time())
+        self.text_parts: list[str] = []
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.kv_transfer_params: dict[str, Any] | None = None
+
+    def usage(self) -> UsageInfo:
+        p = len(self.job.prompt_ids)
+        return UsageInfo(prompt_tokens=p, completion_tokens=self.num_tokens,
+                         total_tokens=p + self.num_tokens)
+
+    def _account(self, out: RequestOutput) -> None:
+        self.num_tokens += len(out.new_token_ids)
+        if out.finished:
+            self.finish_reason = _reason(out)
+            ktp = out.extra.get("kv_transfer_params") if out.extra else None
+            if isinstance(ktp, dict):
+                self.kv_transfer_params = ktp
+
+    def _token_logprobs(self, out: RequestOutput) -> list[tuple[int, float | None]]:
+        if self.job.logprobs is None or not out.new_token_ids:
+            return []
+        lps: list[float | None] = list(out.new_logprobs or [])
+        lps += [None] * (len(out.new_token_ids) - len(lps))
+        return list(zip(out.new_token_ids, lps))
+
+    def add(self, out: RequestOutput) -> None:
+        """Accumulate an output for the non-streaming body."""
+        raise NotImplementedError
+
+    def response(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def stream_start(self) -> list[bytes]:
+        return []
+
+    def stream_chunk(self, out: RequestOutput) -> bytes | None:
+        raise NotImplementedError
+
+    def stream_finish(self, reason: str) -> bytes:
+        raise NotImplementedError
+
+    def usage_chunk(self) -> bytes:
+        raise NotImplementedError
+
+    @staticmethod
+    def error_frame(err: Any) -> bytes:
+        return b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+
+
+def _reason(out: RequestOutput) -> str:
+    r = out.finish_reason
+    return "abort" if r is None else FinishReason(r).value
+
+
+class CompletionFormat(Format):
+    def __init__(self, job: Job, model: str, token_texts: TokenTexts) -> None:
+        super().__init__(job, model, token_texts)
+        self._offset = 0
+        self._lp: CompletionLogprobs | None = (
+            CompletionLogprobs() if job.logprobs is not None else None)
+
+    def _logprobs(self, out: RequestOutput, into: CompletionLogprobs) -> None:
+        top = self.job.logprobs or 0
+        for tid, lp in self._token_logprobs(out):
+            text, _ = self.texts(tid)
+            into.tokens.append(text)
+            into.token_logprobs.append(lp)
+            into.top_logprobs.append({text: lp} if top and lp is not None else None)
+            into.text_offset.append(self._offset)
+            self._offset += len(text)
+
+    def add(self, out: RequestOutput) -> None:
+        self._account(out)
+        self.text_parts.append(out.new_text)
+        if self._lp is not None:
+            self._logprobs(out, self._lp)
+
+    def response(self) -> dict[str, Any]:
+        return CompletionResponse(
+            id=self.job.request_id, created=self.created, model=self.model,
+            choices=[CompletionChoice(text="".join(self.text_parts), logprobs=self._lp,
+                                      finish_reason=self.finish_reason)],
+            usage=self.usage(), kv_transfer_params=self.kv_transfer_params,
+        ).model_dump(mode="json")
+
+    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
+        return _frame(CompletionResponse(id=self.job.request_id, created=self.created,
+                                         model=self.model, choices=choices, usage=usage))
+
+    def stream_chunk(self, out: RequestOutput) -> bytes | None:
+        self._account(out)
+        lp = None
+        if self._lp is not None and out.new_token_ids:
+            lp = CompletionLogprobs()
+            self._logprobs(out, lp)
+        if not out.new_text and lp is None and not out.finished:
+            return None
+        reason = self.finish_reason if out.finished else None
+        return self._chunk([CompletionChoice(text=out.new_text, logprobs=lp,
+                                             finish_reason=reason)])
+
+    def stream_finish(self, reason: str) -> bytes:
+        self.finish_reason = reason
+        return self._chunk([CompletionChoice(text="", finish_reason=reason)])
+
+    def usage_chunk(self) -> bytes:
+        return self._chunk([], self.usage())
+
+
+class ChatFormat(Format):
+    def __init__(self, job: Job, model: str, token_texts: TokenTexts) -> None:
+        super().__init__(job, model, token_texts)
+        self._lp: ChatLogprobs | None = (
+            ChatLogprobs(content=[]) if job.logprobs is not None else None)
+
+    def _logprobs(self, out: RequestOutput) -> list[ChatTokenLogprob]:
+        top = self.job.logprobs or 0
+        items = []
+        for tid, lp in self._token_logprobs(out):
+            text, raw = self.texts(tid)
+            alts = [TopLogprob(token=text, logprob=lp, bytes=raw)] if top else []
+            items.append(ChatTokenLogprob(token=text, logprob=lp, bytes=raw, top_logprobs=alts))
+        return items
+
+    def add(self, out: RequestOutput) -> None:
+        self._account(out)
+        self.text_parts.append(out.new_text)
+        if self._lp is not None and self._lp.content is not None:
+            self._lp.content.extend(self._logprobs(out))
+
+    def response(self) -> dict[str, Any]:
+        return ChatCompletionResponse(
+            id=self.job.request_id, created=self.created, model=self.model,
+            choices=[ChatChoice(message=ChatResponseMessage(content="".join(self.text_parts)),
+                                logprobs=self._lp, finish_reason=self.finish_reason)],
+            usage=self.usage(), kv_transfer_params=self.kv_transfer_params,
+        ).model_dump(mode="json")
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> bytes:
+        return _frame(ChatCompletionChunk(id=self.job.request_id, created=self.created,
+                                          model=self.model, choices=choices, usage=usage))
+
+    def stream_start(self) -> list[bytes]:
+        return [self._chunk([ChatStreamChoice(delta=DeltaMessage(role="assistant",
+                                                                 content=""))])]
+
+    def stream_chunk(self, out: RequestOutput) -> bytes | None:
+        self._account(out)
+        lp = None
+        if self._lp is not None and out.new_token_ids:
+            lp = ChatLogprobs(content=self._logprobs(out))
+        if not out.new_text and lp is None and not out.finished:
+            return None
+        reason = self.finish_reason if out.finished else None
+        delta = DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()
+        return self._chunk([ChatStreamChoice(delta=delta, logprobs=lp, finish_reason=reason)])
+
+    def stream_finish(self, reason: str) -> bytes:
+        self.finish_reason = reason
+        return self._chunk([ChatStreamChoice(delta=DeltaMessage(), finish_reason=reason)])
+
+    def usage_chunk(self) -> bytes:
+        return self._chunk([], self.usage())
