@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -35,7 +36,10 @@ class AsyncEngine:
         self.engine = engine if engine is not None else LLMEngine(config)
         self.config = config
         self.tokenizer = self.engine.tokenizer
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        # internal engine id -> (caller's request id, its output queue)
+        self._streams: dict[str, tuple[str, asyncio.Queue[RequestOutput]]] = {}
+        self._internal: dict[str, str] = {}  # caller's id -> internal id
+        self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._fatal: BaseException | None = None
@@ -61,6 +65,20 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def kv_info(self) -> dict:
+        """What /kv/info shows: identity, role, transfer mode, layout, blocks."""
+        return self.engine.kv_info()
+
+    def kv_stats(self) -> dict:
+        """Transfer counters (empty for a plain instance)."""
+        c = self.engine.connector
+        return c.stats() if c is not None else {}
+
+    def set_transfer_sink(self, sink) -> None:
+        """Call ``sink(TransferRecord)`` for every finished transfer (step-loop thread)."""
+        if self.engine.connector is not None:
+            self.engine.connector.record_sink = sink
+
     # ---- requests ----------------------------------------------------------------
     async def generate(
         self,
@@ -69,30 +87,43 @@ class AsyncEngine:
         params: SamplingParams,
         kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. ``request_id`` is the caller's (X-Request-Id); the
+        engine runs it under a unique internal id, so an id reused right after an abort
+        never receives the old request's last output."""
         if not self.is_healthy():
             raise RuntimeError("the engine's step loop is not running")
-        self.engine.validate(prompt_token_ids, params)
-        if request_id in self._streams:
+        if kv_transfer_params is None:
+            kv_transfer_params = params.extra.get("kv_transfer_params")
+        self.engine.validate(prompt_token_ids, params, kv_transfer_params)
+        if request_id in self._internal:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+        internal = f"{request_id}#{next(self._seq)}"
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request_id] = stream
-        self.engine.inbox.put(("add", request_id, prompt_token_ids, params, kv_transfer_params))
+        self._streams[internal] = (request_id, stream)
+        self._internal[request_id] = internal
+        self.engine.inbox.put(("add", internal, prompt_token_ids, params, kv_transfer_params))
         finished = False
         try:
             while True:
                 out = await stream.get()
                 if out.finished:
                     finished = True
+                    if out.extra.get("rejected"):
+                        raise RequestError(out.error or "request refused",
+                                           out.extra.get("param"), out.extra.get("code"))
                 yield out
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.pop(internal, None)
+            self._internal.pop(request_id, None)
             if not finished:
-                self.engine.inbox.put(("abort", request_id))
+                self.engine.inbox.put(("abort", internal))
 
     async def abort(self, request_id: str) -> None:
-        self.engine.inbox.put(("abort", request_id))
+        internal = self._internal.get(request_id)
+        if internal is not None:
+            self.engine.inbox.put(("abort", internal))
 
     # ---- the step loop (its own thread) --------------------------------------------
     def _run(self) -> None:
@@ -124,9 +155,10 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put_nowait(out)
+            entry = self._streams.get(out.request_id)
+            if entry is not None:
+                out.request_id = entry[0]
+                entry[1].put_nowait(out)
 
     def _abort_all(self) -> None:
         outs = []

@@ -92,7 +92,9 @@ class LLMEngine:
                 try:
                     self.add_request(*cmd[1:])
                 except RequestError as e:
-                    outputs.append(_error_output(cmd[1], str(e)))
+                    out = _error_output(cmd[1], str(e))
+                    out.extra = {"rejected": True, "param": e.param, "code": e.code}
+                    outputs.append(out)
             elif kind == "abort":
                 out = self.abort_request(cmd[1])
                 if out is not None:
@@ -121,8 +123,22 @@ class LLMEngine:
         return outputs
 
     # ---- requests ------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> None:
         """Raise RequestError for a request this engine can never serve. Thread-safe."""
+        if kv_transfer_params is not None:
+            if self.connector is None:
+                raise RequestError(
+                    "kv_transfer_params given, but this instance runs with --role both",
+                    "kv_transfer_params",
+                )
+            from kvpush.kv_transfer.connector import parse_kv_params
+
+            parse_kv_params(kv_transfer_params, self.connector.role)
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty", "prompt")
@@ -147,7 +163,7 @@ class LLMEngine:
         params: SamplingParams,
         kv_transfer_params: dict | None = None,
     ) -> Request:
-        self.validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params, kv_transfer_params)
         if request_id in self.scheduler.requests:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         req = Request(
@@ -156,11 +172,6 @@ class LLMEngine:
             params=params,
             max_total_tokens=self.max_model_len,
         )
-        if kv_transfer_params is not None and self.connector is None:
-            raise RequestError(
-                "kv_transfer_params given, but this instance runs with --role both",
-                "kv_transfer_params",
-            )
         if self.connector is None or not self.connector.add_request(req, kv_transfer_params):
             self.scheduler.add_request(req)
         self.detoks[request_id] = IncrementalDetokenizer(
@@ -273,6 +284,24 @@ class LLMEngine:
             arrival_time=req.arrival_time,
             extra={"kv_transfer_params": kv_params} if kv_params else {},
         )
+
+    def kv_info(self) -> dict:
+        import dataclasses
+
+        s = self.stats()
+        info = {
+            "engine_id": "",
+            "role": "both",
+            "kv_transfer": None,
+            "side_channel": None,
+            **(self.connector.info() if self.connector is not None else {}),
+            "model": self.config.served_model_name,
+            "block_size": self.config.cache.block_size,
+            "layout": dataclasses.asdict(self.runner.kv_region.layout),
+            "num_free_blocks": s.num_free_blocks,
+            "num_total_blocks": s.num_total_blocks,
+        }
+        return info
 
     def stats(self) -> EngineStats:
         s = self.scheduler

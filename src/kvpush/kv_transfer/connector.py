@@ -228,6 +228,8 @@ class KVConnector:
         self.ended: OrderedDict[str, str] = OrderedDict()  # recently ended tids -> why
         self.by_request: dict[str, str] = {}  # request id -> tid
         self.records: deque[TransferRecord] = deque(maxlen=1024)
+        # called (on the step loop) with each finished transfer, e.g. by /metrics
+        self.record_sink: Callable[[TransferRecord], None] | None = None
         self.counters = {"transfers_ok": 0, "transfers_failed": 0, "leases_expired": 0,
                          "aborts_sent": 0, "aborts_received": 0}
         self._step_writes: list[tuple[PushSend, list[tuple[int, int, int]]]] = []
@@ -253,12 +255,18 @@ class KVConnector:
         self.worker.stop()
 
     def info(self) -> dict:
+        host, port = self.address.rsplit(":", 1)
         return {
             "engine_id": self.engine_id,
             "role": self.role,
             "kv_transfer": self.mode,
             "side_channel": self.address,
+            "side_channel_host": host,
+            "side_channel_port": int(port),
             "transport": self.cfg.transport,
+            "model_fingerprint": self.hello.model,
+            "kv_load_failure_policy": self.cfg.load_failure_policy,
+            "lease_timeout_s": self.cfg.lease_timeout_s,
         }
 
     # ---- requests -------------------------------------------------------------------
@@ -373,7 +381,7 @@ class KVConnector:
             self._recv_failed(recv, f"READ failed to post: {e}")
             return
         post_s = time.perf_counter() - t0
-        self.records.append(TransferRecord(recv.tid, "decode", "pull", True,
+        self._record(TransferRecord(recv.tid, "decode", "pull", True,
                                            sum(x[1] for x in local), len(local), post_s))
         recv.state = RecvState.AWAITING_KV
         self.worker.submit("watch_read", recv.tid, handle, recv.address)
@@ -574,7 +582,7 @@ class KVConnector:
         msg = f"KV transfer {recv.tid} from prefill {source} failed: {why}"
         log.warning(msg)
         self._end_recv(recv, ok=False)
-        self.records.append(TransferRecord(recv.tid, "decode", recv.mode, False, error=why))
+        self._record(TransferRecord(recv.tid, "decode", recv.mode, False, error=why))
         if recv.request_id not in self.scheduler.requests:
             return
         if self.cfg.load_failure_policy == "recompute":
@@ -587,7 +595,7 @@ class KVConnector:
         self._end_recv(recv, ok=True)
         self.counters["transfers_ok"] += 1
         record.transfer_s = time.perf_counter() - recv.t_start
-        self.records.append(record)
+        self._record(record)
         if recv.request_id in self.scheduler.remote_waiting:
             self.scheduler.remote_kv_arrived(recv.request_id, num_computed, first)
             if first is not None:
@@ -647,7 +655,7 @@ class KVConnector:
         self.worker.submit("untrack", tid)
         ok = failed is None and send.finished
         self.counters["transfers_ok" if ok else "transfers_failed"] += 1
-        self.records.append(TransferRecord(tid, "prefill", "push", ok, nbytes, ndesc,
+        self._record(TransferRecord(tid, "prefill", "push", ok, nbytes, ndesc,
                                            post_s, elapsed, failed))
         self._remember_ended(tid, failed or "done")
         self.scheduler.pool.free(send.block_ids)
@@ -749,6 +757,14 @@ class KVConnector:
             self._recv_failed(recv, "the transfer thread died")
 
     # ---- visibility --------------------------------------------------------------------
+    def _record(self, rec: TransferRecord) -> None:
+        self.records.append(rec)
+        if self.record_sink is not None:
+            try:
+                self.record_sink(rec)
+            except Exception:  # metrics must never break a transfer
+                log.exception("transfer record sink failed")
+
     def stats(self) -> dict:
         return {
             **self.counters,

@@ -338,6 +338,9 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES) -> 
                   max_body_size=max_body_bytes)
     app.state.server = server
     install_error_handlers(app)
+    if hasattr(engine, "kv_stats"):
+        server.metrics.register_kv_stats(engine.kv_stats)
+        engine.set_transfer_sink(server.metrics.observe_transfer)
 
     @app.post("/v1/completions", summary="Text completion (OpenAI legacy API)")
     async def completions(request: Request) -> Response:
@@ -358,6 +361,13 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES) -> 
         if engine.is_healthy():
             return JSONResponse({"status": "ok"})
         return APIError("the engine step loop is not running", status_code=503).response()
+
+    @app.get("/kv/info", summary="KV identity: engine id, role, transfer mode, layout, blocks")
+    async def kv_info() -> Response:
+        info = getattr(engine, "kv_info", None)
+        if info is None:
+            return APIError("this engine has no KV info", status_code=404).response()
+        return JSONResponse(info())
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -101,6 +101,36 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "default")
     sch.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                      help="do not reuse KV blocks of shared prompt prefixes (on by default)")
+    pd = p.add_argument_group(
+        "prefill/decode disaggregation",
+        "Run as one side of a P/D pair; the router (or any vLLM-style proxy) sends each "
+        "request's legs with kv_transfer_params.")
+    pd.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+                    help="both: a plain single instance (default); prefill: compute prompts "
+                         "and send (push) or lend (pull) their KV; decode: receive KV and "
+                         "generate")
+    pd.add_argument("--kv-transfer", choices=("push", "pull"), default="push",
+                    help="push: decode pre-allocates and prefill WRITEs the KV as it is "
+                         "computed, token #1 travels with it (default); pull: decode READs "
+                         "prefill's blocks after prefill finished (vLLM NixlConnector)")
+    pd.add_argument("--engine-id", metavar="ID",
+                    help="this instance's id in transfers (default: ROLE-<random>)")
+    pd.add_argument("--side-channel-host", default="127.0.0.1", metavar="HOST",
+                    help="address peers reach this instance's side channel at "
+                         "(default: 127.0.0.1)")
+    pd.add_argument("--side-channel-port", type=_port, default=0, metavar="PORT",
+                    help="side-channel port (default: 0, a free port; /kv/info shows it)")
+    pd.add_argument("--kv-transport", choices=("nixl", "inproc"), default="nixl",
+                    help=argparse.SUPPRESS)  # inproc only works within one process (tests)
+    pd.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"),
+                    default="fail",
+                    help="decode side, when the KV does not arrive: fail the request with "
+                         "a clear error (default) or prefill it locally")
+    pd.add_argument("--lease-timeout", type=float, default=15.0, metavar="SECONDS",
+                    help="blocks held for a transfer are freed when the peer has not been "
+                         "heard from for this long (default: 15)")
+    pd.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS",
+                    help="how often peers confirm the transfers they hold (default: 1)")
     p.set_defaults(func=run_serve)
     return p
 
@@ -125,9 +155,20 @@ def _resolve_model(name_or_dir: str) -> tuple[str, str | None]:
 
 def build_config(args: argparse.Namespace) -> Any:
     """The EngineConfig for parsed ``serve`` arguments (raises ConfigError)."""
-    from kvpush.config import EngineConfig
+    from kvpush.config import EngineConfig, KVTransferConfig
 
     model_dir, default_name = _resolve_model(args.model)
+    kv_transfer = KVTransferConfig(
+        role=args.role,
+        mode=args.kv_transfer,
+        engine_id=args.engine_id or "",
+        side_channel_host=args.side_channel_host,
+        side_channel_port=args.side_channel_port,
+        transport=args.kv_transport,
+        lease_timeout_s=args.lease_timeout,
+        heartbeat_interval_s=args.heartbeat_interval,
+        load_failure_policy=args.kv_load_failure_policy,
+    )
     kwargs: dict[str, Any] = {}
     if args.block_size is not None:  # else EngineConfig's DEFAULT_BLOCK_SIZE
         kwargs["block_size"] = args.block_size
@@ -146,6 +187,7 @@ def build_config(args: argparse.Namespace) -> Any:
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
+        kv_transfer=kv_transfer,
         **kwargs,
     )
 
@@ -183,6 +225,10 @@ def run_serve(args: argparse.Namespace) -> int:
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     ))
+    kvt = config.kv_transfer
+    if kvt.enabled:
+        log.info("role %s, %s mode, engine id %s, side channel %s", kvt.role, kvt.mode,
+                 kvt.engine_id, engine.kv_info()["side_channel"])
     log.info("serving %r on http://%s:%d/v1", config.served_model_name, args.host, args.port)
     server.run()
     # uvicorn returns normally on Ctrl-C; a failed bind or startup leaves started False.

@@ -1,0 +1,77 @@
+"""Start `kvpush serve` processes on 127.0.0.1 with free ports, and stop them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir: Path, *args: str, log_dir: Path, name: str = "server",
+                 timeout: float = 90.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{name}-{self.port}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "UCX_NET_DEVICES": "lo",
+               "NIXL_LOG_LEVEL": "WARN"}
+        cmd = [sys.executable, "-m", "kvpush", "serve", str(model_dir), "--host", "127.0.0.1",
+               "--port", str(self.port), "--threads", "1", "--log-level", "warning", *args]
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"{name} exited {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"{name} not healthy in {timeout} s:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def get(self, path: str) -> dict:
+        r = httpx.get(self.url + path, timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+    def wait_all_free(self, timeout: float = 20.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.get("/kv/info")
+            if info["num_free_blocks"] == info["num_total_blocks"]:
+                return info
+            if time.monotonic() > deadline:
+                raise AssertionError(f"blocks not all free: {info}")
+            time.sleep(0.05)

@@ -1,0 +1,105 @@
+"""`kvpush serve --role prefill|decode` processes over HTTP, driven by a minimal two-leg
+driver (the router issue builds the real one): outputs equal a single instance."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import httpx
+import pytest
+
+from server_helpers import ServerProcess
+
+PROMPTS = [
+    "the quick brown fox jumps over the lazy dog " * 3,
+    "a b c d e f g",
+    "hello world " * 20,
+]
+
+
+@pytest.fixture(scope="module")
+def single(tiny_llama, tmp_path_factory):
+    srv = ServerProcess(tiny_llama, "--block-size", "16", "--num-blocks", "256",
+                        log_dir=tmp_path_factory.mktemp("logs"), name="single")
+    yield srv
+    srv.stop()
+
+
+def _body(prompt: str, stream: bool, kv: dict | None = None, max_tokens: int = 12) -> dict:
+    b = {"model": "ignored-by-default", "prompt": prompt, "max_tokens": max_tokens,
+         "temperature": 0, "stream": stream}
+    b.pop("model")
+    if kv is not None:
+        b["kv_transfer_params"] = kv
+    return b
+
+
+async def _complete(client: httpx.AsyncClient, url: str, body: dict, rid: str) -> dict:
+    headers = {"X-Request-Id": rid}
+    if not body["stream"]:
+        r = await client.post(url + "/v1/completions", json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        return r.json()
+    text, last = "", None
+    async with client.stream("POST", url + "/v1/completions", json=body,
+                             headers=headers) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[6:])
+                text += last["choices"][0]["text"]
+    return {"choices": [{"text": text, "finish_reason": last["choices"][0]["finish_reason"]}]}
+
+
+async def _two_legs(p_url, d_url, p_info, prompt, mode, stream) -> dict:
+    tid = uuid.uuid4().hex
+    async with httpx.AsyncClient(timeout=60) as client:
+        p_body = _body(prompt, False, {"do_remote_decode": True, "transfer_id": tid},
+                       max_tokens=1)
+        if mode == "pull":
+            p_out = await _complete(client, p_url, p_body, tid)
+            kv = p_out["kv_transfer_params"]
+            return await _complete(client, d_url, _body(prompt, stream, kv), tid)
+        d_kv = {"do_remote_prefill": True, "transfer_id": tid,
+                "remote_host": p_info["side_channel_host"],
+                "remote_port": p_info["side_channel_port"],
+                "remote_engine_id": p_info["engine_id"], "remote_request_id": tid}
+        p_task = asyncio.create_task(_complete(client, p_url, p_body, tid))
+        d_out = await _complete(client, d_url, _body(prompt, stream, d_kv), tid)
+        await p_task
+        return d_out
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_pd_over_http_equals_single(tiny_llama, single, tmp_path, mode):
+    common = ["--block-size", "16", "--num-blocks", "256", "--kv-transfer", mode]
+    p = ServerProcess(tiny_llama, "--role", "prefill", *common, log_dir=tmp_path, name="P")
+    d = ServerProcess(tiny_llama, "--role", "decode", *common, log_dir=tmp_path, name="D")
+    try:
+        p_info, d_info = p.get("/kv/info"), d.get("/kv/info")
+        assert p_info["role"] == "prefill" and d_info["role"] == "decode"
+        assert p_info["kv_transfer"] == mode and p_info["block_size"] == 16
+        assert p_info["layout"]["block_bytes"] > 0 and p_info["side_channel_port"] > 0
+
+        async def run_all():
+            jobs = [_two_legs(p.url, d.url, p_info, pr, mode, stream)
+                    for pr in PROMPTS for stream in (False, True)]
+            return await asyncio.gather(*jobs)
+
+        results = asyncio.run(run_all())
+        refs = [httpx.post(single.url + "/v1/completions", json=_body(pr, False),
+                           timeout=60).json()["choices"][0]["text"]
+                for pr in PROMPTS for _ in (False, True)]
+        for got, ref in zip(results, refs):
+            assert got["choices"][0]["text"] == ref
+        p.wait_all_free()
+        d.wait_all_free()
+        metrics = httpx.get(d.url + "/metrics").text
+        assert "kvpush_kv_transfers_ok_total 6.0" in metrics
+        assert f'kvpush_kv_transfer_bytes_count{{mode="{mode}",outcome="ok",role="decode"}}' \
+            in metrics
+    finally:
+        p.stop()
+        d.stop()
