@@ -249,3 +249,32 @@ def test_incompatible_peer_is_refused_with_reason(tiny_qwen3):
         drv.settle()
     finally:
         drv.close()
+
+
+@pytest.mark.parametrize("pd", ["pull"], indirect=True)
+def test_pull_with_block_ids_outside_region_fails_cleanly(pd):
+    prompt = random_prompts([60])[0]
+    kv = {**pd.d_params("bad"), "remote_block_ids": [10**6, 10**6 + 1, 10**6 + 2, 7]}
+    pd.send_decode("bad", prompt, greedy(3), kv)
+    pd.run(timeout=10)
+    leg = pd.d_legs["bad"]
+    assert leg.finish_reason is FinishReason.ERROR and "bad remote_block_ids" in leg.error
+    _assert_clean(pd)
+
+
+@pytest.mark.parametrize("pd", ["push"], indirect=True)
+@pytest.mark.parametrize("bad", [
+    {"do_remote_prefill": True, "transfer_id": "t"},  # no remote_host/port
+    {"do_remote_prefill": True, "transfer_id": "t", "remote_host": 5, "remote_port": 1},
+    {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "h", "remote_port": "x"},
+    {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "h", "remote_port": 0},
+    {"do_remote_prefill": "yes"},
+    "not a dict",
+])
+def test_malformed_kv_transfer_params_are_refused(pd, bad):
+    from kvpush.engine.outputs import RequestError
+
+    with pytest.raises(RequestError, match="kv_transfer_params"):
+        pd.d.add_request("x", [5] * 20, greedy(3), bad)
+    assert not pd.d.scheduler.requests
+    _assert_clean(pd)

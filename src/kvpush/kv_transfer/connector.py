@@ -28,140 +28,35 @@ the last prompt token itself to get token #1.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import torch
 
 from kvpush.config import EngineConfig
 from kvpush.engine.outputs import RequestError
-from kvpush.kv_cache.kv_region import KVRegion
+from kvpush.kv_cache.kv_region import KVLayout, KVRegion
 from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.transport import TransferPostError
+from kvpush.kv_transfer.decode_side import DecodeSide
+from kvpush.kv_transfer.prefill_side import PrefillSide
+from kvpush.kv_transfer.state import (
+    DecodeRecv,
+    PushSend,
+    RecvState,
+    SendState,
+    TransferRecord,
+    parse_kv_params,
+)
+from kvpush.kv_transfer.transport import layer_block_descs
 from kvpush.kv_transfer.worker import TransferWorker
 from kvpush.scheduler.request import Request
-from kvpush.scheduler.scheduler import Scheduler, StepPlan
+from kvpush.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-#: Re-sends of a registration that prefill says it never got, before decode gives up.
-MAX_REGISTER_RESENDS = 3
+__all__ = ["KVConnector", "TransferRecord", "parse_kv_params"]
 
 
-class SendState(enum.Enum):
-    AWAITING_REGISTRATION = "awaiting_registration"
-    SENDING = "sending"
-    DRAINING = "draining"
-    LENT = "lent"  # pull: blocks lent to decode until PullDone
-
-
-class RecvState(enum.Enum):
-    PENDING_BLOCKS = "pending_blocks"
-    AWAITING_KV = "awaiting_kv"
-    QUARANTINED = "quarantined"
-
-
-@dataclass
-class PushSend:
-    tid: str
-    request_id: str
-    state: SendState = SendState.AWAITING_REGISTRATION
-    reg: m.PushRegister | None = None
-    written_blocks: int = 0  # leading prompt blocks whose every layer is posted
-    finished: bool = False  # prefill done, token #1 known, blocks held here
-    block_ids: list[int] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    first: tuple[int, float | None] = (-1, None)
-    retired: list[list[int]] = field(default_factory=list)  # blocks of a preempted run
-
-
-@dataclass
-class DecodeRecv:
-    tid: str
-    request_id: str
-    mode: str
-    address: str  # prefill's side channel
-    remote_engine_id: str
-    remote_block_ids: list[int] = field(default_factory=list)
-    state: RecvState = RecvState.PENDING_BLOCKS
-    held: list[int] = field(default_factory=list)  # quarantined blocks
-    register: m.PushRegister | None = None  # kept to re-send if it was lost
-    resends: int = 0
-    t_start: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class TransferRecord:
-    """One finished transfer, for /metrics and logs."""
-
-    transfer_id: str
-    role: str
-    mode: str
-    ok: bool
-    num_bytes: int = 0
-    num_descriptors: int = 0
-    post_s: float = 0.0
-    transfer_s: float = 0.0
-    error: str | None = None
-
-
-def run_pairs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
-    """(local_first, remote_first, count) runs where both sides are consecutive."""
-    runs: list[tuple[int, int, int]] = []
-    for lb, rb in zip(local, remote):
-        if runs and runs[-1][0] + runs[-1][2] == lb and runs[-1][1] + runs[-1][2] == rb:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((lb, rb, 1))
-    return runs
-
-
-def parse_kv_params(params: dict, role: str) -> dict:
-    """Check the wire fields (vLLM's names) a request brings; RequestError if malformed."""
-    if not isinstance(params, dict):
-        raise RequestError("kv_transfer_params must be an object", "kv_transfer_params")
-
-    def get(name, typ, required=True, default=None):
-        v = params.get(name, default)
-        if v is None:
-            if required:
-                raise RequestError(f"kv_transfer_params.{name} is required",
-                                   "kv_transfer_params")
-            return default
-        if typ is int and isinstance(v, bool) or not isinstance(v, typ):
-            raise RequestError(
-                f"kv_transfer_params.{name} must be {typ.__name__}", "kv_transfer_params"
-            )
-        return v
-
-    out = {
-        "do_remote_decode": get("do_remote_decode", bool, False, False),
-        "do_remote_prefill": get("do_remote_prefill", bool, False, False),
-        "transfer_id": get("transfer_id", str, False),
-    }
-    if role == "decode" and out["do_remote_prefill"]:
-        out["remote_host"] = get("remote_host", str)
-        out["remote_port"] = get("remote_port", int)
-        if not 0 < out["remote_port"] < 65536:
-            raise RequestError("kv_transfer_params.remote_port out of range",
-                               "kv_transfer_params")
-        out["remote_engine_id"] = get("remote_engine_id", str, False, "")
-        out["remote_request_id"] = get("remote_request_id", str, False)
-        blocks = get("remote_block_ids", list, False, None)
-        if blocks is not None and not all(
-            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks
-        ):
-            raise RequestError("kv_transfer_params.remote_block_ids must be block ids",
-                               "kv_transfer_params")
-        out["remote_block_ids"] = blocks
-    return out
-
-
-class KVConnector:
+class KVConnector(PrefillSide, DecodeSide):
     """Step-loop side of KV transfer for one instance (see module docstring)."""
 
     def __init__(
@@ -219,6 +114,7 @@ class KVConnector:
             cfg.heartbeat_interval_s,
         )
         self.peers: dict[str, m.Hello] = {}  # address -> the peer's Hello (ready peers)
+        self.peer_layouts: dict[str, tuple[int, KVLayout]] = {}  # address -> (base, layout)
         self.refused: dict[str, str] = {}
         self.sends: dict[str, PushSend] = {}  # tid -> prefill-side transfer
         self.lent: dict[str, list[int]] = {}  # pull: tid -> blocks lent to decode
@@ -232,7 +128,7 @@ class KVConnector:
         self.record_sink: Callable[[TransferRecord], None] | None = None
         self.counters = {"transfers_ok": 0, "transfers_failed": 0, "leases_expired": 0,
                          "aborts_sent": 0, "aborts_received": 0}
-        self._step_writes: list[tuple[PushSend, list[tuple[int, int, int]]]] = []
+        self._step_writes: list[tuple[PushSend, list[int], list[int]]] = []
         # what the engine must do next: ("abort"|"fail", request_id, why),
         # ("first_token", request_id)
         self.actions: list[tuple] = []
@@ -321,169 +217,14 @@ class KVConnector:
         return False
 
     # ---- decode: blocks for pending transfers ----------------------------------------------
-    def before_schedule(self) -> None:
-        """Give pending decode-side transfers blocks, register them (push) or post their
-        READ (pull, on this thread as the baseline does)."""
-        skipped: list[str] = []
-        while self.pending:
-            tid = self.pending[0]
-            recv = self.recvs.get(tid)
-            if recv is None:
-                self.pending.popleft()
-                continue
-            if recv.address in self.refused:
-                self.pending.popleft()
-                self._recv_failed(recv, self.refused[recv.address])
-                continue
-            if recv.address not in self.peers:
-                skipped.append(self.pending.popleft())  # handshake still going
-                continue
-            req = self.scheduler.requests[recv.request_id]
-            if not self.scheduler.allocate_remote(req):
-                break
-            self.pending.popleft()
-            self._allocated(recv, req)
-        self.pending.extendleft(reversed(skipped))
-        self._stalled = bool(self.pending)
 
-    def _allocated(self, recv: DecodeRecv, req: Request) -> None:
-        bs = self.block_size
-        n = req.num_prompt_tokens
-        hit = req.num_computed_tokens
-        skip = hit // bs
-        if recv.mode == "push":
-            full_hit = skip > 0 and skip == (n - 1) // bs
-            recv.register = m.PushRegister(
-                recv.tid, self.engine_id, self.address, list(req.block_ids), skip, n, full_hit)
-            self.worker.submit("send", recv.address, recv.register)
-            if full_hit:  # everything prefill could send is here already: compute the rest
-                self._end_recv(recv, ok=True, why="full prefix hit on decode")
-                self.scheduler.remote_kv_arrived(req.request_id, hit, None)
-                return
-            recv.state = RecvState.AWAITING_KV
-            return
-        # pull: READ prefill's blocks for tokens [hit, n - 1); the last token is recomputed
-        last = -(-(n - 1) // bs)
-        peer = self.peers[recv.address]
-        pairs = run_pairs(req.block_ids[skip:last], recv.remote_block_ids[skip:last])
-        local, remote = self._descs(pairs, peer, range(self.layout.num_layers))
-        if not local:
-            self._end_recv(recv, ok=True, why="nothing to read")
-            self.worker.submit("send", recv.address, m.PullDone(recv.tid))
-            self.scheduler.remote_kv_arrived(req.request_id, n - 1, None)
-            return
-        t0 = time.perf_counter()
-        try:
-            with self.worker.transport_lock:
-                handle = self.transport.post("READ", peer.engine_id, local, remote)
-        except TransferPostError as e:
-            self.worker.submit("send", recv.address, m.PullDone(recv.tid, ok=False))
-            self._recv_failed(recv, f"READ failed to post: {e}")
-            return
-        post_s = time.perf_counter() - t0
-        self._record(TransferRecord(recv.tid, "decode", "pull", True,
-                                           sum(x[1] for x in local), len(local), post_s))
-        recv.state = RecvState.AWAITING_KV
-        self.worker.submit("watch_read", recv.tid, handle, recv.address)
 
-    def _descs(self, pairs, peer: m.Hello, layers) -> tuple[list, list]:
-        lay = self.layout
-        local, remote = [], []
-        for layer in layers:
-            lbase = self.region.base_address + layer * lay.layer_bytes
-            rbase = peer.base_address + layer * peer.layer_bytes
-            for lb, rb, count in pairs:
-                local.append((lbase + lb * lay.block_bytes, count * lay.block_bytes))
-                remote.append((rbase + rb * peer.block_bytes, count * peer.block_bytes))
-        return local, remote
-
-    # ---- prefill: push writes -------------------------------------------------------------
-    def _registered(self, send: PushSend, reg: m.PushRegister) -> None:
-        peer = self.peers.get(reg.address)
-        if peer is None:  # the Hello always precedes the registration on one socket
-            self._drop_send(send, f"registration from unknown decode {reg.address}")
-            return
-        bad = [b for b in reg.block_ids if not 0 <= b < peer.num_blocks]
-        if bad or reg.skip_blocks < 0:
-            self.worker.submit("send", reg.address, m.PushDone(
-                send.tid, ok=False, error=f"registration has invalid block ids {bad[:4]}"))
-            self._drop_send(send, "invalid registration")
-            return
-        send.reg = reg
-        send.state = SendState.SENDING
-        self.worker.submit("track", send.tid, reg.address)
-        if reg.full_hit:
-            self._drop_send(send, "decode has the whole prompt cached")
-            return
-        req = self.scheduler.requests.get(send.request_id)
-        if send.finished:
-            self._flush(send, final=True)
-        elif req is not None:
-            # blocks computed before the registration arrived go now, every layer
-            self._post_blocks(send, req.block_ids, req.num_computed_tokens // self.block_size,
-                              range(self.layout.num_layers))
-
-    def _post_blocks(self, send: PushSend, block_ids: list[int], upto: int, layers) -> None:
-        reg = send.reg
-        start = max(send.written_blocks, reg.skip_blocks)
-        upto = min(upto, len(reg.block_ids), len(block_ids))
-        if upto <= start:
-            return
-        pairs = run_pairs(block_ids[start:upto], reg.block_ids[start:upto])
-        local, remote = self._descs(pairs, self.peers[reg.address], layers)
-        self.worker.submit("write", send.tid, reg.address, local, remote)
-        send.written_blocks = upto
-
-    def _flush(self, send: PushSend, final: bool) -> None:
-        """Prefill done: WRITE what is left (partial last block included), then PushDone."""
-        n_blocks = -(-send.num_prompt_tokens // self.block_size)
-        self._post_blocks(send, send.block_ids, n_blocks, range(self.layout.num_layers))
-        send.state = SendState.DRAINING
-        tok, lp = send.first
-        self.worker.submit("finalize", send.tid, send.reg.address,
-                           m.PushDone(send.tid, ok=True, first_token=tok, first_logprob=lp))
-
-    def layer_hook(self, plan: StepPlan) -> Callable[[int], None] | None:
-        """Per-layer WRITE of the blocks this step completes, for registered push sends."""
-        self._step_writes = []
-        if self.role != "prefill" or not self.sends:
-            return None
-        bs = self.block_size
-        for chunk in plan.chunks:
-            tid = self.by_request.get(chunk.request_id)
-            send = self.sends.get(tid) if tid else None
-            if send is None or send.state is not SendState.SENDING:
-                continue
-            reg = send.reg
-            start = max(send.written_blocks, reg.skip_blocks)
-            upto = min((chunk.start_pos + len(chunk.token_ids)) // bs, len(reg.block_ids))
-            if upto > start:
-                pairs = run_pairs(chunk.block_ids[start:upto], reg.block_ids[start:upto])
-                self._step_writes.append((send, pairs))
-                send.written_blocks = upto
-        if not self._step_writes:
-            return None
-        cuda = self.region.kv.is_cuda
-
-        def on_layer(layer: int) -> None:
-            if cuda:  # the WRITE must not read the layer before the GPU wrote it
-                torch.cuda.current_stream().synchronize()
-            for send, pairs in self._step_writes:
-                local, remote = self._descs(pairs, self.peers[send.reg.address], (layer,))
-                self.worker.submit("write", send.tid, send.reg.address, local, remote)
-
-        return on_layer
-
-    def on_preempt(self, req: Request) -> bool:
-        """A push sender losing its blocks keeps them out of the pool while WRITEs from
-        them may be in flight; its blocks are written again after the recompute."""
-        tid = self.by_request.get(req.request_id)
-        send = self.sends.get(tid) if tid else None
-        if send is None or send.written_blocks == 0:
-            return False
-        send.retired.append(list(req.block_ids))
-        send.written_blocks = 0
-        return True
+    def _descs(self, local_blocks: list[int], remote_blocks: list[int], address: str,
+               layers) -> tuple[list, list]:
+        """Descriptors for the given layers of paired block lists (ours, the peer's)."""
+        base, layout = self.peer_layouts[address]
+        return layer_block_descs(self.region.base_address, self.layout, local_blocks,
+                                 base, layout, remote_blocks, layers)
 
     def on_finish(self, req: Request, ok: bool, error: str | None) -> tuple[bool, dict | None]:
         """A request ends. Returns (connector keeps its blocks, kv_transfer_params for the
@@ -537,28 +278,6 @@ class KVConnector:
             self.counters["aborts_sent"] += 1
         return True, None
 
-    def _send_aborted(self, send: PushSend, req: Request, why: str) -> bool:
-        if send.state is SendState.SENDING:  # WRITEs may be in flight: drain, then tell D
-            send.block_ids = list(req.block_ids)
-            send.state = SendState.DRAINING
-            self.worker.submit("finalize", send.tid, send.reg.address,
-                               m.PushDone(send.tid, ok=False, error=why))
-            return True
-        self._drop_send(send, why, free=False)
-        return False
-
-    def _drop_send(self, send: PushSend, why: str, free: bool = True) -> None:
-        """End a push send that has nothing in flight; frees what it holds."""
-        self.sends.pop(send.tid, None)
-        self.worker.submit("untrack", send.tid)
-        self._remember_ended(send.tid, why)
-        if send.request_id in self.scheduler.requests:
-            self.actions.append(("abort", send.request_id, why))
-        elif free and send.finished:
-            self.scheduler.pool.free(send.block_ids)
-        for blocks in send.retired:
-            self.scheduler.pool.free(blocks)
-        send.retired.clear()
 
     def _remember_ended(self, tid: str, why: str) -> None:
         self.ended[tid] = why
@@ -566,40 +285,7 @@ class KVConnector:
             self.ended.popitem(last=False)
 
     # ---- decode: endings -----------------------------------------------------------------
-    def _end_recv(self, recv: DecodeRecv, ok: bool, why: str | None = None) -> None:
-        self.recvs.pop(recv.tid, None)
-        self.by_request.pop(recv.request_id, None)
-        self.worker.submit("untrack", recv.tid)
-        if recv.held:
-            self.scheduler.pool.free(recv.held)
-            recv.held = []
-        if not ok:
-            self.counters["transfers_failed"] += 1
 
-    def _recv_failed(self, recv: DecodeRecv, why: str) -> None:
-        """Remote KV will not come: fail the request or prefill it here (policy)."""
-        source = recv.remote_engine_id or recv.address
-        msg = f"KV transfer {recv.tid} from prefill {source} failed: {why}"
-        log.warning(msg)
-        self._end_recv(recv, ok=False)
-        self._record(TransferRecord(recv.tid, "decode", recv.mode, False, error=why))
-        if recv.request_id not in self.scheduler.requests:
-            return
-        if self.cfg.load_failure_policy == "recompute":
-            self.scheduler.remote_kv_failed(recv.request_id)
-        else:
-            self.actions.append(("fail", recv.request_id, msg))
-
-    def _kv_arrived(self, recv: DecodeRecv, num_computed: int,
-                    first: tuple[int, float | None] | None, record: TransferRecord) -> None:
-        self._end_recv(recv, ok=True)
-        self.counters["transfers_ok"] += 1
-        record.transfer_s = time.perf_counter() - recv.t_start
-        self._record(record)
-        if recv.request_id in self.scheduler.remote_waiting:
-            self.scheduler.remote_kv_arrived(recv.request_id, num_computed, first)
-            if first is not None:
-                self.actions.append(("first_token", recv.request_id))
 
     # ---- events from the transfer thread ----------------------------------------------
     def handle_event(self, ev: tuple) -> None:
@@ -608,6 +294,11 @@ class KVConnector:
 
     def _ev_peer_ready(self, address: str, hello: m.Hello) -> None:
         self.peers[address] = hello
+        self.peer_layouts[address] = (hello.base_address, KVLayout(
+            layout=hello.layout, num_layers=hello.num_layers, num_blocks=hello.num_blocks,
+            block_size=hello.block_size, num_kv_heads=hello.num_kv_heads,
+            head_dim=hello.head_dim, dtype=hello.dtype, block_bytes=hello.block_bytes,
+            layer_bytes=hello.layer_bytes))
 
     def _ev_peer_refused(self, address: str, reason: str) -> None:
         self.refused[address] = reason
@@ -617,87 +308,6 @@ class KVConnector:
             else:
                 self._recv_failed(recv, reason)
 
-    def _ev_register(self, reg: m.PushRegister) -> None:
-        send = self.sends.get(reg.transfer_id)
-        if send is None:
-            why = self.ended.get(reg.transfer_id)
-            if why is not None:  # prefill already gave up on it: tell decode at once
-                self.worker.submit("send", reg.address,
-                                   m.PushDone(reg.transfer_id, ok=False, error=why))
-                return
-            # the request has not arrived yet; it should come about when decode's did, so
-            # this wait has a fixed deadline (decode's heartbeats do not extend it)
-            self.early_regs[reg.transfer_id] = reg
-            self.worker.submit("track", reg.transfer_id, reg.address, False)
-            return
-        if send.reg is None:
-            self._registered(send, reg)
-
-    def _ev_awaiting_registration(self, tids: list[str]) -> None:
-        """Prefill has no registration for these: re-send ours (it was lost)."""
-        for tid in tids:
-            recv = self.recvs.get(tid)
-            if recv is None or recv.register is None or recv.state is not RecvState.AWAITING_KV:
-                continue
-            recv.resends += 1
-            if recv.resends > MAX_REGISTER_RESENDS:
-                why = f"registration lost {MAX_REGISTER_RESENDS + 1} times"
-                self.worker.submit("send", recv.address, m.Abort(tid, why))
-                self._recv_failed(recv, why)
-            else:
-                self.worker.submit("send", recv.address, recv.register)
-
-    def _ev_writes_done(self, tid: str, failed: str | None, ndesc: int, nbytes: int,
-                        post_s: float, elapsed: float) -> None:
-        send = self.sends.pop(tid, None)
-        if send is None:
-            return
-        self.worker.submit("untrack", tid)
-        ok = failed is None and send.finished
-        self.counters["transfers_ok" if ok else "transfers_failed"] += 1
-        self._record(TransferRecord(tid, "prefill", "push", ok, nbytes, ndesc,
-                                           post_s, elapsed, failed))
-        self._remember_ended(tid, failed or "done")
-        self.scheduler.pool.free(send.block_ids)
-        for blocks in send.retired:
-            self.scheduler.pool.free(blocks)
-
-    def _ev_push_done(self, done: m.PushDone) -> None:
-        recv = self.recvs.get(done.transfer_id)
-        if recv is None:
-            return
-        if recv.state is RecvState.QUARANTINED:
-            self._end_recv(recv, ok=False)
-            return
-        if not done.ok:
-            self._recv_failed(recv, done.error or "prefill reported a failure")
-            return
-        req = self.scheduler.requests.get(recv.request_id)
-        record = TransferRecord(recv.tid, "decode", "push", True, done.num_bytes,
-                                done.num_descriptors)
-        self._kv_arrived(recv, req.num_prompt_tokens, (done.first_token, done.first_logprob),
-                         record)
-
-    def _ev_read_done(self, tid: str, ok: bool) -> None:
-        recv = self.recvs.get(tid)
-        if recv is None:
-            return
-        if recv.state is RecvState.QUARANTINED:
-            self._end_recv(recv, ok=False)
-            return
-        if not ok:
-            self._recv_failed(recv, "READ failed")
-            return
-        req = self.scheduler.requests[recv.request_id]
-        record = TransferRecord(tid, "decode", "pull", True)
-        self._kv_arrived(recv, req.num_prompt_tokens - 1, None, record)
-
-    def _ev_pull_done(self, done: m.PullDone) -> None:
-        blocks = self.lent.pop(done.transfer_id, None)
-        if blocks is not None:
-            self.worker.submit("untrack", done.transfer_id)
-            self.scheduler.pool.free(blocks)
-            self.counters["transfers_ok" if done.ok else "transfers_failed"] += 1
 
     def _ev_abort(self, ab: m.Abort) -> None:
         tid = ab.transfer_id
@@ -728,10 +338,6 @@ class KVConnector:
             else:
                 self._recv_failed(recv, f"aborted by prefill: {ab.reason}")
 
-    def _ev_abort_ack(self, ack: m.AbortAck) -> None:
-        recv = self.recvs.get(ack.transfer_id)
-        if recv is not None and recv.state is RecvState.QUARANTINED:
-            self._end_recv(recv, ok=False)
 
     def _ev_lease_expired(self, tid: str) -> None:
         self.counters["leases_expired"] += 1

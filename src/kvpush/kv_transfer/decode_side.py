@@ -1,0 +1,181 @@
+"""Decode side of KV transfer, mixed into KVConnector (it uses the connector's state).
+
+A ``DecodeRecv`` per request: blocks are allocated when the scheduler can (prefix cache
+first); push then registers them with prefill, pull posts the READ on the step loop.
+When the KV is in, the request joins the running batch — with token #1 from prefill in
+push mode, or recomputing the last prompt token in pull mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.state import (
+    MAX_REGISTER_RESENDS,
+    DecodeRecv,
+    RecvState,
+    TransferRecord,
+)
+from kvpush.kv_transfer.transport import TransferPostError
+from kvpush.scheduler.request import Request
+
+log = logging.getLogger("kvpush.kv_transfer.connector")
+
+
+class DecodeSide:
+    def before_schedule(self) -> None:
+        """Give pending decode-side transfers blocks, register them (push) or post their
+        READ (pull, on this thread as the baseline does)."""
+        skipped: list[str] = []
+        while self.pending:
+            tid = self.pending[0]
+            recv = self.recvs.get(tid)
+            if recv is None:
+                self.pending.popleft()
+                continue
+            if recv.address in self.refused:
+                self.pending.popleft()
+                self._recv_failed(recv, self.refused[recv.address])
+                continue
+            if recv.address not in self.peers:
+                skipped.append(self.pending.popleft())  # handshake still going
+                continue
+            req = self.scheduler.requests[recv.request_id]
+            if not self.scheduler.allocate_remote(req):
+                break
+            self.pending.popleft()
+            self._allocated(recv, req)
+        self.pending.extendleft(reversed(skipped))
+        self._stalled = bool(self.pending)
+
+    def _allocated(self, recv: DecodeRecv, req: Request) -> None:
+        bs = self.block_size
+        n = req.num_prompt_tokens
+        hit = req.num_computed_tokens
+        skip = hit // bs
+        if recv.mode == "push":
+            full_hit = skip > 0 and skip == (n - 1) // bs
+            recv.register = m.PushRegister(
+                recv.tid, self.engine_id, self.address, list(req.block_ids), skip, n, full_hit)
+            self.worker.submit("send", recv.address, recv.register)
+            if full_hit:  # everything prefill could send is here already: compute the rest
+                self._end_recv(recv, ok=True, why="full prefix hit on decode")
+                self.scheduler.remote_kv_arrived(req.request_id, hit, None)
+                return
+            recv.state = RecvState.AWAITING_KV
+            return
+        # pull: READ prefill's blocks for tokens [hit, n - 1); the last token is recomputed
+        last = -(-(n - 1) // bs)
+        peer = self.peers[recv.address]
+        try:
+            local, remote = self._descs(req.block_ids[skip:last],
+                                        recv.remote_block_ids[skip:last], recv.address,
+                                        range(self.layout.num_layers))
+        except (IndexError, ValueError) as e:  # block ids outside prefill's region
+            self.worker.submit("send", recv.address, m.PullDone(recv.tid, ok=False))
+            self._recv_failed(recv, f"bad remote_block_ids: {e}")
+            return
+        if not local:
+            self._end_recv(recv, ok=True, why="nothing to read")
+            self.worker.submit("send", recv.address, m.PullDone(recv.tid))
+            self.scheduler.remote_kv_arrived(req.request_id, n - 1, None)
+            return
+        t0 = time.perf_counter()
+        try:
+            with self.worker.transport_lock:
+                handle = self.transport.post("READ", peer.engine_id, local, remote)
+        except TransferPostError as e:
+            self.worker.submit("send", recv.address, m.PullDone(recv.tid, ok=False))
+            self._recv_failed(recv, f"READ failed to post: {e}")
+            return
+        post_s = time.perf_counter() - t0
+        self._record(TransferRecord(recv.tid, "decode", "pull", True,
+                                           sum(x[1] for x in local), len(local), post_s))
+        recv.state = RecvState.AWAITING_KV
+        self.worker.submit("watch_read", recv.tid, handle, recv.address)
+
+    def _end_recv(self, recv: DecodeRecv, ok: bool, why: str | None = None) -> None:
+        self.recvs.pop(recv.tid, None)
+        self.by_request.pop(recv.request_id, None)
+        self.worker.submit("untrack", recv.tid)
+        if recv.held:
+            self.scheduler.pool.free(recv.held)
+            recv.held = []
+        if not ok:
+            self.counters["transfers_failed"] += 1
+
+    def _recv_failed(self, recv: DecodeRecv, why: str) -> None:
+        """Remote KV will not come: fail the request or prefill it here (policy)."""
+        source = recv.remote_engine_id or recv.address
+        msg = f"KV transfer {recv.tid} from prefill {source} failed: {why}"
+        log.warning(msg)
+        self._end_recv(recv, ok=False)
+        self._record(TransferRecord(recv.tid, "decode", recv.mode, False, error=why))
+        if recv.request_id not in self.scheduler.requests:
+            return
+        if self.cfg.load_failure_policy == "recompute":
+            self.scheduler.remote_kv_failed(recv.request_id)
+        else:
+            self.actions.append(("fail", recv.request_id, msg))
+
+    def _kv_arrived(self, recv: DecodeRecv, num_computed: int,
+                    first: tuple[int, float | None] | None, record: TransferRecord) -> None:
+        self._end_recv(recv, ok=True)
+        self.counters["transfers_ok"] += 1
+        record.transfer_s = time.perf_counter() - recv.t_start
+        self._record(record)
+        if recv.request_id in self.scheduler.remote_waiting:
+            self.scheduler.remote_kv_arrived(recv.request_id, num_computed, first)
+            if first is not None:
+                self.actions.append(("first_token", recv.request_id))
+
+    def _ev_push_done(self, done: m.PushDone) -> None:
+        recv = self.recvs.get(done.transfer_id)
+        if recv is None:
+            return
+        if recv.state is RecvState.QUARANTINED:
+            self._end_recv(recv, ok=False)
+            return
+        if not done.ok:
+            self._recv_failed(recv, done.error or "prefill reported a failure")
+            return
+        req = self.scheduler.requests.get(recv.request_id)
+        record = TransferRecord(recv.tid, "decode", "push", True, done.num_bytes,
+                                done.num_descriptors)
+        self._kv_arrived(recv, req.num_prompt_tokens, (done.first_token, done.first_logprob),
+                         record)
+
+    def _ev_read_done(self, tid: str, ok: bool) -> None:
+        recv = self.recvs.get(tid)
+        if recv is None:
+            return
+        if recv.state is RecvState.QUARANTINED:
+            self._end_recv(recv, ok=False)
+            return
+        if not ok:
+            self._recv_failed(recv, "READ failed")
+            return
+        req = self.scheduler.requests[recv.request_id]
+        record = TransferRecord(tid, "decode", "pull", True)
+        self._kv_arrived(recv, req.num_prompt_tokens - 1, None, record)
+
+    def _ev_awaiting_registration(self, tids: list[str]) -> None:
+        """Prefill has no registration for these: re-send ours (it was lost)."""
+        for tid in tids:
+            recv = self.recvs.get(tid)
+            if recv is None or recv.register is None or recv.state is not RecvState.AWAITING_KV:
+                continue
+            recv.resends += 1
+            if recv.resends > MAX_REGISTER_RESENDS:
+                why = f"registration lost {MAX_REGISTER_RESENDS + 1} times"
+                self.worker.submit("send", recv.address, m.Abort(tid, why))
+                self._recv_failed(recv, why)
+            else:
+                self.worker.submit("send", recv.address, recv.register)
+
+    def _ev_abort_ack(self, ack: m.AbortAck) -> None:
+        recv = self.recvs.get(ack.transfer_id)
+        if recv is not None and recv.state is RecvState.QUARANTINED:
+            self._end_recv(recv, ok=False)

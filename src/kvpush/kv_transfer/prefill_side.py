@@ -1,0 +1,171 @@
+"""Prefill side of KV transfer, mixed into KVConnector (it uses the connector's state).
+
+Push: a ``PushSend`` per request waits for decode's registration, then WRITEs each
+layer's newly completed full blocks from the runner's layer hook while the forward pass
+goes on, the rest when prefill ends, and asks the transfer thread to send ``PushDone``
+(token #1) once every WRITE completed; its blocks are freed on ``writes_done``.
+Pull: a finished request's blocks are lent (``lent``) until decode's ``PullDone`` or the
+lease ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.state import PushSend, SendState, TransferRecord
+from kvpush.scheduler.request import Request
+from kvpush.scheduler.scheduler import StepPlan
+
+
+class PrefillSide:
+    def _registered(self, send: PushSend, reg: m.PushRegister) -> None:
+        peer = self.peers.get(reg.address)
+        if peer is None:  # the Hello always precedes the registration on one socket
+            self._drop_send(send, f"registration from unknown decode {reg.address}")
+            return
+        bad = [b for b in reg.block_ids if not 0 <= b < peer.num_blocks]
+        if bad or reg.skip_blocks < 0:
+            self.worker.submit("send", reg.address, m.PushDone(
+                send.tid, ok=False, error=f"registration has invalid block ids {bad[:4]}"))
+            self._drop_send(send, "invalid registration")
+            return
+        send.reg = reg
+        send.state = SendState.SENDING
+        self.worker.submit("track", send.tid, reg.address)
+        if reg.full_hit:
+            self._drop_send(send, "decode has the whole prompt cached")
+            return
+        req = self.scheduler.requests.get(send.request_id)
+        if send.finished:
+            self._flush(send, final=True)
+        elif req is not None:
+            # blocks computed before the registration arrived go now, every layer
+            self._post_blocks(send, req.block_ids, req.num_computed_tokens // self.block_size,
+                              range(self.layout.num_layers))
+
+    def _post_blocks(self, send: PushSend, block_ids: list[int], upto: int, layers) -> None:
+        reg = send.reg
+        start = max(send.written_blocks, reg.skip_blocks)
+        upto = min(upto, len(reg.block_ids), len(block_ids))
+        if upto <= start:
+            return
+        local, remote = self._descs(block_ids[start:upto], reg.block_ids[start:upto],
+                                    reg.address, layers)
+        self.worker.submit("write", send.tid, reg.address, local, remote)
+        send.written_blocks = upto
+
+    def _flush(self, send: PushSend, final: bool) -> None:
+        """Prefill done: WRITE what is left (partial last block included), then PushDone."""
+        n_blocks = -(-send.num_prompt_tokens // self.block_size)
+        self._post_blocks(send, send.block_ids, n_blocks, range(self.layout.num_layers))
+        send.state = SendState.DRAINING
+        tok, lp = send.first
+        self.worker.submit("finalize", send.tid, send.reg.address,
+                           m.PushDone(send.tid, ok=True, first_token=tok, first_logprob=lp))
+
+    def layer_hook(self, plan: StepPlan) -> Callable[[int], None] | None:
+        """Per-layer WRITE of the blocks this step completes, for registered push sends."""
+        self._step_writes = []
+        if self.role != "prefill" or not self.sends:
+            return None
+        bs = self.block_size
+        for chunk in plan.chunks:
+            tid = self.by_request.get(chunk.request_id)
+            send = self.sends.get(tid) if tid else None
+            if send is None or send.state is not SendState.SENDING:
+                continue
+            reg = send.reg
+            start = max(send.written_blocks, reg.skip_blocks)
+            upto = min((chunk.start_pos + len(chunk.token_ids)) // bs, len(reg.block_ids))
+            if upto > start:
+                self._step_writes.append(
+                    (send, chunk.block_ids[start:upto], reg.block_ids[start:upto]))
+                send.written_blocks = upto
+        if not self._step_writes:
+            return None
+        cuda = self.region.kv.is_cuda
+
+        def on_layer(layer: int) -> None:
+            if cuda:  # the WRITE must not read the layer before the GPU wrote it
+                torch.cuda.current_stream().synchronize()
+            for send, local_blocks, remote_blocks in self._step_writes:
+                address = send.reg.address
+                local, remote = self._descs(local_blocks, remote_blocks, address, (layer,))
+                self.worker.submit("write", send.tid, address, local, remote)
+
+        return on_layer
+
+    def on_preempt(self, req: Request) -> bool:
+        """A push sender losing its blocks keeps them out of the pool while WRITEs from
+        them may be in flight; its blocks are written again after the recompute."""
+        tid = self.by_request.get(req.request_id)
+        send = self.sends.get(tid) if tid else None
+        if send is None or send.written_blocks == 0:
+            return False
+        send.retired.append(list(req.block_ids))
+        send.written_blocks = 0
+        return True
+
+    def _send_aborted(self, send: PushSend, req: Request, why: str) -> bool:
+        if send.state is SendState.SENDING:  # WRITEs may be in flight: drain, then tell D
+            send.block_ids = list(req.block_ids)
+            send.state = SendState.DRAINING
+            self.worker.submit("finalize", send.tid, send.reg.address,
+                               m.PushDone(send.tid, ok=False, error=why))
+            return True
+        self._drop_send(send, why, free=False)
+        return False
+
+    def _drop_send(self, send: PushSend, why: str, free: bool = True) -> None:
+        """End a push send that has nothing in flight; frees what it holds."""
+        self.sends.pop(send.tid, None)
+        self.worker.submit("untrack", send.tid)
+        self._remember_ended(send.tid, why)
+        if send.request_id in self.scheduler.requests:
+            self.actions.append(("abort", send.request_id, why))
+        elif free and send.finished:
+            self.scheduler.pool.free(send.block_ids)
+        for blocks in send.retired:
+            self.scheduler.pool.free(blocks)
+        send.retired.clear()
+
+    def _ev_register(self, reg: m.PushRegister) -> None:
+        send = self.sends.get(reg.transfer_id)
+        if send is None:
+            why = self.ended.get(reg.transfer_id)
+            if why is not None:  # prefill already gave up on it: tell decode at once
+                self.worker.submit("send", reg.address,
+                                   m.PushDone(reg.transfer_id, ok=False, error=why))
+                return
+            # the request has not arrived yet; it should come about when decode's did, so
+            # this wait has a fixed deadline (decode's heartbeats do not extend it)
+            self.early_regs[reg.transfer_id] = reg
+            self.worker.submit("track", reg.transfer_id, reg.address, False)
+            return
+        if send.reg is None:
+            self._registered(send, reg)
+
+    def _ev_writes_done(self, tid: str, failed: str | None, ndesc: int, nbytes: int,
+                        post_s: float, elapsed: float) -> None:
+        send = self.sends.pop(tid, None)
+        if send is None:
+            return
+        self.worker.submit("untrack", tid)
+        ok = failed is None and send.finished
+        self.counters["transfers_ok" if ok else "transfers_failed"] += 1
+        self._record(TransferRecord(tid, "prefill", "push", ok, nbytes, ndesc,
+                                           post_s, elapsed, failed))
+        self._remember_ended(tid, failed or "done")
+        self.scheduler.pool.free(send.block_ids)
+        for blocks in send.retired:
+            self.scheduler.pool.free(blocks)
+
+    def _ev_pull_done(self, done: m.PullDone) -> None:
+        blocks = self.lent.pop(done.transfer_id, None)
+        if blocks is not None:
+            self.worker.submit("untrack", done.transfer_id)
+            self.scheduler.pool.free(blocks)
+            self.counters["transfers_ok" if done.ok else "transfers_failed"] += 1
