@@ -33,7 +33,7 @@ demo: model
 
 ## The default test run (what CI runs): lint + tests not marked slow.
 test: venv
-	$(VENV)/bin/ruff check src tests scripts benchmarks
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 ## Everything, slow suites included.
@@ -41,7 +41,7 @@ test-all: venv
 	$(PY) -m pytest -q -m ''
 
 lint: venv
-	$(VENV)/bin/ruff check src tests scripts benchmarks
+	$(VENV)/bin/ruff check .
 
 ## Engine throughput against HF transformers generate (prints figures; see benchmarks/).
 bench-engine: model
