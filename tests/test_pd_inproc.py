@@ -278,3 +278,40 @@ def test_malformed_kv_transfer_params_are_refused(pd, bad):
         pd.d.add_request("x", [5] * 20, greedy(3), bad)
     assert not pd.d.scheduler.requests
     _assert_clean(pd)
+
+
+@pytest.mark.parametrize("pd", ["push"], indirect=True)
+def test_registration_after_prefill_finished(pd, tiny_qwen3):
+    """Side-channel messages delayed: prefill finishes first and holds its blocks until
+    decode's registration arrives, then writes everything at once."""
+    prompt = random_prompts([90], seed=12)[0]
+    pd.faults.arm(message_delay_s=0.3)
+    pd.submit("r", prompt, greedy(5))
+    pd.run(until=lambda: pd.p_legs["r"].finished, timeout=10)
+    assert pd.p.connector.sends["r"].reg is None  # finished, not registered yet
+    pd.run(timeout=15)
+    assert pd.d_legs["r"].tokens == single_outputs(tiny_qwen3, [prompt], 5)["r0"]
+    assert pd.faults.count("message_delays") > 0
+    _assert_clean(pd)
+
+
+def test_push_sender_preempted_mid_prefill(tiny_qwen3):
+    """Prefill runs out of blocks while sending: a preempted sender's blocks stay out of
+    the pool until its WRITEs are done, and its KV is written again after recompute."""
+    faults = FaultPlan()
+    p = make_instance(tiny_qwen3, "prefill", "push", faults=faults, num_blocks=24,
+                      max_model_len=256, max_num_batched_tokens=32)
+    d = make_instance(tiny_qwen3, "decode", "push", faults=faults)
+    drv = PDDriver(p, d)
+    try:
+        prompts = random_prompts([150, 160, 170], seed=13)
+        ref = single_outputs(tiny_qwen3, prompts, 4)
+        for i, prompt in enumerate(prompts):
+            drv.submit(f"r{i}", prompt, greedy(4))
+        drv.run(timeout=30)
+        assert p.stats().num_preemptions > 0
+        for i in range(3):
+            assert drv.d_legs[f"r{i}"].tokens == ref[f"r{i}"]
+        drv.settle()
+    finally:
+        drv.close()

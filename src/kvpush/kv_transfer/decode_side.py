@@ -59,6 +59,7 @@ class DecodeSide:
             full_hit = skip > 0 and skip == (n - 1) // bs
             recv.register = m.PushRegister(
                 recv.tid, self.engine_id, self.address, list(req.block_ids), skip, n, full_hit)
+            recv.registered_at = time.monotonic()
             self.worker.submit("send", recv.address, recv.register)
             if full_hit:  # everything prefill could send is here already: compute the rest
                 self._end_recv(recv, ok=True, why="full prefix hit on decode")
@@ -167,6 +168,11 @@ class DecodeSide:
             recv = self.recvs.get(tid)
             if recv is None or recv.register is None or recv.state is not RecvState.AWAITING_KV:
                 continue
+            # a registration may just be slow: re-send at most every quarter lease
+            now = time.monotonic()
+            if now - recv.registered_at < self.cfg.lease_timeout_s / 4:
+                continue
+            recv.registered_at = now
             recv.resends += 1
             if recv.resends > MAX_REGISTER_RESENDS:
                 why = f"registration lost {MAX_REGISTER_RESENDS + 1} times"

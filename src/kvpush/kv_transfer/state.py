@@ -53,6 +53,7 @@ class DecodeRecv:
     held: list[int] = field(default_factory=list)  # quarantined blocks
     register: m.PushRegister | None = None  # kept to re-send if it was lost
     resends: int = 0
+    registered_at: float = 0.0  # monotonic time of the last (re)send of ``register``
     t_start: float = field(default_factory=time.perf_counter)
 
 
