@@ -27,7 +27,8 @@ $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 model: venv
 	$(KVPUSH) models install smollm2-135m
 
-## Start a server on the default model, send one chat request, print answer + TTFT, stop.
+## Start a push-mode cluster (`kvpush up`: 1 prefill, 1 decode, router), send chat requests
+## through it, print the answers and their time to first token, stop it.
 demo: model
 	$(PY) scripts/demo.py
 

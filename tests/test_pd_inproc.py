@@ -298,18 +298,32 @@ def test_registration_after_prefill_finished(pd, tiny_qwen3):
 def test_push_sender_preempted_mid_prefill(tiny_qwen3):
     """Prefill runs out of blocks while sending: a preempted sender's blocks stay out of
     the pool until its WRITEs are done, and its KV is written again after recompute."""
-    faults = FaultPlan()
+    # slow WRITEs keep each finished sender's blocks out of the pool for a while, so the
+    # next prompts run short of blocks while their own WRITEs are in flight
+    faults = FaultPlan(transfer_delay_s=0.5)
     p = make_instance(tiny_qwen3, "prefill", "push", faults=faults, num_blocks=24,
-                      max_model_len=256, max_num_batched_tokens=32)
+                      max_model_len=256, max_num_batched_tokens=64)
     d = make_instance(tiny_qwen3, "decode", "push", faults=faults)
     drv = PDDriver(p, d)
+    kept: list[bool] = []
+
+    def spy(req):
+        kept.append(p.connector.on_preempt(req))
+        return kept[-1]
+
+    p.scheduler.on_preempt = spy
     try:
         prompts = random_prompts([150, 160, 170], seed=13)
         ref = single_outputs(tiny_qwen3, prompts, 4)
+        # registrations first, so every sender writes from its first chunk on
         for i, prompt in enumerate(prompts):
-            drv.submit(f"r{i}", prompt, greedy(4))
+            drv.send_decode(f"r{i}", prompt, greedy(4))
+        drv.run(until=lambda: len(p.connector.early_regs) == 3, timeout=10)
+        for i, prompt in enumerate(prompts):
+            drv.send_prefill(f"r{i}", prompt, greedy(4))
         drv.run(timeout=30)
         assert p.stats().num_preemptions > 0
+        assert any(kept)  # a sender with WRITEs in flight kept its blocks out of the pool
         for i in range(3):
             assert drv.d_legs[f"r{i}"].tokens == ref[f"r{i}"]
         drv.settle()

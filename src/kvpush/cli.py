@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvpush.models.cli import add_models_parser
 
     add_models_parser(sub)
+    from kvpush.cluster.cli import add_up_parser; add_up_parser(sub)  # noqa: E702, I001
+    from kvpush.router.cli import add_router_parser; add_router_parser(sub)  # noqa: E702, I001
+    from kvpush.bench.cli import add_bench_parser; add_bench_parser(sub)  # noqa: E702, I001
     return parser
 
 

@@ -1,0 +1,176 @@
+"""`kvpush bench`: benchmark an OpenAI-compatible server the way `vllm bench serve` does.
+
+Only argparse is imported at module level: `kvpush --help` builds this parser and must
+stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import Counter
+from typing import Any
+
+PROG = "kvpush bench"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return v
+
+
+def _rate(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or 'inf': {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive (or inf), got {text}")
+    return v
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}"
+                                         ) from None
+    if not values or any(not 0 <= v <= 100 for v in values):
+        raise argparse.ArgumentTypeError(f"percentiles must be numbers in 0..100: {text!r}")
+    return values
+
+
+def _url(text: str) -> str:
+    url = text.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    if not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"not an http(s) URL: {text!r}")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    return url
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the `bench` sub-command on ``subparsers`` (from add_subparsers); returns
+    its parser. ``--url`` is checked by the command, not by argparse, so that sub-commands
+    added to this parser later need not take it."""
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark an OpenAI-compatible server (TTFT, TPOT, ITL; vLLM's result format)",
+        description=(
+            "Send NUM_PROMPTS streaming requests of exactly INPUT_LEN prompt tokens (under "
+            "the served model's tokenizer) and OUTPUT_LEN output tokens (ignore_eos, "
+            "temperature 0) with Poisson arrivals at REQUEST_RATE, measure TTFT, TPOT, ITL "
+            "and end-to-end latency on the client, print vLLM's result table and write "
+            "vLLM's result JSON. Works against kvpush serve, the kvpush router and vLLM."),
+        epilog=(
+            "Exit status: 0 when every request completed, 1 when any failed (the JSON is "
+            "still written, with each error), 2 for bad settings. Example: kvpush bench "
+            "--url http://127.0.0.1:8000 --dataset sonnet --input-len 2048 --output-len 128 "
+            "--num-prompts 100 --request-rate 2 --out rate2.json"),
+    )
+    p.add_argument("--url", type=_url, metavar="URL",
+                   help="the server, e.g. http://127.0.0.1:8000 (required)")
+    p.add_argument("--model", metavar="NAME",
+                   help="served model name (default: the first one in GET /v1/models)")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="/v1/completions or /v1/chat/completions (default: completions)")
+    p.add_argument("--tokenizer", metavar="DIR_OR_MODEL",
+                   help="tokenizer folder or kvpush model name (default: --model if it is "
+                        "local, else the model root the server lists, if it is local)")
+    d = p.add_argument_group("workload")
+    d.add_argument("--dataset", choices=("random", "sonnet", "shared-prefix"),
+                   default="random", help="prompt source (default: random)")
+    d.add_argument("--input-len", type=_positive_int, default=1024, metavar="TOKENS",
+                   help="prompt tokens per request, exactly (default: 1024)")
+    d.add_argument("--output-len", type=_positive_int, default=128, metavar="TOKENS",
+                   help="output tokens per request (max_tokens, ignore_eos; default: 128)")
+    d.add_argument("--prefix-len", type=_positive_int, metavar="TOKENS",
+                   help="shared leading tokens: shared-prefix (default: input-len / 2); "
+                        "sonnet: whole lines up to about this many (default: 200 or "
+                        "input-len / 2)")
+    d.add_argument("--prompt-type", choices=("auto", "text", "token-ids"), default="auto",
+                   help="auto: token ids for random and shared-prefix on completions, else "
+                        "text (default: auto)")
+    d.add_argument("--num-prompts", type=_positive_int, default=100, metavar="N",
+                   help="requests to send (default: 100)")
+    d.add_argument("--seed", type=int, default=0, help="prompts and arrivals (default: 0)")
+    load = p.add_argument_group("load and limits")
+    load.add_argument("--request-rate", type=_rate, default=math.inf, metavar="RPS",
+                      help="Poisson arrivals per second; inf sends all at once (default: inf)")
+    load.add_argument("--max-concurrency", type=_positive_int, metavar="N",
+                      help="most requests in flight at once (default: no limit)")
+    load.add_argument("--timeout", type=_seconds, default=3600.0, metavar="SECONDS",
+                      help="whole-run limit; requests still out then fail (default: 3600)")
+    load.add_argument("--request-timeout", type=_seconds, default=600.0, metavar="SECONDS",
+                      help="per-request limit (default: 600)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", metavar="FILE", help="write the result JSON here")
+    out.add_argument("--label", help="a name for this run, stored in the JSON")
+    out.add_argument("--percentiles", type=_percentiles, default=(90.0, 99.0),
+                     metavar="LIST", help="percentiles to report (default: 90,99)")
+    out.add_argument("--no-progress", dest="progress", action="store_false",
+                     help="no progress bar")
+    p.set_defaults(func=run_bench, _bench_parser=p)
+    return p
+
+
+def _error(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _error_summary(errors: list[str], limit: int = 5) -> list[str]:
+    counts = Counter(e[:300] for e in errors if e)
+    lines = [f"  {n} x {msg}" for msg, n in counts.most_common(limit)]
+    if len(counts) > limit:
+        lines.append(f"  ... and {len(counts) - limit} other error(s)")
+    return lines
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.url is None:
+        return _error("--url is required (the server, e.g. http://127.0.0.1:8000)")
+    from kvpush.bench.client import BenchConfig, BenchError, run_benchmark
+    from kvpush.bench.datasets import DatasetError
+
+    config = BenchConfig(
+        url=args.url, model=args.model, dataset=args.dataset, input_len=args.input_len,
+        output_len=args.output_len, num_prompts=args.num_prompts,
+        request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+        seed=args.seed, endpoint=args.endpoint,
+        prefix_len=args.prefix_len,
+        tokenizer=args.tokenizer, prompt_type=args.prompt_type, timeout=args.timeout,
+        request_timeout=args.request_timeout, percentiles=args.percentiles,
+        label=args.label, progress=args.progress)
+    try:
+        result = run_benchmark(config)
+    except (BenchError, DatasetError) as e:
+        return _error(str(e))
+    print(result.table())
+    if result.failed:
+        print(f"{result.failed} request(s) failed:")
+        print("\n".join(_error_summary([r.error for r in result.outputs])))
+    for w in result.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if args.out:
+        path = result.save(args.out)
+        print(f"result written to {path}")
+    return 1 if result.failed else 0

@@ -1,0 +1,484 @@
+"""The load generator: Poisson arrivals of streaming requests against any
+OpenAI-compatible server (kvpush serve, the kvpush router, vLLM), measured client-side.
+
+Library use::
+
+    from kvpush.bench import BenchConfig, run_benchmark
+    result = run_benchmark(BenchConfig(url="http://127.0.0.1:8000", num_prompts=8,
+                                       input_len=32, output_len=8))
+    result.save("result.json"); print(result.table())
+
+Every request streams (SSE) with ``max_tokens = output_len``, ``ignore_eos`` and
+temperature 0, asking for the final usage chunk. A run is bounded in count
+(``num_prompts``) and time (``timeout`` for the whole run, ``request_timeout`` per
+request); requests that fail, time out or are never sent are counted with their errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kvpush.bench.datasets import (
+    DATASETS,
+    DEFAULT_SONNET_PREFIX_LEN,
+    PROMPT_TYPES,
+    DatasetError,
+    PromptCodec,
+    SampleRequest,
+    find_tokenizer,
+    local_tokenizer_dir,
+    sample_requests,
+)
+from kvpush.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_metrics, format_table
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+#: vLLM's ``backend`` name for each endpoint.
+BACKENDS = {"completions": "openai", "chat": "openai-chat"}
+#: How much of an error body is kept.
+MAX_ERROR_CHARS = 2000
+
+
+class BenchError(ValueError):
+    """A benchmark that cannot run as configured (bad settings, no tokenizer, ...)."""
+
+
+@dataclass
+class BenchConfig:
+    """One benchmark run. ``model=None``: the first model the server lists."""
+
+    url: str
+    model: str | None = None
+    dataset: str = "random"
+    input_len: int = 1024
+    output_len: int = 128
+    num_prompts: int = 100
+    #: Requests per second (Poisson arrivals); ``math.inf`` sends all at once.
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    seed: int = 0
+    endpoint: str = "completions"
+    #: Shared-prefix tokens: shared-prefix data set (default input_len // 2) and sonnet
+    #: (whole lines up to about this many; default min(200, input_len // 2)).
+    prefix_len: int | None = None
+    #: Tokenizer folder or model name; default: ``model``, then the server's model root.
+    tokenizer: str | None = None
+    prompt_type: str = "auto"
+    #: Whole-run bound (seconds): requests still out then are cancelled and count failed.
+    timeout: float = 3600.0
+    request_timeout: float = 600.0
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+    label: str | None = None
+    progress: bool = False
+    #: Extra JSON fields merged into every request body.
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise :class:`BenchError` naming the first bad setting."""
+        if not self.url.startswith(("http://", "https://")):
+            raise BenchError(f"--url must start with http:// or https://, got {self.url!r}")
+        if self.dataset not in DATASETS:
+            raise BenchError(f"unknown dataset {self.dataset!r}; choose one of "
+                             f"{', '.join(DATASETS)}")
+        if self.endpoint not in ENDPOINTS:
+            raise BenchError(f"unknown endpoint {self.endpoint!r}; choose one of "
+                             f"{', '.join(ENDPOINTS)}")
+        if self.prompt_type not in PROMPT_TYPES:
+            raise BenchError(f"unknown prompt type {self.prompt_type!r}")
+        for name in ("input_len", "output_len", "num_prompts"):
+            if getattr(self, name) < 1:
+                raise BenchError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.request_rate > 0:
+            raise BenchError(f"request_rate must be positive (or inf), got {self.request_rate}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise BenchError(f"max_concurrency must be at least 1, got {self.max_concurrency}")
+        for name in ("timeout", "request_timeout"):
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):
+                raise BenchError(f"{name} must be a positive number of seconds, got {v}")
+        if self.prefix_len is not None and not 0 < self.prefix_len < self.input_len:
+            raise BenchError(f"prefix_len must be in 1..{self.input_len - 1} (below "
+                             f"input_len), got {self.prefix_len}")
+        if any(not 0 <= q <= 100 for q in self.percentiles):
+            raise BenchError(f"percentiles must be in 0..100, got {list(self.percentiles)}")
+
+    def effective_prefix_len(self) -> int | None:
+        if self.prefix_len is not None or self.dataset == "random":
+            return self.prefix_len
+        if self.dataset == "sonnet":
+            return min(DEFAULT_SONNET_PREFIX_LEN, self.input_len // 2)
+        return self.input_len // 2
+
+
+@dataclass
+class BenchResult:
+    """A finished run: its settings, what each request measured, and the summary."""
+
+    config: BenchConfig
+    model_id: str
+    tokenizer_id: str
+    date: str
+    duration: float
+    outputs: list[RequestResult]
+    #: compute_metrics' fields (vLLM names).
+    metrics: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def completed(self) -> int:
+        return int(self.metrics["completed"])
+
+    @property
+    def failed(self) -> int:
+        return int(self.metrics["failed"])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The result JSON: ``vllm bench serve``'s fields, then kvpush's extras."""
+        c = self.config
+        rate: float | str = c.request_rate if math.isfinite(c.request_rate) else "inf"
+        out: dict[str, Any] = {
+            "date": self.date,
+            "backend": BACKENDS[c.endpoint],
+            "endpoint_type": BACKENDS[c.endpoint],
+            "label": c.label,
+            "model_id": self.model_id,
+            "tokenizer_id": self.tokenizer_id,
+            "num_prompts": len(self.outputs),
+            "request_rate": rate,
+            "burstiness": 1.0,
+            "max_concurrency": c.max_concurrency,
+            "duration": self.duration,
+        }
+        out.update(self.metrics)
+        out.update({
+            "input_lens": [r.prompt_len for r in self.outputs],
+            "output_lens": [r.output_tokens if r.success else 0 for r in self.outputs],
+            "ttfts": [r.ttft for r in self.outputs],
+            "itls": [r.itl for r in self.outputs],
+            "errors": [r.error for r in self.outputs],
+            # kvpush extras
+            "e2els": [r.latency for r in self.outputs],
+            "start_times": [r.start_time for r in self.outputs],
+            "url": c.url,
+            "endpoint": ENDPOINTS[c.endpoint],
+            "dataset_name": c.dataset,
+            "input_len": c.input_len,
+            "output_len": c.output_len,
+            "prefix_len": c.effective_prefix_len(),
+            "seed": c.seed,
+            "timeout": c.timeout,
+            "request_timeout": c.request_timeout,
+            "warnings": self.warnings,
+        })
+        return out
+
+    def save(self, path: str | Path) -> Path:
+        p = Path(path)
+        if p.parent != Path():
+            p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return p
+
+    def table(self) -> str:
+        return format_table(self.to_dict(), self.config.percentiles)
+
+
+# ----------------------------------------------------------------- model and tokenizer
+
+
+def list_models(url: str, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """The server's ``GET /v1/models`` cards; raises :class:`BenchError` if unreachable."""
+    import httpx
+
+    try:
+        r = httpx.get(url.rstrip("/") + "/v1/models", timeout=timeout, trust_env=False,
+                      headers=_auth_headers())
+        r.raise_for_status()
+        data = r.json().get("data") or []
+    except (httpx.HTTPError, ValueError, AttributeError) as e:
+        raise BenchError(f"cannot list the models of {url} (GET /v1/models): {e}") from None
+    return [d for d in data if isinstance(d, dict)]
+
+
+def resolve_tokenizer(config: BenchConfig, model_id: str,
+                      cards: Sequence[dict[str, Any]] | None = None) -> tuple[Any, str]:
+    """(tokenizer, where it came from): ``config.tokenizer`` if given; else the model name
+    (a kvpush model, a folder); else the ``root`` the server lists for the model
+    (GET /v1/models), if it is here; else the local Hugging Face cache. Never downloads."""
+    if config.tokenizer:
+        return find_tokenizer([config.tokenizer])
+    names = [model_id]
+    if local_tokenizer_dir(model_id) is None:
+        if cards is None:
+            cards = list_models(config.url)
+        names += [c["root"] for c in cards if c.get("id") == model_id
+                  and isinstance(c.get("root"), str) and c["root"]]
+    try:
+        return find_tokenizer(names)
+    except DatasetError as e:
+        raise BenchError(f"{e}; pass --tokenizer DIR") from None
+
+
+def prepare_requests(config: BenchConfig, tokenizer: Any) -> list[SampleRequest]:
+    """The run's prompts (deterministic for the seed and tokenizer)."""
+    codec = PromptCodec(tokenizer, config.endpoint)  # type: ignore[arg-type]
+    return sample_requests(codec, config.dataset, config.num_prompts, config.input_len,
+                           config.output_len, config.seed, config.effective_prefix_len(),
+                           config.prompt_type)
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Send times (seconds after the start) of ``n`` Poisson arrivals at ``rate``/s; the
+    first at 0 (as vLLM); all 0 for an infinite rate."""
+    if not math.isfinite(rate):
+        return [0.0] * n
+    rng = random.Random(f"arrivals:{seed}")
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# ------------------------------------------------------------------------ the requests
+
+
+def _auth_headers() -> dict[str, str]:
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def request_body(config: BenchConfig, model_id: str, req: SampleRequest) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model_id}
+    if config.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    body.update({
+        "max_tokens": req.expected_output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    })
+    body.update(config.extra_body)
+    return body
+
+
+def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
+    if chat:
+        delta = choice.get("delta") or {}
+        text = delta.get("content") if isinstance(delta, dict) else None
+    else:
+        text = choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+async def _stream(client: Any, url: str, body: dict[str, Any], res: RequestResult,
+                  chat: bool) -> None:
+    """Send one request and read its SSE stream into ``res`` (success or error)."""
+    st = time.perf_counter()
+    last: float | None = None
+    parts: list[str] = []
+    done, finish = False, None
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode("utf-8", errors="replace")
+            res.error = f"HTTP {resp.status_code}: {text.strip()[:MAX_ERROR_CHARS]}"
+            return
+        async for line in resp.aiter_lines():
+            now = time.perf_counter()
+            if not line.startswith("data:"):
+                continue  # blank separators, comments, event:/id: fields
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                res.error = f"malformed SSE data: {data[:200]!r}"
+                return
+            if not isinstance(obj, dict):
+                continue
+            if obj.get("error"):
+                res.error = f"error in stream: {json.dumps(obj['error'])[:MAX_ERROR_CHARS]}"
+                return
+            for choice in obj.get("choices") or []:
+                text = _chunk_text(choice, chat)
+                if text:
+                    if last is None:
+                        res.ttft = now - st
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    parts.append(text)
+                finish = choice.get("finish_reason") or finish
+            usage = obj.get("usage")
+            if isinstance(usage, dict):
+                res.output_tokens = int(usage.get("completion_tokens") or 0)
+                if isinstance(usage.get("prompt_tokens"), int):
+                    res.server_prompt_tokens = usage["prompt_tokens"]
+    res.latency = time.perf_counter() - st
+    res.generated_text = "".join(parts)
+    if last is None:
+        res.error = "the stream carried no content"
+    elif not done and finish is None:
+        res.error = "the stream ended before [DONE] or a finish_reason"
+    elif finish in ("abort", "error"):
+        res.error = f"the request finished with finish_reason={finish!r}"
+    else:
+        res.success = True
+
+
+async def _send(client: Any, url: str, body: dict[str, Any], res: RequestResult,
+                chat: bool, t0: float, timeout: float) -> None:
+    import httpx
+
+    res.start_time = time.perf_counter() - t0
+    try:
+        await asyncio.wait_for(_stream(client, url, body, res, chat), timeout)
+    except asyncio.TimeoutError:
+        res.error = f"timed out after {timeout:g} s (request timeout)"
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    except Exception as e:  # noqa: BLE001 - a client bug must not lose the whole run
+        res.error = f"client error: {type(e).__name__}: {e}"
+    if res.error:
+        res.success = False
+
+
+async def _drive(config: BenchConfig, model_id: str, requests: Sequence[SampleRequest],
+                 results: list[RequestResult]) -> float:
+    """Send every request on schedule; fill ``results``; return the run's duration."""
+    import httpx
+
+    chat = config.endpoint == "chat"
+    url = config.url.rstrip("/") + ENDPOINTS[config.endpoint]
+    offsets = arrival_offsets(len(requests), config.request_rate, config.seed)
+    sem = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    bar = _progress_bar(len(requests), config.progress)
+    timeout = httpx.Timeout(config.request_timeout, connect=min(30.0, config.request_timeout))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False,
+                                 headers=_auth_headers()) as client:
+        t0 = time.perf_counter()
+
+        async def one(i: int) -> None:
+            delay = t0 + offsets[i] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            body = request_body(config, model_id, requests[i])
+            try:
+                if sem is None:
+                    await _send(client, url, body, results[i], chat, t0,
+                                config.request_timeout)
+                else:
+                    async with sem:
+                        await _send(client, url, body, results[i], chat, t0,
+                                    config.request_timeout)
+            finally:
+                if bar is not None:
+                    bar.update(1)
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(requests))]
+        _, pending = await asyncio.wait(tasks, timeout=config.timeout)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        duration = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    for r in results:
+        if not r.success and not r.error:
+            r.error = (f"cancelled: the benchmark timeout ({config.timeout:g} s) ran out"
+                       + (" while it was in flight" if r.start_time >= 0
+                          else " before it was sent"))
+    return duration
+
+
+def _progress_bar(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with transformers
+        return None
+    return tqdm(total=total, unit="req", desc="bench", dynamic_ncols=True)
+
+
+def _warnings(config: BenchConfig, outputs: Sequence[RequestResult]) -> list[str]:
+    out = []
+    done = [r for r in outputs if r.success]
+    off = sum(1 for r in done if r.output_tokens != config.output_len)
+    if off:
+        out.append(f"{off} completed request(s) did not generate exactly --output-len "
+                   f"{config.output_len} tokens (does the server honour ignore_eos?)")
+    mism = sum(1 for r in done if r.server_prompt_tokens not in (None, r.prompt_len))
+    if mism:
+        out.append(f"{mism} request(s) had a prompt_tokens count from the server that "
+                   "differs from the client's: is --tokenizer the served model's?")
+    return out
+
+
+def _prepare(config: BenchConfig, requests: Sequence[SampleRequest] | None,
+             tokenizer: Any | None) -> tuple[str, str, Any, Sequence[SampleRequest]]:
+    """(model id, tokenizer id, tokenizer or None, prompts) for a run (blocking)."""
+    config.validate()
+    cards = None
+    model_id = config.model
+    if model_id is None:
+        cards = list_models(config.url)
+        if not cards or not isinstance(cards[0].get("id"), str):
+            raise BenchError(f"{config.url} lists no models; pass --model")
+        model_id = cards[0]["id"]
+    tok_id = config.tokenizer or model_id
+    if tokenizer is None and requests is None:
+        tokenizer, tok_id = resolve_tokenizer(config, model_id, cards)
+    if requests is None:
+        requests = prepare_requests(config, tokenizer)
+    if not requests:
+        raise BenchError("no requests to send")
+    return model_id, tok_id, tokenizer, requests
+
+
+async def arun_benchmark(config: BenchConfig, *,
+                         requests: Sequence[SampleRequest] | None = None,
+                         tokenizer: Any | None = None) -> BenchResult:
+    """:func:`run_benchmark` for callers already inside an event loop (the set-up runs in
+    a worker thread)."""
+    model_id, tok_id, tokenizer, requests = await asyncio.to_thread(
+        _prepare, config, requests, tokenizer)
+    results = [RequestResult(prompt_len=r.prompt_len) for r in requests]
+    date = datetime.now().strftime("%Y%m%d-%H%M%S")
+    duration = await _drive(config, model_id, requests, results)
+    for r in results:  # a server that sent no usage: count the text's tokens (or chunks)
+        if r.success and r.output_tokens == 0:
+            r.output_tokens = (len(tokenizer.encode(r.generated_text, add_special_tokens=False))
+                               if tokenizer is not None else len(r.itl) + 1)
+    metrics = compute_metrics(results, duration, config.percentiles)
+    return BenchResult(config=config, model_id=model_id, tokenizer_id=tok_id, date=date,
+                       duration=duration, outputs=results, metrics=metrics,
+                       warnings=_warnings(config, results))
+
+
+def run_benchmark(config: BenchConfig, *, requests: Sequence[SampleRequest] | None = None,
+                  tokenizer: Any | None = None) -> BenchResult:
+    """Run one benchmark and return its result (nothing is written or printed).
+
+    ``requests``: prompts to send instead of building them from the config's data set
+    (e.g. the same prompts against several servers); ``tokenizer``: an already loaded
+    tokenizer. Raises :class:`BenchError` (or DatasetError) if the run cannot start;
+    failed requests do not raise, they are counted in the result. Not for use inside a
+    running event loop: await :func:`arun_benchmark` there.
+    """
+    return asyncio.run(arun_benchmark(config, requests=requests, tokenizer=tokenizer))

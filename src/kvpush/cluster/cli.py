@@ -1,0 +1,360 @@
+"""`kvpush up`: a whole prefill/decode cluster on this host, in one command.
+
+Only argparse (and the standard library) is imported at module level: `kvpush --help`
+builds this parser and must not pay for torch or httpx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvpush.cluster.launcher import Child, ChildSpec, Supervisor
+
+HOST = "127.0.0.1"
+
+EPILOG = """\
+Start order: every instance at once, then (all healthy) the router with their URLs. The
+endpoint, the instances and their roles, an example request and the log folder are
+printed once the router is healthy. Each child runs in its own process group with its
+output in <log-dir>/<name>.log; the children are killed by the kernel if `kvpush up`
+itself dies (Linux PDEATHSIG).
+
+Stopping: Ctrl-C, SIGTERM or SIGHUP sends SIGTERM to every child, waits --stop-timeout
+seconds (a second Ctrl-C: no wait), SIGKILLs what is left and reaps all.
+
+Exit status: 0 after a requested stop (also during start-up); 1 if a child fails to start
+(exits, or is not healthy within --startup-timeout) or exits while the cluster serves
+(its log tail is printed and the rest of the cluster is stopped); 2 for a usage error
+(model not installed, port in use, bad counts).
+
+Children inherit the environment, plus PYTHONUNBUFFERED=1 and, unless set,
+UCX_NET_DEVICES=lo and NIXL_LOG_LEVEL=WARN (every instance is on this host).
+"""
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port
+
+
+def _seconds(text: str) -> float:
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
+    if s <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {s}")
+    return s
+
+
+def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the `up` sub-command on ``subparsers`` (from add_subparsers)."""
+    p = subparsers.add_parser(
+        "up",
+        help="start prefill and decode instances and the router on this host",
+        description=(
+            "Start N prefill and M decode instances (`kvpush serve`) and the router\n"
+            "(`kvpush router`) as child processes on 127.0.0.1 with free ports, wait until\n"
+            "all are healthy, print the endpoint, and serve until Ctrl-C or SIGTERM; then\n"
+            "stop every child."
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", metavar="NAME_OR_DIR",
+                   help="model folder or the name of a model installed with `kvpush models "
+                        "install` (default: the default model, smollm2-135m)")
+    p.add_argument("--mode", choices=("push", "pull", "colocated"), default="push",
+                   help="push: prefill WRITEs the KV into decode's blocks as it is computed "
+                        "(default); pull: decode READs it after prefill (vLLM "
+                        "NixlConnector); colocated: one --role both instance behind the "
+                        "router, for comparison")
+    p.add_argument("--prefill", type=_count, metavar="N",
+                   help="prefill instances (default: 1; not with --mode colocated)")
+    p.add_argument("--decode", type=_count, metavar="M",
+                   help="decode instances (default: 1; not with --mode colocated)")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="the router's port on 127.0.0.1 (default: 8000; 0: a free port)")
+    p.add_argument("--log-dir", type=Path, metavar="DIR",
+                   help="folder for the children's logs (default: a new folder under "
+                        "<kvpush cache>/logs)")
+    p.add_argument("--startup-timeout", type=_seconds, default=300.0, metavar="SECONDS",
+                   help="how long every child may take to become healthy (default: 300)")
+    p.add_argument("--stop-timeout", type=_seconds, default=20.0, metavar="SECONDS",
+                   help="how long children may take to stop after SIGTERM before SIGKILL "
+                        "(default: 20)")
+
+    eng = p.add_argument_group("instances (passed to each `kvpush serve`)")
+    eng.add_argument("--threads", type=_count, metavar="T",
+                     help="torch CPU threads per instance (default: cores // instances, at "
+                          "least 1)")
+    eng.add_argument("--max-model-len", type=int, metavar="TOKENS")
+    eng.add_argument("--kv-cache-memory", metavar="SIZE", help="e.g. 512MiB, 2GiB")
+    eng.add_argument("--block-size", type=int, metavar="TOKENS")
+    eng.add_argument("--dtype", metavar="DTYPE", help="float32, bfloat16 or float16")
+
+    rt = p.add_argument_group("router (passed to `kvpush router`)")
+    rt.add_argument("--policy", choices=("round-robin", "least-outstanding"),
+                    help="how the router picks an instance (default: the router's)")
+    rt.add_argument("--health-interval", type=_seconds, metavar="SECONDS",
+                    help="how often the router checks its instances (default: the router's)")
+    p.set_defaults(func=run_up)
+    return p
+
+
+# ---- the plan: which processes, with which arguments --------------------------------
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def instance_roles(args: argparse.Namespace) -> list[str]:
+    """The role of each instance to start, prefill ones first."""
+    if args.mode == "colocated":
+        return ["both"]
+    return ["prefill"] * (args.prefill or 1) + ["decode"] * (args.decode or 1)
+
+
+def default_threads(num_instances: int, cores: int | None = None) -> int:
+    """One share of the cores per instance, so engines on one host do not oversubscribe."""
+    return max(1, (cores or usable_cores()) // max(1, num_instances))
+
+
+def serve_argv(args: argparse.Namespace, model: str, role: str, port: int,
+               threads: int) -> list[str]:
+    argv = [sys.executable, "-m", "kvpush", "serve", model, "--host", HOST,
+            "--port", str(port), "--role", role, "--threads", str(threads)]
+    if role != "both":
+        argv += ["--kv-transfer", args.mode]
+    for flag, value in (("--max-model-len", args.max_model_len),
+                        ("--kv-cache-memory", args.kv_cache_memory),
+                        ("--block-size", args.block_size), ("--dtype", args.dtype)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def router_argv(args: argparse.Namespace, port: int, prefill: list[str],
+                decode: list[str]) -> list[str]:
+    argv = [sys.executable, "-m", "kvpush", "router", "--mode", args.mode,
+            "--host", HOST, "--port", str(port)]
+    if prefill:
+        argv += ["--prefill", *prefill]
+    if decode:
+        argv += ["--decode", *decode]
+    if args.policy is not None:
+        argv += ["--policy", args.policy]
+    if args.health_interval is not None:
+        argv += ["--health-interval", str(args.health_interval)]
+    return argv
+
+
+def plan_instances(args: argparse.Namespace, model: str,
+                   router_port: int = 0) -> list[ChildSpec]:
+    """One spec per instance, each on its own free port (never the router's)."""
+    from kvpush.cluster.launcher import ChildSpec, free_port
+
+    roles = instance_roles(args)
+    threads = args.threads or default_threads(len(roles))
+    specs, seen = [], {"prefill": 0, "decode": 0, "both": 0}
+    taken = {router_port}
+    for role in roles:
+        name = f"{'instance' if role == 'both' else role}-{seen[role]}"
+        seen[role] += 1
+        port = free_port(HOST)
+        while port in taken:
+            port = free_port(HOST)
+        taken.add(port)
+        specs.append(ChildSpec(name, role, serve_argv(args, model, role, port, threads), port))
+    return specs
+
+
+def plan_router(args: argparse.Namespace, port: int, instances: list[Child]) -> ChildSpec:
+    from kvpush.cluster.launcher import ChildSpec
+
+    urls = {role: [c.url for c in instances if c.spec.role == role]
+            for role in ("prefill", "decode", "both")}
+    if args.mode == "colocated":  # one --role both instance serves whole requests
+        argv = router_argv(args, port, [], urls["both"])
+    else:
+        argv = router_argv(args, port, urls["prefill"], urls["decode"])
+    return ChildSpec("router", "router", argv, port)
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("UCX_NET_DEVICES", "lo")
+    env.setdefault("NIXL_LOG_LEVEL", "WARN")
+    return env
+
+
+# ---- running it -----------------------------------------------------------------------
+def _say(message: str = "") -> None:
+    print(message, flush=True)
+
+
+def _fail(message: str) -> int:
+    print(f"kvpush up: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _report(child: Child, reason: str) -> None:
+    tail = child.log_tail()
+    body = "\n".join(f"  | {line}" for line in tail.splitlines()) or "  | (empty)"
+    print(f"kvpush up: error: {child.name} ({child.url}) {reason}; last lines of "
+          f"{child.log_path}:\n{body}", file=sys.stderr, flush=True)
+
+
+def usage_problem(args: argparse.Namespace) -> str | None:
+    if args.mode == "colocated" and (args.prefill or args.decode):
+        return ("--mode colocated runs one --role both instance; --prefill/--decode do "
+                "not apply")
+    return None
+
+
+def _make_log_dir(args: argparse.Namespace) -> Path:
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+        return args.log_dir.resolve()
+    from kvpush.models.registry import cache_root
+
+    base = cache_root() / "logs"
+    base.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=time.strftime("up-%Y%m%d-%H%M%S-"), dir=base))
+
+
+def _describe(child: Child) -> str:
+    import httpx
+
+    extra = ""
+    if child.spec.role in ("prefill", "decode"):
+        try:
+            info = httpx.get(f"{child.url}/kv/info", timeout=2).json()
+            extra = f"  engine {info['engine_id']}, side channel {info['side_channel']}"
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+    return f"  {child.name:<11} {child.url}  role {child.spec.role}{extra}"
+
+
+def _served_model(child: Child) -> str | None:
+    import httpx
+
+    try:
+        return str(httpx.get(f"{child.url}/v1/models", timeout=2).json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return None
+
+
+def _banner(args: argparse.Namespace, instances: list[Child], router: Child,
+            log_dir: Path, started: float) -> None:
+    model = _served_model(instances[0])
+    body = '{%s"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}' % (
+        f'"model": "{model}", ' if model else "")
+    _say(f"\nkvpush up: ready in {time.monotonic() - started:.1f} s ({args.mode} mode)")
+    _say(f"  endpoint    {router.url}/v1")
+    for child in instances:
+        _say(_describe(child))
+    _say(f"  {'router':<11} {router.url}  mode {args.mode}"
+         + (f", policy {args.policy}" if args.policy else ""))
+    _say(f"  logs        {log_dir}")
+    _say(f"try:\n  curl -s {router.url}/v1/chat/completions -H 'Content-Type: "
+         f"application/json' \\\n    -d '{body}'")
+    _say("Ctrl-C or SIGTERM stops the cluster.\n")
+
+
+def _serve(sup: Supervisor, args: argparse.Namespace, model: str, port: int,
+           log_dir: Path) -> int:
+    from kvpush.cluster.launcher import ChildFailed, StopRequested, describe_exit
+
+    started = time.monotonic()
+    specs = plan_instances(args, model, router_port=port)
+    threads = specs[0].argv[specs[0].argv.index("--threads") + 1]
+    if args.mode == "colocated":
+        roles = "1 role=both instance"
+    else:
+        roles = " + ".join(f"{sum(s.role == r for s in specs)} {r}" for r in ("prefill", "decode"))
+        roles += " instance(s)"
+    _say(f"kvpush up: starting {roles} of {model} ({args.mode} mode, "
+         f"{threads} torch thread(s) each), then the router on port {port}")
+    _say(f"kvpush up: logs in {log_dir}")
+    try:
+        instances = [sup.spawn(spec) for spec in specs]
+        sup.wait_healthy(instances, args.startup_timeout)
+        router = sup.spawn(plan_router(args, port, instances))
+        sup.wait_healthy([router], args.startup_timeout)
+    except ChildFailed as e:
+        _report(e.child, e.reason)
+        _stop(sup, "start-up failed")
+        return 1
+    except StopRequested as e:
+        _stop(sup, f"{e} during start-up")
+        return 0
+    _banner(args, instances, router, log_dir, started)
+    dead = sup.watch()
+    if dead is not None:
+        _report(dead, f"{describe_exit(dead.poll() or 0)} while serving")
+        _stop(sup, "a child exited")
+        return 1
+    _stop(sup, sup.signals.last or "stop")
+    return 0
+
+
+def _stop(sup: Supervisor, why: str) -> None:
+    t0 = time.monotonic()
+    _say(f"kvpush up: {why}: stopping {len(sup.children)} process(es)")
+    sup.stop()
+    killed = f"; SIGKILLed: {', '.join(sup.killed)}" if sup.killed else ""
+    _say(f"kvpush up: stopped in {time.monotonic() - t0:.1f} s{killed}")
+
+
+def run_up(args: argparse.Namespace) -> int:
+    problem = usage_problem(args)
+    if problem:
+        return _fail(problem)
+    from kvpush.cluster.launcher import StopSignals, Supervisor, free_port, port_is_free
+    from kvpush.config import ConfigError
+    from kvpush.models.registry import DEFAULT_MODEL, resolve_model
+
+    name = args.model or DEFAULT_MODEL
+    try:
+        model_dir = resolve_model(name)
+    except ConfigError as e:
+        return _fail(str(e))
+    # A folder is passed on absolute; a name is passed on so it is served under that name.
+    model = str(model_dir.resolve()) if Path(name).expanduser().exists() else name
+    port = args.port or free_port(HOST)
+    if not port_is_free(port, HOST):
+        return _fail(f"port {port} on {HOST} is in use; choose another with --port "
+                     "(0: a free port)")
+    log_dir = _make_log_dir(args)
+    signals = StopSignals().install()  # before any child exists: no window without cleanup
+    try:
+        with Supervisor(log_dir, child_env(), signals, args.stop_timeout) as sup:
+            return _serve(sup, args, model, port, log_dir)
+    finally:
+        signals.restore()

@@ -1,0 +1,236 @@
+"""The router's OpenAI-compatible front: ``build_app(router) -> FastAPI``.
+
+``POST /v1/completions`` and ``/v1/chat/completions`` (streaming and not) go through
+:class:`kvpush.router.legs.Legs`; ``GET /v1/models`` is a healthy decode instance's;
+``/health`` says whether the router can serve; ``/router/instances`` shows the pool;
+``/metrics`` is Prometheus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Literal
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from kvpush.router.config import RouterConfig
+from kvpush.router.legs import Job, Legs, new_request_id, outcome_for
+from kvpush.router.metrics import RouterMetrics
+from kvpush.router.pool import Pool, describe_error
+from kvpush.router.wire import relay_error
+from kvpush.server.app import MAX_BODY_BYTES, EventStreamResponse, _unless_disconnected
+from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
+
+logger = logging.getLogger("kvpush.router")
+
+#: Idle keep-alive connections to instances are dropped before the instances' own
+#: keep-alive timeout (uvicorn's default is 5 s, in kvpush and vLLM alike), so the router
+#: never sends on a connection the instance is closing at that moment.
+KEEPALIVE_EXPIRY_S = 3.0
+
+
+class Router:
+    """The pool, the shared HTTP client and the health loop of one router."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.pool = Pool(cfg)
+        self.metrics = RouterMetrics(self.pool)
+        self.client: httpx.AsyncClient | None = None
+        self.legs: Legs | None = None
+        self._health: asyncio.Task | None = None
+
+    def make_client(self) -> httpx.AsyncClient:
+        c = self.cfg
+        return httpx.AsyncClient(
+            timeout=httpx.Timeout(c.request_timeout_s, connect=c.connect_timeout_s),
+            limits=httpx.Limits(max_connections=c.max_connections,
+                                max_keepalive_connections=min(256, c.max_connections),
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
+            # router -> instance traffic is internal: no proxies from the environment
+            trust_env=False,
+        )
+
+    async def start(self, wait: bool = True) -> None:
+        """Open the client, wait for the instances (see Pool.wait_ready; raises
+        RouterConfigError / RouterStartupError), start the health loop."""
+        self.client = self.make_client()
+        self.legs = Legs(self.cfg, self.pool, self.metrics, self.client)
+        try:
+            if wait:
+                await self.pool.wait_ready(self.client, self.cfg.startup_timeout_s)
+            else:
+                await self.pool.check_all(self.client)
+        except BaseException:
+            await self.client.aclose()
+            raise
+        self._health = asyncio.create_task(self.pool.health_loop(self.client))
+
+    async def close(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            await asyncio.wait({self._health})
+        if self.client is not None:
+            await self.client.aclose()
+        self._health = None
+
+
+class RelayStream(EventStreamResponse):
+    """Decode's SSE answer relayed to the client; ``on_close`` runs however it ends (even
+    when the client leaves before the first frame, when the generator never started)."""
+
+    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(events, headers)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def _handle(router: Router, request: Request,
+                  kind: Literal["completion", "chat"]) -> Response:
+    arrival = time.perf_counter()
+    legs = router.legs
+    assert legs is not None
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    job = Job(rid=new_request_id(), kind=kind, path=path, body={}, stream=False,
+              arrival=arrival, client_rid=request.headers.get("x-request-id"))
+    headers = {"X-Request-Id": job.rid}
+    try:
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            await legs.close(job, "abort", 499)
+            return Response(status_code=499)
+        try:
+            body = json.loads(raw, parse_constant=_no_constant)
+        except ValueError as e:
+            raise APIError(f"could not parse the request body as JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object")
+        job.body, job.stream = body, body.get("stream") is True
+        gone, result = await _unless_disconnected(legs.dispatch(job), request.receive)
+    except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI body
+        err = to_api_error(exc)
+        if err is None:
+            logger.exception("error routing request %s", job.rid)
+            err = internal_error()
+        job.error = err.message
+        await legs.close(job, outcome_for(err.status_code), err.status_code)
+        return err.response(headers=headers)
+    if gone:
+        await legs.close(job, "abort", 499)
+        return Response(status_code=499)
+    if isinstance(result, httpx.Response):
+        return RelayStream(legs.relay(job, result), headers,
+                           on_close=lambda: legs.close(job, "abort", 200))
+    assert isinstance(result, Response)
+    result.headers["X-Request-Id"] = job.rid
+    await legs.close(job, outcome_for(result.status_code), result.status_code)
+    return result
+
+
+def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> FastAPI:
+    """The FastAPI app of ``router``. With ``manage`` its lifespan starts the router
+    (``wait``: until the instances are usable, see Pool.wait_ready; else after one round
+    of checks) and closes it; without, the caller does (the CLI waits for the instances
+    before uvicorn binds its port)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not manage:
+            yield
+            return
+        await router.start(wait=wait)
+        try:
+            yield
+        finally:
+            await router.close()
+
+    app = FastAPI(title="kvpush router", summary="OpenAI-compatible P/D router",
+                  lifespan=lifespan, max_body_size=MAX_BODY_BYTES)
+    app.state.router = router
+    install_error_handlers(app)
+
+    @app.post("/v1/completions", summary="Text completion, through prefill and decode")
+    async def completions(request: Request) -> Response:
+        return await _handle(router, request, "completion")
+
+    @app.post("/v1/chat/completions", summary="Chat completion, through prefill and decode")
+    async def chat_completions(request: Request) -> Response:
+        return await _handle(router, request, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        assert router.client is not None
+        tried = []
+        for inst in router.pool.by_role["decode"]:
+            if not inst.healthy:
+                continue
+            try:
+                r = await router.client.get(inst.url + "/v1/models",
+                                            timeout=router.cfg.health_timeout_s)
+            except httpx.HTTPError as e:
+                tried.append(f"{inst.url}: {describe_error(e)}")
+                continue
+            if r.status_code == 200:
+                return Response(r.content, media_type="application/json")
+            return relay_error(r.status_code, r.content, "decode", inst)
+        why = "; ".join(tried) or "no healthy decode instance"
+        return APIError(f"cannot list models: {why}", status_code=503).response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        pool = router.pool
+        counts = {role: sum(i.healthy for i in group) for role, group in pool.by_role.items()}
+        if pool.ready():
+            return JSONResponse({"status": "ok", "mode": router.cfg.mode,
+                                 "healthy": counts})
+        return APIError(f"the router cannot serve: healthy instances {counts}",
+                        status_code=503).response()
+
+    @app.get("/router/instances", summary="The instances, their identity and health")
+    async def instances() -> Response:
+        return JSONResponse({"mode": router.cfg.mode, "policy": router.cfg.policy,
+                             "instances": [i.state() for i in router.pool.instances]})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type=router.metrics.content_type)
+
+    return app
+
+
+async def serve_forever(router: Router, host: str, port: int, log_level: str,
+                        sockets: list | None = None) -> bool:
+    """Wait for the instances, then serve until stopped. False when the server did not
+    start (port taken, ...); start-up errors of the pool raise."""
+    import uvicorn
+
+    await router.start(wait=True)
+    try:
+        app = build_app(router, manage=False)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=host, port=port, log_level=log_level, access_log=False,
+            timeout_graceful_shutdown=5))
+        await server.serve(sockets=sockets)
+        return bool(server.started)
+    finally:
+        await router.close()

@@ -1,0 +1,146 @@
+"""`kvpush router`: an OpenAI-compatible front over prefill and decode instances.
+
+Only argparse is imported at module level: `kvpush --help` builds this parser and must
+stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _instance(text: str) -> Any:
+    from kvpush.router.config import RouterConfigError, parse_instance
+
+    try:
+        return parse_instance(text)
+    except RouterConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return v
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port
+
+
+def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the `router` sub-command on ``subparsers`` (from add_subparsers)."""
+    p = subparsers.add_parser(
+        "router",
+        help="route OpenAI requests over prefill and decode instances (push or pull KV)",
+        description=(
+            "An OpenAI-compatible front (/v1/completions, /v1/chat/completions, /v1/models, "
+            "/health, /metrics) over prefill and decode instances. Each instance's "
+            "identity (engine id, role, transfer mode, side channel) is read from its "
+            "GET /kv/info at start-up and on every health check. push: both legs at once, "
+            "decode streamed back; pull: prefill, then decode with prefill's "
+            "kv_transfer_params; colocated: requests forwarded as they are to role=both "
+            "instances. See docs/ROUTER.md (vLLM instances too)."),
+        epilog=(
+            "Instance URLs: http://HOST:PORT or HOST:PORT. An instance without /kv/info "
+            "(vLLM) may carry its KV identity: URL@ENGINE_ID@SIDE_HOST:SIDE_PORT (used "
+            "only when its /kv/info answers 404; needed for prefill in push mode)."),
+    )
+    p.add_argument("--prefill", nargs="+", action="extend", type=_instance, default=[],
+                   metavar="URL", help="prefill instances (kvpush serve --role prefill); "
+                                       "repeat or list several")
+    p.add_argument("--decode", nargs="+", action="extend", type=_instance, default=[],
+                   metavar="URL", help="decode instances (kvpush serve --role decode), or "
+                                       "role=both instances with --mode colocated")
+    p.add_argument("--mode", choices=("push", "pull", "colocated"), default="push",
+                   help="push: both legs at once (default); pull: prefill then decode; "
+                        "colocated: one leg to a role=both instance, request unchanged")
+    p.add_argument("--policy", choices=("round-robin", "least-outstanding"),
+                   default="round-robin",
+                   help="how an instance is picked for each leg (default: round-robin; "
+                        "least-outstanding: fewest legs in flight, ties round-robin)")
+    p.add_argument("--fallback-local-prefill", action="store_true",
+                   help="with no healthy prefill instance, send requests to decode without "
+                        "kv_transfer_params (decode prefills locally) instead of a 503")
+    net = p.add_argument_group("HTTP")
+    net.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default: 127.0.0.1)")
+    net.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000)")
+    net.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                     help="logging level; info logs one line per request (default: info)")
+    t = p.add_argument_group("health and timeouts")
+    t.add_argument("--health-interval", type=_positive, default=2.0, metavar="SECONDS",
+                   help="seconds between health checks (/health + /kv/info) of every "
+                        "instance (default: 2)")
+    t.add_argument("--health-timeout", type=_positive, default=2.0, metavar="SECONDS",
+                   help="bound of each health-check request (default: 2)")
+    t.add_argument("--startup-timeout", type=_positive, default=60.0, metavar="SECONDS",
+                   help="how long to wait at start for a usable decode (and prefill) "
+                        "instance before giving up (default: 60)")
+    t.add_argument("--connect-timeout", type=_positive, default=5.0, metavar="SECONDS",
+                   help="bound of connecting to an instance (default: 5)")
+    t.add_argument("--request-timeout", type=_positive, default=600.0, metavar="SECONDS",
+                   help="bound of each wait on an instance's answer: headers, each chunk "
+                        "of a stream (default: 600)")
+    p.set_defaults(func=run_router, _router_parser=p)
+    return p
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"kvpush router: error: {message}", file=sys.stderr)
+    return code
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    """The RouterConfig for parsed arguments (raises RouterConfigError)."""
+    from kvpush.router.config import RouterConfig
+
+    return RouterConfig(
+        mode=args.mode, prefill=tuple(args.prefill), decode=tuple(args.decode),
+        policy=args.policy, fallback_local_prefill=args.fallback_local_prefill,
+        health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
+        startup_timeout_s=args.startup_timeout, connect_timeout_s=args.connect_timeout,
+        request_timeout_s=args.request_timeout)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from kvpush.router.config import RouterConfigError
+
+    try:
+        cfg = build_config(args)
+    except RouterConfigError as e:
+        args._router_parser.error(str(e))  # usage + message, exit 2
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check
+    import asyncio
+
+    from kvpush.router.app import Router, serve_forever
+    from kvpush.router.pool import RouterStartupError
+
+    log = logging.getLogger("kvpush.router")
+    router = Router(cfg)
+    log.info("%s router, %s, %d prefill and %d decode instances; checking them", cfg.mode,
+             cfg.policy, len(cfg.prefill), len(cfg.decode))
+    try:
+        started = asyncio.run(serve_forever(router, args.host, args.port, args.log_level))
+    except RouterConfigError as e:
+        return _fail(f"misconfigured instance(s):\n{e}")
+    except RouterStartupError as e:
+        return _fail(str(e), code=1)
+    return 0 if started else 1

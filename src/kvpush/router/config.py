@@ -1,0 +1,136 @@
+"""The router's configuration: plain data, parsed and checked once (no heavy imports).
+
+An instance is named by its base URL. kvpush instances tell the router who they are at
+``GET /kv/info``; instances without that endpoint (vLLM) can be given their KV identity
+in the URL itself, ``URL@ENGINE_ID@SIDE_HOST:SIDE_PORT``, which is used only when
+``/kv/info`` answers 404.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+Mode = Literal["push", "pull", "colocated"]
+Policy = Literal["round-robin", "least-outstanding"]
+Role = Literal["prefill", "decode", "both"]
+
+MODES: tuple[str, ...] = ("push", "pull", "colocated")
+POLICIES: tuple[str, ...] = ("round-robin", "least-outstanding")
+
+
+class RouterConfigError(ValueError):
+    """A configuration the router cannot run with (the CLI prints it and exits 2)."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What decode needs to know about a prefill instance before prefill answers (push):
+    its engine id and side-channel address (vLLM: ``VLLM_NIXL_SIDE_CHANNEL_HOST/PORT`` and
+    the ``engine_id`` of ``--kv-transfer-config``)."""
+
+    engine_id: str
+    side_channel_host: str
+    side_channel_port: int
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    url: str  # normalized: scheme://host:port, no trailing slash
+    explicit: Identity | None = None  # from URL@ENGINE_ID@HOST:PORT (instances without /kv/info)
+
+
+def _port(text: str, what: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise RouterConfigError(f"{what}: invalid port {text!r}") from None
+    if not 0 < port < 65536:
+        raise RouterConfigError(f"{what}: port must be in 1..65535, got {port}")
+    return port
+
+
+def parse_instance(spec: str) -> InstanceSpec:
+    """``http://host:port``, ``host:port``, or either followed by
+    ``@ENGINE_ID@SIDE_HOST:SIDE_PORT``."""
+    parts = spec.strip().split("@")
+    if len(parts) not in (1, 3):
+        raise RouterConfigError(
+            f"instance {spec!r}: expected URL or URL@ENGINE_ID@SIDE_HOST:SIDE_PORT")
+    raw = parts[0].rstrip("/")
+    if "://" not in raw:
+        raw = "http://" + raw
+    u = urlsplit(raw)
+    if u.scheme not in ("http", "https") or not u.hostname or u.path or u.query:
+        raise RouterConfigError(f"instance {spec!r}: expected http://HOST:PORT")
+    try:
+        port = u.port
+    except ValueError:
+        raise RouterConfigError(f"instance {spec!r}: invalid port") from None
+    url = f"{u.scheme}://{u.netloc}"
+    if port is None:
+        raise RouterConfigError(f"instance {spec!r}: the URL needs a port")
+    explicit = None
+    if len(parts) == 3:
+        engine_id, side = parts[1], parts[2]
+        host, sep, sport = side.rpartition(":")
+        if not engine_id or not sep or not host:
+            raise RouterConfigError(
+                f"instance {spec!r}: expected URL@ENGINE_ID@SIDE_HOST:SIDE_PORT")
+        explicit = Identity(engine_id, host, _port(sport, f"instance {spec!r}"))
+    return InstanceSpec(url, explicit)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    mode: Mode
+    prefill: tuple[InstanceSpec, ...]
+    decode: tuple[InstanceSpec, ...]
+    policy: Policy = "round-robin"
+    fallback_local_prefill: bool = False
+    #: seconds between health checks of every instance
+    health_interval_s: float = 2.0
+    #: per-call bound of a health check's /health and /kv/info requests
+    health_timeout_s: float = 2.0
+    #: how long start-up waits for the instances to answer
+    startup_timeout_s: float = 60.0
+    #: bound of each wait on an instance (connect, each read, write)
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0
+    #: connections to all instances together (HTTP/1.1 keep-alive pool)
+    max_connections: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise RouterConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.policy not in POLICIES:
+            raise RouterConfigError(
+                f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not self.decode:
+            raise RouterConfigError("at least one decode instance is required (--decode URL)")
+        if self.mode == "colocated":
+            if self.prefill:
+                raise RouterConfigError(
+                    "--mode colocated forwards requests as they are to the --decode "
+                    "instances (role=both); it takes no --prefill instances")
+            if self.fallback_local_prefill:
+                raise RouterConfigError("--fallback-local-prefill needs --mode push or pull")
+        elif not self.prefill:
+            raise RouterConfigError(
+                f"--mode {self.mode} needs at least one prefill instance (--prefill URL)")
+        urls = [s.url for s in self.prefill + self.decode]
+        dup = sorted({u for u in urls if urls.count(u) > 1})
+        if dup:
+            raise RouterConfigError(f"instance listed twice: {', '.join(dup)}")
+        for name in ("health_interval_s", "health_timeout_s", "startup_timeout_s",
+                     "connect_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise RouterConfigError(f"{name} must be positive")
+        if self.max_connections < 1:
+            raise RouterConfigError("max_connections must be at least 1")
+
+    @property
+    def needs_prefill(self) -> bool:
+        """Whether the router cannot serve without a healthy prefill instance."""
+        return self.mode != "colocated" and not self.fallback_local_prefill

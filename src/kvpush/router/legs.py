@@ -1,0 +1,461 @@
+"""One client request through the pool: the prefill and decode legs.
+
+* push: a fresh transfer id; both legs sent at once — prefill gets the prompt with
+  ``do_remote_decode``, decode gets it with prefill's identity (from its /kv/info) — and
+  decode's answer goes back to the client as it comes. The prefill leg drains in the
+  background; decode's outcome decides the client's answer.
+* pull: prefill first, then decode with the ``kv_transfer_params`` prefill answered.
+* colocated / fallback: one leg, to a decode (or role=both) instance, as the client sent
+  it (fallback: without ``kv_transfer_params``, so decode prefills locally).
+
+Both legs carry the transfer id as ``X-Request-Id`` (vLLM matches push legs by it). A
+leg that hits a connection error takes the instance out of rotation at once, and is sent
+again elsewhere where that is safe: a decode leg that could not connect (any mode); a
+prefill leg that failed in pull mode; in push mode, a prefill leg that failed before
+decode answered (decode's leg is cancelled and the pair starts again with a new transfer
+id). Every wait is bounded by the client's timeouts; a client that goes away cancels
+everything still running, which closes the connections, which makes the instances abort
+the request and free its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi.responses import Response
+
+from kvpush.router.config import RouterConfig
+from kvpush.router.metrics import RouterMetrics
+from kvpush.router.pool import Instance, Pool, describe_error
+from kvpush.router.wire import prefill_body, push_decode_params, relay_error
+from kvpush.server.errors import APIError
+
+logger = logging.getLogger("kvpush.router")
+request_log = logging.getLogger("kvpush.router.requests")
+
+#: the request can never have reached the instance: safe to send it elsewhere
+NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+#: the instance went away (or never answered): it leaves the rotation
+CONNECTION_LOST = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError,
+                   httpx.WriteError, httpx.RemoteProtocolError)
+
+
+@dataclass(eq=False)
+class Job:
+    """One client request and what happened to it (the request log line)."""
+
+    rid: str
+    kind: str  # "completion" | "chat"
+    path: str
+    body: dict[str, Any]
+    stream: bool
+    arrival: float
+    client_rid: str | None = None
+    mode: str = ""  # the path taken: push, pull, colocated, fallback
+    prefill: Instance | None = None
+    decode: Instance | None = None
+    transfer_id: str = ""
+    attempts: int = 0
+    p_leg_s: float | None = None
+    p_outcome: str = "-"
+    p_task: asyncio.Task | None = None
+    d_sent: float | None = None
+    d_first_byte_s: float | None = None
+    first_byte: float | None = None
+    status: int = 0
+    outcome: str = ""
+    error: str | None = None
+    #: decode's open streaming answer and the instance it holds (closed by Legs.close)
+    upstream: httpx.Response | None = None
+    d_held: Instance | None = None
+    #: parts still running: the client's answer, plus a prefill leg draining after it
+    parts: int = 1
+    closed: bool = False
+    ended: float | None = None
+
+    def new_transfer_id(self) -> str:
+        self.attempts += 1
+        self.transfer_id = self.rid if self.attempts == 1 else f"{self.rid}-{self.attempts}"
+        return self.transfer_id
+
+
+@dataclass
+class PrefillResult:
+    status: int | None = None  # None: no HTTP answer
+    content: bytes = b""
+    content_type: str | None = None
+    error: str | None = None
+    never_sent: bool = False
+    lost: bool = False
+    timed_out: bool = False
+
+
+def outcome_for(status: int) -> str:
+    if status == 200:
+        return "ok"
+    if status == 499:
+        return "abort"
+    if status == 503:
+        return "unavailable"
+    return "client_error" if status < 500 else "error"
+
+
+class Legs:
+    def __init__(self, cfg: RouterConfig, pool: Pool, metrics: RouterMetrics,
+                 client: httpx.AsyncClient) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.metrics = metrics
+        self.client = client
+
+    # ------------------------------------------------------------------ entry point
+
+    async def dispatch(self, job: Job) -> Response | httpx.Response:
+        """A ready answer, or decode's open streaming answer (200) to relay."""
+        if self.cfg.mode == "colocated":
+            job.mode = "colocated"
+            return await self._single(job, job.body)
+        if not self.pool.has_healthy("decode"):
+            raise APIError("no healthy decode instance: " + self._why_down("decode"),
+                           status_code=503)
+        p = self.pool.pick("prefill")
+        if p is None:
+            if not self.cfg.fallback_local_prefill:
+                raise APIError("no healthy prefill instance: " + self._why_down("prefill"),
+                               status_code=503)
+            return await self._fallback(job)
+        job.mode = self.cfg.mode
+        if self.cfg.mode == "pull":
+            return await self._pull(job, p)
+        return await self._push(job, p)
+
+    def _why_down(self, role: str) -> str:
+        return "; ".join(f"{i.url}: {i.last_error}" for i in self.pool.by_role[role])
+
+    # ------------------------------------------------------------------ paths
+
+    def _pick_decode(self, job: Job) -> Instance:
+        """A decode instance for the job (held until Legs.close), or 503."""
+        self._release_decode(job)
+        d = self.pool.pick("decode")
+        if d is None:
+            raise APIError("no healthy decode instance: " + self._why_down("decode"),
+                           status_code=503)
+        job.decode = job.d_held = d
+        return d
+
+    async def _single(self, job: Job, body: dict[str, Any]) -> Response | httpx.Response:
+        d = self._pick_decode(job)
+        return await self._decode_leg(job, d, body, job.new_transfer_id())
+
+    async def _fallback(self, job: Job) -> Response | httpx.Response:
+        job.mode = "fallback"
+        job.prefill = None
+        body = {k: v for k, v in job.body.items() if k != "kv_transfer_params"}
+        return await self._single(job, body)
+
+    async def _pull(self, job: Job, p: Instance) -> Response | httpx.Response:
+        tried: set[Instance] = set()
+        while True:
+            tid = job.new_transfer_id()
+            job.prefill = p
+            try:
+                r = await self._prefill_leg(job, p, prefill_body(job.body, tid), tid)
+            finally:
+                self.pool.release(p)
+            if r.never_sent or r.lost:
+                tried.add(p)
+                other = self.pool.pick("prefill", tried)
+                if other is not None:
+                    self.metrics.retries.labels("prefill").inc()
+                    p = other
+                    continue
+                if self.cfg.fallback_local_prefill:
+                    return await self._fallback(job)
+                raise APIError(f"prefill instance {p.url} failed: {r.error}; no other "
+                               "healthy prefill instance", status_code=502)
+            if r.timed_out:
+                raise APIError(f"prefill instance {p.url} timed out: {r.error}",
+                               status_code=504)
+            assert r.status is not None
+            if r.status != 200:
+                return relay_error(r.status, r.content, "prefill", p)
+            try:
+                kv = json.loads(r.content).get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                kv = None
+            if not isinstance(kv, dict):
+                raise APIError(f"prefill instance {p.url} answered without "
+                               "kv_transfer_params (is it a prefill instance in pull mode?)",
+                               status_code=502)
+            d = self._pick_decode(job)
+            return await self._decode_leg(job, d, {**job.body, "kv_transfer_params": kv}, tid)
+
+    async def _push(self, job: Job, p: Instance) -> Response | httpx.Response:
+        tried: set[Instance] = set()
+        while True:
+            try:
+                d = self._pick_decode(job)
+            except APIError:
+                self.pool.release(p)
+                raise
+            tid = job.new_transfer_id()
+            job.prefill = p
+            d_body = {**job.body, "kv_transfer_params": push_decode_params(p, tid)}
+            p_task = asyncio.create_task(
+                self._prefill_leg(job, p, prefill_body(job.body, tid), tid))
+            job.p_task = p_task
+            job.parts += 1
+            p_task.add_done_callback(lambda _t, j=job, i=p: self._prefill_done(j, i))
+            d_task = asyncio.create_task(self._decode_leg(job, d, d_body, tid))
+            try:
+                await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+                pr = p_task.result() if p_task.done() else None
+                if not d_task.done() and pr is not None and (pr.never_sent or pr.lost):
+                    # Prefill is gone before decode answered (a kvpush decode answers once
+                    # it has token #1, so the KV had not all landed): decode would wait
+                    # for it until its lease ends. Start again with another prefill
+                    # instance, or let decode prefill locally.
+                    tried.add(p)
+                    other = self.pool.pick("prefill", tried)
+                    if other is not None or self.cfg.fallback_local_prefill:
+                        logger.info("request %s: prefill leg on %s failed before decode "
+                                    "answered; starting again %s", job.rid, p.url,
+                                    f"with {other.url}" if other else "without prefill")
+                        await _cancel(d_task)
+                        await self.close_upstream(job)  # releases the decode instance
+                        if other is None:
+                            return await self._fallback(job)
+                        self.metrics.retries.labels("prefill").inc()
+                        p = other
+                        continue
+                    logger.info("request %s: prefill leg on %s failed and no other prefill "
+                                "instance is healthy; decode decides", job.rid, p.url)
+                result = d_task.result() if d_task.done() else await d_task
+                if isinstance(result, Response) and result.status_code != 200:
+                    p_task.cancel()  # decode refused it: prefill's KV has no destination
+                return result
+            except BaseException:
+                # client gone, or decode's leg failed without an answer: the KV has no
+                # destination, so prefill's leg goes too
+                p_task.cancel()
+                await _cancel(d_task)
+                await self.close_upstream(job)
+                raise
+
+    # ------------------------------------------------------------------ legs
+
+    async def _prefill_leg(self, job: Job, p: Instance, body: dict[str, Any],
+                           tid: str) -> PrefillResult:
+        """Send and read a prefill leg; never raises (but for cancellation). The caller
+        releases ``p``."""
+        t0 = time.perf_counter()
+        r = PrefillResult()
+        outcome = "cancelled"
+        try:
+            resp = await self.client.post(p.url + job.path, json=body,
+                                          headers={"X-Request-Id": tid})
+            r.status, r.content = resp.status_code, resp.content
+            r.content_type = resp.headers.get("content-type")
+            outcome = "ok" if resp.status_code == 200 else "http_error"
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
+        except CONNECTION_LOST as e:
+            r.error = describe_error(e)
+            r.never_sent = isinstance(e, NEVER_SENT)
+            r.lost = not r.never_sent
+            outcome = "connection_error"
+            self.pool.mark_failed(p, f"prefill leg: {r.error}")
+        except httpx.TimeoutException as e:
+            r.error, r.timed_out, outcome = describe_error(e), True, "timeout"
+        except httpx.HTTPError as e:  # e.g. a malformed answer
+            r.error, r.lost, outcome = describe_error(e), True, "connection_error"
+        finally:
+            elapsed = time.perf_counter() - t0
+            if job.prefill is p:
+                job.p_leg_s = elapsed
+                job.p_outcome = outcome if r.error is None else f"{outcome}: {r.error}"
+            self.metrics.prefill_leg_s.labels(job.mode, outcome).observe(elapsed)
+            if r.error is not None and job.mode == "push":
+                logger.warning("request %s: prefill leg on %s failed: %s", job.rid, p.url,
+                               r.error)
+        return r
+
+    async def _decode_leg(self, job: Job, d: Instance, body: dict[str, Any],
+                          tid: str) -> Response | httpx.Response:
+        """Send the decode leg, to another decode instance if it cannot connect."""
+        tried: set[Instance] = set()
+        while True:
+            try:
+                return await self._send_decode(job, d, body, tid)
+            except NEVER_SENT as e:
+                tried.add(d)
+                why = describe_error(e)
+                self.pool.mark_failed(d, f"decode leg: {why}")
+                self._release_decode(job)
+                other = self.pool.pick("decode", tried)
+                if other is None:
+                    raise APIError(f"decode instance {d.url} unreachable ({why}) and no other "
+                                   "healthy decode instance", status_code=502) from None
+                self.metrics.retries.labels("decode").inc()
+                job.decode = job.d_held = d = other
+
+    async def _send_decode(self, job: Job, d: Instance, body: dict[str, Any],
+                           tid: str) -> Response | httpx.Response:
+        """One decode leg on ``d`` (held by the job: Legs.close releases it)."""
+        req = self.client.build_request("POST", d.url + job.path, json=body,
+                                        headers={"X-Request-Id": tid})
+        job.d_sent = time.perf_counter()
+        try:
+            resp = await self.client.send(req, stream=True)
+        except NEVER_SENT:
+            raise
+        except BaseException as e:
+            err = self._decode_failure(d, e)
+            if err is e:
+                raise
+            raise err from e
+        job.upstream = resp
+        if resp.status_code == 200 and job.stream:
+            return resp  # the relay owns it now; Legs.close() closes it
+        self._first_byte(job)
+        try:
+            content = await resp.aread()
+        except BaseException as e:
+            err = self._decode_failure(d, e)
+            if err is e:
+                raise
+            raise err from e
+        finally:
+            await self.close_upstream(job)
+        if resp.status_code != 200:
+            return relay_error(resp.status_code, content, "decode", d)
+        return Response(content, status_code=200,
+                        media_type=resp.headers.get("content-type", "application/json"))
+
+    def _decode_failure(self, d: Instance, e: BaseException) -> BaseException:
+        if isinstance(e, CONNECTION_LOST):
+            why = describe_error(e)
+            self.pool.mark_failed(d, f"decode leg: {why}")
+            return APIError(f"decode instance {d.url} failed during the request: {why}",
+                            status_code=502)
+        if isinstance(e, httpx.TimeoutException):
+            return APIError(f"decode instance {d.url} timed out: {describe_error(e)}",
+                            status_code=504)
+        if isinstance(e, httpx.HTTPError):
+            return APIError(f"decode instance {d.url} failed: {describe_error(e)}",
+                            status_code=502)
+        return e  # cancellation and the like go through as they are
+
+    # ------------------------------------------------------------------ streaming relay
+
+    async def relay(self, job: Job, resp: httpx.Response):  # -> AsyncGenerator[bytes]
+        """Decode's SSE answer, chunk by chunk, as it comes."""
+        try:
+            async for chunk in resp.aiter_bytes():
+                if job.first_byte is None:
+                    self._first_byte(job)
+                if b'data: {"error"' in chunk:
+                    job.error = job.error or "decode reported an error in its stream"
+                yield chunk
+            job.outcome = "error" if job.error else "ok"
+        except (httpx.HTTPError, OSError) as e:
+            d = job.decode
+            assert d is not None
+            err = self._decode_failure(d, e)
+            job.outcome, job.error = "error", str(err)
+            if isinstance(err, APIError):
+                yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+        finally:
+            await self.close(job, job.outcome or "abort")
+
+    def _first_byte(self, job: Job) -> None:
+        now = time.perf_counter()
+        job.first_byte = now
+        if job.d_sent is not None:
+            job.d_first_byte_s = now - job.d_sent
+            self.metrics.decode_first_byte_s.labels(job.mode).observe(job.d_first_byte_s)
+        if job.stream:
+            self.metrics.ttft_s.labels(job.mode).observe(now - job.arrival)
+
+    # ------------------------------------------------------------------ the end
+
+    def _release_decode(self, job: Job) -> None:
+        if job.d_held is not None:
+            self.pool.release(job.d_held)
+            job.d_held = None
+
+    async def close_upstream(self, job: Job) -> None:
+        resp, job.upstream = job.upstream, None
+        try:
+            if resp is not None:
+                await resp.aclose()
+        except Exception:  # noqa: BLE001 - closing a broken connection
+            logger.debug("closing decode's answer of %s failed", job.rid, exc_info=True)
+        finally:
+            self._release_decode(job)
+
+    async def close(self, job: Job, outcome: str, status: int | None = None) -> None:
+        """The client's answer is done (or abandoned): free what the request holds,
+        count it. Idempotent."""
+        if job.closed:
+            return
+        job.closed = True
+        if status is not None:
+            job.status = status
+        elif not job.status:
+            job.status = 200
+        job.outcome = outcome
+        await self.close_upstream(job)
+        if outcome == "abort" and job.p_task is not None and not job.p_task.done():
+            job.p_task.cancel()  # the client is gone: so is the reason to prefill
+        job.ended = time.perf_counter()
+        mode = job.mode or self.cfg.mode
+        self.metrics.requests.labels(mode, job.outcome).inc()
+        self.metrics.request_s.labels(mode, job.outcome).observe(job.ended - job.arrival)
+        self._part_done(job)
+
+    def _prefill_done(self, job: Job, p: Instance) -> None:
+        self.pool.release(p)
+        self._part_done(job)
+
+    def _part_done(self, job: Job) -> None:
+        job.parts -= 1
+        if job.parts == 0:
+            self.log(job)
+
+    @staticmethod
+    def log(job: Job) -> None:
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v * 1e3:.1f}ms"
+
+        total = None if job.ended is None else job.ended - job.arrival
+        request_log.info(
+            "request %s %s%s mode=%s P=%s D=%s transfer=%s p_leg=%s (%s) d_first_byte=%s "
+            "total=%s status=%s outcome=%s%s%s%s",
+            job.rid, job.kind, " stream" if job.stream else "", job.mode or "-",
+            job.prefill.engine_id if job.prefill else "-",
+            job.decode.engine_id if job.decode else "-", job.transfer_id or "-",
+            ms(job.p_leg_s), job.p_outcome, ms(job.d_first_byte_s), ms(total), job.status,
+            job.outcome, f" attempts={job.attempts}" if job.attempts > 1 else "",
+            f" client_request_id={job.client_rid}" if job.client_rid else "",
+            f" error={job.error!r}" if job.error else "")
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    """Cancel a task and wait until it has cleaned up (its own outcome is dropped; the
+    caller's cancellation still propagates)."""
+    task.cancel()
+    await asyncio.wait({task})
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,92 @@
+"""Prometheus metrics of the router: requests by mode and outcome, leg latencies, the
+router's time to first token, and per-instance gauges read from the pool at scrape time.
+
+``mode`` is the path a request took: push, pull, colocated, or fallback (no healthy
+prefill instance, ``--fallback-local-prefill``: decode prefilled locally).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from kvpush.router.pool import Pool
+from kvpush.server.metrics import E2E_BUCKETS, TTFT_BUCKETS
+
+#: client-facing outcomes: ok (200, whole answer relayed), client_error (4xx relayed),
+#: unavailable (503: no healthy instance, or an instance's own 503), error (5xx, a leg
+#: lost, an in-band stream error), abort (the client went away)
+OUTCOMES = ("ok", "client_error", "unavailable", "error", "abort")
+PATHS = ("push", "pull", "colocated", "fallback")
+#: how a prefill leg ended
+PREFILL_OUTCOMES = ("ok", "http_error", "connection_error", "timeout", "cancelled")
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["role", "url"]
+        in_flight = GaugeMetricFamily("kvpush_router_instance_in_flight",
+                                      "Legs in flight on an instance", labels=labels)
+        healthy = GaugeMetricFamily("kvpush_router_instance_healthy",
+                                    "1 while an instance is in rotation", labels=labels)
+        picked = CounterMetricFamily("kvpush_router_instance_requests",
+                                     "Legs sent to an instance", labels=labels)
+        failures = CounterMetricFamily("kvpush_router_instance_connection_failures",
+                                       "Legs that hit a connection error on an instance "
+                                       "(each one takes it out of rotation)", labels=labels)
+        for inst in self._pool.instances:
+            lab = [inst.role, inst.url]
+            in_flight.add_metric(lab, float(inst.in_flight))
+            healthy.add_metric(lab, 1.0 if inst.healthy else 0.0)
+            picked.add_metric(lab, float(inst.requests))
+            failures.add_metric(lab, float(inst.failures))
+        yield from (in_flight, healthy, picked, failures)
+
+
+class RouterMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, pool: Pool) -> None:
+        disable_created_metrics()
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("kvpush_router_requests", "Client requests by path and "
+                                "outcome", ["mode", "outcome"], registry=r)
+        for mode in PATHS:
+            for outcome in OUTCOMES:
+                self.requests.labels(mode, outcome)
+        self.request_s = Histogram("kvpush_router_request_seconds",
+                                   "Arrival to the end of the client's answer",
+                                   ["mode", "outcome"], buckets=E2E_BUCKETS, registry=r)
+        self.ttft_s = Histogram("kvpush_router_time_to_first_token_seconds",
+                                "Streams: arrival to the first byte of decode's answer "
+                                "relayed to the client", ["mode"], buckets=TTFT_BUCKETS,
+                                registry=r)
+        self.prefill_leg_s = Histogram("kvpush_router_prefill_leg_seconds",
+                                       "Prefill leg: sent to answered", ["mode", "outcome"],
+                                       buckets=TTFT_BUCKETS, registry=r)
+        self.decode_first_byte_s = Histogram(
+            "kvpush_router_decode_first_byte_seconds",
+            "Decode leg: sent to the first byte of its answer (a non-streaming answer "
+            "comes whole)", ["mode"], buckets=TTFT_BUCKETS, registry=r)
+        self.retries = Counter("kvpush_router_retries", "Legs sent again to another "
+                               "instance after a connection error", ["role"], registry=r)
+        r.register(_PoolCollector(pool))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

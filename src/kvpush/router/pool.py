@@ -1,0 +1,284 @@
+"""The instances behind the router: identity, health, in-flight counts, and the policy
+that picks one for each leg.
+
+Every instance is checked at start-up and every ``health_interval_s`` after:
+``GET /health`` must answer 200 and ``GET /kv/info`` must show the role and transfer mode
+the router uses it for (kvpush instances); an instance whose ``/kv/info`` answers 404
+(vLLM) is taken on the operator's word, with the identity given in its URL spec. An
+instance that fails a check, or on which a request hits a connection error, leaves the
+rotation at once; the next check that passes brings it back, with its identity read
+again (a restarted instance has a new engine id and side-channel port).
+
+All state is touched from the event loop only, so picks need no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvpush.router.config import Identity, InstanceSpec, RouterConfig, RouterConfigError
+
+logger = logging.getLogger("kvpush.router")
+
+
+class RouterStartupError(RuntimeError):
+    """The instances did not become usable within the start-up timeout."""
+
+
+@dataclass(eq=False)
+class Instance:
+    spec: InstanceSpec
+    #: what the router uses it for: "prefill" or "decode" (colocated: "decode")
+    role: str
+    index: int
+    healthy: bool = False
+    #: why the last check failed, or the last connection error a request hit
+    last_error: str | None = "not checked yet"
+    #: a role or mode the router cannot use (kept out of rotation until it changes)
+    misconfigured: str | None = None
+    #: the last /kv/info answer; None when the instance has no /kv/info (vLLM)
+    info: dict[str, Any] | None = None
+    in_flight: int = 0
+    requests: int = 0
+    failures: int = 0
+    #: bumped whenever a request marks it failed, so that a health check that started
+    #: before the failure cannot put it back in rotation on stale evidence
+    epoch: int = 0
+    checked_at: float = field(default=0.0)
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def identity(self) -> Identity | None:
+        """Engine id and side-channel address: from /kv/info, else from the URL spec."""
+        if self.info is not None:
+            return identity_from_info(self.info)
+        return self.spec.explicit
+
+    @property
+    def engine_id(self) -> str:
+        if self.info is not None and self.info.get("engine_id"):
+            return str(self.info["engine_id"])
+        if self.spec.explicit is not None:
+            return self.spec.explicit.engine_id
+        return self.url
+
+    def state(self) -> dict[str, Any]:
+        return {"url": self.url, "role": self.role, "engine_id": self.engine_id,
+                "healthy": self.healthy, "in_flight": self.in_flight,
+                "requests": self.requests, "failures": self.failures,
+                "last_error": None if self.healthy else self.last_error,
+                "misconfigured": self.misconfigured,
+                "num_free_blocks": (self.info or {}).get("num_free_blocks"),
+                "num_total_blocks": (self.info or {}).get("num_total_blocks")}
+
+
+def identity_from_info(info: dict[str, Any]) -> Identity | None:
+    host, port = info.get("side_channel_host"), info.get("side_channel_port")
+    if isinstance(host, str) and host and isinstance(port, int) and 0 < port < 65536:
+        return Identity(str(info.get("engine_id") or ""), host, port)
+    return None
+
+
+def describe_error(exc: BaseException) -> str:
+    """A short, readable form of an httpx error (their str() is often empty)."""
+    text = str(exc).strip()
+    name = type(exc).__name__
+    return f"{name}: {text}" if text else name
+
+
+class Pool:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.by_role: dict[str, list[Instance]] = {
+            "prefill": [Instance(s, "prefill", i) for i, s in enumerate(cfg.prefill)],
+            "decode": [Instance(s, "decode", i) for i, s in enumerate(cfg.decode)],
+        }
+        self._cursor = {"prefill": 0, "decode": 0}
+        #: set once start-up is over (from then on, problems are logged, not raised)
+        self.running = False
+
+    @property
+    def instances(self) -> list[Instance]:
+        return self.by_role["prefill"] + self.by_role["decode"]
+
+    # ------------------------------------------------------------------ selection
+
+    def has_healthy(self, role: str) -> bool:
+        return any(i.healthy for i in self.by_role[role])
+
+    def pick(self, role: str, exclude: Iterable[Instance] = ()) -> Instance | None:
+        """A healthy instance for one leg, its in-flight count taken (``release`` it).
+
+        round-robin: the next healthy one after the last pick; least-outstanding: the
+        fewest legs in flight, ties broken by the same round-robin order."""
+        group = self.by_role[role]
+        skip = set(exclude)
+        n = len(group)
+        start = self._cursor[role]
+        order = [group[(start + k) % n] for k in range(n)]
+        cands = [i for i in order if i.healthy and i not in skip]
+        if not cands:
+            return None
+        chosen = cands[0]
+        if self.cfg.policy == "least-outstanding":
+            least = min(i.in_flight for i in cands)
+            chosen = next(i for i in cands if i.in_flight == least)
+        self._cursor[role] = (chosen.index + 1) % n
+        chosen.in_flight += 1
+        chosen.requests += 1
+        return chosen
+
+    @staticmethod
+    def release(inst: Instance) -> None:
+        inst.in_flight = max(0, inst.in_flight - 1)
+
+    def mark_failed(self, inst: Instance, why: str) -> None:
+        """A request could not reach the instance: out of rotation until a check passes."""
+        inst.failures += 1
+        inst.epoch += 1
+        inst.last_error = why
+        if inst.healthy:
+            inst.healthy = False
+            logger.warning("%s instance %s (%s) out of rotation: %s", inst.role, inst.url,
+                           inst.engine_id, why)
+
+    # ------------------------------------------------------------------ health checks
+
+    def verify(self, inst: Instance, info: dict[str, Any] | None) -> str | None:
+        """Why the router cannot use an instance with this /kv/info, or None."""
+        mode = self.cfg.mode
+        if info is None:  # no /kv/info: not kvpush (vLLM); trust the command line
+            if inst.role == "prefill" and mode == "push" and inst.spec.explicit is None:
+                return ("it has no /kv/info (not a kvpush instance?) and its URL names no "
+                        "identity; in push mode decode must know prefill's engine id and "
+                        "side channel before prefill answers: give it as "
+                        "URL@ENGINE_ID@SIDE_HOST:SIDE_PORT")
+            return None
+        role, kvt = info.get("role"), info.get("kv_transfer")
+        want = "both" if mode == "colocated" else inst.role
+        if role != want:
+            flag = "--decode" if inst.role == "decode" else "--prefill"
+            return (f"its /kv/info says role={role!r}, but as a {flag} instance of a "
+                    f"--mode {mode} router it must be role={want!r} "
+                    f"(kvpush serve --role {want})")
+        if mode != "colocated" and kvt != mode:
+            return (f"its /kv/info says kv_transfer={kvt!r}, but the router runs "
+                    f"--mode {mode} (kvpush serve --kv-transfer {mode})")
+        if inst.role == "prefill" and mode == "push" and identity_from_info(info) is None:
+            return "its /kv/info has no side_channel_host/side_channel_port"
+        return None
+
+    async def check(self, client: httpx.AsyncClient, inst: Instance) -> None:
+        """One health check: /health then /kv/info; updates the instance in place."""
+        epoch = inst.epoch
+        timeout = self.cfg.health_timeout_s
+        try:
+            r = await client.get(inst.url + "/health", timeout=timeout)
+            if r.status_code != 200:
+                self._down(inst, f"/health answered HTTP {r.status_code}")
+                return
+            k = await client.get(inst.url + "/kv/info", timeout=timeout)
+            if k.status_code == 404:
+                info = None
+            elif k.status_code != 200:
+                self._down(inst, f"/kv/info answered HTTP {k.status_code}")
+                return
+            else:
+                info = k.json()
+                if not isinstance(info, dict):
+                    self._down(inst, "/kv/info did not answer a JSON object")
+                    return
+        except (httpx.HTTPError, ValueError) as e:
+            self._down(inst, f"not answering: {describe_error(e)}")
+            return
+        inst.checked_at = time.monotonic()
+        bad = self.verify(inst, info)
+        if bad is not None:
+            if inst.misconfigured != bad and self.running:  # start-up raises it instead
+                logger.error("%s instance %s kept out of rotation: %s", inst.role, inst.url, bad)
+            inst.misconfigured = bad
+            self._down(inst, bad, quiet=True)
+            return
+        inst.misconfigured = None
+        if inst.epoch != epoch:  # a request failed on it meanwhile: wait for the next check
+            return
+        old = inst.engine_id if inst.info is not None else None
+        inst.info = info
+        if not inst.healthy:
+            inst.healthy = True
+            inst.last_error = None
+            logger.info("%s instance %s (engine %s) in rotation", inst.role, inst.url,
+                        inst.engine_id)
+        elif old is not None and old != inst.engine_id:
+            logger.info("%s instance %s restarted: engine %s -> %s", inst.role, inst.url, old,
+                        inst.engine_id)
+
+    def _down(self, inst: Instance, why: str, quiet: bool = False) -> None:
+        inst.checked_at = time.monotonic()
+        inst.last_error = why
+        if inst.healthy:
+            inst.healthy = False
+            if not quiet:
+                logger.warning("%s instance %s (%s) out of rotation: %s", inst.role, inst.url,
+                               inst.engine_id, why)
+
+    async def check_all(self, client: httpx.AsyncClient) -> None:
+        await asyncio.gather(*(self.check(client, i) for i in self.instances))
+
+    def ready(self) -> bool:
+        """Whether requests can be served: a healthy decode, and a healthy prefill unless
+        the router runs without one (colocated, or --fallback-local-prefill)."""
+        return self.has_healthy("decode") and (
+            not self.cfg.needs_prefill or self.has_healthy("prefill"))
+
+    async def wait_ready(self, client: httpx.AsyncClient, timeout: float) -> None:
+        """Start-up: check every instance until the router can serve.
+
+        Raises RouterConfigError at once when an answering instance has the wrong role or
+        transfer mode, and RouterStartupError when the router still cannot serve after
+        ``timeout`` seconds. Instances still down once it can serve join later, through
+        the periodic checks."""
+        deadline = time.monotonic() + timeout
+        while True:
+            await self.check_all(client)
+            bad = [i for i in self.instances if i.misconfigured]
+            if bad:
+                raise RouterConfigError("\n".join(
+                    f"{i.role} instance {i.url}: {i.misconfigured}" for i in bad))
+            if self.ready():
+                self.running = True
+                for i in self.instances:
+                    if not i.healthy:
+                        logger.warning("%s instance %s not in rotation yet: %s", i.role,
+                                       i.url, i.last_error)
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                lines = [f"  {i.role} {i.url}: {i.last_error}" for i in self.instances
+                         if not i.healthy]
+                need = ("a decode and a prefill instance" if self.cfg.needs_prefill
+                        else "a decode instance")
+                raise RouterStartupError(
+                    f"the router needs {need}, and none was usable within {timeout:g} s:\n"
+                    + "\n".join(lines))
+            await asyncio.sleep(min(0.25, left))
+
+    async def health_loop(self, client: httpx.AsyncClient) -> None:
+        """Check every instance every ``health_interval_s`` (runs until cancelled)."""
+        self.running = True
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            try:
+                await self.check_all(client)
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                logger.exception("health check round failed")

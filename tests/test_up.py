@@ -1,0 +1,296 @@
+"""`kvpush up`: a 1P1D cluster (tiny random Llama) as a subprocess starts, serves through
+its router, and stops with no process left behind, also when a child fails to start,
+when a child dies while serving, and when `kvpush up` itself is SIGKILLed (PDEATHSIG).
+
+The processes below `kvpush up` are collected from /proc while it runs; each test checks
+that none of them is alive at the end. Every wait is bounded; teardown SIGKILLs
+everything a test started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvpush.cluster import cli as up_cli
+from kvpush.cluster.launcher import (
+    ChildSpec,
+    StopSignals,
+    Supervisor,
+    alive,
+    descendant_pids,
+    pid_alive,
+)
+from server_helpers import free_port
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")]
+
+ENGINE = ("--block-size", "16", "--kv-cache-memory", "4MiB", "--max-model-len", "256")
+READY_S = 90.0  # two instances and a router on two busy cores
+STOP_S = 30.0
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.1)
+
+
+class Up:
+    """`kvpush up` as a subprocess in its own session; remembers every process it had
+    below it (``pids``) and kills them all in ``kill_all``."""
+
+    def __init__(self, tmp: Path, *args: str, model: Path | str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_dir = tmp / "logs"
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.out_path, self.err_path = tmp / "up.out", tmp / "up.err"
+        cmd = [sys.executable, "-m", "kvpush", "up", "--port", str(self.port),
+               "--log-dir", str(self.log_dir), "--startup-timeout", "80",
+               "--stop-timeout", "15", *args]
+        if model is not None:
+            cmd += ["--model", str(model)]
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                         start_new_session=True)
+        self.pids: set[int] = set()
+
+    @property
+    def out(self) -> str:
+        return self.out_path.read_text()
+
+    @property
+    def err(self) -> str:
+        return self.err_path.read_text()
+
+    def snapshot(self) -> None:
+        if self.proc.poll() is None:
+            self.pids.update(descendant_pids(self.proc.pid))
+
+    def wait_ready(self, timeout: float = READY_S) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.snapshot()
+            if self.proc.poll() is not None:
+                raise AssertionError(f"kvpush up exited {self.proc.returncode}:\n"
+                                     f"{self.out}\n{self.err}")
+            if "stops the cluster" in self.out:  # printed once the router is healthy
+                assert httpx.get(f"{self.url}/health", timeout=5).status_code == 200
+                self.snapshot()
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not ready in {timeout} s:\n{self.out}\n{self.err}")
+            time.sleep(0.2)
+
+    def wait_exit(self, timeout: float) -> int:
+        """Exit status, collecting child pids meanwhile."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            self.snapshot()
+            if time.monotonic() > deadline:
+                raise AssertionError(f"kvpush up still running after {timeout} s:\n"
+                                     f"{self.out}\n{self.err}")
+            time.sleep(0.05)
+        return self.proc.returncode
+
+    def child_pid(self, marker: str) -> int:
+        for pid in descendant_pids(self.proc.pid):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if marker.encode() in cmdline:
+                return pid
+        raise AssertionError(f"no child with {marker!r} below kvpush up")
+
+    def kill_all(self) -> None:
+        self.snapshot()
+        for pid in [self.proc.pid, *self.pids]:
+            if pid_alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def up_factory(tmp_path) -> Iterator[Callable[..., Up]]:
+    started: list[Up] = []
+
+    def make(*args: str, model: Path | str | None = None) -> Up:
+        up = Up(tmp_path / f"up{len(started)}", *args, model=model)
+        started.append(up)
+        return up
+
+    yield make
+    for up in started:
+        up.kill_all()
+
+
+def _children_gone(up: Up, timeout: float = 0.0) -> None:
+    assert len(up.pids) >= 1
+    if timeout:
+        wait_until(lambda: not alive(up.pids), timeout, f"children {alive(up.pids)} exit")
+    assert alive(up.pids) == [], f"left behind: {alive(up.pids)}"
+
+
+def test_up_serves_and_stops_cleanly(tiny_llama, up_factory):
+    up = up_factory("--prefill", "1", "--decode", "1", *ENGINE, model=tiny_llama)
+    up.wait_ready()
+    assert f"endpoint    {up.url}/v1" in up.out
+    assert "role prefill" in up.out and "role decode" in up.out and "curl" in up.out
+    assert len(up.pids) == 3, up.pids  # prefill, decode, router
+    assert sorted(p.name for p in up.log_dir.iterdir()) == [
+        "decode-0.log", "prefill-0.log", "router.log"]
+    with httpx.Client(base_url=up.url, timeout=60) as client:
+        r = client.post("/v1/completions", json={"prompt": "hello world " * 5,
+                                                 "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                "temperature": 0, "stream": True}
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] is not None
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.wait_exit(STOP_S) == 0, up.err
+    assert "stopped in" in up.out
+    _children_gone(up)
+
+
+def test_child_failing_to_start_stops_all_and_shows_its_log(tiny_llama, up_factory):
+    up = up_factory("--block-size", "3", model=tiny_llama)
+    assert up.wait_exit(READY_S) == 1
+    assert "exited with code 2 while starting" in up.err
+    assert "--block-size must be a power of two" in up.err  # the child's log tail
+    _children_gone(up)
+    assert "router.log" not in os.listdir(up.log_dir)
+
+
+def test_missing_model_is_a_usage_error(tmp_path, up_factory):
+    up = up_factory(model=tmp_path / "no-such-model")
+    assert up.wait_exit(30) == 2
+    assert "no-such-model" in up.err and "neither a model folder" in up.err
+    assert up.pids == set()
+
+
+def test_child_dying_while_serving_stops_the_cluster(tiny_llama, up_factory):
+    up = up_factory(*ENGINE, model=tiny_llama)
+    up.wait_ready()
+    os.kill(up.child_pid("--role decode"), signal.SIGKILL)
+    assert up.wait_exit(STOP_S) == 1
+    assert "decode-0" in up.err and "was killed by SIGKILL while serving" in up.err
+    _children_gone(up)
+
+
+def test_sigkill_of_up_kills_its_children(tiny_llama, up_factory):
+    up = up_factory(*ENGINE, model=tiny_llama)
+    up.wait_ready()
+    up.proc.kill()
+    up.proc.wait(10)
+    _children_gone(up, timeout=15)
+
+
+# ---- without a cluster --------------------------------------------------------------
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    up_cli.add_up_parser(parser.add_subparsers())
+    return parser.parse_args(["up", *argv])
+
+
+def test_plan_roles_threads_and_pass_through():
+    args = _parse("--prefill", "2", "--decode", "3", "--mode", "pull", "--block-size", "3",
+                  "--dtype", "bfloat16", "--kv-cache-memory", "1GiB")
+    assert up_cli.instance_roles(args) == ["prefill"] * 2 + ["decode"] * 3
+    assert up_cli.default_threads(5, cores=16) == 3
+    assert up_cli.default_threads(5, cores=2) == 1
+    argv = up_cli.serve_argv(args, "m", "decode", 1234, 3)
+    assert argv[2:5] == ["kvpush", "serve", "m"]
+    for pair in (["--role", "decode"], ["--kv-transfer", "pull"], ["--threads", "3"],
+                 ["--block-size", "3"], ["--dtype", "bfloat16"], ["--kv-cache-memory", "1GiB"],
+                 ["--port", "1234"], ["--host", "127.0.0.1"]):
+        i = argv.index(pair[0])
+        assert argv[i:i + 2] == pair
+    assert "--max-model-len" not in argv
+    specs = up_cli.plan_instances(args, "m")
+    assert [s.name for s in specs] == ["prefill-0", "prefill-1", "decode-0", "decode-1",
+                                       "decode-2"]
+    assert len({s.port for s in specs}) == 5
+
+
+def test_plan_colocated_and_router_argv():
+    args = _parse("--mode", "colocated", "--policy", "least-outstanding")
+    assert up_cli.instance_roles(args) == ["both"]
+    argv = up_cli.serve_argv(args, "m", "both", 1, 1)
+    assert "--kv-transfer" not in argv and argv[argv.index("--role") + 1] == "both"
+    argv = up_cli.router_argv(args, 8000, [], ["http://a"])
+    assert argv[2:4] == ["kvpush", "router"] and "--prefill" not in argv
+    assert argv[argv.index("--decode") + 1] == "http://a"
+    assert argv[argv.index("--policy") + 1] == "least-outstanding"
+    assert up_cli.usage_problem(_parse("--mode", "colocated", "--prefill", "2"))
+
+
+def test_help_does_not_import_heavy_modules():
+    code = ("import sys; from kvpush.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'httpx', 'kvpush.cluster.launcher') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_stop_escalates_to_sigkill_and_kills_the_group(tmp_path):
+    """A child that ignores SIGTERM, with a grandchild in its process group: stop() waits
+    the bound, SIGKILLs the group, reaps."""
+    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, "
+            "signal.SIG_IGN); subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(60)']); print('up', flush=True); time.sleep(60)")
+    sup = Supervisor(tmp_path, stop_signals=StopSignals(), stop_timeout=1.0)
+    with sup:
+        child = sup.spawn(ChildSpec("stubborn", "test", [sys.executable, "-c", code], 1))
+        wait_until(lambda: "up" in child.log_path.read_text(), 30, "child started")
+        pids = [child.pid, *descendant_pids(child.pid)]
+        assert len(pids) == 2
+        t0 = time.monotonic()
+        codes = sup.stop()
+        assert 1.0 <= time.monotonic() - t0 < 10
+    assert codes == {"stubborn": -signal.SIGKILL} and sup.killed == ["stubborn"]
+    wait_until(lambda: not alive(pids), 5, "grandchild killed")
+
+
+def test_second_stop_signal_skips_the_wait(tmp_path):
+    """A second Ctrl-C/SIGTERM while stopping: SIGKILL now instead of waiting the bound."""
+    code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('up', flush=True); time.sleep(60)")
+    signals = StopSignals().install()
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        with Supervisor(tmp_path, stop_signals=signals, stop_timeout=60.0) as sup:
+            child = sup.spawn(ChildSpec("stubborn", "test", [sys.executable, "-c", code], 1))
+            wait_until(lambda: "up" in child.log_path.read_text(), 30, "child started")
+            t0 = time.monotonic()
+            timer.start()
+            codes = sup.stop()
+            assert time.monotonic() - t0 < 10
+    finally:
+        timer.cancel()
+        signals.restore()
+    assert signals.count == 1 and signals.last == "SIGINT"
+    assert codes == {"stubborn": -signal.SIGKILL}
