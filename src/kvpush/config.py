@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import torch
 
+from kvpush.errors import ConfigError
+
 #: Default tokens per KV block. With the layer-major layout one layer of a run of
 #: consecutive blocks is one memory range, so the descriptor count of a transfer grows
 #: with fragmentation, not with block count; 32 tokens keeps one layer of one block at
@@ -29,6 +31,8 @@ SUPPORTED_ARCHS = {
     "Qwen3ForCausalLM": "qwen3",
 }
 
+__all__ = ["ConfigError", "EngineConfig", "KVTransferConfig", "ModelConfig", "parse_size"]
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -37,10 +41,6 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-
-
-class ConfigError(ValueError):
-    """A configuration problem a user can fix (bad flag, unsupported model, ...)."""
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -69,7 +69,7 @@ def load_tokenizer(path_or_name: str) -> Any:
 def local_tokenizer_dir(name: str) -> Path | None:
     """A local folder for ``name``: a kvpush model (name or folder) or a folder with
     tokenizer files; None if there is none."""
-    from kvpush.config import ConfigError
+    from kvpush.errors import ConfigError
     from kvpush.models.registry import resolve_model
 
     try:

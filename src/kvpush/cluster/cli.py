@@ -337,7 +337,7 @@ def run_up(args: argparse.Namespace) -> int:
     if problem:
         return _fail(problem)
     from kvpush.cluster.launcher import StopSignals, Supervisor, free_port, port_is_free
-    from kvpush.config import ConfigError
+    from kvpush.errors import ConfigError
     from kvpush.models.registry import DEFAULT_MODEL, resolve_model
 
     name = args.model or DEFAULT_MODEL

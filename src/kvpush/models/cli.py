@@ -33,7 +33,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_install(args: argparse.Namespace) -> int:
-    from kvpush.config import ConfigError
+    from kvpush.errors import ConfigError
     from kvpush.models.registry import install_model, models_dir
 
     already = (models_dir() / args.name / "config.json").is_file()
@@ -47,7 +47,7 @@ def _cmd_install(args: argparse.Namespace) -> int:
 
 
 def _cmd_path(args: argparse.Namespace) -> int:
-    from kvpush.config import ConfigError
+    from kvpush.errors import ConfigError
     from kvpush.models.registry import resolve_model
 
     try:
@@ -59,7 +59,7 @@ def _cmd_path(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_random(args: argparse.Namespace) -> int:
-    from kvpush.config import ConfigError
+    from kvpush.errors import ConfigError
     from kvpush.models.random_model import make_random_model
 
     try:

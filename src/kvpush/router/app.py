@@ -27,7 +27,7 @@ from kvpush.router.legs import Job, Legs, new_request_id, outcome_for
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Pool, describe_error
 from kvpush.router.wire import relay_error
-from kvpush.server.app import MAX_BODY_BYTES, EventStreamResponse, _unless_disconnected
+from kvpush.server.app import MAX_BODY_BYTES, EventStreamResponse, unless_disconnected
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
 
 logger = logging.getLogger("kvpush.router")
@@ -126,7 +126,7 @@ async def _handle(router: Router, request: Request,
         if not isinstance(body, dict):
             raise APIError("the request body must be a JSON object")
         job.body, job.stream = body, body.get("stream") is True
-        gone, result = await _unless_disconnected(legs.dispatch(job), request.receive)
+        gone, result = await unless_disconnected(legs.dispatch(job), request.receive)
     except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI body
         err = to_api_error(exc)
         if err is None:

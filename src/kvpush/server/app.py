@@ -74,7 +74,7 @@ async def _wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-async def _unless_disconnected(aw: Awaitable[T], receive: Receive) -> tuple[bool, T | None]:
+async def unless_disconnected(aw: Awaitable[T], receive: Receive) -> tuple[bool, T | None]:
     """Run ``aw`` but cancel it if the client disconnects first: (disconnected, result).
 
     A plain (non-streaming) handler is not cancelled by the server when its client goes
@@ -209,7 +209,7 @@ class _Server:
             async def first_output() -> RequestOutput | None:
                 return await anext(gen, None)  # type: ignore[arg-type]
 
-            gone, first = await _unless_disconnected(first_output(), request.receive)
+            gone, first = await unless_disconnected(first_output(), request.receive)
             if gone:
                 timer.finish("abort", time.perf_counter())
                 return Response(status_code=499)
@@ -217,7 +217,7 @@ class _Server:
                 handed_over = True
                 events = self._events(job, fmt, gen, first, timer)
                 return EventStreamResponse(events, {"X-Request-Id": job.request_id})
-            gone, result = await _unless_disconnected(
+            gone, result = await unless_disconnected(
                 self._collect(fmt, gen, first, timer), request.receive)
             if gone:
                 timer.finish("abort", time.perf_counter())
