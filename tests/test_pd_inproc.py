@@ -329,3 +329,21 @@ def test_push_sender_preempted_mid_prefill(tiny_qwen3):
         drv.settle()
     finally:
         drv.close()
+
+
+@pytest.mark.parametrize("pd", [("push", {"lease": 30}), ("pull", {"lease": 30})],
+                         indirect=True)
+def test_router_abort_releases_prefill_blocks_at_once(pd):
+    """Decode refused the request: the router's /kv/abort frees prefill's blocks now,
+    not when the (here 30 s) lease runs out, and a late leg for it is refused."""
+    from kvpush.engine.outputs import RequestError
+
+    pd.send_prefill("r", random_prompts([70])[0], greedy(3))
+    pd._pull_waiting.clear()
+    pd.run(until=lambda: pd.p_legs["r"].finished, timeout=10)
+    assert pd.p.stats().num_free_blocks < pd.p.stats().num_total_blocks
+    pd.p.inbox.put(("kv_abort", "r", "decode refused the request"))
+    pd.settle(timeout=5)
+    if pd.mode == "push":  # a push leg for the same transfer id arriving late
+        with pytest.raises(RequestError, match="already ended"):
+            pd.send_prefill("r", random_prompts([70])[0], greedy(3))

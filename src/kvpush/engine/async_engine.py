@@ -74,6 +74,10 @@ class AsyncEngine:
         c = self.engine.connector
         return c.stats() if c is not None else {}
 
+    def abort_transfer(self, transfer_id: str, why: str = "aborted by the router") -> None:
+        """Release what this (prefill) instance holds for a transfer, now."""
+        self.engine.inbox.put(("kv_abort", transfer_id, why))
+
     def set_transfer_sink(self, sink) -> None:
         """Call ``sink(TransferRecord)`` for every finished transfer (step-loop thread)."""
         if self.engine.connector is not None:

@@ -102,6 +102,9 @@ class LLMEngine:
             elif kind == "kv":
                 self.connector.handle_event(cmd[1])
                 outputs += self._apply_connector_actions()
+            elif kind == "kv_abort" and self.connector is not None:
+                self.connector.abort_transfer(cmd[1], cmd[2])
+                outputs += self._apply_connector_actions()
             try:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:

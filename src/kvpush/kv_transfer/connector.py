@@ -287,6 +287,26 @@ class KVConnector(PrefillSide, DecodeSide):
     # ---- decode: endings -----------------------------------------------------------------
 
 
+    def abort_transfer(self, tid: str, why: str) -> None:
+        """The router gave up on a transfer (e.g. decode refused the request): release
+        what prefill holds for it now instead of when its lease runs out."""
+        self._stalled = False
+        send = self.sends.get(tid)
+        if send is not None:
+            if send.request_id in self.scheduler.requests:
+                self.actions.append(("abort", send.request_id, why))
+            elif send.state is SendState.AWAITING_REGISTRATION:
+                self._drop_send(send, why)
+            return  # registered: decode is waiting for this KV and decides
+        if tid in self.lent:
+            self.worker.submit("untrack", tid)
+            self.scheduler.pool.free(self.lent.pop(tid))
+        elif tid in self.early_regs:
+            reg = self.early_regs.pop(tid)
+            self.worker.submit("untrack", tid)
+            self.worker.submit("send", reg.address, m.Abort(tid, why))
+        self._remember_ended(tid, why)  # a leg that arrives later is refused
+
     # ---- events from the transfer thread ----------------------------------------------
     def handle_event(self, ev: tuple) -> None:
         self._stalled = False

@@ -114,6 +114,7 @@ class Legs:
         self.pool = pool
         self.metrics = metrics
         self.client = client
+        self._background: set[asyncio.Task] = set()  # fire-and-forget aborts
 
     # ------------------------------------------------------------------ entry point
 
@@ -196,7 +197,15 @@ class Legs:
                                "kv_transfer_params (is it a prefill instance in pull mode?)",
                                status_code=502)
             d = self._pick_decode(job)
-            return await self._decode_leg(job, d, {**job.body, "kv_transfer_params": kv}, tid)
+            try:
+                result = await self._decode_leg(
+                    job, d, {**job.body, "kv_transfer_params": kv}, tid)
+            except BaseException:
+                self._abort_transfer(p, tid)  # prefill's lent blocks have no reader
+                raise
+            if isinstance(result, Response) and result.status_code != 200:
+                self._abort_transfer(p, tid)
+            return result
 
     async def _push(self, job: Job, p: Instance) -> Response | httpx.Response:
         tried: set[Instance] = set()
@@ -241,6 +250,7 @@ class Legs:
                 result = d_task.result() if d_task.done() else await d_task
                 if isinstance(result, Response) and result.status_code != 200:
                     p_task.cancel()  # decode refused it: prefill's KV has no destination
+                    self._abort_transfer(p, tid)
                 return result
             except BaseException:
                 # client gone, or decode's leg failed without an answer: the KV has no
@@ -249,6 +259,20 @@ class Legs:
                 await _cancel(d_task)
                 await self.close_upstream(job)
                 raise
+
+    def _abort_transfer(self, p: Instance, tid: str) -> None:
+        """Tell prefill to release what it holds for ``tid`` now (fire and forget; its
+        lease would free it later anyway)."""
+        async def send() -> None:
+            try:
+                await self.client.post(f"{p.url}/kv/abort", json={"transfer_id": tid},
+                                       timeout=5)
+            except Exception:  # noqa: BLE001 - best effort
+                logger.debug("abort of transfer %s on %s failed", tid, p.url, exc_info=True)
+
+        task = asyncio.create_task(send())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ------------------------------------------------------------------ legs
 

@@ -369,6 +369,23 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES) -> 
             return APIError("this engine has no KV info", status_code=404).response()
         return JSONResponse(info())
 
+    @app.post("/kv/abort", summary="Release what a prefill instance holds for a transfer")
+    async def kv_abort(request: Request) -> Response:
+        abort = getattr(engine, "abort_transfer", None)
+        if abort is None or getattr(engine.config.kv_transfer, "role", "both") == "both":
+            return APIError("this instance takes no part in KV transfers",
+                            status_code=404).response()
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        tid = body.get("transfer_id") if isinstance(body, dict) else None
+        if not isinstance(tid, str) or not tid:
+            return APIError("transfer_id (a string) is required",
+                            param="transfer_id").response()
+        abort(tid)
+        return JSONResponse({"transfer_id": tid, "status": "aborting"})
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=server.metrics.content_type)
