@@ -129,6 +129,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     out.add_argument("--no-progress", dest="progress", action="store_false",
                      help="no progress bar")
     p.set_defaults(func=run_bench, _bench_parser=p)
+    from kvpush.bench.compare import add_compare_parser
+
+    add_compare_parser(p.add_subparsers(title="sub-commands", metavar="{compare}"))
     return p
 
 

@@ -1,0 +1,504 @@
+"""`kvpush bench compare`: the same prompts against colocated, pull and push clusters.
+
+For each repeat and each configuration (mode, optionally ``MODE:THREADS``) it starts a
+cluster on this host with the `kvpush up` launcher (as a library: N prefill + M decode
+instances, or one ``role both`` instance, and the router, on free ports), waits until it
+is healthy, runs the load generator once per request rate, and stops the cluster (every
+child reaped). The order of configurations alternates across repeats (ABC, CBA, ABC...)
+so slow drift of a shared machine hits every configuration alike.
+
+Fairness on a small host: by default an instance gets ``cores // instances`` torch
+threads (the launcher's rule): P/D with 1 + 1 instances on 2 cores gets 1 thread per
+instance, colocated gets all (2) on its one instance. ``colocated:1`` runs the colocated
+instance with 1 thread: its TTFT at low load is the prefill time of the prompt on the
+cores one prefill instance has, the yardstick for push's hand-off overhead.
+
+Prompts: per rate, ``num_prompts + warmup`` prompts are built once from ``seed + 1000 *
+rate index`` (the first ``num_prompts`` are what ``kvpush bench --seed`` would send); the
+last ``warmup`` are sent first, one at a time, unmeasured (connections, NIXL hand-shakes,
+and for shared-prefix the shared prefix lands in both caches: the decode-side prefix-hit
+workload). Each rate has its own prompts so a later rate never hits the cache of an
+earlier one on the same cluster.
+
+Outputs in ``out_dir``: ``runs/<mode>_r<rate>_rep<k>.json`` (vLLM's result JSON plus
+kvpush's extras), ``summary.json``, ``summary.md`` (the tables) and, if matplotlib is
+installed, ``ttft_tpot_vs_rate.png`` and ``ttft_cdf.png`` (:mod:`kvpush.bench.plots`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpush.bench.metrics import mean, percentile
+
+#: Summary fields per mode x rate (name in summary.json, heading in the table, unit).
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("median_ttft_ms", "TTFT med"), ("p90_ttft_ms", "TTFT p90"), ("p99_ttft_ms", "TTFT p99"),
+    ("mean_tpot_ms", "TPOT mean"), ("median_tpot_ms", "TPOT med"),
+    ("mean_itl_ms", "ITL mean"), ("median_itl_ms", "ITL med"),
+)
+#: Fields whose ratio X / reference is reported.
+RATIO_FIELDS: tuple[str, ...] = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
+                                 "mean_tpot_ms", "median_itl_ms")
+MODES = ("push", "pull", "colocated")
+
+
+class CompareError(ValueError):
+    """Bad settings for a comparison."""
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """A configuration: ``mode`` with an optional torch thread count per instance."""
+
+    mode: str
+    threads: int | None = None
+
+    @property
+    def label(self) -> str:
+        return self.mode if self.threads is None else f"{self.mode}-{self.threads}t"
+
+    @classmethod
+    def parse(cls, text: str) -> ModeSpec:
+        mode, _, threads = text.strip().partition(":")
+        if mode not in MODES:
+            raise CompareError(f"unknown mode {mode!r}; choose from {', '.join(MODES)} "
+                               "(optionally MODE:THREADS)")
+        if threads:
+            if not threads.isdigit() or int(threads) < 1:
+                raise CompareError(f"bad thread count in {text!r}")
+            return cls(mode, int(threads))
+        return cls(mode)
+
+
+@dataclass
+class CompareConfig:
+    modes: list[ModeSpec]
+    rates: list[float]
+    out_dir: Path
+    model: str | None = None
+    dataset: str = "random"
+    input_len: int = 1024
+    output_len: int = 128
+    prefix_len: int | None = None
+    num_prompts: int = 32
+    seed: int = 0
+    repeats: int = 1
+    warmup: int = 2
+    prefill: int = 1
+    decode: int = 1
+    max_model_len: int | None = None
+    kv_cache_memory: str | None = None
+    block_size: int | None = None
+    dtype: str | None = None
+    #: Whole-run bound of one rate's benchmark (seconds).
+    run_timeout: float = 600.0
+    request_timeout: float = 300.0
+    startup_timeout: float = 300.0
+    #: Bound of the whole comparison: runs that would start later are skipped.
+    time_limit: float = 3600.0
+    label: str | None = None
+    progress: bool = False
+    #: Filled in: threads each configuration ran with.
+    threads: dict[str, int] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not self.modes:
+            raise CompareError("no modes")
+        labels = [m.label for m in self.modes]
+        if len(set(labels)) != len(labels):
+            raise CompareError(f"a mode is listed twice: {labels}")
+        if not self.rates or any(not r > 0 for r in self.rates):
+            raise CompareError(f"rates must be positive (or inf): {self.rates}")
+        for name in ("num_prompts", "repeats", "prefill", "decode", "input_len",
+                     "output_len"):
+            if getattr(self, name) < 1:
+                raise CompareError(f"{name} must be at least 1")
+        if self.warmup < 0:
+            raise CompareError("warmup must be >= 0")
+
+
+def rate_text(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def mode_order(modes: list[ModeSpec], repeat: int) -> list[ModeSpec]:
+    """ABC for even repeats, CBA for odd ones."""
+    return list(modes) if repeat % 2 == 0 else list(reversed(modes))
+
+
+# ---------------------------------------------------------------- one cluster, started
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _up_args(cfg: CompareConfig, spec: ModeSpec) -> argparse.Namespace:
+    """What `kvpush up` would have parsed for this configuration."""
+    colocated = spec.mode == "colocated"
+    n = 1 if colocated else cfg.prefill + cfg.decode
+    threads = spec.threads or max(1, _usable_cores() // n)
+    return argparse.Namespace(
+        mode=spec.mode, prefill=None if colocated else cfg.prefill,
+        decode=None if colocated else cfg.decode, threads=threads,
+        max_model_len=cfg.max_model_len, kv_cache_memory=cfg.kv_cache_memory,
+        block_size=cfg.block_size, dtype=cfg.dtype, policy=None, health_interval=None)
+
+
+class Cluster:
+    """A cluster for one configuration (context manager: leaving it stops everything)."""
+
+    def __init__(self, cfg: CompareConfig, spec: ModeSpec, model: str, log_dir: Path):
+        from kvpush.cluster.cli import child_env
+        from kvpush.cluster.launcher import Supervisor
+
+        self.args = _up_args(cfg, spec)
+        self.model, self.timeout = model, cfg.startup_timeout
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.sup = Supervisor(log_dir, child_env())
+        self.url = ""
+
+    def __enter__(self) -> Cluster:
+        from kvpush.cluster.cli import plan_instances, plan_router
+        from kvpush.cluster.launcher import ChildFailed, free_port
+
+        try:
+            port = free_port()
+            instances = [self.sup.spawn(s) for s in plan_instances(self.args, self.model, port)]
+            self.sup.wait_healthy(instances, self.timeout)
+            router = self.sup.spawn(plan_router(self.args, port, instances))
+            self.sup.wait_healthy([router], self.timeout)
+        except ChildFailed as e:
+            self.sup.stop()
+            raise CompareError(f"{e.child.name} {e.reason}; log {e.child.log_path}:\n"
+                               f"{e.child.log_tail(20)}") from None
+        except BaseException:
+            self.sup.stop()
+            raise
+        self.url = router.url
+        return self
+
+    def pids(self) -> list[int]:
+        return [c.pid for c in self.sup.children]
+
+    def __exit__(self, *exc: object) -> None:
+        self.sup.stop()
+
+
+# ------------------------------------------------------------------------- the runs
+def _resolve_model(name: str | None) -> tuple[str, str]:
+    """(what to pass to kvpush serve, the tokenizer folder)."""
+    from kvpush.errors import ConfigError
+    from kvpush.models.registry import DEFAULT_MODEL, resolve_model
+
+    name = name or DEFAULT_MODEL
+    try:
+        model_dir = resolve_model(name)
+    except ConfigError as e:
+        raise CompareError(str(e)) from None
+    served = str(model_dir.resolve()) if Path(name).expanduser().exists() else name
+    return served, str(model_dir.resolve())
+
+
+def _prompts(cfg: CompareConfig, tokenizer: Any, rate_index: int) -> tuple[list, list]:
+    """(measured prompts, warm-up prompts) for one rate; the same for every mode."""
+    from kvpush.bench.client import BenchConfig, prepare_requests
+
+    bc = BenchConfig(url="http://x", dataset=cfg.dataset, input_len=cfg.input_len,
+                     output_len=cfg.output_len, prefix_len=cfg.prefix_len,
+                     num_prompts=cfg.num_prompts + cfg.warmup,
+                     seed=cfg.seed + 1000 * rate_index)
+    reqs = prepare_requests(bc, tokenizer)
+    return reqs[:cfg.num_prompts], reqs[cfg.num_prompts:]
+
+
+def run_compare(cfg: CompareConfig, log=print) -> dict[str, Any]:
+    """Run every configuration x rate x repeat; write the outputs; return the summary."""
+    from kvpush.bench.client import BenchConfig, run_benchmark
+    from kvpush.bench.datasets import load_tokenizer
+
+    cfg.validate()
+    t_start = time.monotonic()
+    served, tok_dir = _resolve_model(cfg.model)
+    tokenizer = load_tokenizer(tok_dir)
+    out = Path(cfg.out_dir)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    prompts = [_prompts(cfg, tokenizer, i) for i in range(len(cfg.rates))]
+    runs: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    for rep in range(cfg.repeats):
+        for spec in mode_order(cfg.modes, rep):
+            left = cfg.time_limit - (time.monotonic() - t_start)
+            if left < 30:
+                skipped.append(f"{spec.label} repeat {rep}: time limit")
+                continue
+            log(f"[compare] repeat {rep} {spec.label}: starting the cluster")
+            t0 = time.monotonic()
+            with Cluster(cfg, spec, served, out / "logs" / f"{spec.label}_rep{rep}") as cl:
+                cfg.threads[spec.label] = cl.args.threads
+                log(f"[compare]   healthy in {time.monotonic() - t0:.1f} s at {cl.url} "
+                    f"({cl.args.threads} torch thread(s) per instance)")
+                for i, rate in enumerate(cfg.rates):
+                    left = cfg.time_limit - (time.monotonic() - t_start)
+                    if left < 10:
+                        skipped.append(f"{spec.label} rate {rate_text(rate)} repeat {rep}")
+                        continue
+                    measured, warm = prompts[i]
+                    bc = BenchConfig(url=cl.url, tokenizer=tok_dir, dataset=cfg.dataset,
+                                     input_len=cfg.input_len, output_len=cfg.output_len,
+                                     prefix_len=cfg.prefix_len,
+                                     num_prompts=cfg.num_prompts, request_rate=rate,
+                                     seed=cfg.seed + 1000 * i,
+                                     timeout=min(cfg.run_timeout, left),
+                                     request_timeout=cfg.request_timeout,
+                                     label=f"{spec.label} rate={rate_text(rate)} rep={rep}",
+                                     progress=cfg.progress)
+                    if warm:
+                        wc = BenchConfig(**{**asdict(bc), "num_prompts": len(warm),
+                                            "max_concurrency": 1, "request_rate": math.inf,
+                                            "progress": False})
+                        run_benchmark(wc, requests=warm, tokenizer=tokenizer)
+                    res = run_benchmark(bc, requests=measured, tokenizer=tokenizer)
+                    d = res.to_dict()
+                    d.update(mode=spec.mode, mode_label=spec.label, repeat=rep,
+                             threads_per_instance=cl.args.threads,
+                             instances=("1 both" if spec.mode == "colocated" else
+                                        f"{cfg.prefill} prefill + {cfg.decode} decode"))
+                    name = f"{spec.label}_r{rate_text(rate)}_rep{rep}.json"
+                    (out / "runs" / name).write_text(json.dumps(d, indent=1) + "\n")
+                    runs.append(d)
+                    log(f"[compare]   rate {rate_text(rate)}: median TTFT "
+                        f"{d['median_ttft_ms']:.0f} ms, mean TPOT {d['mean_tpot_ms']:.1f} ms,"
+                        f" {d['completed']} ok / {d['failed']} failed")
+    summary = summarize_runs(runs, cfg)
+    summary["skipped"] = skipped
+    summary["wall_s"] = time.monotonic() - t_start
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "summary.md").write_text(markdown_report(summary) + "\n")
+    try:
+        from kvpush.bench.plots import plot_summary
+
+        summary["plots"] = [str(p) for p in plot_summary(summary, runs, out)]
+    except ImportError:
+        summary["plots"] = []
+        log("[compare] matplotlib is not installed: no plots")
+    return summary
+
+
+# ---------------------------------------------------------------------- aggregation
+def _tpots(run: dict[str, Any]) -> list[float]:
+    return [(e - t) / (n - 1) for e, t, n, err in
+            zip(run["e2els"], run["ttfts"], run["output_lens"], run["errors"])
+            if not err and n > 1]
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Statistics over the requests of several runs (repeats) pooled together, in ms."""
+    ttfts = [t for r in runs for t, e in zip(r["ttfts"], r["errors"]) if not e]
+    tpots = [x for r in runs for x in _tpots(r)]
+    itls = [g for r in runs for gaps, e in zip(r["itls"], r["errors"]) if not e for g in gaps]
+    out: dict[str, Any] = {}
+    for name, vals in (("ttft", ttfts), ("tpot", tpots), ("itl", itls)):
+        out[f"mean_{name}_ms"] = mean(vals) * 1e3
+        for q, key in ((50, "median"), (90, "p90"), (99, "p99")):
+            out[f"{key}_{name}_ms"] = percentile(vals, q) * 1e3
+    out["request_throughput"] = mean([r["request_throughput"] for r in runs])
+    out["completed"] = sum(r["completed"] for r in runs)
+    out["failed"] = sum(r["failed"] for r in runs)
+    out["repeats"] = len(runs)
+    return out
+
+
+def summarize_runs(runs: list[dict[str, Any]], cfg: CompareConfig) -> dict[str, Any]:
+    labels = [m.label for m in cfg.modes]
+    rates = [rate_text(r) for r in cfg.rates]
+    ref = "push" if "push" in labels else labels[-1]
+    cells: dict[str, dict[str, Any]] = {}
+    for label in labels:
+        for rate in rates:
+            sel = [r for r in runs if r["mode_label"] == label
+                   and rate_text(float(r["request_rate"])) == rate]
+            if sel:
+                cells[f"{label}@{rate}"] = pooled(sel)
+    ratios: dict[str, dict[str, Any]] = {}
+    for label in labels:
+        if label == ref:
+            continue
+        for rate in rates:
+            a, b = cells.get(f"{label}@{rate}"), cells.get(f"{ref}@{rate}")
+            if a is None or b is None:
+                continue
+            entry = {f: (a[f] / b[f] if b[f] else None) for f in RATIO_FIELDS}
+            per_rep = []  # the same ratio within each repeat (runs close in time)
+            for rep in range(cfg.repeats):
+                ra = [r for r in runs if r["mode_label"] == label and r["repeat"] == rep
+                      and rate_text(float(r["request_rate"])) == rate]
+                rb = [r for r in runs if r["mode_label"] == ref and r["repeat"] == rep
+                      and rate_text(float(r["request_rate"])) == rate]
+                if ra and rb and rb[0]["median_ttft_ms"]:
+                    per_rep.append(ra[0]["median_ttft_ms"] / rb[0]["median_ttft_ms"])
+            entry["median_ttft_ratio_per_repeat"] = per_rep
+            ratios[f"{label}/{ref}@{rate}"] = entry
+    conf = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    conf["modes"] = labels
+    conf["rates"] = rates
+    return {"config": conf, "reference": ref, "modes": labels, "rates": rates,
+            "cells": cells, "ratios": ratios, "machine": machine_note()}
+
+
+def machine_note() -> str:
+    import platform
+
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        mem = float("nan")
+    return (f"{_usable_cores()} usable cores, {mem:.0f} GiB, {platform.machine()}, "
+            f"{platform.system()} {platform.release()}, Python {platform.python_version()}")
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def markdown_report(summary: dict[str, Any]) -> str:
+    c = summary["config"]
+    threads = ", ".join(f"{k}: {v}" for k, v in (c.get("threads") or {}).items())
+    lines = [
+        f"### {c.get('label') or 'kvpush bench compare'}",
+        "",
+        f"Model `{c.get('model') or 'smollm2-135m'}`, dataset {c['dataset']} "
+        f"{c['input_len']} in / {c['output_len']} out"
+        + (f" (prefix {c['prefix_len']})" if c.get("prefix_len") else "")
+        + f", {c['num_prompts']} prompts per run (+{c['warmup']} warm-up), seed "
+        f"{c['seed']}, {c['repeats']} repeat(s) in alternating order; P/D "
+        f"{c['prefill']} prefill + {c['decode']} decode. Torch threads per instance: "
+        f"{threads or '-'} (P/D: one share of the cores per instance; colocated: all on "
+        "its one instance). Machine: " + summary["machine"] + ". Latencies in ms, "
+        "requests of all repeats pooled; req/s is the mean over repeats.",
+        "",
+        "| mode | rate | " + " | ".join(h for _, h in COLUMNS) + " | req/s | ok | failed |",
+        "|---|---|" + "---:|" * (len(COLUMNS) + 3),
+    ]
+    for mode in summary["modes"]:
+        for rate in summary["rates"]:
+            cell = summary["cells"].get(f"{mode}@{rate}")
+            if cell is None:
+                lines.append(f"| {mode} | {rate} | " + " | ".join("-" * 1 for _ in COLUMNS)
+                             + " | - | - | not run |")
+                continue
+            lines.append(f"| {mode} | {rate} | "
+                         + " | ".join(_fmt(cell[k]) for k, _ in COLUMNS)
+                         + f" | {cell['request_throughput']:.3f} | {cell['completed']} | "
+                         f"{cell['failed']} |")
+    if summary["ratios"]:
+        ref = summary["reference"]
+        lines += ["", f"Ratios against {ref} (> 1: {ref} is better):", "",
+                  "| ratio | rate | TTFT med | TTFT p90 | TTFT p99 | TPOT mean | ITL med "
+                  "| TTFT med per repeat |",
+                  "|---|---|---:|---:|---:|---:|---:|---|"]
+        for key, r in summary["ratios"].items():
+            pair, rate = key.rsplit("@", 1)
+            per = ", ".join(f"{x:.2f}" for x in r["median_ttft_ratio_per_repeat"])
+            lines.append(f"| {pair} | {rate} | "
+                         + " | ".join(_fmt(r[f], 2) for f in RATIO_FIELDS)
+                         + f" | {per or '-'} |")
+    if summary.get("skipped"):
+        lines += ["", "Skipped (time limit): " + "; ".join(summary["skipped"])]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- CLI
+def _list(conv: Any) -> Any:
+    def parse(text: str) -> list:
+        try:
+            return [conv(t) for t in text.split(",") if t.strip()]
+        except (ValueError, CompareError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
+def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """`kvpush bench compare` (registered on the bench parser's sub-commands)."""
+    from kvpush.bench.cli import _positive_int, _seconds
+
+    p = subparsers.add_parser(
+        "compare", help="start colocated / pull / push clusters in turn and compare them",
+        description=__doc__.split("\n\n")[0] + " Writes tables, run JSONs and plots to --out.",
+        epilog="Example: kvpush bench compare --modes colocated,pull,push --rates 0.5,1,inf "
+               "--input-len 512 --output-len 32 --num-prompts 16 --repeats 2 --out cmp/. "
+               "Exit status: 0 all requests completed, 1 some failed, 2 bad settings or a "
+               "cluster that did not start.")
+    p.add_argument("--modes", type=_list(ModeSpec.parse), default=[ModeSpec.parse(m) for m in
+                   ("colocated", "pull", "push")], metavar="LIST",
+                   help="configurations, comma-separated: push, pull, colocated, each "
+                        "optionally MODE:THREADS (default: colocated,pull,push)")
+    p.add_argument("--rates", type=_list(float), default=[1.0, math.inf], metavar="LIST",
+                   help="request rates (req/s; inf: all at once) (default: 1,inf)")
+    p.add_argument("--model", metavar="NAME_OR_DIR", help="default: smollm2-135m")
+    p.add_argument("--dataset", choices=("random", "sonnet", "shared-prefix"),
+                   default="random")
+    p.add_argument("--input-len", type=_positive_int, default=1024, metavar="TOKENS")
+    p.add_argument("--output-len", type=_positive_int, default=128, metavar="TOKENS")
+    p.add_argument("--prefix-len", type=_positive_int, metavar="TOKENS")
+    p.add_argument("--num-prompts", type=_positive_int, default=32, metavar="N")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=_positive_int, default=1, metavar="N",
+                   help="each configuration N times, order alternating (default: 1)")
+    p.add_argument("--warmup", type=int, default=2, metavar="N",
+                   help="unmeasured requests before each rate, one at a time (default: 2)")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR")
+    p.add_argument("--label", help="title of the tables and plots")
+    p.add_argument("--prefill", type=_positive_int, default=1, metavar="N")
+    p.add_argument("--decode", type=_positive_int, default=1, metavar="M")
+    eng = p.add_argument_group("instances (passed to kvpush serve through the launcher)")
+    eng.add_argument("--max-model-len", type=int, metavar="TOKENS")
+    eng.add_argument("--kv-cache-memory", metavar="SIZE")
+    eng.add_argument("--block-size", type=int, metavar="TOKENS")
+    eng.add_argument("--dtype", metavar="DTYPE")
+    lim = p.add_argument_group("time bounds")
+    lim.add_argument("--run-timeout", type=_seconds, default=600.0, metavar="S",
+                     help="one rate's run (default: 600)")
+    lim.add_argument("--request-timeout", type=_seconds, default=300.0, metavar="S")
+    lim.add_argument("--startup-timeout", type=_seconds, default=300.0, metavar="S")
+    lim.add_argument("--time-limit", type=_seconds, default=3600.0, metavar="S",
+                     help="the whole comparison; later runs are skipped (default: 3600)")
+    p.add_argument("--progress", action="store_true", help="progress bars")
+    p.set_defaults(func=run_compare_cli)
+    return p
+
+
+def run_compare_cli(args: argparse.Namespace) -> int:
+    import sys
+
+    from kvpush.bench.client import BenchError
+    from kvpush.bench.datasets import DatasetError
+
+    cfg = CompareConfig(
+        modes=args.modes, rates=args.rates, out_dir=args.out, model=args.model,
+        dataset=args.dataset, input_len=args.input_len, output_len=args.output_len,
+        prefix_len=args.prefix_len, num_prompts=args.num_prompts, seed=args.seed,
+        repeats=args.repeats, warmup=args.warmup, prefill=args.prefill, decode=args.decode,
+        max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size, dtype=args.dtype, run_timeout=args.run_timeout,
+        request_timeout=args.request_timeout, startup_timeout=args.startup_timeout,
+        time_limit=args.time_limit, label=args.label, progress=args.progress)
+    try:
+        summary = run_compare(cfg)
+    except (CompareError, BenchError, DatasetError) as e:
+        print(f"kvpush bench compare: error: {e}", file=sys.stderr)
+        return 2
+    print(markdown_report(summary))
+    print(f"written to {args.out}")
+    return 1 if any(c["failed"] for c in summary["cells"].values()) else 0

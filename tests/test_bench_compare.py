@@ -1,0 +1,114 @@
+"""`kvpush bench compare`: clusters started and stopped, tables, JSONs and plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from kvpush.bench.compare import (
+    CompareConfig,
+    CompareError,
+    ModeSpec,
+    markdown_report,
+    mode_order,
+    pooled,
+    run_compare,
+)
+from kvpush.cluster.launcher import alive, descendant_pids
+
+
+def _run(mode: str, label: str, rate, rep: int, ttfts: list[float]) -> dict:
+    n = len(ttfts)
+    return {"mode": mode, "mode_label": label, "request_rate": rate, "repeat": rep,
+            "ttfts": ttfts, "e2els": [t + 0.7 for t in ttfts], "output_lens": [8] * n,
+            "errors": [""] * n, "itls": [[0.1] * 7 for _ in ttfts], "completed": n,
+            "failed": 0, "request_throughput": 2.0,
+            "median_ttft_ms": sorted(ttfts)[n // 2] * 1e3}
+
+
+def _canned() -> tuple[CompareConfig, list[dict]]:
+    cfg = CompareConfig(modes=[ModeSpec("pull"), ModeSpec("push")], rates=[1.0, math.inf],
+                        out_dir="unused", num_prompts=3, label="canned")
+    runs = [_run("pull", "pull", 1.0, 0, [0.3, 0.32, 0.31]),
+            _run("push", "push", 1.0, 0, [0.1, 0.11, 0.12]),
+            _run("pull", "pull", "inf", 0, [0.6, 0.9, 1.2]),
+            _run("push", "push", "inf", 0, [0.2, 0.3, 0.4])]
+    return cfg, runs
+
+
+def test_mode_spec_and_order():
+    assert ModeSpec.parse("colocated:1").label == "colocated-1t"
+    assert ModeSpec.parse("push") == ModeSpec("push")
+    with pytest.raises(CompareError):
+        ModeSpec.parse("pushy")
+    modes = [ModeSpec("colocated"), ModeSpec("pull"), ModeSpec("push")]
+    assert [m.mode for m in mode_order(modes, 1)] == ["push", "pull", "colocated"]
+    assert mode_order(modes, 2) == modes
+
+
+def test_summary_ratios_and_plots_from_canned_runs(tmp_path):
+    from kvpush.bench.compare import summarize_runs
+
+    cfg, runs = _canned()
+    summary = summarize_runs(runs, cfg)
+    p = pooled(runs[:1])
+    assert p["median_ttft_ms"] == pytest.approx(310)
+    assert p["mean_tpot_ms"] == pytest.approx(100)
+    r = summary["ratios"]["pull/push@1"]
+    assert r["median_ttft_ms"] == pytest.approx(310 / 110)
+    assert summary["ratios"]["pull/push@inf"]["median_ttft_ratio_per_repeat"] == [3.0]
+    md = markdown_report({**summary, "skipped": []})
+    assert "| pull | inf |" in md and "pull/push" in md
+    pytest.importorskip("matplotlib")
+    from kvpush.bench.plots import plot_summary
+
+    paths = plot_summary(summary, runs, tmp_path)
+    assert [p.name for p in paths] == ["ttft_tpot_vs_rate.png", "ttft_cdf.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_two_modes_end_to_end(tiny_llama, tmp_path):
+    pytest.importorskip("nixl._api", reason="push mode needs NIXL")
+    before = set(descendant_pids(os.getpid()))
+    started: list[int] = []
+    from kvpush.bench import compare
+
+    real_enter = compare.Cluster.__enter__
+
+    def spy(self):  # record every process each cluster starts
+        out = real_enter(self)
+        started.extend(self.pids())
+        return out
+
+    compare.Cluster.__enter__ = spy
+    try:
+        cfg = CompareConfig(modes=[ModeSpec("colocated"), ModeSpec("push")], rates=[math.inf],
+                            out_dir=tmp_path / "out", model=str(tiny_llama), input_len=24,
+                            output_len=4, num_prompts=4, warmup=1, run_timeout=120,
+                            startup_timeout=120, time_limit=600, label="test")
+        summary = run_compare(cfg, log=lambda *_: None)
+    finally:
+        compare.Cluster.__enter__ = real_enter
+    out = tmp_path / "out"
+    assert set(summary["cells"]) == {"colocated@inf", "push@inf"}
+    assert all(c["completed"] == 4 and c["failed"] == 0 for c in summary["cells"].values())
+    assert "colocated/push@inf" in summary["ratios"]
+    assert sorted(p.name for p in (out / "runs").iterdir()) == [
+        "colocated_rinf_rep0.json", "push_rinf_rep0.json"]
+    run = json.loads((out / "runs" / "push_rinf_rep0.json").read_text())
+    assert run["completed"] == 4 and run["threads_per_instance"] >= 1
+    assert "| push | inf |" in (out / "summary.md").read_text()
+    assert json.loads((out / "summary.json").read_text())["reference"] == "push"
+    try:
+        import matplotlib  # noqa: F401
+        assert (out / "ttft_cdf.png").exists() and (out / "ttft_tpot_vs_rate.png").exists()
+    except ImportError:
+        pass
+    # 2 clusters: colocated (instance + router) and push (prefill + decode + router)
+    assert len(started) == 5
+    assert alive(started) == []
+    assert set(descendant_pids(os.getpid())) <= before
