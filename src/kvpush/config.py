@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import torch
 
+from kvpush.cli_types import parse_size
 from kvpush.errors import ConfigError
 
 #: Default tokens per KV block. With the layer-major layout one layer of a run of
@@ -319,22 +320,3 @@ class EngineConfig:
             served_model_name=served_model_name or Path(model_dir).name,
             kv_transfer=kv_transfer,
         )
-
-
-def parse_size(text: str) -> int:
-    """Parse '512MiB', '2GiB', '1G', '1048576' into bytes."""
-    s = text.strip().upper().replace(" ", "")
-    units = {
-        "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
-        "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-        "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "B": 1,
-    }
-    unit = next((u for u in units if s.endswith(u)), "")
-    num, mult = (s[: -len(unit)], units[unit]) if unit else (s, 1)
-    try:
-        value = float(num)
-    except ValueError:
-        raise ConfigError(f"cannot read {text!r} as a size (e.g. 512MiB, 2GiB)") from None
-    if value <= 0:
-        raise ConfigError(f"size must be > 0, got {text!r}")
-    return int(value * mult)

@@ -12,27 +12,11 @@ import sys
 from collections import Counter
 from typing import Any
 
+from kvpush import cli_types
+
 PROG = "kvpush bench"
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return v
 
 
 def _rate(text: str) -> float:
@@ -98,28 +82,28 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     d = p.add_argument_group("workload")
     d.add_argument("--dataset", choices=("random", "sonnet", "shared-prefix"),
                    default="random", help="prompt source (default: random)")
-    d.add_argument("--input-len", type=_positive_int, default=1024, metavar="TOKENS",
+    d.add_argument("--input-len", type=cli_types.positive_int, default=1024, metavar="TOKENS",
                    help="prompt tokens per request, exactly (default: 1024)")
-    d.add_argument("--output-len", type=_positive_int, default=128, metavar="TOKENS",
+    d.add_argument("--output-len", type=cli_types.positive_int, default=128, metavar="TOKENS",
                    help="output tokens per request (max_tokens, ignore_eos; default: 128)")
-    d.add_argument("--prefix-len", type=_positive_int, metavar="TOKENS",
+    d.add_argument("--prefix-len", type=cli_types.positive_int, metavar="TOKENS",
                    help="shared leading tokens: shared-prefix (default: input-len / 2); "
                         "sonnet: whole lines up to about this many (default: 200 or "
                         "input-len / 2)")
     d.add_argument("--prompt-type", choices=("auto", "text", "token-ids"), default="auto",
                    help="auto: token ids for random and shared-prefix on completions, else "
                         "text (default: auto)")
-    d.add_argument("--num-prompts", type=_positive_int, default=100, metavar="N",
+    d.add_argument("--num-prompts", type=cli_types.positive_int, default=100, metavar="N",
                    help="requests to send (default: 100)")
     d.add_argument("--seed", type=int, default=0, help="prompts and arrivals (default: 0)")
     load = p.add_argument_group("load and limits")
     load.add_argument("--request-rate", type=_rate, default=math.inf, metavar="RPS",
                       help="Poisson arrivals per second; inf sends all at once (default: inf)")
-    load.add_argument("--max-concurrency", type=_positive_int, metavar="N",
+    load.add_argument("--max-concurrency", type=cli_types.positive_int, metavar="N",
                       help="most requests in flight at once (default: no limit)")
-    load.add_argument("--timeout", type=_seconds, default=3600.0, metavar="SECONDS",
+    load.add_argument("--timeout", type=cli_types.seconds, default=3600.0, metavar="SECONDS",
                       help="whole-run limit; requests still out then fail (default: 3600)")
-    load.add_argument("--request-timeout", type=_seconds, default=600.0, metavar="SECONDS",
+    load.add_argument("--request-timeout", type=cli_types.seconds, default=600.0, metavar="SECONDS",
                       help="per-request limit (default: 600)")
     out = p.add_argument_group("output")
     out.add_argument("--out", metavar="FILE", help="write the result JSON here")

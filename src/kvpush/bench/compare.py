@@ -431,7 +431,8 @@ def _list(conv: Any) -> Any:
 
 def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     """`kvpush bench compare` (registered on the bench parser's sub-commands)."""
-    from kvpush.bench.cli import _positive_int, _seconds
+    from kvpush.cli_types import positive_int as _positive_int
+    from kvpush.cli_types import seconds as _seconds
 
     p = subparsers.add_parser(
         "compare", help="start colocated / pull / push clusters in turn and compare them",

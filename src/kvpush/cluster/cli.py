@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvpush import cli_types
+
 if TYPE_CHECKING:
     from kvpush.cluster.launcher import Child, ChildSpec, Supervisor
 
@@ -39,34 +41,7 @@ UCX_NET_DEVICES=lo and NIXL_LOG_LEVEL=WARN (every instance is on this host).
 """
 
 
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
 
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
-    return port
-
-
-def _seconds(text: str) -> float:
-    try:
-        s = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
-    if s <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {s}")
-    return s
 
 
 def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -91,23 +66,23 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(default); pull: decode READs it after prefill (vLLM "
                         "NixlConnector); colocated: one --role both instance behind the "
                         "router, for comparison")
-    p.add_argument("--prefill", type=_count, metavar="N",
+    p.add_argument("--prefill", type=cli_types.positive_int, metavar="N",
                    help="prefill instances (default: 1; not with --mode colocated)")
-    p.add_argument("--decode", type=_count, metavar="M",
+    p.add_argument("--decode", type=cli_types.positive_int, metavar="M",
                    help="decode instances (default: 1; not with --mode colocated)")
-    p.add_argument("--port", type=_port, default=8000,
+    p.add_argument("--port", type=cli_types.port, default=8000,
                    help="the router's port on 127.0.0.1 (default: 8000; 0: a free port)")
     p.add_argument("--log-dir", type=Path, metavar="DIR",
                    help="folder for the children's logs (default: a new folder under "
                         "<kvpush cache>/logs)")
-    p.add_argument("--startup-timeout", type=_seconds, default=300.0, metavar="SECONDS",
+    p.add_argument("--startup-timeout", type=cli_types.seconds, default=300.0, metavar="SECONDS",
                    help="how long every child may take to become healthy (default: 300)")
-    p.add_argument("--stop-timeout", type=_seconds, default=20.0, metavar="SECONDS",
+    p.add_argument("--stop-timeout", type=cli_types.seconds, default=20.0, metavar="SECONDS",
                    help="how long children may take to stop after SIGTERM before SIGKILL "
                         "(default: 20)")
 
     eng = p.add_argument_group("instances (passed to each `kvpush serve`)")
-    eng.add_argument("--threads", type=_count, metavar="T",
+    eng.add_argument("--threads", type=cli_types.positive_int, metavar="T",
                      help="torch CPU threads per instance (default: cores // instances, at "
                           "least 1)")
     eng.add_argument("--max-model-len", type=int, metavar="TOKENS")
@@ -118,7 +93,7 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     rt = p.add_argument_group("router (passed to `kvpush router`)")
     rt.add_argument("--policy", choices=("round-robin", "least-outstanding"),
                     help="how the router picks an instance (default: the router's)")
-    rt.add_argument("--health-interval", type=_seconds, metavar="SECONDS",
+    rt.add_argument("--health-interval", type=cli_types.seconds, metavar="SECONDS",
                     help="how often the router checks its instances (default: the router's)")
     p.set_defaults(func=run_up)
     return p

@@ -11,6 +11,8 @@ import logging
 import sys
 from typing import Any
 
+from kvpush import cli_types
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -23,24 +25,6 @@ def _instance(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return v
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
-    return port
 
 
 def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -80,21 +64,21 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     net = p.add_argument_group("HTTP")
     net.add_argument("--host", default="127.0.0.1",
                      help="address to listen on (default: 127.0.0.1)")
-    net.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000)")
+    net.add_argument("--port", type=cli_types.port, default=8000, help="TCP port (default: 8000)")
     net.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                      help="logging level; info logs one line per request (default: info)")
     t = p.add_argument_group("health and timeouts")
-    t.add_argument("--health-interval", type=_positive, default=2.0, metavar="SECONDS",
+    t.add_argument("--health-interval", type=cli_types.seconds, default=2.0, metavar="SECONDS",
                    help="seconds between health checks (/health + /kv/info) of every "
                         "instance (default: 2)")
-    t.add_argument("--health-timeout", type=_positive, default=2.0, metavar="SECONDS",
+    t.add_argument("--health-timeout", type=cli_types.seconds, default=2.0, metavar="SECONDS",
                    help="bound of each health-check request (default: 2)")
-    t.add_argument("--startup-timeout", type=_positive, default=60.0, metavar="SECONDS",
+    t.add_argument("--startup-timeout", type=cli_types.seconds, default=60.0, metavar="SECONDS",
                    help="how long to wait at start for a usable decode (and prefill) "
                         "instance before giving up (default: 60)")
-    t.add_argument("--connect-timeout", type=_positive, default=5.0, metavar="SECONDS",
+    t.add_argument("--connect-timeout", type=cli_types.seconds, default=5.0, metavar="SECONDS",
                    help="bound of connecting to an instance (default: 5)")
-    t.add_argument("--request-timeout", type=_positive, default=600.0, metavar="SECONDS",
+    t.add_argument("--request-timeout", type=cli_types.seconds, default=600.0, metavar="SECONDS",
                    help="bound of each wait on an instance's answer: headers, each chunk "
                         "of a stream (default: 600)")
     p.set_defaults(func=run_router, _router_parser=p)

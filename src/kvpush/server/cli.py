@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvpush import cli_types
+
 #: Seconds uvicorn lets open requests finish on Ctrl-C / SIGTERM before cancelling them
 #: (the engine then aborts them and the process exits).
 GRACEFUL_SHUTDOWN_S = 10
@@ -19,23 +21,6 @@ GRACEFUL_SHUTDOWN_S = 10
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def _size(text: str) -> int:
-    from kvpush.config import ConfigError, parse_size
-
-    try:
-        return parse_size(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
-    return port
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -56,7 +41,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     net = p.add_argument_group("HTTP")
     net.add_argument("--host", default="127.0.0.1",
                      help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
-    net.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000)")
+    net.add_argument("--port", type=cli_types.port, default=8000, help="TCP port (default: 8000)")
     net.add_argument("--served-model-name", metavar="NAME",
                      help="model name clients must send in `model` (default: the registered "
                           "model name, or the model folder's name)")
@@ -70,7 +55,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     mdl.add_argument("--block-size", type=int, metavar="TOKENS",
                      help="tokens per KV-cache block, a power of two (default: 32)")
     kv = mdl.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-memory", type=_size, metavar="SIZE",
+    kv.add_argument("--kv-cache-memory", type=cli_types.size, metavar="SIZE",
                     help="memory for the KV cache, e.g. 512MiB, 2GiB, 1G (binary units) or "
                          "bytes (default: 1GiB)")
     kv.add_argument("--num-blocks", type=int, metavar="N",
@@ -118,7 +103,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     pd.add_argument("--side-channel-host", default="127.0.0.1", metavar="HOST",
                     help="address peers reach this instance's side channel at "
                          "(default: 127.0.0.1)")
-    pd.add_argument("--side-channel-port", type=_port, default=0, metavar="PORT",
+    pd.add_argument("--side-channel-port", type=cli_types.port, default=0, metavar="PORT",
                     help="side-channel port (default: 0, a free port; /kv/info shows it)")
     pd.add_argument("--kv-transport", choices=("nixl", "inproc"), default="nixl",
                     help=argparse.SUPPRESS)  # inproc only works within one process (tests)

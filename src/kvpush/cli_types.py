@@ -1,0 +1,70 @@
+"""argparse value types shared by every `kvpush` sub-command (torch-free, import-cheap)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def port(text: str) -> int:
+    """A TCP port, 0 (pick a free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer ≥ 1 (counts, lengths)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GiB', '1G', '1048576' → bytes (binary units for K/M/G/T)."""
+    from kvpush.errors import ConfigError
+
+    s = text.strip().upper().replace(" ", "")
+    units = {
+        "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+        "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+        "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "B": 1,
+    }
+    unit = next((u for u in units if s.endswith(u)), "")
+    num, mult = (s[: -len(unit)], units[unit]) if unit else (s, 1)
+    try:
+        value = float(num)
+    except ValueError:
+        raise ConfigError(f"cannot read {text!r} as a size (e.g. 512MiB, 2GiB)") from None
+    if value <= 0:
+        raise ConfigError(f"size must be > 0, got {text!r}")
+    return int(value * mult)
+
+
+def size(text: str) -> int:
+    """argparse type for a memory size (see :func:`parse_size`)."""
+    from kvpush.errors import ConfigError
+
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
