@@ -233,6 +233,17 @@ def test_decode_prefix_hit_trims_the_write(pd, tiny_qwen3):
     _assert_clean(pd)
     assert len(pd.p.connector.records) == n_records
     assert pd.p_legs["c"].finish_reason in (FinishReason.ABORT, FinishReason.LENGTH)
+    # the full-hit registration may reach prefill before prefill's own leg: that leg is
+    # then refused at once instead of computing a prefill nobody needs
+    from kvpush.engine.outputs import RequestError
+
+    pd.send_decode("e", list(first), greedy(3))
+    pd.run(until=lambda: "e" in pd.p.connector.early_regs, timeout=10)
+    with pytest.raises(RequestError, match="nothing to prefill"):
+        pd.send_prefill("e", list(first), greedy(3))
+    pd.run()
+    assert pd.d_legs["e"].tokens == pd.d_legs["a"].tokens
+    _assert_clean(pd)
 
 
 def test_incompatible_peer_is_refused_with_reason(tiny_qwen3):

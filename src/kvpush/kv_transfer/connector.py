@@ -177,19 +177,27 @@ class KVConnector(PrefillSide, DecodeSide):
                 raise RequestError(f"transfer id {tid!r} is already in use", "kv_transfer_params")
             # prefill's leg ends with token #1; its logprob travels with the KV
             req.params = dataclasses.replace(req.params, max_tokens=1, logprobs=True)
-            self.by_request[req.request_id] = tid
+            reg = None
             if self.mode == "push":
-                send = self.sends[tid] = PushSend(tid, req.request_id)
                 reason = self.ended.pop(tid, None)
-                reg = self.early_regs.pop(tid, None)
                 if reason is not None:
                     raise RequestError(f"transfer {tid} already ended: {reason}",
                                        "kv_transfer_params")
+                reg = self.early_regs.pop(tid, None)
+                if reg is not None and reg.full_hit:  # nothing for prefill to do
+                    self.worker.submit("untrack", tid)
+                    self._remember_ended(tid, "decode has the whole prompt cached")
+                    raise RequestError(
+                        "decode holds the whole prompt in its prefix cache: nothing to "
+                        "prefill", "kv_transfer_params", "prefill_not_needed")
+                self.sends[tid] = PushSend(tid, req.request_id)
+            self.by_request[req.request_id] = tid
+            self.scheduler.add_request(req)  # before a registration may abort it
+            if self.mode == "push":
                 if reg is not None:
-                    self._registered(send, reg)
+                    self._registered(self.sends[tid], reg)
                 else:
                     self.worker.submit("track", tid, None)
-            self.scheduler.add_request(req)
             return True
         if self.role == "decode" and p["do_remote_prefill"]:
             if self.mode == "pull" and p["remote_block_ids"] is None:
