@@ -8,7 +8,7 @@ import torch
 
 from kvpush.config import EngineConfig
 from kvpush.kv_cache.kv_region import KVRegion
-from kvpush.model.attention import build_metadata
+from kvpush.model.attention import DecodeKVCache, build_metadata
 from kvpush.model.loader import load_model
 from kvpush.model.sampler import sample
 from kvpush.scheduler.scheduler import StepPlan
@@ -24,6 +24,25 @@ class ModelRunner:
         )
         self.kv_region = KVRegion(config.model, config.cache, config.device)
         self.default_generator = torch.Generator().manual_seed(config.seed)
+        # Dense copies of decoding requests' KV (see DecodeKVCache), capped at the size
+        # of the KV region itself; set decode_cache_bytes to 0 to always gather instead.
+        self.decode_cache = DecodeKVCache(
+            self.kv_region.kv,
+            self.block_size,
+            config.dtype,
+            self.kv_region.nbytes,
+            max_slots=config.scheduler.max_num_seqs,
+            max_len=config.scheduler.max_model_len,
+        )
+
+    @property
+    def decode_cache_bytes(self) -> int:
+        return self.decode_cache.max_bytes
+
+    @decode_cache_bytes.setter
+    def decode_cache_bytes(self, n: int) -> None:
+        self.decode_cache.max_bytes = n
+        self.decode_cache.reset()
 
     def forward(
         self, plan: StepPlan, layer_done: Callable[[int], None] | None = None
@@ -43,14 +62,24 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        return self.model.forward(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_region.kv,
-            md,
-            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
-            layer_done,
-        )
+        try:
+            decodes = [c for c in plan.chunks if len(c.token_ids) == 1]
+            self.decode_cache.prepare(
+                md,
+                [(c.request_id, c.start_pos, c.block_ids) for c in decodes],
+                [c.start_pos + c.params.max_tokens for c in decodes],
+            )
+            return self.model.forward(
+                torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+                self.kv_region.kv,
+                md,
+                torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+                layer_done,
+            )
+        except BaseException:
+            self.decode_cache.reset()  # entries may claim positions never written
+            raise
 
     def execute(
         self, plan: StepPlan, layer_done: Callable[[int], None] | None = None

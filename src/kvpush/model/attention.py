@@ -1,14 +1,24 @@
 """Paged attention over the layer-major KV region, in plain torch.
 
 The runner flattens a step's tokens into one batch of ``T`` tokens. Every token's K and
-V are written to its slot (block id, offset). Then:
+V are written to its slot (block id, offset) in the KV region, which stays the one
+source of truth (the KV transfer reads and writes it). Then:
 
-* decode tokens (one new token per request) are attended together: their block tables
-  are padded into one ``[B, max_blocks]`` index, the KV gathered once per layer and one
-  ``scaled_dot_product_attention`` call covers the whole group with a length mask;
+* decode tokens (one new token per request) are attended together with one
+  ``scaled_dot_product_attention`` call and a length mask. Their K/V come from a
+  :class:`DecodeKVCache` when the runner has one: a dense ``[slot, kv_head, pos, dim]``
+  copy of every decoding request's KV that is filled from the region once, when the
+  request starts decoding, and then only appended to, so a decode step reads its context
+  in place instead of re-gathering every block of every request per layer. Without it
+  (or when it would not fit its memory cap) the block tables are padded into one
+  ``[B, max_blocks]`` index and K and V gathered per layer;
 * each prefill chunk is attended on its own: a chunk that starts at position 0 uses its
   fresh K/V and a causal mask; a chunk after cached or earlier-chunk tokens gathers its
   blocks and masks with the offset causal pattern.
+
+Queries are grouped by KV head (``[B, Hkv, H/Hkv, D]`` for decodes) rather than using
+``enable_gqa``, and every SDPA input is 4-D: 3-D inputs or GQA broadcasting send CPU
+torch to its unfused math kernel.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ class PrefillSpan:
     end: int
     start_pos: int  # sequence position of the first token
     block_ids: torch.Tensor | None  # None when start_pos == 0 (fresh K/V suffice)
-    mask: torch.Tensor | None  # [q, ctx] bool, None when start_pos == 0
+    mask: torch.Tensor | None  # [q, ctx] additive float, None when start_pos == 0
 
 
 @dataclass
@@ -33,9 +43,19 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block id of each token's KV slot
     slot_offsets: torch.Tensor  # [T] offset inside the block
     decode_idx: torch.Tensor | None = None  # [B] indices of decode tokens in the batch
-    decode_tables: torch.Tensor | None = None  # [B, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
+    decode_tables: torch.Tensor | None = None  # [B, max_blocks] (gather path)
+    # [B, 1, 1, L] additive float mask (0 / -inf), rows in decode order for the gather
+    # path and in slot order for the DecodeKVCache path
+    decode_mask: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # DecodeKVCache path (set by DecodeKVCache.prepare)
+    decode_cache: DecodeKVCache | None = None
+    decode_slots: torch.Tensor | None = None  # [B] cache slot of each decode token
+    decode_pos: torch.Tensor | None = None  # [B] position of each decode token
+    decode_order: torch.Tensor | None = None  # [B] decode row held by slot s; None: same
+    decode_len: int = 0  # attended length (max context of the decode tokens)
+    # (first slot, end slot, attended length) of each group of consecutive slots
+    decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def build_metadata(
@@ -50,9 +70,13 @@ def build_metadata(
     prefills: list[PrefillSpan] = []
     t = 0
     for start_pos, n, block_ids in chunks:
-        for p in range(start_pos, start_pos + n):
-            slot_blocks.append(block_ids[p // block_size])
-            slot_offsets.append(p % block_size)
+        if n == 1:
+            slot_blocks.append(block_ids[start_pos // block_size])
+            slot_offsets.append(start_pos % block_size)
+        else:
+            for p in range(start_pos, start_pos + n):
+                slot_blocks.append(block_ids[p // block_size])
+                slot_offsets.append(p % block_size)
         ctx = start_pos + n
         nb = -(-ctx // block_size)
         if n == 1:
@@ -64,13 +88,15 @@ def build_metadata(
         else:
             q_pos = torch.arange(start_pos, ctx).unsqueeze(1)
             k_pos = torch.arange(ctx).unsqueeze(0)
+            # additive float mask: SDPA would convert a bool one in every layer
+            mask = torch.zeros((n, ctx)).masked_fill_(k_pos > q_pos, float("-inf"))
             prefills.append(
                 PrefillSpan(
                     t,
                     t + n,
                     start_pos,
                     torch.tensor(block_ids[:nb], dtype=torch.long, device=device),
-                    (k_pos <= q_pos).to(device),
+                    mask.to(device),
                 )
             )
         t += n
@@ -84,19 +110,305 @@ def build_metadata(
         table = torch.zeros((len(dec_tables), max_nb), dtype=torch.long)
         for i, tb in enumerate(dec_tables):
             table[i, : len(tb)] = torch.tensor(tb, dtype=torch.long)
-        lens = torch.tensor(dec_lens).unsqueeze(1)
-        mask = torch.arange(max_nb * block_size).unsqueeze(0) < lens
         md.decode_idx = torch.tensor(dec_idx, dtype=torch.long, device=device)
         md.decode_tables = table.to(device)
-        md.decode_mask = mask[:, None, None, :].to(device)
+        md.decode_mask = length_mask(dec_lens, max_nb * block_size, device)
     return md
 
 
+def length_mask(lens: list[int], width: int, device) -> torch.Tensor:
+    """[B, 1, 1, width] additive mask: 0 where position < lens[b], -inf elsewhere."""
+    keep = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+    mask = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
+    return mask[:, None, None, :].to(device)
+
+
+@dataclass
+class _Entry:
+    slot: int
+    length: int  # positions [0, length) hold the request's K/V
+    blocks: list[int]  # the block ids covering [0, length)
+
+
+def _group_bounds(n: int) -> list[tuple[int, int]]:
+    """Split slots [0, n) into at most 4 contiguous groups of at least 4 slots."""
+    k = max(1, min(4, n // 4))
+    size = -(-n // k)
+    return [(a, min(n, a + size)) for a in range(0, n, size)]
+
+
+def _padded_cost(lengths: list[int]) -> int:
+    """Positions attended (valid or masked) when ``lengths`` are the slots in order."""
+    return sum((b - a) * max(lengths[a:b]) for a, b in _group_bounds(len(lengths)))
+
+
+class DecodeKVCache:
+    """Dense copies of decoding requests' K/V, so decode attention reads them in place.
+
+    ``buf[layer, 0|1, slot, kv_head, pos, dim]`` (in the model's dtype, holding exactly
+    the values of the KV region, i.e. rounded through the region's dtype). A request
+    gets a slot the first step it decodes, filled from the region; each later step only
+    appends the new token's K/V (written by :func:`paged_attention`, next to the region
+    write). Slots are kept compact (0..B-1), and attention runs over up to four groups
+    of consecutive slots, each only as long as its longest member; when sorting the
+    slots by length would cut the padded positions enough to pay for the copy within a
+    few steps, the slots are reordered.
+
+    An entry is reused only when the request decoded in the immediately preceding
+    forward, at the previous position, over the same blocks; anything else (a prefill
+    chunk, a step without the request, preemption, abort, a failed step) drops it and
+    the next decode refills from the region. ``max_bytes`` caps the buffer; a step that
+    would need more falls back to gathering from the region.
+
+    Masked positions are still multiplied (0 * NaN is NaN), so every slot attention
+    reads must hold finite values past its entry's length: ``clean[s]`` records that
+    slot ``s`` is finite throughout; a slot is zeroed once, when first used.
+    """
+
+    #: reorder when the padded positions saved over this many steps exceed the copy
+    PAYBACK_STEPS = 8
+
+    def __init__(
+        self,
+        region: torch.Tensor,
+        block_size: int,
+        dtype: torch.dtype,
+        max_bytes: int,
+        max_slots: int = 256,
+        max_len: int = 0,
+    ):
+        self.region = region  # [L, NB, 2, bs, Hkv, D]
+        self.block_size = block_size
+        self.dtype = dtype
+        self.max_bytes = max_bytes
+        self.max_slots = max_slots  # the most requests that decode together
+        self.max_len = max_len  # the longest a request gets (0: unknown)
+        self.entries: dict[str, _Entry] = {}
+        self.buf: torch.Tensor | None = None
+        self.clean: list[bool] = []
+        self.num_reorders = 0
+        L, _, _, _, hkv, d = region.shape
+        self._per_slot_pos = 2 * L * hkv * d * torch.empty((), dtype=dtype).element_size()
+
+    def reset(self) -> None:
+        self.entries.clear()
+        self.buf = None
+        self.clean = []
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else self.buf.numel() * self.buf.element_size()
+
+    def _new_shape(self, slots: int, length: int, want: int) -> tuple[int, int] | None:
+        """(slots, length) of the buffer this step needs: the current one when it holds
+        ``slots`` x ``length``, else a new one. A new one aims at ``want`` positions (the
+        longest the current requests can grow to) and then at as many slots as fit
+        under ``max_bytes`` (up to ``max_slots``), so that it rarely has to grow again:
+        slots nobody uses are never touched, so cost no memory. When that does not fit
+        it settles for less headroom, but not for none: None then, and the gather path
+        serves this step."""
+        buf = self.buf
+        if buf is not None and slots <= buf.shape[2] and length <= buf.shape[4]:
+            return buf.shape[2], buf.shape[4]
+        per = self._per_slot_pos
+
+        def round64(n: int) -> int:
+            return -(-n // 64) * 64
+
+        lengths = [round64(max(want, length)), round64(length + 64)]
+        if self.max_len:
+            lengths = [max(length, min(n, self.max_len)) for n in lengths]
+        # always some headroom in both: a buffer that fits only this step would be
+        # reallocated (all of it copied) every step, which is worse than gathering
+        roomy = min(self.max_slots, max(2 * slots, 8))
+        some = max(slots, min(self.max_slots, slots + max(2, slots // 4)))
+        for need_slots in (roomy, some):  # slot headroom first, then length headroom
+            for n in lengths:
+                fit = self.max_bytes // (n * per)
+                if fit >= need_slots:
+                    return max(slots, min(fit, self.max_slots)), n
+        return None
+
+    def _realloc(self, shape: tuple[int, int], moves: list[tuple[int, int, int]]) -> None:
+        """New buffer of ``shape``; each (old slot, new slot, length) is carried over:
+        positions [0, length) copied slot by slot (no gathered temporary), the rest of
+        the new slot zeroed."""
+        L, _, _, _, hkv, d = self.region.shape
+        new_s, new_l = shape
+        new = torch.empty((L, 2, new_s, hkv, new_l, d), dtype=self.dtype, device=self.region.device)
+        clean = [False] * new_s
+        for a, b, n in moves:
+            new[:, :, b, :, :n].copy_(self.buf[:, :, a, :, :n])
+            new[:, :, b, :, n:].zero_()
+            clean[b] = True
+        self.buf, self.clean = new, clean
+
+    def _fill(self, slot: int, length: int, blocks: list[int]) -> None:
+        if length == 0:
+            return
+        bs = self.block_size
+        nb = -(-length // bs)
+        ids = torch.tensor(blocks[:nb], dtype=torch.long, device=self.region.device)
+        src = self.region[:, ids]  # [L, nb, 2, bs, Hkv, D]
+        L, _, _, _, hkv, d = src.shape
+        src = src.permute(0, 2, 4, 1, 3, 5).reshape(L, 2, hkv, nb * bs, d)
+        self.buf[:, :, slot, :, :length] = src[:, :, :, :length]
+
+    def _move(self, moves: list[tuple[int, int, int]], keep_len: int) -> None:
+        """Copy slots (src, dst, length): one slot at a time when no destination is also
+        a source, else all at once through a gathered copy of [0, keep_len)."""
+        buf = self.buf
+        was = list(self.clean)
+        if {a for a, _, _ in moves} & {b for _, b, _ in moves}:
+            s = torch.tensor([a for a, _, _ in moves], dtype=torch.long, device=buf.device)
+            d = torch.tensor([b for _, b, _ in moves], dtype=torch.long, device=buf.device)
+            buf[:, :, d, :, :keep_len] = buf[:, :, s, :, :keep_len]  # gathers first
+            for a, b, _ in moves:
+                self.clean[b] = was[a] and was[b]
+        else:
+            for a, b, n in moves:
+                buf[:, :, b, :, :n] = buf[:, :, a, :, :n]
+                # [0, n) is valid data; the rest of b is as finite as it was
+    def prepare(
+        self,
+        md: AttentionMetadata,
+        decodes: list[tuple[str, int, list[int]]],
+        bounds: list[int] | None = None,
+    ) -> None:
+        """Called once per forward with the step's decode chunks (request id, position,
+        block ids), in decode order, and optionally the most positions each request
+        can reach (to size the buffer once). Sets md's cache fields, or leaves md on the
+        gather path when the cache cannot hold this step."""
+        old = self.entries
+        self.entries = {}
+        if not decodes:
+            return
+        bs = self.block_size
+        B = len(decodes)
+        kept: dict[str, _Entry] = {}
+        for rid, pos, blocks in decodes:
+            e = old.get(rid)
+            if e is not None and e.length == pos and blocks[: len(e.blocks)] == e.blocks:
+                kept[rid] = e
+        max_len = max(pos + 1 for _, pos, _ in decodes)
+        keep_len = max((e.length for e in kept.values()), default=0)
+        shape = self._new_shape(B, max_len, max(bounds) if bounds else 0)
+        if shape is None:
+            self.reset()
+            return  # too big for the cap: gather this step, refill later
+        # where each decode goes: kept entries stay (those at slots >= B move down into
+        # free slots), new ones take the remaining free slots
+        used = {e.slot for e in kept.values()}
+        free = [s for s in range(B) if s not in used]
+        target: dict[str, int] = {}
+        for rid, _, _ in decodes:
+            e = kept.get(rid)
+            if e is not None and e.slot < B:
+                target[rid] = e.slot
+        for rid, _, _ in decodes:
+            if rid not in target:
+                target[rid] = free.pop(0)
+        pos_of = {rid: pos for rid, pos, _ in decodes}
+        by_slot = sorted(target, key=target.__getitem__)
+        cost = _padded_cost([pos_of[r] + 1 for r in by_slot])
+        ranked = sorted(target, key=lambda r: -pos_of[r])
+        saving = cost - _padded_cost([pos_of[r] + 1 for r in ranked])
+        # reordering copies each moved slot's [0, keep_len) twice (gather, then put)
+        moved = sum(1 for r, e in kept.items() if e.slot != ranked.index(r))
+        if saving * self.PAYBACK_STEPS > 2 * moved * keep_len:
+            target = {r: i for i, r in enumerate(ranked)}
+            self.num_reorders += 1
+        if self.buf is None or shape != (self.buf.shape[2], self.buf.shape[4]):
+            self._realloc(shape, [(e.slot, target[r], e.length) for r, e in kept.items()])
+        else:
+            moves = [(e.slot, target[r], e.length) for r, e in kept.items() if e.slot != target[r]]
+            if moves:
+                self._move(moves, keep_len)
+        for rid, pos, blocks in decodes:
+            slot = target[rid]
+            e = kept.get(rid)
+            if e is None:
+                e = _Entry(slot, pos, [])
+                self._fill(slot, pos, blocks)
+            e.slot = slot
+            if not self.clean[slot]:
+                self.buf[:, :, slot, :, pos:].zero_()
+                self.clean[slot] = True
+            e.length = pos + 1
+            e.blocks = blocks[: -(-(pos + 1) // bs)]
+            self.entries[rid] = e
+        slots = [target[rid] for rid, _, _ in decodes]
+        order = [0] * B
+        for row, s in enumerate(slots):
+            order[s] = row
+        lens = [pos_of[decodes[r][0]] + 1 for r in order]  # slot order
+        dev = self.region.device
+        md.decode_cache = self
+        md.decode_slots = torch.tensor(slots, dtype=torch.long, device=dev)
+        md.decode_pos = torch.tensor([p for _, p, _ in decodes], dtype=torch.long, device=dev)
+        if order != list(range(B)):
+            md.decode_order = torch.tensor(order, dtype=torch.long, device=dev)
+        md.decode_len = max_len
+        md.decode_groups = [(a, b, max(lens[a:b])) for a, b in _group_bounds(B)]
+        md.decode_mask = length_mask(lens, max_len, dev)
+        md.decode_tables = None
+
+
 def _gather(layer_kv: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """layer_kv [NB, 2, bs, Hkv, D], table [..., nb] → K, V as [..., nb*bs, Hkv, D]."""
-    kv = layer_kv[table]  # [..., nb, 2, bs, Hkv, D]
-    shape = (*table.shape[:-1], table.shape[-1] * kv.shape[-3], kv.shape[-2], kv.shape[-1])
-    return kv.select(-4, 0).reshape(shape), kv.select(-4, 1).reshape(shape)
+    """layer_kv [NB, 2, bs, Hkv, D], table [..., nb] → K, V as [..., nb*bs, Hkv, D]
+    (one copy each: K and V are gathered separately so the block and in-block dims
+    merge without a second copy)."""
+    k = layer_kv[:, 0][table]  # [..., nb, bs, Hkv, D], contiguous
+    v = layer_kv[:, 1][table]
+    nd = table.dim() - 1
+    return k.flatten(nd, nd + 1), v.flatten(nd, nd + 1)
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [B, H, D] the decode tokens only, in decode order
+    k: torch.Tensor,  # [B, Hkv, D]
+    v: torch.Tensor,
+    layer_kv: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    layer: int | None,
+    hkv: int,
+    group: int,
+) -> torch.Tensor:
+    B, H, D = q.shape
+    cache = md.decode_cache
+    if cache is not None and layer is not None:
+        kb = cache.buf[layer, 0, :B, :, : md.decode_len]  # [B, Hkv, L, D] views
+        vb = cache.buf[layer, 1, :B, :, : md.decode_len]
+        if k.dtype != layer_kv.dtype:  # hold exactly what the region holds
+            k, v = k.to(layer_kv.dtype), v.to(layer_kv.dtype)
+        kb[md.decode_slots, :, md.decode_pos] = k.to(kb.dtype)
+        vb[md.decode_slots, :, md.decode_pos] = v.to(vb.dtype)
+        if md.decode_order is not None:
+            q = q[md.decode_order]  # slot order
+        q = q.reshape(B, hkv, group, D)
+        mask = md.decode_mask
+        if len(md.decode_groups) == 1:
+            o = F.scaled_dot_product_attention(q, kb, vb, attn_mask=mask, scale=scale)
+        else:  # each group only as long as its longest member
+            o = torch.cat([
+                F.scaled_dot_product_attention(
+                    q[a:b], kb[a:b, :, :n], vb[a:b, :, :n], attn_mask=mask[a:b, ..., :n],
+                    scale=scale,
+                )
+                for a, b, n in md.decode_groups
+            ])
+        o = o.reshape(B, H, D)
+        return o if md.decode_order is None else o[md.decode_slots]
+    kc, vc = _gather(layer_kv, md.decode_tables)  # [B, L, Hkv, D]
+    o = F.scaled_dot_product_attention(
+        q.reshape(B, hkv, group, D),
+        kc.transpose(1, 2).to(q.dtype),
+        vc.transpose(1, 2).to(q.dtype),
+        attn_mask=md.decode_mask,
+        scale=scale,
+    )
+    return o.reshape(B, H, D)
 
 
 def paged_attention(
@@ -106,39 +418,37 @@ def paged_attention(
     layer_kv: torch.Tensor,  # [NB, 2, bs, Hkv, D] view into the KV region
     md: AttentionMetadata,
     scale: float,
+    layer: int | None = None,  # needed for the DecodeKVCache path
 ) -> torch.Tensor:
     """Write this step's K/V into the cache and return attention output [T, H, D]."""
     layer_kv[md.slot_blocks, 0, md.slot_offsets] = k.to(layer_kv.dtype)
     layer_kv[md.slot_blocks, 1, md.slot_offsets] = v.to(layer_kv.dtype)
+    T, H, D = q.shape
+    hkv = k.shape[1]
+    group = H // hkv
+    if md.decode_idx is not None and not md.prefills:
+        # decode-only step: token i is decode i, no index/scatter needed
+        return _decode_attention(q, k, v, layer_kv, md, scale, layer, hkv, group)
     out = torch.empty_like(q)
-    gqa = q.shape[1] != k.shape[1]
     if md.decode_idx is not None:
-        kc, vc = _gather(layer_kv, md.decode_tables)  # [B, L, Hkv, D]
-        qd = q[md.decode_idx].unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(
-            qd,
-            kc.transpose(1, 2).to(q.dtype),
-            vc.transpose(1, 2).to(q.dtype),
-            attn_mask=md.decode_mask,
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        out[md.decode_idx] = o.squeeze(2)
+        idx = md.decode_idx
+        out[idx] = _decode_attention(q[idx], k[idx], v[idx], layer_kv, md, scale, layer, hkv, group)
+    gqa = group != 1
     for span in md.prefills:
-        qp = q[span.start : span.end].transpose(0, 1)  # [H, n, D]
+        qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if span.block_ids is None:
-            kp = k[span.start : span.end].transpose(0, 1)
-            vp = v[span.start : span.end].transpose(0, 1)
+            kp = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            vp = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa
             )
         else:
             ctx = span.mask.shape[1]
             kc, vc = _gather(layer_kv, span.block_ids)
-            kp = kc[:ctx].transpose(0, 1).to(q.dtype)
-            vp = vc[:ctx].transpose(0, 1).to(q.dtype)
+            kp = kc[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            vp = vc[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
             o = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=span.mask, scale=scale, enable_gqa=gqa
             )
-        out[span.start : span.end] = o.transpose(0, 1)
+        out[span.start : span.end] = o[0].transpose(0, 1)
     return out

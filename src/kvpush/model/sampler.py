@@ -39,7 +39,9 @@ def sample(
     n = logits.shape[0]
     tokens = [0] * n
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    if greedy_rows:
+    if len(greedy_rows) == n:  # all greedy: no row gather
+        tokens = logits.argmax(-1).tolist()
+    elif greedy_rows:
         idx = torch.tensor(greedy_rows)
         for i, t in zip(greedy_rows, logits[idx].argmax(-1).tolist(), strict=False):
             tokens[i] = t
