@@ -55,13 +55,16 @@ def hf_model(model_dir: Path):
 
 @torch.inference_mode()
 def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
-    """Greedy continuation by HF transformers with its own KV cache, no EOS stop."""
+    """Greedy continuation by HF transformers with its own KV cache, no EOS stop.
+
+    ``eos_token_id=None`` rather than ``min_new_tokens``: the latter suppresses EOS in
+    the logits and so changes the argmax wherever EOS would win."""
     model = hf_model(model_dir)
     out = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         max_new_tokens=n,
-        min_new_tokens=n,
+        eos_token_id=None,
         do_sample=False,
         pad_token_id=0,
     )
