@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import select
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,6 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
+from kvpush.cluster.launcher import free_port as launcher_free_port
 from kvpush.kv_transfer.faults import FaultPlan
 from kvpush.kv_transfer.side_channel import SideChannel, hmac_signer, hmac_verifier
 
@@ -46,9 +46,7 @@ def recv_until(ch: SideChannel, n: int, timeout: float = 5.0, others=()) -> list
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    return launcher_free_port(HOST)
 
 
 def thread_cpu_s() -> float:
