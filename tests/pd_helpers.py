@@ -78,6 +78,23 @@ class PDDriver:
             self.send_prefill(rid, prompt, params)
             self.send_decode(rid, prompt, params)
 
+    def submit_registered(self, rid: str, prompt: list[int], params: SamplingParams,
+                          timeout: float = 10.0) -> None:
+        """Push: decode's leg first, and prefill's only once decode's registration is
+        waiting on prefill, so prefill writes each block as it computes it."""
+        self.send_decode(rid, prompt, params)
+        deadline = time.monotonic() + timeout
+        while rid not in self.p.connector.early_regs:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"decode's registration of {rid} did not reach prefill")
+            outs = self.d.process_inbox()
+            if self.d.has_work():
+                outs += self.d.step()
+            self._absorb([o for o in outs if o != "stop"], self.d_legs)
+            self._absorb([o for o in self.p.process_inbox() if o != "stop"], self.p_legs)
+            time.sleep(0.001)
+        self.send_prefill(rid, prompt, params)
+
     def _absorb(self, outs, legs: dict[str, Leg]) -> None:
         for o in outs:
             leg = legs.get(o.request_id[2:])

@@ -196,7 +196,9 @@ def test_prefill_abort_fails_decode(pd):
     """Prefill aborted mid-prefill, with layer WRITEs in flight: decode hears of it after
     they drain and fails the request."""
     pd.faults.arm(transfer_delay_s=0.05)
-    pd.submit("r", random_prompts([300])[0], greedy(5))
+    # registered before prefill starts: one block written per 16-token step, so prefill
+    # is still running (19 steps) when the second block goes out
+    pd.submit_registered("r", random_prompts([300])[0], greedy(5))
     pd.run(until=lambda: pd.p.connector.sends.get("r") is not None
            and pd.p.connector.sends["r"].written_blocks >= 2, timeout=10)
     assert "p-r" in pd.p.scheduler.requests  # still prefilling

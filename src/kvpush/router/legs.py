@@ -97,6 +97,15 @@ class PrefillResult:
     timed_out: bool = False
 
 
+def _error_code(resp: httpx.Response) -> str | None:
+    """The ``error.code`` of an OpenAI-style error body, if there is one."""
+    try:
+        err = resp.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return err.get("code") if isinstance(err, dict) else None
+
+
 def outcome_for(status: int) -> str:
     if status == 200:
         return "ok"
@@ -290,7 +299,12 @@ class Legs:
             r.content_type = resp.headers.get("content-type")
             outcome = "ok" if resp.status_code == 200 else "http_error"
             if resp.status_code != 200:
-                r.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
+                if job.mode == "push" and _error_code(resp) == "prefill_not_needed":
+                    # decode's registration (a full prefix hit) reached prefill before
+                    # this leg did: nothing to compute, and nothing is wrong
+                    outcome = "skipped"
+                else:
+                    r.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
         except CONNECTION_LOST as e:
             r.error = describe_error(e)
             r.never_sent = isinstance(e, NEVER_SENT)
