@@ -89,3 +89,16 @@ def test_layer_major_layout_ranges(tiny_qwen3):
     assert view.numel() * view.element_size() == length
     with pytest.raises(IndexError):
         lay.range_of(0, 8, 3)
+
+
+def test_shuffled_free_blocks_scatter_ids():
+    plain = BlockPool(256).allocate(64)
+    assert block_runs(plain) == [(plain[0], 64)]
+    a = BlockPool(256, shuffle_seed=7).allocate(64)
+    assert sorted(set(a)) == sorted(a) and all(0 <= b < 256 for b in a)
+    assert a == BlockPool(256, shuffle_seed=7).allocate(64)  # same seed, same order
+    assert a != BlockPool(256, shuffle_seed=8).allocate(64)
+    assert len(block_runs(a)) > 40  # mostly runs of one block
+    pool = BlockPool(256, shuffle_seed=7)
+    pool.free(pool.allocate(256))
+    assert pool.num_free == 256

@@ -360,3 +360,19 @@ def test_router_abort_releases_prefill_blocks_at_once(pd):
     if pd.mode == "push":  # a push leg for the same transfer id arriving late
         with pytest.raises(RequestError, match="already ended"):
             pd.send_prefill("r", random_prompts([70])[0], greedy(3))
+
+
+@pytest.mark.parametrize("pd", [("push", {"shuffle_free_blocks": 3}),
+                                ("pull", {"shuffle_free_blocks": 3})], indirect=True)
+def test_fragmented_kv_transfers_correctly(pd, tiny_qwen3):
+    """Scattered block ids on both sides: one descriptor per layer per block, same output."""
+    prompt = random_prompts([250], seed=12)[0]
+    pd.submit("r", prompt, greedy(6))
+    pd.run()
+    assert pd.d_legs["r"].tokens == single_outputs(tiny_qwen3, [prompt], 6)["r0"]
+    pd.settle()
+    recs = (pd.p if pd.mode == "push" else pd.d).connector.records
+    assert len(recs) == 1  # one record per transfer, bytes and descriptors in it
+    rec = recs[0]
+    layers = pd.p.runner.kv_region.layout.num_layers
+    assert rec.ok and rec.num_descriptors > 8 * layers  # 16 blocks, a few runs at most

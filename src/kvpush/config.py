@@ -155,6 +155,9 @@ class CacheConfig:
     num_blocks: int
     dtype: torch.dtype
     enable_prefix_caching: bool = True
+    #: permute the free-block queue at start-up with this seed, so consecutive
+    #: allocations get scattered block ids (fragmented-KV benchmarks); None: in order
+    shuffle_free_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,7 @@ class EngineConfig:
         max_num_batched_tokens: int = 1024,
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
+        shuffle_free_blocks: int | None = None,
         seed: int = 0,
         kv_transfer: KVTransferConfig | None = None,
     ) -> EngineConfig:
@@ -306,6 +310,7 @@ class EngineConfig:
                 num_blocks=int(num_blocks),
                 dtype=cache_dtype,
                 enable_prefix_caching=enable_prefix_caching,
+                shuffle_free_blocks=shuffle_free_blocks,
             ),
             scheduler=SchedulerConfig(
                 max_model_len=max_model_len,

@@ -97,6 +97,7 @@ class CompareConfig:
     max_model_len: int | None = None
     kv_cache_memory: str | None = None
     block_size: int | None = None
+    shuffle_free_blocks: int | None = None
     dtype: str | None = None
     #: Whole-run bound of one rate's benchmark (seconds).
     run_timeout: float = 600.0
@@ -151,7 +152,8 @@ def _up_args(cfg: CompareConfig, spec: ModeSpec) -> argparse.Namespace:
         mode=spec.mode, prefill=None if colocated else cfg.prefill,
         decode=None if colocated else cfg.decode, threads=threads,
         max_model_len=cfg.max_model_len, kv_cache_memory=cfg.kv_cache_memory,
-        block_size=cfg.block_size, dtype=cfg.dtype, policy=None, health_interval=None)
+        block_size=cfg.block_size, dtype=cfg.dtype, policy=None, health_interval=None,
+        shuffle_free_blocks=cfg.shuffle_free_blocks)
 
 
 class Cluster:
@@ -468,6 +470,8 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--kv-cache-memory", metavar="SIZE")
     eng.add_argument("--block-size", type=int, metavar="TOKENS")
     eng.add_argument("--dtype", metavar="DTYPE")
+    eng.add_argument("--shuffle-free-blocks", type=int, nargs="?", const=0, metavar="SEED",
+                     help="scatter block ids on every instance (fragmented-KV workload)")
     lim = p.add_argument_group("time bounds")
     lim.add_argument("--run-timeout", type=_seconds, default=600.0, metavar="S",
                      help="one rate's run (default: 600)")
@@ -493,6 +497,7 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         repeats=args.repeats, warmup=args.warmup, prefill=args.prefill, decode=args.decode,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size, dtype=args.dtype, run_timeout=args.run_timeout,
+        shuffle_free_blocks=args.shuffle_free_blocks,
         request_timeout=args.request_timeout, startup_timeout=args.startup_timeout,
         time_limit=args.time_limit, label=args.label, progress=args.progress)
     try:

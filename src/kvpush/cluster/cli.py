@@ -89,6 +89,9 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--kv-cache-memory", metavar="SIZE", help="e.g. 512MiB, 2GiB")
     eng.add_argument("--block-size", type=int, metavar="TOKENS")
     eng.add_argument("--dtype", metavar="DTYPE", help="float32, bfloat16 or float16")
+    eng.add_argument("--shuffle-free-blocks", type=int, nargs="?", const=0, metavar="SEED",
+                     help="scatter every instance's KV block ids (fragmented-KV "
+                          "benchmarks; see `kvpush serve --help`)")
 
     rt = p.add_argument_group("router (passed to `kvpush router`)")
     rt.add_argument("--policy", choices=("round-robin", "least-outstanding"),
@@ -127,7 +130,8 @@ def serve_argv(args: argparse.Namespace, model: str, role: str, port: int,
         argv += ["--kv-transfer", args.mode]
     for flag, value in (("--max-model-len", args.max_model_len),
                         ("--kv-cache-memory", args.kv_cache_memory),
-                        ("--block-size", args.block_size), ("--dtype", args.dtype)):
+                        ("--block-size", args.block_size), ("--dtype", args.dtype),
+                        ("--shuffle-free-blocks", args.shuffle_free_blocks)):
         if value is not None:
             argv += [flag, str(value)]
     return argv

@@ -23,6 +23,7 @@ with ref_count 0, which is the invariant tests check ("free count back at its st
 from __future__ import annotations
 
 import hashlib
+import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -55,7 +56,11 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
+                 shuffle_seed: int | None = None):
+        """``shuffle_seed``: hand out the never-used blocks in a random order made from
+        this seed instead of 0, 1, 2, ... (runs of consecutive ids become rare: the
+        fragmented-KV case a long-running server reaches anyway)."""
         if num_blocks <= 0:
             raise ValueError("num_blocks must be > 0")
         self.num_blocks = num_blocks
@@ -64,7 +69,10 @@ class BlockPool:
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         # Free queue in LRU order: head = evict first. OrderedDict gives O(1) removal
         # of a block that a cache hit takes back out of the middle.
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        order = list(range(num_blocks))
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(order)
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in order)
         self._cached: dict[BlockHash, int] = {}
 
     # ---- queries -------------------------------------------------------------------

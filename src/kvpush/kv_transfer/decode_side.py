@@ -92,8 +92,8 @@ class DecodeSide:
             self._recv_failed(recv, f"READ failed to post: {e}")
             return
         post_s = time.perf_counter() - t0
-        self._record(TransferRecord(recv.tid, "decode", "pull", True,
-                                           sum(x[1] for x in local), len(local), post_s))
+        recv.posted = TransferRecord(recv.tid, "decode", "pull", True,
+                                     sum(x[1] for x in local), len(local), post_s)
         recv.state = RecvState.AWAITING_KV
         self.worker.submit("watch_read", recv.tid, handle, recv.address)
 
@@ -159,7 +159,7 @@ class DecodeSide:
             self._recv_failed(recv, "READ failed")
             return
         req = self.scheduler.requests[recv.request_id]
-        record = TransferRecord(tid, "decode", "pull", True)
+        record = recv.posted or TransferRecord(tid, "decode", "pull", True)
         self._kv_arrived(recv, req.num_prompt_tokens - 1, None, record)
 
     def _ev_awaiting_registration(self, tids: list[str]) -> None:

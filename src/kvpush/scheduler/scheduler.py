@@ -63,7 +63,8 @@ class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig):
         self.config = sched
         self.block_size = cache.block_size
-        self.pool = BlockPool(cache.num_blocks, cache.enable_prefix_caching)
+        self.pool = BlockPool(cache.num_blocks, cache.enable_prefix_caching,
+                              cache.shuffle_free_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # decode side of P/D: requests whose prompt KV comes from a prefill instance

@@ -86,6 +86,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "default")
     sch.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                      help="do not reuse KV blocks of shared prompt prefixes (on by default)")
+    sch.add_argument("--shuffle-free-blocks", type=int, metavar="SEED", nargs="?", const=0,
+                     help="hand out KV blocks in a random order (seeded) instead of by id, "
+                          "so a request's block ids are scattered: measures transfers of "
+                          "fragmented KV, as on a server that has run for a while")
     pd = p.add_argument_group(
         "prefill/decode disaggregation",
         "Run as one side of a P/D pair; the router (or any vLLM-style proxy) sends each "
@@ -171,6 +175,7 @@ def build_config(args: argparse.Namespace) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
+        shuffle_free_blocks=args.shuffle_free_blocks,
         seed=args.seed,
         kv_transfer=kv_transfer,
         **kwargs,
