@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,27 +34,11 @@ from pathlib import Path
 
 import httpx
 
-CONNECTORS = {"push": "NixlPushConnector", "pull": "NixlConnector"}
+from kvpush.bench.vllm_cluster import CONNECTORS, find_vllm, vllm_instance
+from kvpush.cluster.launcher import free_port
+
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colours."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def find_vllm(explicit: str | None) -> list[str] | None:
-    """The command that runs `vllm`, or None when vLLM is not installed."""
-    for cand in (explicit, os.environ.get("VLLM_BIN"), shutil.which("vllm")):
-        if cand and Path(cand).exists():
-            return [cand]
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is not None:
-        return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-    return None
 
 
 def resolve_model(name: str) -> str:
@@ -95,21 +78,6 @@ def child(name: str, argv: list[str], env: dict[str, str], log: Path, url: str,
                     proc.wait(10)
 
 
-def vllm_instance(vllm: list[str], model: str, role: str, mode: str, port: int,
-                  side_port: int, engine_id: str, core: int, dtype: str) -> tuple[list, dict]:
-    cfg = {"kv_connector": CONNECTORS[mode],
-           "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-           "kv_buffer_device": "cpu", "engine_id": engine_id}
-    argv = [*vllm, "serve", model, "--host", "127.0.0.1", "--port", str(port),
-            "--enforce-eager", "--dtype", dtype, "--max-model-len", "2048",
-            "--kv-transfer-config", json.dumps(cfg)]
-    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port), "UCX_NET_DEVICES": "lo",
-           "NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1"}
-    return argv, env
-
-
 def ask(c: httpx.Client, url: str, chat: bool, stream: bool, model: str) -> str:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body: dict = {"model": model, "max_tokens": 16, "temperature": 0, "stream": stream}
@@ -136,6 +104,28 @@ def ask(c: httpx.Client, url: str, chat: bool, stream: bool, model: str) -> str:
     return text
 
 
+def warm_up(c: httpx.Client, url: str, model: str, timeout: float, attempts: int = 3) -> None:
+    """One request through the router until it succeeds (at most ``attempts``).
+
+    vLLM's first push sets up the P->D NIXL handshake, whose reply it awaits for 5 s
+    (hard-coded); on a busy 2-core host that can time out, and vLLM's decode then waits
+    for KV that never comes (its request hangs until the router's timeout). Later
+    requests reuse the handshake. Each attempt is printed, so a flaky start is visible.
+    """
+    body = {"model": model, "prompt": "Warm-up:", "max_tokens": 2, "temperature": 0}
+    for i in range(1, attempts + 1):
+        t0 = time.perf_counter()
+        try:
+            r = c.post(url + "/v1/completions", json=body, timeout=timeout)
+            ok, why = r.status_code == 200, f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            ok, why = False, type(e).__name__
+        print(f"  warm-up {i}: {why} in {time.perf_counter() - t0:.1f} s", flush=True)
+        if ok:
+            return
+    raise RuntimeError(f"no warm-up request succeeded in {attempts} attempts")
+
+
 def check_mode(args: argparse.Namespace, vllm: list[str], model: str, mode: str,
                logs: Path) -> list[str]:
     """Run one mode's checks; the failures (empty: all passed)."""
@@ -143,8 +133,10 @@ def check_mode(args: argparse.Namespace, vllm: list[str], model: str, mode: str,
     pp, dp, rp = free_port(), free_port(), free_port()
     p_side, d_side = free_port(), free_port()
     p_id, d_id = f"vllm-prefill-{mode}", f"vllm-decode-{mode}"
-    p_argv, p_env = vllm_instance(vllm, model, "prefill", mode, pp, p_side, p_id, 0, args.dtype)
-    d_argv, d_env = vllm_instance(vllm, model, "decode", mode, dp, d_side, d_id, 1, args.dtype)
+    p_argv, p_env = vllm_instance(vllm, model, "prefill", pp, mode=mode, side_port=p_side,
+                                  engine_id=p_id, cores="0", dtype=args.dtype)
+    d_argv, d_env = vllm_instance(vllm, model, "decode", dp, mode=mode, side_port=d_side,
+                                  engine_id=d_id, cores="1", dtype=args.dtype)
     router = [sys.executable, "-m", "kvpush", "router", "--mode", mode,
               "--prefill", f"http://127.0.0.1:{pp}@{p_id}@127.0.0.1:{p_side}",
               "--decode", f"http://127.0.0.1:{dp}", "--port", str(rp),
@@ -159,6 +151,7 @@ def check_mode(args: argparse.Namespace, vllm: list[str], model: str, mode: str,
             httpx.Client(timeout=args.timeout, trust_env=False) as c:
         del p_url
         served = c.get(r_url + "/v1/models").json()["data"][0]["id"]
+        warm_up(c, r_url, served, args.warmup_timeout)
         for chat in (False, True):
             want = ask(c, d_url, chat, False, served)  # decode alone, prefilling locally
             for stream in (False, True):
@@ -176,8 +169,8 @@ def check_mode(args: argparse.Namespace, vllm: list[str], model: str, mode: str,
                     failures.append(f"[{mode}] {what}: {got!r} != decode alone {want!r}")
         metrics = c.get(r_url + "/metrics").text
         line = f'kvpush_router_requests_total{{mode="{mode}",outcome="ok"}}'
-        if f"{line} 4.0" not in metrics:
-            failures.append(f"[{mode}] router metrics lack `{line} 4.0`")
+        if f"{line} 5.0" not in metrics:  # the warm-up and the four checks
+            failures.append(f"[{mode}] router metrics lack `{line} 5.0`")
     log = (logs / f"{mode}-router.log").read_text()
     print(f"  router log: {log.count(f'mode={mode}')} request lines", flush=True)
     return failures
@@ -194,6 +187,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", help="vLLM --dtype (default: bfloat16)")
     ap.add_argument("--timeout", type=float, default=900,
                     help="seconds to wait for a vLLM instance or an answer (default: 900)")
+    ap.add_argument("--warmup-timeout", type=float, default=90,
+                    help="seconds for each warm-up request (default: 90)")
     args = ap.parse_args()
     vllm = find_vllm(args.vllm_bin)
     if vllm is None:

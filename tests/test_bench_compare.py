@@ -112,3 +112,36 @@ def test_compare_two_modes_end_to_end(tiny_llama, tmp_path):
     assert len(started) == 5
     assert alive(started) == []
     assert set(descendant_pids(os.getpid())) <= before
+
+
+def test_vllm_modes_plan_pinned_instances_behind_the_router(tmp_path, monkeypatch):
+    from kvpush.bench import vllm_cluster as vc
+
+    assert ModeSpec.parse("vllm-push").label == "vllm-push"
+    with pytest.raises(CompareError, match="pin their cores"):
+        ModeSpec.parse("vllm-pull:2")
+    specs = vc.plan_vllm("vllm-push", ["/x/vllm"], "/models/m", dtype="float32")
+    p, d = specs
+    assert (p.role, d.role) == ("prefill", "decode") and p.port != d.port
+    assert "VLLM_CPU_OMP_THREADS_BIND=0" in p.argv and "VLLM_CPU_OMP_THREADS_BIND=1" in d.argv
+    cfg = json.loads(p.argv[p.argv.index("--kv-transfer-config") + 1])
+    assert cfg["kv_connector"] == "NixlPushConnector" and cfg["kv_role"] == "kv_producer"
+    assert p.argv[p.argv.index("--dtype") + 1] == "float32"
+    router = vc.router_spec("vllm-push", specs, 1234, 60)
+    ident = router.argv[router.argv.index("--prefill") + 1]
+    url, engine, side = ident.split("@")
+    assert url == p.url and engine == "vllm-prefill-push"
+    assert f"VLLM_NIXL_SIDE_CHANNEL_PORT={side.split(':')[1]}" in p.argv
+    assert router.argv[router.argv.index("--decode") + 1] == d.url
+    (single,) = vc.plan_vllm("vllm-colocated", ["/x/vllm"], "/models/m")
+    assert "--kv-transfer-config" not in single.argv and single.role == "both"
+    # no vLLM anywhere: a clear error before anything starts
+    monkeypatch.delenv("VLLM_BIN", raising=False)
+    monkeypatch.setattr(vc, "find_vllm", lambda explicit=None: None)
+    cfg = CompareConfig(modes=[ModeSpec("vllm-pull")], rates=[1.0], out_dir=tmp_path,
+                        model=None, num_prompts=1)
+    from kvpush.bench.compare import Cluster
+
+    with pytest.raises(CompareError, match="vLLM is not installed"), \
+            Cluster(cfg, cfg.modes[0], "m", tmp_path / "logs"):
+        pass

