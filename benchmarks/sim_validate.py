@@ -1,0 +1,234 @@
+"""Validate `kvpush simulate` against the recorded `kvpush bench compare` runs.
+
+For each workload in ``benchmarks/results/{long_prompts,prefix_hit,short_high_rate}/``
+the configuration is read from ``summary.json`` (model, lengths, prompts, rates, modes,
+threads, seed) and replayed through the simulator with the same Poisson arrivals
+(`kvpush bench`'s own generator and seeds: ``seed + 1000 x rate index``), on a profile
+calibrated on this machine. Predicted median / p90 TTFT and median TPOT are printed next
+to the measured (all repeats pooled) and written between the ``sim_validate`` markers of
+``benchmarks/SIMULATION.md``.
+
+    # calibrate this machine, then validate (the one command to re-run on a quiet host):
+    .venv/bin/python benchmarks/sim_validate.py --calibrate
+    # validate against an existing profile:
+    .venv/bin/python benchmarks/sim_validate.py --profile benchmarks/results/sim/cpu-local.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+WORKLOADS = ("long_prompts", "prefix_hit", "short_high_rate")
+DEFAULT_PROFILE = RESULTS / "sim" / "cpu-local.json"
+DOC = HERE / "SIMULATION.md"
+TOLERANCE = 0.15
+METRICS = (("median_ttft_ms", "TTFT med"), ("p90_ttft_ms", "TTFT p90"),
+           ("median_tpot_ms", "TPOT med"))
+
+
+def _rate(text: str) -> float:
+    return math.inf if text == "inf" else float(text)
+
+
+def idle_factor(prof) -> tuple[float, str]:
+    """Measured / simulated TTFT of the one request that found the cluster idle in the
+    first long-prompt run on one thread (colocated-1t, first request of the lowest rate):
+    how much slower the host ran during the benchmark than the profile says."""
+    from kvpush.sim.cluster import ClusterConfig, simulate
+    from kvpush.sim.workload import Workload
+
+    summary = json.loads((RESULTS / "long_prompts" / "summary.json").read_text())
+    cfg, label = summary["config"], "colocated-1t"
+    rate = summary["rates"][0]
+    run = json.loads((RESULTS / "long_prompts" / "runs" / f"{label}_r{rate}_rep0.json")
+                     .read_text())
+    w = Workload(1, _rate(rate), cfg["input_len"], cfg["output_len"], seed=cfg["seed"])
+    sim = simulate(prof, w, ClusterConfig("colocated", 0, 1, step_models=(
+        ("colocated", f"threads={cfg['threads'][label]}"),))).requests[0]
+    measured = run["ttfts"][0]
+    return measured / sim.ttft, (f"long_prompts {label} @ {rate} req/s, request 0: measured "
+                                 f"{measured * 1e3:.0f} ms, simulated {sim.ttft * 1e3:.0f} ms")
+
+
+def validate(profile_path: Path, scale: float = 1.0,
+             workloads: tuple[str, ...] = WORKLOADS) -> tuple[list[dict], str]:
+    from kvpush.sim.cluster import ClusterConfig, simulate
+    from kvpush.sim.profile import load_profile
+    from kvpush.sim.workload import Workload
+
+    prof = load_profile(profile_path)
+    if scale != 1.0:
+        prof = prof.scaled(scale)
+    rows: list[dict] = []
+    for name in workloads:
+        summary = json.loads((RESULTS / name / "summary.json").read_text())
+        cfg = summary["config"]
+        shared = cfg["dataset"] == "shared-prefix"
+        prefix = (cfg["prefix_len"] or cfg["input_len"] // 2) if shared else 0
+        for i, rate_text in enumerate(summary["rates"]):
+            # the warm-up requests ran the shared prefix through P and D (or colocated)
+            w = Workload(cfg["num_prompts"], _rate(rate_text), cfg["input_len"],
+                         cfg["output_len"], seed=cfg["seed"] + 1000 * i, prefix_len=prefix,
+                         prefix_cached_on=("prefill", "decode") if shared and cfg["warmup"]
+                         else ())
+            for label in summary["modes"]:
+                cell = summary["cells"].get(f"{label}@{rate_text}")
+                if cell is None:
+                    continue
+                mode = label.split(":")[0].split("-")[0]
+                threads = cfg["threads"][label]
+                role = "colocated" if mode == "colocated" else None
+                over = (("colocated", f"threads={threads}"),) if role else (
+                    ("prefill", f"threads={threads}"), ("decode", f"threads={threads}"))
+                sim = simulate(prof, w, ClusterConfig(mode, cfg["prefill"], cfg["decode"],
+                                                      step_models=over)).summary()
+                row = {"workload": name, "mode": label, "rate": rate_text,
+                       "n": cell["completed"]}
+                for key, _ in METRICS:
+                    row[f"meas_{key}"] = cell[key]
+                    row[f"sim_{key}"] = sim[key]
+                    row[f"err_{key}"] = (sim[key] - cell[key]) / cell[key] if cell[key] else 0.0
+                rows.append(row)
+    return rows, prof.name
+
+
+def table(rows: list[dict]) -> str:
+    head = ["workload", "mode", "rate", "n"]
+    for _, t in METRICS:
+        head += [f"{t} meas", f"{t} sim", "err"]
+    out = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|" + "---:|" * 3 * len(METRICS)]
+    for r in rows:
+        cells = [r["workload"], r["mode"], r["rate"], str(r["n"])]
+        for key, _ in METRICS:
+            e = r[f"err_{key}"]
+            mark = "" if abs(e) <= TOLERANCE else " **x**"
+            cells += [f"{r[f'meas_{key}']:.0f}", f"{r[f'sim_{key}']:.0f}", f"{e:+.0%}{mark}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+RATIOS = (("pull", "push", "median_ttft_ms", "pull/push TTFT med"),
+          ("pull", "push", "median_tpot_ms", "pull/push TPOT med"),
+          ("colocated", "push", "median_ttft_ms", "colocated/push TTFT med"),
+          ("colocated", "push", "median_tpot_ms", "colocated/push TPOT med"))
+
+
+def ratio_table(rows: list[dict]) -> str:
+    """Ratios between modes of the same workload and rate, measured vs simulated: a
+    slower or faster host scales both modes and cancels out."""
+    cells = {(r["workload"], r["rate"], r["mode"]): r for r in rows}
+    out = ["| workload | rate | ratio | measured | simulated | err |",
+           "|---|---:|---|---:|---:|---:|"]
+    errs = []
+    for (wl, rate, mode), r in cells.items():
+        for a, b, key, title in RATIOS:
+            if mode != b or (wl, rate, a) not in cells:
+                continue
+            ra = cells[wl, rate, a]
+            meas = ra[f"meas_{key}"] / r[f"meas_{key}"]
+            sim = ra[f"sim_{key}"] / r[f"sim_{key}"]
+            e = sim / meas - 1
+            errs.append(abs(e))
+            mark = "" if abs(e) <= TOLERANCE else " **x**"
+            out.append(f"| {wl} | {rate} | {title} | {meas:.2f} | {sim:.2f} | {e:+.0%}{mark} |")
+    errs.sort()
+    ok = sum(e <= TOLERANCE for e in errs)
+    return "\n".join(out) + (f"\n\n- ratios: {ok}/{len(errs)} within {TOLERANCE:.0%}; median "
+                             f"|error| {errs[len(errs) // 2]:.0%}" if errs else "")
+
+
+def scorecard(rows: list[dict]) -> str:
+    lines = []
+    for key, t in METRICS:
+        ok = sum(abs(r[f"err_{key}"]) <= TOLERANCE for r in rows)
+        errs = sorted(abs(r[f"err_{key}"]) for r in rows)
+        lines.append(f"- {t}: {ok}/{len(rows)} within {TOLERANCE:.0%}; median |error| "
+                     f"{errs[len(errs) // 2]:.0%}, worst {errs[-1]:.0%}")
+    return "\n".join(lines)
+
+
+def write_section(doc: Path, marker: str, body: str) -> None:
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    text = doc.read_text() if doc.exists() else "# kvpush simulator: validation and projection\n"
+    block = f"{begin}\n{body}\n{end}"
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.write_text(text)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", type=Path, default=DEFAULT_PROFILE)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="run `kvpush simulate calibrate` into --profile first")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--note", default="", help="note for the calibrated profile")
+    ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help="result folders under benchmarks/results/ (default: the three "
+                         "recorded workloads)")
+    ap.add_argument("--marker", default="sim_validate",
+                    help="section of SIMULATION.md to (re)write")
+    args = ap.parse_args()
+    if args.calibrate:
+        kvpush = Path(sys.executable).with_name("kvpush")
+        cmd = [str(kvpush), "simulate", "calibrate", "--model", args.model,
+               "--out", str(args.profile)] + (["--note", args.note] if args.note else [])
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+    from kvpush.sim.profile import load_profile
+
+    workloads = tuple(w for w in args.workloads.split(",") if w)
+    rows, name = validate(args.profile, workloads=workloads)
+    with_factor = "long_prompts" in workloads
+    if with_factor:
+        factor, basis = idle_factor(load_profile(args.profile))
+        adjusted, _ = validate(args.profile, factor, workloads)
+    else:
+        factor, basis, adjusted = 1.0, "", []
+    prof = json.loads(args.profile.read_text())
+    meas = prof.get("measured", {})
+    shown = (args.profile.resolve().relative_to(HERE.parent)
+             if HERE.parent in args.profile.resolve().parents else args.profile)
+    body = (f"Profile `{shown}`"
+            f" ({name}; calibrated {meas.get('started_utc', '?')} with the "
+            f"{meas.get('clock', '?')} clock, load average before/after "
+            f"{meas.get('load_avg_before', '?')} / {meas.get('load_avg_after', '?')}). "
+            "Latencies in ms; err = (sim - measured) / measured; **x** = outside "
+            f"{TOLERANCE:.0%}. Command: `.venv/bin/python benchmarks/sim_validate.py"
+            f"{' --calibrate' if args.calibrate else ''}"
+            f"{'' if args.marker == 'sim_validate' else ' --workloads ' + args.workloads}"
+            f"{'' if args.marker == 'sim_validate' else ' --marker ' + args.marker}`.\n\n"
+            "#### A. The calibrated profile as it is (a pure prediction)\n\n"
+            + table(rows) + "\n\n" + scorecard(rows)
+            + ("\n\n#### B. Step times scaled by one contention factor\n\n"
+               f"Factor **{factor:.2f}** = measured / simulated TTFT of a single request "
+               f"that found the cluster idle ({basis}): how much slower the host ran during"
+               " the benchmark than the profile (one number taken from the measured runs; "
+               "everything else is still predicted).\n\n"
+               + table(adjusted) + "\n\n" + scorecard(adjusted) if with_factor else "")
+            + "\n\n#### C. Ratios between modes (table A's predictions; a uniformly slower host "
+            "would cancel out here)\n\n"
+            + ratio_table(rows))
+    print(body)
+    if not args.no_write:
+        write_section(DOC, args.marker, body)
+        (RESULTS / "sim").mkdir(parents=True, exist_ok=True)
+        (RESULTS / "sim" / f"{args.marker}.json").write_text(json.dumps(
+            {"profile": str(shown), "raw": rows, "contention_factor": factor,
+             "factor_basis": basis, "adjusted": adjusted}, indent=1) + "\n")
+        print(f"\nwrote {DOC} and {RESULTS / 'sim' / (args.marker + '.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

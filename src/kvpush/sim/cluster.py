@@ -1,0 +1,193 @@
+"""A simulated xPyD (or colocated) cluster: router, engines and hand-off; one run.
+
+The router forwards each request (client -> router -> instance: ``client_hop_s`` +
+``http_hop_s``), picks instances round-robin (kvpush's default policy) or by fewest
+outstanding requests, and in push mode dispatches both legs at once. Every token the
+client sees travels instance -> router -> client (``http_hop_s + client_hop_s``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.sim.engine import EngineSim, Job, JobKind
+from kvpush.sim.handoff import Handoff, PushXfer
+from kvpush.sim.profile import Profile
+from kvpush.sim.workload import SimRequest, Stage, Workload, make_requests
+
+MODES: tuple[str, ...] = ("colocated", "pull", "push")
+POLICIES: tuple[str, ...] = ("round-robin", "least-outstanding")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    mode: str
+    num_prefill: int = 1   # colocated: the number of instances is num_prefill + num_decode
+    num_decode: int = 1
+    fragmentation: float = 0.0
+    policy: str = "round-robin"
+    #: False: prefill instances keep no prefix cache (decode-side-only hits)
+    prefill_prefix_cache: bool = True
+    #: role -> step model name, overriding the profile's ``roles`` (e.g. 1-thread colocated)
+    step_models: tuple[tuple[str, str], ...] = ()
+    #: how long past the last arrival the simulation may run before giving up (s)
+    horizon_s: float = 1e6
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.num_prefill < (0 if self.mode == "colocated" else 1) or self.num_decode < 1:
+            raise ValueError("need at least one prefill and one decode instance")
+        if not 0.0 <= self.fragmentation <= 1.0:
+            raise ValueError(f"fragmentation must be in [0, 1], got {self.fragmentation}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}")
+
+    @property
+    def label(self) -> str:
+        if self.mode == "colocated":
+            return f"{self.num_prefill + self.num_decode}x colocated"
+        return f"{self.num_prefill}P{self.num_decode}D {self.mode}"
+
+
+@dataclass
+class SimResult:
+    config: ClusterConfig
+    workload: Workload
+    requests: list[SimRequest]
+    engines: list[EngineSim] = field(default_factory=list)
+    end_time: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        from kvpush.bench.metrics import mean, percentile
+
+        done = [r for r in self.requests if r.done]
+        ttfts = [r.ttft for r in done]
+        tpots = [t for r in done if (t := r.tpot) is not None]
+        out: dict[str, Any] = {"mode": self.config.mode, "label": self.config.label,
+                               "completed": len(done),
+                               "unfinished": len(self.requests) - len(done)}
+        for name, vals in (("ttft", ttfts), ("tpot", tpots)):
+            out[f"mean_{name}_ms"] = mean(vals) * 1e3
+            for q, key in ((50, "median"), (90, "p90"), (99, "p99")):
+                out[f"{key}_{name}_ms"] = percentile(vals, q) * 1e3
+        span = max((r.token_times[-1] for r in done), default=0.0) - min(
+            (r.arrival for r in self.requests), default=0.0)
+        out["request_throughput"] = len(done) / span if span > 0 else 0.0
+        out["utilization"] = {e.name: (e.busy_time / self.end_time if self.end_time else 0.0)
+                              for e in self.engines}
+        out["mean_descs"] = mean([r.descs for r in done])
+        out["stages_ms"] = stage_means(done)
+        return out
+
+
+def stage_means(reqs: list[SimRequest]) -> dict[str, float]:
+    """Mean time from arrival to each stage, over the requests that reached it (ms)."""
+    from kvpush.bench.metrics import mean
+
+    out = {}
+    for st in Stage:
+        vals = [r.stages[st] - r.arrival for r in reqs if st in r.stages]
+        if vals:
+            out[st.value] = mean(vals) * 1e3
+    return out
+
+
+class _Picker:
+    def __init__(self, engines: list[EngineSim], policy: str) -> None:
+        self.engines, self.policy, self.i = engines, policy, 0
+
+    def pick(self) -> EngineSim:
+        if self.policy == "least-outstanding":
+            least = min(e.outstanding for e in self.engines)
+            cands = [e for e in self.engines if e.outstanding == least]
+        else:
+            cands = self.engines
+        e = cands[self.i % len(cands)]
+        self.i += 1
+        return e
+
+
+def _prefix_state(profile: Profile, w: Workload, role: str) -> Mapping[int, int]:
+    if w.prefix_len and role in w.prefix_cached_on:
+        return {0: w.prefix_len}
+    return {}
+
+
+def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> SimResult:
+    """Replay ``workload`` through the cluster ``config`` on ``profile``; deterministic."""
+    import simpy
+
+    config.validate()
+    env = simpy.Environment()
+    reqs = make_requests(workload)
+    overrides = dict(config.step_models)
+    lim = profile.instance
+    ho = profile.handoff
+    back = ho.http_hop_s + ho.client_hop_s
+    forward = ho.client_hop_s + ho.http_hop_s
+
+    def emit(job: Job, t: float) -> None:
+        req = job.req
+        if not req.token_times:
+            req.mark(Stage.FIRST_TOKEN, t)
+            req.mark(Stage.CLIENT_FIRST_TOKEN, t + back)
+        req.token_times.append(t + back)
+        if len(req.token_times) >= req.output_len:
+            req.mark(Stage.FINISHED, t + back)
+
+    def make(role: str, n: int, cache_role: str) -> list[EngineSim]:
+        model = profile.step_model(role, overrides.get(role))
+        caching = role != "prefill" or config.prefill_prefix_cache
+        return [EngineSim(env, f"{role}{i}", role, model, lim,
+                          _prefix_state(profile, workload, cache_role), caching)
+                for i in range(n)]
+
+    if config.mode == "colocated":
+        engines = make("colocated", config.num_prefill + config.num_decode, "decode")
+        pick = _Picker(engines, config.policy)
+
+        def start(req: SimRequest) -> None:
+            e = pick.pick()
+            job = Job(req, JobKind.FULL, req.output_len, on_token=emit)
+            def arrive(_e: Any) -> None:
+                req.mark(Stage.PREFILL_RECEIVED, env.now)
+                e.submit(lambda: e.add(job))
+
+            env.timeout(forward).callbacks.append(arrive)
+    else:
+        prefills = make("prefill", config.num_prefill, "prefill")
+        decodes = make("decode", config.num_decode, "decode")
+        engines = prefills + decodes
+        hand = Handoff(env, profile, config.fragmentation, emit)
+        if config.mode == "push":
+            for p in prefills:
+                p.step_hook = hand.on_prefill_step
+        pp, dp = _Picker(prefills, config.policy), _Picker(decodes, config.policy)
+
+        def start(req: SimRequest) -> None:
+            p = pp.pick()
+            if config.mode == "pull":
+                env.timeout(forward).callbacks.append(
+                    lambda _e: (req.mark(Stage.PREFILL_RECEIVED, env.now),
+                                hand.pull(req, p, dp.pick())))
+                return
+            xf = PushXfer(req, p, dp.pick())
+            env.timeout(forward).callbacks.append(lambda _e: (hand.push_prefill_leg(xf),
+                                                              hand.push_decode_leg(xf)))
+
+    def arrivals():
+        for req in reqs:
+            if req.arrival > env.now:
+                yield env.timeout(req.arrival - env.now)
+            req.mark(Stage.ARRIVED, env.now)
+            start(req)
+
+    env.process(arrivals())
+    last = max((r.arrival for r in reqs), default=0.0)
+    env.run(until=last + config.horizon_s)
+    end = max((r.token_times[-1] for r in reqs if r.token_times), default=env.now)
+    return SimResult(config, workload, reqs, engines, end_time=end if math.isfinite(end) else 0)

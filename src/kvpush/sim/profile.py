@@ -1,0 +1,352 @@
+"""Hardware profiles: what one step, one transfer and one hand-off message cost.
+
+A profile is a JSON file (see ``profiles/`` and docs/SIMULATOR.md). It names the model's
+shape, one or more *step models* (the time of one engine step as a function of the
+chunks it runs), which step model each role uses, the transfer link, the hand-off
+latencies and the instance limits. Everything is validated on load; a bad file raises
+:class:`ProfileError` naming the file and the field.
+
+Two step models:
+
+* ``linear`` (fitted by ``kvpush simulate calibrate``): ``t = base + per_token * T +
+  per_attn * A + per_seq * S + per_ctx * C + per_sample * N`` with ``T`` new tokens, ``A``
+  the attention pairs ``sum n * (c + (n + 1) / 2)``, ``S`` sequences, ``C`` the context the
+  decode rows read ``sum (c + n)`` and ``N`` the sampled rows.
+* ``roofline`` (GPU profiles from public figures): ``max(FLOPs / (peak * mfu), bytes /
+  (bandwidth * bw_efficiency)) + overhead`` with FLOPs and bytes from the model's shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Protocol
+
+#: A chunk of one step: (new tokens, tokens already in the context before them).
+Chunk = tuple[int, int]
+ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used: missing file, bad JSON, missing or bad field."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    vocab_size: int
+    kv_bytes_per_elem: int = 2
+    weight_bytes_per_elem: int = 2
+    tied_embeddings: bool = False
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_elem
+
+    @property
+    def layer_params(self) -> int:
+        h = self.hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.hidden_size * self.vocab_size
+
+    @property
+    def weight_bytes(self) -> int:
+        emb = 0 if self.tied_embeddings else self.lm_head_params
+        total = self.num_layers * self.layer_params + self.lm_head_params + emb
+        return total * self.weight_bytes_per_elem
+
+
+class StepModel(Protocol):
+    def step_time(self, chunks: Sequence[Chunk]) -> float: ...
+
+
+def step_features(chunks: Sequence[Chunk]) -> tuple[float, float, float, float, float]:
+    """(T, A, S, C, N) of a step; see the module docstring. Every chunk samples one row
+    when it ends a prompt or decodes; here every chunk counts as sampled (upper bound)."""
+    t = a = c = 0.0
+    for n, ctx in chunks:
+        t += n
+        a += n * (ctx + (n + 1) / 2)
+        if n == 1:
+            c += ctx + 1
+    s = float(len(chunks))
+    return t, a, s, c, s
+
+
+@dataclass(frozen=True)
+class LinearStepModel:
+    base_s: float
+    per_token_s: float
+    per_attn_s: float = 0.0
+    per_seq_s: float = 0.0
+    per_ctx_s: float = 0.0
+    per_sample_s: float = 0.0
+
+    def coefficients(self) -> tuple[float, ...]:
+        return (self.base_s, self.per_token_s, self.per_attn_s, self.per_seq_s,
+                self.per_ctx_s, self.per_sample_s)
+
+    def step_time(self, chunks: Sequence[Chunk]) -> float:
+        if not chunks:
+            return 0.0
+        t, a, s, c, n = step_features(chunks)
+        return (self.base_s + self.per_token_s * t + self.per_attn_s * a + self.per_seq_s * s
+                + self.per_ctx_s * c + self.per_sample_s * n)
+
+
+@dataclass(frozen=True)
+class RooflineStepModel:
+    shape: ModelShape
+    peak_flops: float
+    mem_bandwidth: float
+    mfu: float
+    bw_efficiency: float
+    overhead_s: float
+    per_layer_overhead_s: float = 0.0
+
+    def flops(self, chunks: Sequence[Chunk]) -> float:
+        s = self.shape
+        t, a, _, _, n = step_features(chunks)
+        attn = 4.0 * s.num_layers * s.num_heads * s.head_dim * a
+        return 2.0 * s.num_layers * s.layer_params * t + attn + 2.0 * s.lm_head_params * n
+
+    def bytes_moved(self, chunks: Sequence[Chunk]) -> float:
+        kv = sum((ctx + n) for n, ctx in chunks) * self.shape.kv_bytes_per_token
+        return self.shape.weight_bytes + kv
+
+    def step_time(self, chunks: Sequence[Chunk]) -> float:
+        if not chunks:
+            return 0.0
+        compute = self.flops(chunks) / (self.peak_flops * self.mfu)
+        memory = self.bytes_moved(chunks) / (self.mem_bandwidth * self.bw_efficiency)
+        return (max(compute, memory) + self.overhead_s
+                + self.per_layer_overhead_s * self.shape.num_layers)
+
+
+@dataclass(frozen=True)
+class ScaledStepModel:
+    """Another step model's times times ``factor`` (CPU contention, a slower part)."""
+
+    inner: StepModel
+    factor: float
+
+    def step_time(self, chunks: Sequence[Chunk]) -> float:
+        return self.inner.step_time(chunks) * self.factor
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    """One KV transfer: the posting thread is busy ``post_base_s + descs * post_per_desc_s``;
+    the bytes then cross the link at ``bandwidth_Bps`` (serial per link), plus
+    ``per_desc_s`` per descriptor on the wire and ``latency_s`` once."""
+
+    bandwidth_Bps: float
+    latency_s: float
+    post_base_s: float
+    post_per_desc_s: float
+    per_desc_s: float = 0.0
+    setup_s: float = 0.0  # D's per-request transfer set-up in pull (metadata, handles)
+
+    def post_time(self, descs: int) -> float:
+        return self.post_base_s + descs * self.post_per_desc_s
+
+    def wire_time(self, nbytes: float, descs: int) -> float:
+        return nbytes / self.bandwidth_Bps + descs * self.per_desc_s
+
+
+@dataclass(frozen=True)
+class HandoffModel:
+    """One-way latencies of the messages of a hand-off, in seconds."""
+
+    http_hop_s: float        # router -> instance (one leg), or instance -> router answer
+    client_hop_s: float      # client <-> router, each way (first token back to the client)
+    relay_s: float           # router: turn P's answer into D's leg (pull)
+    side_channel_s: float    # P <-> D one message (PushRegister, PushDone, PullDone)
+    handshake_s: float = 0.0  # first contact of a P/D pair (ignored after warm-up)
+    pull_post_on_step_loop: bool = True  # vLLM: D posts the READ on its step path
+
+
+@dataclass(frozen=True)
+class InstanceLimits:
+    block_size: int
+    num_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    model: ModelShape
+    step_models: Mapping[str, StepModel]
+    roles: Mapping[str, str]
+    transfer: TransferModel
+    handoff: HandoffModel
+    instance: InstanceLimits
+    sources: Mapping[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    path: str = ""
+
+    def scaled(self, factor: float) -> Profile:
+        """This profile with every step model's times multiplied by ``factor``."""
+        if not factor > 0:
+            raise ProfileError(f"step-time scale must be > 0, got {factor}")
+        models = {k: ScaledStepModel(m, factor) for k, m in self.step_models.items()}
+        return dataclasses.replace(self, step_models=models,
+                                   notes=self.notes + (f"step times scaled by {factor:g}",))
+
+    def step_model(self, role: str, override: str | None = None) -> StepModel:
+        name = override or self.roles[role]
+        try:
+            return self.step_models[name]
+        except KeyError:
+            raise ProfileError(f"{self.name}: no step model {name!r} (have "
+                               f"{', '.join(sorted(self.step_models))})") from None
+
+
+# ---------------------------------------------------------------------------- loading
+def _req(d: Mapping[str, Any], key: str, where: str, kind: type | tuple = (int, float)) -> Any:
+    if key not in d:
+        raise ProfileError(f"{where}: missing field {key!r}")
+    v = d[key]
+    if kind in ((int, float), float) and isinstance(v, bool):
+        raise ProfileError(f"{where}.{key}: expected a number, got {v!r}")
+    if not isinstance(v, kind):
+        raise ProfileError(f"{where}.{key}: expected {getattr(kind, '__name__', 'a number')},"
+                           f" got {v!r}")
+    if kind in ((int, float), float, int) and v < 0:
+        raise ProfileError(f"{where}.{key}: must be >= 0, got {v!r}")
+    return v
+
+
+def _numbers(d: Mapping[str, Any], where: str, required: Sequence[str],
+             optional: Sequence[str] = ()) -> dict[str, float]:
+    if not isinstance(d, Mapping):
+        raise ProfileError(f"{where}: expected an object, got {type(d).__name__}")
+    out = {k: float(_req(d, k, where)) for k in required}
+    out.update({k: float(_req(d, k, where)) for k in optional if k in d})
+    return out
+
+
+def _shape(d: Any, where: str) -> ModelShape:
+    if not isinstance(d, Mapping):
+        raise ProfileError(f"{where}: expected an object")
+    ints = ("num_layers", "num_kv_heads", "head_dim", "hidden_size", "num_heads",
+            "intermediate_size", "vocab_size")
+    kw: dict[str, Any] = {k: _req(d, k, where, int) for k in ints}
+    for k in ("kv_bytes_per_elem", "weight_bytes_per_elem"):
+        if k in d:
+            kw[k] = _req(d, k, where, int)
+    return ModelShape(name=str(d.get("name", "model")),
+                      tied_embeddings=bool(d.get("tied_embeddings", False)), **kw)
+
+
+def _step_model(d: Any, where: str, shape: ModelShape) -> StepModel:
+    if not isinstance(d, Mapping):
+        raise ProfileError(f"{where}: expected an object")
+    kind = d.get("kind")
+    if kind == "linear":
+        c = _numbers(d, where, ("base_s", "per_token_s"),
+                     ("per_attn_s", "per_seq_s", "per_ctx_s", "per_sample_s"))
+        return LinearStepModel(**c)
+    if kind == "roofline":
+        c = _numbers(d, where, ("peak_flops", "mem_bandwidth", "mfu", "bw_efficiency",
+                                "overhead_s"), ("per_layer_overhead_s",))
+        for k in ("mfu", "bw_efficiency"):
+            if not 0 < c[k] <= 1:
+                raise ProfileError(f"{where}.{k}: must be in (0, 1], got {c[k]}")
+        for k in ("peak_flops", "mem_bandwidth"):
+            if c[k] <= 0:
+                raise ProfileError(f"{where}.{k}: must be > 0")
+        return RooflineStepModel(shape=shape, **c)
+    raise ProfileError(f"{where}.kind: expected 'linear' or 'roofline', got {kind!r}")
+
+
+def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
+    if not isinstance(data, Mapping):
+        raise ProfileError(f"{path}: a profile is a JSON object")
+    shape = _shape(data.get("model"), f"{path}: model") if "model" in data else None
+    if shape is None:
+        raise ProfileError(f"{path}: missing field 'model'")
+    sm = data.get("step_models")
+    if not isinstance(sm, Mapping) or not sm:
+        raise ProfileError(f"{path}: missing field 'step_models' (an object of step models)")
+    models = {str(k): _step_model(v, f"{path}: step_models.{k}", shape) for k, v in sm.items()}
+    roles = data.get("roles")
+    if not isinstance(roles, Mapping):
+        raise ProfileError(f"{path}: missing field 'roles' (role -> step model name)")
+    for r in ROLES:
+        if roles.get(r) not in models:
+            raise ProfileError(f"{path}: roles.{r} must name one of the step models "
+                               f"({', '.join(sorted(models))}), got {roles.get(r)!r}")
+    tr = _numbers(data.get("transfer"), f"{path}: transfer",
+                  ("bandwidth_Bps", "latency_s", "post_base_s", "post_per_desc_s"),
+                  ("per_desc_s", "setup_s"))
+    if tr["bandwidth_Bps"] <= 0:
+        raise ProfileError(f"{path}: transfer.bandwidth_Bps must be > 0")
+    ho = data.get("handoff")
+    hn = _numbers(ho, f"{path}: handoff",
+                  ("http_hop_s", "client_hop_s", "relay_s", "side_channel_s"), ("handshake_s",))
+    inst = data.get("instance")
+    if not isinstance(inst, Mapping):
+        raise ProfileError(f"{path}: missing field 'instance'")
+    limits = InstanceLimits(**{k: _req(inst, k, f"{path}: instance", int) for k in
+                               ("block_size", "num_blocks", "max_num_batched_tokens",
+                                "max_num_seqs")})
+    if min(limits.block_size, limits.num_blocks, limits.max_num_batched_tokens,
+           limits.max_num_seqs) < 1:
+        raise ProfileError(f"{path}: instance limits must all be >= 1")
+    sources = data.get("sources", {})
+    if not isinstance(sources, Mapping):
+        raise ProfileError(f"{path}: sources must be an object (figure -> source)")
+    return Profile(
+        name=str(data.get("name", Path(path).stem)),
+        description=str(data.get("description", "")),
+        model=shape, step_models=models, roles={r: str(roles[r]) for r in ROLES},
+        transfer=TransferModel(**tr),
+        handoff=HandoffModel(**hn, pull_post_on_step_loop=bool(
+            ho.get("pull_post_on_step_loop", True))),
+        instance=limits, sources={str(k): str(v) for k, v in sources.items()},
+        notes=tuple(str(n) for n in data.get("notes", ())), path=path)
+
+
+def builtin_profiles() -> list[str]:
+    """Names of the profiles shipped with kvpush (``kvpush/sim/profiles/*.json``)."""
+    folder = resources.files("kvpush.sim") / "profiles"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A profile from a JSON file, or a built-in one by name (``h200-tp8-qwen3-32b``)."""
+    p = Path(name_or_path).expanduser()
+    if not p.is_file():
+        builtin = resources.files("kvpush.sim") / "profiles" / f"{name_or_path}.json"
+        if not builtin.is_file():
+            raise ProfileError(f"no profile {str(name_or_path)!r}: not a file, and not a "
+                               f"built-in profile ({', '.join(builtin_profiles())})")
+        text, where = builtin.read_text(encoding="utf-8"), f"built-in profile {name_or_path}"
+    else:
+        try:
+            text, where = p.read_text(encoding="utf-8"), str(p)
+        except OSError as e:
+            raise ProfileError(f"cannot read profile {p}: {e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{where}: not valid JSON: {e}") from None
+    return profile_from_dict(data, where)
