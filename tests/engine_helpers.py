@@ -24,11 +24,13 @@ def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
 
 
 def run_to_completion(
-    engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams, max_steps=10_000
+    engine: LLMEngine, prompts: dict[str, list[int]],
+    params: SamplingParams | dict[str, SamplingParams], max_steps=10_000
 ) -> dict[str, list[int]]:
-    """Add every prompt at once, step until all finish; returns output tokens by id."""
+    """Add every prompt at once (``params``: for all, or by id), step until all finish;
+    returns output tokens by id."""
     for rid, p in prompts.items():
-        engine.add_request(rid, p, params)
+        engine.add_request(rid, p, params[rid] if isinstance(params, dict) else params)
     outs: dict[str, list[int]] = {rid: [] for rid in prompts}
     for _ in range(max_steps):
         if not engine.has_work():

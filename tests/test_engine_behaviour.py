@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine_helpers import (
     assert_all_blocks_free,
@@ -13,6 +14,7 @@ from engine_helpers import (
     run_to_completion,
 )
 from kvpush.engine.outputs import FinishReason, RequestError
+from kvpush.model.sampler import sample
 from kvpush.sampling_params import SamplingParams, SamplingParamsError
 from kvpush.scheduler.request import RequestState
 
@@ -130,6 +132,28 @@ def test_request_validation(tiny_llama):
         SamplingParams(temperature=-1)
     with pytest.raises(SamplingParamsError):
         SamplingParams(top_p=0)
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(temperature=float("nan"))
+    assert_all_blocks_free(engine)
+
+
+def test_degenerate_sampling_values_never_fail_a_step(tiny_llama):
+    """Temperatures too small to divide by are greedy, a top_p that float32 rounds to 0
+    keeps the top token; and should the probabilities still be NaN, the row is greedy."""
+    assert SamplingParams(temperature=1e-300).greedy
+    assert SamplingParams(top_p=5e-324).top_p == pytest.approx(1e-5)
+    engine = make_engine(tiny_llama)
+    prompts = {"tiny-t": [5, 6, 7, 8], "tiny-p": [9, 10, 11], "plain": [12, 13]}
+    params = {"tiny-t": SamplingParams(max_tokens=4, temperature=5e-324),
+              "tiny-p": SamplingParams(max_tokens=4, top_p=5e-324, seed=1),
+              "plain": greedy(4)}
+    out = run_to_completion(engine, prompts, params)
+    greedy_ref = run_to_completion(make_engine(tiny_llama), prompts, greedy(4))
+    assert out["tiny-t"] == greedy_ref["tiny-t"] and out["plain"] == greedy_ref["plain"]
+    assert out["tiny-p"] == greedy_ref["tiny-p"]  # nucleus of one token: the argmax
+    logits = torch.tensor([[0.0, float("inf"), float("nan"), 1.0]])
+    tokens, _ = sample(logits, [SamplingParams(temperature=0.7)], [None], torch.Generator())
+    assert tokens == [1]  # the row's argmax, NaN ignored: no exception, no failed step
     assert_all_blocks_free(engine)
 
 

@@ -6,7 +6,13 @@ an OpenAI-style error body naming the offending parameter.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+#: Temperatures below this sample greedily, and top_p is raised to at least this (as
+#: vLLM's _SAMPLING_EPS): logits / 1e-300 overflow to inf, and a top_p that rounds to 0
+#: in float32 masks every token; either would make the step's probabilities NaN.
+SAMPLING_EPS = 1e-5
 
 
 class SamplingParamsError(ValueError):
@@ -36,12 +42,16 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens"
             )
-        if self.temperature < 0:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise SamplingParamsError(
                 f"temperature must be >= 0, got {self.temperature}", "temperature"
             )
         if not 0 < self.top_p <= 1:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.temperature < SAMPLING_EPS:
+            object.__setattr__(self, "temperature", 0.0)
+        if self.top_p < SAMPLING_EPS:
+            object.__setattr__(self, "top_p", SAMPLING_EPS)
         if self.top_k < -1:
             raise SamplingParamsError(
                 f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}",

@@ -51,6 +51,9 @@ def sample(
         row = logits[i] / p.temperature
         row = _truncate(row, p.top_k, p.top_p)
         probs = row.softmax(-1)
+        if not bool(torch.isfinite(probs).all()):  # degenerate logits: never fail the step
+            tokens[i] = int(logits[i].nan_to_num(nan=float("-inf")).argmax())
+            continue
         gen = generators[i] or default_generator
         tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
     logprobs: list[float] | None = None
