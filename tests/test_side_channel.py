@@ -13,7 +13,7 @@ import zmq
 
 from kvpush.cluster.launcher import free_port as launcher_free_port
 from kvpush.kv_transfer.faults import FaultPlan
-from kvpush.kv_transfer.side_channel import SideChannel, hmac_signer, hmac_verifier
+from kvpush.kv_transfer.side_channel import ChannelAuth, SideChannel
 
 HOST = "127.0.0.1"
 
@@ -130,30 +130,115 @@ def test_send_to_missing_peer_never_blocks(channels):
     assert a.send("not-an-address", b"x") is False
 
 
-def test_signing_rejects_unsigned_and_wrong_signatures(channels):
-    secret = b"shared secret"
-    b = channels(signer=hmac_signer(secret), verifier=hmac_verifier(secret))
-    good = channels(signer=hmac_signer(secret), verifier=hmac_verifier(secret))
+SECRET = b"a shared secret of 32 bytes....."
+
+
+def wait_rejected(ch: SideChannel, n: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while ch.stats.rejected < n:
+        assert time.monotonic() < deadline, f"only {ch.stats.rejected} rejected"
+        assert ch.recv(20) == []
+
+
+def test_signing_rejects_unsigned_and_wrong_signatures(channels, caplog):
+    b = channels(secret=SECRET)
+    good = channels(secret=SECRET)
     unsigned = channels()
-    forged = channels(signer=hmac_signer(b"wrong secret"))
+    forged = channels(secret=b"another secret of 32 bytes......")
     assert good.send(b.address, b"ok")
     assert unsigned.send(b.address, b"nope")
     assert forged.send(b.address, b"nope either")
     assert recv_until(b, 1) == [(good.address, b"ok")]
-    deadline = time.monotonic() + 5
-    while b.stats.rejected < 2 and time.monotonic() < deadline:
-        assert b.recv(20) == []
-    assert b.stats.rejected == 2
+    wait_rejected(b, 2)
+    assert b.stats.rejected_by_reason["unsigned"] == 1
+    assert b.stats.rejected_by_reason["bad_signature"] == 1
+    # the side that can tell names the likely cause
+    text = caplog.text
+    assert "no side-channel secret configured" in text
+    assert "DIFFERENT side-channel secret" in text
+    assert SECRET.decode() not in text
     assert b.send(good.address, b"signed reply")
     assert recv_until(good, 1) == [(b.address, b"signed reply")]
+    # the unsigned peer (no secret) gets our signed messages but cannot check them;
+    # a reply it sends is refused by us
+    assert b.send(unsigned.address, b"to the unsigned one")
+    assert recv_until(unsigned, 1) == [(b.address, b"to the unsigned one")]
 
 
-def test_signature_covers_the_sender():
-    """A signature made for one sender does not verify for another."""
-    sign, verify = hmac_signer(b"k"), hmac_verifier(b"k")
-    sig = sign(b"127.0.0.1:1\nhello")
-    assert verify(b"127.0.0.1:1\nhello", sig)
-    assert not verify(b"127.0.0.1:2\nhello", sig)
+def test_signature_covers_sender_payload_and_header():
+    auth = ChannelAuth(SECRET)
+    frame = auth.seal(b"127.0.0.1:1", b"stream-1", 1, b"hello")
+    assert ChannelAuth(SECRET).check(b"127.0.0.1:1", b"hello", frame) is None
+    assert ChannelAuth(SECRET).check(b"127.0.0.1:2", b"hello", frame) == "bad_signature"
+    assert ChannelAuth(SECRET).check(b"127.0.0.1:1", b"hellO", frame) == "bad_signature"
+    tampered = frame[:12] + bytes([frame[12] ^ 1]) + frame[13:]  # the counter
+    assert ChannelAuth(SECRET).check(b"127.0.0.1:1", b"hello", tampered) == "bad_signature"
+    assert ChannelAuth(SECRET).check(b"127.0.0.1:1", b"hello", frame[:-1]) == "malformed"
+    assert ChannelAuth(SECRET).check(b"127.0.0.1:1", b"hello", None) == "unsigned"
+    assert "secret" not in repr(auth) or SECRET.decode() not in repr(auth)
+
+
+def test_replays_and_stale_messages_are_rejected():
+    now = [1000.0]
+    sender, stream = b"127.0.0.1:1", b"stream-1"
+    tx = ChannelAuth(SECRET, window_s=60, clock=lambda: now[0])
+    rx = ChannelAuth(SECRET, window_s=60, clock=lambda: now[0])
+    f1 = tx.seal(sender, stream, 1, b"one")
+    f2 = tx.seal(sender, stream, 2, b"two")
+    assert rx.check(sender, b"one", f1) is None
+    assert rx.check(sender, b"one", f1) == "replayed"
+    assert rx.check(sender, b"two", f2) is None
+    assert rx.check(sender, b"one", f1) == "replayed"  # older counter on a known stream
+    # another stream of the same sender (a restarted sender, another socket) is new
+    assert rx.check(sender, b"x", tx.seal(sender, b"stream-2", 1, b"x")) is None
+    # a message outside the window from a stream the receiver does not know: stale
+    old = tx.seal(sender, b"stream-3", 1, b"old")
+    now[0] += 61
+    assert rx.check(sender, b"old", old) == "stale"
+    # the receiver forgets idle streams, but what they sent is stale by then
+    now[0] += 62  # two windows (+1 s) since stream-1 was last seen
+    assert rx.check(sender, b"z", tx.seal(sender, b"stream-4", 1, b"z")) is None  # prunes
+    assert rx.check(sender, b"two", f2) == "stale"
+    assert (sender, stream) not in rx._streams
+
+
+def test_a_replayed_frame_on_the_wire_is_rejected(channels):
+    """Frames captured from an authentic sender and sent again by a raw socket with the
+    same routing id are refused as replays."""
+    b = channels(secret=SECRET)
+    a = channels(secret=SECRET)
+    assert a.send(b.address, b"first")
+    assert recv_until(b, 1) == [(a.address, b"first")]
+    frame = a.auth.seal(a.address.encode(), a._streams[b.address][0], 1, b"first")
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.ROUTING_ID, b"127.0.0.1:1")  # a's own id is taken by a
+    raw.connect(f"tcp://{b.address}")
+    try:
+        raw.send_multipart([b"first", frame])  # signed for a's id, sent under another
+        raw.send_multipart([b"unsigned"])
+        wait_rejected(b, 2)
+        assert b.stats.rejected_by_reason["bad_signature"] == 1
+        assert b.stats.rejected_by_reason["unsigned"] == 1
+    finally:
+        raw.close(0)
+    assert a.send(b.address, b"second")  # the authentic stream goes on
+    assert recv_until(b, 1) == [(a.address, b"second")]
+
+
+def test_delayed_messages_stay_in_order_with_signing(channels):
+    """Messages are signed when they go out, so fault-injected delays keep counters in
+    wire order (no false replays)."""
+    plan = FaultPlan()
+    plan.arm(message_delay_s=0.02)
+    a = channels(secret=SECRET, faults=plan)
+    b = channels(secret=SECRET)
+    for i in range(20):
+        assert a.send(b.address, b"%d" % i)
+    got = recv_until(b, 20, others=[a])
+    assert [p for _, p in got] == [b"%d" % i for i in range(20)]
+    assert b.stats.rejected == 0
 
 
 def test_recv_timeout_is_bounded_and_idle_costs_no_cpu(channels):

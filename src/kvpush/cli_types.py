@@ -68,3 +68,16 @@ def size(text: str) -> int:
         return parse_size(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address to bind or dial) only reaches this machine."""
+    import ipaddress
+
+    h = host.strip().strip("[]")
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False

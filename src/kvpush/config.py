@@ -185,6 +185,9 @@ class KVTransferConfig:
     lease_timeout_s: float = 15.0
     heartbeat_interval_s: float = 1.0
     load_failure_policy: Literal["fail", "recompute"] = "fail"
+    #: shared secret that signs every side-channel message (None: unsigned, for trusted
+    #: networks only); never shown in reprs or logs
+    side_channel_secret: bytes | None = field(default=None, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -202,6 +205,9 @@ class KVTransferConfig:
                 "--kv-load-failure-policy must be fail or recompute, "
                 f"got {self.load_failure_policy!r}"
             )
+        if self.side_channel_secret is not None and len(self.side_channel_secret) < 16:
+            raise ConfigError("the side-channel secret must be at least 16 bytes "
+                              "(--kv-secret-file / KVPUSH_KV_SECRET)")
         if not 0 <= self.side_channel_port < 65536:
             raise ConfigError(f"--side-channel-port out of range: {self.side_channel_port}")
         if self.heartbeat_interval_s <= 0 or self.lease_timeout_s <= self.heartbeat_interval_s:

@@ -63,7 +63,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
             "the served model's tokenizer) and OUTPUT_LEN output tokens (ignore_eos, "
             "temperature 0) with Poisson arrivals at REQUEST_RATE, measure TTFT, TPOT, ITL "
             "and end-to-end latency on the client, print vLLM's result table and write "
-            "vLLM's result JSON. Works against kvpush serve, the kvpush router and vLLM."),
+            "vLLM's result JSON. Works against kvpush serve, the kvpush router and vLLM. "
+            "A keyed endpoint gets $OPENAI_API_KEY, else $KVPUSH_API_KEY, as a bearer "
+            "token."),
         epilog=(
             "Exit status: 0 when every request completed, 1 when any failed (the JSON is "
             "still written, with each error), 2 for bad settings. Example: kvpush bench "

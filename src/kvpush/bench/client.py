@@ -253,8 +253,10 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
 
 
 def _auth_headers() -> dict[str, str]:
-    key = os.environ.get("OPENAI_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    """The bearer key for a keyed endpoint: $OPENAI_API_KEY (as `vllm bench serve`), else
+    $KVPUSH_API_KEY (what kvpush serve/router/up read)."""
+    key = os.environ.get("OPENAI_API_KEY") or os.environ.get("KVPUSH_API_KEY")
+    return {"Authorization": f"Bearer {key.strip()}"} if key and key.strip() else {}
 
 
 def request_body(config: BenchConfig, model_id: str, req: SampleRequest) -> dict[str, Any]:

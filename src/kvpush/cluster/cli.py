@@ -38,6 +38,12 @@ Exit status: 0 after a requested stop (also during start-up); 1 if a child fails
 
 Children inherit the environment, plus PYTHONUNBUFFERED=1 and, unless set,
 UCX_NET_DEVICES=lo and NIXL_LOG_LEVEL=WARN (every instance is on this host).
+
+Security: every child binds 127.0.0.1. The instances sign their side-channel messages
+with a random secret made for this cluster (KVPUSH_KV_SECRET in the children's
+environment; an existing KVPUSH_KV_SECRET is used instead). With --api-key (or
+KVPUSH_API_KEY) the router and every instance require 'Authorization: Bearer KEY'; the
+key reaches the children through their environment, never their command line or logs.
 """
 
 
@@ -92,6 +98,10 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--shuffle-free-blocks", type=int, nargs="?", const=0, metavar="SEED",
                      help="scatter every instance's KV block ids (fragmented-KV "
                           "benchmarks; see `kvpush serve --help`)")
+
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on the router and every instance "
+                        "(default: $KVPUSH_API_KEY; unset: no key)")
 
     rt = p.add_argument_group("router (passed to `kvpush router`)")
     rt.add_argument("--policy", choices=("round-robin", "least-outstanding"),
@@ -184,11 +194,22 @@ def plan_router(args: argparse.Namespace, port: int, instances: list[Child]) -> 
     return ChildSpec("router", "router", argv, port)
 
 
-def child_env() -> dict[str, str]:
+def child_env(api_key: str | None = None) -> dict[str, str]:
+    """The children's environment: ours, plus the cluster's side-channel secret (a fresh
+    random one unless KVPUSH_KV_SECRET is set) and the API key (if any)."""
+    import secrets
+
+    from kvpush.server.auth import API_KEY_ENV, KV_SECRET_ENV
+
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("UCX_NET_DEVICES", "lo")
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if not env.get(KV_SECRET_ENV, "").strip():
+        env[KV_SECRET_ENV] = secrets.token_hex(32)
+    env.pop(API_KEY_ENV, None)
+    if api_key:
+        env[API_KEY_ENV] = api_key
     return env
 
 
@@ -227,47 +248,52 @@ def _make_log_dir(args: argparse.Namespace) -> Path:
     return Path(tempfile.mkdtemp(prefix=time.strftime("up-%Y%m%d-%H%M%S-"), dir=base))
 
 
-def _describe(child: Child) -> str:
+def _describe(child: Child, headers: dict[str, str]) -> str:
     import httpx
 
     extra = ""
     if child.spec.role in ("prefill", "decode"):
         try:
-            info = httpx.get(f"{child.url}/kv/info", timeout=2).json()
+            info = httpx.get(f"{child.url}/kv/info", timeout=2, headers=headers).json()
             extra = f"  engine {info['engine_id']}, side channel {info['side_channel']}"
         except (httpx.HTTPError, ValueError, KeyError):
             pass
     return f"  {child.name:<11} {child.url}  role {child.spec.role}{extra}"
 
 
-def _served_model(child: Child) -> str | None:
+def _served_model(child: Child, headers: dict[str, str]) -> str | None:
     import httpx
 
     try:
-        return str(httpx.get(f"{child.url}/v1/models", timeout=2).json()["data"][0]["id"])
+        return str(httpx.get(f"{child.url}/v1/models", timeout=2,
+                             headers=headers).json()["data"][0]["id"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError):
         return None
 
 
 def _banner(args: argparse.Namespace, instances: list[Child], router: Child,
-            log_dir: Path, started: float) -> None:
-    model = _served_model(instances[0])
+            log_dir: Path, started: float, api_key: str | None = None) -> None:
+    from kvpush.server.auth import auth_header
+
+    headers = auth_header(api_key)
+    model = _served_model(instances[0], headers)
     body = '{%s"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}' % (
         f'"model": "{model}", ' if model else "")
     _say(f"\nkvpush up: ready in {time.monotonic() - started:.1f} s ({args.mode} mode)")
     _say(f"  endpoint    {router.url}/v1")
     for child in instances:
-        _say(_describe(child))
+        _say(_describe(child, headers))
     _say(f"  {'router':<11} {router.url}  mode {args.mode}"
          + (f", policy {args.policy}" if args.policy else ""))
     _say(f"  logs        {log_dir}")
-    _say(f"try:\n  curl -s {router.url}/v1/chat/completions -H 'Content-Type: "
+    auth = ' -H "Authorization: Bearer $KVPUSH_API_KEY"' if api_key else ""
+    _say(f"try:\n  curl -s {router.url}/v1/chat/completions{auth} -H 'Content-Type: "
          f"application/json' \\\n    -d '{body}'")
     _say("Ctrl-C or SIGTERM stops the cluster.\n")
 
 
 def _serve(sup: Supervisor, args: argparse.Namespace, model: str, port: int,
-           log_dir: Path) -> int:
+           log_dir: Path, api_key: str | None = None) -> int:
     from kvpush.cluster.launcher import ChildFailed, StopRequested, describe_exit
 
     started = time.monotonic()
@@ -293,7 +319,7 @@ def _serve(sup: Supervisor, args: argparse.Namespace, model: str, port: int,
     except StopRequested as e:
         _stop(sup, f"{e} during start-up")
         return 0
-    _banner(args, instances, router, log_dir, started)
+    _banner(args, instances, router, log_dir, started, api_key)
     dead = sup.watch()
     if dead is not None:
         _report(dead, f"{describe_exit(dead.poll() or 0)} while serving")
@@ -330,10 +356,13 @@ def run_up(args: argparse.Namespace) -> int:
     if not port_is_free(port, HOST):
         return _fail(f"port {port} on {HOST} is in use; choose another with --port "
                      "(0: a free port)")
+    from kvpush.server.auth import resolve_api_key
+
+    api_key = resolve_api_key(args.api_key)
     log_dir = _make_log_dir(args)
     signals = StopSignals().install()  # before any child exists: no window without cleanup
     try:
-        with Supervisor(log_dir, child_env(), signals, args.stop_timeout) as sup:
-            return _serve(sup, args, model, port, log_dir)
+        with Supervisor(log_dir, child_env(api_key), signals, args.stop_timeout) as sup:
+            return _serve(sup, args, model, port, log_dir, api_key)
     finally:
         signals.restore()

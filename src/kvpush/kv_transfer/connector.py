@@ -76,13 +76,17 @@ class KVConnector(PrefillSide, DecodeSide):
         self.layout = region.layout
         self.scheduler = scheduler
         self.block_size = config.cache.block_size
+        if faults is None:
+            faults = faults_from_env()
         self.transport = _make_transport(cfg.transport, cfg.engine_id, faults)
         self.transport.register_region(region.base_address, region.nbytes, config.device)
         from kvpush.kv_transfer.side_channel import SideChannel
 
         self.channel = SideChannel(
-            cfg.side_channel_host, cfg.side_channel_port, faults=faults, type_of=m.type_name
+            cfg.side_channel_host, cfg.side_channel_port, faults=faults, type_of=m.type_name,
+            secret=cfg.side_channel_secret,
         )
+        self.vocab_size = config.model.vocab_size  # bounds token #1 from a peer
         self.address = self.channel.address
         lay = self.layout
         self.hello = m.Hello(
@@ -213,6 +217,11 @@ class KVConnector(PrefillSide, DecodeSide):
             if tid in self.recvs:
                 raise RequestError(f"transfer id {tid!r} is already in use", "kv_transfer_params")
             address = f"{p['remote_host']}:{p['remote_port']}"
+            if address in self.peers:  # known peer: check the params against it now (400)
+                problem = self._peer_problem(address, p["remote_engine_id"],
+                                             p["remote_block_ids"] or [])
+                if problem:
+                    raise RequestError(f"kv_transfer_params: {problem}", "kv_transfer_params")
             recv = DecodeRecv(tid, req.request_id, self.mode, address, p["remote_engine_id"],
                               list(p["remote_block_ids"] or []))
             self.recvs[tid] = recv
@@ -361,7 +370,10 @@ class KVConnector(PrefillSide, DecodeSide):
             return
         recv = self.recvs.get(tid)
         if recv is not None:  # prefill gave up; nothing of it is in flight any more
-            if recv.state is RecvState.QUARANTINED:
+            if self._reading(recv):  # but our READ may be: its end frees the blocks
+                if recv.state is not RecvState.QUARANTINED:
+                    self._recv_failed_fenced(recv, f"aborted by prefill: {ab.reason}")
+            elif recv.state is RecvState.QUARANTINED:
                 self._end_recv(recv, ok=False)
             else:
                 self._recv_failed(recv, f"aborted by prefill: {ab.reason}")
@@ -381,7 +393,10 @@ class KVConnector(PrefillSide, DecodeSide):
             self.scheduler.pool.free(self.lent.pop(tid))
         elif tid in self.recvs:
             recv = self.recvs[tid]
-            if recv.state is RecvState.QUARANTINED:
+            if self._reading(recv):  # our READ may still land: its end frees the blocks
+                if recv.state is not RecvState.QUARANTINED:
+                    self._recv_failed_fenced(recv, "lease expired: prefill stopped answering")
+            elif recv.state is RecvState.QUARANTINED:
                 self._end_recv(recv, ok=False)
             else:
                 self._recv_failed(recv, "lease expired: prefill stopped answering")
@@ -409,6 +424,46 @@ class KVConnector(PrefillSide, DecodeSide):
         }
 
 
+#: Test-only: a JSON object of FaultPlan knobs (e.g. ``{"fail_posts": 1}``) armed in
+#: every connector of the process (``kvpush serve`` under the fault tests). Never set it in
+#: production; a process that reads it logs a warning.
+FAULTS_ENV = "KVPUSH_FAULTS"
+
+
+def faults_from_env():
+    """The FaultPlan described by $KVPUSH_FAULTS, or None when it is unset or empty."""
+    import json
+    import os
+
+    raw = os.environ.get(FAULTS_ENV, "").strip()
+    if not raw:
+        return None
+    from kvpush.kv_transfer.faults import FaultPlan
+
+    plan = FaultPlan()
+    plan.arm(**json.loads(raw))
+    log.warning("%s is set: injecting faults %s (test only)", FAULTS_ENV, raw)
+    return plan
+
+
+class _FaultyPosts:
+    """Wraps a transport that knows no FaultPlan (NIXL): ``fail_posts`` makes ``post``
+    raise TransferPostError; everything else goes to the real transport."""
+
+    def __init__(self, transport, faults) -> None:
+        self._transport, self._faults = transport, faults
+
+    def post(self, op, peer, local, remote):
+        from kvpush.kv_transfer.transport import TransferPostError
+
+        if self._faults.take_post_failure():
+            raise TransferPostError(f"injected {op} post failure ({FAULTS_ENV})")
+        return self._transport.post(op, peer, local, remote)
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
 def _make_transport(kind: str, name: str, faults):
     if kind == "inproc":
         from kvpush.kv_transfer.inproc_transport import InProcTransport
@@ -416,4 +471,5 @@ def _make_transport(kind: str, name: str, faults):
         return InProcTransport(name, faults=faults)
     from kvpush.kv_transfer.nixl_transport import NixlTransport
 
-    return NixlTransport(name)
+    transport = NixlTransport(name)
+    return transport if faults is None else _FaultyPosts(transport, faults)

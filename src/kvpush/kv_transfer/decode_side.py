@@ -9,6 +9,7 @@ push mode, or recomputing the last prompt token in pull mode.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from kvpush.kv_transfer import messages as m
@@ -17,6 +18,7 @@ from kvpush.kv_transfer.state import (
     DecodeRecv,
     RecvState,
     TransferRecord,
+    block_ids_problem,
 )
 from kvpush.kv_transfer.transport import TransferPostError
 from kvpush.scheduler.request import Request
@@ -42,6 +44,12 @@ class DecodeSide:
             if recv.address not in self.peers:
                 skipped.append(self.pending.popleft())  # handshake still going
                 continue
+            problem = self._peer_problem(recv.address, recv.remote_engine_id,
+                                         recv.remote_block_ids if recv.mode == "pull" else [])
+            if problem:
+                self.pending.popleft()
+                self._recv_failed(recv, problem)
+                continue
             req = self.scheduler.requests[recv.request_id]
             if not self.scheduler.allocate_remote(req):
                 break
@@ -49,6 +57,17 @@ class DecodeSide:
             self._allocated(recv, req)
         self.pending.extendleft(reversed(skipped))
         self._stalled = bool(self.pending)
+
+    def _peer_problem(self, address: str, engine_id: str, block_ids: list[int]) -> str | None:
+        """Why the request's kv_transfer_params do not fit the prefill instance that
+        answered at ``address`` (its engine id, role, region), or None."""
+        peer = self.peers[address]
+        if engine_id and peer.engine_id != engine_id:
+            return (f"the instance at {address} is engine {peer.engine_id!r}, not "
+                    f"remote_engine_id {engine_id!r}")
+        if peer.role != "prefill":
+            return f"the instance at {address} is a {peer.role} instance, not prefill"
+        return block_ids_problem(block_ids, peer.num_blocks, "bad remote_block_ids")
 
     def _allocated(self, recv: DecodeRecv, req: Request) -> None:
         bs = self.block_size
@@ -121,6 +140,35 @@ class DecodeSide:
         else:
             self.actions.append(("fail", recv.request_id, msg))
 
+    def _reading(self, recv: DecodeRecv) -> bool:
+        """Whether our READ for ``recv`` may still be in flight (pull, posted, not ended):
+        its bytes may still land in the request's blocks."""
+        return recv.mode == "pull" and recv.state in (RecvState.AWAITING_KV,
+                                                      RecvState.QUARANTINED)
+
+    def _recv_failed_fenced(self, recv: DecodeRecv, why: str) -> None:
+        """``_recv_failed`` for a pull whose READ is still in flight (prefill silent past
+        its lease, or gave up): the request fails (or recomputes, in fresh blocks) now,
+        but its blocks stay out of the pool until the READ ends (``read_done``: done,
+        failed, or the connection to prefill broken), so a READ that completes late —
+        a prefill that was frozen, not dead — lands in no one else's blocks."""
+        source = recv.remote_engine_id or recv.address
+        msg = f"KV transfer {recv.tid} from prefill {source} failed: {why}"
+        log.warning(msg)
+        req = self.scheduler.requests.get(recv.request_id)
+        if req is not None and recv.state is RecvState.AWAITING_KV:
+            recv.held, req.block_ids = list(req.block_ids), []
+        recv.state = RecvState.QUARANTINED
+        self.by_request.pop(recv.request_id, None)
+        self.worker.submit("untrack", recv.tid)  # counted failed when the READ ends
+        self._record(TransferRecord(recv.tid, "decode", recv.mode, False, error=why))
+        if req is None:
+            return
+        if self.cfg.load_failure_policy == "recompute":
+            self.scheduler.remote_kv_failed(recv.request_id)
+        else:
+            self.actions.append(("fail", recv.request_id, msg))
+
     def _kv_arrived(self, recv: DecodeRecv, num_computed: int,
                     first: tuple[int, float | None] | None, record: TransferRecord) -> None:
         self._end_recv(recv, ok=True)
@@ -141,6 +189,12 @@ class DecodeSide:
             return
         if not done.ok:
             self._recv_failed(recv, done.error or "prefill reported a failure")
+            return
+        lp = done.first_logprob
+        if not 0 <= done.first_token < self.vocab_size or (
+                lp is not None and not (math.isfinite(lp) and lp <= 0)):
+            self._recv_failed(recv, f"prefill sent an invalid first token "
+                                    f"{done.first_token} (logprob {lp})")
             return
         req = self.scheduler.requests.get(recv.request_id)
         record = TransferRecord(recv.tid, "decode", "push", True, done.num_bytes,

@@ -137,4 +137,10 @@ def compatibility_problems(mine: Hello, theirs: Hello) -> list[str]:
         a, b = getattr(mine, field), getattr(theirs, field)
         if a != b:
             problems.append(f"{field}: peer has {b!r}, this instance {a!r}")
+    if theirs.block_bytes != mine.block_bytes:
+        problems.append(f"block_bytes: peer has {theirs.block_bytes}, this instance "
+                        f"{mine.block_bytes}")
+    if theirs.num_blocks < 1 or theirs.layer_bytes != theirs.num_blocks * theirs.block_bytes:
+        problems.append(f"the peer announces an inconsistent KV region ({theirs.num_blocks} "
+                        f"blocks of {theirs.block_bytes} bytes, {theirs.layer_bytes} per layer)")
     return problems

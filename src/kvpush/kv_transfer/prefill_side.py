@@ -10,14 +10,22 @@ lease ends.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.state import PushSend, SendState, TransferRecord
+from kvpush.kv_transfer.state import (
+    PushSend,
+    SendState,
+    TransferRecord,
+    registration_problem,
+)
 from kvpush.scheduler.request import Request
 from kvpush.scheduler.scheduler import StepPlan
+
+log = logging.getLogger("kvpush.kv_transfer.connector")
 
 
 class PrefillSide:
@@ -26,11 +34,16 @@ class PrefillSide:
         if peer is None:  # the Hello always precedes the registration on one socket
             self._drop_send(send, f"registration from unknown decode {reg.address}")
             return
-        bad = [b for b in reg.block_ids if not 0 <= b < peer.num_blocks]
-        if bad or reg.skip_blocks < 0:
+        req = self.scheduler.requests.get(send.request_id)
+        own = send.num_prompt_tokens if send.finished else (
+            req.num_prompt_tokens if req is not None else None)
+        problem = registration_problem(reg, peer.num_blocks, self.block_size, own)
+        if problem:  # nothing is written: every block id and length is checked first
+            log.warning("transfer %s: refused decode %s's registration: %s", send.tid,
+                        reg.address, problem)
             self.worker.submit("send", reg.address, m.PushDone(
-                send.tid, ok=False, error=f"registration has invalid block ids {bad[:4]}"))
-            self._drop_send(send, "invalid registration")
+                send.tid, ok=False, error=f"invalid registration: {problem}"))
+            self._drop_send(send, f"invalid registration: {problem}")
             return
         send.reg = reg
         send.state = SendState.SENDING
@@ -38,7 +51,6 @@ class PrefillSide:
         if reg.full_hit:
             self._drop_send(send, "decode has the whole prompt cached")
             return
-        req = self.scheduler.requests.get(send.request_id)
         if send.finished:
             self._flush(send, final=True)
         elif req is not None:

@@ -26,11 +26,15 @@ dropped message is silently lost (``send`` still returns True, as on a lossy
 network); a delayed one is held in an outbox that ``send``/``recv`` flush when due.
 Message types for ``drop_messages`` come from ``type_of(payload)``.
 
-Signing (optional): ``signer(data) -> signature`` adds a frame; on receipt
-``verifier(data, signature) -> bool`` must accept it, else the message is dropped and
-counted in ``stats.rejected``. ``data`` is ``sender_address + b"\\n" + payload``, so a
-signature also vouches for the sender. :func:`hmac_signer`/:func:`hmac_verifier` do
-HMAC-SHA256 over a shared secret.
+Authentication (optional, ``secret=``): every message gets a second frame from
+:class:`ChannelAuth` (HMAC-SHA256 over the sender's address, a per-connection stream
+id, a counter, a timestamp and the payload, keyed by the shared secret). On receipt a
+message without it (``unsigned``), with a wrong MAC (``bad_signature``), with a counter
+not above the last one seen on its stream (``replayed``) or a timestamp outside the
+window (``stale``) is dropped before anyone decodes it, counted in
+``stats.rejected_by_reason`` and logged (rate-limited) with what it most likely means.
+Without a secret, messages are neither signed nor checked (trusted networks only; a
+warning is logged once when such a channel binds a non-loopback address).
 """
 
 from __future__ import annotations
@@ -40,37 +44,111 @@ import hashlib
 import heapq
 import hmac
 import itertools
+import logging
 import os
+import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
 from kvpush.kv_transfer.faults import FaultPlan
 
-Signer = Callable[[bytes], bytes]
-Verifier = Callable[[bytes, bytes], bool]
+log = logging.getLogger(__name__)
 
 MAX_BATCH = 4096  # messages returned by one recv at most
 
+#: Why an authenticating channel refused a message (``stats.rejected_by_reason`` keys).
+REJECT_REASONS = ("unsigned", "bad_signature", "replayed", "stale", "malformed")
 
-def hmac_signer(secret: bytes) -> Signer:
-    """A signer computing HMAC-SHA256 over ``data`` with ``secret``."""
+_REJECT_HINTS = {
+    "unsigned": "the peer has no side-channel secret configured while this instance has "
+                "one (--kv-secret-file / KVPUSH_KV_SECRET must be set on both)",
+    "bad_signature": "its signature does not verify: the peer uses a DIFFERENT side-channel "
+                     "secret (or the message was forged or altered)",
+    "replayed": "its counter is not above the last one seen from that sender: a replayed "
+                "or duplicated message",
+    "stale": "its timestamp is outside the accepted window: the two hosts' clocks differ "
+             "or the message was replayed",
+    "malformed": "its authentication frame is malformed",
+}
 
-    def sign(data: bytes) -> bytes:
-        return hmac.new(secret, data, hashlib.sha256).digest()
-
-    return sign
+_warned_unsigned_bind = False
 
 
-def hmac_verifier(secret: bytes) -> Verifier:
-    """A verifier accepting exactly the signatures of :func:`hmac_signer` (same secret)."""
+class ChannelAuth:
+    """Signs and checks side-channel messages with a shared secret (see module docs).
 
-    def verify(data: bytes, signature: bytes) -> bool:
-        return hmac.compare_digest(hmac.new(secret, data, hashlib.sha256).digest(), signature)
+    The auth frame is ``MAGIC | stream (8) | counter (8) | time_ms (8) | mac (32)``;
+    the MAC is HMAC-SHA256(secret, frame header | len(sender) | sender | payload).
+    Each sending socket (one per destination) is its own stream with a random id and a
+    counter starting at 1; ZMQ delivers one connection's messages in order, so the
+    receiver accepts a stream's counters only going up. A stream it has not seen (or
+    forgot) must carry a timestamp within ``window_s`` of its clock; streams idle for
+    two windows are forgotten (their old messages are stale by then).
+    """
 
-    return verify
+    MAGIC = b"KVA1"
+    HEADER = struct.Struct(">4s8sQQ")
+    SIZE = HEADER.size + 32
+
+    def __init__(self, secret: bytes, window_s: float = 60.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        if not secret:
+            raise ValueError("empty side-channel secret")
+        self._secret = secret
+        self.window_s = window_s
+        self.clock = clock
+        self._streams: dict[tuple[bytes, bytes], tuple[int, float]] = {}  # -> (last, seen)
+        self._next_prune = 0.0
+
+    def __repr__(self) -> str:  # never show the secret
+        return f"ChannelAuth(window_s={self.window_s})"
+
+    def _mac(self, header: bytes, sender: bytes, payload: bytes) -> bytes:
+        h = hmac.new(self._secret, header, hashlib.sha256)
+        h.update(len(sender).to_bytes(2, "big"))
+        h.update(sender)
+        h.update(payload)
+        return h.digest()
+
+    def seal(self, sender: bytes, stream: bytes, counter: int, payload: bytes) -> bytes:
+        """The auth frame of ``payload`` sent by ``sender`` as ``counter`` on ``stream``."""
+        header = self.HEADER.pack(self.MAGIC, stream, counter, int(self.clock() * 1000))
+        return header + self._mac(header, sender, payload)
+
+    def check(self, sender: bytes, payload: bytes, frame: bytes | None) -> str | None:
+        """None if the message is authentic and fresh (and records it), else the reason."""
+        if frame is None:
+            return "unsigned"
+        if len(frame) != self.SIZE or not frame.startswith(self.MAGIC) or len(sender) > 65535:
+            return "malformed"
+        header = frame[: self.HEADER.size]
+        if not hmac.compare_digest(self._mac(header, sender, payload), frame[-32:]):
+            return "bad_signature"
+        _, stream, counter, ms = self.HEADER.unpack(header)
+        now = self.clock()
+        key = (sender, stream)
+        last = self._streams.get(key)
+        if last is None:
+            if abs(now - ms / 1000.0) > self.window_s:
+                return "stale"
+        elif counter <= last[0]:
+            return "replayed"
+        self._streams[key] = (counter, now)
+        if now >= self._next_prune:
+            self._prune(now)
+        return None
+
+    def _prune(self, now: float) -> None:
+        self._next_prune = now + self.window_s / 2
+        # idle for two windows: anything replayed from it now is stale even if the
+        # sender's clock runs up to one window ahead of ours
+        old = [k for k, (_, seen) in self._streams.items()
+               if now - seen > 2 * self.window_s + 1]
+        for k in old:
+            del self._streams[k]
 
 
 @dataclass
@@ -80,8 +158,10 @@ class SideChannelStats:
     sent: int = 0  # accepted by send() (returned True)
     send_dropped: int = 0  # refused by ZMQ: destination queue full (peer gone or slow)
     received: int = 0  # returned by recv
-    rejected: int = 0  # unsigned or wrongly signed
+    rejected: int = 0  # refused by the authentication (all reasons)
     malformed: int = 0  # wrong number of frames
+    rejected_by_reason: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -102,16 +182,17 @@ class SideChannel:
         faults: FaultPlan | None = None,
         *,
         type_of: Callable[[bytes], str] | None = None,
-        signer: Signer | None = None,
-        verifier: Verifier | None = None,
+        secret: bytes | None = None,
         sndhwm: int = 1000,
         max_message_bytes: int = 64 << 20,
+        auth_window_s: float = 60.0,
     ):
         self.faults = faults
         self.type_of = type_of
-        self.signer = signer
-        self.verifier = verifier
+        self.auth = ChannelAuth(secret, auth_window_s) if secret else None
         self.stats = SideChannelStats()
+        self._streams: dict[str, tuple[bytes, itertools.count]] = {}  # per destination
+        self._last_log: dict[str, float] = {}  # reject reason -> when last logged
         self._sndhwm = sndhwm
         self._ctx = zmq.Context(io_threads=1)
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -129,6 +210,14 @@ class SideChannel:
         self.port = int(endpoint.rsplit(":", 1)[1])
         self.address = f"{host}:{self.port}"
         self._identity = self.address.encode()
+        if self.auth is None and not _is_loopback(host):
+            global _warned_unsigned_bind
+            if not _warned_unsigned_bind:
+                _warned_unsigned_bind = True
+                log.warning("side channel bound to %s without a shared secret: anyone who "
+                            "reaches it can register transfers and send KV messages; set "
+                            "--kv-secret-file or KVPUSH_KV_SECRET on every instance",
+                            self.address)
         self._dealers: dict[str, zmq.Socket] = {}
         self._outbox: list[tuple[float, int, str, list[bytes]]] = []  # heap by due time
         self._seq = itertools.count()
@@ -153,8 +242,6 @@ class SideChannel:
         if self._closed:
             return False
         frames = [payload]
-        if self.signer is not None:
-            frames.append(self.signer(self._identity + b"\n" + payload))
         if self.faults is not None:
             type_name = self.type_of(payload) if self.type_of is not None else ""
             if self.faults.take_message_drop(type_name):
@@ -175,6 +262,7 @@ class SideChannel:
     def forget(self, address: str) -> None:
         """Close the DEALER to ``address``, discarding messages still queued for it."""
         sock = self._dealers.pop(address, None)
+        self._streams.pop(address, None)
         if sock is not None:
             sock.close(linger=0)
 
@@ -192,7 +280,14 @@ class SideChannel:
 
     def _send_now(self, address: str, frames: list[bytes]) -> bool:
         try:
-            self._dealer(address).send_multipart(frames, flags=zmq.NOBLOCK)
+            sock = self._dealer(address)
+            if self.auth is not None:  # signed as it goes out: counters follow wire order
+                stream = self._streams.get(address)
+                if stream is None:
+                    stream = self._streams[address] = (os.urandom(8), itertools.count(1))
+                frames = [frames[0], self.auth.seal(self._identity, stream[0],
+                                                    next(stream[1]), frames[0])]
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             self.stats.send_dropped += 1
             return False
@@ -281,11 +376,12 @@ class SideChannel:
                 self.stats.malformed += 1
                 continue
             sender, payload = frames[0], frames[1]
-            if self.verifier is not None and (
-                len(frames) != 3 or not self.verifier(sender + b"\n" + payload, frames[2])
-            ):
-                self.stats.rejected += 1
-                continue
+            if self.auth is not None:
+                reason = self.auth.check(sender, payload, frames[2] if len(frames) == 3
+                                         else None)
+                if reason is not None:
+                    self._reject(sender, reason)
+                    continue
             try:
                 out.append((sender.decode(), payload))
             except UnicodeDecodeError:
@@ -293,6 +389,18 @@ class SideChannel:
                 continue
         self.stats.received += len(out)
         return out
+
+    def _reject(self, sender: bytes, reason: str) -> None:
+        self.stats.rejected += 1
+        self.stats.rejected_by_reason[reason] += 1
+        now = time.monotonic()
+        if now - self._last_log.get(reason, -1e9) < 10.0:
+            return  # at most one line per reason per 10 s: a flood must not fill the log
+        self._last_log[reason] = now
+        who = sender[:80].decode("ascii", "replace")
+        log.error("side channel %s rejected a message from %r (%s so far): %s",
+                  self.address, who, self.stats.rejected_by_reason[reason],
+                  _REJECT_HINTS[reason])
 
     # -- lifetime ---------------------------------------------------------------------
 
@@ -315,3 +423,9 @@ class SideChannel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_loopback(host: str) -> bool:
+    from kvpush.cli_types import is_loopback
+
+    return is_loopback(host)

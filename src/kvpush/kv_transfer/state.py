@@ -4,7 +4,9 @@ enums, and the checking of the wire fields a request brings (vLLM's names)."""
 from __future__ import annotations
 
 import enum
+import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpush.engine.outputs import RequestError
@@ -73,6 +75,49 @@ class TransferRecord:
     error: str | None = None
 
 
+#: Longest transfer / request id accepted from a request (the router's are 32-40 chars).
+MAX_ID_CHARS = 256
+#: Most remote_block_ids a request may carry (far above any context: a sanity bound).
+MAX_REMOTE_BLOCKS = 1 << 20
+_HOST_RE = re.compile(r"[A-Za-z0-9_.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
+
+
+def block_ids_problem(ids: Sequence[int], num_blocks: int, what: str) -> str | None:
+    """Why ``ids`` are not distinct block ids of a region of ``num_blocks``, or None."""
+    bad = [b for b in ids if isinstance(b, bool) or not isinstance(b, int)
+           or not 0 <= b < num_blocks]
+    if bad:
+        return f"{what}: block ids outside [0, {num_blocks}): {bad[:4]}"
+    if len(set(ids)) != len(ids):
+        return f"{what}: a block id listed twice"
+    return None
+
+
+def registration_problem(reg: m.PushRegister, num_blocks: int, block_size: int,
+                         own_prompt_tokens: int | None) -> str | None:
+    """Why prefill must not act on decode's registration, or None.
+
+    ``num_blocks``: decode's region as its Hello announced it; ``own_prompt_tokens``:
+    the prompt length prefill has for the request (None while unknown).
+    """
+    problem = block_ids_problem(reg.block_ids, num_blocks, "registration")
+    if problem:
+        return problem
+    if not 0 <= reg.skip_blocks <= len(reg.block_ids):
+        return (f"registration skips {reg.skip_blocks} of its {len(reg.block_ids)} "
+                "blocks")
+    if reg.num_prompt_tokens < 1:
+        return f"registration has num_prompt_tokens {reg.num_prompt_tokens}"
+    if own_prompt_tokens is not None and reg.num_prompt_tokens != own_prompt_tokens:
+        return (f"decode's prompt has {reg.num_prompt_tokens} tokens, prefill's "
+                f"{own_prompt_tokens}: the two did not tokenize the same prompt")
+    needed = -(-reg.num_prompt_tokens // block_size)
+    if not reg.full_hit and len(reg.block_ids) < needed:
+        return (f"registration has {len(reg.block_ids)} blocks; "
+                f"{reg.num_prompt_tokens} prompt tokens need {needed}")
+    return None
+
+
 def parse_kv_params(params: dict, role: str) -> dict:
     """Check the wire fields (vLLM's names) a request brings; RequestError if malformed."""
     if not isinstance(params, dict):
@@ -91,24 +136,37 @@ def parse_kv_params(params: dict, role: str) -> dict:
             )
         return v
 
+    def ident(name, required=False):
+        v = get(name, str, required)
+        if v is not None and (len(v) > MAX_ID_CHARS or not v.isprintable()):
+            raise RequestError(f"kv_transfer_params.{name} must be at most {MAX_ID_CHARS} "
+                               "printable characters", "kv_transfer_params")
+        return v
+
     out = {
         "do_remote_decode": get("do_remote_decode", bool, False, False),
         "do_remote_prefill": get("do_remote_prefill", bool, False, False),
-        "transfer_id": get("transfer_id", str, False),
+        "transfer_id": ident("transfer_id"),
     }
     if role == "decode" and out["do_remote_prefill"]:
         out["remote_host"] = get("remote_host", str)
+        if not _HOST_RE.fullmatch(out["remote_host"]):
+            raise RequestError("kv_transfer_params.remote_host must be a host name or an "
+                               "IP address", "kv_transfer_params")
         out["remote_port"] = get("remote_port", int)
         if not 0 < out["remote_port"] < 65536:
             raise RequestError("kv_transfer_params.remote_port out of range",
                                "kv_transfer_params")
-        out["remote_engine_id"] = get("remote_engine_id", str, False, "")
-        out["remote_request_id"] = get("remote_request_id", str, False)
+        out["remote_engine_id"] = ident("remote_engine_id") or ""
+        out["remote_request_id"] = ident("remote_request_id")
         blocks = get("remote_block_ids", list, False, None)
-        if blocks is not None and not all(
-            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks
-        ):
+        if blocks is not None and (len(blocks) > MAX_REMOTE_BLOCKS or not all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2**63 for b in blocks
+        )):
             raise RequestError("kv_transfer_params.remote_block_ids must be block ids",
+                               "kv_transfer_params")
+        if blocks is not None and len(set(blocks)) != len(blocks):
+            raise RequestError("kv_transfer_params.remote_block_ids lists a block twice",
                                "kv_transfer_params")
         out["remote_block_ids"] = blocks
     return out

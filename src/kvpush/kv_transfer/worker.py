@@ -93,7 +93,11 @@ class TransferWorker:
         self.writes: dict[str, WriteGroup] = {}
         self.handles: dict[int, str] = {}  # transport handle -> transfer id (writes)
         self.reads: dict[int, tuple[str, str]] = {}  # handle -> (transfer id, address)
+        # every key exists from the start: other threads read this dict (metrics)
         self.counters = {"leases_expired": 0, "transfers_failed": 0, "messages_bad": 0}
+        self._rejected = getattr(getattr(channel, "stats", None), "rejected_by_reason", {})
+        for reason in self._rejected:
+            self.counters[f"side_channel_rejected_{reason}"] = 0
         self._next_heartbeat = 0.0
         self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
         self._stopped = False
@@ -123,6 +127,8 @@ class TransferWorker:
                 timeout_ms = int(self._timeout(time.monotonic()) * 1000)
                 for _sender, payload in self.channel.recv(timeout_ms):
                     self._on_frame(payload)
+                for reason, n in self._rejected.items():
+                    self.counters[f"side_channel_rejected_{reason}"] = n
                 self._poll_transfers()
                 now = time.monotonic()
                 if now >= self._next_heartbeat:
@@ -193,7 +199,12 @@ class TransferWorker:
             log.warning("dropped a malformed side-channel frame (%d bytes)", len(payload))
             return
         handler = getattr(self, "_on_" + type(msg).__name__)
-        handler(msg)
+        try:
+            handler(msg)
+        except Exception:  # a peer's message must never kill the transfer thread
+            self.counters["messages_bad"] += 1
+            log.exception("dropped a side-channel %s that could not be handled",
+                          type(msg).__name__)
 
     def _on_Hello(self, msg: m.Hello) -> None:
         peer = self._peer(msg.address)
@@ -207,8 +218,17 @@ class TransferWorker:
             log.error(reason)
             self.post_event(("peer_refused", msg.address, reason))
             return
-        with self.transport_lock:
-            peer.agent = self.transport.add_peer(msg.agent_metadata)
+        try:
+            with self.transport_lock:
+                peer.agent = self.transport.add_peer(msg.agent_metadata)
+        except Exception as e:  # noqa: BLE001 - the peer's metadata, not our state
+            reason = f"peer {msg.engine_id} at {msg.address} sent unusable transport " \
+                     f"metadata: {e}"
+            peer.refused = reason
+            self.channel.send(msg.address, m.encode(m.HelloRefused(self.hello.engine_id, reason)))
+            log.error(reason)
+            self.post_event(("peer_refused", msg.address, reason))
+            return
         peer.hello = msg
         if not msg.reply:
             reply = m.Hello(**{**_fields(self.hello), "reply": True})
@@ -385,6 +405,11 @@ class TransferWorker:
                 peer = self.peers.get(lease.address)
                 if peer is not None and peer.ready:
                     self.channel.send(lease.address, m.encode(m.Abort(tid, "lease expired")))
+                elif peer is not None and peer.sent_hello and not peer.refused:
+                    log.error("transfer %s: no answer to the side-channel handshake from %s "
+                              "(unreachable, not a kvpush instance, or it refuses our "
+                              "messages: a different side-channel secret?)", tid,
+                              lease.address)
             self.post_event(("lease_expired", tid))
 
 

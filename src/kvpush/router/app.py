@@ -28,7 +28,10 @@ from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Pool, describe_error
 from kvpush.router.wire import relay_error
 from kvpush.server.app import MAX_BODY_BYTES, EventStreamResponse, unless_disconnected
+from kvpush.server.auth import APIKeyMiddleware, auth_header
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
+from kvpush.server.metrics import auth_rejected_counter
+from kvpush.server.openapi import install_openapi, request_body
 
 logger = logging.getLogger("kvpush.router")
 
@@ -45,6 +48,8 @@ class Router:
         self.cfg = cfg
         self.pool = Pool(cfg)
         self.metrics = RouterMetrics(self.pool)
+        self.auth_rejected = auth_rejected_counter(self.metrics.registry,
+                                                   "kvpush_router_auth_rejected")
         self.client: httpx.AsyncClient | None = None
         self.legs: Legs | None = None
         self._health: asyncio.Task | None = None
@@ -58,6 +63,7 @@ class Router:
                                 keepalive_expiry=KEEPALIVE_EXPIRY_S),
             # router -> instance traffic is internal: no proxies from the environment
             trust_env=False,
+            headers=auth_header(c.api_key),  # /kv/info, health, legs, /kv/abort
         )
 
     async def start(self, wait: bool = True) -> None:
@@ -168,12 +174,17 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
                   lifespan=lifespan, max_body_size=MAX_BODY_BYTES)
     app.state.router = router
     install_error_handlers(app)
+    if router.cfg.api_key:
+        app.add_middleware(APIKeyMiddleware, key=router.cfg.api_key,
+                           on_reject=lambda reason: router.auth_rejected.labels(reason).inc())
 
-    @app.post("/v1/completions", summary="Text completion, through prefill and decode")
+    @app.post("/v1/completions", summary="Text completion, through prefill and decode",
+              openapi_extra=request_body("CompletionRequest"))
     async def completions(request: Request) -> Response:
         return await _handle(router, request, "completion")
 
-    @app.post("/v1/chat/completions", summary="Chat completion, through prefill and decode")
+    @app.post("/v1/chat/completions", summary="Chat completion, through prefill and decode",
+              openapi_extra=request_body("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
         return await _handle(router, request, "chat")
 
@@ -215,6 +226,7 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
     async def metrics() -> Response:
         return Response(router.metrics.render(), media_type=router.metrics.content_type)
 
+    install_openapi(app)
     return app
 
 

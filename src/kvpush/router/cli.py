@@ -67,6 +67,10 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     net.add_argument("--port", type=cli_types.port, default=8000, help="TCP port (default: 8000)")
     net.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                      help="logging level; info logs one line per request (default: info)")
+    net.add_argument("--api-key", metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' from clients on every path "
+                          "but /health, and send it to the instances (default: "
+                          "$KVPUSH_API_KEY; unset: no key). Prefer the environment variable")
     t = p.add_argument_group("health and timeouts")
     t.add_argument("--health-interval", type=cli_types.seconds, default=2.0, metavar="SECONDS",
                    help="seconds between health checks (/health + /kv/info) of every "
@@ -93,13 +97,14 @@ def _fail(message: str, code: int = 2) -> int:
 def build_config(args: argparse.Namespace) -> Any:
     """The RouterConfig for parsed arguments (raises RouterConfigError)."""
     from kvpush.router.config import RouterConfig
+    from kvpush.server.auth import resolve_api_key
 
     return RouterConfig(
         mode=args.mode, prefill=tuple(args.prefill), decode=tuple(args.decode),
         policy=args.policy, fallback_local_prefill=args.fallback_local_prefill,
         health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
         startup_timeout_s=args.startup_timeout, connect_timeout_s=args.connect_timeout,
-        request_timeout_s=args.request_timeout)
+        request_timeout_s=args.request_timeout, api_key=resolve_api_key(args.api_key))
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -119,8 +124,14 @@ def run_router(args: argparse.Namespace) -> int:
 
     log = logging.getLogger("kvpush.router")
     router = Router(cfg)
-    log.info("%s router, %s, %d prefill and %d decode instances; checking them", cfg.mode,
-             cfg.policy, len(cfg.prefill), len(cfg.decode))
+    log.info("%s router, %s, %d prefill and %d decode instances%s; checking them",
+             cfg.mode, cfg.policy, len(cfg.prefill), len(cfg.decode),
+             ", API key required" if cfg.api_key else "")
+    from kvpush.cli_types import is_loopback
+
+    if cfg.api_key is None and not is_loopback(args.host):
+        log.warning("listening on %s without an API key: anyone who reaches this address "
+                    "can use the router (--api-key or KVPUSH_API_KEY)", args.host)
     try:
         started = asyncio.run(serve_forever(router, args.host, args.port, args.log_level))
     except RouterConfigError as e:

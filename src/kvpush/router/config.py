@@ -8,7 +8,7 @@ in the URL itself, ``URL@ENGINE_ID@SIDE_HOST:SIDE_PORT``, which is used only whe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -100,6 +100,9 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     #: connections to all instances together (HTTP/1.1 keep-alive pool)
     max_connections: int = 1024
+    #: clients must send ``Authorization: Bearer <api_key>``, and the router sends it to
+    #: every instance (None: no key); never shown in reprs or logs
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

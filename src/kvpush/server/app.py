@@ -28,8 +28,10 @@ from starlette.types import Receive, Scope, Send
 from kvpush.engine.outputs import EngineStats, FinishReason, RequestOutput
 from kvpush.sampling_params import SamplingParams
 from kvpush.server import chat
+from kvpush.server.auth import APIKeyMiddleware
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
 from kvpush.server.metrics import RequestTimer, ServerMetrics
+from kvpush.server.openapi import install_openapi, request_body
 from kvpush.server.protocol import (
     ChatCompletionRequest,
     ChatFormat,
@@ -319,8 +321,12 @@ class _Server:
             await self._close(gen, job.request_id)
 
 
-def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app serving ``engine``; its lifespan starts and shuts down the engine."""
+def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
+              api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``; its lifespan starts and shuts down the engine.
+
+    With ``api_key`` every path but ``/health`` needs ``Authorization: Bearer <key>``
+    (see kvpush.server.auth)."""
     server = _Server(engine)
 
     @asynccontextmanager
@@ -338,15 +344,20 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES) -> 
                   max_body_size=max_body_bytes)
     app.state.server = server
     install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, key=api_key,
+                           on_reject=server.metrics.count_auth_rejected)
     if hasattr(engine, "kv_stats"):
         server.metrics.register_kv_stats(engine.kv_stats)
         engine.set_transfer_sink(server.metrics.observe_transfer)
 
-    @app.post("/v1/completions", summary="Text completion (OpenAI legacy API)")
+    @app.post("/v1/completions", summary="Text completion (OpenAI legacy API)",
+              openapi_extra=request_body("CompletionRequest"))
     async def completions(request: Request) -> Response:
         return await server.handle(request, "completion")
 
-    @app.post("/v1/chat/completions", summary="Chat completion")
+    @app.post("/v1/chat/completions", summary="Chat completion",
+              openapi_extra=request_body("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
         return await server.handle(request, "chat")
 
@@ -369,7 +380,8 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES) -> 
             return APIError("this engine has no KV info", status_code=404).response()
         return JSONResponse(info())
 
-    @app.post("/kv/abort", summary="Release what a prefill instance holds for a transfer")
+    @app.post("/kv/abort", summary="Release what a prefill instance holds for a transfer",
+              openapi_extra=request_body("KVAbortRequest"))
     async def kv_abort(request: Request) -> Response:
         abort = getattr(engine, "abort_transfer", None)
         if abort is None or getattr(engine.config.kv_transfer, "role", "both") == "both":
@@ -390,4 +402,5 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES) -> 
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=server.metrics.content_type)
 
+    install_openapi(app)
     return app

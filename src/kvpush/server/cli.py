@@ -47,6 +47,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "model name, or the model folder's name)")
     net.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                      help="logging level (default: info)")
+    net.add_argument("--api-key", metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on every path but /health "
+                          "(default: $KVPUSH_API_KEY; unset: no key). Prefer the "
+                          "environment variable: a flag shows in the process list")
 
     mdl = p.add_argument_group("model and KV cache")
     mdl.add_argument("--max-model-len", type=int, metavar="TOKENS",
@@ -109,6 +113,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "(default: 127.0.0.1)")
     pd.add_argument("--side-channel-port", type=cli_types.port, default=0, metavar="PORT",
                     help="side-channel port (default: 0, a free port; /kv/info shows it)")
+    pd.add_argument("--kv-secret-file", metavar="PATH",
+                    help="file holding a secret (16+ bytes) shared by every prefill and "
+                         "decode instance: each side-channel message is signed with it and "
+                         "unsigned or wrongly signed ones are refused (default: "
+                         "$KVPUSH_KV_SECRET; unset: unsigned, for trusted networks only)")
     pd.add_argument("--kv-transport", choices=("nixl", "inproc"), default="nixl",
                     help=argparse.SUPPRESS)  # inproc only works within one process (tests)
     pd.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"),
@@ -147,6 +156,7 @@ def build_config(args: argparse.Namespace) -> Any:
     from kvpush.config import EngineConfig, KVTransferConfig
 
     model_dir, default_name = _resolve_model(args.model)
+    secret = getattr(args, "kv_secret", None)
     kv_transfer = KVTransferConfig(
         role=args.role,
         mode=args.kv_transfer,
@@ -157,6 +167,7 @@ def build_config(args: argparse.Namespace) -> Any:
         lease_timeout_s=args.lease_timeout,
         heartbeat_interval_s=args.heartbeat_interval,
         load_failure_policy=args.kv_load_failure_policy,
+        side_channel_secret=secret,
     )
     kwargs: dict[str, Any] = {}
     if args.block_size is not None:  # else EngineConfig's DEFAULT_BLOCK_SIZE
@@ -187,7 +198,15 @@ def run_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvpush.server")
     from kvpush.config import ConfigError
+    from kvpush.server.auth import SecretError, resolve_api_key, resolve_kv_secret
 
+    api_key = resolve_api_key(args.api_key)
+    try:
+        args.kv_secret, warning = resolve_kv_secret(args.kv_secret_file)
+    except SecretError as e:
+        return _fail(str(e))
+    if warning:
+        log.warning(warning)
     try:
         config = build_config(args)
     except ConfigError as e:
@@ -210,16 +229,21 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kvpush.server.app import build_app
 
-    app = build_app(engine)
+    app = build_app(engine, api_key=api_key)
+    if api_key is None and not cli_types.is_loopback(args.host):
+        log.warning("listening on %s without an API key: anyone who reaches this address "
+                    "can use the server (--api-key or KVPUSH_API_KEY)", args.host)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     ))
     kvt = config.kv_transfer
     if kvt.enabled:
-        log.info("role %s, %s mode, engine id %s, side channel %s", kvt.role, kvt.mode,
-                 kvt.engine_id, engine.kv_info()["side_channel"])
-    log.info("serving %r on http://%s:%d/v1", config.served_model_name, args.host, args.port)
+        log.info("role %s, %s mode, engine id %s, side channel %s (%s)", kvt.role, kvt.mode,
+                 kvt.engine_id, engine.kv_info()["side_channel"],
+                 "messages signed" if kvt.side_channel_secret else "unsigned")
+    log.info("serving %r on http://%s:%d/v1%s", config.served_model_name, args.host,
+             args.port, " (API key required)" if api_key else "")
     server.run()
     # uvicorn returns normally on Ctrl-C; a failed bind or startup leaves started False.
     return 0 if server.started else 1

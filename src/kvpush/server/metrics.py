@@ -109,6 +109,15 @@ class _TransferCollector(Collector):
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(st.get(key, 0)))
+        rejected = CounterMetricFamily(
+            "kvpush_kv_side_channel_rejected", "Side-channel messages refused by the "
+            "shared-secret check (unsigned, bad_signature, replayed, stale, malformed)",
+            labels=["reason"])
+        prefix = "worker_side_channel_rejected_"
+        for key, value in st.items():
+            if key.startswith(prefix):
+                rejected.add_metric([key[len(prefix):]], float(value))
+        yield rejected
         gauges = {
             "kvpush_kv_sends_in_flight": ("Prefill-side transfers in flight", "sends_in_flight"),
             "kvpush_kv_recvs_in_flight": ("Decode-side transfers in flight", "recvs_in_flight"),
@@ -123,6 +132,15 @@ TRANSFER_S_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0
                       0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TRANSFER_BYTES_BUCKETS = tuple(float(1 << k) for k in range(12, 34, 2))  # 4 KiB .. 8 GiB
 TRANSFER_DESC_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
+
+
+def auth_rejected_counter(registry: CollectorRegistry, name: str) -> Counter:
+    """``<name>_total{reason=missing|invalid}``: HTTP requests refused for their API key."""
+    c = Counter(name, "HTTP requests refused with 401: API key missing or invalid",
+                ["reason"], registry=registry)
+    for reason in ("missing", "invalid"):
+        c.labels(reason)
+    return c
 
 
 class ServerMetrics:
@@ -154,6 +172,7 @@ class ServerMetrics:
         self.generation_tokens = Counter("kvpush_generation_tokens", "Generated tokens",
                                          registry=r)
         r.register(_EngineCollector(stats, healthy))
+        self.auth_rejected = auth_rejected_counter(r, "kvpush_http_auth_rejected")
         labels = ["role", "mode", "outcome"]
         self.kv_transfer_s = Histogram(
             "kvpush_kv_transfer_seconds", "Time of one KV transfer: prefill, first WRITE post "
@@ -181,6 +200,9 @@ class ServerMetrics:
 
     def count(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
+
+    def count_auth_rejected(self, reason: str) -> None:
+        self.auth_rejected.labels(reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
