@@ -11,7 +11,7 @@ export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: venv model demo test test-all lint bench-engine clean
+.PHONY: venv model demo test test-all test-faults soak lint bench-engine clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,17 @@ test: venv
 ## Everything, slow suites included.
 test-all: venv
 	$(PY) -m pytest -q -m ''
+
+## The fault matrix (docs/RELIABILITY.md): P, D and router on network-namespace hosts,
+## processes killed, clients gone, leases, injected failures, a disturbed and a
+## rate-limited link. Needs root (ip netns, tc); skipped with the reason otherwise.
+test-faults: venv
+	$(PY) -m pytest -q -m faults tests/faults
+
+## Soak (benchmarks/SOAK.md): thousands of requests through `kvpush bench` against a
+## `kvpush up` cluster; no failures, no leaked blocks, flat resident memory.
+soak: venv
+	$(PY) benchmarks/soak.py --modes push,pull
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -263,8 +263,11 @@ class Legs:
                 return result
             except BaseException:
                 # client gone, or decode's leg failed without an answer: the KV has no
-                # destination, so prefill's leg goes too
+                # destination, so prefill's leg goes too, and what prefill already holds
+                # for it (a finished leg waiting for a registration that will not come)
+                # is released now rather than at the end of its lease
                 p_task.cancel()
+                self._abort_transfer(p, tid)
                 await _cancel(d_task)
                 await self.close_upstream(job)
                 raise

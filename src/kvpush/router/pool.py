@@ -6,7 +6,8 @@ Every instance is checked at start-up and every ``health_interval_s`` after:
 the router uses it for (kvpush instances); an instance whose ``/kv/info`` answers 404
 (vLLM) is taken on the operator's word, with the identity given in its URL spec. An
 instance that fails a check, or on which a request hits a connection error, leaves the
-rotation at once; the next check that passes brings it back, with its identity read
+rotation at once (but for one check in a row that only timed out: a busy instance, not
+a dead one); the next check that passes brings it back, with its identity read
 again (a restarted instance has a new engine id and side-channel port).
 
 All state is touched from the event loop only, so picks need no lock.
@@ -26,6 +27,9 @@ import httpx
 from kvpush.router.config import Identity, InstanceSpec, RouterConfig, RouterConfigError
 
 logger = logging.getLogger("kvpush.router")
+
+#: health checks in a row that may time out before an instance in rotation leaves it
+SLOW_CHECKS_TOLERATED = 1
 
 
 class RouterStartupError(RuntimeError):
@@ -52,6 +56,8 @@ class Instance:
     #: before the failure cannot put it back in rotation on stale evidence
     epoch: int = 0
     checked_at: float = field(default=0.0)
+    #: health checks in a row that timed out while the instance was in rotation
+    slow_checks: int = 0
 
     @property
     def url(self) -> str:
@@ -199,8 +205,20 @@ class Pool:
                     self._down(inst, "/kv/info did not answer a JSON object")
                     return
         except (httpx.HTTPError, ValueError) as e:
+            if (isinstance(e, httpx.TimeoutException) and inst.healthy
+                    and inst.epoch == epoch and inst.slow_checks < SLOW_CHECKS_TOLERATED):
+                # A busy instance may answer a check late (its event loop shares the
+                # CPU with the engine); one such check alone does not take it out of
+                # rotation. A refused connection, a bad answer or a failed request
+                # still does, at once.
+                inst.slow_checks += 1
+                logger.warning("%s instance %s (%s) slow to answer a health check (%s); "
+                               "kept in rotation", inst.role, inst.url, inst.engine_id,
+                               describe_error(e))
+                return
             self._down(inst, f"not answering: {describe_error(e)}")
             return
+        inst.slow_checks = 0
         inst.checked_at = time.monotonic()
         bad = self.verify(inst, info)
         if bad is not None:
@@ -224,6 +242,7 @@ class Pool:
                         inst.engine_id)
 
     def _down(self, inst: Instance, why: str, quiet: bool = False) -> None:
+        inst.slow_checks = 0
         inst.checked_at = time.monotonic()
         inst.last_error = why
         if inst.healthy:
