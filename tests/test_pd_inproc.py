@@ -209,7 +209,7 @@ def test_prefill_abort_fails_decode(pd):
     _assert_clean(pd)
 
 
-@pytest.mark.parametrize("pd", ["push"], indirect=True)
+@pytest.mark.parametrize("pd", [("push", {"prefix_hit_tail": "decode"})], indirect=True)
 def test_decode_prefix_hit_trims_the_write(pd, tiny_qwen3):
     shared = random_prompts([96], seed=30)[0]
     first, second = shared + [9, 9, 9], shared + list(range(100, 120))
@@ -226,8 +226,8 @@ def test_decode_prefix_hit_trims_the_write(pd, tiny_qwen3):
     # 'a' sent 7 blocks (99 tokens); 'b' (116) only the 2 blocks after the 6 shared ones
     assert bytes_b * 7 == bytes_a * 2
     assert pd.d.stats().prefix_cache_hit_tokens == 96
-    # a full hit (every full block cached): decode computes the 3-token tail itself and
-    # prefill stops without writing
+    # a full hit (every full block cached), --prefix-hit-tail decode: decode computes the
+    # 3-token tail itself and prefill stops without writing
     n_records = len(pd.p.connector.records)
     pd.submit("c", list(first), greedy(3))
     pd.run()
@@ -245,6 +245,26 @@ def test_decode_prefix_hit_trims_the_write(pd, tiny_qwen3):
         pd.send_prefill("e", list(first), greedy(3))
     pd.run()
     assert pd.d_legs["e"].tokens == pd.d_legs["a"].tokens
+    _assert_clean(pd)
+
+
+@pytest.mark.parametrize("pd", ["push"], indirect=True)
+def test_full_prefix_hit_tail_comes_from_prefill_by_default(pd, tiny_qwen3):
+    """Decode holds every full block: prefill computes the tail and writes only that
+    block with token #1; decode's step loop computes nothing but decode steps."""
+    first = random_prompts([99], seed=31)[0]
+    pd.submit("a", first, greedy(3))
+    pd.run()
+    pd.settle()
+    bytes_a = pd.p.connector.records[-1].num_bytes  # 7 blocks
+    pd.submit("c", list(first), greedy(3))
+    pd.run()
+    assert pd.d_legs["c"].tokens == pd.d_legs["a"].tokens
+    assert pd.p_legs["c"].finish_reason is FinishReason.LENGTH
+    pd.settle()
+    rec = pd.p.connector.records[-1]
+    assert rec.ok and rec.num_bytes * 7 == bytes_a  # the tail block, nothing more
+    assert pd.d.stats().prefix_cache_hit_tokens == 96
     _assert_clean(pd)
 
 

@@ -185,6 +185,12 @@ class KVTransferConfig:
     lease_timeout_s: float = 15.0
     heartbeat_interval_s: float = 1.0
     load_failure_policy: Literal["fail", "recompute"] = "fail"
+    #: push, decode side: who computes the uncached tail of a prompt whose every full
+    #: block decode already holds. "prefill" (default): prefill computes it (its own
+    #: prefix cache usually holds the rest) and writes only the tail block, so decode's
+    #: step loop stays pure decode; "decode": decode computes it itself and prefill's leg
+    #: is dropped (faster first token when prefill lacks the prefix; slower decode steps)
+    prefix_hit_tail: Literal["prefill", "decode"] = "prefill"
     #: shared secret that signs every side-channel message (None: unsigned, for trusted
     #: networks only); never shown in reprs or logs
     side_channel_secret: bytes | None = field(default=None, repr=False)
@@ -205,6 +211,9 @@ class KVTransferConfig:
                 "--kv-load-failure-policy must be fail or recompute, "
                 f"got {self.load_failure_policy!r}"
             )
+        if self.prefix_hit_tail not in ("prefill", "decode"):
+            raise ConfigError("--prefix-hit-tail must be prefill or decode, "
+                              f"got {self.prefix_hit_tail!r}")
         if self.side_channel_secret is not None and len(self.side_channel_secret) < 16:
             raise ConfigError("the side-channel secret must be at least 16 bytes "
                               "(--kv-secret-file / KVPUSH_KV_SECRET)")

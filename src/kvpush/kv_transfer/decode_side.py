@@ -75,7 +75,10 @@ class DecodeSide:
         hit = req.num_computed_tokens
         skip = hit // bs
         if recv.mode == "push":
-            full_hit = skip > 0 and skip == (n - 1) // bs
+            # decode holds every full block prefill could send: compute the tail here
+            # only when configured to (else prefill writes just the tail block)
+            full_hit = (self.cfg.prefix_hit_tail == "decode" and skip > 0
+                        and skip == (n - 1) // bs)
             recv.register = m.PushRegister(
                 recv.tid, self.engine_id, self.address, list(req.block_ids), skip, n, full_hit)
             recv.registered_at = time.monotonic()

@@ -124,6 +124,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                     default="fail",
                     help="decode side, when the KV does not arrive: fail the request with "
                          "a clear error (default) or prefill it locally")
+    pd.add_argument("--prefix-hit-tail", choices=("prefill", "decode"), default="prefill",
+                    help="push, decode side, when decode's prefix cache holds every full "
+                         "block of the prompt: prefill computes the short uncached tail and "
+                         "writes just that block (default; decode's steps stay pure "
+                         "decode), or decode computes it itself and prefill's leg is "
+                         "dropped (first token sooner when prefill lacks the prefix, "
+                         "slower decode steps for the others)")
     pd.add_argument("--lease-timeout", type=float, default=15.0, metavar="SECONDS",
                     help="blocks held for a transfer are freed when the peer has not been "
                          "heard from for this long (default: 15)")
@@ -167,6 +174,7 @@ def build_config(args: argparse.Namespace) -> Any:
         lease_timeout_s=args.lease_timeout,
         heartbeat_interval_s=args.heartbeat_interval,
         load_failure_policy=args.kv_load_failure_policy,
+        prefix_hit_tail=args.prefix_hit_tail,
         side_channel_secret=secret,
     )
     kwargs: dict[str, Any] = {}
