@@ -104,6 +104,7 @@ class CompareConfig:
     kv_cache_memory: str | None = None
     block_size: int | None = None
     shuffle_free_blocks: int | None = None
+    prefix_hit_tail: str | None = None
     dtype: str | None = None
     #: the vllm executable for vllm-* modes (default: $VLLM_BIN, PATH, this Python)
     vllm_bin: str | None = None
@@ -162,7 +163,7 @@ def _up_args(cfg: CompareConfig, spec: ModeSpec) -> argparse.Namespace:
         decode=None if colocated else cfg.decode, threads=threads,
         max_model_len=cfg.max_model_len, kv_cache_memory=cfg.kv_cache_memory,
         block_size=cfg.block_size, dtype=cfg.dtype, policy=None, health_interval=None,
-        shuffle_free_blocks=cfg.shuffle_free_blocks)
+        shuffle_free_blocks=cfg.shuffle_free_blocks, prefix_hit_tail=cfg.prefix_hit_tail)
 
 
 class Cluster:
@@ -507,6 +508,8 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--dtype", metavar="DTYPE")
     eng.add_argument("--shuffle-free-blocks", type=int, nargs="?", const=0, metavar="SEED",
                      help="scatter block ids on every instance (fragmented-KV workload)")
+    eng.add_argument("--prefix-hit-tail", choices=("prefill", "decode"),
+                     help="push: who computes a prefix-hit tail (see kvpush serve --help)")
     vl = p.add_argument_group("vLLM peers (modes vllm-*)")
     vl.add_argument("--vllm-bin", metavar="PATH",
                     help="the vllm executable (default: $VLLM_BIN, vllm on PATH, or this "
@@ -538,7 +541,8 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         repeats=args.repeats, warmup=args.warmup, prefill=args.prefill, decode=args.decode,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size, dtype=args.dtype, run_timeout=args.run_timeout,
-        shuffle_free_blocks=args.shuffle_free_blocks, vllm_bin=args.vllm_bin,
+        shuffle_free_blocks=args.shuffle_free_blocks, prefix_hit_tail=args.prefix_hit_tail,
+        vllm_bin=args.vllm_bin,
         vllm_dtype=args.vllm_dtype, request_timeout=args.request_timeout,
         startup_timeout=args.startup_timeout,
         time_limit=args.time_limit, label=args.label, progress=args.progress)

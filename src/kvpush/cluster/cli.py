@@ -98,6 +98,9 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--shuffle-free-blocks", type=int, nargs="?", const=0, metavar="SEED",
                      help="scatter every instance's KV block ids (fragmented-KV "
                           "benchmarks; see `kvpush serve --help`)")
+    eng.add_argument("--prefix-hit-tail", choices=("prefill", "decode"),
+                     help="push: who computes the tail when decode holds every full block "
+                          "of a prompt (see `kvpush serve --help`; default: prefill)")
 
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on the router and every instance "
@@ -138,6 +141,8 @@ def serve_argv(args: argparse.Namespace, model: str, role: str, port: int,
             "--port", str(port), "--role", role, "--threads", str(threads)]
     if role != "both":
         argv += ["--kv-transfer", args.mode]
+        if args.prefix_hit_tail is not None:
+            argv += ["--prefix-hit-tail", args.prefix_hit_tail]
     for flag, value in (("--max-model-len", args.max_model_len),
                         ("--kv-cache-memory", args.kv_cache_memory),
                         ("--block-size", args.block_size), ("--dtype", args.dtype),
