@@ -87,7 +87,10 @@ def validate(profile_path: Path, scale: float = 1.0,
                 role = "colocated" if mode == "colocated" else None
                 over = (("colocated", f"threads={threads}"),) if role else (
                     ("prefill", f"threads={threads}"), ("decode", f"threads={threads}"))
-                sim = simulate(prof, w, ClusterConfig(mode, cfg["prefill"], cfg["decode"],
+                # bench compare runs colocated as ONE `role both` instance (its runs say
+                # "instances": "1 both"); P/D as cfg prefill + cfg decode instances
+                size = (0, 1) if mode == "colocated" else (cfg["prefill"], cfg["decode"])
+                sim = simulate(prof, w, ClusterConfig(mode, *size,
                                                       step_models=over)).summary()
                 row = {"workload": name, "mode": label, "rate": rate_text,
                        "n": cell["completed"]}
@@ -206,6 +209,7 @@ def main() -> int:
             "Latencies in ms; err = (sim - measured) / measured; **x** = outside "
             f"{TOLERANCE:.0%}. Command: `.venv/bin/python benchmarks/sim_validate.py"
             f"{' --calibrate' if args.calibrate else ''}"
+            f"{'' if args.profile == DEFAULT_PROFILE else f' --profile {shown}'}"
             f"{'' if args.marker == 'sim_validate' else ' --workloads ' + args.workloads}"
             f"{'' if args.marker == 'sim_validate' else ' --marker ' + args.marker}`.\n\n"
             "#### A. The calibrated profile as it is (a pure prediction)\n\n"

@@ -229,6 +229,140 @@ def test_builtin_gpu_profiles_have_sources():
         assert p.model.kv_bytes_per_token == 64 * 8 * 128 * 2 * 2
 
 
+# ----------------------------------------------------------- step model and mixed steps
+GEMM = {"kind": "linear", "base_s": 0.010, "per_token_s": 0.0001, "per_seq_s": 0.0005,
+        # 1 row: GEMV; 2+ rows: GEMM at about twice the cost, then ~0.5 ms per row
+        "token_rows_s": [[1, 0.006], [2, 0.012], [4, 0.013], [64, 0.043]],
+        "sample_rows_s": [[1, 0.003], [2, 0.006], [8, 0.007]]}
+
+
+def test_row_tables_interpolate_and_extend():
+    from kvpush.sim.profile import interp
+
+    t = ((1.0, 0.006), (2.0, 0.012), (4.0, 0.013), (64.0, 0.043))
+    assert interp(t, 0) == 0.0
+    assert interp(t, 1) == pytest.approx(0.006)
+    assert interp(t, 3) == pytest.approx(0.0125)
+    assert interp(t, 34) == pytest.approx(0.028)
+    assert interp(t, 124) == pytest.approx(0.073)  # the last segment's slope
+    assert interp(((4.0, 0.008),), 2) == pytest.approx(0.004)  # pro rata below the first
+    assert interp((), 10) == 0.0
+
+
+def test_tabled_step_model_decode_batch_of_two_costs_a_gemm():
+    m = prof(step_models={"s": GEMM}).step_model("decode")
+    one_row = m.step_time([(1, 100)])
+    two_rows = m.step_time([(1, 100), (1, 100)])
+    three_rows = m.step_time([(1, 100), (1, 100), (1, 100)])
+    assert one_row == pytest.approx(0.010 + 0.0001 + 0.0005 + 0.006 + 0.003)
+    # 1 -> 2 rows: GEMV -> GEMM (+6 ms projections, +3 ms LM head); 2 -> 3 adds little
+    assert two_rows - one_row == pytest.approx(0.0001 + 0.0005 + 0.006 + 0.003)
+    assert three_rows - two_rows == pytest.approx(0.0001 + 0.0005 + 0.0005 + 0.001 / 6)
+    # a prefill chunk that does not end its prompt samples nothing: no LM head
+    assert m.step_time([(64, 0, False)]) == pytest.approx(0.010 + 0.0064 + 0.0005 + 0.043)
+    assert m.step_time([(64, 0, True)]) - m.step_time([(64, 0, False)]) == pytest.approx(0.003)
+
+
+def test_first_decode_fills_the_dense_decode_cache():
+    """kvpush copies a request's context into DecodeKVCache the first step it decodes
+    (after its prefill, or after its KV arrived on D); later decodes only append."""
+    fill = dict(GEMM, per_fill_s=1e-5)
+    p = prof(step_models={"s": fill})
+    m = p.step_model("decode")
+    assert m.step_time([(1, 512, True, False)]) - m.step_time([(1, 512, True, True)]) == \
+        pytest.approx(512e-5)
+    assert m.step_time([(1, 512)]) == m.step_time([(1, 512, True, True)])  # default: no fill
+    res, steps = _colocated_steps(p, Workload(1, 1.0, 256, 4))
+    assert [c for c, _, _ in steps] == [[(256, 0, True, False)], [(1, 256, True, False)],
+                                        [(1, 257, True, True)], [(1, 258, True, True)]]
+    r = res.requests[0]
+    gaps = [y - x for x, y in zip(r.token_times, r.token_times[1:])]
+    assert gaps[0] - gaps[1] == pytest.approx(256e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("bad", [[[0, 0.1]], [[2, 0.1], [1, 0.2]], [[1, -0.1]], "x",
+                                 [[1, 0.1, 3]]])
+def test_row_table_errors_name_the_field(bad):
+    d = copy.deepcopy(BASE)
+    d["step_models"]["s"]["token_rows_s"] = bad
+    with pytest.raises(ProfileError, match="token_rows_s"):
+        profile_from_dict(d, "x.json")
+
+
+def _colocated_steps(p, w):
+    """Run a colocated instance and record every step: (plan as chunks, t0, t1)."""
+    import simpy
+
+    from kvpush.sim.engine import EngineSim
+
+    steps = []
+    orig = EngineSim.__init__
+
+    def init(self, *a, **k):
+        orig(self, *a, **k)
+        self.step_hook = lambda plan, t0, t1: steps.append((self.chunks(plan), t0, t1))
+
+    EngineSim.__init__ = init  # type: ignore[method-assign]
+    try:
+        res = simulate(p, w, ClusterConfig("colocated", 0, 1))
+    finally:
+        EngineSim.__init__ = orig  # type: ignore[method-assign]
+    assert simpy  # imported for the engine
+    return res, steps
+
+
+def test_mixed_step_lasts_what_the_step_model_says_and_decodes_wait_for_it():
+    """Two 512-token prompts at once on one colocated instance, token budget 300: steps
+    [A 300], [A 212 + B 88], [A decode + B 299], [A decode + B 125], then decodes. A's
+    first decodes share a step with B's chunks and wait for the whole chunk (running
+    requests first, then the rest of the budget, as kvpush's scheduler does)."""
+    p = prof(step_models={"s": GEMM}, instance__max_num_batched_tokens=300)
+    m = p.step_model("colocated")
+    res, steps = _colocated_steps(p, Workload(2, math.inf, 512, 8, seed=0))
+    for chunks, t0, t1 in steps:
+        assert t1 - t0 == pytest.approx(m.step_time(chunks), abs=1e-12)
+    # (tokens, context, samples?, decode row already in the dense decode cache?)
+    assert [c for c, _, _ in steps[:4]] == [
+        [(300, 0, False, False)], [(212, 300, True, False), (88, 0, False, False)],
+        [(1, 512, True, False), (299, 88, False, False)],
+        [(1, 513, True, True), (125, 387, True, False)]]
+    first, second = sorted(res.requests, key=lambda r: r.token_times[0])
+    gaps = [y - x for x, y in zip(first.token_times, first.token_times[1:])]
+    # A's 2nd and 3rd tokens came out of the mixed steps, after the whole chunk
+    assert gaps[0] == pytest.approx(steps[2][2] - steps[2][1], abs=1e-12)
+    assert gaps[1] == pytest.approx(steps[3][2] - steps[3][1], abs=1e-12)
+    assert gaps[0] > 5 * gaps[-1]  # vs a decode step of two rows at the end
+    assert first.done and second.done
+
+
+def test_corun_slowdown_applies_only_while_a_neighbour_is_mid_step():
+    import simpy
+
+    from kvpush.sim.engine import EngineSim, Job, JobKind
+    from kvpush.sim.workload import SimRequest
+
+    p = prof(host={"corun_slowdown": 1.5})
+    assert p.corun_slowdown == 1.5 and prof().corun_slowdown == 1.0
+    env = simpy.Environment()
+    m = p.step_model("prefill")
+    a, b = (EngineSim(env, n, "prefill", m, p.instance) for n in "ab")
+    for e in (a, b):
+        e.host, e.corun_slowdown = [a, b], p.corun_slowdown
+    done: dict[str, float] = {}
+
+    def job(name: str, prompt: int) -> Job:
+        return Job(SimRequest(rid=0, arrival=0.0, prompt_len=prompt, output_len=1),
+                   JobKind.PREFILL_ONLY, 1, on_finish=lambda _j, t: done.setdefault(name, t))
+
+    a.submit(lambda: a.add(job("a", 256)))  # a starts first, alone: its own time
+    env.timeout(0.001).callbacks.append(lambda _e: b.submit(lambda: b.add(job("b", 64))))
+    env.run()
+    assert done["a"] == pytest.approx(m.step_time([(256, 0)]))
+    assert done["b"] == pytest.approx(0.001 + 1.5 * m.step_time([(64, 0)]))
+    with pytest.raises(ProfileError, match="corun_slowdown"):
+        prof(host={"corun_slowdown": 0.5})
+
+
 # ---------------------------------------------------------------------------- CLI
 def test_cli_help(capsys):
     from kvpush.cli import main
@@ -276,5 +410,10 @@ def test_calibrate_quick_on_tiny_model(tiny_llama, tmp_path):
     m = p.step_model("prefill")
     assert 0 < m.step_time([(1, 10)]) < m.step_time([(64, 0)]) * 10
     assert p.model.num_layers >= 1 and p.roles["colocated"] == "threads=1"
+    data = json.loads(out.read_text())
+    sm = data["step_models"]["threads=1"]
+    assert [r for r, _ in sm["token_rows_s"]][:3] == [1, 2, 3]
+    assert all(t > 0 for _, t in sm["token_rows_s"] + sm["sample_rows_s"])
+    assert data["measured"]["step_samples"]["threads=1"]
     r = simulate(p, Workload(3, 50.0, 32, 3), ClusterConfig("push")).requests
     assert all(x.done for x in r)

@@ -7,6 +7,12 @@ Prefill samples use a set token budget (chunks of n tokens at contexts 0, n, 2n.
 decode samples run B requests of C prompt tokens each. A ``linear`` step model is fitted
 per torch thread count by non-negative least squares on relative error. The transfer
 link comes from :mod:`kvpush.sim.transfer_probe` (real NIXL between two processes).
+
+Before the fit, the engine's own matmuls (its ``linear`` on one layer's real weights,
+times the number of layers, and the LM head) are timed for 1..1024 token rows: CPU
+torch runs a 1-row matmul as GEMV and 2+ rows as GEMM at about twice the cost, a step
+the linear terms cannot express. Those tables go into the step model (``token_rows_s``,
+``sample_rows_s``) and the linear terms are fitted to what remains.
 """
 
 from __future__ import annotations
@@ -21,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.sim.profile import Chunk, LinearStepModel, step_features
+from kvpush.sim.profile import Chunk, LinearStepModel, fill_tokens, step_features
 
 #: The features fitted (see :func:`kvpush.sim.profile.step_features`); per_sample is not
 #: separable from per_seq (every chunk here samples) and stays 0.
-FIT_FIELDS = ("base_s", "per_token_s", "per_attn_s", "per_seq_s", "per_ctx_s")
+FIT_FIELDS = ("base_s", "per_token_s", "per_attn_s", "per_seq_s", "per_ctx_s", "per_fill_s")
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,9 @@ class CalibrationPlan:
     #: (batch, prompt tokens, new prompt tokens): decode steps of a batch into which a new
     #: prompt arrives (mixed prefill + decode steps, as colocated instances run them).
     mixed: tuple[tuple[int, int, int], ...] = ((2, 128, 512), (4, 256, 1024))
+    #: measure the slowdown beside a busy neighbour engine (host.corun_slowdown); off
+    #: by default: on this shared VM it measured 1.0, 2.1 and 1.7 within two minutes
+    corun: bool = False
 
     @classmethod
     def quick(cls) -> CalibrationPlan:
@@ -47,7 +56,54 @@ class CalibrationPlan:
 
 
 Sample = tuple[list[Chunk], float]
+Tables = dict[str, list[list[float]]]
 CLOCKS = ("auto", "wall", "cpu")
+#: token rows at which the projections and the LM head are timed
+TOKEN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256, 512, 1024)
+SAMPLE_ROWS = (1, 2, 3, 4, 6, 8, 16, 32, 64)
+
+
+def measure_matmuls(model: Any, token_rows: Sequence[int] = TOKEN_ROWS,
+                    sample_rows: Sequence[int] = SAMPLE_ROWS,
+                    budget_s: float = 0.04, clock: str = "wall") -> Tables:
+    """Best-of-several time of the model's projections (one layer's qkv, o, gate_up and
+    down through the engine's own ``linear``, times the number of layers) for each
+    number of token rows, and of its LM head for each number of sampled rows."""
+    import torch
+
+    now = time.thread_time if clock == "cpu" else time.perf_counter
+    lin, layer, cfg = model.linear, model.layers[0], model.cfg
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+
+    def best(fn: Callable[[], Any]) -> float:
+        fn()
+        out, n, t0 = float("inf"), 0, time.perf_counter()
+        while n < 3 or (time.perf_counter() - t0 < budget_s and n < 50):
+            a = now()
+            fn()
+            out = min(out, now() - a)
+            n += 1
+        return out
+
+    tok: list[list[float]] = []
+    smp: list[list[float]] = []
+    with torch.inference_mode():
+        for m in token_rows:
+            x = torch.randn(m, h, dtype=model.dtype)
+            xq = torch.randn(m, model.q_size, dtype=model.dtype)
+            xi = torch.randn(m, inter, dtype=model.dtype)
+
+            def layer_fn(x=x, xq=xq, xi=xi) -> None:
+                lin(x, layer.qkv, layer.qkv_bias)
+                lin(xq, layer.o, layer.o_bias)
+                lin(x, layer.gate_up, layer.gate_up_bias)
+                lin(xi, layer.down, layer.down_bias)
+
+            tok.append([m, best(layer_fn) * len(model.layers)])
+        for m in sample_rows:
+            x = torch.randn(m, h, dtype=model.dtype)
+            smp.append([m, best(lambda x=x: lin(x, model.lm_head))])
+    return {"token_rows_s": tok, "sample_rows_s": smp}
 
 
 def choose_clock(clock: str) -> str:
@@ -64,7 +120,8 @@ def choose_clock(clock: str) -> str:
 
 def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
                   block_size: int = 32, clock: str = "wall",
-                  log: Callable[[str], None] = print) -> list[Sample]:
+                  log: Callable[[str], None] = print,
+                  tables: Tables | None = None) -> list[Sample]:
     """Run ``plan`` through a fresh LLMEngine with ``threads`` torch threads. ``clock``:
     ``wall`` (time.perf_counter) or ``cpu`` (CPU time of the thread that steps: what the
     step would take on dedicated cores, as that thread is busy, or spinning at the
@@ -81,8 +138,10 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
     cfg = EngineConfig.build(model_dir, threads=threads, block_size=block_size,
                              max_model_len=max_len, enable_prefix_caching=False,
                              max_num_batched_tokens=max(1024, longest), max_num_seqs=64,
-                             kv_cache_memory=256 << 20)
+                             kv_cache_memory=1 << 30)
     eng = LLMEngine(cfg)
+    if tables is not None:  # the engine's own matmuls, timed before anything else runs
+        tables.update(measure_matmuls(eng.runner.model, clock=clock))
     vocab = cfg.model.vocab_size
     gen = torch.Generator().manual_seed(0)
     samples: list[Sample] = []
@@ -114,6 +173,7 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
         for n in prompts:
             add(n)
         steps_done = 0
+        decoded: dict[str, int] = {}  # request -> position it decoded at, last step
         while eng.has_work():
             captured.clear()
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -125,11 +185,22 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
             if later and steps_done == later[0][0]:
                 add(later.pop(0)[1])
             if record and captured and captured[-1].chunks:
-                chunks = [(len(c.token_ids), c.start_pos) for c in captured[-1].chunks]
+                chunks = [(len(c.token_ids), c.start_pos, c.sample,
+                           len(c.token_ids) == 1
+                           and decoded.get(c.request_id) == c.start_pos - 1)
+                          for c in captured[-1].chunks]
                 samples.append((chunks, dt))
+            if captured:
+                decoded = {c.request_id: c.start_pos for c in captured[-1].chunks
+                           if len(c.token_ids) == 1}
 
     try:
-        run([64], 2, 1024, record=False)  # warm-up: first-step allocations, kernels
+        # warm-up: first-step allocations and kernels, and the dense decode cache sized
+        # once for the longest request (1 GiB region: room for every batch of the plan),
+        # so that a first decode costs its copy only, as in a serving engine's steady
+        # state, not a reallocation of the whole buffer
+        run([64], 2, 1024, record=False)
+        run([longest], 3, max(1024, longest), record=False)
         for chunk, prompt in plan.prefill:
             t0 = time.perf_counter()
             run([prompt], 1, chunk, record=True)
@@ -149,6 +220,72 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
     finally:
         eng.shutdown()
     return samples
+
+
+_CORUNNER = """
+import sys, torch
+from kvpush.config import EngineConfig
+from kvpush.engine.llm_engine import LLMEngine
+from kvpush.sampling_params import SamplingParams
+cfg = EngineConfig.build(sys.argv[1], threads=1, block_size=32, max_model_len=1100,
+                         enable_prefix_caching=False, max_num_seqs=64,
+                         kv_cache_memory=256 << 20)
+eng = LLMEngine(cfg)
+p = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+g = torch.Generator().manual_seed(1)
+n = 0
+while True:
+    while eng.scheduler.num_running + eng.scheduler.num_waiting < 2:
+        ids = torch.randint(0, cfg.model.vocab_size, (512,), generator=g).tolist()
+        eng.add_request(f"co{n}", ids, p)
+        n += 1
+    eng.step()
+    if n == 4:
+        print("ready", flush=True)
+"""
+
+#: what is re-measured with and without a busy neighbour: 512-token prefill steps and
+#: decode steps of two requests at 512 tokens
+CORUN_PLAN = CalibrationPlan(prefill=((512, 512), (512, 512)), decode=((2, 512),),
+                             decode_steps=6, threads=(1,), mixed=())
+
+
+def measure_corun(model_dir: str | Path, clock: str = "wall",
+                  log: Callable[[str], None] = print) -> dict[str, float]:
+    """How much slower a 1-thread engine steps while another 1-thread engine process on
+    this host serves 512-in / 16-out requests two at a time (as the other instance of a
+    1P1D pair does): the ratio of step times with and without it, for prefill and for
+    decode steps, and their geometric mean (``corun_slowdown``)."""
+    import math
+    import subprocess
+    import sys
+
+    def split(samples: list[Sample]) -> tuple[float, float]:
+        pre = sum(dt for ch, dt in samples if any(c[0] > 1 for c in ch))
+        dec = sum(dt for ch, dt in samples if all(c[0] == 1 for c in ch))
+        return pre, dec
+
+    def run() -> tuple[float, float]:
+        return split(measure_steps(model_dir, 1, CORUN_PLAN, clock=clock, log=lambda _m: None))
+
+    before = run()
+    proc = subprocess.Popen([sys.executable, "-c", _CORUNNER, str(model_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        if proc.stdout is None or proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the co-running engine did not start")
+        busy = run()
+    finally:
+        proc.kill()
+        proc.wait()
+    after = run()  # alone before and after: the mean cancels drift and warm-up
+    pre = 2 * busy[0] / (before[0] + after[0])
+    dec = 2 * busy[1] / (before[1] + after[1])
+    f = max(1.0, math.sqrt(pre * dec))
+    log(f"[calibrate] with a busy neighbour engine: prefill steps x{pre:.2f}, decode steps "
+        f"x{dec:.2f} -> corun_slowdown {f:.2f}")
+    return {"prefill_ratio": round(pre, 3), "decode_ratio": round(dec, 3),
+            "corun_slowdown": round(f, 3)}
 
 
 def nnls_fit(rows: Sequence[Sequence[float]], targets: Sequence[float],
@@ -174,17 +311,22 @@ def nnls_fit(rows: Sequence[Sequence[float]], targets: Sequence[float],
     return coef.tolist()
 
 
-def fit_linear(samples: Sequence[Sample]) -> tuple[LinearStepModel, dict[str, float]]:
-    """The step model and its fit quality (median / max relative error)."""
+def fit_linear(samples: Sequence[Sample], tables: Tables | None = None
+               ) -> tuple[LinearStepModel, dict[str, float]]:
+    """The step model and its fit quality (median / max relative error). With ``tables``
+    (:func:`measure_matmuls`), the linear terms are fitted to what the tables leave."""
     if len(samples) < len(FIT_FIELDS):
         raise ValueError(f"need at least {len(FIT_FIELDS)} samples to fit, got {len(samples)}")
-    rows, ys = [], []
+    tab = {k: tuple((float(r), float(v)) for r, v in pts) for k, pts in (tables or {}).items()}
+    zero = LinearStepModel(0.0, 0.0, **tab)
+    rows, ys, ws = [], [], []
     for chunks, dt in samples:
         t, a, s, c, _ = step_features(chunks)
-        rows.append([1.0, t, a, s, c])
-        ys.append(dt)
-    coef = nnls_fit(rows, ys, [1.0 / y for y in ys])
-    model = LinearStepModel(**dict(zip(FIT_FIELDS, coef)))
+        rows.append([1.0, t, a, s, c, fill_tokens(chunks)])
+        ys.append(dt - zero.tabled_time(chunks))
+        ws.append(1.0 / dt)  # relative error on the whole step
+    coef = nnls_fit(rows, ys, ws)
+    model = LinearStepModel(**dict(zip(FIT_FIELDS, coef)), **tab)
     errs = sorted(abs(model.step_time(ch) - dt) / dt for ch, dt in samples)
     return model, {"median_rel_err": errs[len(errs) // 2], "max_rel_err": errs[-1],
                    "samples": float(len(samples))}
@@ -210,7 +352,8 @@ def load_avg() -> str:
 
 def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
               transfer: bool = True, note: str = "", clock: str = "auto",
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+              log: Callable[[str], None] = print,
+              matmul_tables: bool = True) -> dict[str, Any]:
     """Measure and write a profile; returns its dict."""
     from kvpush.models.registry import DEFAULT_MODEL, resolve_model
 
@@ -222,12 +365,25 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
     log(f"[calibrate] load average {load_before} on {os.cpu_count()} cpus: {clock} clock")
     step_models: dict[str, Any] = {}
     fits: dict[str, Any] = {}
+    samples_out: dict[str, Any] = {}
     for th in plan.threads:
-        samples = measure_steps(model_dir, th, plan, clock=clock, log=log)
-        m, quality = fit_linear(samples)
+        tables: Tables = {}
+        samples = measure_steps(model_dir, th, plan, clock=clock, log=log,
+                                tables=tables if matmul_tables else None)
+        m, quality = fit_linear(samples, tables)
         step_models[f"threads={th}"] = {"kind": "linear", **dataclasses.asdict(m)}
         fits[f"threads={th}"] = quality
+        # every step measured ([[tokens, context, sampled], ...], seconds): a refit of
+        # another step model needs no new run
+        samples_out[f"threads={th}"] = [[[list(ch) for ch in chunks], round(dt, 6)]
+                                        for chunks, dt in samples]
         log(f"[calibrate] threads={th}: {m} (median rel. err {quality['median_rel_err']:.1%})")
+    corun_info: dict[str, float] = {}
+    if plan.corun:
+        try:
+            corun_info = measure_corun(model_dir, clock=clock, log=log)
+        except (RuntimeError, OSError, ZeroDivisionError) as e:
+            log(f"[calibrate] co-run probe failed ({e}); corun_slowdown 1")
     one = f"threads={plan.threads[0]}"
     two = f"threads={plan.threads[-1]}"
     if transfer:
@@ -246,14 +402,22 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                      "wall_s": round(time.time() - started, 1), "cpus": os.cpu_count(),
                      "load_avg_before": load_before, "load_avg_after": load_avg(),
                      "clock": clock,
-                     "fits": fits, "transfer_samples": tr_rows, "plan": dataclasses.asdict(plan)},
+                     "fits": fits, "transfer_samples": tr_rows, "plan": dataclasses.asdict(plan),
+                     "step_samples": samples_out, "corun": corun_info},
         "notes": [n for n in (note,) if n] + [
             f"Step times are {'wall' if clock == 'wall' else 'stepping-thread CPU'} times of "
             "LLMEngine.step() (scheduling, forward, sampling, detokenization), one engine "
             "per thread count, fitted by non-negative least squares on relative error."
+            + (" token_rows_s / sample_rows_s: the engine's own projections (all layers) "
+               "and LM head timed per number of rows (1-row GEMV vs 2+-row GEMM); the "
+               "linear terms are fitted to the rest." if matmul_tables else "")
             + (" CPU time was used because the machine was loaded: it estimates dedicated "
                "cores (the stepping thread is busy, or spins at barriers, for a whole step)."
                if clock == "cpu" else ""),
+            "host.corun_slowdown: a 1-thread engine's step time with another 1-thread "
+            "engine process serving 512/16 requests beside it, over without (geometric "
+            "mean of prefill and decode steps); the simulator applies it to a step that "
+            "starts while another instance is mid-step.",
             "roles: P/D instances use 1 torch thread each and colocated uses all (as "
             "`kvpush bench compare` does on 2 cores).",
             "The HTTP front, SSE streaming and the router are not in the step times; their "
@@ -270,6 +434,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                        "channel one-way ~12 us (PLATFORM.md: 25 us round trip)",
         },
         "model": shape,
+        "host": {"corun_slowdown": corun_info.get("corun_slowdown", 1.0)},
         "step_models": step_models,
         "roles": {"prefill": one, "decode": one, "colocated": two},
         "transfer": tr,

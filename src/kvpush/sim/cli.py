@@ -82,6 +82,10 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
                    help="time steps by wall clock or by the stepping thread's CPU time "
                         "(auto: CPU time when the load average exceeds the cores)")
+    c.add_argument("--corun", action="store_true",
+                   help="also measure host.corun_slowdown (a 1-thread engine's steps beside "
+                        "a busy neighbour engine process); off by default because on a "
+                        "shared VM it varies from run to run (docs/SIMULATOR.md)")
     c.set_defaults(func=_calibrate)
 
     pl = sub.add_parser("plan", help="smallest xPyD split and mode meeting latency targets")
@@ -151,7 +155,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     plan = CalibrationPlan.quick() if args.quick else CalibrationPlan()
     if not args.quick:
-        plan = dataclasses.replace(plan, threads=tuple(args.threads))
+        plan = dataclasses.replace(plan, threads=tuple(args.threads), corun=args.corun)
     calibrate(args.model, args.out, plan, transfer=args.transfer, note=args.note,
               clock=args.clock)
     return 0

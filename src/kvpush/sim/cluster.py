@@ -179,6 +179,9 @@ def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> Sim
             env.timeout(forward).callbacks.append(lambda _e: (hand.push_prefill_leg(xf),
                                                               hand.push_decode_leg(xf)))
 
+    for e in engines:  # every instance of a run shares the profile's host
+        e.host, e.corun_slowdown = engines, profile.corun_slowdown
+
     def arrivals():
         for req in reqs:
             if req.arrival > env.now:

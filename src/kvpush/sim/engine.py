@@ -6,8 +6,10 @@ schedules like :class:`kvpush.scheduler.scheduler.Scheduler`: running requests f
 (chunked prefill or one decode token each) under the token budget, then waiting ones in
 arrival order while budget, sequence slots and free blocks last, with the prefix cache
 consulted on admission (the last prompt token is always computed). A step lasts what the
-profile's step model says for its chunks, plus any work posted onto the step loop
-(pull's READ post in vLLM).
+profile's step model says for its chunks (times the profile's ``corun_slowdown`` when
+another instance of the same host is mid-step as it starts: CPU instances share cores,
+caches and memory bandwidth), plus any work posted onto the step loop (pull's READ post
+in vLLM).
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ class EngineSim:
         self.steps = 0
         self.preemptions = 0
         self.step_hook: Callable[[list[tuple[Job, int]], float, float], None] | None = None
+        #: the instances sharing this one's host, and how much slower a step runs when
+        #: one of them is mid-step as it starts (1.0: dedicated hardware)
+        self.host: list[EngineSim] = [self]
+        self.corun_slowdown = 1.0
+        self.busy_until = 0.0
+        self._decoded: set[int] = set()  # ids of the jobs that decoded in the last step
         self._wake = env.event()
         env.process(self._loop())
 
@@ -192,6 +200,18 @@ class EngineSim:
             budget -= new
         return plan
 
+    def corun_busy(self) -> bool:
+        """Whether another instance on this host is mid-step now."""
+        return any(e is not self and e.busy_until > self.env.now for e in self.host)
+
+    def chunks(self, plan: list[tuple[Job, int]]) -> list[tuple[int, int, bool, bool]]:
+        """The step model's view of a plan: (new tokens, context, samples a token?, KV in
+        the dense decode cache?). A chunk samples when it reaches the end of what is known
+        (the prompt's last token, or a decode), as ``ScheduledChunk.sample`` does; a
+        decode row's KV is in ``DecodeKVCache`` only if it decoded in the step before."""
+        return [(n, j.computed, j.computed + n >= j.num_tokens,
+                 n == 1 and id(j) in self._decoded) for j, n in plan]
+
     def _preempt(self, job: Job) -> None:
         """Preemption by recompute: free its blocks, back to the head of the queue."""
         self.release(job.owned)
@@ -216,13 +236,18 @@ class EngineSim:
                 self._wake = env.event()
                 yield self._wake
                 continue
-            dt = self.model.step_time([(n, j.computed) for j, n in plan]) + self.stall
+            dt = self.model.step_time(self.chunks(plan))
+            if self.corun_slowdown != 1.0 and self.corun_busy():
+                dt *= self.corun_slowdown
+            dt += self.stall
             self.stall = 0.0
             t0 = env.now
+            self.busy_until = t0 + dt
             if self.step_hook is not None:
                 self.step_hook(plan, t0, t0 + dt)
             self.steps += 1
             self.busy_time += dt
+            self._decoded = {id(j) for j, n in plan if n == 1}
             yield env.timeout(dt)
             self._complete(plan)
 

@@ -9,9 +9,16 @@ latencies and the instance limits. Everything is validated on load; a bad file r
 Two step models:
 
 * ``linear`` (fitted by ``kvpush simulate calibrate``): ``t = base + per_token * T +
-  per_attn * A + per_seq * S + per_ctx * C + per_sample * N`` with ``T`` new tokens, ``A``
-  the attention pairs ``sum n * (c + (n + 1) / 2)``, ``S`` sequences, ``C`` the context the
-  decode rows read ``sum (c + n)`` and ``N`` the sampled rows.
+  per_attn * A + per_seq * S + per_ctx * C + per_sample * N + G(T) + H(N)`` with ``T``
+  new tokens, ``A`` the attention pairs ``sum n * (c + (n + 1) / 2)``, ``S`` sequences,
+  ``C`` the context the decode rows read ``sum (c + n)`` and ``N`` the sampled rows.
+  ``G`` and ``H`` are optional measured tables (rows -> seconds, interpolated) of the
+  model's matmuls: all layers' projections over ``T`` token rows, and the LM head over
+  ``N`` rows; ``per_fill * F`` charges the context ``F`` of decode rows that enter
+  kvpush's dense decode cache (a request's first decode). They carry what a linear term
+  cannot: on CPU torch a 1-row matmul runs a
+  GEMV kernel and 2+ rows a GEMM one that costs about twice as much (a decode batch of 2
+  is ~1.6x a batch of 1, then each further row adds little).
 * ``roofline`` (GPU profiles from public figures): ``max(FLOPs / (peak * mfu), bytes /
   (bandwidth * bw_efficiency)) + overhead`` with FLOPs and bytes from the model's shape.
 """
@@ -26,8 +33,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
-#: A chunk of one step: (new tokens, tokens already in the context before them).
-Chunk = tuple[int, int]
+#: A chunk of one step: (new tokens, tokens already in the context before them), and
+#: optionally whether it samples a token (ends its prompt, or decodes; default True) and,
+#: for a decode row, whether its KV is already in the engine's dense decode cache
+#: (it decoded in the step before; default True: no fill).
+Chunk = tuple[int, int] | tuple[int, int, bool] | tuple[int, int, bool, bool]
+#: A measured cost table: ((rows, seconds), ...), rows ascending.
+RowTable = tuple[tuple[float, float], ...]
 ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")
 
 
@@ -75,16 +87,44 @@ class StepModel(Protocol):
 
 
 def step_features(chunks: Sequence[Chunk]) -> tuple[float, float, float, float, float]:
-    """(T, A, S, C, N) of a step; see the module docstring. Every chunk samples one row
-    when it ends a prompt or decodes; here every chunk counts as sampled (upper bound)."""
-    t = a = c = 0.0
-    for n, ctx in chunks:
+    """(T, A, S, C, N) of a step; see the module docstring. A chunk samples one row when
+    it ends a prompt or decodes; a chunk given without its flag counts as sampled."""
+    t = a = c = smp = 0.0
+    for ch in chunks:
+        n, ctx = ch[0], ch[1]
         t += n
         a += n * (ctx + (n + 1) / 2)
         if n == 1:
             c += ctx + 1
-    s = float(len(chunks))
-    return t, a, s, c, s
+        if len(ch) < 3 or ch[2]:  # type: ignore[misc]
+            smp += 1
+    return t, a, float(len(chunks)), c, smp
+
+
+def fill_tokens(chunks: Sequence[Chunk]) -> float:
+    """Context tokens copied into kvpush's dense decode cache (``DecodeKVCache``) this
+    step: a decode row that did not decode in the step before has its whole context
+    gathered from the paged KV region first."""
+    return float(sum(ch[1] for ch in chunks
+                     if ch[0] == 1 and len(ch) >= 4 and not ch[3]))  # type: ignore[misc]
+
+
+def interp(table: RowTable, x: float) -> float:
+    """``table`` at ``x`` rows: 0 at 0 rows, linear between the measured points (and from
+    (0, 0) to the first), extended with the last segment's slope beyond the last."""
+    if not table or x <= 0:
+        return 0.0
+    px, py = 0.0, 0.0
+    for i, (rx, ry) in enumerate(table):
+        if x <= rx:
+            if i == 0:
+                return ry if x >= rx else ry * x / rx  # below the first point: pro rata
+            return py + (ry - py) * (x - px) / (rx - px)
+        px, py = rx, ry
+    if len(table) == 1:
+        return py * x / px
+    (ax, ay), (bx, by) = table[-2], table[-1]
+    return by + (by - ay) / (bx - ax) * (x - bx)
 
 
 @dataclass(frozen=True)
@@ -95,17 +135,30 @@ class LinearStepModel:
     per_seq_s: float = 0.0
     per_ctx_s: float = 0.0
     per_sample_s: float = 0.0
+    #: per context token copied into the dense decode cache (a request's first decode)
+    per_fill_s: float = 0.0
+    #: measured matmul time of all layers' projections for T token rows (G above)
+    token_rows_s: RowTable = ()
+    #: measured LM-head time for N sampled rows (H above)
+    sample_rows_s: RowTable = ()
 
     def coefficients(self) -> tuple[float, ...]:
         return (self.base_s, self.per_token_s, self.per_attn_s, self.per_seq_s,
                 self.per_ctx_s, self.per_sample_s)
+
+    def tabled_time(self, chunks: Sequence[Chunk]) -> float:
+        """The part of a step's time given by the measured matmul tables."""
+        t, _, _, _, n = step_features(chunks)
+        return interp(self.token_rows_s, t) + interp(self.sample_rows_s, n)
 
     def step_time(self, chunks: Sequence[Chunk]) -> float:
         if not chunks:
             return 0.0
         t, a, s, c, n = step_features(chunks)
         return (self.base_s + self.per_token_s * t + self.per_attn_s * a + self.per_seq_s * s
-                + self.per_ctx_s * c + self.per_sample_s * n)
+                + self.per_ctx_s * c + self.per_sample_s * n
+                + self.per_fill_s * fill_tokens(chunks)
+                + interp(self.token_rows_s, t) + interp(self.sample_rows_s, n))
 
 
 @dataclass(frozen=True)
@@ -125,7 +178,7 @@ class RooflineStepModel:
         return 2.0 * s.num_layers * s.layer_params * t + attn + 2.0 * s.lm_head_params * n
 
     def bytes_moved(self, chunks: Sequence[Chunk]) -> float:
-        kv = sum((ctx + n) for n, ctx in chunks) * self.shape.kv_bytes_per_token
+        kv = sum((ch[1] + ch[0]) for ch in chunks) * self.shape.kv_bytes_per_token
         return self.shape.weight_bytes + kv
 
     def step_time(self, chunks: Sequence[Chunk]) -> float:
@@ -201,6 +254,9 @@ class Profile:
     sources: Mapping[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     path: str = ""
+    #: instances share one host (CPU profiles): a step that starts while another
+    #: instance is mid-step takes this many times longer (measured by calibrate)
+    corun_slowdown: float = 1.0
 
     def scaled(self, factor: float) -> Profile:
         """This profile with every step model's times multiplied by ``factor``."""
@@ -256,14 +312,31 @@ def _shape(d: Any, where: str) -> ModelShape:
                       tied_embeddings=bool(d.get("tied_embeddings", False)), **kw)
 
 
+def _row_table(v: Any, where: str) -> RowTable:
+    """``[[rows, seconds], ...]`` with rows > 0 strictly ascending and seconds >= 0."""
+    if not isinstance(v, Sequence) or isinstance(v, str):
+        raise ProfileError(f"{where}: expected a list of [rows, seconds] pairs")
+    out: list[tuple[float, float]] = []
+    for p in v:
+        ok = (isinstance(p, Sequence) and not isinstance(p, str) and len(p) == 2
+              and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in p))
+        if not ok or p[0] <= 0 or p[1] < 0 or (out and p[0] <= out[-1][0]):
+            raise ProfileError(f"{where}: bad point {p!r} (need [rows > 0, seconds >= 0], "
+                               "rows ascending)")
+        out.append((float(p[0]), float(p[1])))
+    return tuple(out)
+
+
 def _step_model(d: Any, where: str, shape: ModelShape) -> StepModel:
     if not isinstance(d, Mapping):
         raise ProfileError(f"{where}: expected an object")
     kind = d.get("kind")
     if kind == "linear":
         c = _numbers(d, where, ("base_s", "per_token_s"),
-                     ("per_attn_s", "per_seq_s", "per_ctx_s", "per_sample_s"))
-        return LinearStepModel(**c)
+                     ("per_attn_s", "per_seq_s", "per_ctx_s", "per_sample_s", "per_fill_s"))
+        tables = {k: _row_table(d[k], f"{where}.{k}") for k in ("token_rows_s",
+                                                                 "sample_rows_s") if k in d}
+        return LinearStepModel(**c, **tables)
     if kind == "roofline":
         c = _numbers(d, where, ("peak_flops", "mem_bandwidth", "mfu", "bw_efficiency",
                                 "overhead_s"), ("per_layer_overhead_s",))
@@ -311,6 +384,12 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
     if min(limits.block_size, limits.num_blocks, limits.max_num_batched_tokens,
            limits.max_num_seqs) < 1:
         raise ProfileError(f"{path}: instance limits must all be >= 1")
+    host = data.get("host", {})
+    if not isinstance(host, Mapping):
+        raise ProfileError(f"{path}: host must be an object")
+    corun = float(_req(host, "corun_slowdown", f"{path}: host")) if host else 1.0
+    if corun < 1.0:
+        raise ProfileError(f"{path}: host.corun_slowdown must be >= 1, got {corun}")
     sources = data.get("sources", {})
     if not isinstance(sources, Mapping):
         raise ProfileError(f"{path}: sources must be an object (figure -> source)")
@@ -322,7 +401,8 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
         handoff=HandoffModel(**hn, pull_post_on_step_loop=bool(
             ho.get("pull_post_on_step_loop", True))),
         instance=limits, sources={str(k): str(v) for k, v in sources.items()},
-        notes=tuple(str(n) for n in data.get("notes", ())), path=path)
+        notes=tuple(str(n) for n in data.get("notes", ())), path=path,
+        corun_slowdown=corun)
 
 
 def builtin_profiles() -> list[str]:
