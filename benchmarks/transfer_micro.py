@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import random
 import statistics
@@ -47,82 +46,19 @@ SHAPES = {
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _region(shape: tuple, tokens: int):
-    import torch
-
-    layers, heads, dim, dtype, _ = shape
-    t = torch.empty((layers, tokens // BLOCK, 2, BLOCK, heads, dim),
-                    dtype=getattr(torch, dtype))
-    t.view(torch.uint8).fill_(1)  # fault the pages in before timing anything
-    return t
-
-
-def _layout(t):
-    from kvpush.kv_cache.kv_region import LAYOUT_NAME, KVLayout
-
-    layers, blocks, _, bs, heads, dim = t.shape
-    block_bytes = 2 * bs * heads * dim * t.element_size()
-    return KVLayout(LAYOUT_NAME, layers, blocks, bs, heads, dim, str(t.dtype), block_bytes,
-                    blocks * block_bytes)
-
-
-def _peer_main(conn, shape: tuple, tokens: int) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    from kvpush.kv_transfer.nixl_transport import NixlTransport
-
-    kv = _region(shape, tokens)
-    tr = NixlTransport("micro-peer")
-    tr.register_region(kv.data_ptr(), kv.numel() * kv.element_size())
-    conn.send(tr.metadata())
-    while not conn.poll(0.001):  # progress until the initiator is connected
-        tr.progress()
-    conn.recv()
-    conn.recv()  # block (no CPU) until told to stop
-    tr.close()
-
-
-def _wait(tr, h: int, timeout: float = 60.0) -> None:
-    from kvpush.kv_transfer.transport import XferState
-
-    deadline = time.monotonic() + timeout
-    while (st := tr.state(h)) is XferState.PENDING:
-        if time.monotonic() > deadline:
-            raise TimeoutError("transfer did not complete")
-    if st is not XferState.DONE:
-        raise RuntimeError(f"transfer ended {st}")
-    tr.release(h)
-
-
 def bench_shape(name: str, shape: tuple, token_counts: list[int], iters: int,
                 seed: int) -> list[dict]:
     import torch
 
-    from kvpush.kv_transfer.nixl_transport import NixlTransport
-    from kvpush.kv_transfer.transport import layer_block_descs
+    from kvpush.kv_transfer.loopback import LoopbackPair, kv_region
 
-    torch.set_num_threads(1)
-    max_tokens = max(token_counts)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    peer = ctx.Process(target=_peer_main, args=(child, shape, max_tokens), daemon=True)
-    peer.start()
+    layers, heads, dim, dtype, _ = shape
     rows: list[dict] = []
-    tr = None
-    try:
-        kv = _region(shape, max_tokens)
-        dst = _region(shape, max_tokens)
-        layout = _layout(kv)
-        tr = NixlTransport("micro-init")
-        tr.register_region(kv.data_ptr(), kv.numel() * kv.element_size())
-        if not parent.poll(120):
-            raise TimeoutError("peer did not start")
-        peer_name = tr.add_peer(parent.recv())
-        remote_base = tr._peers[peer_name].region.base  # noqa: SLF001 (bench only)
-        lo, ro = layer_block_descs(kv.data_ptr(), layout, [0], remote_base, layout, [0], [0])
-        _wait(tr, tr.post("WRITE", peer_name, lo, ro))  # wire-up, peer progressing
-        parent.send("connected")
+    with LoopbackPair(layers=layers, heads=heads, head_dim=dim, dtype=dtype,
+                      blocks=max(token_counts) // BLOCK, block_size=BLOCK,
+                      name="micro") as pair:
+        kv, layout = pair.kv, pair.layout
+        dst = kv_region(layers, layout.num_blocks, heads, dim, dtype, BLOCK)
         rng = random.Random(seed)
         for tokens in token_counts:
             nb = tokens // BLOCK
@@ -134,24 +70,16 @@ def bench_shape(name: str, shape: tuple, token_counts: list[int], iters: int,
                     lb = rng.sample(range(layout.num_blocks), nb)
                     rb = rng.sample(range(layout.num_blocks), nb)
                 t0 = time.perf_counter()
-                local, remote = layer_block_descs(kv.data_ptr(), layout, lb, remote_base,
-                                                  layout, rb, range(layout.num_layers))
+                local, remote = pair.descs(lb, rb)
                 build_s = time.perf_counter() - t0
                 row = {"shape": name, "tokens": tokens, "bytes": nbytes, "pattern": pattern,
                        "descs": len(local), "build_ms": build_s * 1e3}
                 for op in ("WRITE", "READ"):
-                    posts, totals = [], []
-                    for _ in range(iters):
-                        t0 = time.perf_counter()
-                        h = tr.post(op, peer_name, local, remote)
-                        t1 = time.perf_counter()
-                        _wait(tr, h)
-                        posts.append(t1 - t0)
-                        totals.append(time.perf_counter() - t0)
+                    post_s, total_s = pair.time(op, local, remote, iters)
                     key = "push_write" if op == "WRITE" else "pull_read"
-                    row[f"{key}_post_ms"] = statistics.median(posts) * 1e3
-                    row[f"{key}_ms"] = statistics.median(totals) * 1e3
-                    row[f"{key}_GBps"] = nbytes / statistics.median(totals) / 1e9
+                    row[f"{key}_post_ms"] = post_s * 1e3
+                    row[f"{key}_ms"] = total_s * 1e3
+                    row[f"{key}_GBps"] = nbytes / total_s / 1e9
                 li = torch.tensor(lb)
                 ri = torch.tensor(rb)
                 times = []
@@ -166,15 +94,6 @@ def bench_shape(name: str, shape: tuple, token_counts: list[int], iters: int,
                 row["memcpy_GBps"] = nbytes / statistics.median(times) / 1e9
                 rows.append(row)
                 print(_fmt_row(row), flush=True)
-    finally:
-        if tr is not None:
-            tr.close()
-        if peer.is_alive():
-            parent.send("stop")
-            peer.join(10)
-        if peer.is_alive():
-            peer.kill()
-            peer.join(5)
     return rows
 
 

@@ -593,3 +593,23 @@ def test_nixl_dead_peer_fails_bounded():
         peer.stop()
         ours.close()
     ours.close()  # idempotent
+
+
+@requires_nixl
+def test_loopback_pair_measures_real_transfers_and_stops_its_peer():
+    """The set-up shared by the transfer micro-benchmark and `kvpush simulate
+    calibrate`: descriptors as the engine builds them, timed WRITE and READ, peer gone."""
+    from kvpush.kv_transfer.loopback import LoopbackPair
+
+    with LoopbackPair(layers=3, heads=2, head_dim=8, dtype="float32", blocks=16,
+                      block_size=4, name="t-loop") as pair:
+        contiguous = pair.descs(range(8), range(8))
+        assert len(contiguous[0]) == 3  # one run of 8 blocks per layer
+        scattered = pair.descs([0, 2, 4, 6], [1, 3, 5, 7])
+        assert len(scattered[0]) == 3 * 4
+        for op in ("WRITE", "READ"):
+            post_s, total_s = pair.time(op, *scattered, iters=2)
+            assert 0 < post_s <= total_s < 30
+        assert pair.tr.stats.descs_posted >= 2 * 2 * 12
+        peer = pair._peer  # noqa: SLF001 - checking the clean-up
+    assert not peer.is_alive()

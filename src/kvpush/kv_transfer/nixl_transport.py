@@ -181,6 +181,11 @@ class NixlTransport(KVTransport):
         with self._lock:
             self._remove_locked(peer)
 
+    def peer_region(self, peer: str) -> RegionInfo:
+        """The KV region a peer announced; KeyError if the peer is unknown."""
+        with self._lock:
+            return self._peers[peer].region
+
     def _remove_locked(self, peer: str) -> None:
         if self._peers.pop(peer, None) is None:
             return
