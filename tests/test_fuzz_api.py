@@ -11,12 +11,8 @@ A bigger budget runs under the ``slow`` marker (KVPUSH_FUZZ_EXAMPLES overrides).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -31,7 +27,7 @@ from kvpush.router.app import Router
 from kvpush.router.app import build_app as build_router_app
 from kvpush.router.config import RouterConfig, parse_instance
 from kvpush.server.app import build_app
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, uvicorn_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -127,33 +123,11 @@ def test_fuzz_instance_fake_engine_big(model):
 
 # ---- router (colocated) over a fake-engine instance served by uvicorn ---------------------
 
-@contextlib.contextmanager
-def uvicorn_thread(app: Any) -> Iterator[str]:
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                           access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
-    assert not thread.is_alive()
 
 
 def _fuzz_router(model, examples: int) -> None:
     engine = FakeEngine(*model, token_delay=0)
-    with uvicorn_thread(build_app(engine, api_key=KEY)) as url:
+    with uvicorn_server(build_app(engine, api_key=KEY)) as url:
         cfg = RouterConfig(mode="colocated", prefill=(), decode=(parse_instance(url),),
                            api_key=KEY, startup_timeout_s=10, request_timeout_s=30)
         app = build_router_app(Router(cfg))

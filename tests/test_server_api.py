@@ -12,10 +12,8 @@ import argparse
 import asyncio
 import contextlib
 import json
-import socket
-import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from kvpush.engine.outputs import RequestError
 from kvpush.server.app import build_app
 from kvpush.server.chat import INLINE_TOKENIZE_CHARS
 from kvpush.server.cli import add_serve_parser, build_config
+from server_helpers import uvicorn_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -704,28 +703,6 @@ async def test_disconnect_while_waiting_for_first_token(engine: FakeEngine) -> N
 # ------------------------------------------------------------ a real server, real clients
 
 
-@contextlib.contextmanager
-def uvicorn_server(app: FastAPI) -> Iterator[str]:
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
-    assert not thread.is_alive()
 
 
 def sync_wait(cond: Any, timeout: float = 5.0) -> None:
