@@ -209,6 +209,36 @@ def test_prefill_abort_fails_decode(pd):
     _assert_clean(pd)
 
 
+@pytest.mark.parametrize("pd", [("push", {"max_num_batched_tokens": 16, "lease": 0.5})],
+                         indirect=True)
+def test_prefill_lease_expiry_mid_prefill_drains_writes_before_freeing(pd):
+    """Decode goes silent while prefill is still computing and WRITEs are in flight:
+    prefill's lease ends, the prefill request is aborted, and its blocks stay held until
+    the WRITEs reading them have drained (then everything is free on both sides)."""
+    import time
+
+    from kvpush.kv_transfer.state import SendState
+
+    pd.submit_registered("r", random_prompts([300])[0], greedy(5))
+    # decode silent: no heartbeats, and its own lease-end Abort lost too
+    pd.faults.arm(transfer_delay_s=0.4, drop_messages={"Heartbeat": 10**6, "Abort": 10**6})
+    pd.run(until=lambda: pd.p.connector.sends.get("r") is not None
+           and pd.p.connector.sends["r"].written_blocks >= 2, timeout=10)
+    deadline = time.monotonic() + 10
+    while "p-r" in pd.p.scheduler.requests:  # prefill is held: handle events, no steps
+        assert time.monotonic() < deadline, "prefill's lease did not expire"
+        pd.p.process_inbox()
+        time.sleep(0.005)
+    send = pd.p.connector.sends["r"]
+    assert send.state is SendState.DRAINING  # aborted, its WRITEs still draining
+    s = pd.p.stats()
+    assert s.num_free_blocks < s.num_total_blocks  # the blocks they read are still held
+    pd.faults.clear()
+    pd.run(timeout=10)
+    assert pd.d_legs["r"].finish_reason is FinishReason.ERROR
+    _assert_clean(pd)
+
+
 @pytest.mark.parametrize("pd", [("push", {"prefix_hit_tail": "decode"})], indirect=True)
 def test_decode_prefix_hit_trims_the_write(pd, tiny_qwen3):
     shared = random_prompts([96], seed=30)[0]

@@ -385,6 +385,12 @@ class KVConnector(PrefillSide, DecodeSide):
             send = self.sends[tid]
             if send.state is SendState.DRAINING:
                 return  # the WRITEs' own completion (or failure) ends it
+            if send.state is SendState.SENDING and send.request_id in self.scheduler.requests:
+                # per-layer WRITEs may be in flight: abort the prefill; on_finish drains
+                # them (DRAINING) before its blocks are freed
+                self.actions.append(("abort", send.request_id,
+                                     "lease expired: decode stopped answering"))
+                return
             self._drop_send(send, "lease expired: decode never registered")
         elif tid in self.early_regs:
             del self.early_regs[tid]
