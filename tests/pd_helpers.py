@@ -37,6 +37,7 @@ class Leg:
     error: str | None = None
     kv_transfer_params: dict | None = None
     logprobs: list[float] = field(default_factory=list)
+    rejected: bool = False  # refused as the client's mistake (the server answers 400)
 
     @property
     def finished(self) -> bool:
@@ -109,6 +110,7 @@ class PDDriver:
                 leg.finish_reason = o.finish_reason
                 leg.error = o.error
                 leg.kv_transfer_params = o.extra.get("kv_transfer_params")
+                leg.rejected = bool(o.extra.get("rejected"))
 
     def pump(self) -> bool:
         """One round of both engines; True if either computed something."""

@@ -241,7 +241,8 @@ def test_bad_registrations_write_nothing(tiny_qwen3):
 ])
 def test_pull_params_checked_against_a_known_prefill(tiny_qwen3, kv, words):
     """Once decode knows the prefill instance, bad remote ids or engine are a 400
-    (RequestError) up front; the first time, they fail the request before any READ."""
+    (RequestError) up front; the first time, the request is refused (a 400 too) once
+    the handshake tells, before any READ."""
     from kvpush.engine.outputs import RequestError
 
     drv = pair(tiny_qwen3, "pull")
@@ -253,6 +254,7 @@ def test_pull_params_checked_against_a_known_prefill(tiny_qwen3, kv, words):
         drv.run(timeout=20)
         leg = drv.d_legs["x1"]
         assert leg.finish_reason is FinishReason.ERROR and words in leg.error
+        assert leg.rejected  # the client's mistake: HTTP 400, not 500
         assert drv.d.connector.transport.stats.posts == reads
         with pytest.raises(RequestError, match=words):
             drv.d.add_request("d-x2", prompt, greedy(2), {**params, "transfer_id": "x2"})

@@ -121,6 +121,11 @@ class LLMEngine:
                 outputs.append(self._token_output(req, time.perf_counter()))
             elif kind == "fail":
                 outputs.append(self._finish(req, FinishReason.ERROR, [], None, action[2]))
+            elif kind == "reject":  # the request's kv_transfer_params were wrong (a 400)
+                out = self._finish(req, FinishReason.ERROR, [], None, action[2])
+                out.extra = {**out.extra, "rejected": True, "param": "kv_transfer_params",
+                             "code": None}
+                outputs.append(out)
             elif kind == "abort":
                 outputs.append(self._finish(req, FinishReason.ABORT, [], None, action[2]))
         return outputs

@@ -46,9 +46,9 @@ class DecodeSide:
                 continue
             problem = self._peer_problem(recv.address, recv.remote_engine_id,
                                          recv.remote_block_ids if recv.mode == "pull" else [])
-            if problem:
+            if problem:  # the request's kv_transfer_params do not fit: the client's mistake
                 self.pending.popleft()
-                self._recv_failed(recv, problem)
+                self._recv_failed(recv, problem, client_error=True)
                 continue
             req = self.scheduler.requests[recv.request_id]
             if not self.scheduler.allocate_remote(req):
@@ -129,8 +129,10 @@ class DecodeSide:
         if not ok:
             self.counters["transfers_failed"] += 1
 
-    def _recv_failed(self, recv: DecodeRecv, why: str) -> None:
-        """Remote KV will not come: fail the request or prefill it here (policy)."""
+    def _recv_failed(self, recv: DecodeRecv, why: str, client_error: bool = False) -> None:
+        """Remote KV will not come: fail the request or prefill it here (policy).
+        ``client_error``: the request's own kv_transfer_params are wrong: it is refused
+        as a bad request (HTTP 400, nothing has been sent yet) whatever the policy."""
         source = recv.remote_engine_id or recv.address
         msg = f"KV transfer {recv.tid} from prefill {source} failed: {why}"
         log.warning(msg)
@@ -138,7 +140,9 @@ class DecodeSide:
         self._record(TransferRecord(recv.tid, "decode", recv.mode, False, error=why))
         if recv.request_id not in self.scheduler.requests:
             return
-        if self.cfg.load_failure_policy == "recompute":
+        if client_error:
+            self.actions.append(("reject", recv.request_id, msg))
+        elif self.cfg.load_failure_policy == "recompute":
             self.scheduler.remote_kv_failed(recv.request_id)
         else:
             self.actions.append(("fail", recv.request_id, msg))
