@@ -239,6 +239,42 @@ def test_prefill_lease_expiry_mid_prefill_drains_writes_before_freeing(pd):
     _assert_clean(pd)
 
 
+def test_prefill_lease_expiry_tells_decode_only_after_its_writes_drain(tiny_qwen3):
+    """Prefill's lease on a push ends while its WRITEs are in flight and decode is
+    still waiting (its own lease is longer): prefill sends no Abort (decode would free
+    blocks those WRITEs still reach) but PushDone(ok=False) once they have drained."""
+    import time
+
+    faults = FaultPlan()
+    p = make_instance(tiny_qwen3, "prefill", "push", faults=faults, lease=0.5,
+                      max_num_batched_tokens=16)
+    d = make_instance(tiny_qwen3, "decode", "push", faults=faults, lease=30.0,
+                      max_num_batched_tokens=16)
+    pd = PDDriver(p, d)
+    pd.faults = faults
+    try:
+        pd.submit_registered("r", random_prompts([300])[0], greedy(5))
+        faults.arm(transfer_delay_s=2.0, drop_messages={"Heartbeat": 10**6})
+        pd.run(until=lambda: "r" in p.connector.sends
+               and p.connector.sends["r"].written_blocks >= 2, timeout=10)
+        deadline = time.monotonic() + 10
+        while "p-r" in p.scheduler.requests:  # prefill held: events only, no steps
+            assert time.monotonic() < deadline, "prefill's lease did not expire"
+            p.process_inbox()
+            time.sleep(0.005)
+        group = p.connector.worker.writes.get("r")
+        assert group is not None and group.pending  # WRITEs still in flight
+        d.process_inbox()
+        assert "r" in d.connector.recvs  # no Abort reached decode: its blocks are held
+        faults.clear()
+        pd.run(timeout=10)
+        assert pd.d_legs["r"].finish_reason is FinishReason.ERROR
+        assert "lease expired" in pd.d_legs["r"].error
+        _assert_clean(pd)
+    finally:
+        pd.close()
+
+
 @pytest.mark.parametrize("pd", [("push", {"prefix_hit_tail": "decode"})], indirect=True)
 def test_decode_prefix_hit_trims_the_write(pd, tiny_qwen3):
     shared = random_prompts([96], seed=30)[0]

@@ -20,11 +20,15 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.transport import KVTransport, TransferPostError, XferState
+
+#: how many lease-expired transfer ids the worker remembers to refuse late WRITEs for
+MAX_ABORTED_REMEMBERED = 4096
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,10 @@ class TransferWorker:
         self.peers: dict[str, Peer] = {}
         self.leases: dict[str, Lease] = {}
         self.writes: dict[str, WriteGroup] = {}
+        #: transfers whose peer was sent a lease-expiry Abort: a WRITE for one of them
+        #: that the step loop queued before it heard is refused (the peer frees its
+        #: blocks on that Abort); bounded, oldest forgotten first
+        self.aborted: OrderedDict[str, None] = OrderedDict()
         self.handles: dict[int, str] = {}  # transport handle -> transfer id (writes)
         self.reads: dict[int, tuple[str, str]] = {}  # handle -> (transfer id, address)
         # every key exists from the start: other threads read this dict (metrics)
@@ -287,7 +295,7 @@ class TransferWorker:
     def _cmd_write(self, tid: str, address: str, local: list, remote: list) -> None:
         group = self.writes.get(tid)
         if group is None:
-            group = self.writes[tid] = WriteGroup(address)
+            group = self.writes[tid] = WriteGroup(address, cancelled=tid in self.aborted)
         if group.cancelled or group.failed or not local:
             return
         peer = self.peers.get(address)
@@ -401,10 +409,21 @@ class TransferWorker:
         for tid in expired:
             lease = self.leases.pop(tid)
             self.counters["leases_expired"] += 1
-            if lease.address is not None:
+            group = self.writes.get(tid)
+            if group is not None and lease.address is not None:
+                # our WRITEs may still be landing in the peer's blocks: post no more and
+                # let the drain's PushDone (sent once they complete) tell the peer; an
+                # Abort now would let it free blocks those WRITEs still reach. Failed, so
+                # that PushDone says ok=False even if some WRITEs were never posted
+                group.cancelled = True
+                group.failed = group.failed or "lease expired: decode stopped answering"
+            elif lease.address is not None:
                 peer = self.peers.get(lease.address)
                 if peer is not None and peer.ready:
                     self.channel.send(lease.address, m.encode(m.Abort(tid, "lease expired")))
+                    self.aborted[tid] = None
+                    while len(self.aborted) > MAX_ABORTED_REMEMBERED:
+                        self.aborted.popitem(last=False)
                 elif peer is not None and peer.sent_hello and not peer.refused:
                     log.error("transfer %s: no answer to the side-channel handshake from %s "
                               "(unreachable, not a kvpush instance, or it refuses our "
