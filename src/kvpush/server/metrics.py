@@ -138,7 +138,9 @@ def auth_rejected_counter(registry: CollectorRegistry, name: str) -> Counter:
     """``<name>_total{reason=missing|invalid}``: HTTP requests refused for their API key."""
     c = Counter(name, "HTTP requests refused with 401: API key missing or invalid",
                 ["reason"], registry=registry)
-    for reason in ("missing", "invalid"):
+    from kvpush.server.auth import REJECT_REASONS
+
+    for reason in REJECT_REASONS:
         c.labels(reason)
     return c
 
