@@ -340,10 +340,18 @@ class KVConnector(PrefillSide, DecodeSide):
     def _ev_peer_refused(self, address: str, reason: str) -> None:
         self.refused[address] = reason
         for recv in [r for r in self.recvs.values() if r.address == address]:
-            if recv.state is RecvState.QUARANTINED:
-                self._end_recv(recv, ok=False)
-            else:
-                self._recv_failed(recv, reason)
+            self._recv_gone(recv, reason)
+
+    def _recv_gone(self, recv: DecodeRecv, why: str) -> None:
+        """Prefill will send nothing more for ``recv``: end it. A READ of ours that may
+        still land keeps the blocks fenced until it ends; a quarantined one is done."""
+        if self._reading(recv):
+            if recv.state is not RecvState.QUARANTINED:
+                self._recv_failed_fenced(recv, why)
+        elif recv.state is RecvState.QUARANTINED:
+            self._end_recv(recv, ok=False)
+        else:
+            self._recv_failed(recv, why)
 
 
     def _ev_abort(self, ab: m.Abort) -> None:
@@ -369,14 +377,8 @@ class KVConnector(PrefillSide, DecodeSide):
             self._ev_pull_done(m.PullDone(tid, ok=False))
             return
         recv = self.recvs.get(tid)
-        if recv is not None:  # prefill gave up; nothing of it is in flight any more
-            if self._reading(recv):  # but our READ may be: its end frees the blocks
-                if recv.state is not RecvState.QUARANTINED:
-                    self._recv_failed_fenced(recv, f"aborted by prefill: {ab.reason}")
-            elif recv.state is RecvState.QUARANTINED:
-                self._end_recv(recv, ok=False)
-            else:
-                self._recv_failed(recv, f"aborted by prefill: {ab.reason}")
+        if recv is not None:  # prefill gave up; nothing of its own is in flight any more
+            self._recv_gone(recv, f"aborted by prefill: {ab.reason}")
 
 
     def _ev_lease_expired(self, tid: str) -> None:
@@ -398,14 +400,7 @@ class KVConnector(PrefillSide, DecodeSide):
         elif tid in self.lent:
             self.scheduler.pool.free(self.lent.pop(tid))
         elif tid in self.recvs:
-            recv = self.recvs[tid]
-            if self._reading(recv):  # our READ may still land: its end frees the blocks
-                if recv.state is not RecvState.QUARANTINED:
-                    self._recv_failed_fenced(recv, "lease expired: prefill stopped answering")
-            elif recv.state is RecvState.QUARANTINED:
-                self._end_recv(recv, ok=False)
-            else:
-                self._recv_failed(recv, "lease expired: prefill stopped answering")
+            self._recv_gone(self.recvs[tid], "lease expired: prefill stopped answering")
 
     def _ev_worker_died(self) -> None:
         for recv in list(self.recvs.values()):
