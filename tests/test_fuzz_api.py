@@ -106,10 +106,15 @@ def _fuzz_fake_instance(model, examples: int) -> None:
         r = client.post("/v1/completions", json={"prompt": "still here", "max_tokens": 2},
                         headers=AUTH)
         assert r.status_code == 200
-        deadline = time.monotonic() + 10
-        while engine.active or engine.free_blocks != engine.num_blocks:
-            assert time.monotonic() < deadline, "blocks not returned"
-            time.sleep(0.01)
+        _wait_engine_idle(engine)
+
+
+def _wait_engine_idle(engine: FakeEngine, timeout: float = 10.0) -> None:
+    """Until the fake engine runs nothing and every block is free again."""
+    deadline = time.monotonic() + timeout
+    while engine.active or engine.free_blocks != engine.num_blocks:
+        assert time.monotonic() < deadline, "blocks not returned"
+        time.sleep(0.01)
 
 
 def test_fuzz_instance_fake_engine(model):
@@ -141,10 +146,7 @@ def _fuzz_router(model, examples: int) -> None:
             r = client.post("/v1/chat/completions", headers=AUTH, json={
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
             assert r.status_code == 200, r.text
-        deadline = time.monotonic() + 10
-        while engine.active or engine.free_blocks != engine.num_blocks:
-            assert time.monotonic() < deadline, "blocks not returned"
-            time.sleep(0.01)
+        _wait_engine_idle(engine)
 
 
 def test_fuzz_router_colocated(model):
