@@ -179,6 +179,12 @@ def assert_clear_error(c: Call, *words: str) -> None:
     assert any(w in low for w in words), c.error
 
 
+#: how long a case may take to reach its starting point (a transfer in flight): in pull,
+#: prefill must finish first, which on a loaded 2-core host took over 10 s once; a set-up
+#: wait, not a bound the case asserts
+SETUP_WAIT_S = 30
+
+
 class InFlight:
     """Whether a long prompt's KV is crossing P's (rate-limited) link now: P has sent
     over 100 KB on its veth since ``start`` (push: its WRITEs; pull: D's READ of its
@@ -243,7 +249,7 @@ def test_prefill_killed_while_it_writes(cl, net, note):
     net.rate_limit("P", RATE)
     in_flight = InFlight(cl, net)
     c = Call(cl.router_url, body(LONG, 4))
-    wait_until(in_flight, 10, "the transfer in flight")
+    wait_until(in_flight, SETUP_WAIT_S, "the transfer in flight")
     t_kill = time.monotonic()
     cl.procs["P"].kill()
     c.wait(BOUND_PEER_DEAD + 2)
@@ -283,7 +289,7 @@ def test_decode_killed_while_it_receives(cl, net, note):
     net.rate_limit("P", RATE)
     in_flight = InFlight(cl, net)
     c = Call(cl.router_url, body(LONG, 4))
-    wait_until(in_flight, 10, "the transfer in flight")
+    wait_until(in_flight, SETUP_WAIT_S, "the transfer in flight")
     t_kill = time.monotonic()
     cl.procs["D"].kill()
     c.wait(BOUND_PEER_DEAD + 2)
@@ -338,7 +344,7 @@ def test_client_disconnect(cl, net, when, note):
         try:
             conn.request("POST", "/v1/completions", body=json.dumps(body(LONG, 4)),
                          headers={"Content-Type": "application/json"})
-            wait_until(in_flight, 10, "the transfer in flight")
+            wait_until(in_flight, SETUP_WAIT_S, "the transfer in flight")
         finally:
             conn.close()  # the client hangs up while the KV crosses the link
     t0 = time.monotonic()
@@ -470,7 +476,7 @@ def _frozen_case(cl: Cluster, net, note) -> int:
     net.rate_limit("P", RATE)
     in_flight = InFlight(cl, net)
     c = Call(cl.router_url, body(LONG, 4))
-    wait_until(in_flight, 10, "the transfer in flight")
+    wait_until(in_flight, SETUP_WAIT_S, "the transfer in flight")
     cl.procs["P"].signal(signal.SIGSTOP)
     try:
         c.wait(BOUND_PEER_DEAD + 2)
