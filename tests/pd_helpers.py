@@ -116,11 +116,11 @@ class PDDriver:
         """One round of both engines; True if either computed something."""
         busy = False
         for eng, legs in ((self.p, self.p_legs), (self.d, self.d_legs)):
-            outs = eng.process_inbox()
+            # as AsyncEngine does: what the inbox produced goes out before the step
+            self._absorb([o for o in eng.process_inbox() if o != "stop"], legs)
             if eng.has_work():
                 busy = True
-                outs += eng.step()
-            self._absorb([o for o in outs if o != "stop"], legs)
+                self._absorb(eng.step(), legs)
         for rid in list(self._pull_waiting):
             leg = self.p_legs[rid]
             if leg.finished:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -132,3 +133,32 @@ def _thread_cpu(tid: int) -> float:
         fields = f.read().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
     return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def test_outputs_from_the_inbox_go_out_before_the_next_step():
+    """Token #1 that arrives with pushed KV (an inbox event) must reach its stream
+    before the engine runs a forward pass it has no part in."""
+    events: list[str] = []
+
+    class StubEngine:
+        tokenizer = None
+        scheduler = SimpleNamespace(requests={})
+        inbox_answers = [["token-1"], ["stop"]]
+
+        def process_inbox(self, block=False, timeout=None):
+            return list(self.inbox_answers.pop(0))
+
+        def has_work(self):
+            return True
+
+        def step(self):
+            events.append("step")
+            return ["token-2"]
+
+        def shutdown(self):
+            events.append("shutdown")
+
+    ae = AsyncEngine(None, engine=StubEngine())  # type: ignore[arg-type]
+    ae._post = lambda outs: events.append(f"post {outs}")  # type: ignore[method-assign]
+    ae._run()
+    assert events == ["post ['token-1']", "step", "post ['token-2']", "shutdown"]

@@ -82,6 +82,26 @@ def test_push_token1_travels_with_kv(pd, tiny_qwen3):
     pd.settle()
 
 
+@pytest.mark.parametrize("pd", ["push"], indirect=True)
+def test_push_token1_goes_out_before_decode_runs_a_forward(pd):
+    """Token #1 arrives with the KV; decode hands it out at once, not with the output
+    of its next forward pass (which it has no part in: with the dense decode cache
+    filled for a long context, that step alone costs tens of ms on CPU)."""
+    delivered_at_forward = []  # tokens the client had when each decode forward began
+    run = pd.d.runner.execute
+
+    def counting(plan, hook=None):
+        delivered_at_forward.append(len(pd.d_legs["r"].tokens))
+        return run(plan, hook)
+
+    pd.d.runner.execute = counting
+    pd.submit("r", random_prompts([70], seed=6)[0], greedy(3))
+    pd.run()
+    assert len(pd.d_legs["r"].tokens) == 3
+    assert delivered_at_forward == [1, 2]  # token #1 was out before the first forward
+    pd.settle()
+
+
 def _assert_clean(pd) -> None:
     pd.settle()
     for eng in (pd.p, pd.d):

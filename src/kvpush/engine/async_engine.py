@@ -139,7 +139,9 @@ class AsyncEngine:
                     if outputs[:-1]:
                         self._post(outputs[:-1])
                     break
-                outputs += engine.step()
+                if outputs:  # e.g. token #1 that arrived with pushed KV: not after a step
+                    self._post(outputs)
+                outputs = engine.step()
                 if outputs:
                     self._post(outputs)
         except BaseException as e:  # pragma: no cover - reported through is_healthy

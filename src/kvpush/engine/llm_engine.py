@@ -205,6 +205,10 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.before_schedule()
             outputs += self._apply_connector_actions()
+            if outputs:
+                # token #1 of a pushed request (or a failure) goes out now, not after a
+                # forward pass it has no part in; the caller steps again at once
+                return outputs
         plan = self.scheduler.schedule()
         if plan.empty:
             return outputs
