@@ -2,11 +2,13 @@
 
 Qwen3-32B, 1 prefill + 1 decode instance on the built-in H200 profile (TP8 per instance
 by default, as on two P5en nodes), 2048 input / 128 output tokens at 1, 2 and 4
-requests/s, for four KV situations: contiguous blocks, fragmented blocks (one descriptor
-per layer per block), decode holding the whole prompt in its prefix cache, and decode
-holding the first half (in both, prefill keeps no prefix cache: the hits are decode's
-alone, as when decode served the previous turn of a conversation). Prints the tables and
-writes them between the ``sim_project`` markers of ``benchmarks/SIMULATION.md`` (and JSON into
+requests/s, for these KV situations: contiguous blocks, fragmented blocks (one descriptor
+per layer per block), decode holding the whole prompt in its prefix cache (under both
+of push's tail policies: D computes the tail, or P computes the prompt and pushes the
+block D lacks), and decode holding the first half (in these, prefill keeps no prefix
+cache: the hits are decode's alone, as when decode served the previous turn of a
+conversation). Prints the tables and writes them between the ``sim_project`` markers of
+``benchmarks/SIMULATION.md`` (and JSON into
 ``benchmarks/results/sim/projection_<profile>.json``).
 
     .venv/bin/python benchmarks/sim_project.py
@@ -27,11 +29,13 @@ from sim_validate import write_section  # noqa: E402
 
 DOC = HERE / "SIMULATION.md"
 SCENARIOS = (
-    # name, fragmentation, prefix_len (fraction of the prompt), cached on
-    ("contiguous KV", 0.0, 0.0, ()),
-    ("fragmented KV", 1.0, 0.0, ()),
-    ("decode-side full prefix hit", 0.0, 1.0, ("decode",)),
-    ("decode-side half prefix hit", 0.0, 0.5, ("decode",)),
+    # name, fragmentation, prefix_len (fraction of the prompt), cached on, push's
+    # prefix-hit tail policy (kvpush --prefix-hit-tail; prefill is its default)
+    ("contiguous KV", 0.0, 0.0, (), "prefill"),
+    ("fragmented KV", 1.0, 0.0, (), "prefill"),
+    ("decode-side full prefix hit, tail on decode", 0.0, 1.0, ("decode",), "decode"),
+    ("decode-side full prefix hit, tail on prefill", 0.0, 1.0, ("decode",), "prefill"),
+    ("decode-side half prefix hit", 0.0, 0.5, ("decode",), "prefill"),
 )
 STAGES = ("prefill_started", "prefill_done", "relayed", "decode_received", "registered",
           "transfer_posted", "transfer_done", "notified", "first_token", "client_first_token")
@@ -45,14 +49,15 @@ def project(profile_name: str, rates: list[float], num_prompts: int, input_len: 
 
     prof = load_profile(profile_name)
     rows, stages = [], {}
-    for name, frag, prefix_frac, cached in SCENARIOS:
+    for name, frag, prefix_frac, cached, tail in SCENARIOS:
         prefix = min(input_len - 1, int(input_len * prefix_frac))
         for rate in rates:
             w = Workload(num_prompts, rate, input_len, output_len, seed, prefix, cached)
             out = {}
             for mode in ("pull", "push"):
                 res = simulate(prof, w, ClusterConfig(mode, 1, 1, frag,
-                                                      prefill_prefix_cache=not cached))
+                                                      prefill_prefix_cache=not cached,
+                                                      prefix_hit_tail=tail))
                 out[mode] = res.summary()
             row = {"scenario": name, "rate": rate}
             for mode in ("pull", "push"):

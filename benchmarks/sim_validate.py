@@ -1,9 +1,10 @@
 """Validate `kvpush simulate` against the recorded `kvpush bench compare` runs.
 
-For each workload in ``benchmarks/results/{long_prompts,prefix_hit,short_high_rate}/``
-the configuration is read from ``summary.json`` (model, lengths, prompts, rates, modes,
-threads, seed) and replayed through the simulator with the same Poisson arrivals
-(`kvpush bench`'s own generator and seeds: ``seed + 1000 x rate index``), on a profile
+For each workload (default: the runs of ``benchmarks/results/sim/v3/``, made by its
+``run.sh`` with per-step traces) the configuration is read from ``summary.json`` (model,
+lengths, prompts, rates, modes, threads, seed) and replayed through the simulator with
+the same Poisson arrivals (`kvpush bench`'s own generator and seeds: ``seed + 1000 x
+rate index``), on a profile
 calibrated on this machine. Predicted median / p90 TTFT and median TPOT are printed next
 to the measured (all repeats pooled) and written between the ``sim_validate`` markers of
 ``benchmarks/SIMULATION.md``.
@@ -11,7 +12,10 @@ to the measured (all repeats pooled) and written between the ``sim_validate`` ma
     # calibrate this machine, then validate (the one command to re-run on a quiet host):
     .venv/bin/python benchmarks/sim_validate.py --calibrate
     # validate against an existing profile:
-    .venv/bin/python benchmarks/sim_validate.py --profile benchmarks/results/sim/cpu-local.json
+    .venv/bin/python benchmarks/sim_validate.py --profile benchmarks/results/sim/v3/cpu-local.json
+    # the older runs of benchmarks/RESULTS.md, with table B's one-number host factor:
+    .venv/bin/python benchmarks/sim_validate.py --idle-factor --marker sim_validate_legacy \
+        --workloads long_prompts,prefix_hit,short_high_rate
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-WORKLOADS = ("long_prompts", "prefix_hit", "short_high_rate")
-DEFAULT_PROFILE = RESULTS / "sim" / "cpu-local.json"
+WORKLOADS = tuple(f"sim/v3/{w}" for w in ("quiet_512", "long_prompts", "short_high_rate",
+                                           "prefix_hit", "prefix_hit_tail_on_decode"))
+DEFAULT_PROFILE = RESULTS / "sim" / "v3" / "cpu-local.json"
 DOC = HERE / "SIMULATION.md"
+#: the default validation's tables also go into RESULTS.md (issue 7 asks for them there)
+RESULTS_DOC = HERE / "RESULTS.md"
 TOLERANCE = 0.15
 METRICS = (("median_ttft_ms", "TTFT med"), ("p90_ttft_ms", "TTFT p90"),
            ("median_tpot_ms", "TPOT med"))
@@ -37,23 +44,23 @@ def _rate(text: str) -> float:
     return math.inf if text == "inf" else float(text)
 
 
-def idle_factor(prof) -> tuple[float, str]:
+def idle_factor(prof, workload: str) -> tuple[float, str]:
     """Measured / simulated TTFT of the one request that found the cluster idle in the
-    first long-prompt run on one thread (colocated-1t, first request of the lowest rate):
-    how much slower the host ran during the benchmark than the profile says."""
+    workload's run on one thread (colocated-1t, first request of the lowest rate): how
+    much slower the host ran during the benchmark than the profile says."""
     from kvpush.sim.cluster import ClusterConfig, simulate
     from kvpush.sim.workload import Workload
 
-    summary = json.loads((RESULTS / "long_prompts" / "summary.json").read_text())
+    summary = json.loads((RESULTS / workload / "summary.json").read_text())
     cfg, label = summary["config"], "colocated-1t"
     rate = summary["rates"][0]
-    run = json.loads((RESULTS / "long_prompts" / "runs" / f"{label}_r{rate}_rep0.json")
+    run = json.loads((RESULTS / workload / "runs" / f"{label}_r{rate}_rep0.json")
                      .read_text())
     w = Workload(1, _rate(rate), cfg["input_len"], cfg["output_len"], seed=cfg["seed"])
     sim = simulate(prof, w, ClusterConfig("colocated", 0, 1, step_models=(
         ("colocated", f"threads={cfg['threads'][label]}"),))).requests[0]
     measured = run["ttfts"][0]
-    return measured / sim.ttft, (f"long_prompts {label} @ {rate} req/s, request 0: measured "
+    return measured / sim.ttft, (f"{workload} {label} @ {rate} req/s, request 0: measured "
                                  f"{measured * 1e3:.0f} ms, simulated {sim.ttft * 1e3:.0f} ms")
 
 
@@ -72,6 +79,9 @@ def validate(profile_path: Path, scale: float = 1.0,
         cfg = summary["config"]
         shared = cfg["dataset"] == "shared-prefix"
         prefix = (cfg["prefix_len"] or cfg["input_len"] // 2) if shared else 0
+        # runs from before --prefix-hit-tail had the engine compute a full hit's tail on D
+        tail = cfg.get("prefix_hit_tail") or ("prefill" if "prefix_hit_tail" in cfg
+                                              else "decode")
         for i, rate_text in enumerate(summary["rates"]):
             # the warm-up requests ran the shared prefix through P and D (or colocated)
             w = Workload(cfg["num_prompts"], _rate(rate_text), cfg["input_len"],
@@ -90,8 +100,8 @@ def validate(profile_path: Path, scale: float = 1.0,
                 # bench compare runs colocated as ONE `role both` instance (its runs say
                 # "instances": "1 both"); P/D as cfg prefill + cfg decode instances
                 size = (0, 1) if mode == "colocated" else (cfg["prefill"], cfg["decode"])
-                sim = simulate(prof, w, ClusterConfig(mode, *size,
-                                                      step_models=over)).summary()
+                sim = simulate(prof, w, ClusterConfig(mode, *size, step_models=over,
+                                                      prefix_hit_tail=tail)).summary()
                 row = {"workload": name, "mode": label, "rate": rate_text,
                        "n": cell["completed"]}
                 for key, _ in METRICS:
@@ -177,8 +187,11 @@ def main() -> int:
     ap.add_argument("--note", default="", help="note for the calibrated profile")
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument("--workloads", default=",".join(WORKLOADS),
-                    help="result folders under benchmarks/results/ (default: the three "
-                         "recorded workloads)")
+                    help="result folders under benchmarks/results/ (default: the runs of "
+                         "sim/v3/)")
+    ap.add_argument("--idle-factor", action="store_true",
+                    help="also table B: step times scaled by measured / simulated TTFT of "
+                         "the first workload's first colocated-1t request")
     ap.add_argument("--marker", default="sim_validate",
                     help="section of SIMULATION.md to (re)write")
     args = ap.parse_args()
@@ -192,9 +205,9 @@ def main() -> int:
 
     workloads = tuple(w for w in args.workloads.split(",") if w)
     rows, name = validate(args.profile, workloads=workloads)
-    with_factor = "long_prompts" in workloads
+    with_factor = args.idle_factor
     if with_factor:
-        factor, basis = idle_factor(load_profile(args.profile))
+        factor, basis = idle_factor(load_profile(args.profile), workloads[0])
         adjusted, _ = validate(args.profile, factor, workloads)
     else:
         factor, basis, adjusted = 1.0, "", []
@@ -210,7 +223,8 @@ def main() -> int:
             f"{TOLERANCE:.0%}. Command: `.venv/bin/python benchmarks/sim_validate.py"
             f"{' --calibrate' if args.calibrate else ''}"
             f"{'' if args.profile == DEFAULT_PROFILE else f' --profile {shown}'}"
-            f"{'' if args.marker == 'sim_validate' else ' --workloads ' + args.workloads}"
+            f"{'' if args.workloads == ','.join(WORKLOADS) else ' --workloads ' + args.workloads}"
+            f"{' --idle-factor' if args.idle_factor else ''}"
             f"{'' if args.marker == 'sim_validate' else ' --marker ' + args.marker}`.\n\n"
             "#### A. The calibrated profile as it is (a pure prediction)\n\n"
             + table(rows) + "\n\n" + scorecard(rows)
@@ -226,11 +240,14 @@ def main() -> int:
     print(body)
     if not args.no_write:
         write_section(DOC, args.marker, body)
+        if args.marker == "sim_validate":
+            write_section(RESULTS_DOC, args.marker, body)
         (RESULTS / "sim").mkdir(parents=True, exist_ok=True)
         (RESULTS / "sim" / f"{args.marker}.json").write_text(json.dumps(
             {"profile": str(shown), "raw": rows, "contention_factor": factor,
              "factor_basis": basis, "adjusted": adjusted}, indent=1) + "\n")
-        print(f"\nwrote {DOC} and {RESULTS / 'sim' / (args.marker + '.json')}")
+        print(f"\nwrote {DOC}{' and RESULTS.md' if args.marker == 'sim_validate' else ''} "
+              f"and {RESULTS / 'sim' / (args.marker + '.json')}")
     return 0
 
 

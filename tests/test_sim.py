@@ -44,8 +44,9 @@ def prof(**changes):
     return profile_from_dict(d)
 
 
-def one(mode: str, p, prompt: int = 256, out: int = 4, **w):
-    r = simulate(p, Workload(1, 1.0, prompt, out, **w), ClusterConfig(mode))
+def one(mode: str, p, prompt: int = 256, out: int = 4, tail: str = "prefill", **w):
+    r = simulate(p, Workload(1, 1.0, prompt, out, **w),
+                 ClusterConfig(mode, prefix_hit_tail=tail))
     return r.requests[0]
 
 
@@ -121,9 +122,9 @@ def test_single_request_push_ttft_is_sum_of_stages():
     assert Stage.RELAYED not in r.stages
 
 
-def test_push_decode_full_prefix_hit_skips_transfer_and_prefill():
+def test_push_decode_full_prefix_hit_tail_on_decode_skips_transfer_and_prefill():
     p = prof()
-    r = one("push", p, prefix_len=250, prefix_cached_on=("decode",))
+    r = one("push", p, prefix_len=250, prefix_cached_on=("decode",), tail="decode")
     assert r.full_hit and r.descs == 0
     ho = p.handoff
     # D computes the tail (256 - 240 cached tokens) itself
@@ -131,6 +132,24 @@ def test_push_decode_full_prefix_hit_skips_transfer_and_prefill():
     assert r.ttft == pytest.approx(expected, abs=1e-9)
     pull = one("pull", p, prefix_len=250, prefix_cached_on=("decode",))
     assert pull.ttft > 2 * r.ttft  # pull still prefills and relays
+
+
+def test_push_decode_full_prefix_hit_tail_on_prefill_pushes_only_the_tail_block():
+    """kvpush's default: P computes the prompt (here it holds no prefix: all of it) and
+    pushes only the block D lacks; D computes nothing before token #1."""
+    p = prof()
+    ho, tr = p.handoff, p.transfer
+    r = one("push", p, prefix_len=250, prefix_cached_on=("decode",))
+    assert not r.full_hit
+    assert r.descs == L  # one block, one descriptor per layer
+    tail_bytes = BS * p.model.kv_bytes_per_token // L
+    expected = (ho.client_hop_s + ho.http_hop_s + _step(p, [(256, 0)]) + tr.post_time(1)
+                + tr.wire_time(tail_bytes, 1) + tr.latency_s + ho.side_channel_s
+                + ho.http_hop_s + ho.client_hop_s)
+    assert r.ttft == pytest.approx(expected, abs=1e-9)
+    # with the prefix cached on P as well, P computes only the tail
+    both = one("push", p, prefix_len=250, prefix_cached_on=("decode", "prefill"))
+    assert both.ttft < r.ttft - 0.5 * _step(p, [(256, 0)])
 
 
 def test_fragmentation_raises_descriptors_and_pull_tpot_on_step_loop():

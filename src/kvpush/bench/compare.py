@@ -117,6 +117,8 @@ class CompareConfig:
     time_limit: float = 3600.0
     label: str | None = None
     progress: bool = False
+    #: write every kvpush engine's per-step trace under OUT/steps/ (KVPUSH_STEP_TRACE)
+    step_trace: bool = False
     #: Filled in: threads each configuration ran with.
     threads: dict[str, int] = field(default_factory=dict)
 
@@ -170,7 +172,7 @@ class Cluster:
     """A cluster for one configuration (context manager: leaving it stops everything)."""
 
     def __init__(self, cfg: CompareConfig, spec: ModeSpec, model: str, log_dir: Path,
-                 model_dir: str | None = None):
+                 model_dir: str | None = None, step_trace_dir: Path | None = None):
         from kvpush.cluster.cli import child_env
         from kvpush.cluster.launcher import Supervisor
 
@@ -179,7 +181,12 @@ class Cluster:
         self.model, self.timeout = model, cfg.startup_timeout
         self.model_dir = model_dir or model
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.sup = Supervisor(log_dir, child_env())
+        env = child_env()
+        if step_trace_dir is not None:
+            from kvpush.engine.step_trace import ENV_VAR
+
+            env[ENV_VAR] = str(step_trace_dir.resolve())
+        self.sup = Supervisor(log_dir, env)
         self.url = ""
 
     def _plan(self, port: int) -> tuple[list, Any]:
@@ -278,8 +285,9 @@ def run_compare(cfg: CompareConfig, log=print) -> dict[str, Any]:
                 continue
             log(f"[compare] repeat {rep} {spec.label}: starting the cluster")
             t0 = time.monotonic()
+            traces = out / "steps" / f"{spec.label}_rep{rep}" if cfg.step_trace else None
             with Cluster(cfg, spec, served, out / "logs" / f"{spec.label}_rep{rep}",
-                         tok_dir) as cl:
+                         tok_dir, traces) as cl:
                 cfg.threads[spec.label] = cl.args.threads
                 log(f"[compare]   healthy in {time.monotonic() - t0:.1f} s at {cl.url} "
                     f"({cl.args.threads} torch thread(s) per instance)")
@@ -303,9 +311,11 @@ def run_compare(cfg: CompareConfig, log=print) -> dict[str, Any]:
                                             "max_concurrency": 1, "request_rate": math.inf,
                                             "progress": False})
                         run_benchmark(wc, requests=warm, tokenizer=tokenizer)
+                    wall_start = time.time()
                     res = run_benchmark(bc, requests=measured, tokenizer=tokenizer)
                     d = res.to_dict()
                     d.update(mode=spec.mode, mode_label=spec.label, repeat=rep,
+                             wall_start=wall_start, wall_end=time.time(),
                              threads_per_instance=cl.args.threads,
                              instances=("1 both" if spec.mode.endswith("colocated") else
                                         f"{cfg.prefill} prefill + {cfg.decode} decode"))
@@ -524,6 +534,9 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     lim.add_argument("--time-limit", type=_seconds, default=3600.0, metavar="S",
                      help="the whole comparison; later runs are skipped (default: 3600)")
     p.add_argument("--progress", action="store_true", help="progress bars")
+    p.add_argument("--step-trace", action="store_true",
+                   help="kvpush instances write one JSON line per engine step under "
+                        "OUT/steps/ (for benchmarks/sim_steps.py)")
     p.set_defaults(func=run_compare_cli)
     return p
 
@@ -545,6 +558,7 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         vllm_bin=args.vllm_bin,
         vllm_dtype=args.vllm_dtype, request_timeout=args.request_timeout,
         startup_timeout=args.startup_timeout,
+        step_trace=args.step_trace,
         time_limit=args.time_limit, label=args.label, progress=args.progress)
     try:
         summary = run_compare(cfg)

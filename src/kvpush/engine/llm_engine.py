@@ -20,9 +20,10 @@ from kvpush.config import EngineConfig
 from kvpush.engine.detokenizer import IncrementalDetokenizer
 from kvpush.engine.model_runner import ModelRunner
 from kvpush.engine.outputs import EngineStats, FinishReason, RequestError, RequestOutput
+from kvpush.engine.step_trace import step_trace_from_env
 from kvpush.sampling_params import SamplingParams
 from kvpush.scheduler.request import Request, RequestState
-from kvpush.scheduler.scheduler import Scheduler
+from kvpush.scheduler.scheduler import Scheduler, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +70,13 @@ class LLMEngine:
             )
             self.scheduler.on_preempt = self.connector.on_preempt
             self.connector.start()
+        self.step_trace = step_trace_from_env(config.kv_transfer.role)
 
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
+        if self.step_trace is not None:
+            self.step_trace.close()
 
     # ---- the inbox -------------------------------------------------------------------
     def process_inbox(self, block: bool = False, timeout: float | None = None) -> list:
@@ -200,6 +204,16 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.step_trace is None:
+            return self._step()[0]
+        started = time.perf_counter()
+        outputs, plan = self._step()
+        if plan is not None:
+            self.step_trace.record(plan, started, time.perf_counter() - started)
+        return outputs
+
+    def _step(self) -> tuple[list[RequestOutput], StepPlan | None]:
+        """One step: its outputs and the plan it ran (None when it ran nothing)."""
         outputs: list[RequestOutput] = []
         layer_hook = None
         if self.connector is not None:
@@ -208,10 +222,10 @@ class LLMEngine:
             if outputs:
                 # token #1 of a pushed request (or a failure) goes out now, not after a
                 # forward pass it has no part in; the caller steps again at once
-                return outputs
+                return outputs, None
         plan = self.scheduler.schedule()
         if plan.empty:
-            return outputs
+            return outputs, None
         if self.connector is not None:
             layer_hook = self.connector.layer_hook(plan)
         try:
@@ -223,11 +237,11 @@ class LLMEngine:
                 req = self.scheduler.requests.get(c.request_id)
                 if req is not None:
                     outs.append(self._finish(req, FinishReason.ERROR, [], None, str(e)))
-            return outputs + outs
+            return outputs + outs, None
         now = time.perf_counter()
         for req in self.scheduler.update_after_step(plan, sampled):
             outputs.append(self._token_output(req, now))
-        return outputs
+        return outputs, plan
 
     def _token_output(self, req: Request, now: float) -> RequestOutput:
         """Output for the request's newest token, finishing it if a stop condition hit."""

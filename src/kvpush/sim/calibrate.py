@@ -48,11 +48,15 @@ class CalibrationPlan:
     #: measure the slowdown beside a busy neighbour engine (host.corun_slowdown); off
     #: by default: on this shared VM it measured 1.0, 2.1 and 1.7 within two minutes
     corun: bool = False
+    #: serve a short workload per thread count through a real instance and the router
+    #: and record how much longer its steps are than the engine alone's
+    #: (host.served_factors, kvpush.sim.served)
+    served: bool = True
 
     @classmethod
     def quick(cls) -> CalibrationPlan:
         return cls(prefill=((32, 64), (8, 16)), decode=((1, 16), (4, 16)), decode_steps=3,
-                   threads=(1,), mixed=((2, 16, 32),))
+                   threads=(1,), mixed=((2, 16, 32),), served=False)
 
 
 Sample = tuple[list[Chunk], float]
@@ -130,6 +134,7 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
 
     from kvpush.config import EngineConfig
     from kvpush.engine.llm_engine import LLMEngine
+    from kvpush.engine.step_trace import StepShapes
     from kvpush.sampling_params import SamplingParams
 
     longest = max([p for _, p in plan.prefill] + [p for _, p in plan.decode]
@@ -173,7 +178,7 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
         for n in prompts:
             add(n)
         steps_done = 0
-        decoded: dict[str, int] = {}  # request -> position it decoded at, last step
+        shapes = StepShapes()
         while eng.has_work():
             captured.clear()
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -184,15 +189,10 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
             steps_done += 1
             if later and steps_done == later[0][0]:
                 add(later.pop(0)[1])
-            if record and captured and captured[-1].chunks:
-                chunks = [(len(c.token_ids), c.start_pos, c.sample,
-                           len(c.token_ids) == 1
-                           and decoded.get(c.request_id) == c.start_pos - 1)
-                          for c in captured[-1].chunks]
-                samples.append((chunks, dt))
             if captured:
-                decoded = {c.request_id: c.start_pos for c in captured[-1].chunks
-                           if len(c.token_ids) == 1}
+                chunks = shapes.shapes(captured[-1])
+                if record and chunks:
+                    samples.append((list(chunks), dt))
 
     try:
         # warm-up: first-step allocations and kernels, and the dense decode cache sized
@@ -366,6 +366,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
     step_models: dict[str, Any] = {}
     fits: dict[str, Any] = {}
     samples_out: dict[str, Any] = {}
+    served: dict[str, Any] = {}
     for th in plan.threads:
         tables: Tables = {}
         samples = measure_steps(model_dir, th, plan, clock=clock, log=log,
@@ -378,6 +379,10 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
         samples_out[f"threads={th}"] = [[[list(ch) for ch in chunks], round(dt, 6)]
                                         for chunks, dt in samples]
         log(f"[calibrate] threads={th}: {m} (median rel. err {quality['median_rel_err']:.1%})")
+        if plan.served:
+            from kvpush.sim.served import probe_served
+
+            served[f"threads={th}"] = probe_served(str(model_dir), th, m, log=log)
     corun_info: dict[str, float] = {}
     if plan.corun:
         try:
@@ -403,7 +408,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                      "load_avg_before": load_before, "load_avg_after": load_avg(),
                      "clock": clock,
                      "fits": fits, "transfer_samples": tr_rows, "plan": dataclasses.asdict(plan),
-                     "step_samples": samples_out, "corun": corun_info},
+                     "step_samples": samples_out, "corun": corun_info, "served": served},
         "notes": [n for n in (note,) if n] + [
             f"Step times are {'wall' if clock == 'wall' else 'stepping-thread CPU'} times of "
             "LLMEngine.step() (scheduling, forward, sampling, detokenization), one engine "
@@ -420,8 +425,12 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "starts while another instance is mid-step.",
             "roles: P/D instances use 1 torch thread each and colocated uses all (as "
             "`kvpush bench compare` does on 2 cores).",
-            "The HTTP front, SSE streaming and the router are not in the step times; their "
-            "latency is the handoff block (estimates, not measured here).",
+            "host.served_factors: a step model's steps inside a serving instance (the "
+            "router and the streaming load generator on the same host) over the engine "
+            "alone's, per kind of step (prefill: any chunk over one token; decode), "
+            "median over a short served probe (kvpush.sim.served; measured.served). The "
+            "simulator multiplies its step times by them. The HTTP hops themselves are "
+            "the handoff block (estimates, not measured here).",
             "kvpush posts pull's READ from its transfer thread, not the step loop "
             "(pull_post_on_step_loop false). Over cma the copy happens inside post(), so the "
             "whole cost is on the wire terms.",
@@ -434,7 +443,8 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                        "channel one-way ~12 us (PLATFORM.md: 25 us round trip)",
         },
         "model": shape,
-        "host": {"corun_slowdown": corun_info.get("corun_slowdown", 1.0)},
+        "host": {"corun_slowdown": corun_info.get("corun_slowdown", 1.0),
+                 "served_factors": {k: v["factors"] for k, v in served.items()}},
         "step_models": step_models,
         "roles": {"prefill": one, "decode": one, "colocated": two},
         "transfer": tr,

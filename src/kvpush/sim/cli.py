@@ -86,6 +86,11 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="also measure host.corun_slowdown (a 1-thread engine's steps beside "
                         "a busy neighbour engine process); off by default because on a "
                         "shared VM it varies from run to run (docs/SIMULATOR.md)")
+    c.add_argument("--no-served", dest="served", action="store_false",
+                   help="skip the served probe (host.served_factors: a real instance, the "
+                        "router and a streaming client run a short workload per thread "
+                        "count, about a minute each, to measure how much longer steps take "
+                        "in the server than in the engine alone)")
     c.set_defaults(func=_calibrate)
 
     pl = sub.add_parser("plan", help="smallest xPyD split and mode meeting latency targets")
@@ -155,7 +160,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     plan = CalibrationPlan.quick() if args.quick else CalibrationPlan()
     if not args.quick:
-        plan = dataclasses.replace(plan, threads=tuple(args.threads), corun=args.corun)
+        plan = dataclasses.replace(plan, threads=tuple(args.threads), corun=args.corun,
+                                   served=args.served)
     calibrate(args.model, args.out, plan, transfer=args.transfer, note=args.note,
               clock=args.clock)
     return 0

@@ -31,6 +31,9 @@ class ClusterConfig:
     policy: str = "round-robin"
     #: False: prefill instances keep no prefix cache (decode-side-only hits)
     prefill_prefix_cache: bool = True
+    #: push, full prefix hit on D: who computes the prompt's uncached tail (kvpush's
+    #: --prefix-hit-tail; prefill is its default)
+    prefix_hit_tail: str = "prefill"
     #: role -> step model name, overriding the profile's ``roles`` (e.g. 1-thread colocated)
     step_models: tuple[tuple[str, str], ...] = ()
     #: how long past the last arrival the simulation may run before giving up (s)
@@ -45,6 +48,9 @@ class ClusterConfig:
             raise ValueError(f"fragmentation must be in [0, 1], got {self.fragmentation}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}")
+        if self.prefix_hit_tail not in ("prefill", "decode"):
+            raise ValueError(f"prefix_hit_tail must be prefill or decode, got "
+                             f"{self.prefix_hit_tail!r}")
 
     @property
     def label(self) -> str:
@@ -162,7 +168,7 @@ def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> Sim
         prefills = make("prefill", config.num_prefill, "prefill")
         decodes = make("decode", config.num_decode, "decode")
         engines = prefills + decodes
-        hand = Handoff(env, profile, config.fragmentation, emit)
+        hand = Handoff(env, profile, config.fragmentation, emit, config.prefix_hit_tail)
         if config.mode == "push":
             for p in prefills:
                 p.step_hook = hand.on_prefill_step

@@ -10,8 +10,12 @@ Push: both legs at once; D allocates on arrival and registers (one side-channel
 message); P WRITEs each layer of each newly completed block as its forward pass reaches
 that layer (writer thread: post cost; link: bytes, serial), the last blocks when prefill
 ends, and sends PushDone with token #1 once every WRITE is done; D appends token #1 at
-its next step boundary. Decode-side prefix hits shrink the transfer; a full hit lets D
-compute the short tail itself and P drop its leg if it has not started it.
+its next step boundary. Decode-side prefix hits shrink the transfer. A full hit (D holds
+every block but the one the prompt's tail is in): with ``tail_on="prefill"`` (kvpush's
+default, ``--prefix-hit-tail prefill``) P computes the prompt (its own prefix cache
+permitting, only the tail) and pushes the uncached blocks like any other push; with
+``tail_on="decode"`` D computes the short tail itself and P drops its leg if it has not
+started it.
 
 Descriptors: one per layer per run of block ids consecutive on both sides; with
 ``fragmentation`` f in [0, 1], a run of n blocks splits into ``1 + f * (n - 1)`` runs.
@@ -53,7 +57,8 @@ class PushXfer:
     skip_blocks: int = 0
     registered_at: float | None = None
     full_hit: bool = False
-    pieces: list[tuple[float, float, int]] = field(default_factory=list)  # (t0, t1, blocks)
+    #: (step start, step end, first block, end block) of blocks P's steps completed
+    pieces: list[tuple[float, float, int, int]] = field(default_factory=list)
     done: float = 0.0
     prefill_done: float | None = None
     p_job: Job | None = None
@@ -64,7 +69,11 @@ class PushXfer:
 class Handoff:
     """Drives the pull and push protocols between engines (one per simulated cluster)."""
 
-    def __init__(self, env: Any, profile: Profile, fragmentation: float, emit) -> None:
+    def __init__(self, env: Any, profile: Profile, fragmentation: float, emit,
+                 tail_on: str = "prefill") -> None:
+        if tail_on not in ("prefill", "decode"):
+            raise ValueError(f"tail_on must be prefill or decode, got {tail_on!r}")
+        self.tail_on = tail_on
         self.env = env
         self.profile = profile
         self.frag = fragmentation
@@ -161,7 +170,8 @@ class Handoff:
             req.mark(Stage.DECODE_RECEIVED, self.env.now)
             hit = d.cached_tokens(req)
             total = blocks_for(req.prompt_len, self.bs)
-            if hit and hit // self.bs == (req.prompt_len - 1) // self.bs:
+            if (self.tail_on == "decode" and hit
+                    and hit // self.bs == (req.prompt_len - 1) // self.bs):
                 req.full_hit = True  # D computes the short tail itself
                 d.add(Job(req, JobKind.FULL, req.output_len, on_token=self.emit))
                 xf.p.submit_at(self.env.now + ho.side_channel_s, lambda: self._full_hit_at_p(xf))
@@ -210,9 +220,8 @@ class Handoff:
                 done_after = blocks_for(job.req.prompt_len, self.bs)
             else:
                 done_after = after // self.bs
-            new = done_after - max(done_before, xf.skip_blocks)
-            if new > 0:
-                xf.pieces.append((t0, t1, new))
+            if done_after > done_before:  # blocks D holds already are dropped in _pump
+                xf.pieces.append((t0, t1, done_before, done_after))
         for job, _ in plan:
             xf = job.extra.get("push")
             if xf is not None:
@@ -223,7 +232,10 @@ class Handoff:
             return
         tr = self.profile.transfer
         pieces, xf.pieces = xf.pieces, []
-        for t0, t1, nblocks in pieces:
+        for t0, t1, first, end in pieces:
+            nblocks = end - max(first, xf.skip_blocks)  # D's prefix hit is not sent
+            if nblocks <= 0:
+                continue
             d_runs = runs(nblocks, self.frag)
             nbytes = nblocks * self.block_layer_bytes
             xf.req.descs += d_runs * self.layers

@@ -350,6 +350,30 @@ def _step_model(d: Any, where: str, shape: ModelShape) -> StepModel:
     raise ProfileError(f"{where}.kind: expected 'linear' or 'roofline', got {kind!r}")
 
 
+def _with_served_factors(models: dict[str, StepModel], factors: Any,
+                         path: str) -> dict[str, StepModel]:
+    """``host.served_factors``: step model -> {kind: factor} (kvpush.sim.served): how
+    much longer that model's steps take inside the serving stack than in the engine
+    alone, per kind of step (prefill, decode)."""
+    from kvpush.sim.served import KINDS, ServedStepModel
+
+    if not isinstance(factors, Mapping):
+        raise ProfileError(f"{path}: host.served_factors must be an object")
+    out = dict(models)
+    for name, per_kind in factors.items():
+        where = f"{path}: host.served_factors.{name}"
+        if name not in models:
+            raise ProfileError(f"{where}: no such step model")
+        if not isinstance(per_kind, Mapping) or set(per_kind) - set(KINDS):
+            raise ProfileError(f"{where}: expected an object with keys among "
+                               f"{', '.join(KINDS)}")
+        f = {str(k): float(_req(per_kind, k, where)) for k in per_kind}
+        if any(not v > 0 for v in f.values()):
+            raise ProfileError(f"{where}: factors must be > 0")
+        out[name] = ServedStepModel(models[name], f)
+    return out
+
+
 def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
     if not isinstance(data, Mapping):
         raise ProfileError(f"{path}: a profile is a JSON object")
@@ -390,6 +414,7 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
     corun = float(_req(host, "corun_slowdown", f"{path}: host")) if host else 1.0
     if corun < 1.0:
         raise ProfileError(f"{path}: host.corun_slowdown must be >= 1, got {corun}")
+    models = _with_served_factors(models, host.get("served_factors", {}), path)
     sources = data.get("sources", {})
     if not isinstance(sources, Mapping):
         raise ProfileError(f"{path}: sources must be an object (figure -> source)")

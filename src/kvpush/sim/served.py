@@ -1,0 +1,112 @@
+"""Engine steps inside the serving stack against the engine alone.
+
+`kvpush simulate calibrate` times :class:`~kvpush.engine.llm_engine.LLMEngine` steps in a
+process of its own. A serving instance steps the same engine, but beside its HTTP front
+end and, on a small host, beside the router and the load generator, which stream every
+token: with as many torch threads as the host has cores, that work takes cores from the
+engine's parallel regions and its steps get longer (measured here: 2 threads on 2 vCPUs,
+a lone decode 30 ms in the server against 21-23 ms alone). The served probe measures it:
+it serves a short workload through a real instance and the router with the per-step
+trace on (kvpush.engine.step_trace), prices every traced step with the engine-alone step
+model, and records measured / modelled per kind of step (median over the steps):
+
+* ``prefill``: a step with a chunk of more than one token (with or without decodes);
+* ``decode``: a step of one-token decode rows only.
+
+The profile keeps them as ``host.served_factors[step model][kind]`` and the simulator
+multiplies its step times by them (:class:`ServedStepModel`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpush.sim.profile import Chunk, StepModel
+
+KINDS = ("prefill", "decode")
+
+
+def step_kind(chunks: Sequence[Sequence[Any]]) -> str:
+    return "decode" if all(c[0] == 1 for c in chunks) else "prefill"
+
+
+@dataclass(frozen=True)
+class ServedStepModel:
+    """A step model scaled per kind of step (``factors``: kind -> factor)."""
+
+    inner: StepModel
+    factors: Mapping[str, float]
+
+    def step_time(self, chunks: Sequence[Chunk]) -> float:
+        return self.inner.step_time(chunks) * self.factors.get(step_kind(chunks), 1.0)
+
+
+def traced_steps(paths: Iterable[Path], start: float = -math.inf,
+                 end: float = math.inf) -> list[dict[str, Any]]:
+    """The traced steps of these files that started in [start, end]."""
+    from kvpush.engine.step_trace import read_trace
+
+    return [st for p in paths for st in read_trace(p) if start <= st["t"] <= end]
+
+
+def step_ratios(steps: Iterable[Mapping[str, Any]], model: StepModel
+                ) -> dict[str, list[float]]:
+    """kind -> measured / modelled time of each step of that kind."""
+    out: dict[str, list[float]] = {}
+    for st in steps:
+        chunks = [tuple(c) for c in st["chunks"]]
+        predicted = model.step_time(chunks)
+        if predicted > 0:
+            out.setdefault(step_kind(chunks), []).append(st["dur"] / predicted)
+    return out
+
+
+def factors_from(ratios: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """The median ratio of each kind (1.0 for a kind with no steps)."""
+    return {k: round(statistics.median(ratios[k]), 4) if ratios.get(k) else 1.0
+            for k in KINDS}
+
+
+@dataclass(frozen=True)
+class ServedProbe:
+    """The workload the probe serves through ``kvpush bench compare``'s colocated
+    cluster (one instance behind the router, the load generator streaming every token):
+    random prompts at a light rate (lone decodes, a prompt arriving now and then into
+    them) and all at once (batched decodes, back-to-back prefills), because the two
+    load levels slow the engine differently (a 1.0 req/s probe alone measured 1.21-1.25
+    on 2-thread decodes that stepped 0.8-0.9x of that in a busy server)."""
+
+    input_len: int = 384
+    output_len: int = 24
+    num_prompts: int = 12
+    rates: tuple[float, ...] = (1.0, math.inf)
+    seed: int = 7
+
+
+def probe_served(model: str, threads: int, engine_model: StepModel,
+                 probe: ServedProbe = ServedProbe(),
+                 log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Serve ``probe`` with ``threads`` torch threads; measured / modelled step times per
+    kind (``factors``) and the number of steps behind each."""
+    from kvpush.bench.compare import CompareConfig, ModeSpec, run_compare
+
+    with tempfile.TemporaryDirectory(prefix="kvpush-served-probe-") as tmp:
+        cfg = CompareConfig(modes=[ModeSpec("colocated", threads)], rates=list(probe.rates),
+                            out_dir=Path(tmp), model=model, input_len=probe.input_len,
+                            output_len=probe.output_len, num_prompts=probe.num_prompts,
+                            seed=probe.seed, step_trace=True, time_limit=600.0,
+                            run_timeout=300.0)
+        run_compare(cfg, log=lambda m: None)
+        files = sorted((Path(tmp) / "steps").rglob("*.jsonl"))
+        ratios = step_ratios(traced_steps(files), engine_model)
+    factors = factors_from(ratios)
+    log(f"[calibrate] served probe, threads={threads}: steps in the server / engine alone "
+        + ", ".join(f"{k} {factors[k]:.2f} ({len(ratios.get(k, []))} steps)" for k in KINDS))
+    return {"factors": factors, "steps": {k: len(ratios.get(k, [])) for k in KINDS},
+            "probe": {**probe.__dict__, "rates": [str(r) for r in probe.rates]}}

@@ -1,0 +1,121 @@
+"""The engine's per-step trace (KVPUSH_STEP_TRACE) and the simulator's served factors
+built on it (kvpush.sim.served)."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+
+from engine_helpers import greedy, make_engine
+from kvpush.engine.step_trace import ENV_VAR, StepShapes, read_trace
+
+
+def _plan(*chunks):
+    return SimpleNamespace(chunks=[SimpleNamespace(request_id=r, token_ids=[0] * n,
+                                                   start_pos=pos, sample=smp)
+                                   for r, n, pos, smp in chunks])
+
+
+def test_step_shapes_mark_decodes_that_continue_from_the_step_before():
+    s = StepShapes()
+    assert s.shapes(_plan(("a", 8, 0, True))) == [(8, 0, True, False)]
+    # a's first decode: its context is not in the dense decode cache yet
+    assert s.shapes(_plan(("a", 1, 8, True), ("b", 4, 0, False))) == [
+        (1, 8, True, False), (4, 0, False, False)]
+    # a decoded at 8 in the step before: no fill now; b's chunk was no decode
+    assert s.shapes(_plan(("a", 1, 9, True), ("b", 4, 4, True))) == [
+        (1, 9, True, True), (4, 4, True, False)]
+    # a step without a breaks the run: its next decode fills again
+    s.shapes(_plan(("b", 1, 8, True)))
+    assert s.shapes(_plan(("a", 1, 10, True))) == [(1, 10, True, False)]
+
+
+def test_engine_writes_one_line_per_step_when_asked(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "steps"))
+    eng = make_engine(tiny_llama)
+    try:
+        eng.add_request("r", list(range(5, 25)), greedy(max_tokens=3))
+        steps = 0
+        while eng.has_work() and steps < 20:
+            eng.step()
+            steps += 1
+    finally:
+        eng.shutdown()
+    files = list((tmp_path / "steps").glob("both-*.jsonl"))
+    assert len(files) == 1
+    trace = read_trace(files[0])
+    # the prompt samples token 1; two decodes follow, the first one filling the cache
+    assert [st["chunks"] for st in trace] == [[[20, 0, True, False]], [[1, 20, True, False]],
+                                              [[1, 21, True, True]]]
+    assert all(st["dur"] > 0 for st in trace)
+    assert trace[0]["t"] <= trace[1]["t"] <= trace[2]["t"]
+
+
+def test_engine_writes_no_trace_by_default(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.chdir(tmp_path)
+    eng = make_engine(tiny_llama)
+    try:
+        assert eng.step_trace is None
+        eng.add_request("r", [1, 2, 3], greedy(max_tokens=1))
+        eng.step()
+    finally:
+        eng.shutdown()
+    assert not list(tmp_path.rglob("*.jsonl"))
+
+
+def test_read_trace_skips_a_torn_last_line(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"t": 1, "dur": 0.1, "chunks": [[4, 0, true, false]]}\n{"t": 2, "du')
+    assert read_trace(p) == [{"t": 1, "dur": 0.1, "chunks": [[4, 0, True, False]]}]
+
+
+# ------------------------------------------------------------------- served factors
+pytest.importorskip("simpy")
+
+from kvpush.sim.profile import ProfileError, profile_from_dict  # noqa: E402
+from kvpush.sim.served import factors_from, step_kind, step_ratios  # noqa: E402
+from test_sim import BASE  # noqa: E402
+
+
+def test_served_factors_scale_step_times_per_kind():
+    plain = profile_from_dict(copy.deepcopy(BASE))
+    d = copy.deepcopy(BASE)
+    d["host"] = {"corun_slowdown": 1.0, "served_factors": {"s": {"prefill": 1.2,
+                                                                   "decode": 1.5}}}
+    served = profile_from_dict(d)
+    a, b = plain.step_model("prefill"), served.step_model("prefill")
+    prefill, decode, mixed = [(64, 0)], [(1, 64), (1, 30)], [(1, 64), (32, 0)]
+    assert b.step_time(prefill) == pytest.approx(1.2 * a.step_time(prefill))
+    assert b.step_time(decode) == pytest.approx(1.5 * a.step_time(decode))
+    assert b.step_time(mixed) == pytest.approx(1.2 * a.step_time(mixed))  # a prefill step
+    assert step_kind(mixed) == "prefill" and step_kind(decode) == "decode"
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"nope": {"prefill": 1.1}}, "no such step model"),
+    ({"s": {"prefil": 1.1}}, "keys among prefill, decode"),
+    ({"s": {"decode": 0}}, "must be > 0"),
+    ([1.2], "must be an object"),
+])
+def test_bad_served_factors_are_refused(bad, message):
+    d = copy.deepcopy(BASE)
+    d["host"] = {"corun_slowdown": 1.0, "served_factors": bad}
+    with pytest.raises(ProfileError, match=message):
+        profile_from_dict(d)
+
+
+def test_factors_are_median_measured_over_modelled_per_kind():
+    model = profile_from_dict(copy.deepcopy(BASE)).step_model("decode")
+    steps = []
+    for scale in (1.1, 1.3, 5.0):  # one disturbed step must not move the median
+        steps.append({"t": 0, "dur": scale * model.step_time([(1, 100)]),
+                      "chunks": [[1, 100, True, True]]})
+    steps.append({"t": 0, "dur": 2 * model.step_time([(50, 0)]), "chunks": [[50, 0, True]]})
+    ratios = step_ratios(steps, model)
+    assert sorted(ratios["decode"]) == pytest.approx([1.1, 1.3, 5.0])
+    assert factors_from(ratios) == {"prefill": pytest.approx(2.0),
+                                    "decode": pytest.approx(1.3)}
+    assert factors_from({}) == {"prefill": 1.0, "decode": 1.0}
