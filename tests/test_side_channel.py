@@ -319,3 +319,30 @@ def test_close_is_idempotent_and_stops_sending(channels):
     assert a.recv(10) == []
     assert a.fileno() is None
     a.wake()  # harmless after close
+
+
+def test_a_peer_that_closes_its_sockets_is_seen_to_drop(channels):
+    """The link watch: our DEALER's connection to a peer whose process ends (its
+    sockets close) is reported dropped, ends a waiting recv early, and is remembered
+    as gone (also after forget); an open, idle connection costs no CPU."""
+    a, b = channels(), channels()
+    assert not a.peer_gone(b.address) and a.take_dropped() == []
+    a.send(b.address, b"hi")
+    assert recv_until(b, 1) == [(a.address, b"hi")]
+    deadline = time.monotonic() + 5
+    while not a._links.links[b.address].up:  # the monitor's CONNECTED, read by recv
+        assert time.monotonic() < deadline
+        a.recv(10)
+    assert not a.peer_gone(b.address) and a.take_dropped() == []
+    cpu0, t0 = thread_cpu_s(), time.monotonic()
+    while time.monotonic() - t0 < 0.5:
+        assert a.recv(100) == []
+    assert thread_cpu_s() - cpu0 < 0.05
+    b.close()
+    t0 = time.monotonic()
+    assert a.recv(5000) == []  # the drop ends the wait
+    assert time.monotonic() - t0 < 2.0
+    assert a.take_dropped() == [b.address] and a.take_dropped() == []
+    assert a.peer_gone(b.address) and a.stats.link_drops == 1
+    a.forget(b.address)
+    assert a.peer_gone(b.address)

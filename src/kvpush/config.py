@@ -185,6 +185,11 @@ class KVTransferConfig:
     lease_timeout_s: float = 15.0
     heartbeat_interval_s: float = 1.0
     load_failure_policy: Literal["fail", "recompute"] = "fail"
+    #: push, decode side: how long the blocks of a transfer whose request ended while
+    #: prefill's WRITEs may still land (lease expired, client gone) stay fenced when
+    #: prefill neither answers nor drops its connection (a prefill frozen for good);
+    #: then they are freed anyway and the timeout is counted
+    fence_timeout_s: float = 300.0
     #: push, decode side: who computes the uncached tail of a prompt whose every full
     #: block decode already holds. "prefill" (default): prefill computes it (its own
     #: prefix cache usually holds the rest) and writes only the tail block, so decode's
@@ -219,6 +224,8 @@ class KVTransferConfig:
                               "(--kv-secret-file / KVPUSH_KV_SECRET)")
         if not 0 <= self.side_channel_port < 65536:
             raise ConfigError(f"--side-channel-port out of range: {self.side_channel_port}")
+        if not self.fence_timeout_s > 0:
+            raise ConfigError(f"--fence-timeout must be positive, got {self.fence_timeout_s}")
         if self.heartbeat_interval_s <= 0 or self.lease_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(
                 "--lease-timeout must be longer than the heartbeat interval "

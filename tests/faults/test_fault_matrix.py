@@ -5,10 +5,10 @@ For push and for pull (one cluster per mode, module-scoped): P SIGKILLed before 
 writes and while it writes; D SIGKILLed before it registers, while it receives and
 mid-stream; client disconnects; lease expiry; an injected post failure; 50 ms delay and
 5% loss on the P<->D side channel; a rate-limited link (tbf); P frozen past the lease
-and resumed (pull: fenced; push: a known limit, xfail). Each case asserts the
-request ends within its bound (``BOUND_*`` below, the table's "bound" column) with a
-clear error or the right answer; every surviving instance's blocks are all free again;
-the router then serves correct answers. Killed instances are restarted.
+and resumed (both fenced: the late READ or WRITEs land in no reused block). Each case
+asserts the request ends within its bound (``BOUND_*`` below, the table's "bound"
+column) with a clear error or the right answer; every surviving instance's blocks are
+all free again; the router then serves correct answers. Killed instances are restarted.
 
 Run with ``make test-faults`` (root; skipped with the reason otherwise).
 """
@@ -543,18 +543,16 @@ def test_prefill_frozen_past_lease_then_resumed_pull(cl, net, note):
     cl.wait_all_free()
 
 
-@pytest.mark.xfail(strict=True, reason="known limit (docs/RELIABILITY.md): a push WRITE "
-                   "already on the wire when P freezes lands after D's lease has freed "
-                   "its blocks; nothing on D can fence it without transport support")
 def test_prefill_frozen_past_lease_then_resumed_push(cl, net, note):
-    """Push: the same with P's WRITEs on the wire: decode's blocks are freed at the lease
-    (P may be dead: nothing else would free them), and the WRITEs that land after P
-    resumes corrupt blocks D has reused — later answers from its prefix cache go
-    wrong. Expected to fail until the transport can fence a peer."""
+    """Push: the same with P's WRITEs on the wire. At the lease the request fails, but
+    decode keeps its blocks fenced (not freed) until P answers for the transfer (its
+    AbortAck or PushDone once its WRITEs drained), its side-channel connection drops, or
+    --fence-timeout passes; so the WRITEs that land after P resumes reach no block D has
+    reused, and later answers from D's prefix cache stay right."""
     if cl.mode != "push":
         pytest.skip("push only (pull: see the case above)")
     try:
         wrong = _frozen_case(cl, net, note)
     finally:
-        cl.restart("D")  # drop the corrupted prefix cache
+        cl.restart("D")  # a fresh prefix cache for the cases after, whatever happened
     assert wrong == 0

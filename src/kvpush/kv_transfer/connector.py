@@ -16,9 +16,16 @@ Push, prefill side (``PushSend``)::
 Push, decode side (``DecodeRecv``)::
 
     PENDING_BLOCKS ──blocks──▶ AWAITING_KV ──PushDone(token #1)──▶ request RUNNING
-       │  (PushRegister sent; or a full prefix hit: computed here)   (no recompute)
-       └── failure: fail the request, or recompute it locally (policy)
-    abort while AWAITING_KV ──▶ QUARANTINED (blocks kept until AbortAck/PushDone/lease)
+       │  (PushRegister sent; or a full    │  (no recompute)
+       │   prefix hit: computed here)      ├─ PushDone(ok=False) / prefill's Abort:
+       │                                   │    fail or recompute (policy), blocks freed
+       └── failure: fail the request, or   └─ client abort, lease expiry, registration
+           recompute it locally (policy)        lost: the request ends (fails or
+                                                recomputes in fresh blocks) at once ──┐
+    QUARANTINED (blocks fenced out of the pool, Abort sent and repeated) ◀────────────┘
+       └── freed on AbortAck, PushDone, prefill's Abort, prefill's side-channel
+           connection dropping, or --fence-timeout (counted): never at lease end,
+           since a frozen prefill that resumes still finishes its WRITEs
 
 Pull: prefill finishes with max_tokens=1 and lends its blocks (``LENT``) under a lease
 until PullDone; decode allocates, posts a READ *on its step loop*, waits, then computes
@@ -116,6 +123,7 @@ class KVConnector(PrefillSide, DecodeSide):
             post_event,
             cfg.lease_timeout_s,
             cfg.heartbeat_interval_s,
+            fence_timeout_s=cfg.fence_timeout_s,
         )
         self.peers: dict[str, m.Hello] = {}  # address -> the peer's Hello (ready peers)
         self.peer_layouts: dict[str, tuple[int, KVLayout]] = {}  # address -> (base, layout)
@@ -131,7 +139,9 @@ class KVConnector(PrefillSide, DecodeSide):
         # called (on the step loop) with each finished transfer, e.g. by /metrics
         self.record_sink: Callable[[TransferRecord], None] | None = None
         self.counters = {"transfers_ok": 0, "transfers_failed": 0, "leases_expired": 0,
-                         "aborts_sent": 0, "aborts_received": 0}
+                         "aborts_sent": 0, "aborts_received": 0, "fences": 0,
+                         "fences_peer_gone": 0, "fence_timeouts": 0}
+        self.fenced_blocks = 0  # decode: blocks held out of the pool (``DecodeRecv.held``)
         self._step_writes: list[tuple[PushSend, list[int], list[int]]] = []
         # what the engine must do next: ("abort"|"fail", request_id, why),
         # ("first_token", request_id)
@@ -167,6 +177,8 @@ class KVConnector(PrefillSide, DecodeSide):
             "model_fingerprint": self.hello.model,
             "kv_load_failure_policy": self.cfg.load_failure_policy,
             "lease_timeout_s": self.cfg.lease_timeout_s,
+            "fence_timeout_s": self.cfg.fence_timeout_s,
+            "num_fenced_blocks": self.fenced_blocks,
         }
 
     # ---- requests -------------------------------------------------------------------
@@ -289,10 +301,11 @@ class KVConnector(PrefillSide, DecodeSide):
             return False, None
         # aborted while KV may be landing in its blocks: hold them until the peer is done
         recv.state = RecvState.QUARANTINED
-        recv.held = list(req.block_ids)
+        self._hold(recv, list(req.block_ids))
         if recv.mode == "push":
             self.worker.submit("send", recv.address, m.Abort(tid, error or "aborted"))
             self.counters["aborts_sent"] += 1
+            self._fence(recv)
         return True, None
 
 
@@ -342,10 +355,13 @@ class KVConnector(PrefillSide, DecodeSide):
         for recv in [r for r in self.recvs.values() if r.address == address]:
             self._recv_gone(recv, reason)
 
-    def _recv_gone(self, recv: DecodeRecv, why: str) -> None:
+    def _recv_gone(self, recv: DecodeRecv, why: str, silent: bool = False) -> None:
         """Prefill will send nothing more for ``recv``: end it. A READ of ours that may
-        still land keeps the blocks fenced until it ends; a quarantined one is done."""
-        if self._reading(recv):
+        still land keeps the blocks fenced until it ends. ``silent``: prefill only
+        stopped answering (lease), it has not said it is done: its push WRITEs may still
+        land, so the blocks stay fenced too; otherwise a quarantined push is done."""
+        if self._reading(recv) or (silent and recv.mode == "push" and recv.state in (
+                RecvState.AWAITING_KV, RecvState.QUARANTINED)):
             if recv.state is not RecvState.QUARANTINED:
                 self._recv_failed_fenced(recv, why)
         elif recv.state is RecvState.QUARANTINED:
@@ -367,11 +383,10 @@ class KVConnector(PrefillSide, DecodeSide):
                 return
             self._drop_send(send, f"aborted by decode: {ab.reason}")
             return
-        if tid in self.early_regs:
-            reg = self.early_regs.pop(tid)
+        if tid in self.early_regs:  # (the transfer thread has sent the AbortAck)
+            self.early_regs.pop(tid)
             self.worker.submit("untrack", tid)
             self._remember_ended(tid, f"aborted by decode: {ab.reason}")
-            self.worker.submit("send", reg.address, m.AbortAck(tid))
             return
         if tid in self.lent:
             self._ev_pull_done(m.PullDone(tid, ok=False))
@@ -400,7 +415,8 @@ class KVConnector(PrefillSide, DecodeSide):
         elif tid in self.lent:
             self.scheduler.pool.free(self.lent.pop(tid))
         elif tid in self.recvs:
-            self._recv_gone(self.recvs[tid], "lease expired: prefill stopped answering")
+            self._recv_gone(self.recvs[tid], "lease expired: prefill stopped answering",
+                            silent=True)
 
     def _ev_worker_died(self) -> None:
         for recv in list(self.recvs.values()):
@@ -422,6 +438,7 @@ class KVConnector(PrefillSide, DecodeSide):
             "sends_in_flight": len(self.sends),
             "recvs_in_flight": len(self.recvs),
             "blocks_lent": sum(len(b) for b in self.lent.values()),
+            "blocks_fenced": self.fenced_blocks,
         }
 
 

@@ -4,6 +4,12 @@ A ``DecodeRecv`` per request: blocks are allocated when the scheduler can (prefi
 first); push then registers them with prefill, pull posts the READ on the step loop.
 When the KV is in, the request joins the running batch — with token #1 from prefill in
 push mode, or recomputing the last prompt token in pull mode.
+
+A request that ends while KV may still land in its blocks (our READ still posted;
+prefill's WRITEs perhaps in flight or queued, prefill silent or told to stop) leaves its
+blocks *fenced* (``QUARANTINED``, ``held``) out of the pool until the transfer is known
+over: the READ's end (pull); prefill's answer, its connection dropping or the fence
+timeout (push, see fences.py).
 """
 
 from __future__ import annotations
@@ -124,6 +130,7 @@ class DecodeSide:
         self.by_request.pop(recv.request_id, None)
         self.worker.submit("untrack", recv.tid)
         if recv.held:
+            self.fenced_blocks -= len(recv.held)
             self.scheduler.pool.free(recv.held)
             recv.held = []
         if not ok:
@@ -154,20 +161,27 @@ class DecodeSide:
                                                       RecvState.QUARANTINED)
 
     def _recv_failed_fenced(self, recv: DecodeRecv, why: str) -> None:
-        """``_recv_failed`` for a pull whose READ is still in flight (prefill silent past
-        its lease, or gave up): the request fails (or recomputes, in fresh blocks) now,
-        but its blocks stay out of the pool until the READ ends (``read_done``: done,
-        failed, or the connection to prefill broken), so a READ that completes late —
-        a prefill that was frozen, not dead — lands in no one else's blocks."""
+        """``_recv_failed`` for a transfer whose KV may still land: a pull whose READ is
+        still in flight, or a push whose prefill has not said it is done (silent past
+        its lease, or a registration it never saw). The request fails (or recomputes,
+        in fresh blocks) now, but its blocks stay fenced out of the pool — pull: until
+        the READ ends (``read_done``: done, failed, or the connection to prefill
+        broken); push: until prefill answers or its connection drops or the fence
+        times out (``_fence``) — so KV that lands late, from a prefill that was frozen
+        and not dead, lands in no one else's blocks."""
         source = recv.remote_engine_id or recv.address
         msg = f"KV transfer {recv.tid} from prefill {source} failed: {why}"
         log.warning(msg)
         req = self.scheduler.requests.get(recv.request_id)
         if req is not None and recv.state is RecvState.AWAITING_KV:
-            recv.held, req.block_ids = list(req.block_ids), []
+            self._hold(recv, list(req.block_ids))
+            req.block_ids = []
         recv.state = RecvState.QUARANTINED
         self.by_request.pop(recv.request_id, None)
-        self.worker.submit("untrack", recv.tid)  # counted failed when the READ ends
+        if recv.mode == "push":
+            self._fence(recv)
+        else:
+            self.worker.submit("untrack", recv.tid)  # counted failed when the READ ends
         self._record(TransferRecord(recv.tid, "decode", recv.mode, False, error=why))
         if req is None:
             return
@@ -175,6 +189,34 @@ class DecodeSide:
             self.scheduler.remote_kv_failed(recv.request_id)
         else:
             self.actions.append(("fail", recv.request_id, msg))
+
+    def _hold(self, recv: DecodeRecv, blocks: list[int]) -> None:
+        """Keep ``blocks`` out of the pool for ``recv`` (freed by ``_end_recv``)."""
+        recv.held = blocks
+        self.fenced_blocks += len(blocks)
+
+    def _fence(self, recv: DecodeRecv) -> None:
+        """Push, QUARANTINED: its lease ends; the transfer thread watches prefill's
+        connection and the fence timeout (fences.py) while prefill's answer is awaited."""
+        self.counters["fences"] += 1
+        self.worker.submit("fence", recv.tid, recv.address)
+
+    def _ev_fence_released(self, tid: str, why: str) -> None:
+        """The transfer thread gave up waiting for prefill: its connection dropped
+        (``peer_gone``: the process ended) or the fence timed out (``timeout``)."""
+        recv = self.recvs.get(tid)
+        if recv is None or recv.state is not RecvState.QUARANTINED or recv.mode != "push":
+            return
+        if why == "timeout":
+            self.counters["fence_timeouts"] += 1
+            log.warning("transfer %s: prefill %s neither answered nor dropped its connection "
+                        "within --fence-timeout (%s s): its %d fenced blocks go back to the "
+                        "pool (should it still WRITE into them, later answers are wrong)",
+                        tid, recv.remote_engine_id or recv.address, self.cfg.fence_timeout_s,
+                        len(recv.held))
+        else:
+            self.counters["fences_peer_gone"] += 1
+        self._end_recv(recv, ok=False)
 
     def _kv_arrived(self, recv: DecodeRecv, num_computed: int,
                     first: tuple[int, float | None] | None, record: TransferRecord) -> None:
@@ -238,7 +280,7 @@ class DecodeSide:
             if recv.resends > MAX_REGISTER_RESENDS:
                 why = f"registration lost {MAX_REGISTER_RESENDS + 1} times"
                 self.worker.submit("send", recv.address, m.Abort(tid, why))
-                self._recv_failed(recv, why)
+                self._recv_failed_fenced(recv, why)  # one may yet arrive: wait for P
             else:
                 self.worker.submit("send", recv.address, recv.register)
 

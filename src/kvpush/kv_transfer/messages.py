@@ -19,8 +19,10 @@ Pull::
     D → P  PullDone(transfer_id)         P frees its blocks
 
 Either side may send ``Abort`` at any moment; a lease expiring sends one too. Decode
-keeps the blocks of an aborted push until prefill answers ``AbortAck`` (no WRITE of
-its is still in flight) or the lease runs out.
+keeps the blocks of a push it gave up on (aborted, or its lease ran out) fenced until
+prefill answers — ``AbortAck``, which prefill sends for any transfer id once none of
+its WRITEs is in flight, or ``PushDone`` — or prefill's connection drops, or the fence
+times out. Prefill never WRITEs for a transfer again once it has answered or aborted.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ class PullDone(msgspec.Struct, tag=True):
 
 
 class AbortAck(msgspec.Struct, tag=True):
-    """Prefill will not touch decode's blocks for this transfer any more."""
+    """Prefill will not touch decode's blocks for this transfer any more (the answer to
+    an ``Abort`` for any id, known or not, once no WRITE of it is in flight)."""
 
     transfer_id: str
 

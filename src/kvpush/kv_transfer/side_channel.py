@@ -18,6 +18,11 @@ return early, so other threads can hand the owning thread work. An owner with it
 own ``select`` loop can use :meth:`SideChannel.fileno` / :meth:`SideChannel.pending`
 instead.
 
+Link watch (link_watch.py): every DEALER has a ZMQ socket monitor, read by ``recv``, so
+the owner can tell a peer whose process is gone (it closed its sockets, or TCP keepalive
+gave up on the path: :meth:`take_dropped`, :meth:`peer_gone`) from one that is merely
+silent (frozen: its kernel keeps the connection open). A drop ends a waiting ``recv``.
+
 **Threading:** apart from :meth:`wake`, an instance is used from ONE thread (the
 instance's transfer thread): ZMQ sockets are not thread-safe.
 
@@ -54,6 +59,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from kvpush.kv_transfer.faults import FaultPlan
+from kvpush.kv_transfer.link_watch import LinkWatch
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +166,7 @@ class SideChannelStats:
     received: int = 0  # returned by recv
     rejected: int = 0  # refused by the authentication (all reasons)
     malformed: int = 0  # wrong number of frames
+    link_drops: int = 0  # connections of ours to a peer seen to drop
     rejected_by_reason: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
 
@@ -186,7 +193,10 @@ class SideChannel:
         sndhwm: int = 1000,
         max_message_bytes: int = 64 << 20,
         auth_window_s: float = 60.0,
+        keepalive: tuple[int, int, int] | None = (10, 5, 3),
     ):
+        """``keepalive``: TCP keepalive of the DEALERs as (idle s, interval s, probes),
+        so that a peer behind a broken path is seen to drop; None: the system's."""
         self.faults = faults
         self.type_of = type_of
         self.auth = ChannelAuth(secret, auth_window_s) if secret else None
@@ -194,6 +204,7 @@ class SideChannel:
         self._streams: dict[str, tuple[bytes, itertools.count]] = {}  # per destination
         self._last_log: dict[str, float] = {}  # reject reason -> when last logged
         self._sndhwm = sndhwm
+        self._keepalive = keepalive
         self._ctx = zmq.Context(io_threads=1)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -227,6 +238,7 @@ class SideChannel:
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        self._links = LinkWatch(self._poller)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -261,8 +273,12 @@ class SideChannel:
 
     def forget(self, address: str) -> None:
         """Close the DEALER to ``address``, discarding messages still queued for it."""
-        sock = self._dealers.pop(address, None)
         self._streams.pop(address, None)
+        self._close_dealer(address, forget=True)
+
+    def _close_dealer(self, address: str, forget: bool = False) -> None:
+        sock = self._dealers.pop(address, None)
+        self._links.detach(sock, address, forget)
         if sock is not None:
             sock.close(linger=0)
 
@@ -274,9 +290,34 @@ class SideChannel:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, self._sndhwm)
             sock.setsockopt(zmq.ROUTING_ID, self._identity)
+            if self._keepalive is not None:
+                idle, interval, count = self._keepalive
+                sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+                sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, idle)
+                sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, interval)
+                sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, count)
+            try:
+                self._links.attach(sock, address)
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                raise
             sock.connect(f"tcp://{host}:{port}")
             self._dealers[address] = sock
         return sock
+
+    # -- link watch -------------------------------------------------------------------
+
+    def take_dropped(self) -> list[str]:
+        """Addresses whose connection (our DEALER's) dropped since the last call: the
+        peer closed it (its process ended), or TCP gave up on the path."""
+        out = self._links.take_dropped()
+        self.stats.link_drops = self._links.drops
+        return out
+
+    def peer_gone(self, address: str) -> bool:
+        """Whether our connection to ``address`` was up once and is down now (also
+        after :meth:`forget`). A peer that is only frozen keeps its connection up."""
+        return self._links.gone(address)
 
     def _send_now(self, address: str, frames: list[bytes]) -> bool:
         try:
@@ -314,10 +355,14 @@ class SideChannel:
         if self._closed:
             return []
         deadline = time.monotonic() + max(0, timeout_ms) / 1000.0
+        drops0 = self._links.drops
+        if self._links.active:
+            self._links.pump()
         while True:
             self._flush_outbox()
             out = self._drain()
-            if out:
+            self.stats.link_drops = self._links.drops
+            if out or self._links.drops != drops0:  # a drop: the owner acts on it
                 return out
             now = time.monotonic()
             wait = deadline - now
@@ -326,6 +371,8 @@ class SideChannel:
             if self._outbox:
                 wait = min(wait, max(0.0, self._outbox[0][0] - now))
             events = dict(self._poller.poll(max(1, int(wait * 1000 + 0.999))))
+            if any(self._links.owns(sock) for sock in events):
+                self._links.pump()
             if self._wake_r in events:
                 self._clear_wake()
                 self._flush_outbox()
@@ -410,9 +457,8 @@ class SideChannel:
             return
         self._closed = True
         self._outbox.clear()
-        for sock in self._dealers.values():
-            sock.close(linger=0)
-        self._dealers.clear()
+        for address in list(self._dealers):
+            self._close_dealer(address)
         self._router.close(linger=0)
         self._ctx.term()
         os.close(self._wake_r)

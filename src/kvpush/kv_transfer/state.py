@@ -26,7 +26,7 @@ class SendState(enum.Enum):
 class RecvState(enum.Enum):
     PENDING_BLOCKS = "pending_blocks"
     AWAITING_KV = "awaiting_kv"
-    QUARANTINED = "quarantined"
+    QUARANTINED = "quarantined"  # request over, blocks fenced (held) until the KV can't land
 
 
 @dataclass
@@ -52,7 +52,7 @@ class DecodeRecv:
     remote_engine_id: str
     remote_block_ids: list[int] = field(default_factory=list)
     state: RecvState = RecvState.PENDING_BLOCKS
-    held: list[int] = field(default_factory=list)  # quarantined blocks
+    held: list[int] = field(default_factory=list)  # fenced blocks (QUARANTINED)
     register: m.PushRegister | None = None  # kept to re-send if it was lost
     resends: int = 0
     registered_at: float = 0.0  # monotonic time of the last (re)send of ``register``

@@ -12,6 +12,10 @@ the transport and check completions; idle, it wakes for heartbeats, lease deadli
 Per transfer it keeps a lease: a deadline renewed by the peer's heartbeats (or any
 message about the transfer). An expired lease becomes an ``lease_expired`` event for the
 engine and an ``Abort`` for the peer.
+
+Decode side, it keeps the fences of pushes whose blocks wait for prefill (fences.py).
+Prefill side, it answers an ``Abort`` with ``AbortAck`` for any transfer id once none of
+its WRITEs is in flight, and posts no WRITE for that id again.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.fences import DEFAULT_FENCE_TIMEOUT_S, Fence, FenceKeeper
 from kvpush.kv_transfer.transport import KVTransport, TransferPostError, XferState
 
-#: how many lease-expired transfer ids the worker remembers to refuse late WRITEs for
+#: how many ended transfer ids (aborted by either side, or whose WRITEs are all done)
+#: the worker remembers, to refuse a WRITE queued for one of them too late
 MAX_ABORTED_REMEMBERED = 4096
 
 log = logging.getLogger(__name__)
@@ -72,7 +78,7 @@ class WriteGroup:
     cancelled: bool = False
 
 
-class TransferWorker:
+class TransferWorker(FenceKeeper):
     def __init__(
         self,
         hello: m.Hello,
@@ -82,6 +88,7 @@ class TransferWorker:
         lease_timeout_s: float,
         heartbeat_interval_s: float,
         busy_poll_s: float = 0.001,
+        fence_timeout_s: float = DEFAULT_FENCE_TIMEOUT_S,
     ):
         self.hello = hello
         self.channel = channel
@@ -91,18 +98,24 @@ class TransferWorker:
         self.lease_timeout_s = lease_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.busy_poll_s = busy_poll_s
+        self.fence_timeout_s = fence_timeout_s
+        # prefill of a push: decode's blocks are written by us, Aborts are answered
+        self._writer = hello.role == "prefill" and hello.kv_transfer == "push"
         self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.peers: dict[str, Peer] = {}
         self.leases: dict[str, Lease] = {}
         self.writes: dict[str, WriteGroup] = {}
-        #: transfers whose peer was sent a lease-expiry Abort: a WRITE for one of them
-        #: that the step loop queued before it heard is refused (the peer frees its
-        #: blocks on that Abort); bounded, oldest forgotten first
+        self.fences: dict[str, Fence] = {}  # decode: tid -> fence (fences.py)
+        #: transfers whose WRITEs are over: aborted (a lease-expiry Abort sent to the
+        #: peer, or decode's Abort received) or finished (PushDone/AbortAck sent). A
+        #: WRITE the step loop queues for one of them later is refused (the peer frees
+        #: its blocks on that message); bounded, oldest forgotten first
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.handles: dict[int, str] = {}  # transport handle -> transfer id (writes)
         self.reads: dict[int, tuple[str, str]] = {}  # handle -> (transfer id, address)
         # every key exists from the start: other threads read this dict (metrics)
-        self.counters = {"leases_expired": 0, "transfers_failed": 0, "messages_bad": 0}
+        self.counters = {"leases_expired": 0, "transfers_failed": 0, "messages_bad": 0,
+                         "writes_refused": 0}
         self._rejected = getattr(getattr(channel, "stats", None), "rejected_by_reason", {})
         for reason in self._rejected:
             self.counters[f"side_channel_rejected_{reason}"] = 0
@@ -133,8 +146,10 @@ class TransferWorker:
                 if not self._drain_commands():
                     break
                 timeout_ms = int(self._timeout(time.monotonic()) * 1000)
-                for _sender, payload in self.channel.recv(timeout_ms):
-                    self._on_frame(payload)
+                for sender, payload in self.channel.recv(timeout_ms):
+                    self._on_frame(payload, sender)
+                for address in self.channel.take_dropped():
+                    self._peer_dropped(address)
                 for reason, n in self._rejected.items():
                     self.counters[f"side_channel_rejected_{reason}"] = n
                 self._poll_transfers()
@@ -157,6 +172,8 @@ class TransferWorker:
         t = self._next_heartbeat - now
         if self.leases:
             t = min(t, min(lease.deadline for lease in self.leases.values()) - now)
+        if self.fences:
+            t = min(t, min(min(f.deadline, f.next_abort) for f in self.fences.values()) - now)
         # keep the transport progressing while peers may be setting up connections
         return max(0.0, min(t, 0.02 if self.peers else 0.2))
 
@@ -199,16 +216,18 @@ class TransferWorker:
         peer.sent_hello = True
         self.channel.send(address, m.encode(self.hello))
 
-    def _on_frame(self, payload: bytes) -> None:
+    def _on_frame(self, payload: bytes, sender: str = "") -> None:
         try:
             msg = m.decode(payload)
         except Exception:
             self.counters["messages_bad"] += 1
             log.warning("dropped a malformed side-channel frame (%d bytes)", len(payload))
             return
-        handler = getattr(self, "_on_" + type(msg).__name__)
         try:
-            handler(msg)
+            if isinstance(msg, m.Abort):
+                self._on_abort(msg, sender)
+            else:
+                getattr(self, "_on_" + type(msg).__name__)(msg)
         except Exception:  # a peer's message must never kill the transfer thread
             self.counters["messages_bad"] += 1
             log.exception("dropped a side-channel %s that could not be handled",
@@ -276,8 +295,26 @@ class TransferWorker:
     def _on_PullDone(self, msg: m.PullDone) -> None:
         self.post_event(("pull_done", msg))
 
-    def _on_Abort(self, msg: m.Abort) -> None:
+    def _on_abort(self, msg: m.Abort, sender: str) -> None:
+        if self._writer:  # decode gave up on a push: answer once nothing of ours can land
+            self._writes_aborted(msg.transfer_id, sender)
         self.post_event(("abort", msg))
+
+    def _writes_aborted(self, tid: str, address: str) -> None:
+        """Decode aborted push ``tid``: post no more WRITEs for it, and answer AbortAck
+        once those in flight have drained (at once when none are). Any id gets its
+        answer, one this instance never had or has finished with too: decode keeps the
+        transfer's blocks fenced until it hears."""
+        self._remember_aborted(tid)
+        group = self.writes.get(tid)
+        if group is not None:
+            group.cancelled = group.abort_ack = True
+            group.failed = group.failed or "aborted by decode"
+            group.finish = group.finish or m.PushDone(tid, ok=False, error="aborted")
+            self._maybe_finish(tid)
+            return
+        if address:  # (a peer not met yet, e.g. restarted on decode's old address,
+            self._send(address, m.AbortAck(tid))  # gets it after a handshake)
 
     def _on_AbortAck(self, msg: m.AbortAck) -> None:
         self.post_event(("abort_ack", msg))
@@ -291,12 +328,18 @@ class TransferWorker:
 
     def _cmd_untrack(self, tid: str) -> None:
         self.leases.pop(tid, None)
+        self.fences.pop(tid, None)
 
     def _cmd_write(self, tid: str, address: str, local: list, remote: list) -> None:
         group = self.writes.get(tid)
         if group is None:
-            group = self.writes[tid] = WriteGroup(address, cancelled=tid in self.aborted)
+            if tid in self.aborted:  # ended: the peer may have freed the blocks
+                self.counters["writes_refused"] += 1
+                return
+            group = self.writes[tid] = WriteGroup(address)
         if group.cancelled or group.failed or not local:
+            if local and group.cancelled:
+                self.counters["writes_refused"] += 1
             return
         peer = self.peers.get(address)
         if peer is None or not peer.ready:
@@ -319,6 +362,8 @@ class TransferWorker:
 
     def _cmd_finalize(self, tid: str, address: str, done: m.PushDone) -> None:
         """Send ``done`` to decode once every WRITE of the transfer has completed."""
+        if self._ended(tid):
+            return
         group = self.writes.setdefault(tid, WriteGroup(address))
         group.address = address
         group.finish = done
@@ -326,11 +371,26 @@ class TransferWorker:
 
     def _cmd_cancel_writes(self, tid: str, address: str) -> None:
         """Decode aborted: post nothing more; AbortAck once in-flight WRITEs drain."""
-        group = self.writes.setdefault(tid, WriteGroup(address))
-        group.cancelled = True
-        group.abort_ack = True
-        group.finish = group.finish or m.PushDone(tid, ok=False, error="aborted")
-        self._maybe_finish(tid)
+        if tid in self.writes:
+            self._writes_aborted(tid, address)  # writes_done once they have drained
+        elif not self._ended(tid):  # its Abort forgotten already (bounded memory)
+            self._writes_aborted(tid, address)
+            self._ended(tid)
+
+    def _ended(self, tid: str) -> bool:
+        """Whether ``tid``'s WRITEs are over with none in flight (the peer has had its
+        answer: AbortAck, PushDone, or our Abort). Then the step loop is told at once,
+        so that it frees what the transfer held."""
+        if tid in self.writes or tid not in self.aborted:
+            return False
+        self.post_event(("writes_done", tid, "aborted", 0, 0, 0.0, 0.0))
+        return True
+
+    def _remember_aborted(self, tid: str) -> None:
+        self.aborted[tid] = None
+        self.aborted.move_to_end(tid)
+        while len(self.aborted) > MAX_ABORTED_REMEMBERED:
+            self.aborted.popitem(last=False)
 
     def _cmd_watch_read(self, tid: str, handle: int, address: str) -> None:
         self.reads[handle] = (tid, address)
@@ -340,6 +400,7 @@ class TransferWorker:
         if group is None or group.finish is None or group.pending:
             return
         del self.writes[tid]
+        self._remember_aborted(tid)  # a WRITE queued later is refused
         if group.abort_ack:
             self._send(group.address, m.AbortAck(tid))
         else:
@@ -421,15 +482,15 @@ class TransferWorker:
                 peer = self.peers.get(lease.address)
                 if peer is not None and peer.ready:
                     self.channel.send(lease.address, m.encode(m.Abort(tid, "lease expired")))
-                    self.aborted[tid] = None
-                    while len(self.aborted) > MAX_ABORTED_REMEMBERED:
-                        self.aborted.popitem(last=False)
+                    self._remember_aborted(tid)
                 elif peer is not None and peer.sent_hello and not peer.refused:
                     log.error("transfer %s: no answer to the side-channel handshake from %s "
                               "(unreachable, not a kvpush instance, or it refuses our "
                               "messages: a different side-channel secret?)", tid,
                               lease.address)
             self.post_event(("lease_expired", tid))
+        if self.fences:
+            self._expire_fences(now)
 
 
 def _fields(s) -> dict:

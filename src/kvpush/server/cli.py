@@ -136,6 +136,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "heard from for this long (default: 15)")
     pd.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS",
                     help="how often peers confirm the transfers they hold (default: 1)")
+    pd.add_argument("--fence-timeout", type=float, default=300.0, metavar="SECONDS",
+                    help="push, decode side: blocks a prefill may still WRITE into after "
+                         "their request ended (its lease expired, the client left) stay "
+                         "out of the pool until prefill answers or its connection drops, "
+                         "or at most this long (default: 300)")
     p.set_defaults(func=run_serve)
     return p
 
@@ -173,6 +178,7 @@ def build_config(args: argparse.Namespace) -> Any:
         transport=args.kv_transport,
         lease_timeout_s=args.lease_timeout,
         heartbeat_interval_s=args.heartbeat_interval,
+        fence_timeout_s=args.fence_timeout,
         load_failure_policy=args.kv_load_failure_policy,
         prefix_hit_tail=args.prefix_hit_tail,
         side_channel_secret=secret,

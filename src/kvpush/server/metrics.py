@@ -106,6 +106,17 @@ class _TransferCollector(Collector):
             "kvpush_kv_aborts_received": ("Aborts received from a peer", "aborts_received"),
             "kvpush_kv_side_channel_bad_messages": ("Side-channel frames dropped as "
                                                     "malformed", "worker_messages_bad"),
+            "kvpush_kv_fences": ("Push transfers whose blocks were fenced when their "
+                                 "request ended with prefill's WRITEs possibly in flight",
+                                 "fences"),
+            "kvpush_kv_fences_peer_gone": ("Fences ended by the prefill's connection "
+                                           "dropping (its process ended)",
+                                           "fences_peer_gone"),
+            "kvpush_kv_fence_timeouts": ("Fences given up at --fence-timeout (prefill "
+                                         "neither answered nor dropped its connection): "
+                                         "blocks freed anyway", "fence_timeouts"),
+            "kvpush_kv_writes_refused": ("WRITEs not posted because their transfer had "
+                                         "ended (aborted or done)", "worker_writes_refused"),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(st.get(key, 0)))
@@ -122,6 +133,9 @@ class _TransferCollector(Collector):
             "kvpush_kv_sends_in_flight": ("Prefill-side transfers in flight", "sends_in_flight"),
             "kvpush_kv_recvs_in_flight": ("Decode-side transfers in flight", "recvs_in_flight"),
             "kvpush_kv_blocks_lent": ("Blocks lent to decode instances (pull)", "blocks_lent"),
+            "kvpush_kv_blocks_fenced": ("Blocks held out of the pool until a transfer that "
+                                        "may still write or read them has ended",
+                                        "blocks_fenced"),
         }
         for name, (doc, key) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=float(st.get(key, 0)))

@@ -1,0 +1,203 @@
+"""TransferWorker without its thread, on a fake channel and transport: how prefill
+answers Aborts and refuses late WRITEs, and how decode's fences end (peer gone,
+timeout) — deterministic, no sockets."""
+
+from __future__ import annotations
+
+import time
+
+from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.transport import XferState
+from kvpush.kv_transfer.worker import Peer, TransferWorker
+
+D, P = "10.0.0.2:5700", "10.0.0.1:5600"
+LEASE, FENCE = 2.0, 30.0
+RANGES = ([(4096, 64)], [(8192, 64)])
+
+
+class FakeChannel:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, m.Message]] = []
+        self.gone: set[str] = set()
+        self.dropped: list[str] = []
+        self.forgotten: list[str] = []
+
+    def send(self, address: str, payload: bytes) -> bool:
+        self.sent.append((address, m.decode(payload)))
+        return True
+
+    def of(self, kind: type) -> list:
+        return [msg for _, msg in self.sent if isinstance(msg, kind)]
+
+    def wake(self) -> None:
+        pass
+
+    def peer_gone(self, address: str) -> bool:
+        return address in self.gone
+
+    def take_dropped(self) -> list[str]:
+        out, self.dropped = self.dropped, []
+        return out
+
+    def forget(self, address: str) -> None:
+        self.forgotten.append(address)
+
+    def close(self) -> None:
+        pass
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.states: dict[int, XferState] = {}
+        self.posts = 0
+
+    def post(self, op, peer, local, remote) -> int:
+        self.posts += 1
+        self.states[self.posts] = XferState.PENDING
+        return self.posts
+
+    def state(self, handle: int) -> XferState:
+        return self.states[handle]
+
+    def release(self, handle: int) -> None:
+        self.states.pop(handle, None)
+
+    def progress(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def hello(role: str, address: str) -> m.Hello:
+    return m.Hello(version=m.PROTOCOL_VERSION, engine_id=role, role=role, address=address,
+                   transport="inproc", agent_metadata=b"", model="x", dtype="float32",
+                   block_size=16, layout="x", num_layers=1, num_kv_heads=1, head_dim=1,
+                   kv_transfer="push", base_address=4096, num_blocks=8, block_bytes=8,
+                   layer_bytes=64)
+
+
+def worker(role: str) -> tuple[TransferWorker, FakeChannel, FakeTransport, list[tuple]]:
+    mine, theirs = (P, D) if role == "prefill" else (D, P)
+    ch, tr, events = FakeChannel(), FakeTransport(), []
+    w = TransferWorker(hello(role, mine), ch, tr, events.append, LEASE, 0.5,
+                       fence_timeout_s=FENCE)
+    other = "decode" if role == "prefill" else "prefill"
+    w.peers[theirs] = Peer(theirs, hello=hello(other, theirs), agent=other)
+    return w, ch, tr, events
+
+
+def abort_frame(tid: str) -> bytes:
+    return m.encode(m.Abort(tid, "client gone"))
+
+
+def kinds(events: list[tuple]) -> list[str]:
+    return [ev[0] for ev in events]
+
+
+def test_prefill_acks_an_abort_for_an_unknown_id_at_once_and_refuses_its_writes():
+    w, ch, tr, events = worker("prefill")
+    w._on_frame(abort_frame("never-seen"), D)
+    assert ch.of(m.AbortAck) == [m.AbortAck("never-seen")]
+    assert ch.sent[0][0] == D
+    assert kinds(events) == ["abort"]  # the step loop hears of it too
+    w._cmd_write("never-seen", D, *RANGES)
+    assert tr.posts == 0 and w.counters["writes_refused"] == 1
+    assert "never-seen" not in w.writes
+
+
+def test_prefill_acks_only_once_its_in_flight_writes_drained():
+    w, ch, tr, events = worker("prefill")
+    w._cmd_write("t", D, *RANGES)
+    assert tr.posts == 1
+    w._on_frame(abort_frame("t"), D)
+    assert ch.of(m.AbortAck) == []  # a WRITE may still land in decode's blocks
+    w._cmd_write("t", D, *RANGES)  # a layer-hook WRITE queued before the step loop heard
+    assert tr.posts == 1 and w.counters["writes_refused"] == 1
+    tr.states[1] = XferState.DONE
+    w._poll_transfers()
+    assert ch.of(m.AbortAck) == [m.AbortAck("t")]
+    assert ch.of(m.PushDone) == []
+    done = [ev for ev in events if ev[0] == "writes_done"]
+    assert len(done) == 1 and done[0][2] == "aborted by decode"
+    # the group is gone, the id is remembered: a WRITE queued later is still refused
+    w._cmd_write("t", D, *RANGES)
+    assert tr.posts == 1 and w.counters["writes_refused"] == 2
+    # the step loop's own cancel (it heard of the Abort after the drain): it is told
+    # the WRITEs are over, decode gets no second answer
+    w._cmd_cancel_writes("t", D)
+    assert len(ch.of(m.AbortAck)) == 1
+    assert kinds(events).count("writes_done") == 2 and "t" not in w.writes
+
+
+def test_prefill_refuses_writes_once_a_transfer_finished():
+    w, ch, tr, _ = worker("prefill")
+    w._cmd_write("t", D, *RANGES)
+    w._cmd_finalize("t", D, m.PushDone("t", ok=True, first_token=3))
+    tr.states[1] = XferState.DONE
+    w._poll_transfers()
+    assert [d.ok for d in ch.of(m.PushDone)] == [True]
+    w._cmd_write("t", D, *RANGES)
+    assert tr.posts == 1 and w.counters["writes_refused"] == 1 and "t" not in w.writes
+    # an Abort arriving after PushDone is answered too (nothing is in flight)
+    w._on_frame(abort_frame("t"), D)
+    assert ch.of(m.AbortAck) == [m.AbortAck("t")]
+
+
+def test_prefill_finalize_after_its_own_lease_abort_sends_nothing_more():
+    """Prefill's lease ended with no WRITE posted: it sent decode an Abort; the step
+    loop's finalize for that id only releases prefill's blocks."""
+    w, ch, tr, events = worker("prefill")
+    w._cmd_track("t", D)
+    w._expire(time.monotonic() + LEASE + 1)
+    assert ch.of(m.Abort) == [m.Abort("t", "lease expired")]
+    w._cmd_write("t", D, *RANGES)
+    w._cmd_finalize("t", D, m.PushDone("t", ok=False, error="lease expired"))
+    assert tr.posts == 0 and ch.of(m.PushDone) == []
+    assert kinds(events) == ["lease_expired", "writes_done"]
+
+
+def test_decode_does_not_answer_aborts():
+    w, ch, _, events = worker("decode")
+    w._on_frame(abort_frame("t"), P)
+    assert ch.sent == [] and kinds(events) == ["abort"]
+
+
+def test_decode_fence_repeats_its_abort_then_times_out():
+    w, ch, _, events = worker("decode")
+    w._cmd_track("t", P)
+    t0 = time.monotonic()
+    w._cmd_fence("t", P)
+    assert "t" not in w.leases and "t" in w.fences  # the lease ends, the fence holds
+    w._expire(t0 + 1.5 * LEASE)
+    assert ch.of(m.Abort) == [m.Abort("t", "lease expired")] and events == []
+    w._expire(t0 + FENCE + 1)
+    assert events == [("fence_released", "t", "timeout")] and not w.fences
+
+
+def test_decode_fence_released_when_prefill_connection_drops():
+    w, ch, _, events = worker("decode")
+    w._cmd_fence("t", P)
+    w._cmd_fence("u", P)
+    w._cmd_fence("other", "10.0.0.9:1")
+    w._peer_dropped(P)
+    assert sorted(events) == [("fence_released", "t", "peer_gone"),
+                              ("fence_released", "u", "peer_gone")]
+    assert list(w.fences) == ["other"]
+    assert ch.forgotten == [P]  # nothing queued for it may reach it later
+
+
+def test_decode_fence_on_a_connection_already_down_ends_at_once():
+    w, ch, _, events = worker("decode")
+    ch.gone.add(P)
+    w._cmd_fence("t", P)
+    assert events == [("fence_released", "t", "peer_gone")] and not w.fences
+
+
+def test_untrack_ends_a_fence():
+    """Prefill answered (AbortAck / PushDone): the step loop frees and untracks."""
+    w, _, _, events = worker("decode")
+    w._cmd_fence("t", P)
+    w._cmd_untrack("t")
+    w._expire(time.monotonic() + FENCE + 1)
+    assert not w.fences and events == []
