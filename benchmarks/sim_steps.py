@@ -27,9 +27,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvpush.engine.step_trace import read_trace  # noqa: E402
 from kvpush.sim.profile import load_profile  # noqa: E402
 from kvpush.sim.served import step_kind as served_kind  # noqa: E402
+from kvpush.sim.served import traced_steps  # noqa: E402
 
 #: a pause between two steps shorter than this is the step loop's own time between them
 #: (inbox, outputs to the front end); a longer one is the instance waiting for work
@@ -53,9 +53,7 @@ def compare_run(out: Path, run: dict[str, Any], profile: Any) -> list[dict[str, 
     for path in sorted(folder.glob("*.jsonl")):
         role = ROLE_OF_FILE.get(path.stem.split("-")[0], path.stem)
         end = None
-        for st in read_trace(path):
-            if not run["wall_start"] <= st["t"] <= run["wall_end"]:
-                continue
+        for st in traced_steps([path], run["wall_start"], run["wall_end"]):
             if end is not None and st["t"] - end < GAP_S:
                 gaps.setdefault(role, []).append(st["t"] - end)
             end = st["t"] + st["dur"]

@@ -141,7 +141,6 @@ class KVConnector(PrefillSide, DecodeSide):
         self.counters = {"transfers_ok": 0, "transfers_failed": 0, "leases_expired": 0,
                          "aborts_sent": 0, "aborts_received": 0, "fences": 0,
                          "fences_peer_gone": 0, "fence_timeouts": 0}
-        self.fenced_blocks = 0  # decode: blocks held out of the pool (``DecodeRecv.held``)
         self._step_writes: list[tuple[PushSend, list[int], list[int]]] = []
         # what the engine must do next: ("abort"|"fail", request_id, why),
         # ("first_token", request_id)

@@ -130,7 +130,6 @@ class DecodeSide:
         self.by_request.pop(recv.request_id, None)
         self.worker.submit("untrack", recv.tid)
         if recv.held:
-            self.fenced_blocks -= len(recv.held)
             self.scheduler.pool.free(recv.held)
             recv.held = []
         if not ok:
@@ -193,7 +192,11 @@ class DecodeSide:
     def _hold(self, recv: DecodeRecv, blocks: list[int]) -> None:
         """Keep ``blocks`` out of the pool for ``recv`` (freed by ``_end_recv``)."""
         recv.held = blocks
-        self.fenced_blocks += len(blocks)
+
+    @property
+    def fenced_blocks(self) -> int:
+        """Blocks held out of the pool for transfers that may still land in them."""
+        return sum(len(recv.held) for recv in list(self.recvs.values()))
 
     def _fence(self, recv: DecodeRecv) -> None:
         """Push, QUARANTINED: its lease ends; the transfer thread watches prefill's
