@@ -1,0 +1,68 @@
+"""The dense decode cache's reserved storage (DecodeKVCache.reserve).
+
+A CPU instance that decodes touches the cache's whole cap at start-up, and every buffer
+shape after that is a view of the same storage: growing the batch past the buffer's
+slots copies the kept entries, but allocates nothing. Outputs must not change: greedy
+tokens against HF transformers and against the engine without the cache (gather path).
+"""
+
+from __future__ import annotations
+
+from engine_helpers import greedy, hf_greedy, make_engine
+from test_engine_behaviour import random_prompts
+
+
+def _staggered(engine, prompts: dict[str, list[int]], every: int, max_tokens: int
+               ) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
+    """Add one prompt every ``every`` steps while the earlier ones decode (so the decode
+    batch grows one request at a time, past the buffer's slots); step until done.
+    Returns the outputs and each step's (decode-cache slots, length, data pointer)."""
+    outs: dict[str, list[int]] = {rid: [] for rid in prompts}
+    todo = list(prompts.items())
+    shapes: list[tuple[int, int, int]] = []
+    for step in range(5_000):
+        if todo and step % every == 0:
+            rid, p = todo.pop(0)
+            engine.add_request(rid, p, greedy(max_tokens))
+        if not todo and not engine.has_work():
+            break
+        for o in engine.step():
+            outs[o.request_id].extend(o.new_token_ids)
+        buf = engine.runner.decode_cache.buf
+        if buf is not None:
+            shapes.append((buf.shape[2], buf.shape[4], buf.data_ptr()))
+    assert not engine.has_work()
+    return outs, shapes
+
+
+def test_growing_batch_reuses_the_reserved_storage(tiny_llama):
+    # later prompts are longer, so the buffer's length (sized for the longest request)
+    # must grow while earlier requests are still decoding and are carried over
+    lens = [10 + 12 * i for i in range(12)]
+    prompts = {f"r{i}": p for i, p in enumerate(random_prompts(lens, seed=5))}
+    engine = make_engine(tiny_llama, max_num_seqs=32)
+    cache = engine.runner.decode_cache
+    assert cache.storage is not None  # role both on CPU: reserved at start-up
+    assert cache.storage.numel() * cache.storage.element_size() <= cache.max_bytes
+    base = cache.storage.data_ptr()
+    got, shapes = _staggered(engine, prompts, every=3, max_tokens=40)
+
+    assert len({(s, n) for s, n, _ in shapes}) >= 3, shapes  # it was reshaped
+    assert {ptr for _, _, ptr in shapes} == {base}  # every shape a view of the storage
+    for rid, p in prompts.items():
+        assert got[rid] == hf_greedy(tiny_llama, p, 40), rid
+
+    gather = make_engine(tiny_llama, max_num_seqs=32)
+    gather.runner.decode_cache_bytes = 0  # no dense cache at all
+    assert gather.runner.decode_cache.storage is None
+    ref, _ = _staggered(gather, prompts, every=3, max_tokens=40)
+    assert got == ref
+
+
+def test_prefill_instances_reserve_nothing(tiny_llama):
+    from kvpush.config import KVTransferConfig
+
+    p = make_engine(tiny_llama, kv_transfer=KVTransferConfig(role="prefill", engine_id="p"))
+    assert p.runner.decode_cache.storage is None
+    d = make_engine(tiny_llama, kv_transfer=KVTransferConfig(role="decode", engine_id="d"))
+    assert d.runner.decode_cache.storage is not None
