@@ -382,6 +382,23 @@ def test_corun_slowdown_applies_only_while_a_neighbour_is_mid_step():
         prof(host={"corun_slowdown": 0.5})
 
 
+def test_front_end_spreads_a_burst_and_the_first_step_runs_the_first_arrival():
+    """Eight requests at once through a front end of 5 ms each: request k reaches the
+    instance k x 5 ms after the first, so the first step runs request 0 alone and the
+    second step everything that came during it; without the front end, one step."""
+    fe, hop = 0.005, BASE["handoff"]["client_hop_s"] + BASE["handoff"]["http_hop_s"]
+    w = Workload(8, math.inf, 64, 2, seed=0)
+    res, steps = _colocated_steps(prof(handoff__front_end_s=fe), w)
+    got = sorted(r.stages[Stage.PREFILL_RECEIVED] for r in res.requests)
+    assert got == pytest.approx([(k + 1) * fe + hop for k in range(8)], abs=1e-9)
+    prefill_rows = [sum(1 for c in chunks if c[0] > 1) for chunks, _, _ in steps]
+    assert prefill_rows[:2] == [1, 7]
+    _, together = _colocated_steps(prof(), w)
+    assert sum(1 for c in together[0][0] if c[0] > 1) == 8
+    with pytest.raises(ProfileError, match="front_end_s"):
+        prof(handoff__front_end_s=-1.0)
+
+
 # ---------------------------------------------------------------------------- CLI
 def test_cli_help(capsys):
     from kvpush.cli import main

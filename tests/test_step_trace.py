@@ -3,13 +3,14 @@ built on it (kvpush.sim.served)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from types import SimpleNamespace
 
 import pytest
 
 from engine_helpers import greedy, make_engine
-from kvpush.engine.step_trace import ENV_VAR, StepShapes, read_trace
+from kvpush.engine.step_trace import ENV_VAR, StepShapes, read_arrivals, read_trace
 
 
 def _plan(*chunks):
@@ -66,6 +67,39 @@ def test_engine_writes_no_trace_by_default(tiny_llama, tmp_path, monkeypatch):
     assert not list(tmp_path.rglob("*.jsonl"))
 
 
+def test_served_requests_leave_arrival_lines(tiny_llama, tmp_path, monkeypatch):
+    """The front end notes each request as it hands it to the step loop; steps and
+    arrivals are read apart."""
+    from kvpush.engine.async_engine import AsyncEngine
+
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "steps"))
+    eng = make_engine(tiny_llama)
+
+    async def main() -> float:
+        engine = AsyncEngine(eng.config, engine=eng)
+        engine.start()
+        try:
+            async def one(i: int) -> None:
+                async for _ in engine.generate(f"r{i}", list(range(3 + i, 20)), greedy(2)):
+                    pass
+
+            t0 = __import__("time").time()
+            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(3))), 60)
+            return t0
+        finally:
+            await engine.shutdown()
+
+    t0 = asyncio.run(main())
+    eng.shutdown()
+    (path,) = (tmp_path / "steps").glob("both-*.jsonl")
+    arrivals = read_arrivals(path)
+    steps = read_trace(path)
+    assert len(arrivals) == 3
+    assert all(t0 - 1 <= t <= steps[-1]["t"] for t in arrivals)
+    assert steps and all("chunks" in st and "arrival" not in st for st in steps)
+    assert arrivals[0] <= steps[0]["t"]  # the first step ran what had arrived
+
+
 def test_read_trace_skips_a_torn_last_line(tmp_path):
     p = tmp_path / "t.jsonl"
     p.write_text('{"t": 1, "dur": 0.1, "chunks": [[4, 0, true, false]]}\n{"t": 2, "du')
@@ -76,7 +110,12 @@ def test_read_trace_skips_a_torn_last_line(tmp_path):
 pytest.importorskip("simpy")
 
 from kvpush.sim.profile import ProfileError, profile_from_dict  # noqa: E402
-from kvpush.sim.served import factors_from, step_kind, step_ratios  # noqa: E402
+from kvpush.sim.served import (  # noqa: E402
+    factors_from,
+    front_end_gap,
+    step_kind,
+    step_ratios,
+)
 from test_sim import BASE  # noqa: E402
 
 
@@ -119,3 +158,9 @@ def test_factors_are_median_measured_over_modelled_per_kind():
     assert factors_from(ratios) == {"prefill": pytest.approx(2.0),
                                     "decode": pytest.approx(1.3)}
     assert factors_from({}) == {"prefill": 1.0, "decode": 1.0}
+
+
+def test_front_end_gap_is_the_mean_gap_of_a_burst():
+    assert front_end_gap([10.0]) is None and front_end_gap([]) is None
+    # order does not matter; 4 arrivals over 3 ms: 1 ms per request
+    assert front_end_gap([10.003, 10.0, 10.001, 10.002]) == pytest.approx(0.001)

@@ -106,6 +106,8 @@ class AsyncEngine:
         self._streams[internal] = (request_id, stream)
         self._internal[request_id] = internal
         self.engine.inbox.put(("add", internal, prompt_token_ids, params, kv_transfer_params))
+        if self.engine.step_trace is not None:
+            self.engine.step_trace.arrival()
         finished = False
         try:
             while True:

@@ -13,15 +13,20 @@ non-empty step to ``DIR/<role>-<pid>.jsonl``::
     {"t": 1764437000.123, "dur": 0.412, "chunks": [[512, 0, true, true]]}
 
 ``t`` is the wall-clock start (seconds since the epoch), ``dur`` the step's wall time
-(scheduling, forward, sampling, detokenization, connector hooks). It is a diagnostic
-for comparing a serving instance's real steps with the simulator's model of them
-(``benchmarks/sim_steps.py``). The file is line-buffered: a line costs one write.
+(scheduling, forward, sampling, detokenization, connector hooks). A served instance
+also writes one line per request as its front end hands the request to the step loop,
+``{"t": 1764437000.101, "arrival": 1}``: how fast a burst of requests gets through the
+client, the router and the HTTP server into the engine (the simulator's
+``handoff.front_end_s``). It is a diagnostic for comparing a serving instance's real
+steps with the simulator's model of them (``benchmarks/sim_steps.py``). The file is
+line-buffered: a line costs one write.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -57,6 +62,7 @@ class StepTrace:
         self._file: IO[str] | None = self.path.open("a", buffering=1)
         self._shapes = StepShapes()
         self._offset = time.time() - time.perf_counter()
+        self._lock = threading.Lock()  # the step loop and the HTTP thread both write
 
     def record(self, plan: Any, started: float, seconds: float) -> None:
         """``started``: time.perf_counter() at the step's start."""
@@ -64,12 +70,22 @@ class StepTrace:
             return
         line = {"t": round(self._offset + started, 6), "dur": round(seconds, 6),
                 "chunks": self._shapes.shapes(plan)}
-        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self._write(line)
+
+    def arrival(self) -> None:
+        """A request reached the engine's inbox now (called by the front end)."""
+        self._write({"t": round(time.time(), 6), "arrival": 1})
+
+    def _write(self, line: dict[str, Any]) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 def step_trace_from_env(role: str) -> StepTrace | None:
@@ -80,12 +96,21 @@ def step_trace_from_env(role: str) -> StepTrace | None:
     return StepTrace(Path(folder) / f"{role}-{os.getpid()}.jsonl")
 
 
-def read_trace(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The steps of one trace file (a torn last line, from a killed process, skipped)."""
-    steps = []
+def _lines(path: str | os.PathLike) -> list[dict[str, Any]]:
+    out = []
     for line in Path(path).read_text().splitlines():
         try:
-            steps.append(json.loads(line))
-        except json.JSONDecodeError:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a torn last line, from a killed process
             continue
-    return steps
+    return out
+
+
+def read_trace(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The steps of one trace file."""
+    return [st for st in _lines(path) if "dur" in st]
+
+
+def read_arrivals(path: str | os.PathLike) -> list[float]:
+    """When each request reached the engine's inbox (wall clock), in file order."""
+    return [st["t"] for st in _lines(path) if "arrival" in st]

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,7 +40,8 @@ class CalibrationPlan:
     #: (chunk tokens, prompt tokens): the prompt is prefilled in chunks of that size.
     prefill: tuple[tuple[int, int], ...] = ((1024, 1024), (512, 1024), (128, 512), (32, 128))
     #: (batch, prompt tokens): decode steps of that many requests.
-    decode: tuple[tuple[int, int], ...] = ((1, 128), (4, 128), (16, 128), (1, 1024), (2, 512))
+    decode: tuple[tuple[int, int], ...] = ((1, 128), (4, 128), (16, 128), (1, 1024), (2, 512),
+                                           (8, 1024))
     decode_steps: int = 8
     threads: tuple[int, ...] = (1, 2)
     #: (batch, prompt tokens, new prompt tokens): decode steps of a batch into which a new
@@ -139,7 +141,9 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
 
     longest = max([p for _, p in plan.prefill] + [p for _, p in plan.decode]
                   + [m[2] for m in plan.mixed])
-    max_len = longest + plan.decode_steps + 8
+    budget = max(1024, longest)
+    prefill_steps = max([-(-b * n // budget) for b, n in plan.decode], default=0)
+    max_len = longest + plan.decode_steps + prefill_steps + 8
     cfg = EngineConfig.build(model_dir, threads=threads, block_size=block_size,
                              max_model_len=max_len, enable_prefix_caching=False,
                              max_num_batched_tokens=max(1024, longest), max_num_seqs=64,
@@ -208,7 +212,12 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
                 f" {time.perf_counter() - t0:.2f} s")
         for batch, prompt in plan.decode:
             t0 = time.perf_counter()
-            run([prompt] * batch, plan.decode_steps + 1, max(1024, longest), record=True)
+            # the prompts prefill a budget's worth per step while the earlier ones start
+            # decoding; every request lasts until the whole batch has decoded
+            # decode_steps times together (the batched long-context decodes a serving
+            # decode instance runs)
+            run([prompt] * batch, plan.decode_steps + 1 + -(-batch * prompt // budget),
+                budget, record=True)
             log(f"[calibrate] threads={threads} decode batch {batch} at {prompt} tokens: "
                 f"{time.perf_counter() - t0:.2f} s")
         for batch, prompt, new in plan.mixed:
@@ -389,6 +398,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             corun_info = measure_corun(model_dir, clock=clock, log=log)
         except (RuntimeError, OSError, ZeroDivisionError) as e:
             log(f"[calibrate] co-run probe failed ({e}); corun_slowdown 1")
+    front_ends = [v["front_end_s"] for v in served.values() if v.get("front_end_s")]
     one = f"threads={plan.threads[0]}"
     two = f"threads={plan.threads[-1]}"
     if transfer:
@@ -440,7 +450,8 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "transfer": "measured here (NIXL UCX WRITE between two processes)" if transfer
                         else "PLATFORM.md figures (5-6 GB/s, ~2 us per descriptor)",
             "handoff": "estimates: localhost HTTP hop through uvicorn/httpx ~1 ms; side "
-                       "channel one-way ~12 us (PLATFORM.md: 25 us round trip)",
+                       "channel one-way ~12 us (PLATFORM.md: 25 us round trip); "
+                       "front_end_s measured by the served probe (0 when it did not run)",
         },
         "model": shape,
         "host": {"corun_slowdown": corun_info.get("corun_slowdown", 1.0),
@@ -450,6 +461,8 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
         "transfer": tr,
         "handoff": {"http_hop_s": 1e-3, "client_hop_s": 1e-3, "relay_s": 5e-4,
                     "side_channel_s": 1.2e-5, "handshake_s": 5e-3,
+                    "front_end_s": round(statistics.median(front_ends), 6) if front_ends
+                    else 0.0,
                     "pull_post_on_step_loop": False},
         "instance": {"block_size": 32, "num_blocks": (1 << 30) // (
             32 * 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * 4),

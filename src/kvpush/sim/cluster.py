@@ -1,9 +1,12 @@
 """A simulated xPyD (or colocated) cluster: router, engines and hand-off; one run.
 
-The router forwards each request (client -> router -> instance: ``client_hop_s`` +
-``http_hop_s``), picks instances round-robin (kvpush's default policy) or by fewest
-outstanding requests, and in push mode dispatches both legs at once. Every token the
-client sees travels instance -> router -> client (``http_hop_s + client_hop_s``).
+The front end takes each request in turn (``front_end_s`` each: a burst of requests
+reaches the engines spread out, so the first step of a burst runs the first arrivals
+only, as on a real host); the router forwards it (client -> router -> instance:
+``client_hop_s`` + ``http_hop_s``), picks instances round-robin (kvpush's default
+policy) or by fewest outstanding requests, and in push mode dispatches both legs at
+once. Every token the client sees travels instance -> router -> client (``http_hop_s +
+client_hop_s``).
 """
 
 from __future__ import annotations
@@ -188,12 +191,22 @@ def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> Sim
     for e in engines:  # every instance of a run shares the profile's host
         e.host, e.corun_slowdown = engines, profile.corun_slowdown
 
+    front_free = [0.0]  # when the front end is done with the requests before
+
+    def through_front_end(req: SimRequest) -> None:
+        t = max(env.now, front_free[0]) + ho.front_end_s
+        front_free[0] = t
+        if t > env.now:
+            env.timeout(t - env.now).callbacks.append(lambda _e: start(req))
+        else:
+            start(req)
+
     def arrivals():
         for req in reqs:
             if req.arrival > env.now:
                 yield env.timeout(req.arrival - env.now)
             req.mark(Stage.ARRIVED, env.now)
-            start(req)
+            through_front_end(req)
 
     env.process(arrivals())
     last = max((r.arrival for r in reqs), default=0.0)

@@ -230,6 +230,9 @@ class HandoffModel:
     relay_s: float           # router: turn P's answer into D's leg (pull)
     side_channel_s: float    # P <-> D one message (PushRegister, PushDone, PullDone)
     handshake_s: float = 0.0  # first contact of a P/D pair (ignored after warm-up)
+    #: the front end (client, router, instance HTTP server) passes requests on one at a
+    #: time, this long each: a burst reaches the engines spread out (0: all at once)
+    front_end_s: float = 0.0
     pull_post_on_step_loop: bool = True  # vLLM: D posts the READ on its step path
 
 
@@ -398,7 +401,8 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
         raise ProfileError(f"{path}: transfer.bandwidth_Bps must be > 0")
     ho = data.get("handoff")
     hn = _numbers(ho, f"{path}: handoff",
-                  ("http_hop_s", "client_hop_s", "relay_s", "side_channel_s"), ("handshake_s",))
+                  ("http_hop_s", "client_hop_s", "relay_s", "side_channel_s"),
+                  ("handshake_s", "front_end_s"))
     inst = data.get("instance")
     if not isinstance(inst, Mapping):
         raise ProfileError(f"{path}: missing field 'instance'")

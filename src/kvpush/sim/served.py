@@ -15,6 +15,10 @@ model, and records measured / modelled per kind of step (median over the steps):
 
 The profile keeps them as ``host.served_factors[step model][kind]`` and the simulator
 multiplies its step times by them (:class:`ServedStepModel`).
+
+The same probe times the front end: in its all-at-once phase, the instance notes when
+each request reached its engine (the trace's arrival lines); the mean gap between them
+is ``handoff.front_end_s`` (:func:`front_end_gap`).
 """
 
 from __future__ import annotations
@@ -67,6 +71,15 @@ def step_ratios(steps: Iterable[Mapping[str, Any]], model: StepModel
     return out
 
 
+def front_end_gap(arrivals: Sequence[float]) -> float | None:
+    """Mean gap between consecutive arrivals of a burst sent all at once (None for
+    fewer than two)."""
+    if len(arrivals) < 2:
+        return None
+    a = sorted(arrivals)
+    return (a[-1] - a[0]) / (len(a) - 1)
+
+
 def factors_from(ratios: Mapping[str, Sequence[float]]) -> dict[str, float]:
     """The median ratio of each kind (1.0 for a kind with no steps)."""
     return {k: round(statistics.median(ratios[k]), 4) if ratios.get(k) else 1.0
@@ -93,8 +106,12 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
                  probe: ServedProbe = ServedProbe(),
                  log: Callable[[str], None] = print) -> dict[str, Any]:
     """Serve ``probe`` with ``threads`` torch threads; measured / modelled step times per
-    kind (``factors``) and the number of steps behind each."""
+    kind (``factors``) and the number of steps behind each, and the front end's gap
+    between the arrivals of the all-at-once burst (``front_end_s``, None without one)."""
+    import json
+
     from kvpush.bench.compare import CompareConfig, ModeSpec, run_compare
+    from kvpush.engine.step_trace import read_arrivals
 
     with tempfile.TemporaryDirectory(prefix="kvpush-served-probe-") as tmp:
         cfg = CompareConfig(modes=[ModeSpec("colocated", threads)], rates=list(probe.rates),
@@ -105,8 +122,19 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
         run_compare(cfg, log=lambda m: None)
         files = sorted((Path(tmp) / "steps").rglob("*.jsonl"))
         ratios = step_ratios(traced_steps(files), engine_model)
+        gaps = []
+        for path in sorted((Path(tmp) / "runs").glob("*.json")):
+            run = json.loads(path.read_text())
+            if math.isinf(float(run["request_rate"])):
+                gap = front_end_gap([t for f in files for t in read_arrivals(f)
+                                     if run["wall_start"] <= t <= run["wall_end"]])
+                if gap is not None:
+                    gaps.append(gap)
     factors = factors_from(ratios)
+    front_end = statistics.median(gaps) if gaps else None
     log(f"[calibrate] served probe, threads={threads}: steps in the server / engine alone "
-        + ", ".join(f"{k} {factors[k]:.2f} ({len(ratios.get(k, []))} steps)" for k in KINDS))
+        + ", ".join(f"{k} {factors[k]:.2f} ({len(ratios.get(k, []))} steps)" for k in KINDS)
+        + (f"; front end {1e3 * front_end:.2f} ms per request" if front_end else ""))
     return {"factors": factors, "steps": {k: len(ratios.get(k, [])) for k in KINDS},
+            "front_end_s": front_end,
             "probe": {**probe.__dict__, "rates": [str(r) for r in probe.rates]}}
