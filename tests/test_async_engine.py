@@ -162,3 +162,51 @@ def test_outputs_from_the_inbox_go_out_before_the_next_step():
     ae._post = lambda outs: events.append(f"post {outs}")  # type: ignore[method-assign]
     ae._run()
     assert events == ["post ['token-1']", "step", "post ['token-2']", "shutdown"]
+
+
+_THREADS_SCRIPT = r"""
+import asyncio, json, sys, torch
+from kvpush.config import EngineConfig
+from kvpush.engine.async_engine import AsyncEngine
+from kvpush.sampling_params import SamplingParams
+
+config = EngineConfig.build(sys.argv[1], threads=2, block_size=16, num_blocks=64,
+                            max_model_len=128)
+engine = AsyncEngine(config)
+seen = []
+step = engine.engine.step
+
+def traced_step():
+    seen.append(torch.get_num_threads())
+    return step()
+
+engine.engine.step = traced_step
+
+async def main():
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        async for _ in engine.generate("r", list(range(5, 40)), params):
+            pass
+    finally:
+        await engine.shutdown()
+
+asyncio.run(main())
+print(json.dumps({"main": torch.get_num_threads(), "step": sorted(set(seen))}))
+"""
+
+
+def test_only_the_step_loop_runs_multithreaded_torch(tiny_llama):
+    """The model loads with one torch thread and the step loop sets --threads for
+    itself: a second OpenMP pool on the main thread made every 2-thread step sleep and
+    wake its worker at each parallel region (a fresh process: the test runner's main
+    thread has its own torch settings)."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, str(tiny_llama)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"main": 1, "step": [2]}

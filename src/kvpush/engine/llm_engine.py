@@ -42,9 +42,14 @@ def load_tokenizer(path: str):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None, faults=None):
-        if config.threads:
-            torch.set_num_threads(config.threads)
+    def __init__(self, config: EngineConfig, tokenizer=None, faults=None,
+                 build_threads: int | None = None):
+        """``build_threads``: torch threads of the calling thread while the engine is
+        built (default ``config.threads``). AsyncEngine builds with 1 and gives the
+        step-loop thread ``config.threads``: see AsyncEngine."""
+        threads = config.threads if build_threads is None else build_threads
+        if threads:
+            torch.set_num_threads(threads)
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.path)
         self.runner = ModelRunner(config)

@@ -225,10 +225,8 @@ def run_serve(args: argparse.Namespace) -> int:
         config = build_config(args)
     except ConfigError as e:
         return _fail(str(e))
-    if config.threads:
-        import torch
-
-        torch.set_num_threads(config.threads)  # before the model loads
+    # torch threads: AsyncEngine loads the model with one and gives the step loop
+    # config.threads (one OpenMP pool per process; see kvpush.engine.async_engine)
     from kvpush.engine.async_engine import AsyncEngine
 
     log.info("loading %s (%s, max_model_len %d, %d KV blocks of %d tokens)",
