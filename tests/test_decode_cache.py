@@ -66,3 +66,44 @@ def test_prefill_instances_reserve_nothing(tiny_llama):
     assert p.runner.decode_cache.storage is None
     d = make_engine(tiny_llama, kv_transfer=KVTransferConfig(role="decode", engine_id="d"))
     assert d.runner.decode_cache.storage is not None
+
+
+def test_decode_cache_memory_sets_the_reserved_cap(tiny_llama):
+    """--decode-cache-memory caps (and so reserves) the dense cache; 0 turns it off and
+    decode gathers from the paged region; a negative size is refused."""
+    import pytest
+
+    from kvpush.config import EngineConfig
+    from kvpush.errors import ConfigError
+
+    small = make_engine(tiny_llama, decode_cache_memory=1 << 20)
+    cache = small.runner.decode_cache
+    assert cache.max_bytes == 1 << 20
+    assert cache.storage.numel() * cache.storage.element_size() == 1 << 20
+    off = make_engine(tiny_llama, decode_cache_memory=0)
+    assert off.runner.decode_cache.max_bytes == 0
+    assert off.runner.decode_cache.storage is None
+    prompts = {f"r{i}": p for i, p in enumerate(random_prompts([30, 45], seed=3))}
+    got, _ = _staggered(off, prompts, every=1, max_tokens=12)
+    assert off.runner.decode_cache.buf is None  # never used
+    for rid, p in prompts.items():
+        assert got[rid] == hf_greedy(tiny_llama, p, 12)
+    with pytest.raises(ConfigError, match="decode-cache-memory"):
+        EngineConfig.build(tiny_llama, decode_cache_memory=-1)
+
+
+def test_serve_cli_reads_decode_cache_memory():
+    import argparse
+
+    import pytest
+
+    from kvpush.server import cli as serve_cli
+
+    p = argparse.ArgumentParser()
+    serve_cli.add_serve_parser(p.add_subparsers())
+    assert p.parse_args(["serve", "m", "--decode-cache-memory", "0"]).decode_cache_memory == 0
+    got = p.parse_args(["serve", "m", "--decode-cache-memory", "256MiB"])
+    assert got.decode_cache_memory == 256 << 20
+    assert p.parse_args(["serve", "m"]).decode_cache_memory is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["serve", "m", "--decode-cache-memory", "-5"])

@@ -218,6 +218,7 @@ def _parse(*argv: str) -> argparse.Namespace:
 def test_plan_roles_threads_and_pass_through():
     args = _parse("--prefill", "2", "--decode", "3", "--mode", "pull", "--block-size", "3",
                   "--dtype", "bfloat16", "--kv-cache-memory", "1GiB",
+                  "--decode-cache-memory", "256MiB",
                   "--shuffle-free-blocks", "--prefix-hit-tail", "decode")
     assert up_cli.instance_roles(args) == ["prefill"] * 2 + ["decode"] * 3
     assert up_cli.default_threads(5, cores=16) == 3
@@ -226,6 +227,7 @@ def test_plan_roles_threads_and_pass_through():
     assert argv[2:5] == ["kvpush", "serve", "m"]
     for pair in (["--role", "decode"], ["--kv-transfer", "pull"], ["--threads", "3"],
                  ["--block-size", "3"], ["--dtype", "bfloat16"], ["--kv-cache-memory", "1GiB"],
+                 ["--decode-cache-memory", "256MiB"],
                  ["--port", "1234"], ["--host", "127.0.0.1"], ["--shuffle-free-blocks", "0"],
                  ["--prefix-hit-tail", "decode"]):
         i = argv.index(pair[0])
@@ -243,6 +245,7 @@ def test_plan_colocated_and_router_argv():
     argv = up_cli.serve_argv(args, "m", "both", 1, 1)
     assert "--kv-transfer" not in argv and argv[argv.index("--role") + 1] == "both"
     assert "--prefix-hit-tail" not in argv and "--shuffle-free-blocks" not in argv
+    assert "--decode-cache-memory" not in argv
     argv = up_cli.router_argv(args, 8000, [], ["http://a"])
     assert argv[2:4] == ["kvpush", "router"] and "--prefill" not in argv
     assert argv[argv.index("--decode") + 1] == "http://a"

@@ -70,6 +70,15 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def size_or_zero(text: str) -> int:
+    """argparse type for a memory size where 0 means "none" (see :func:`parse_size`)."""
+    if text.strip() == "0":
+        return 0
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"size must be >= 0 (0: none), got {text!r}")
+    return size(text)
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an address to bind or dial) only reaches this machine."""
     import ipaddress

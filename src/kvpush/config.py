@@ -158,6 +158,9 @@ class CacheConfig:
     #: permute the free-block queue at start-up with this seed, so consecutive
     #: allocations get scattered block ids (fragmented-KV benchmarks); None: in order
     shuffle_free_blocks: int | None = None
+    #: cap of the dense decode cache (DecodeKVCache) in bytes; None: the KV region's
+    #: size; 0: no dense cache (decode gathers from the paged region every step)
+    decode_cache_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -255,6 +258,7 @@ class EngineConfig:
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int | None = None,
         kv_cache_memory: int | None = None,
+        decode_cache_memory: int | None = None,
         dtype: str = "float32",
         kv_dtype: str | None = None,
         device: str = "cpu",
@@ -317,6 +321,10 @@ class EngineConfig:
             if kv_cache_memory <= 0:
                 raise ConfigError(f"--kv-cache-memory must be > 0, got {kv_cache_memory}")
             num_blocks = kv_cache_memory // per_block
+        if decode_cache_memory is not None and decode_cache_memory < 0:
+            raise ConfigError(
+                f"--decode-cache-memory must be >= 0 (0: no dense decode cache), got "
+                f"{decode_cache_memory}")
         min_blocks = -(-max_model_len // block_size)
         if num_blocks < min_blocks:
             raise ConfigError(
@@ -333,6 +341,7 @@ class EngineConfig:
                 dtype=cache_dtype,
                 enable_prefix_caching=enable_prefix_caching,
                 shuffle_free_blocks=shuffle_free_blocks,
+                decode_cache_bytes=decode_cache_memory,
             ),
             scheduler=SchedulerConfig(
                 max_model_len=max_model_len,

@@ -164,6 +164,7 @@ def _up_args(cfg: CompareConfig, spec: ModeSpec) -> argparse.Namespace:
         mode=spec.mode, prefill=None if colocated else cfg.prefill,
         decode=None if colocated else cfg.decode, threads=threads,
         max_model_len=cfg.max_model_len, kv_cache_memory=cfg.kv_cache_memory,
+        decode_cache_memory=None,
         block_size=cfg.block_size, dtype=cfg.dtype, policy=None, health_interval=None,
         shuffle_free_blocks=cfg.shuffle_free_blocks, prefix_hit_tail=cfg.prefix_hit_tail)
 

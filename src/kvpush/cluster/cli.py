@@ -93,6 +93,9 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "least 1)")
     eng.add_argument("--max-model-len", type=int, metavar="TOKENS")
     eng.add_argument("--kv-cache-memory", metavar="SIZE", help="e.g. 512MiB, 2GiB")
+    eng.add_argument("--decode-cache-memory", metavar="SIZE",
+                     help="dense decode cache cap, reserved at start-up by the decode "
+                          "instance (default: --kv-cache-memory's; 0: off)")
     eng.add_argument("--block-size", type=int, metavar="TOKENS")
     eng.add_argument("--dtype", metavar="DTYPE", help="float32, bfloat16 or float16")
     eng.add_argument("--shuffle-free-blocks", type=int, nargs="?", const=0, metavar="SEED",
@@ -145,6 +148,7 @@ def serve_argv(args: argparse.Namespace, model: str, role: str, port: int,
             argv += ["--prefix-hit-tail", args.prefix_hit_tail]
     for flag, value in (("--max-model-len", args.max_model_len),
                         ("--kv-cache-memory", args.kv_cache_memory),
+                        ("--decode-cache-memory", args.decode_cache_memory),
                         ("--block-size", args.block_size), ("--dtype", args.dtype),
                         ("--shuffle-free-blocks", args.shuffle_free_blocks)):
         if value is not None:

@@ -24,13 +24,15 @@ class ModelRunner:
         )
         self.kv_region = KVRegion(config.model, config.cache, config.device)
         self.default_generator = torch.Generator().manual_seed(config.seed)
-        # Dense copies of decoding requests' KV (see DecodeKVCache), capped at the size
-        # of the KV region itself; set decode_cache_bytes to 0 to always gather instead.
+        # Dense copies of decoding requests' KV (see DecodeKVCache), capped at
+        # --decode-cache-memory (default: the size of the KV region itself; 0: always
+        # gather instead).
+        cap = config.cache.decode_cache_bytes
         self.decode_cache = DecodeKVCache(
             self.kv_region.kv,
             self.block_size,
             config.dtype,
-            self.kv_region.nbytes,
+            self.kv_region.nbytes if cap is None else cap,
             max_slots=config.scheduler.max_num_seqs,
             max_len=config.scheduler.max_model_len,
         )

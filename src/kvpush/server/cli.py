@@ -64,6 +64,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "bytes (default: 1GiB)")
     kv.add_argument("--num-blocks", type=int, metavar="N",
                     help="size the KV cache in blocks instead of bytes")
+    mdl.add_argument("--decode-cache-memory", type=cli_types.size_or_zero, metavar="SIZE",
+                     help="cap of the dense decode cache: decode attention reads each "
+                          "decoding request's KV from a contiguous copy instead of "
+                          "gathering its blocks every step. On CPU an instance that "
+                          "decodes (role both or decode) allocates and touches all of it "
+                          "at start-up, so resident memory grows by this much from the "
+                          "start; 0 turns the copy off (default: the KV cache's size)")
     mdl.add_argument("--dtype", default="float32", metavar="DTYPE",
                      help="weight and activation dtype: float32, bfloat16 or float16 "
                           "(default: float32)")
@@ -192,6 +199,7 @@ def build_config(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        decode_cache_memory=args.decode_cache_memory,
         dtype=args.dtype,
         kv_dtype=args.kv_dtype,
         device=args.device,
