@@ -101,9 +101,25 @@ def test_serve_cli_reads_decode_cache_memory():
 
     p = argparse.ArgumentParser()
     serve_cli.add_serve_parser(p.add_subparsers())
-    assert p.parse_args(["serve", "m", "--decode-cache-memory", "0"]).decode_cache_memory == 0
+    for zero in ("0", "0MiB", "0.0"):
+        assert p.parse_args(["serve", "m", "--decode-cache-memory", zero]).decode_cache_memory == 0
     got = p.parse_args(["serve", "m", "--decode-cache-memory", "256MiB"])
     assert got.decode_cache_memory == 256 << 20
     assert p.parse_args(["serve", "m"]).decode_cache_memory is None
-    with pytest.raises(SystemExit):
-        p.parse_args(["serve", "m", "--decode-cache-memory", "-5"])
+    for bad in ("-5", "0.4", "lots"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["serve", "m", "--decode-cache-memory", bad])
+
+
+def test_reserve_is_bounded_by_what_the_cache_can_use(tiny_llama):
+    """A cap above max_num_seqs x max_model_len positions reserves only those; setting
+    the cap at run time (before serving) re-reserves, from 0 too."""
+    engine = make_engine(tiny_llama, max_num_seqs=4, max_model_len=256,
+                         decode_cache_memory=1 << 30)
+    cache = engine.runner.decode_cache
+    usable = 4 * 256 * cache._per_slot_pos
+    assert cache.storage.numel() * cache.storage.element_size() == usable < 1 << 30
+    engine.runner.decode_cache_bytes = 0
+    assert cache.storage is None
+    engine.runner.decode_cache_bytes = usable // 2
+    assert cache.storage.numel() * cache.storage.element_size() == usable // 2

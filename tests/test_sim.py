@@ -390,7 +390,7 @@ def test_front_end_spreads_a_burst_and_the_first_step_runs_the_first_arrival():
     w = Workload(8, math.inf, 64, 2, seed=0)
     res, steps = _colocated_steps(prof(handoff__front_end_s=fe), w)
     got = sorted(r.stages[Stage.PREFILL_RECEIVED] for r in res.requests)
-    assert got == pytest.approx([(k + 1) * fe + hop for k in range(8)], abs=1e-9)
+    assert got == pytest.approx([k * fe + hop for k in range(8)], abs=1e-9)
     prefill_rows = [sum(1 for c in chunks if c[0] > 1) for chunks, _, _ in steps]
     assert prefill_rows[:2] == [1, 7]
     _, together = _colocated_steps(prof(), w)

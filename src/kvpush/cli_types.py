@@ -39,8 +39,9 @@ def seconds(text: str) -> float:
     return value
 
 
-def parse_size(text: str) -> int:
-    """'512MiB', '2GiB', '1G', '1048576' → bytes (binary units for K/M/G/T)."""
+def parse_size(text: str, allow_zero: bool = False) -> int:
+    """'512MiB', '2GiB', '1G', '1048576' → bytes (binary units for K/M/G/T); with
+    ``allow_zero``, 0 (in any unit) too."""
     from kvpush.errors import ConfigError
 
     s = text.strip().upper().replace(" ", "")
@@ -55,8 +56,10 @@ def parse_size(text: str) -> int:
         value = float(num)
     except ValueError:
         raise ConfigError(f"cannot read {text!r} as a size (e.g. 512MiB, 2GiB)") from None
-    if value <= 0:
-        raise ConfigError(f"size must be > 0, got {text!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"size must be {'>= 0' if allow_zero else '> 0'}, got {text!r}")
+    if value > 0 and int(value * mult) == 0:
+        raise ConfigError(f"size {text!r} is less than one byte")
     return int(value * mult)
 
 
@@ -72,11 +75,12 @@ def size(text: str) -> int:
 
 def size_or_zero(text: str) -> int:
     """argparse type for a memory size where 0 means "none" (see :func:`parse_size`)."""
-    if text.strip() == "0":
-        return 0
-    if text.strip().startswith("-"):
-        raise argparse.ArgumentTypeError(f"size must be >= 0 (0: none), got {text!r}")
-    return size(text)
+    from kvpush.errors import ConfigError
+
+    try:
+        return parse_size(text, allow_zero=True)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def is_loopback(host: str) -> bool:

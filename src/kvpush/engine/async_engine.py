@@ -35,6 +35,17 @@ from kvpush.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+
+def _torch_default_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+#: torch's own thread count, read once at import (before any engine changed it): what
+#: the step loop uses when --threads is not given
+DEFAULT_THREADS = _torch_default_threads()
+
 _STOP = ("stop", "")
 
 
@@ -44,9 +55,7 @@ class AsyncEngine:
         #: caller keeps the caller's setting)
         self.step_threads: int | None = None
         if engine is None:
-            import torch
-
-            self.step_threads = config.threads or torch.get_num_threads()
+            self.step_threads = config.threads or DEFAULT_THREADS
             engine = LLMEngine(config, build_threads=1)
         self.engine = engine
         self.config = config
@@ -120,9 +129,9 @@ class AsyncEngine:
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[internal] = (request_id, stream)
         self._internal[request_id] = internal
-        self.engine.inbox.put(("add", internal, prompt_token_ids, params, kv_transfer_params))
         if self.engine.step_trace is not None:
-            self.engine.step_trace.arrival()
+            self.engine.step_trace.arrival()  # before the step loop can see it
+        self.engine.inbox.put(("add", internal, prompt_token_ids, params, kv_transfer_params))
         finished = False
         try:
             while True:

@@ -45,9 +45,10 @@ class ModelRunner:
 
     @decode_cache_bytes.setter
     def decode_cache_bytes(self, n: int) -> None:
+        """Change the cap (before serving: not safe while the step loop runs)."""
         self.decode_cache.max_bytes = n
         self.decode_cache.reset()
-        if self.decode_cache.storage is not None:
+        if self._reserves_decode_cache:
             self.decode_cache.reserve()
 
     @property

@@ -74,7 +74,7 @@ class StepTrace:
 
     def arrival(self) -> None:
         """A request reached the engine's inbox now (called by the front end)."""
-        self._write({"t": round(time.time(), 6), "arrival": 1})
+        self._write({"t": round(self._offset + time.perf_counter(), 6), "arrival": 1})
 
     def _write(self, line: dict[str, Any]) -> None:
         with self._lock:

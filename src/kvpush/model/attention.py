@@ -213,8 +213,12 @@ class DecodeKVCache:
         self.reset()
         self.storage = None
         elem = torch.empty((), dtype=self.dtype).element_size()
-        if self.max_bytes >= elem:
-            self.storage = torch.zeros(self.max_bytes // elem, dtype=self.dtype,
+        # no shape is ever larger than max_slots x max_len positions
+        usable = self.max_bytes
+        if self.max_len:
+            usable = min(usable, self.max_slots * self.max_len * self._per_slot_pos)
+        if usable >= elem:
+            self.storage = torch.zeros(usable // elem, dtype=self.dtype,
                                        device=self.region.device)
 
     def _new_shape(self, slots: int, length: int, want: int) -> tuple[int, int] | None:

@@ -194,8 +194,10 @@ def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> Sim
     front_free = [0.0]  # when the front end is done with the requests before
 
     def through_front_end(req: SimRequest) -> None:
-        t = max(env.now, front_free[0]) + ho.front_end_s
-        front_free[0] = t
+        # the hops above are a lone request's path; a request queues only behind the
+        # ones the front end is still passing on
+        t = max(env.now, front_free[0])
+        front_free[0] = t + ho.front_end_s
         if t > env.now:
             env.timeout(t - env.now).callbacks.append(lambda _e: start(req))
         else:
