@@ -10,7 +10,7 @@ repeats pooled) and written between the ``sim_validate`` markers of
 ``benchmarks/SIMULATION.md``.
 
     # calibrate this machine, then validate (the one command to re-run on a quiet host):
-    .venv/bin/python benchmarks/sim_validate.py --calibrate
+    .venv/bin/python benchmarks/sim_validate.py --calibrate --profile /tmp/cpu-now.json
     # validate against an existing profile:
     .venv/bin/python benchmarks/sim_validate.py --profile benchmarks/results/sim/v5/cpu-local.json
     # the older runs of benchmarks/RESULTS.md, with table B's one-number host factor:
@@ -195,6 +195,10 @@ def main() -> int:
     ap.add_argument("--marker", default="sim_validate",
                     help="section of SIMULATION.md to (re)write")
     args = ap.parse_args()
+    if args.calibrate and args.profile == DEFAULT_PROFILE:
+        ap.error(f"--calibrate writes a new profile: give it a --profile path (the default, "
+                 f"{DEFAULT_PROFILE.relative_to(HERE.parent)}, is the one the recorded runs "
+                 "were validated against)")
     if args.calibrate:
         kvpush = Path(sys.executable).with_name("kvpush")
         cmd = [str(kvpush), "simulate", "calibrate", "--model", args.model,
