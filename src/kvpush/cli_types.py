@@ -63,24 +63,19 @@ def parse_size(text: str, allow_zero: bool = False) -> int:
     return int(value * mult)
 
 
-def size(text: str) -> int:
+def size(text: str, allow_zero: bool = False) -> int:
     """argparse type for a memory size (see :func:`parse_size`)."""
     from kvpush.errors import ConfigError
 
     try:
-        return parse_size(text)
+        return parse_size(text, allow_zero)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def size_or_zero(text: str) -> int:
-    """argparse type for a memory size where 0 means "none" (see :func:`parse_size`)."""
-    from kvpush.errors import ConfigError
-
-    try:
-        return parse_size(text, allow_zero=True)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    """argparse type for a memory size where 0 means "none"."""
+    return size(text, allow_zero=True)
 
 
 def is_loopback(host: str) -> bool:

@@ -28,6 +28,8 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 
+import torch
+
 from kvpush.config import EngineConfig
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import EngineStats, RequestError, RequestOutput
@@ -35,16 +37,9 @@ from kvpush.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-
-def _torch_default_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
 #: torch's own thread count, read once at import (before any engine changed it): what
 #: the step loop uses when --threads is not given
-DEFAULT_THREADS = _torch_default_threads()
+DEFAULT_THREADS = torch.get_num_threads()
 
 _STOP = ("stop", "")
 
@@ -159,8 +154,6 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         if self.step_threads:
-            import torch
-
             torch.set_num_threads(self.step_threads)
         try:
             while True:

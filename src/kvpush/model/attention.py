@@ -23,6 +23,7 @@ torch to its unfused math kernel.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -258,7 +259,7 @@ class DecodeKVCache:
         L, _, _, _, hkv, d = self.region.shape
         new_s, new_l = shape
         dims = (L, 2, new_s, hkv, new_l, d)
-        numel = L * 2 * new_s * hkv * new_l * d
+        numel = math.prod(dims)
         if self.storage is not None and numel <= self.storage.numel():
             # the old buffer is a view of the same storage: take the kept entries out
             # before the new view's layout overwrites them

@@ -146,7 +146,7 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
     max_len = longest + plan.decode_steps + prefill_steps + 8
     cfg = EngineConfig.build(model_dir, threads=threads, block_size=block_size,
                              max_model_len=max_len, enable_prefix_caching=False,
-                             max_num_batched_tokens=max(1024, longest), max_num_seqs=64,
+                             max_num_batched_tokens=budget, max_num_seqs=64,
                              kv_cache_memory=1 << 30)
     eng = LLMEngine(cfg)
     if tables is not None:  # the engine's own matmuls, timed before anything else runs
@@ -196,7 +196,7 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
             if captured:
                 chunks = shapes.shapes(captured[-1])
                 if record and chunks:
-                    samples.append((list(chunks), dt))
+                    samples.append((chunks, dt))
 
     try:
         # warm-up: first-step allocations and kernels, and the dense decode cache sized
@@ -204,7 +204,7 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
         # so that a first decode costs its copy only, as in a serving engine's steady
         # state, not a reallocation of the whole buffer
         run([64], 2, 1024, record=False)
-        run([longest], 3, max(1024, longest), record=False)
+        run([longest], 3, budget, record=False)
         for chunk, prompt in plan.prefill:
             t0 = time.perf_counter()
             run([prompt], 1, chunk, record=True)
@@ -222,7 +222,7 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
                 f"{time.perf_counter() - t0:.2f} s")
         for batch, prompt, new in plan.mixed:
             t0 = time.perf_counter()
-            run([prompt] * batch, plan.decode_steps + 2, max(1024, longest), record=True,
+            run([prompt] * batch, plan.decode_steps + 2, budget, record=True,
                 later=[(2, new)])
             log(f"[calibrate] threads={threads} decode batch {batch} at {prompt} tokens + "
                 f"a {new}-token prompt: {time.perf_counter() - t0:.2f} s")

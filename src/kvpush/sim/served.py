@@ -3,9 +3,9 @@
 `kvpush simulate calibrate` times :class:`~kvpush.engine.llm_engine.LLMEngine` steps in a
 process of its own. A serving instance steps the same engine, but beside its HTTP front
 end and, on a small host, beside the router and the load generator, which stream every
-token: with as many torch threads as the host has cores, that work takes cores from the
-engine's parallel regions and its steps get longer (measured here: 2 threads on 2 vCPUs,
-a lone decode 30 ms in the server against 21-23 ms alone). The served probe measures it:
+token, and its steps get somewhat longer (2 vCPUs: 1.06-1.09x for prefill steps,
+0.97-0.99x for decodes; before the server's one-OpenMP-pool fix, 1.2-1.6x for 2-thread
+steps, see kvpush.engine.async_engine). The served probe measures it:
 it serves a short workload through a real instance and the router with the per-step
 trace on (kvpush.engine.step_trace), prices every traced step with the engine-alone step
 model, and records measured / modelled per kind of step (median over the steps):

@@ -1,28 +1,6 @@
 #!/bin/sh
-# The simulator's validation runs (benchmarks/SIMULATION.md section 1): the recorded
-# workloads of benchmarks/RESULTS.md re-run on the current engine with per-step traces.
-set -e
-cd "$(dirname "$0")/../../../.."
-B=".venv/bin/kvpush bench compare --model smollm2-135m --step-trace"
-O=benchmarks/results/sim/v3
-# calibrate just before the runs (the profile validated against) and just after them
-# (how far the host drifted meanwhile)
-.venv/bin/kvpush simulate calibrate --model smollm2-135m --clock wall --out $O/cpu-local.json \
-  --note "calibrated just before the runs of benchmarks/results/sim/v3/run.sh"
-$B --out $O/quiet_512 --label "random 512 in / 16 out" --dataset random \
-  --input-len 512 --output-len 16 --num-prompts 10 --rates 0.5,inf \
-  --modes colocated:1,colocated,pull,push --repeats 2 --time-limit 1200
-$B --out $O/long_prompts --label "long prompts: random 1024 in / 32 out" --dataset random \
-  --input-len 1024 --output-len 32 --num-prompts 12 --rates 0.25,0.5,inf \
-  --modes colocated:1,colocated,pull,push --repeats 1 --time-limit 1200
-$B --out $O/short_high_rate --label "short prompts at high rate: random 128 in / 16 out" \
-  --dataset random --input-len 128 --output-len 16 --num-prompts 32 --rates 4,16,inf \
-  --modes colocated,pull,push --repeats 2 --time-limit 900
-$B --out $O/prefix_hit_tail_on_decode --label "decode-side prefix hit, tail on decode: shared-prefix 1024 in (992 shared) / 16 out" \
-  --dataset shared-prefix --input-len 1024 --output-len 16 --prefix-len 992 --num-prompts 16 \
-  --rates 1,inf --modes pull,push --repeats 2 --prefix-hit-tail decode --time-limit 900
-$B --out $O/prefix_hit --label "decode-side prefix hit, tail on prefill (default): shared-prefix 1024 in (992 shared) / 16 out" \
-  --dataset shared-prefix --input-len 1024 --output-len 16 --prefix-len 992 --num-prompts 16 \
-  --rates 1,inf --modes pull,push --repeats 2 --time-limit 900
-.venv/bin/kvpush simulate calibrate --model smollm2-135m --clock wall --out $O/cpu-local-after.json \
-  --note "calibrated just after the runs of benchmarks/results/sim/v3/run.sh"
+# The simulator's validation runs of benchmarks/SIMULATION.md 1c (results in this folder):
+# calibrate, the four workloads of RESULTS.md tables 1-3 and 512 / 16 with per-step
+# traces, calibrate again. Its commands became benchmarks/sim_runs.sh (same commands,
+# same order; the profiles' notes named this script).
+exec "$(dirname "$0")/../../../sim_runs.sh" benchmarks/results/sim/v3
