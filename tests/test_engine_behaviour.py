@@ -134,6 +134,10 @@ def test_request_validation(tiny_llama):
         SamplingParams(top_p=0)
     with pytest.raises(SamplingParamsError):
         SamplingParams(temperature=float("nan"))
+    for bad_top_k in (float("nan"), 2.5, 3.0, True, -2):
+        with pytest.raises(SamplingParamsError) as err:
+            SamplingParams(top_k=bad_top_k)
+        assert err.value.param == "top_k"
     assert_all_blocks_free(engine)
 
 

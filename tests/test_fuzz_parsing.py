@@ -102,7 +102,8 @@ def test_sampling_params_valid_or_refused(kw):
         assume(False)
         return
     assert isinstance(p.max_tokens, int) and p.max_tokens >= 1
-    assert p.temperature >= 0 and 0 < p.top_p <= 1 and p.top_k >= -1
+    assert p.temperature >= 0 and 0 < p.top_p <= 1
+    assert isinstance(p.top_k, int) and not isinstance(p.top_k, bool) and p.top_k >= -1
     assert all(p.stop) and len(p.stop) <= 16
 
 

@@ -52,7 +52,7 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)
         if self.top_p < SAMPLING_EPS:
             object.__setattr__(self, "top_p", SAMPLING_EPS)
-        if self.top_k < -1:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise SamplingParamsError(
                 f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}",
                 "top_k",
