@@ -299,6 +299,54 @@ def test_first_decode_fills_the_dense_decode_cache():
     assert gaps[0] - gaps[1] == pytest.approx(256e-5, abs=1e-6)
 
 
+SPLIT = {"kind": "linear", "base_s": 0.01, "per_token_s": 1e-4, "per_attn_s": 1e-6,
+         "per_ctx_pair_s": 5e-7, "per_gather_s": 1e-5, "per_prefill_seq_s": 2e-3}
+
+
+def test_split_attention_prices_each_prefill_kernel():
+    """A fresh chunk: causal n(n+1)/2 pairs; a chunk over cached context: a gather of
+    c + n keys and masked attention over the n(c + n) rectangle; each prefill chunk its
+    own per-chunk cost; a decode row none of these."""
+    m = prof(step_models={"s": SPLIT}).step_model("prefill")
+    fresh = 0.01 + 64e-4 + 1e-6 * 64 * 65 / 2 + 2e-3
+    over_ctx = 0.01 + 32e-4 + 5e-7 * 32 * (992 + 32) + 1e-5 * (992 + 32) + 2e-3
+    assert m.step_time([(64, 0)]) == pytest.approx(fresh)
+    assert m.step_time([(32, 992)]) == pytest.approx(over_ctx)
+    assert m.step_time([(1, 500)]) == pytest.approx(0.01 + 1e-4)
+    both = m.step_time([(64, 0), (32, 992)])
+    assert both == pytest.approx(fresh + over_ctx - 0.01)
+
+
+def test_profile_without_split_prices_attention_as_before():
+    old = dict(SPLIT)
+    for k in ("per_ctx_pair_s", "per_gather_s", "per_prefill_seq_s"):
+        del old[k]
+    m = prof(step_models={"s": old}).step_model("prefill")
+    # A = sum n (c + (n + 1) / 2), decode rows included
+    assert m.step_time([(32, 992), (1, 500)]) == pytest.approx(
+        0.01 + 33e-4 + 1e-6 * (32 * (992 + 16.5) + 501))
+
+
+def test_fit_recovers_the_step_model_it_was_sampled_from():
+    from kvpush.sim.calibrate import FIT_FIELDS, fit_linear
+    from kvpush.sim.profile import LinearStepModel
+
+    truth = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_attn_s=1e-6, per_seq_s=5e-4,
+                            per_ctx_s=3e-6, per_fill_s=1e-5, per_ctx_pair_s=4e-7,
+                            per_gather_s=8e-6, per_prefill_seq_s=2e-3)
+    shapes = [[(n, 0)] for n in (32, 128, 512, 1024)]
+    shapes += [[(n, c)] for n, c in ((32, 96), (128, 384), (512, 512), (32, 992))]
+    shapes += [[(128, 0)] * 8, [(256, 0)] * 4, [(32, 992)] * 15, [(32, 480)] * 4]
+    shapes += [[(1, c, True, True)] * b for b, c in ((1, 128), (4, 128), (16, 128),
+                                                      (8, 1024))]
+    shapes += [[(1, 1024, True, False)] * 8, [(1, 130, True, True)] * 2 + [(512, 0)]]
+    model, fit = fit_linear([(ch, truth.step_time(ch)) for ch in shapes])
+    assert fit["max_rel_err"] < 1e-6
+    for name in FIT_FIELDS:
+        assert getattr(model, name) == pytest.approx(getattr(truth, name), rel=1e-4,
+                                                     abs=1e-12), name
+
+
 @pytest.mark.parametrize("bad", [[[0, 0.1]], [[2, 0.1], [1, 0.2]], [[1, -0.1]], "x",
                                  [[1, 0.1, 3]]])
 def test_row_table_errors_name_the_field(bad):

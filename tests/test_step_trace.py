@@ -131,11 +131,19 @@ def test_served_factors_scale_step_times_per_kind():
     assert b.step_time(decode) == pytest.approx(1.5 * a.step_time(decode))
     assert b.step_time(mixed) == pytest.approx(1.2 * a.step_time(mixed))  # a prefill step
     assert step_kind(mixed) == "prefill" and step_kind(decode) == "decode"
+    # two prompts prefilled together: their own factor, else the prefill one
+    batched, tail = [(128, 0), (128, 0), (1, 64)], [(1000, 0), (24, 0)]
+    assert step_kind(batched) == "prefill_batched" and step_kind(tail) == "prefill"
+    assert b.step_time(batched) == pytest.approx(1.2 * a.step_time(batched))
+    d["host"]["served_factors"]["s"]["prefill_batched"] = 1.4
+    c = profile_from_dict(d).step_model("prefill")
+    assert c.step_time(batched) == pytest.approx(1.4 * a.step_time(batched))
+    assert c.step_time(tail) == pytest.approx(1.2 * a.step_time(tail))
 
 
 @pytest.mark.parametrize("bad, message", [
     ({"nope": {"prefill": 1.1}}, "no such step model"),
-    ({"s": {"prefil": 1.1}}, "keys among prefill, decode"),
+    ({"s": {"prefil": 1.1}}, "keys among prefill, prefill_batched, decode"),
     ({"s": {"decode": 0}}, "must be > 0"),
     ([1.2], "must be an object"),
 ])
@@ -156,8 +164,10 @@ def test_factors_are_median_measured_over_modelled_per_kind():
     ratios = step_ratios(steps, model)
     assert sorted(ratios["decode"]) == pytest.approx([1.1, 1.3, 5.0])
     assert factors_from(ratios) == {"prefill": pytest.approx(2.0),
+                                    "prefill_batched": pytest.approx(2.0),  # none: prefill's
                                     "decode": pytest.approx(1.3)}
-    assert factors_from({}) == {"prefill": 1.0, "decode": 1.0}
+    assert factors_from({"prefill_batched": [1.5]})["prefill_batched"] == 1.5
+    assert factors_from({}) == {"prefill": 1.0, "prefill_batched": 1.0, "decode": 1.0}
 
 
 def test_front_end_gap_is_the_mean_gap_of_a_burst():

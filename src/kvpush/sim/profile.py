@@ -15,7 +15,14 @@ Two step models:
   ``G`` and ``H`` are optional measured tables (rows -> seconds, interpolated) of the
   model's matmuls: all layers' projections over ``T`` token rows, and the LM head over
   ``N`` rows; ``per_fill * F`` charges the context ``F`` of decode rows that enter
-  kvpush's dense decode cache (a request's first decode). They carry what a linear term
+  kvpush's dense decode cache (a request's first decode).
+  A model fitted with ``per_ctx_pair`` set prices prefill attention by the engine's two
+  kernels instead of through ``A`` (:func:`prefill_terms`): a fresh prompt chunk runs
+  causal attention over its own ``n (n + 1) / 2`` pairs (``per_attn``); a chunk over
+  ``c`` cached tokens gathers ``c + n`` keys from the paged cache (``per_gather``) and
+  runs masked attention over the whole ``n (c + n)`` rectangle (``per_ctx_pair``); every
+  prefill chunk costs ``per_prefill_seq`` more (its own attention calls in every layer).
+  Decode rows' attention is then ``per_ctx * C`` alone. They carry what a linear term
   cannot: on CPU torch a 1-row matmul runs a
   GEMV kernel and 2+ rows a GEMM one that costs about twice as much (a decode batch of 2
   is ~1.6x a batch of 1, then each further row adds little).
@@ -101,6 +108,26 @@ def step_features(chunks: Sequence[Chunk]) -> tuple[float, float, float, float, 
     return t, a, float(len(chunks)), c, smp
 
 
+def prefill_terms(chunks: Sequence[Chunk]) -> tuple[float, float, float, float]:
+    """(causal pairs, context pairs, gathered keys, prefill chunks) of a step's prefill
+    chunks (more than one token): a chunk with no context runs causal attention over
+    ``n (n + 1) / 2`` pairs; one over ``c`` cached tokens gathers ``c + n`` keys and
+    attends over ``n (c + n)`` pairs (kvpush.model.attention: a masked, not a causal,
+    call)."""
+    causal = pairs = gathered = seqs = 0.0
+    for ch in chunks:
+        n, ctx = ch[0], ch[1]
+        if n <= 1:
+            continue
+        seqs += 1
+        if ctx == 0:
+            causal += n * (n + 1) / 2
+        else:
+            pairs += n * (ctx + n)
+            gathered += ctx + n
+    return causal, pairs, gathered, seqs
+
+
 def fill_tokens(chunks: Sequence[Chunk]) -> float:
     """Context tokens copied into kvpush's dense decode cache (``DecodeKVCache``) this
     step: a decode row that did not decode in the step before has its whole context
@@ -141,10 +168,13 @@ class LinearStepModel:
     token_rows_s: RowTable = ()
     #: measured LM-head time for N sampled rows (H above)
     sample_rows_s: RowTable = ()
-
-    def coefficients(self) -> tuple[float, ...]:
-        return (self.base_s, self.per_token_s, self.per_attn_s, self.per_seq_s,
-                self.per_ctx_s, self.per_sample_s)
+    #: None: prefill attention priced through A (profiles before the split); set: per
+    #: pair of a chunk over cached context, and per_attn_s applies to causal pairs only
+    per_ctx_pair_s: float | None = None
+    #: per key gathered from the paged cache for a chunk over cached context
+    per_gather_s: float = 0.0
+    #: per prefill chunk (its attention calls in every layer)
+    per_prefill_seq_s: float = 0.0
 
     def tabled_time(self, chunks: Sequence[Chunk]) -> float:
         """The part of a step's time given by the measured matmul tables."""
@@ -155,7 +185,13 @@ class LinearStepModel:
         if not chunks:
             return 0.0
         t, a, s, c, n = step_features(chunks)
-        return (self.base_s + self.per_token_s * t + self.per_attn_s * a + self.per_seq_s * s
+        if self.per_ctx_pair_s is None:
+            attn = self.per_attn_s * a
+        else:
+            causal, pairs, gathered, seqs = prefill_terms(chunks)
+            attn = (self.per_attn_s * causal + self.per_ctx_pair_s * pairs
+                    + self.per_gather_s * gathered + self.per_prefill_seq_s * seqs)
+        return (self.base_s + self.per_token_s * t + attn + self.per_seq_s * s
                 + self.per_ctx_s * c + self.per_sample_s * n
                 + self.per_fill_s * fill_tokens(chunks)
                 + interp(self.token_rows_s, t) + interp(self.sample_rows_s, n))
@@ -336,7 +372,8 @@ def _step_model(d: Any, where: str, shape: ModelShape) -> StepModel:
     kind = d.get("kind")
     if kind == "linear":
         c = _numbers(d, where, ("base_s", "per_token_s"),
-                     ("per_attn_s", "per_seq_s", "per_ctx_s", "per_sample_s", "per_fill_s"))
+                     ("per_attn_s", "per_seq_s", "per_ctx_s", "per_sample_s", "per_fill_s",
+                      "per_ctx_pair_s", "per_gather_s", "per_prefill_seq_s"))
         tables = {k: _row_table(d[k], f"{where}.{k}") for k in ("token_rows_s",
                                                                  "sample_rows_s") if k in d}
         return LinearStepModel(**c, **tables)

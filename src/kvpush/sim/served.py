@@ -10,8 +10,18 @@ it serves a short workload through a real instance and the router with the per-s
 trace on (kvpush.engine.step_trace), prices every traced step with the engine-alone step
 model, and records measured / modelled per kind of step (median over the steps):
 
-* ``prefill``: a step with a chunk of more than one token (with or without decodes);
+* ``prefill_batched``: a step with the prefill of two or more prompts (two chunks of at
+  least :data:`BATCHED_MIN_TOKENS` tokens each): a burst's prompts prefilled together;
+* ``prefill``: any other step with a chunk of more than one token (with or without
+  decodes): one prompt's chunk, perhaps with a few tokens of the next;
 * ``decode``: a step of one-token decode rows only.
+
+Batched prefills are their own kind because the engine-alone fit prices them worse than
+lone ones: on one thread, the probe's and the benchmarks' batched prefill steps ran
+1.10-1.12x the model where lone prompts ran 0.98-1.06x (the 2-thread fit has no such
+gap); one factor for both, measured mostly on the probe's batched steps, made every lone
+1024-token prefill 9% too slow. A profile without ``prefill_batched`` uses its
+``prefill`` factor for them.
 
 The profile keeps them as ``host.served_factors[step model][kind]`` and the simulator
 multiplies its step times by them (:class:`ServedStepModel`).
@@ -33,11 +43,17 @@ from typing import Any
 
 from kvpush.sim.profile import Chunk, StepModel
 
-KINDS = ("prefill", "decode")
+KINDS = ("prefill", "prefill_batched", "decode")
+#: the size from which a prefill chunk counts as a prompt's prefill in a batched step
+#: (smaller ones: the tail of a token budget that a step's main prompt left over)
+BATCHED_MIN_TOKENS = 64
 
 
 def step_kind(chunks: Sequence[Sequence[Any]]) -> str:
-    return "decode" if all(c[0] == 1 for c in chunks) else "prefill"
+    if all(c[0] == 1 for c in chunks):
+        return "decode"
+    big = sum(1 for c in chunks if c[0] >= BATCHED_MIN_TOKENS)
+    return "prefill_batched" if big >= 2 else "prefill"
 
 
 @dataclass(frozen=True)
@@ -47,8 +63,13 @@ class ServedStepModel:
     inner: StepModel
     factors: Mapping[str, float]
 
+    def factor(self, kind: str) -> float:
+        if kind == "prefill_batched" and kind not in self.factors:
+            kind = "prefill"
+        return self.factors.get(kind, 1.0)
+
     def step_time(self, chunks: Sequence[Chunk]) -> float:
-        return self.inner.step_time(chunks) * self.factors.get(step_kind(chunks), 1.0)
+        return self.inner.step_time(chunks) * self.factor(step_kind(chunks))
 
 
 def traced_steps(paths: Iterable[Path], start: float = -math.inf,
@@ -81,9 +102,13 @@ def front_end_gap(arrivals: Sequence[float]) -> float | None:
 
 
 def factors_from(ratios: Mapping[str, Sequence[float]]) -> dict[str, float]:
-    """The median ratio of each kind (1.0 for a kind with no steps)."""
-    return {k: round(statistics.median(ratios[k]), 4) if ratios.get(k) else 1.0
-            for k in KINDS}
+    """The median ratio of each kind with steps; a kind without: its fallback's
+    (prefill_batched -> prefill), else 1.0."""
+    out = {k: round(statistics.median(ratios[k]), 4) for k in KINDS if ratios.get(k)}
+    out.setdefault("prefill", 1.0)
+    out.setdefault("prefill_batched", out["prefill"])
+    out.setdefault("decode", 1.0)
+    return {k: out[k] for k in KINDS}
 
 
 @dataclass(frozen=True)
