@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("simpy")
 
+from kvpush.cli import main as cli_main  # noqa: E402
 from kvpush.sim.cluster import ClusterConfig, simulate  # noqa: E402
 from kvpush.sim.profile import ProfileError, load_profile, profile_from_dict  # noqa: E402
 from kvpush.sim.workload import Stage, Workload  # noqa: E402
@@ -347,6 +348,41 @@ def test_fit_recovers_the_step_model_it_was_sampled_from():
                                                      abs=1e-12), name
 
 
+def test_refit_fits_again_and_reprices_the_probe_trace(tmp_path):
+    """kvpush simulate refit: the step model from the recorded samples, the served
+    factors from the recorded probe steps against that new fit."""
+    from kvpush.sim.profile import LinearStepModel
+
+    truth = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_attn_s=1e-6, per_seq_s=5e-4,
+                            per_ctx_s=3e-6, per_ctx_pair_s=4e-7, per_gather_s=8e-6)
+    shapes = [[(n, 0)] for n in (32, 128, 512, 1024)] + [[(128, 0)] * 8, [(32, 992)] * 15]
+    shapes += [[(n, c)] for n, c in ((32, 96), (128, 384), (512, 512))]
+    shapes += [[(1, c)] * b for b, c in ((1, 128), (4, 128), (16, 1024))]
+    d = copy.deepcopy(BASE)
+    d["measured"] = {"step_samples": {"s": [[[list(c) for c in ch], truth.step_time(ch)]
+                                            for ch in shapes]},
+                     "served": {"s": {"trace": [
+                         [[[300, 0, True]], 1.25 * truth.step_time([(300, 0)])],
+                         [[[200, 0], [200, 0]], 1.5 * truth.step_time([(200, 0)] * 2)],
+                         [[[1, 50, True, True]] * 3, 0.9 * truth.step_time([(1, 50)] * 3)]]}}}
+    src, out = tmp_path / "old.json", tmp_path / "new.json"
+    src.write_text(json.dumps(d))
+    assert cli_main(["simulate", "refit", str(src), "--out", str(out)]) == 0
+    new = json.loads(out.read_text())
+    assert new["step_models"]["s"]["per_ctx_pair_s"] == pytest.approx(4e-7, rel=1e-3)
+    assert new["host"]["served_factors"]["s"] == pytest.approx(
+        {"prefill": 1.25, "prefill_batched": 1.5, "decode": 0.9}, rel=1e-3)
+    p = load_profile(out)
+    assert p.step_model("prefill").step_time([(32, 992)]) == pytest.approx(
+        1.25 * truth.step_time([(32, 992)]), rel=1e-3)
+    # a profile without samples is refused with a clear message, nothing written
+    del d["measured"]
+    src.write_text(json.dumps(d))
+    out.unlink()
+    assert cli_main(["simulate", "refit", str(src), "--out", str(out)]) == 2
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("bad", [[[0, 0.1]], [[2, 0.1], [1, 0.2]], [[1, -0.1]], "x",
                                  [[1, 0.1, 3]]])
 def test_row_table_errors_name_the_field(bad):
@@ -498,6 +534,8 @@ def test_calibrate_quick_on_tiny_model(tiny_llama, tmp_path):
     sm = data["step_models"]["threads=1"]
     assert [r for r, _ in sm["token_rows_s"]][:3] == [1, 2, 3]
     assert all(t > 0 for _, t in sm["token_rows_s"] + sm["sample_rows_s"])
-    assert data["measured"]["step_samples"]["threads=1"]
+    samples = data["measured"]["step_samples"]["threads=1"]
+    # the prefix plan (2, 32, 8): both prompts hit the cached 32 tokens and compute 8
+    assert [[8, 32, True, False]] * 2 in [chunks for chunks, _ in samples]
     r = simulate(p, Workload(3, 50.0, 32, 3), ClusterConfig("push")).requests
     assert all(x.done for x in r)

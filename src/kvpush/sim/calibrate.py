@@ -54,6 +54,10 @@ class CalibrationPlan:
     #: (batch, prompt tokens, new prompt tokens): decode steps of a batch into which a new
     #: prompt arrives (mixed prefill + decode steps, as colocated instances run them).
     mixed: tuple[tuple[int, int, int], ...] = ((2, 128, 512), (4, 256, 1024))
+    #: (batch, cached prefix tokens, new tokens): a batch of prompts that share a prefix
+    #: already in the prefix cache, each computing only its new tail (short chunks over
+    #: long context, as decode-side prefix hits run them); prefixes are whole blocks
+    prefix: tuple[tuple[int, int, int], ...] = ((15, 992, 32), (4, 480, 128))
     #: measure the slowdown beside a busy neighbour engine (host.corun_slowdown); off
     #: by default: on this shared VM it measured 1.0, 2.1 and 1.7 within two minutes
     corun: bool = False
@@ -65,7 +69,7 @@ class CalibrationPlan:
     @classmethod
     def quick(cls) -> CalibrationPlan:
         return cls(prefill=((32, 64), (8, 16)), decode=((1, 16), (4, 16)), decode_steps=3,
-                   threads=(1,), mixed=((2, 16, 32),), served=False)
+                   threads=(1,), mixed=((2, 16, 32),), prefix=((2, 32, 8),), served=False)
 
 
 Sample = tuple[list[Chunk], float]
@@ -147,12 +151,14 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
     from kvpush.sampling_params import SamplingParams
 
     longest = max([p for _, p in plan.prefill] + [p for _, p in plan.decode]
-                  + [m[2] for m in plan.mixed])
+                  + [m[2] for m in plan.mixed] + [c + n for _, c, n in plan.prefix])
+    if any(c % block_size for _, c, _ in plan.prefix):
+        raise ValueError(f"prefix lengths must be multiples of the block size {block_size}")
     budget = max(1024, longest)
     prefill_steps = max([-(-b * n // budget) for b, n in plan.decode], default=0)
     max_len = longest + plan.decode_steps + prefill_steps + 8
     cfg = EngineConfig.build(model_dir, threads=threads, block_size=block_size,
-                             max_model_len=max_len, enable_prefix_caching=False,
+                             max_model_len=max_len, enable_prefix_caching=bool(plan.prefix),
                              max_num_batched_tokens=budget, max_num_seqs=64,
                              kv_cache_memory=1 << 30)
     eng = LLMEngine(cfg)
@@ -173,17 +179,21 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
     sched_cfg = eng.scheduler.config
     n_req = 0
 
-    def run(prompts: Sequence[int], max_tokens: int, budget: int, record: bool,
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    def run(prompts: Sequence[int | list[int]], max_tokens: int, budget: int, record: bool,
             later: list[tuple[int, int]] | None = None) -> None:
-        """``later``: (after this many steps, prompt tokens) to add mid-run."""
+        """``prompts``: a length (random tokens; every prompt differs, so the prefix
+        cache never hits) or the tokens; ``later``: (after this many steps, prompt
+        tokens) to add mid-run."""
         eng.scheduler.config = dataclasses.replace(sched_cfg, max_num_batched_tokens=budget)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         later = list(later or [])
 
-        def add(n: int) -> None:
+        def add(n: int | list[int]) -> None:
             nonlocal n_req
-            ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-            eng.add_request(f"cal{n_req}", ids, params)
+            eng.add_request(f"cal{n_req}", tokens(n) if isinstance(n, int) else n, params)
             n_req += 1
 
         for n in prompts:
@@ -233,6 +243,13 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
                 later=[(2, new)])
             log(f"[calibrate] threads={threads} decode batch {batch} at {prompt} tokens + "
                 f"a {new}-token prompt: {time.perf_counter() - t0:.2f} s")
+        for batch, cached, new in plan.prefix:
+            t0 = time.perf_counter()
+            shared = tokens(cached)
+            run([shared + tokens(new)], 1, budget, record=False)  # puts it in the cache
+            run([shared + tokens(new) for _ in range(batch)], 2, budget, record=True)
+            log(f"[calibrate] threads={threads} {batch} prompts of {new} tokens over a cached "
+                f"{cached}-token prefix: {time.perf_counter() - t0:.2f} s")
     finally:
         eng.shutdown()
     return samples
@@ -445,8 +462,9 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "`kvpush bench compare` does on 2 cores).",
             "host.served_factors: a step model's steps inside a serving instance (the "
             "router and the streaming load generator on the same host) over the engine "
-            "alone's, per kind of step (prefill: any chunk over one token; decode), "
-            "median over a short served probe (kvpush.sim.served; measured.served). The "
+            "alone's, per kind of step (prefill_batched: two or more prompts' chunks of "
+            "64+ tokens; prefill: any other chunk over one token; decode), median over a "
+            "short served probe (kvpush.sim.served; measured.served, with its steps). The "
             "simulator multiplies its step times by them. The HTTP hops themselves are "
             "the handoff block (estimates, not measured here).",
             "kvpush posts pull's READ from its transfer thread, not the step loop "

@@ -93,6 +93,12 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "in the server than in the engine alone)")
     c.set_defaults(func=_calibrate)
 
+    rf = sub.add_parser("refit", help="fit a calibrated profile's step models again from "
+                        "the samples it recorded (no engine runs)")
+    rf.add_argument("profile", metavar="PROFILE", help="a profile written by calibrate")
+    rf.add_argument("--out", required=True, metavar="PROFILE", help="JSON file to write")
+    rf.set_defaults(func=_refit)
+
     pl = sub.add_parser("plan", help="smallest xPyD split and mode meeting latency targets")
     _workload_args(pl, "request rate per second")
     pl.add_argument("--ttft-p90", type=float, required=True, metavar="MS")
@@ -164,6 +170,26 @@ def _calibrate(args: argparse.Namespace) -> int:
                                    served=args.served)
     calibrate(args.model, args.out, plan, transfer=args.transfer, note=args.note,
               clock=args.clock)
+    return 0
+
+
+def _refit(args: argparse.Namespace) -> int:
+    import json
+
+    from kvpush.sim.profile import ProfileError, profile_from_dict
+    from kvpush.sim.refit import refit_profile
+
+    try:
+        with open(args.profile, encoding="utf-8") as f:
+            data = refit_profile(json.load(f))
+        profile_from_dict(data, args.out)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # ProfileError is a ValueError
+        kind = "bad profile" if isinstance(e, (ProfileError, KeyError, TypeError)) else "error"
+        print(f"kvpush simulate refit: {kind}: {e}", file=sys.stderr)
+        return 2
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -131,8 +131,9 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
                  probe: ServedProbe = ServedProbe(),
                  log: Callable[[str], None] = print) -> dict[str, Any]:
     """Serve ``probe`` with ``threads`` torch threads; measured / modelled step times per
-    kind (``factors``) and the number of steps behind each, and the front end's gap
-    between the arrivals of the all-at-once burst (``front_end_s``, None without one)."""
+    kind (``factors``) and the number of steps behind each, the front end's gap
+    between the arrivals of the all-at-once burst (``front_end_s``, None without one)
+    and the traced steps themselves (``trace``)."""
     import json
 
     from kvpush.bench.compare import CompareConfig, ModeSpec, run_compare
@@ -146,7 +147,8 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
                             run_timeout=300.0)
         run_compare(cfg, log=lambda m: None)
         files = sorted((Path(tmp) / "steps").rglob("*.jsonl"))
-        ratios = step_ratios(traced_steps(files), engine_model)
+        steps = traced_steps(files)
+        ratios = step_ratios(steps, engine_model)
         gaps = []
         for path in sorted((Path(tmp) / "runs").glob("*.json")):
             run = json.loads(path.read_text())
@@ -162,4 +164,7 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
         + (f"; front end {1e3 * front_end:.2f} ms per request" if front_end else ""))
     return {"factors": factors, "steps": {k: len(ratios.get(k, [])) for k in KINDS},
             "front_end_s": front_end,
+            # every traced step ([chunks, seconds]): a refit prices them again
+            # (kvpush.sim.refit) without serving the probe again
+            "trace": [[st["chunks"], round(st["dur"], 6)] for st in steps],
             "probe": {**probe.__dict__, "rates": [str(r) for r in probe.rates]}}
