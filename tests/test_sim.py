@@ -364,17 +364,25 @@ def test_refit_fits_again_and_reprices_the_probe_trace(tmp_path):
                      "served": {"s": {"trace": [
                          [[[300, 0, True]], 1.25 * truth.step_time([(300, 0)])],
                          [[[200, 0], [200, 0]], 1.5 * truth.step_time([(200, 0)] * 2)],
-                         [[[1, 50, True, True]] * 3, 0.9 * truth.step_time([(1, 50)] * 3)]]}}}
+                         [[[1, 50, True, True]] * 3, 0.9 * truth.step_time([(1, 50)] * 3)]]
+                         + [[[[n, 0, True]], f * truth.step_time([(n, 0)])]
+                            for n, f in ((400, 1.1), (420, 1.1), (440, 1.1), (1000, 0.95),
+                                         (1024, 0.95), (1050, 0.95))]}}}
     src, out = tmp_path / "old.json", tmp_path / "new.json"
     src.write_text(json.dumps(d))
     assert cli_main(["simulate", "refit", str(src), "--out", str(out)]) == 0
     new = json.loads(out.read_text())
     assert new["step_models"]["s"]["per_ctx_pair_s"] == pytest.approx(4e-7, rel=1e-3)
     assert new["host"]["served_factors"]["s"] == pytest.approx(
-        {"prefill": 1.25, "prefill_batched": 1.5, "decode": 0.9}, rel=1e-3)
+        {"prefill": 1.1, "prefill_batched": 1.5, "decode": 0.9}, rel=1e-3)
+    # the lone prefills span two lengths: short ones 1.1-1.25x, long ones 0.95x
+    (t_short, f_short), (t_long, f_long) = new["host"]["served_factor_curves"]["s"]["prefill"]
+    assert f_short == pytest.approx(1.1, rel=1e-3) and f_long == pytest.approx(0.95, rel=1e-3)
     p = load_profile(out)
     assert p.step_model("prefill").step_time([(32, 992)]) == pytest.approx(
-        1.25 * truth.step_time([(32, 992)]), rel=1e-3)
+        1.1 * truth.step_time([(32, 992)]), rel=1e-3)  # shorter than the short side
+    assert p.step_model("prefill").step_time([(2048, 0)]) == pytest.approx(
+        0.95 * truth.step_time([(2048, 0)]), rel=1e-3)
     # a profile without samples is refused with a clear message, nothing written
     del d["measured"]
     src.write_text(json.dumps(d))

@@ -111,9 +111,12 @@ pytest.importorskip("simpy")
 
 from kvpush.sim.profile import ProfileError, profile_from_dict  # noqa: E402
 from kvpush.sim.served import (  # noqa: E402
-    factors_from,
+    curve_factor,
     front_end_gap,
+    served_curve,
+    served_model_from,
     step_kind,
+    step_pairs,
     step_ratios,
 )
 from test_sim import BASE  # noqa: E402
@@ -163,11 +166,54 @@ def test_factors_are_median_measured_over_modelled_per_kind():
     steps.append({"t": 0, "dur": 2 * model.step_time([(50, 0)]), "chunks": [[50, 0, True]]})
     ratios = step_ratios(steps, model)
     assert sorted(ratios["decode"]) == pytest.approx([1.1, 1.3, 5.0])
-    assert factors_from(ratios) == {"prefill": pytest.approx(2.0),
-                                    "prefill_batched": pytest.approx(2.0),  # none: prefill's
-                                    "decode": pytest.approx(1.3)}
-    assert factors_from({"prefill_batched": [1.5]})["prefill_batched"] == 1.5
-    assert factors_from({}) == {"prefill": 1.0, "prefill_batched": 1.0, "decode": 1.0}
+    factors, curves = served_model_from(step_pairs(steps, model))
+    assert factors == {"prefill": pytest.approx(2.0),
+                       "prefill_batched": pytest.approx(2.0),  # none: prefill's
+                       "decode": pytest.approx(1.3)}
+    assert curves == {}  # one prefill step: no curve
+    assert served_model_from({}) == ({"prefill": 1.0, "prefill_batched": 1.0,
+                                      "decode": 1.0}, {})
+
+
+def test_prefill_steps_of_two_lengths_get_a_factor_curve():
+    """Short steps 1.10x, long ones 0.97x (the probe's 384- and 1024-token prompts): two
+    points at the sides' median times; linear between, flat beyond; one odd step moves
+    neither point."""
+    short = [(0.5, 0.55), (0.55, 0.605), (0.6, 0.66), (0.52, 3.0)]
+    long = [(1.7, 1.649), (1.75, 1.6975), (1.8, 1.746)]
+    curve = served_curve(short + long)
+    assert curve == ((pytest.approx(0.535), pytest.approx(1.1)),
+                     (pytest.approx(1.75), pytest.approx(0.97)))
+    assert curve_factor(curve, 0.06) == pytest.approx(1.1)  # a short chunk: the short side's
+    assert curve_factor(curve, 4.0) == pytest.approx(0.97)
+    mid = (0.535 + 1.75) / 2
+    assert curve_factor(curve, mid) == pytest.approx((1.1 + 0.97) / 2)
+    # one length only, too few steps, or two factors alike: no curve
+    assert served_curve(short) == ()
+    assert served_curve(short[:1] + long) == ()
+    assert served_curve([(p, 1.05 * p) for p in (0.5, 0.6, 1.7, 1.8)]) == ()
+    factors, curves = served_model_from({"prefill": short + long})
+    assert curves == {"prefill": curve, "prefill_batched": curve}
+
+
+def test_profile_factor_curves_price_steps_by_length():
+    d = copy.deepcopy(BASE)
+    plain = profile_from_dict(copy.deepcopy(BASE)).step_model("prefill")
+    short, long = plain.step_time([(16, 0)]), plain.step_time([(512, 0)])
+    assert long > 2 * short
+    d["host"] = {"corun_slowdown": 1.0,
+                 "served_factors": {"s": {"prefill": 1.05, "decode": 1.0}},
+                 "served_factor_curves": {"s": {"prefill": [[short, 1.2], [long, 0.9]]}}}
+    m = profile_from_dict(d).step_model("prefill")
+    assert m.step_time([(16, 0)]) == pytest.approx(1.2 * short)
+    assert m.step_time([(512, 0)]) == pytest.approx(0.9 * long)
+    assert m.step_time([(1, 30)]) == pytest.approx(plain.step_time([(1, 30)]))  # decode
+    d["host"]["served_factor_curves"]["s"]["prefill"] = [[short, 0]]
+    with pytest.raises(ProfileError, match="served_factor_curves"):
+        profile_from_dict(d)
+    d["host"]["served_factor_curves"] = {"nope": {}}
+    with pytest.raises(ProfileError, match="no such step model"):
+        profile_from_dict(d)
 
 
 def test_front_end_gap_is_the_mean_gap_of_a_burst():

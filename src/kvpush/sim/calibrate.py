@@ -463,9 +463,11 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "host.served_factors: a step model's steps inside a serving instance (the "
             "router and the streaming load generator on the same host) over the engine "
             "alone's, per kind of step (prefill_batched: two or more prompts' chunks of "
-            "64+ tokens; prefill: any other chunk over one token; decode), median over a "
-            "short served probe (kvpush.sim.served; measured.served, with its steps). The "
-            "simulator multiplies its step times by them. The HTTP hops themselves are "
+            "64+ tokens; prefill: any other chunk over one token; decode), from a short "
+            "served probe (kvpush.sim.served; measured.served, with its steps): decode "
+            "the median ratio, prefill kinds also a factor by the step's length over the "
+            "probe's two prompt lengths (host.served_factor_curves). The HTTP hops "
+            "themselves are "
             "the handoff block (estimates, not measured here).",
             "kvpush posts pull's READ from its transfer thread, not the step loop "
             "(pull_post_on_step_loop false). Over cma the copy happens inside post(), so the "
@@ -481,7 +483,9 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
         },
         "model": shape,
         "host": {"corun_slowdown": corun_info.get("corun_slowdown", 1.0),
-                 "served_factors": {k: v["factors"] for k, v in served.items()}},
+                 "served_factors": {k: v["factors"] for k, v in served.items()},
+                 "served_factor_curves": {k: v["curves"] for k, v in served.items()
+                                          if v.get("curves")}},
         "step_models": step_models,
         "roles": {"prefill": one, "decode": one, "colocated": two},
         "transfer": tr,

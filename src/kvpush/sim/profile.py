@@ -390,27 +390,42 @@ def _step_model(d: Any, where: str, shape: ModelShape) -> StepModel:
     raise ProfileError(f"{where}.kind: expected 'linear' or 'roofline', got {kind!r}")
 
 
-def _with_served_factors(models: dict[str, StepModel], factors: Any,
-                         path: str) -> dict[str, StepModel]:
-    """``host.served_factors``: step model -> {kind: factor} (kvpush.sim.served): how
-    much longer that model's steps take inside the serving stack than in the engine
-    alone, per kind of step (prefill, decode)."""
-    from kvpush.sim.served import KINDS, ServedStepModel
+def _per_kind(table: Any, where: str, kind: Any = (int, float)) -> dict[str, Any]:
+    from kvpush.sim.served import KINDS
 
-    if not isinstance(factors, Mapping):
-        raise ProfileError(f"{path}: host.served_factors must be an object")
+    if not isinstance(table, Mapping) or set(table) - set(KINDS):
+        raise ProfileError(f"{where}: expected an object with keys among {', '.join(KINDS)}")
+    return {str(k): _req(table, k, where, kind) for k in table}
+
+
+def _with_served_factors(models: dict[str, StepModel], host: Mapping[str, Any],
+                         path: str) -> dict[str, StepModel]:
+    """``host.served_factors``: step model -> {kind: factor} and, optionally,
+    ``host.served_factor_curves``: step model -> {kind: [[modelled seconds, factor], ...]}
+    (kvpush.sim.served): how much longer that model's steps take inside the serving
+    stack than in the engine alone, per kind of step."""
+    from kvpush.sim.served import ServedStepModel
+
+    factors = host.get("served_factors", {})
+    curves = host.get("served_factor_curves", {})
+    for key, table in (("served_factors", factors), ("served_factor_curves", curves)):
+        if not isinstance(table, Mapping):
+            raise ProfileError(f"{path}: host.{key} must be an object")
+        for name in table:
+            if name not in models:
+                raise ProfileError(f"{path}: host.{key}.{name}: no such step model")
     out = dict(models)
-    for name, per_kind in factors.items():
+    for name in set(factors) | set(curves):
         where = f"{path}: host.served_factors.{name}"
-        if name not in models:
-            raise ProfileError(f"{where}: no such step model")
-        if not isinstance(per_kind, Mapping) or set(per_kind) - set(KINDS):
-            raise ProfileError(f"{where}: expected an object with keys among "
-                               f"{', '.join(KINDS)}")
-        f = {str(k): float(_req(per_kind, k, where)) for k in per_kind}
+        f = {k: float(v) for k, v in _per_kind(factors.get(name, {}), where).items()}
         if any(not v > 0 for v in f.values()):
             raise ProfileError(f"{where}: factors must be > 0")
-        out[name] = ServedStepModel(models[name], f)
+        where = f"{path}: host.served_factor_curves.{name}"
+        c = {k: _row_table(v, f"{where}.{k}")
+             for k, v in _per_kind(curves.get(name, {}), where, list).items()}
+        if any(not v or any(fac <= 0 for _, fac in v) for v in c.values()):
+            raise ProfileError(f"{where}: a curve needs points with factors > 0")
+        out[name] = ServedStepModel(models[name], f, c)
     return out
 
 
@@ -455,7 +470,7 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
     corun = float(_req(host, "corun_slowdown", f"{path}: host")) if host else 1.0
     if corun < 1.0:
         raise ProfileError(f"{path}: host.corun_slowdown must be >= 1, got {corun}")
-    models = _with_served_factors(models, host.get("served_factors", {}), path)
+    models = _with_served_factors(models, host, path)
     sources = data.get("sources", {})
     if not isinstance(sources, Mapping):
         raise ProfileError(f"{path}: sources must be an object (figure -> source)")

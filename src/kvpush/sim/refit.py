@@ -24,7 +24,7 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
                   ) -> dict[str, Any]:
     """A copy of the profile ``data`` with its linear step models fitted again and, where
     the probe's trace was kept, its served factors re-measured against the new fits."""
-    from kvpush.sim.served import factors_from, step_ratios
+    from kvpush.sim.served import describe, served_model_from, step_pairs
 
     out = copy.deepcopy(data)
     measured = out.get("measured", {})
@@ -33,7 +33,8 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
         raise ValueError("the profile has no measured.step_samples to refit from "
                          "(only profiles written by `kvpush simulate calibrate` have)")
     served = measured.get("served") or {}
-    factors = out.setdefault("host", {"corun_slowdown": 1.0}).setdefault("served_factors", {})
+    host = out.setdefault("host", {"corun_slowdown": 1.0})
+    factors = host.setdefault("served_factors", {})
     for name, rows in samples.items():
         old = out["step_models"].get(name, {})
         tables = {k: old[k] for k in ("token_rows_s", "sample_rows_s") if k in old}
@@ -46,10 +47,14 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
         trace = (served.get(name) or {}).get("trace")
         if trace:
             steps = [{"chunks": ch, "dur": dt} for ch, dt in trace]
-            factors[name] = factors_from(step_ratios(steps, model))
-            served[name]["factors"] = factors[name]
+            factors[name], curves = served_model_from(step_pairs(steps, model))
+            table = host.setdefault("served_factor_curves", {})
+            table.pop(name, None)
+            if curves:
+                table[name] = {k: [list(p) for p in v] for k, v in curves.items()}
+            served[name].update(factors=factors[name], curves=table.get(name, {}))
             log(f"[refit] {name}: served factors " + ", ".join(
-                f"{k} {v:.3f}" for k, v in factors[name].items()))
+                f"{k} {describe(v, curves.get(k))}" for k, v in factors[name].items()))
         elif name in factors:
             log(f"[refit] {name}: no probe trace kept; served factors left as they were "
                 "(measured against the old fit)")

@@ -8,7 +8,7 @@ token, and its steps get somewhat longer (2 vCPUs: 1.06-1.09x for prefill steps,
 steps, see kvpush.engine.async_engine). The served probe measures it:
 it serves a short workload through a real instance and the router with the per-step
 trace on (kvpush.engine.step_trace), prices every traced step with the engine-alone step
-model, and records measured / modelled per kind of step (median over the steps):
+model, and relates measured to modelled per kind of step:
 
 * ``prefill_batched``: a step with the prefill of two or more prompts (two chunks of at
   least :data:`BATCHED_MIN_TOKENS` tokens each): a burst's prompts prefilled together;
@@ -23,8 +23,18 @@ gap); one factor for both, measured mostly on the probe's batched steps, made ev
 1024-token prefill 9% too slow. A profile without ``prefill_batched`` uses its
 ``prefill`` factor for them.
 
-The profile keeps them as ``host.served_factors[step model][kind]`` and the simulator
-multiplies its step times by them (:class:`ServedStepModel`).
+Decode steps get the median of measured / modelled. Prefill steps get a factor that
+depends on the step's length where the probe saw two lengths (:func:`served_curve`):
+in the v5/v6 runs, served 384-token prefills took 1.07-1.08x the engine alone and
+1024-token ones 0.95-1.0x, so one factor measured on short prompts made every long
+prompt ~9% slow and, queued near saturation, their time to first token 15-40% high. (A
+line, scale x t + offset, fitted the two lengths as well but gave a 60 ms chunk over a
+cached prefix 100 ms more: the extra is not a fixed cost per step.)
+
+The profile keeps them as ``host.served_factors[step model][kind]`` (the median over
+all steps of the kind) and ``host.served_factor_curves[step model][kind]`` (``[[modelled
+seconds, factor], ...]``: linear between the points, the end points' factors beyond),
+and the simulator multiplies its step times by them (:class:`ServedStepModel`).
 
 The same probe times the front end: in its all-at-once phase, the instance notes when
 each request reached its engine (the trace's arrival lines); the mean gap between them
@@ -37,11 +47,11 @@ import math
 import statistics
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush.sim.profile import Chunk, StepModel
+from kvpush.sim.profile import Chunk, RowTable, StepModel
 
 KINDS = ("prefill", "prefill_batched", "decode")
 #: the size from which a prefill chunk counts as a prompt's prefill in a batched step
@@ -58,18 +68,36 @@ def step_kind(chunks: Sequence[Sequence[Any]]) -> str:
 
 @dataclass(frozen=True)
 class ServedStepModel:
-    """A step model scaled per kind of step (``factors``: kind -> factor)."""
+    """A step model scaled per kind of step: by ``curves[kind]`` at the step's modelled
+    time where there is one, else by ``factors[kind]``."""
 
     inner: StepModel
     factors: Mapping[str, float]
+    curves: Mapping[str, RowTable] = field(default_factory=dict)
 
-    def factor(self, kind: str) -> float:
-        if kind == "prefill_batched" and kind not in self.factors:
-            kind = "prefill"
-        return self.factors.get(kind, 1.0)
+    def _key(self, kind: str) -> str:
+        return "prefill" if kind == "prefill_batched" and kind not in self.factors else kind
+
+    def factor(self, kind: str, t: float | None = None) -> float:
+        key = self._key(kind)
+        curve = self.curves.get(key)
+        if curve and t is not None:
+            return curve_factor(curve, t)
+        return self.factors.get(key, 1.0)
 
     def step_time(self, chunks: Sequence[Chunk]) -> float:
-        return self.inner.step_time(chunks) * self.factor(step_kind(chunks))
+        t = self.inner.step_time(chunks)
+        return t * self.factor(step_kind(chunks), t)
+
+
+def curve_factor(curve: RowTable, t: float) -> float:
+    """The factor at modelled time ``t``: linear between the points, flat beyond."""
+    if t <= curve[0][0]:
+        return curve[0][1]
+    for (t0, f0), (t1, f1) in zip(curve, curve[1:]):
+        if t <= t1:
+            return f0 + (f1 - f0) * (t - t0) / (t1 - t0)
+    return curve[-1][1]
 
 
 def traced_steps(paths: Iterable[Path], start: float = -math.inf,
@@ -80,16 +108,73 @@ def traced_steps(paths: Iterable[Path], start: float = -math.inf,
     return [st for p in paths for st in read_trace(p) if start <= st["t"] <= end]
 
 
-def step_ratios(steps: Iterable[Mapping[str, Any]], model: StepModel
-                ) -> dict[str, list[float]]:
-    """kind -> measured / modelled time of each step of that kind."""
-    out: dict[str, list[float]] = {}
+def step_pairs(steps: Iterable[Mapping[str, Any]], model: StepModel
+               ) -> dict[str, list[tuple[float, float]]]:
+    """kind -> (modelled, measured) time of each step of that kind."""
+    out: dict[str, list[tuple[float, float]]] = {}
     for st in steps:
         chunks = [tuple(c) for c in st["chunks"]]
         predicted = model.step_time(chunks)
         if predicted > 0:
-            out.setdefault(step_kind(chunks), []).append(st["dur"] / predicted)
+            out.setdefault(step_kind(chunks), []).append((predicted, st["dur"]))
     return out
+
+
+def step_ratios(steps: Iterable[Mapping[str, Any]], model: StepModel
+                ) -> dict[str, list[float]]:
+    """kind -> measured / modelled time of each step of that kind."""
+    return {k: [m / p for p, m in v] for k, v in step_pairs(steps, model).items()}
+
+
+#: a kind's steps get a curve rather than one factor when the longest modelled step is
+#: at least this many times the shortest (the probe's two prompt lengths)
+CURVE_MIN_SPREAD = 1.8
+#: steps a length bin needs to give a point of the curve
+CURVE_MIN_STEPS = 3
+
+
+def served_curve(pairs: Sequence[tuple[float, float]]) -> RowTable:
+    """From (modelled, measured) steps: a point (median modelled time, median measured
+    / modelled) per length bin (powers of 2 of the modelled time) with at least
+    :data:`CURVE_MIN_STEPS` steps; none where the steps do not span
+    :data:`CURVE_MIN_SPREAD`, fewer than two bins have enough steps, or the points'
+    factors are within 2% of each other (one factor says it)."""
+    ps = [p for p, _ in pairs]
+    if len(pairs) < 2 * CURVE_MIN_STEPS or max(ps) < CURVE_MIN_SPREAD * min(ps):
+        return ()
+    bins: dict[int, list[tuple[float, float]]] = {}
+    for p, m in pairs:
+        bins.setdefault(round(math.log2(p)), []).append((p, m))
+    points = tuple((round(statistics.median(p for p, _ in side), 6),
+                    round(statistics.median(m / p for p, m in side), 4))
+                   for _, side in sorted(bins.items()) if len(side) >= CURVE_MIN_STEPS)
+    factors = [f for _, f in points]
+    if len(points) < 2 or max(factors) - min(factors) < 0.02 * min(factors):
+        return ()
+    return points
+
+
+def served_model_from(pairs: Mapping[str, Sequence[tuple[float, float]]]
+                      ) -> tuple[dict[str, float], dict[str, RowTable]]:
+    """(factors, curves) per kind from the probe's (modelled, measured) steps: every
+    kind the median ratio, prefill kinds also a curve where their steps span two
+    lengths (:func:`served_curve`); a kind without steps takes its fallback's
+    (prefill_batched -> prefill), else 1."""
+    factors: dict[str, float] = {}
+    curves: dict[str, RowTable] = {}
+    for k in KINDS:
+        if not pairs.get(k):
+            continue
+        factors[k] = round(statistics.median(m / p for p, m in pairs[k]), 4)
+        if k != "decode" and (curve := served_curve(pairs[k])):
+            curves[k] = curve
+    factors.setdefault("prefill", 1.0)
+    if "prefill_batched" not in factors:
+        factors["prefill_batched"] = factors["prefill"]
+        if "prefill" in curves:
+            curves["prefill_batched"] = curves["prefill"]
+    factors.setdefault("decode", 1.0)
+    return {k: factors[k] for k in KINDS}, curves
 
 
 def front_end_gap(arrivals: Sequence[float]) -> float | None:
@@ -99,16 +184,6 @@ def front_end_gap(arrivals: Sequence[float]) -> float | None:
         return None
     a = sorted(arrivals)
     return (a[-1] - a[0]) / (len(a) - 1)
-
-
-def factors_from(ratios: Mapping[str, Sequence[float]]) -> dict[str, float]:
-    """The median ratio of each kind with steps; a kind without: its fallback's
-    (prefill_batched -> prefill), else 1.0."""
-    out = {k: round(statistics.median(ratios[k]), 4) for k in KINDS if ratios.get(k)}
-    out.setdefault("prefill", 1.0)
-    out.setdefault("prefill_batched", out["prefill"])
-    out.setdefault("decode", 1.0)
-    return {k: out[k] for k in KINDS}
 
 
 @dataclass(frozen=True)
@@ -125,6 +200,21 @@ class ServedProbe:
     num_prompts: int = 12
     rates: tuple[float, ...] = (1.0, math.inf)
     seed: int = 7
+    #: then longer prompts at a light rate (None: not), so that the prefill steps span
+    #: two lengths and get a curve, not one factor (:func:`served_curve`): the served
+    #: 1024-token prefills of the v5/v6 runs took 0.95-1.0x the engine alone where
+    #: the probe's 384-token ones took 1.07-1.08x
+    long_input_len: int | None = 1024
+    long_num_prompts: int = 6
+    long_rate: float = 0.5
+
+
+def describe(factor: float, curve: RowTable | None) -> str:
+    """``1.07`` or ``1.07 (1.10 at 600 ms .. 0.97 at 1700 ms)``."""
+    if not curve:
+        return f"{factor:.2f}"
+    return f"{factor:.2f} (" + " .. ".join(f"{f:.2f} at {1e3 * t:.0f} ms"
+                                           for t, f in curve) + ")"
 
 
 def probe_served(model: str, threads: int, engine_model: StepModel,
@@ -139,30 +229,36 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
     from kvpush.bench.compare import CompareConfig, ModeSpec, run_compare
     from kvpush.engine.step_trace import read_arrivals
 
+    phases = [(probe.input_len, probe.num_prompts, list(probe.rates))]
+    if probe.long_input_len:
+        phases.append((probe.long_input_len, probe.long_num_prompts, [probe.long_rate]))
     with tempfile.TemporaryDirectory(prefix="kvpush-served-probe-") as tmp:
-        cfg = CompareConfig(modes=[ModeSpec("colocated", threads)], rates=list(probe.rates),
-                            out_dir=Path(tmp), model=model, input_len=probe.input_len,
-                            output_len=probe.output_len, num_prompts=probe.num_prompts,
-                            seed=probe.seed, step_trace=True, time_limit=600.0,
-                            run_timeout=300.0)
-        run_compare(cfg, log=lambda m: None)
-        files = sorted((Path(tmp) / "steps").rglob("*.jsonl"))
+        for i, (input_len, num_prompts, rates) in enumerate(phases):
+            cfg = CompareConfig(modes=[ModeSpec("colocated", threads)], rates=rates,
+                                out_dir=Path(tmp) / f"phase{i}", model=model,
+                                input_len=input_len, output_len=probe.output_len,
+                                num_prompts=num_prompts, seed=probe.seed, step_trace=True,
+                                time_limit=600.0, run_timeout=300.0)
+            run_compare(cfg, log=lambda m: None)
+        files = sorted(Path(tmp).rglob("steps/**/*.jsonl"))
         steps = traced_steps(files)
-        ratios = step_ratios(steps, engine_model)
+        pairs = step_pairs(steps, engine_model)
         gaps = []
-        for path in sorted((Path(tmp) / "runs").glob("*.json")):
+        for path in sorted(Path(tmp).rglob("runs/*.json")):
             run = json.loads(path.read_text())
             if math.isinf(float(run["request_rate"])):
                 gap = front_end_gap([t for f in files for t in read_arrivals(f)
                                      if run["wall_start"] <= t <= run["wall_end"]])
                 if gap is not None:
                     gaps.append(gap)
-    factors = factors_from(ratios)
+    factors, curves = served_model_from(pairs)
     front_end = statistics.median(gaps) if gaps else None
     log(f"[calibrate] served probe, threads={threads}: steps in the server / engine alone "
-        + ", ".join(f"{k} {factors[k]:.2f} ({len(ratios.get(k, []))} steps)" for k in KINDS)
+        + ", ".join(f"{k} {describe(factors[k], curves.get(k))} ({len(pairs.get(k, []))} "
+                    "steps)" for k in KINDS)
         + (f"; front end {1e3 * front_end:.2f} ms per request" if front_end else ""))
-    return {"factors": factors, "steps": {k: len(ratios.get(k, [])) for k in KINDS},
+    return {"factors": factors, "curves": {k: [list(p) for p in v] for k, v in curves.items()},
+            "steps": {k: len(pairs.get(k, [])) for k in KINDS},
             "front_end_s": front_end,
             # every traced step ([chunks, seconds]): a refit prices them again
             # (kvpush.sim.refit) without serving the probe again
