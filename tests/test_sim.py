@@ -300,41 +300,12 @@ def test_first_decode_fills_the_dense_decode_cache():
     assert gaps[0] - gaps[1] == pytest.approx(256e-5, abs=1e-6)
 
 
-SPLIT = {"kind": "linear", "base_s": 0.01, "per_token_s": 1e-4, "per_attn_s": 1e-6,
-         "per_ctx_pair_s": 5e-7, "per_gather_s": 1e-5, "per_prefill_seq_s": 2e-3}
-
-
-def test_split_attention_prices_each_prefill_kernel():
-    """A fresh chunk: causal n(n+1)/2 pairs; a chunk over cached context: a gather of
-    c + n keys and masked attention over the n(c + n) rectangle; each prefill chunk its
-    own per-chunk cost; a decode row none of these."""
-    m = prof(step_models={"s": SPLIT}).step_model("prefill")
-    fresh = 0.01 + 64e-4 + 1e-6 * 64 * 65 / 2 + 2e-3
-    over_ctx = 0.01 + 32e-4 + 5e-7 * 32 * (992 + 32) + 1e-5 * (992 + 32) + 2e-3
-    assert m.step_time([(64, 0)]) == pytest.approx(fresh)
-    assert m.step_time([(32, 992)]) == pytest.approx(over_ctx)
-    assert m.step_time([(1, 500)]) == pytest.approx(0.01 + 1e-4)
-    both = m.step_time([(64, 0), (32, 992)])
-    assert both == pytest.approx(fresh + over_ctx - 0.01)
-
-
-def test_profile_without_split_prices_attention_as_before():
-    old = dict(SPLIT)
-    for k in ("per_ctx_pair_s", "per_gather_s", "per_prefill_seq_s"):
-        del old[k]
-    m = prof(step_models={"s": old}).step_model("prefill")
-    # A = sum n (c + (n + 1) / 2), decode rows included
-    assert m.step_time([(32, 992), (1, 500)]) == pytest.approx(
-        0.01 + 33e-4 + 1e-6 * (32 * (992 + 16.5) + 501))
-
-
 def test_fit_recovers_the_step_model_it_was_sampled_from():
     from kvpush.sim.calibrate import FIT_FIELDS, fit_linear
     from kvpush.sim.profile import LinearStepModel
 
     truth = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_attn_s=1e-6, per_seq_s=5e-4,
-                            per_ctx_s=3e-6, per_fill_s=1e-5, per_ctx_pair_s=4e-7,
-                            per_gather_s=8e-6, per_prefill_seq_s=2e-3)
+                            per_ctx_s=3e-6, per_fill_s=1e-5)
     shapes = [[(n, 0)] for n in (32, 128, 512, 1024)]
     shapes += [[(n, c)] for n, c in ((32, 96), (128, 384), (512, 512), (32, 992))]
     shapes += [[(128, 0)] * 8, [(256, 0)] * 4, [(32, 992)] * 15, [(32, 480)] * 4]
@@ -354,7 +325,7 @@ def test_refit_fits_again_and_reprices_the_probe_trace(tmp_path):
     from kvpush.sim.profile import LinearStepModel
 
     truth = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_attn_s=1e-6, per_seq_s=5e-4,
-                            per_ctx_s=3e-6, per_ctx_pair_s=4e-7, per_gather_s=8e-6)
+                            per_ctx_s=3e-6)
     shapes = [[(n, 0)] for n in (32, 128, 512, 1024)] + [[(128, 0)] * 8, [(32, 992)] * 15]
     shapes += [[(n, c)] for n, c in ((32, 96), (128, 384), (512, 512))]
     shapes += [[(1, c)] * b for b, c in ((1, 128), (4, 128), (16, 1024))]
@@ -372,7 +343,7 @@ def test_refit_fits_again_and_reprices_the_probe_trace(tmp_path):
     src.write_text(json.dumps(d))
     assert cli_main(["simulate", "refit", str(src), "--out", str(out)]) == 0
     new = json.loads(out.read_text())
-    assert new["step_models"]["s"]["per_ctx_pair_s"] == pytest.approx(4e-7, rel=1e-3)
+    assert new["step_models"]["s"]["per_ctx_s"] == pytest.approx(3e-6, rel=1e-3)
     assert new["host"]["served_factors"]["s"] == pytest.approx(
         {"prefill": 1.1, "prefill_batched": 1.5, "decode": 0.9}, rel=1e-3)
     # the lone prefills span two lengths: short ones 1.1-1.25x, long ones 0.95x

@@ -28,18 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.sim.profile import (
-    Chunk,
-    LinearStepModel,
-    fill_tokens,
-    prefill_terms,
-    step_features,
-)
+from kvpush.sim.profile import Chunk, LinearStepModel, fill_tokens, step_features
 
 #: The features fitted (see :func:`kvpush.sim.profile.step_features`); per_sample is not
 #: separable from per_seq (every chunk here samples) and stays 0.
-FIT_FIELDS = ("base_s", "per_token_s", "per_attn_s", "per_seq_s", "per_ctx_s", "per_fill_s",
-              "per_ctx_pair_s", "per_gather_s", "per_prefill_seq_s")
+FIT_FIELDS = ("base_s", "per_token_s", "per_attn_s", "per_seq_s", "per_ctx_s", "per_fill_s")
 
 
 @dataclass(frozen=True)
@@ -354,9 +347,8 @@ def fit_linear(samples: Sequence[Sample], tables: Tables | None = None
     zero = LinearStepModel(0.0, 0.0, **tab)
     rows, ys, ws = [], [], []
     for chunks, dt in samples:
-        t, _, s, c, _ = step_features(chunks)
-        causal, pairs, gathered, seqs = prefill_terms(chunks)
-        rows.append([1.0, t, causal, s, c, fill_tokens(chunks), pairs, gathered, seqs])
+        t, a, s, c, _ = step_features(chunks)
+        rows.append([1.0, t, a, s, c, fill_tokens(chunks)])
         ys.append(dt - zero.tabled_time(chunks))
         ws.append(1.0 / dt)  # relative error on the whole step
     coef = nnls_fit(rows, ys, ws)

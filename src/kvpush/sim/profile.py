@@ -15,14 +15,7 @@ Two step models:
   ``G`` and ``H`` are optional measured tables (rows -> seconds, interpolated) of the
   model's matmuls: all layers' projections over ``T`` token rows, and the LM head over
   ``N`` rows; ``per_fill * F`` charges the context ``F`` of decode rows that enter
-  kvpush's dense decode cache (a request's first decode).
-  A model fitted with ``per_ctx_pair`` set prices prefill attention by the engine's two
-  kernels instead of through ``A`` (:func:`prefill_terms`): a fresh prompt chunk runs
-  causal attention over its own ``n (n + 1) / 2`` pairs (``per_attn``); a chunk over
-  ``c`` cached tokens gathers ``c + n`` keys from the paged cache (``per_gather``) and
-  runs masked attention over the whole ``n (c + n)`` rectangle (``per_ctx_pair``); every
-  prefill chunk costs ``per_prefill_seq`` more (its own attention calls in every layer).
-  Decode rows' attention is then ``per_ctx * C`` alone. They carry what a linear term
+  kvpush's dense decode cache (a request's first decode). They carry what a linear term
   cannot: on CPU torch a 1-row matmul runs a
   GEMV kernel and 2+ rows a GEMM one that costs about twice as much (a decode batch of 2
   is ~1.6x a batch of 1, then each further row adds little).
@@ -108,26 +101,6 @@ def step_features(chunks: Sequence[Chunk]) -> tuple[float, float, float, float, 
     return t, a, float(len(chunks)), c, smp
 
 
-def prefill_terms(chunks: Sequence[Chunk]) -> tuple[float, float, float, float]:
-    """(causal pairs, context pairs, gathered keys, prefill chunks) of a step's prefill
-    chunks (more than one token): a chunk with no context runs causal attention over
-    ``n (n + 1) / 2`` pairs; one over ``c`` cached tokens gathers ``c + n`` keys and
-    attends over ``n (c + n)`` pairs (kvpush.model.attention: a masked, not a causal,
-    call)."""
-    causal = pairs = gathered = seqs = 0.0
-    for ch in chunks:
-        n, ctx = ch[0], ch[1]
-        if n <= 1:
-            continue
-        seqs += 1
-        if ctx == 0:
-            causal += n * (n + 1) / 2
-        else:
-            pairs += n * (ctx + n)
-            gathered += ctx + n
-    return causal, pairs, gathered, seqs
-
-
 def fill_tokens(chunks: Sequence[Chunk]) -> float:
     """Context tokens copied into kvpush's dense decode cache (``DecodeKVCache``) this
     step: a decode row that did not decode in the step before has its whole context
@@ -168,13 +141,6 @@ class LinearStepModel:
     token_rows_s: RowTable = ()
     #: measured LM-head time for N sampled rows (H above)
     sample_rows_s: RowTable = ()
-    #: None: prefill attention priced through A (profiles before the split); set: per
-    #: pair of a chunk over cached context, and per_attn_s applies to causal pairs only
-    per_ctx_pair_s: float | None = None
-    #: per key gathered from the paged cache for a chunk over cached context
-    per_gather_s: float = 0.0
-    #: per prefill chunk (its attention calls in every layer)
-    per_prefill_seq_s: float = 0.0
 
     def tabled_time(self, chunks: Sequence[Chunk]) -> float:
         """The part of a step's time given by the measured matmul tables."""
@@ -185,13 +151,7 @@ class LinearStepModel:
         if not chunks:
             return 0.0
         t, a, s, c, n = step_features(chunks)
-        if self.per_ctx_pair_s is None:
-            attn = self.per_attn_s * a
-        else:
-            causal, pairs, gathered, seqs = prefill_terms(chunks)
-            attn = (self.per_attn_s * causal + self.per_ctx_pair_s * pairs
-                    + self.per_gather_s * gathered + self.per_prefill_seq_s * seqs)
-        return (self.base_s + self.per_token_s * t + attn + self.per_seq_s * s
+        return (self.base_s + self.per_token_s * t + self.per_attn_s * a + self.per_seq_s * s
                 + self.per_ctx_s * c + self.per_sample_s * n
                 + self.per_fill_s * fill_tokens(chunks)
                 + interp(self.token_rows_s, t) + interp(self.sample_rows_s, n))
@@ -315,7 +275,8 @@ class Profile:
 
 
 # ---------------------------------------------------------------------------- loading
-def _req(d: Mapping[str, Any], key: str, where: str, kind: type | tuple = (int, float)) -> Any:
+def require_field(d: Mapping[str, Any], key: str, where: str,
+                  kind: type | tuple = (int, float)) -> Any:
     if key not in d:
         raise ProfileError(f"{where}: missing field {key!r}")
     v = d[key]
@@ -333,8 +294,8 @@ def _numbers(d: Mapping[str, Any], where: str, required: Sequence[str],
              optional: Sequence[str] = ()) -> dict[str, float]:
     if not isinstance(d, Mapping):
         raise ProfileError(f"{where}: expected an object, got {type(d).__name__}")
-    out = {k: float(_req(d, k, where)) for k in required}
-    out.update({k: float(_req(d, k, where)) for k in optional if k in d})
+    out = {k: float(require_field(d, k, where)) for k in required}
+    out.update({k: float(require_field(d, k, where)) for k in optional if k in d})
     return out
 
 
@@ -343,15 +304,15 @@ def _shape(d: Any, where: str) -> ModelShape:
         raise ProfileError(f"{where}: expected an object")
     ints = ("num_layers", "num_kv_heads", "head_dim", "hidden_size", "num_heads",
             "intermediate_size", "vocab_size")
-    kw: dict[str, Any] = {k: _req(d, k, where, int) for k in ints}
+    kw: dict[str, Any] = {k: require_field(d, k, where, int) for k in ints}
     for k in ("kv_bytes_per_elem", "weight_bytes_per_elem"):
         if k in d:
-            kw[k] = _req(d, k, where, int)
+            kw[k] = require_field(d, k, where, int)
     return ModelShape(name=str(d.get("name", "model")),
                       tied_embeddings=bool(d.get("tied_embeddings", False)), **kw)
 
 
-def _row_table(v: Any, where: str) -> RowTable:
+def row_table(v: Any, where: str) -> RowTable:
     """``[[rows, seconds], ...]`` with rows > 0 strictly ascending and seconds >= 0."""
     if not isinstance(v, Sequence) or isinstance(v, str):
         raise ProfileError(f"{where}: expected a list of [rows, seconds] pairs")
@@ -372,9 +333,8 @@ def _step_model(d: Any, where: str, shape: ModelShape) -> StepModel:
     kind = d.get("kind")
     if kind == "linear":
         c = _numbers(d, where, ("base_s", "per_token_s"),
-                     ("per_attn_s", "per_seq_s", "per_ctx_s", "per_sample_s", "per_fill_s",
-                      "per_ctx_pair_s", "per_gather_s", "per_prefill_seq_s"))
-        tables = {k: _row_table(d[k], f"{where}.{k}") for k in ("token_rows_s",
+                     ("per_attn_s", "per_seq_s", "per_ctx_s", "per_sample_s", "per_fill_s"))
+        tables = {k: row_table(d[k], f"{where}.{k}") for k in ("token_rows_s",
                                                                  "sample_rows_s") if k in d}
         return LinearStepModel(**c, **tables)
     if kind == "roofline":
@@ -388,45 +348,6 @@ def _step_model(d: Any, where: str, shape: ModelShape) -> StepModel:
                 raise ProfileError(f"{where}.{k}: must be > 0")
         return RooflineStepModel(shape=shape, **c)
     raise ProfileError(f"{where}.kind: expected 'linear' or 'roofline', got {kind!r}")
-
-
-def _per_kind(table: Any, where: str, kind: Any = (int, float)) -> dict[str, Any]:
-    from kvpush.sim.served import KINDS
-
-    if not isinstance(table, Mapping) or set(table) - set(KINDS):
-        raise ProfileError(f"{where}: expected an object with keys among {', '.join(KINDS)}")
-    return {str(k): _req(table, k, where, kind) for k in table}
-
-
-def _with_served_factors(models: dict[str, StepModel], host: Mapping[str, Any],
-                         path: str) -> dict[str, StepModel]:
-    """``host.served_factors``: step model -> {kind: factor} and, optionally,
-    ``host.served_factor_curves``: step model -> {kind: [[modelled seconds, factor], ...]}
-    (kvpush.sim.served): how much longer that model's steps take inside the serving
-    stack than in the engine alone, per kind of step."""
-    from kvpush.sim.served import ServedStepModel
-
-    factors = host.get("served_factors", {})
-    curves = host.get("served_factor_curves", {})
-    for key, table in (("served_factors", factors), ("served_factor_curves", curves)):
-        if not isinstance(table, Mapping):
-            raise ProfileError(f"{path}: host.{key} must be an object")
-        for name in table:
-            if name not in models:
-                raise ProfileError(f"{path}: host.{key}.{name}: no such step model")
-    out = dict(models)
-    for name in set(factors) | set(curves):
-        where = f"{path}: host.served_factors.{name}"
-        f = {k: float(v) for k, v in _per_kind(factors.get(name, {}), where).items()}
-        if any(not v > 0 for v in f.values()):
-            raise ProfileError(f"{where}: factors must be > 0")
-        where = f"{path}: host.served_factor_curves.{name}"
-        c = {k: _row_table(v, f"{where}.{k}")
-             for k, v in _per_kind(curves.get(name, {}), where, list).items()}
-        if any(not v or any(fac <= 0 for _, fac in v) for v in c.values()):
-            raise ProfileError(f"{where}: a curve needs points with factors > 0")
-        out[name] = ServedStepModel(models[name], f, c)
-    return out
 
 
 def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
@@ -458,7 +379,7 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
     inst = data.get("instance")
     if not isinstance(inst, Mapping):
         raise ProfileError(f"{path}: missing field 'instance'")
-    limits = InstanceLimits(**{k: _req(inst, k, f"{path}: instance", int) for k in
+    limits = InstanceLimits(**{k: require_field(inst, k, f"{path}: instance", int) for k in
                                ("block_size", "num_blocks", "max_num_batched_tokens",
                                 "max_num_seqs")})
     if min(limits.block_size, limits.num_blocks, limits.max_num_batched_tokens,
@@ -467,10 +388,12 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
     host = data.get("host", {})
     if not isinstance(host, Mapping):
         raise ProfileError(f"{path}: host must be an object")
-    corun = float(_req(host, "corun_slowdown", f"{path}: host")) if host else 1.0
+    corun = float(require_field(host, "corun_slowdown", f"{path}: host")) if host else 1.0
     if corun < 1.0:
         raise ProfileError(f"{path}: host.corun_slowdown must be >= 1, got {corun}")
-    models = _with_served_factors(models, host, path)
+    from kvpush.sim.served import served_step_models
+
+    models = served_step_models(models, host, path)
     sources = data.get("sources", {})
     if not isinstance(sources, Mapping):
         raise ProfileError(f"{path}: sources must be an object (figure -> source)")

@@ -3,9 +3,9 @@
 `kvpush simulate calibrate` times :class:`~kvpush.engine.llm_engine.LLMEngine` steps in a
 process of its own. A serving instance steps the same engine, but beside its HTTP front
 end and, on a small host, beside the router and the load generator, which stream every
-token, and its steps get somewhat longer (2 vCPUs: 1.06-1.09x for prefill steps,
-0.97-0.99x for decodes; before the server's one-OpenMP-pool fix, 1.2-1.6x for 2-thread
-steps, see kvpush.engine.async_engine). The served probe measures it:
+token, and its steps get somewhat longer or shorter (2 vCPUs: 0.95-1.15x by kind and
+length, and from one calibration to the next; before the server's one-OpenMP-pool fix,
+1.2-1.6x for 2-thread steps, see kvpush.engine.async_engine). The served probe measures it:
 it serves a short workload through a real instance and the router with the per-step
 trace on (kvpush.engine.step_trace), prices every traced step with the engine-alone step
 model, and relates measured to modelled per kind of step:
@@ -51,7 +51,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush.sim.profile import Chunk, RowTable, StepModel
+from kvpush.sim.profile import (
+    Chunk,
+    ProfileError,
+    RowTable,
+    StepModel,
+    require_field,
+    row_table,
+)
 
 KINDS = ("prefill", "prefill_batched", "decode")
 #: the size from which a prefill chunk counts as a prompt's prefill in a batched step
@@ -98,6 +105,41 @@ def curve_factor(curve: RowTable, t: float) -> float:
         if t <= t1:
             return f0 + (f1 - f0) * (t - t0) / (t1 - t0)
     return curve[-1][1]
+
+
+def _per_kind(table: Any, where: str, kind: Any = (int, float)) -> dict[str, Any]:
+    if not isinstance(table, Mapping) or set(table) - set(KINDS):
+        raise ProfileError(f"{where}: expected an object with keys among {', '.join(KINDS)}")
+    return {str(k): require_field(table, k, where, kind) for k in table}
+
+
+def served_step_models(models: dict[str, StepModel], host: Mapping[str, Any],
+                         path: str) -> dict[str, StepModel]:
+    """``host.served_factors``: step model -> {kind: factor} and, optionally,
+    ``host.served_factor_curves``: step model -> {kind: [[modelled seconds, factor], ...]}
+    (kvpush.sim.served): how much longer that model's steps take inside the serving
+    stack than in the engine alone, per kind of step."""
+    factors = host.get("served_factors", {})
+    curves = host.get("served_factor_curves", {})
+    for key, table in (("served_factors", factors), ("served_factor_curves", curves)):
+        if not isinstance(table, Mapping):
+            raise ProfileError(f"{path}: host.{key} must be an object")
+        for name in table:
+            if name not in models:
+                raise ProfileError(f"{path}: host.{key}.{name}: no such step model")
+    out = dict(models)
+    for name in set(factors) | set(curves):
+        where = f"{path}: host.served_factors.{name}"
+        f = {k: float(v) for k, v in _per_kind(factors.get(name, {}), where).items()}
+        if any(not v > 0 for v in f.values()):
+            raise ProfileError(f"{where}: factors must be > 0")
+        where = f"{path}: host.served_factor_curves.{name}"
+        c = {k: row_table(v, f"{where}.{k}")
+             for k, v in _per_kind(curves.get(name, {}), where, list).items()}
+        if any(not v or any(fac <= 0 for _, fac in v) for v in c.values()):
+            raise ProfileError(f"{where}: a curve needs points with factors > 0")
+        out[name] = ServedStepModel(models[name], f, c)
+    return out
 
 
 def traced_steps(paths: Iterable[Path], start: float = -math.inf,
