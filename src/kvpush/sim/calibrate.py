@@ -54,6 +54,10 @@ class CalibrationPlan:
     #: measure the slowdown beside a busy neighbour engine (host.corun_slowdown); off
     #: by default: on this shared VM it measured 1.0, 2.1 and 1.7 within two minutes
     corun: bool = False
+    #: passes over the plan per thread count, all fitted together: one pass's decode
+    #: steps moved by 5-15% between calibrations 25 minutes apart (v7), and the fit's
+    #: per-context cost with them (0.9 vs 3.3 us per token on one thread)
+    repeats: int = 2
     #: serve a short workload per thread count through a real instance and the router
     #: and record how much longer its steps are than the engine alone's
     #: (host.served_factors, kvpush.sim.served)
@@ -62,7 +66,8 @@ class CalibrationPlan:
     @classmethod
     def quick(cls) -> CalibrationPlan:
         return cls(prefill=((32, 64), (8, 16)), decode=((1, 16), (4, 16)), decode_steps=3,
-                   threads=(1,), mixed=((2, 16, 32),), prefix=((2, 32, 8),), served=False)
+                   threads=(1,), mixed=((2, 16, 32),), prefix=((2, 32, 8),), repeats=1,
+                   served=False)
 
 
 Sample = tuple[list[Chunk], float]
@@ -215,34 +220,35 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
         # state, not a reallocation of the whole buffer
         run([64], 2, 1024, record=False)
         run([longest], 3, budget, record=False)
-        for chunk, prompt in plan.prefill:
-            t0 = time.perf_counter()
-            run([prompt], 1, chunk, record=True)
-            log(f"[calibrate] threads={threads} prefill {prompt} tokens in chunks of {chunk}:"
-                f" {time.perf_counter() - t0:.2f} s")
-        for batch, prompt in plan.decode:
-            t0 = time.perf_counter()
-            # the prompts prefill a budget's worth per step while the earlier ones start
-            # decoding; every request lasts until the whole batch has decoded
-            # decode_steps times together (the batched long-context decodes a serving
-            # decode instance runs)
-            run([prompt] * batch, plan.decode_steps + 1 + -(-batch * prompt // budget),
-                budget, record=True)
-            log(f"[calibrate] threads={threads} decode batch {batch} at {prompt} tokens: "
-                f"{time.perf_counter() - t0:.2f} s")
-        for batch, prompt, new in plan.mixed:
-            t0 = time.perf_counter()
-            run([prompt] * batch, plan.decode_steps + 2, budget, record=True,
-                later=[(2, new)])
-            log(f"[calibrate] threads={threads} decode batch {batch} at {prompt} tokens + "
-                f"a {new}-token prompt: {time.perf_counter() - t0:.2f} s")
-        for batch, cached, new in plan.prefix:
-            t0 = time.perf_counter()
-            shared = tokens(cached)
-            run([shared + tokens(new)], 1, budget, record=False)  # puts it in the cache
-            run([shared + tokens(new) for _ in range(batch)], 2, budget, record=True)
-            log(f"[calibrate] threads={threads} {batch} prompts of {new} tokens over a cached "
-                f"{cached}-token prefix: {time.perf_counter() - t0:.2f} s")
+        for rep in range(plan.repeats):  # the whole plan again: a fit over all passes
+            tag = f" pass {rep + 1}/{plan.repeats}" if plan.repeats > 1 else ""
+
+            def timed(what: str, *runs: tuple[Any, ...], tag: str = tag) -> None:
+                t0 = time.perf_counter()
+                for args in runs:
+                    run(*args[:4], later=args[4] if len(args) > 4 else None)
+                log(f"[calibrate] threads={threads}{tag} {what}: "
+                    f"{time.perf_counter() - t0:.2f} s")
+
+            for chunk, prompt in plan.prefill:
+                timed(f"prefill {prompt} tokens in chunks of {chunk}",
+                      ([prompt], 1, chunk, True))
+            for batch, prompt in plan.decode:
+                # the prompts prefill a budget's worth per step while the earlier ones
+                # start decoding; every request lasts until the whole batch has decoded
+                # decode_steps times together (the batched long-context decodes a
+                # serving decode instance runs)
+                steps = plan.decode_steps + 1 + -(-batch * prompt // budget)
+                timed(f"decode batch {batch} at {prompt} tokens",
+                      ([prompt] * batch, steps, budget, True))
+            for batch, prompt, new in plan.mixed:
+                timed(f"decode batch {batch} at {prompt} tokens + a {new}-token prompt",
+                      ([prompt] * batch, plan.decode_steps + 2, budget, True, [(2, new)]))
+            for batch, cached, new in plan.prefix:
+                shared = tokens(cached)  # the first run puts it in the prefix cache
+                timed(f"{batch} prompts of {new} tokens over a cached {cached}-token prefix",
+                      ([shared + tokens(new)], 1, budget, False),
+                      ([shared + tokens(new) for _ in range(batch)], 2, budget, True))
     finally:
         eng.shutdown()
     return samples
