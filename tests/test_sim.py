@@ -499,6 +499,21 @@ def test_cli_bad_profile(capsys):
 
 
 # ---------------------------------------------------------------------- calibrate
+def test_calibration_passes_repeat_the_plan(tiny_llama):
+    """repeats=2 measures every shape of the plan twice (the fit pools both passes)."""
+    import dataclasses
+
+    from kvpush.sim.calibrate import CalibrationPlan, measure_steps
+
+    one = CalibrationPlan.quick()
+    once = measure_steps(tiny_llama, 1, one, log=lambda _m: None)
+    twice = measure_steps(tiny_llama, 1, dataclasses.replace(one, repeats=2),
+                          log=lambda _m: None)
+    assert len(twice) == 2 * len(once)
+    assert [c for c, _ in twice[:len(once)]] == [c for c, _ in once]
+    assert [c for c, _ in twice[len(once):]] == [c for c, _ in once]
+
+
 def test_calibrate_quick_on_tiny_model(tiny_llama, tmp_path):
     from kvpush.sim.calibrate import CalibrationPlan, calibrate
 
