@@ -360,6 +360,10 @@ def test_refit_fits_again_and_reprices_the_probe_trace(tmp_path):
     out.unlink()
     assert cli_main(["simulate", "refit", str(src), "--out", str(out)]) == 2
     assert not out.exists()
+    for bad in ("[1, 2]", '{"measured": 3}', "{not json"):
+        src.write_text(bad)
+        assert cli_main(["simulate", "refit", str(src), "--out", str(out)]) == 2
+        assert not out.exists()
 
 
 @pytest.mark.parametrize("bad", [[[0, 0.1]], [[2, 0.1], [1, 0.2]], [[1, -0.1]], "x",

@@ -26,10 +26,12 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
     the probe's trace was kept, its served factors re-measured against the new fits."""
     from kvpush.sim.served import describe, served_model_from, step_pairs
 
+    if not isinstance(data, dict) or not isinstance(data.get("measured", {}), dict):
+        raise ValueError("not a calibrated profile (a JSON object with a measured object)")
     out = copy.deepcopy(data)
     measured = out.get("measured", {})
     samples = measured.get("step_samples") or {}
-    if not samples:
+    if not isinstance(samples, dict) or not samples:
         raise ValueError("the profile has no measured.step_samples to refit from "
                          "(only profiles written by `kvpush simulate calibrate` have)")
     served = measured.get("served") or {}
