@@ -117,7 +117,6 @@ from kvpush.sim.served import (  # noqa: E402
     served_model_from,
     step_kind,
     step_pairs,
-    step_ratios,
 )
 from test_sim import BASE  # noqa: E402
 
@@ -164,8 +163,8 @@ def test_factors_are_median_measured_over_modelled_per_kind():
         steps.append({"t": 0, "dur": scale * model.step_time([(1, 100)]),
                       "chunks": [[1, 100, True, True]]})
     steps.append({"t": 0, "dur": 2 * model.step_time([(50, 0)]), "chunks": [[50, 0, True]]})
-    ratios = step_ratios(steps, model)
-    assert sorted(ratios["decode"]) == pytest.approx([1.1, 1.3, 5.0])
+    decode = step_pairs(steps, model)["decode"]
+    assert sorted(m / p for p, m in decode) == pytest.approx([1.1, 1.3, 5.0])
     factors, curves = served_model_from(step_pairs(steps, model))
     assert factors == {"prefill": pytest.approx(2.0),
                        "prefill_batched": pytest.approx(2.0),  # none: prefill's

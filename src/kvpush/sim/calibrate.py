@@ -220,16 +220,17 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
         # state, not a reallocation of the whole buffer
         run([64], 2, 1024, record=False)
         run([longest], 3, budget, record=False)
+        tag = ""
+
+        def timed(what: str, *runs: tuple[Any, ...]) -> None:
+            """Each of ``runs`` (run()'s arguments) in turn, and log their time."""
+            t0 = time.perf_counter()
+            for args in runs:
+                run(*args)
+            log(f"[calibrate] threads={threads}{tag} {what}: {time.perf_counter() - t0:.2f} s")
+
         for rep in range(plan.repeats):  # the whole plan again: a fit over all passes
             tag = f" pass {rep + 1}/{plan.repeats}" if plan.repeats > 1 else ""
-
-            def timed(what: str, *runs: tuple[Any, ...], tag: str = tag) -> None:
-                t0 = time.perf_counter()
-                for args in runs:
-                    run(*args[:4], later=args[4] if len(args) > 4 else None)
-                log(f"[calibrate] threads={threads}{tag} {what}: "
-                    f"{time.perf_counter() - t0:.2f} s")
-
             for chunk, prompt in plan.prefill:
                 timed(f"prefill {prompt} tokens in chunks of {chunk}",
                       ([prompt], 1, chunk, True))

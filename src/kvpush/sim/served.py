@@ -56,6 +56,7 @@ from kvpush.sim.profile import (
     ProfileError,
     RowTable,
     StepModel,
+    interp,
     require_field,
     row_table,
 )
@@ -99,12 +100,7 @@ class ServedStepModel:
 
 def curve_factor(curve: RowTable, t: float) -> float:
     """The factor at modelled time ``t``: linear between the points, flat beyond."""
-    if t <= curve[0][0]:
-        return curve[0][1]
-    for (t0, f0), (t1, f1) in zip(curve, curve[1:]):
-        if t <= t1:
-            return f0 + (f1 - f0) * (t - t0) / (t1 - t0)
-    return curve[-1][1]
+    return interp(curve, min(max(t, curve[0][0]), curve[-1][0]))
 
 
 def _per_kind(table: Any, where: str, kind: Any = (int, float)) -> dict[str, Any]:
@@ -114,7 +110,7 @@ def _per_kind(table: Any, where: str, kind: Any = (int, float)) -> dict[str, Any
 
 
 def served_step_models(models: dict[str, StepModel], host: Mapping[str, Any],
-                         path: str) -> dict[str, StepModel]:
+                       path: str) -> dict[str, StepModel]:
     """``host.served_factors``: step model -> {kind: factor} and, optionally,
     ``host.served_factor_curves``: step model -> {kind: [[modelled seconds, factor], ...]}
     (kvpush.sim.served): how much longer that model's steps take inside the serving
@@ -160,12 +156,6 @@ def step_pairs(steps: Iterable[Mapping[str, Any]], model: StepModel
         if predicted > 0:
             out.setdefault(step_kind(chunks), []).append((predicted, st["dur"]))
     return out
-
-
-def step_ratios(steps: Iterable[Mapping[str, Any]], model: StepModel
-                ) -> dict[str, list[float]]:
-    """kind -> measured / modelled time of each step of that kind."""
-    return {k: [m / p for p, m in v] for k, v in step_pairs(steps, model).items()}
 
 
 #: a kind's steps get a curve rather than one factor when the longest modelled step is
@@ -285,11 +275,12 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
         files = sorted(Path(tmp).rglob("steps/**/*.jsonl"))
         steps = traced_steps(files)
         pairs = step_pairs(steps, engine_model)
+        arrivals = [t for f in files for t in read_arrivals(f)]
         gaps = []
         for path in sorted(Path(tmp).rglob("runs/*.json")):
             run = json.loads(path.read_text())
             if math.isinf(float(run["request_rate"])):
-                gap = front_end_gap([t for f in files for t in read_arrivals(f)
+                gap = front_end_gap([t for t in arrivals
                                      if run["wall_start"] <= t <= run["wall_end"]])
                 if gap is not None:
                     gaps.append(gap)
