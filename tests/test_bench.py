@@ -282,8 +282,8 @@ def _fake_app():
 
         def choice(text, finish=None):
             if chat:
-                return {"index": 0, "delta": {"content": text} if text else {},
-                        "finish_reason": finish}
+                delta = {"content": text} if text or not finish else {}
+                return {"index": 0, "delta": delta, "finish_reason": finish}
             return {"index": 0, "text": text, "finish_reason": finish}
 
         async def events():
@@ -293,7 +293,10 @@ def _fake_app():
                                                                  "content": ""}}]})
             for i in range(n):
                 await asyncio.sleep(0.002)
-                yield frame({"choices": [choice(" the")]})
+                # "held": the first token's text waits for the second (part of a
+                # UTF-8 character), sent as an empty text the way vLLM does
+                text = "" if mode == "held" and i == 0 else " the"
+                yield frame({"choices": [choice(text)]})
                 if mode == "error" and i == 1:
                     yield frame({"error": {"message": "boom", "code": 500}})
                     yield b"data: [DONE]\n\n"
@@ -353,6 +356,16 @@ def test_vllm_style_stream(fake_server, tiny_llama, endpoint):
     assert [len(i) for i in d["itls"]] == [4, 4]  # content chunks only
     assert result.outputs[0].generated_text == " the" * 5
     assert any("prompt_tokens" in w for w in result.warnings)  # the fake says 7, not 16
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_first_token_with_held_back_text_counts(fake_server, tiny_llama, endpoint):
+    # TTFT is the first token's chunk even when its text is empty, as in vLLM's
+    # benchmark: every token chunk after it is one gap, the finish chunk none
+    result = _fake_run(fake_server, tiny_llama, "held", endpoint)
+    d = result.to_dict()
+    assert d["completed"] == 2 and [len(i) for i in d["itls"]] == [4, 4]
+    assert result.outputs[0].generated_text == " the" * 4
 
 
 def test_stream_without_usage_counts_tokens(fake_server, tiny_llama):

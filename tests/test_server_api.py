@@ -220,6 +220,34 @@ async def test_completion_stream(client: httpx.AsyncClient, tokenizer: Any) -> N
 
 
 @pytest.mark.anyio
+async def test_stream_sends_a_chunk_per_token_even_with_text_held_back(
+        client: httpx.AsyncClient, engine: FakeEngine, tokenizer: Any) -> None:
+    # the fake answers with the prompt's tokens backwards: the byte-level pieces of
+    # "✓" and "ö" come out of order, so some tokens end in part of a character and
+    # their text is held back until a later token completes it
+    prompt = "✓ wörld ✓ héllo"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    n = len(ids)
+    body = {"prompt": ids, "max_tokens": n, "ignore_eos": True}
+    whole = (await client.post(C, json=body)).json()
+    r = await client.post(C, json={**body, "stream": True})
+    chunks = sse(r.text)[:-1]
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert len(chunks) == n == whole["usage"]["completion_tokens"]  # one per token
+    assert "" in texts  # a token whose text came with a later one
+    assert "".join(texts) == whole["choices"][0]["text"]
+
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 12,
+            "ignore_eos": True}
+    whole = (await client.post(CHAT, json=chat)).json()
+    r = await client.post(CHAT, json={**chat, "stream": True})
+    chunks = sse(r.text)[:-1]
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:]]  # after the role chunk
+    assert len(deltas) == 12 and all(isinstance(d.get("content"), str) for d in deltas)
+    assert "".join(d["content"] for d in deltas) == whole["choices"][0]["message"]["content"]
+
+
+@pytest.mark.anyio
 async def test_completion_logprobs(client: httpx.AsyncClient, engine: FakeEngine) -> None:
     for stream in (False, True):
         r = await client.post(C, json={"prompt": "hello world", "max_tokens": 4, "logprobs": 1,

@@ -276,13 +276,20 @@ def request_body(config: BenchConfig, model_id: str, req: SampleRequest) -> dict
     return body
 
 
-def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
+def _chunk_text(choice: dict[str, Any], chat: bool) -> str | None:
+    """The text a streamed choice carries; None when it carries none (a chat stream's
+    role announcement or a finish-only delta). "" is a token whose text the server holds
+    back (part of a UTF-8 character, a possible stop string): as in vLLM's benchmark, it
+    counts as the first token / an inter-token gap, so TTFT is the first token's time,
+    not the first visible character's."""
     if chat:
-        delta = choice.get("delta") or {}
-        text = delta.get("content") if isinstance(delta, dict) else None
+        delta = choice.get("delta")
+        if not isinstance(delta, dict) or "role" in delta:
+            return None
+        text = delta.get("content")
     else:
         text = choice.get("text")
-    return text if isinstance(text, str) else ""
+    return text if isinstance(text, str) else None
 
 
 async def _stream(client: Any, url: str, body: dict[str, Any], res: RequestResult,
@@ -317,7 +324,10 @@ async def _stream(client: Any, url: str, body: dict[str, Any], res: RequestResul
                 return
             for choice in obj.get("choices") or []:
                 text = _chunk_text(choice, chat)
-                if text:
+                # an empty choice that ends the stream is no token gap (vLLM sends the
+                # finish apart); still the first token if nothing came before it
+                bare_finish = not text and choice.get("finish_reason") and last is not None
+                if text is not None and not bare_finish:
                     if last is None:
                         res.ttft = now - st
                     else:

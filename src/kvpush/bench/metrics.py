@@ -34,9 +34,9 @@ class RequestResult:
     success: bool = False
     #: Output tokens: the server's usage if it sent one, else counted by the client.
     output_tokens: int = 0
-    #: Send -> first content chunk.
+    #: Send -> first chunk carrying a token (its text may be held back: "").
     ttft: float = 0.0
-    #: Gaps between consecutive content chunks.
+    #: Gaps between consecutive chunks carrying tokens.
     itl: list[float] = field(default_factory=list)
     #: Send -> end of the stream.
     latency: float = 0.0

@@ -375,8 +375,8 @@ class CompletionFormat(Format):
         if self._lp is not None and out.new_token_ids:
             lp = CompletionLogprobs()
             self._logprobs(out, lp)
-        if not out.new_text and lp is None and not out.finished:
-            return None
+        if not out.new_token_ids and not out.new_text and not out.finished:
+            return None  # one chunk per token, even one whose text is held back
         reason = self.finish_reason if out.finished else None
         return self._chunk([CompletionChoice(text=out.new_text, logprobs=lp,
                                              finish_reason=reason)])
@@ -431,10 +431,11 @@ class ChatFormat(Format):
         lp = None
         if self._lp is not None and out.new_token_ids:
             lp = ChatLogprobs(content=self._logprobs(out))
-        if not out.new_text and lp is None and not out.finished:
-            return None
+        if not out.new_token_ids and not out.new_text and not out.finished:
+            return None  # one chunk per token, even one whose text is held back
         reason = self.finish_reason if out.finished else None
-        delta = DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()
+        delta = (DeltaMessage(content=out.new_text) if out.new_text or out.new_token_ids
+                 else DeltaMessage())
         return self._chunk([ChatStreamChoice(delta=delta, logprobs=lp, finish_reason=reason)])
 
     def stream_finish(self, reason: str) -> bytes:
