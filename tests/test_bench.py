@@ -189,8 +189,10 @@ def _check_ok(result, n: int, input_len: int, output_len: int) -> dict:
 
 def test_run_rate_inf(server, tiny_llama):
     cfg = BenchConfig(url=server.url, input_len=32, output_len=8, num_prompts=8)
+    before = time.time()
     result = run_benchmark(cfg)
     d = _check_ok(result, 8, 32, 8)
+    assert before < d["start_wall"] < time.time() - d["duration"]  # when start_times count
     assert d["model_id"] == Path(tiny_llama).name  # from GET /v1/models
     assert d["tokenizer_id"] == str(tiny_llama)  # its root
     assert d["request_rate"] == "inf" and d["backend"] == "openai"

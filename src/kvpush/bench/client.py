@@ -132,6 +132,9 @@ class BenchResult:
     #: compute_metrics' fields (vLLM names).
     metrics: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
+    #: the wall clock (time.time()) at the instant start_times count from, to set the
+    #: requests beside server-side logs and step traces
+    start_wall: float = 0.0
 
     @property
     def completed(self) -> int:
@@ -168,6 +171,7 @@ class BenchResult:
             # kvpush extras
             "e2els": [r.latency for r in self.outputs],
             "start_times": [r.start_time for r in self.outputs],
+            "start_wall": self.start_wall,
             "url": c.url,
             "endpoint": ENDPOINTS[c.endpoint],
             "dataset_name": c.dataset,
@@ -370,8 +374,9 @@ async def _send(client: Any, url: str, body: dict[str, Any], res: RequestResult,
 
 
 async def _drive(config: BenchConfig, model_id: str, requests: Sequence[SampleRequest],
-                 results: list[RequestResult]) -> float:
-    """Send every request on schedule; fill ``results``; return the run's duration."""
+                 results: list[RequestResult]) -> tuple[float, float]:
+    """Send every request on schedule; fill ``results``; return the run's duration and
+    the wall clock at its start."""
     import httpx
 
     chat = config.endpoint == "chat"
@@ -384,6 +389,7 @@ async def _drive(config: BenchConfig, model_id: str, requests: Sequence[SampleRe
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False,
                                  headers=_auth_headers()) as client:
         t0 = time.perf_counter()
+        t0_wall = time.time()
 
         async def one(i: int) -> None:
             delay = t0 + offsets[i] - time.perf_counter()
@@ -415,7 +421,7 @@ async def _drive(config: BenchConfig, model_id: str, requests: Sequence[SampleRe
             r.error = (f"cancelled: the benchmark timeout ({config.timeout:g} s) ran out"
                        + (" while it was in flight" if r.start_time >= 0
                           else " before it was sent"))
-    return duration
+    return duration, t0_wall
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:
@@ -472,7 +478,7 @@ async def arun_benchmark(config: BenchConfig, *,
         _prepare, config, requests, tokenizer)
     results = [RequestResult(prompt_len=r.prompt_len) for r in requests]
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
-    duration = await _drive(config, model_id, requests, results)
+    duration, start_wall = await _drive(config, model_id, requests, results)
     for r in results:  # a server that sent no usage: count the text's tokens (or chunks)
         if r.success and r.output_tokens == 0:
             r.output_tokens = (len(tokenizer.encode(r.generated_text, add_special_tokens=False))
@@ -480,7 +486,7 @@ async def arun_benchmark(config: BenchConfig, *,
     metrics = compute_metrics(results, duration, config.percentiles)
     return BenchResult(config=config, model_id=model_id, tokenizer_id=tok_id, date=date,
                        duration=duration, outputs=results, metrics=metrics,
-                       warnings=_warnings(config, results))
+                       warnings=_warnings(config, results), start_wall=start_wall)
 
 
 def run_benchmark(config: BenchConfig, *, requests: Sequence[SampleRequest] | None = None,
