@@ -334,7 +334,8 @@ def test_decode_killed_mid_stream(cl, note):
     """D SIGKILLed while it streams tokens: the stream ends with an error frame within
     BOUND_IMMEDIATE; P holds nothing."""
     c = Call(cl.router_url, body(max_tokens=1900, ignore_eos=True), stream=True)
-    assert c.first_chunk.wait(20) and c.text, c.error
+    # a token chunk came (its text may be empty: part of a UTF-8 character held back)
+    assert c.first_chunk.wait(20) and c.frames and c.error is None, c.error
     t_kill = time.monotonic()
     cl.procs["D"].kill()
     c.wait(BOUND_IMMEDIATE + 2)
