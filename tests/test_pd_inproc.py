@@ -3,6 +3,8 @@ transport): outputs equal a single instance, KV bytes equal, every fault ends cl
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine_helpers import greedy, make_engine, random_prompts, run_to_completion
@@ -100,6 +102,60 @@ def test_push_token1_goes_out_before_decode_runs_a_forward(pd):
     assert len(pd.d_legs["r"].tokens) == 3
     assert delivered_at_forward == [1, 2]  # token #1 was out before the first forward
     pd.settle()
+
+
+@pytest.mark.parametrize("pd", ["push"], indirect=True)
+def test_registration_arriving_mid_step_starts_the_writes_there(pd, tiny_qwen3):
+    """Decode registers while prefill's one-step forward pass is at layer 1: the layers
+    already computed are written at once and every later layer as it completes, so
+    that after the step only the partial last block is left to write."""
+    prompt, warm = random_prompts([250, 20], seed=8)  # 250: 15 full blocks and a part
+    pd.submit("warm", warm, greedy(1))  # the instances meet (Hello) before the step
+    pd.run()
+    layers = pd.p.config.model.num_layers
+    writes: list[tuple[bool, int, int]] = []  # (during the forward pass, blocks, descs)
+    in_forward = [False]
+    submit = pd.p.connector.worker.submit
+
+    def recording(*cmd):
+        if cmd[0] == "write":
+            writes.append((in_forward[0], len(cmd[3]), len(cmd[3])))
+        submit(*cmd)
+
+    pd.p.connector.worker.submit = recording
+    execute = pd.p.runner.execute
+
+    def registering_at_layer_1(plan, hook=None):
+        assert hook is not None  # a send awaits its registration: the hook watches
+        def on_layer(layer):
+            if layer == 1:  # decode's leg arrives; wait until its registration is here
+                pd.send_decode("r", prompt, greedy(6))
+                deadline = time.monotonic() + 10
+                while "r" not in pd.p.connector.worker.register_hints:
+                    assert time.monotonic() < deadline, "registration never arrived"
+                    outs = pd.d.process_inbox()
+                    if pd.d.has_work():
+                        outs += pd.d.step()
+                    pd._absorb([o for o in outs if o != "stop"], pd.d_legs)
+                    time.sleep(0.001)
+            hook(layer)
+        in_forward[0] = True
+        try:
+            return execute(plan, on_layer)
+        finally:
+            in_forward[0] = False
+
+    pd.p.runner.execute = registering_at_layer_1
+    pd.send_prefill("r", prompt, greedy(6))
+    pd.run(until=lambda: "r" in pd.d_legs and pd.d_legs["r"].finished)
+    assert pd.p.connector.counters["registrations_mid_step"] == 1
+    during = [w for w in writes if w[0]]
+    # layers 0-1 in one WRITE when the registration was applied, then one per layer
+    assert len(during) == 1 + (layers - 2)
+    after = [w for w in writes if not w[0]]
+    assert len(after) == 1  # the partial last block, every layer in one WRITE
+    assert pd.d_legs["r"].tokens == single_outputs(tiny_qwen3, [prompt], 6)["r0"]
+    _assert_clean(pd)
 
 
 def _assert_clean(pd) -> None:

@@ -140,7 +140,8 @@ class KVConnector(PrefillSide, DecodeSide):
         self.record_sink: Callable[[TransferRecord], None] | None = None
         self.counters = {"transfers_ok": 0, "transfers_failed": 0, "leases_expired": 0,
                          "aborts_sent": 0, "aborts_received": 0, "fences": 0,
-                         "fences_peer_gone": 0, "fence_timeouts": 0}
+                         "fences_peer_gone": 0, "fence_timeouts": 0,
+                         "registrations_mid_step": 0}
         self._step_writes: list[tuple[PushSend, list[int], list[int]]] = []
         # what the engine must do next: ("abort"|"fail", request_id, why),
         # ("first_token", request_id)

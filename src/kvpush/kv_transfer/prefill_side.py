@@ -4,6 +4,15 @@ Push: a ``PushSend`` per request waits for decode's registration, then WRITEs ea
 layer's newly completed full blocks from the runner's layer hook while the forward pass
 goes on, the rest when prefill ends, and asks the transfer thread to send ``PushDone``
 (token #1) once every WRITE completed; its blocks are freed on ``writes_done``.
+
+Decode's registration usually lands a few milliseconds after prefill's step for the
+request began (both legs leave the router together), so the step loop would see it only
+after that step, and a prompt prefilled in one step would have all of its KV written
+after the forward pass, on the path to token #1. The transfer thread therefore also
+leaves each registration in ``worker.register_hints``; the layer hook takes one there
+mid-step (on the step-loop thread, where all connector state lives), writes the layers
+already computed at once and the rest layer by layer. The registration's inbox event
+comes later and finds it applied.
 Pull: a finished request's blocks are lent (``lent``) until decode's ``PullDone`` or the
 lease ends.
 """
@@ -23,7 +32,7 @@ from kvpush.kv_transfer.state import (
     registration_problem,
 )
 from kvpush.scheduler.request import Request
-from kvpush.scheduler.scheduler import StepPlan
+from kvpush.scheduler.scheduler import ScheduledChunk, StepPlan
 
 log = logging.getLogger("kvpush.kv_transfer.connector")
 
@@ -79,26 +88,25 @@ class PrefillSide:
                            m.PushDone(send.tid, ok=True, first_token=tok, first_logprob=lp))
 
     def layer_hook(self, plan: StepPlan) -> Callable[[int], None] | None:
-        """Per-layer WRITE of the blocks this step completes, for registered push sends."""
+        """Per-layer WRITE of the blocks this step completes, for registered push sends
+        and for those whose registration arrives while the step runs."""
         self._step_writes = []
         if self.role != "prefill" or not self.sends:
             return None
-        bs = self.block_size
+        waiting: list[tuple[PushSend, ScheduledChunk]] = []
         for chunk in plan.chunks:
             tid = self.by_request.get(chunk.request_id)
             send = self.sends.get(tid) if tid else None
-            if send is None or send.state is not SendState.SENDING:
+            if send is None:
                 continue
-            reg = send.reg
-            start = max(send.written_blocks, reg.skip_blocks)
-            upto = min((chunk.start_pos + len(chunk.token_ids)) // bs, len(reg.block_ids))
-            if upto > start:
-                self._step_writes.append(
-                    (send, chunk.block_ids[start:upto], reg.block_ids[start:upto]))
-                send.written_blocks = upto
-        if not self._step_writes:
+            if send.state is SendState.SENDING:
+                self._add_step_write(send, chunk)
+            elif send.state is SendState.AWAITING_REGISTRATION and not send.finished:
+                waiting.append((send, chunk))
+        if not self._step_writes and not waiting:
             return None
         cuda = self.region.kv.is_cuda
+        hints = self.worker.register_hints
 
         def on_layer(layer: int) -> None:
             if cuda:  # the WRITE must not read the layer before the GPU wrote it
@@ -107,8 +115,44 @@ class PrefillSide:
                 address = send.reg.address
                 local, remote = self._descs(local_blocks, remote_blocks, address, (layer,))
                 self.worker.submit("write", send.tid, address, local, remote)
+            if waiting and hints:
+                for item in [w for w in waiting if w[0].tid in hints]:
+                    waiting.remove(item)
+                    self._register_mid_step(*item, hints.pop(item[0].tid), layer)
 
         return on_layer
+
+    def _add_step_write(self, send: PushSend, chunk: ScheduledChunk) -> tuple | None:
+        """Note the blocks ``chunk`` completes for the layer hook to WRITE, layer by layer."""
+        reg = send.reg
+        start = max(send.written_blocks, reg.skip_blocks)
+        upto = min((chunk.start_pos + len(chunk.token_ids)) // self.block_size,
+                   len(reg.block_ids))
+        if upto <= start:
+            return None
+        item = (send, chunk.block_ids[start:upto], reg.block_ids[start:upto])
+        self._step_writes.append(item)
+        send.written_blocks = upto
+        return item
+
+    def _register_mid_step(self, send: PushSend, chunk: ScheduledChunk,
+                           reg: m.PushRegister, layer: int) -> None:
+        """Apply a registration that arrived during this step, after ``layer``: blocks of
+        earlier steps go now (every layer), this step's blocks now for layers up to
+        ``layer`` and from the hook for the rest. A registration that needs more than
+        that (a full hit, an unknown peer, a problem) waits for the step loop."""
+        peer = self.peers.get(reg.address)
+        req = self.scheduler.requests.get(send.request_id)
+        if (reg.full_hit or peer is None or req is None or send.reg is not None
+                or registration_problem(reg, peer.num_blocks, self.block_size,
+                                        req.num_prompt_tokens)):
+            return  # its inbox event applies it between steps
+        self.counters["registrations_mid_step"] += 1
+        self._registered(send, reg)  # posts the blocks of earlier steps
+        item = self._add_step_write(send, chunk)
+        if item is not None:
+            local, remote = self._descs(item[1], item[2], reg.address, range(layer + 1))
+            self.worker.submit("write", send.tid, reg.address, local, remote)
 
     def on_preempt(self, req: Request) -> bool:
         """A push sender losing its blocks keeps them out of the pool while WRITEs from
@@ -145,6 +189,7 @@ class PrefillSide:
         send.retired.clear()
 
     def _ev_register(self, reg: m.PushRegister) -> None:
+        self.worker.register_hints.pop(reg.transfer_id, None)  # not applied mid-step
         send = self.sends.get(reg.transfer_id)
         if send is None:
             why = self.ended.get(reg.transfer_id)

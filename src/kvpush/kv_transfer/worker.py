@@ -113,6 +113,9 @@ class TransferWorker(FenceKeeper):
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.handles: dict[int, str] = {}  # transport handle -> transfer id (writes)
         self.reads: dict[int, tuple[str, str]] = {}  # handle -> (transfer id, address)
+        #: push prefill: transfer id -> decode's registration, set here as it arrives and
+        #: taken (popped) by the step-loop thread, mid-step or with its inbox event
+        self.register_hints: dict[str, m.PushRegister] = {}
         # every key exists from the start: other threads read this dict (metrics)
         self.counters = {"leases_expired": 0, "transfers_failed": 0, "messages_bad": 0,
                          "writes_refused": 0}
@@ -287,6 +290,8 @@ class TransferWorker(FenceKeeper):
 
     def _on_PushRegister(self, msg: m.PushRegister) -> None:
         self._renew(msg.transfer_id)
+        if self._writer:  # for the layer hook of a step already under way (prefill_side)
+            self.register_hints[msg.transfer_id] = msg
         self.post_event(("register", msg))
 
     def _on_PushDone(self, msg: m.PushDone) -> None:

@@ -117,6 +117,10 @@ class _TransferCollector(Collector):
                                          "blocks freed anyway", "fence_timeouts"),
             "kvpush_kv_writes_refused": ("WRITEs not posted because their transfer had "
                                          "ended (aborted or done)", "worker_writes_refused"),
+            "kvpush_kv_registrations_mid_step": ("Push registrations applied by prefill in "
+                                                 "the middle of a forward pass (its WRITEs "
+                                                 "start there, not after the step)",
+                                                 "registrations_mid_step"),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(st.get(key, 0)))
