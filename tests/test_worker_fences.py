@@ -201,3 +201,23 @@ def test_untrack_ends_a_fence():
     w._cmd_untrack("t")
     w._expire(time.monotonic() + FENCE + 1)
     assert not w.fences and events == []
+
+
+def test_prefill_polls_fast_only_once_a_completion_is_waited_for():
+    """WRITEs posted layer by layer during a forward pass are progressed at the idle
+    period; once the transfer is finalized (PushDone ready) or aborted, completions
+    are checked every millisecond."""
+    w, ch, tr, events = worker("prefill")
+    w._next_heartbeat = time.monotonic() + 60
+    w._cmd_write("t", D, *RANGES)
+    assert w.handles == {tr.posts: "t"}
+    assert w._timeout(time.monotonic()) >= 0.02 - 1e-9  # nobody waits on it yet
+    w._cmd_finalize("t", D, m.PushDone("t", ok=True, first_token=5))
+    assert w._timeout(time.monotonic()) == w.busy_poll_s
+    tr.states[tr.posts] = XferState.DONE
+    w._poll_transfers()
+    assert ch.of(m.PushDone) and w._timeout(time.monotonic()) >= 0.02 - 1e-9
+
+    w._cmd_write("u", D, *RANGES)  # decode aborts while a WRITE is in flight
+    w._on_frame(abort_frame("u"), D)
+    assert w._timeout(time.monotonic()) == w.busy_poll_s  # the AbortAck waits on it
