@@ -123,6 +123,32 @@ def test_single_request_push_ttft_is_sum_of_stages():
     assert Stage.RELAYED not in r.stages
 
 
+@pytest.mark.parametrize("mode", ["colocated", "pull", "push"])
+def test_measured_request_path_and_token_return_replace_the_estimated_hops(mode):
+    """A profile with handoff.request_path_s / token_return_s (measured by the served
+    probe) takes them for the client's way in and token #1's way out instead of the two
+    hops each; the rest of the path is unchanged."""
+    hops = one(mode, prof())
+    ho = prof().handoff
+    measured = one(mode, prof(handoff__request_path_s=0.0045, handoff__token_return_s=0.004))
+    delta = (0.0045 - (ho.client_hop_s + ho.http_hop_s)) + (
+        0.004 - (ho.http_hop_s + ho.client_hop_s))
+    assert measured.ttft == pytest.approx(hops.ttft + delta, abs=1e-9)
+    assert measured.tpot == pytest.approx(hops.tpot, abs=1e-9)  # every token shifts alike
+
+
+def test_lone_paths_from_a_run_and_its_trace():
+    from kvpush.sim.served import lone_paths
+
+    run = {"start_wall": 1000.0, "start_times": [0.0, 2.0, 4.0, -1.0],
+           "ttfts": [0.2, 0.25, 0.1, 0.0], "errors": ["", "", "HTTP 500: x", "never sent"]}
+    arrivals = [999.5, 1000.004, 1002.005, 1004.003]  # a warm-up's, then one per send
+    step_ends = [999.7, 1000.195, 1002.244, 1002.3]  # the last: after #1's first token
+    ins, outs = lone_paths(run, arrivals, step_ends)
+    assert ins == pytest.approx([0.004, 0.005]) and outs == pytest.approx([0.005, 0.006])
+    assert lone_paths({**run, "start_wall": None}, arrivals, step_ends) == ([], [])
+
+
 def test_push_decode_full_prefix_hit_tail_on_decode_skips_transfer_and_prefill():
     p = prof()
     r = one("push", p, prefix_len=250, prefix_cached_on=("decode",), tail="decode")

@@ -423,6 +423,8 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
         except (RuntimeError, OSError, ZeroDivisionError) as e:
             log(f"[calibrate] co-run probe failed ({e}); corun_slowdown 1")
     front_ends = [v["front_end_s"] for v in served.values() if v.get("front_end_s")]
+    paths = {k: [v[k] for v in served.values() if v.get(k) is not None]
+             for k in ("request_path_s", "token_return_s")}
     one = f"threads={plan.threads[0]}"
     two = f"threads={plan.threads[-1]}"
     if transfer:
@@ -465,9 +467,10 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "64+ tokens; prefill: any other chunk over one token; decode), from a short "
             "served probe (kvpush.sim.served; measured.served, with its steps): decode "
             "the median ratio, prefill kinds also a factor by the step's length over the "
-            "probe's two prompt lengths (host.served_factor_curves). The HTTP hops "
-            "themselves are "
-            "the handoff block (estimates, not measured here).",
+            "probe's two prompt lengths (host.served_factor_curves). The same probe's "
+            "light-rate requests give handoff.request_path_s (client send to the "
+            "engine's inbox) and handoff.token_return_s (the end of the step that sampled "
+            "token #1 to the client's read); the other handoff figures are estimates.",
             "kvpush posts pull's READ from its transfer thread, not the step loop "
             "(pull_post_on_step_loop false). Over cma the copy happens inside post(), so the "
             "whole cost is on the wire terms.",
@@ -478,7 +481,8 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                         else "PLATFORM.md figures (5-6 GB/s, ~2 us per descriptor)",
             "handoff": "estimates: localhost HTTP hop through uvicorn/httpx ~1 ms; side "
                        "channel one-way ~12 us (PLATFORM.md: 25 us round trip); "
-                       "front_end_s measured by the served probe (0 when it did not run)",
+                       "front_end_s, request_path_s and token_return_s measured by the "
+                       "served probe (absent / 0 when it did not run)",
         },
         "model": shape,
         "host": {"corun_slowdown": corun_info.get("corun_slowdown", 1.0),
@@ -492,6 +496,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                     "side_channel_s": 1.2e-5, "handshake_s": 5e-3,
                     "front_end_s": round(statistics.median(front_ends), 6) if front_ends
                     else 0.0,
+                    **{k: round(statistics.median(v), 6) for k, v in paths.items() if v},
                     "pull_post_on_step_loop": False},
         "instance": {"block_size": 32, "num_blocks": (1 << 30) // (
             32 * 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * 4),

@@ -3,9 +3,10 @@
 The front end takes each request in turn (``front_end_s`` each: a burst of requests
 reaches the engines spread out, so the first step of a burst runs the first arrivals
 only, as on a real host); the router forwards it (client -> router -> instance:
-``client_hop_s`` + ``http_hop_s``), picks instances round-robin (kvpush's default
-policy) or by fewest outstanding requests, and in push mode dispatches both legs at
-once. Every token the client sees travels instance -> router -> client (``http_hop_s +
+``request_path_s`` where measured, else ``client_hop_s`` + ``http_hop_s``), picks
+instances round-robin (kvpush's default policy) or by fewest outstanding requests, and
+in push mode dispatches both legs at once. Every token the client sees travels
+instance -> router -> client (``token_return_s`` where measured, else ``http_hop_s +
 client_hop_s``).
 """
 
@@ -136,8 +137,10 @@ def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> Sim
     overrides = dict(config.step_models)
     lim = profile.instance
     ho = profile.handoff
-    back = ho.http_hop_s + ho.client_hop_s
-    forward = ho.client_hop_s + ho.http_hop_s
+    back = ho.token_return_s if ho.token_return_s is not None else (
+        ho.http_hop_s + ho.client_hop_s)
+    forward = ho.request_path_s if ho.request_path_s is not None else (
+        ho.client_hop_s + ho.http_hop_s)
 
     def emit(job: Job, t: float) -> None:
         req = job.req

@@ -229,6 +229,12 @@ class HandoffModel:
     #: the front end (client, router, instance HTTP server) passes requests on one at a
     #: time, this long each: a burst reaches the engines spread out (0: all at once)
     front_end_s: float = 0.0
+    #: measured: a lone request from the client to its engine's inbox (None:
+    #: client_hop_s + http_hop_s)
+    request_path_s: float | None = None
+    #: measured: an output token from its engine's step end to the client (post to the
+    #: HTTP loop, SSE, router, client; None: http_hop_s + client_hop_s)
+    token_return_s: float | None = None
     pull_post_on_step_loop: bool = True  # vLLM: D posts the READ on its step path
 
 
@@ -375,7 +381,7 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
     ho = data.get("handoff")
     hn = _numbers(ho, f"{path}: handoff",
                   ("http_hop_s", "client_hop_s", "relay_s", "side_channel_s"),
-                  ("handshake_s", "front_end_s"))
+                  ("handshake_s", "front_end_s", "request_path_s", "token_return_s"))
     inst = data.get("instance")
     if not isinstance(inst, Mapping):
         raise ProfileError(f"{path}: missing field 'instance'")

@@ -38,7 +38,13 @@ and the simulator multiplies its step times by them (:class:`ServedStepModel`).
 
 The same probe times the front end: in its all-at-once phase, the instance notes when
 each request reached its engine (the trace's arrival lines); the mean gap between them
-is ``handoff.front_end_s`` (:func:`front_end_gap`).
+is ``handoff.front_end_s`` (:func:`front_end_gap`). In its light-rate runs it times a
+lone request's way in and its first token's way out (:func:`lone_paths`): client send
+to the engine's arrival line (``handoff.request_path_s``), and the end of the step that
+sampled token #1 to the client reading it (``handoff.token_return_s``: the post to the
+HTTP loop, the SSE frame, the router, the client). On 2 vCPUs both took 4-5 ms where
+the profile's estimated hops said 2 (kvpush bench compare with step traces, 512-token
+prompts at 0.5 req/s).
 """
 
 from __future__ import annotations
@@ -218,6 +224,32 @@ def front_end_gap(arrivals: Sequence[float]) -> float | None:
     return (a[-1] - a[0]) / (len(a) - 1)
 
 
+def lone_paths(run: Mapping[str, Any], arrivals: Sequence[float],
+               step_ends: Sequence[float]) -> tuple[list[float], list[float]]:
+    """(way in, first token's way out) of each request of a ``kvpush bench`` run, in
+    seconds, from its wall-clock origin (``start_wall``) and the instance's trace: send
+    -> the first arrival line after it; the end of the last step before the client read
+    token #1 -> that read. At a light rate nothing else steps in that gap (a step takes
+    tens of ms), so that step sampled the token. Empty lists for a run without
+    ``start_wall`` (recorded before it existed)."""
+    origin = run.get("start_wall")
+    if not origin:
+        return [], []
+    arrivals, step_ends = sorted(arrivals), sorted(step_ends)
+    ins, outs = [], []
+    for start, ttft, err in zip(run["start_times"], run["ttfts"], run["errors"]):
+        if err or start < 0:
+            continue
+        sent, first = origin + start, origin + start + ttft
+        arrived = next((a for a in arrivals if a >= sent), None)
+        if arrived is not None and arrived < first:
+            ins.append(arrived - sent)
+        ended = [e for e in step_ends if e <= first]
+        if ended and arrived is not None and ended[-1] > arrived:
+            outs.append(first - ended[-1])
+    return ins, outs
+
+
 @dataclass(frozen=True)
 class ServedProbe:
     """The workload the probe serves through ``kvpush bench compare``'s colocated
@@ -276,7 +308,8 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
         steps = traced_steps(files)
         pairs = step_pairs(steps, engine_model)
         arrivals = [t for f in files for t in read_arrivals(f)]
-        gaps = []
+        step_ends = [st["t"] + st["dur"] for st in steps]
+        gaps, ways_in, ways_out = [], [], []
         for path in sorted(Path(tmp).rglob("runs/*.json")):
             run = json.loads(path.read_text())
             if math.isinf(float(run["request_rate"])):
@@ -284,15 +317,24 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
                                      if run["wall_start"] <= t <= run["wall_end"]])
                 if gap is not None:
                     gaps.append(gap)
+            else:
+                ins, outs = lone_paths(run, arrivals, step_ends)
+                ways_in += ins
+                ways_out += outs
     factors, curves = served_model_from(pairs)
     front_end = statistics.median(gaps) if gaps else None
+    way_in = statistics.median(ways_in) if ways_in else None
+    way_out = statistics.median(ways_out) if ways_out else None
     log(f"[calibrate] served probe, threads={threads}: steps in the server / engine alone "
         + ", ".join(f"{k} {describe(factors[k], curves.get(k))} ({len(pairs.get(k, []))} "
                     "steps)" for k in KINDS)
-        + (f"; front end {1e3 * front_end:.2f} ms per request" if front_end else ""))
+        + (f"; front end {1e3 * front_end:.2f} ms per request" if front_end else "")
+        + (f"; request in {1e3 * way_in:.1f} ms, token #1 out {1e3 * way_out:.1f} ms"
+           if way_in is not None and way_out is not None else ""))
     return {"factors": factors, "curves": {k: [list(p) for p in v] for k, v in curves.items()},
             "steps": {k: len(pairs.get(k, [])) for k in KINDS},
             "front_end_s": front_end,
+            "request_path_s": way_in, "token_return_s": way_out,
             # every traced step ([chunks, seconds]): a refit prices them again
             # (kvpush.sim.refit) without serving the probe again
             "trace": [[st["chunks"], round(st["dur"], 6)] for st in steps],
