@@ -11,7 +11,7 @@ export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: venv model demo test test-all test-faults soak lint bench-engine clean
+.PHONY: venv model demo test test-all test-faults fuzz soak lint bench-engine clean
 
 venv: $(STAMP)
 
@@ -36,6 +36,11 @@ demo: model
 test: venv
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+## The property tests with new random examples each run (`make test` replays fixed ones
+## so that CI is deterministic); run it now and then, and before a release.
+fuzz: venv
+	KVPUSH_HYPOTHESIS=explore $(PY) -m pytest -q tests/test_fuzz_parsing.py tests/test_fuzz_api.py
 
 ## Everything, slow suites included.
 test-all: venv

@@ -16,6 +16,18 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 torch.set_num_threads(1)
 
+# Property tests: `make test` (CI) draws the same examples every run, so a red CI run
+# means the change broke something; `make fuzz` (KVPUSH_HYPOTHESIS=explore) draws new
+# ones each time, which is how new bugs are found (a NaN top_k once failed CI that way).
+try:
+    from hypothesis import settings as _hypothesis_settings
+except ImportError:  # pragma: no cover - hypothesis is in requirements.txt
+    pass
+else:
+    _hypothesis_settings.register_profile("ci", derandomize=True)
+    _hypothesis_settings.register_profile("explore", derandomize=False)
+    _hypothesis_settings.load_profile(os.environ.get("KVPUSH_HYPOTHESIS", "ci"))
+
 
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory) -> Callable[..., Path]:
