@@ -459,7 +459,7 @@ def test_corun_slowdown_applies_only_while_a_neighbour_is_mid_step():
     m = p.step_model("prefill")
     a, b = (EngineSim(env, n, "prefill", m, p.instance) for n in "ab")
     for e in (a, b):
-        e.host, e.corun_slowdown = [a, b], p.corun_slowdown
+        e.host, e.corun = [a, b], p
     done: dict[str, float] = {}
 
     def job(name: str, prompt: int) -> Job:
@@ -473,6 +473,26 @@ def test_corun_slowdown_applies_only_while_a_neighbour_is_mid_step():
     assert done["b"] == pytest.approx(0.001 + 1.5 * m.step_time([(64, 0)]))
     with pytest.raises(ProfileError, match="corun_slowdown"):
         prof(host={"corun_slowdown": 0.5})
+
+
+def test_corun_by_kind_prices_decode_and_prefill_steps_apart():
+    """A served 1P1D pair slows decode steps more than prefill ones beside the other
+    instance (v8/v9 traces: 1.07-1.10 against 1.02-1.03); host.corun_by_kind carries
+    both and replaces the single corun_slowdown."""
+    p = prof(host={"corun_slowdown": 1.0, "corun_by_kind": {"prefill": 1.03, "decode": 1.1}})
+    assert (p.corun_factor(decode=False), p.corun_factor(decode=True)) == (1.03, 1.1)
+    assert prof(host={"corun_slowdown": 1.2}).corun_factor(decode=True) == 1.2
+    # a lone request in push mode: its decode steps start while nothing else runs, so
+    # nothing changes; two overlapping requests: the decode instance's steps slow down
+    alone = one("push", p)
+    assert alone.tpot == pytest.approx(one("push", prof()).tpot)
+    w = Workload(4, 4.0, 256, 64, seed=1)  # later prompts prefill while earlier decode
+    plain = simulate(prof(), w, ClusterConfig("push")).summary()
+    slowed = simulate(p, w, ClusterConfig("push")).summary()
+    assert slowed["median_tpot_ms"] > plain["median_tpot_ms"]
+    for bad in ({"prefill": 0.9, "decode": 1.1}, {"decode": 1.1}, [1.1, 1.1]):
+        with pytest.raises(ProfileError, match="corun_by_kind"):
+            prof(host={"corun_slowdown": 1.0, "corun_by_kind": bad})
 
 
 def test_front_end_spreads_a_burst_and_the_first_step_runs_the_first_arrival():
@@ -563,3 +583,30 @@ def test_calibrate_quick_on_tiny_model(tiny_llama, tmp_path):
     assert [[8, 32, True, False]] * 2 in [chunks for chunks, _ in samples]
     r = simulate(p, Workload(3, 50.0, 32, 3), ClusterConfig("push")).requests
     assert all(x.done for x in r)
+
+
+def test_pair_corun_ratios_split_steps_by_the_neighbour_at_their_start():
+    from kvpush.sim.corun import pair_corun_ratios
+
+    class Flat:  # prefill steps 1 s, decode steps 0.1 s, whatever the shape
+        def step_time(self, chunks):
+            return 0.1 if all(c[0] == 1 for c in chunks) else 1.0
+
+    pre, dec = [[64, 0, True, False]], [[1, 64, True, True]]
+    # P: 4 steps alone at 1.0 s, then 4 that start inside D's steps at 1.05 s
+    p_steps = [{"t": 10.0 * i, "dur": 1.0, "chunks": pre} for i in range(4)]
+    p_steps += [{"t": 100.0 + 10 * i + 0.05, "dur": 1.05, "chunks": pre} for i in range(4)]
+    # D: 4 decode steps inside P's first steps (0.12 s), 4 alone (0.1 s), and the
+    # steps P starts inside
+    d_steps = [{"t": 10.0 * i + 0.5, "dur": 0.12, "chunks": dec} for i in range(4)]
+    d_steps += [{"t": 50.0 + i, "dur": 0.1, "chunks": dec} for i in range(4)]
+    d_steps += [{"t": 100.0 + 10 * i, "dur": 0.1, "chunks": dec} for i in range(4)]
+    out = pair_corun_ratios(p_steps, d_steps, Flat())
+    assert out["prefill"] == pytest.approx(1.05) and out["decode"] == pytest.approx(1.2)
+    assert out["steps"] == {"prefill": {"busy": 4, "alone": 4},
+                            "decode": {"busy": 4, "alone": 8}}
+    # too few steps on a side: no figure; never a speed-up
+    few = pair_corun_ratios(p_steps[:2], d_steps[4:8], Flat())
+    assert (few["prefill"], few["decode"]) == (1.0, 1.0)
+    faster = [dict(s, dur=0.08) for s in d_steps[:4]] + d_steps[4:]
+    assert pair_corun_ratios(p_steps, faster, Flat())["decode"] == 1.0

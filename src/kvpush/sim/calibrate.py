@@ -60,7 +60,9 @@ class CalibrationPlan:
     repeats: int = 2
     #: serve a short workload per thread count through a real instance and the router
     #: and record how much longer its steps are than the engine alone's
-    #: (host.served_factors, kvpush.sim.served)
+    #: (host.served_factors, kvpush.sim.served); at one thread also through a 1P1D push
+    #: pair, for how much slower steps run beside the other instance's
+    #: (host.corun_by_kind, kvpush.sim.corun)
     served: bool = True
 
     @classmethod
@@ -334,6 +336,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
     fits: dict[str, Any] = {}
     samples_out: dict[str, Any] = {}
     served: dict[str, Any] = {}
+    pair: dict[str, Any] = {}
     for th in plan.threads:
         tables: Tables = {}
         samples = measure_steps(model_dir, th, plan, clock=clock, log=log,
@@ -350,6 +353,10 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             from kvpush.sim.served import probe_served
 
             served[f"threads={th}"] = probe_served(str(model_dir), th, m, log=log)
+            if th == 1:  # P/D instances run one thread each: serve a 1P1D pair too
+                from kvpush.sim.corun import probe_served_pair
+
+                pair = probe_served_pair(str(model_dir), m, log=log)
     corun_info: dict[str, float] = {}
     if plan.corun:
         try:
@@ -380,7 +387,8 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                      "load_avg_before": load_before, "load_avg_after": load_avg(),
                      "clock": clock,
                      "fits": fits, "transfer_samples": tr_rows, "plan": dataclasses.asdict(plan),
-                     "step_samples": samples_out, "corun": corun_info, "served": served},
+                     "step_samples": samples_out, "corun": corun_info, "served": served,
+                     "served_pair": pair},
         "notes": [n for n in (note,) if n] + [
             f"Step times are {'wall' if clock == 'wall' else 'stepping-thread CPU'} times of "
             "LLMEngine.step() (scheduling, forward, sampling, detokenization), one engine "
@@ -393,8 +401,11 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                if clock == "cpu" else ""),
             "host.corun_slowdown: a 1-thread engine's step time with another 1-thread "
             "engine process serving 512/16 requests beside it, over without (geometric "
-            "mean of prefill and decode steps); the simulator applies it to a step that "
-            "starts while another instance is mid-step.",
+            "mean of prefill and decode steps; --corun only); the simulator applies it to "
+            "a step that starts while another instance is mid-step. host.corun_by_kind "
+            "(replaces it where present): the same per kind of step, from a 1P1D push "
+            "pair served at 1 req/s (measured.served_pair: steps that started beside the "
+            "other instance's over those that started alone, measured / modelled).",
             "roles: P/D instances use 1 torch thread each and colocated uses all (as "
             "`kvpush bench compare` does on 2 cores).",
             "host.served_factors: a step model's steps inside a serving instance (the "
@@ -422,6 +433,8 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
         },
         "model": shape,
         "host": {"corun_slowdown": corun_info.get("corun_slowdown", 1.0),
+                 **({"corun_by_kind": {k: pair[k] for k in ("prefill", "decode")}}
+                    if pair else {}),
                  "served_factors": {k: v["factors"] for k, v in served.items()},
                  "served_factor_curves": {k: v["curves"] for k, v in served.items()
                                           if v.get("curves")}},

@@ -1,20 +1,32 @@
-"""`kvpush simulate calibrate --corun`: a 1-thread engine's steps beside a busy neighbour.
+"""How much slower an instance steps beside another on the same host (CPU profiles).
 
 Two instances of a 1P1D pair on one small host share its cores, caches and memory
-bandwidth. This probe re-measures a few step shapes of the calibration with a second
-engine process serving 512-in / 16-out requests two at a time beside it, and alone
-before and after; the ratio is ``host.corun_slowdown``, which the simulator applies to a
-step that starts while another instance of the run is mid-step. On the 2-vCPU
-development VM it measured 1.0, 2.1 and 1.7 within two minutes (the vCPUs are not
-reliably two cores), so it is off by default and the CPU profiles keep 1.0.
+bandwidth. Two probes:
+
+* ``kvpush simulate calibrate --corun`` (:func:`measure_corun`): a few step shapes of
+  the calibration re-measured with a second engine process serving 512-in / 16-out
+  requests beside it, against alone before and after -> ``host.corun_slowdown``. On the
+  2-vCPU development VM it measured 1.0, 2.1 and 1.7 within two minutes, so it is off by
+  default.
+* the served pair (:func:`probe_served_pair`, part of the served probe): a light load
+  through a real 1P1D push pair with the step trace on; per kind of step, measured /
+  modelled for steps that started beside the other instance's step over those that
+  started alone -> ``host.corun_by_kind`` (prefill, decode), which replaces
+  ``corun_slowdown``. The v8 and v9 benchmark traces gave 1.02-1.03 (prefill) and
+  1.07-1.10 (decode) this way.
+
+The simulator applies the factor to a step that starts while another instance of the run
+is mid-step (:meth:`kvpush.sim.profile.Profile.corun_factor`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvpush.sim.calibrate import CalibrationPlan, Sample, measure_steps
+from kvpush.sim.profile import StepModel
 
 _CORUNNER = """
 import sys, torch
@@ -80,3 +92,69 @@ def measure_corun(model_dir: str | Path, clock: str = "wall",
         f"x{dec:.2f} -> corun_slowdown {f:.2f}")
     return {"prefill_ratio": round(pre, 3), "decode_ratio": round(dec, 3),
             "corun_slowdown": round(f, 3)}
+
+
+#: fewer steps than this on either side of a kind's ratio: no figure (1.0)
+PAIR_MIN_STEPS = 3
+
+
+def pair_corun_ratios(p_steps: Sequence[Mapping[str, Any]],
+                      d_steps: Sequence[Mapping[str, Any]],
+                      model: StepModel) -> dict[str, Any]:
+    """From the traced steps of a served prefill and decode instance on one host: per
+    kind of step ("prefill": P's steps with a chunk over one token, "decode": D's
+    decode-only steps), the median measured / modelled time of the steps that started
+    while the other instance was mid-step (the simulator's rule) over that of the steps
+    that started while it was idle; 1.0 (and no slowdown below 1) where either side has
+    fewer than :data:`PAIR_MIN_STEPS` steps."""
+    import statistics
+
+    def busy_at(t: float, other: Sequence[Mapping[str, Any]]) -> bool:
+        return any(o["t"] < t < o["t"] + o["dur"] for o in other)
+
+    out: dict[str, Any] = {"steps": {}}
+    for kind, mine, other in (("prefill", p_steps, d_steps), ("decode", d_steps, p_steps)):
+        sides: dict[bool, list[float]] = {True: [], False: []}
+        for st in mine:
+            chunks = [tuple(c) for c in st["chunks"]]
+            if (all(c[0] == 1 for c in chunks)) != (kind == "decode"):
+                continue
+            predicted = model.step_time(chunks)
+            if predicted > 0:
+                sides[busy_at(st["t"], other)].append(st["dur"] / predicted)
+        out["steps"][kind] = {"busy": len(sides[True]), "alone": len(sides[False])}
+        if min(len(sides[True]), len(sides[False])) < PAIR_MIN_STEPS:
+            out[kind] = 1.0
+        else:
+            ratio = statistics.median(sides[True]) / statistics.median(sides[False])
+            out[kind] = round(max(1.0, ratio), 4)
+    return out
+
+
+def probe_served_pair(model: str, engine_model: StepModel, input_len: int = 384,
+                      output_len: int = 24, num_prompts: int = 16, rate: float = 1.0,
+                      seed: int = 7, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Serve a light load through ``kvpush bench compare``'s 1P1D push pair (1 torch
+    thread each, the router and the streaming client on the same host) with the step
+    trace on, and measure how much slower each instance's steps run while the other is
+    mid-step (:func:`pair_corun_ratios`). The engine-alone ``--corun`` probe measured
+    1.0-2.1x within minutes on 2 vCPUs; served pairs showed a steady 1.02-1.03x on
+    prefill and 1.07-1.10x on decode steps (the v8 and v9 runs)."""
+    import tempfile
+
+    from kvpush.bench.compare import CompareConfig, ModeSpec, run_compare
+    from kvpush.sim.served import traced_steps
+
+    with tempfile.TemporaryDirectory(prefix="kvpush-pair-probe-") as tmp:
+        cfg = CompareConfig(modes=[ModeSpec("push")], rates=[rate], out_dir=Path(tmp),
+                            model=model, input_len=input_len, output_len=output_len,
+                            num_prompts=num_prompts, seed=seed, step_trace=True,
+                            time_limit=600.0, run_timeout=300.0)
+        run_compare(cfg, log=lambda m: None)
+        p_steps = traced_steps(sorted(Path(tmp).rglob("steps/**/prefill-*.jsonl")))
+        d_steps = traced_steps(sorted(Path(tmp).rglob("steps/**/decode-*.jsonl")))
+    out = pair_corun_ratios(p_steps, d_steps, engine_model)
+    log(f"[calibrate] served 1P1D pair: steps beside the other instance's / alone: "
+        f"prefill x{out['prefill']:.3f}, decode x{out['decode']:.3f} "
+        f"({out['steps']})")
+    return out

@@ -6,10 +6,10 @@ schedules like :class:`kvpush.scheduler.scheduler.Scheduler`: running requests f
 (chunked prefill or one decode token each) under the token budget, then waiting ones in
 arrival order while budget, sequence slots and free blocks last, with the prefix cache
 consulted on admission (the last prompt token is always computed). A step lasts what the
-profile's step model says for its chunks (times the profile's ``corun_slowdown`` when
-another instance of the same host is mid-step as it starts: CPU instances share cores,
-caches and memory bandwidth), plus any work posted onto the step loop (pull's READ post
-in vLLM).
+profile's step model says for its chunks (times the profile's co-run factor for its kind,
+``Profile.corun_factor``, when another instance of the same host is mid-step as it
+starts: CPU instances share cores, caches and memory bandwidth), plus any work posted
+onto the step loop (pull's READ post in vLLM).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.sim.profile import InstanceLimits, StepModel
+from kvpush.sim.profile import InstanceLimits, Profile, StepModel
 from kvpush.sim.workload import SimRequest, Stage
 
 
@@ -83,7 +83,7 @@ class EngineSim:
         #: the instances sharing this one's host, and how much slower a step runs when
         #: one of them is mid-step as it starts (1.0: dedicated hardware)
         self.host: list[EngineSim] = [self]
-        self.corun_slowdown = 1.0
+        self.corun: Profile | None = None  # the host's co-run slowdown (cluster sets it)
         self.busy_until = 0.0
         self._decoded: set[int] = set()  # ids of the jobs that decoded in the last step
         self._wake = env.event()
@@ -237,8 +237,8 @@ class EngineSim:
                 yield self._wake
                 continue
             dt = self.model.step_time(self.chunks(plan))
-            if self.corun_slowdown != 1.0 and self.corun_busy():
-                dt *= self.corun_slowdown
+            if self.corun is not None and self.corun_busy():
+                dt *= self.corun.corun_factor(all(n == 1 for _, n in plan))
             dt += self.stall
             self.stall = 0.0
             t0 = env.now

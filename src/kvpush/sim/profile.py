@@ -262,6 +262,15 @@ class Profile:
     #: instances share one host (CPU profiles): a step that starts while another
     #: instance is mid-step takes this many times longer (measured by calibrate)
     corun_slowdown: float = 1.0
+    #: the same per kind of step ("prefill": any chunk over one token, "decode"), as
+    #: calibrate's served 1P1D pair measures it; where given, it replaces corun_slowdown
+    corun_by_kind: Mapping[str, float] | None = None
+
+    def corun_factor(self, decode: bool) -> float:
+        """The slowdown of a step (a decode-only one or not) beside a busy neighbour."""
+        if self.corun_by_kind is not None:
+            return self.corun_by_kind["decode" if decode else "prefill"]
+        return self.corun_slowdown
 
     def scaled(self, factor: float) -> Profile:
         """This profile with every step model's times multiplied by ``factor``."""
@@ -397,6 +406,13 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
     corun = float(require_field(host, "corun_slowdown", f"{path}: host")) if host else 1.0
     if corun < 1.0:
         raise ProfileError(f"{path}: host.corun_slowdown must be >= 1, got {corun}")
+    by_kind = None
+    if "corun_by_kind" in host:
+        by_kind = _numbers(host["corun_by_kind"], f"{path}: host.corun_by_kind",
+                           ("prefill", "decode"))
+        if min(by_kind.values()) < 1.0:
+            raise ProfileError(f"{path}: host.corun_by_kind factors must be >= 1, got "
+                               f"{by_kind}")
     from kvpush.sim.served import served_step_models
 
     models = served_step_models(models, host, path)
@@ -412,7 +428,7 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
             ho.get("pull_post_on_step_loop", True))),
         instance=limits, sources={str(k): str(v) for k, v in sources.items()},
         notes=tuple(str(n) for n in data.get("notes", ())), path=path,
-        corun_slowdown=corun)
+        corun_slowdown=corun, corun_by_kind=by_kind)
 
 
 def builtin_profiles() -> list[str]:
