@@ -80,10 +80,10 @@ class EngineSim:
         self.steps = 0
         self.preemptions = 0
         self.step_hook: Callable[[list[tuple[Job, int]], float, float], None] | None = None
-        #: the instances sharing this one's host, and how much slower a step runs when
-        #: one of them is mid-step as it starts (1.0: dedicated hardware)
+        #: the instances sharing this one's host, and the profile whose corun_factor
+        #: prices a step that starts while one of them is mid-step (None: none does)
         self.host: list[EngineSim] = [self]
-        self.corun: Profile | None = None  # the host's co-run slowdown (cluster sets it)
+        self.corun: Profile | None = None
         self.busy_until = 0.0
         self._decoded: set[int] = set()  # ids of the jobs that decoded in the last step
         self._wake = env.event()
