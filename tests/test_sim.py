@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -214,6 +215,27 @@ def test_deterministic_for_a_seed(mode):
 
     assert run(5) == run(5)
     assert run(5) != run(6)
+
+
+def test_deterministic_across_processes():
+    """The same run in two fresh interpreters gives the same token times: nothing may
+    depend on object addresses or hash order (an id-keyed set once did)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from test_sim import prof;"
+            "from kvpush.sim.cluster import ClusterConfig, simulate;"
+            "from kvpush.sim.workload import Workload;"
+            "p = prof(step_models__s__per_fill_s=2e-5);"  # first decodes cost more
+            "out = {m: [r.token_times for r in simulate(p, Workload(200, 30.0, 200, 6,"
+            " seed=3, prefix_len=96, prefix_cached_on=('decode',)), ClusterConfig(m, 1, 1)"
+            ").requests] for m in ('colocated', 'pull', 'push')};"
+            "print(json.dumps(out))")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120, check=True, env=env).stdout for _ in range(3)]
+    assert runs[0] and runs[0] == runs[1] == runs[2]
 
 
 def test_arrivals_are_the_bench_generators():

@@ -85,7 +85,11 @@ class EngineSim:
         self.host: list[EngineSim] = [self]
         self.corun: Profile | None = None
         self.busy_until = 0.0
-        self._decoded: set[int] = set()  # ids of the jobs that decoded in the last step
+        #: the jobs that decoded in the last step, by id; the dict holds the jobs
+        #: themselves so that no id is reused by a new job while it is listed (an id set
+        #: let a job created where a finished one lived skip its dense-cache fill, so
+        #: results varied from one process to the next)
+        self._decoded: dict[int, Job] = {}
         self._wake = env.event()
         env.process(self._loop())
 
@@ -247,7 +251,7 @@ class EngineSim:
                 self.step_hook(plan, t0, t0 + dt)
             self.steps += 1
             self.busy_time += dt
-            self._decoded = {id(j) for j, n in plan if n == 1}
+            self._decoded = {id(j): j for j, n in plan if n == 1}
             yield env.timeout(dt)
             self._complete(plan)
 
