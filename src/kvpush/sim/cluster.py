@@ -192,7 +192,7 @@ def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> Sim
                                                               hand.push_decode_leg(xf)))
 
     for e in engines:  # every instance of a run shares the profile's host
-        e.host, e.corun = engines, profile
+        e.host, e.corun = engines, profile if profile.has_corun else None
 
     front_free = [0.0]  # when the front end is done with the requests before
 

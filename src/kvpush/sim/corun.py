@@ -109,6 +109,8 @@ def pair_corun_ratios(p_steps: Sequence[Mapping[str, Any]],
     fewer than :data:`PAIR_MIN_STEPS` steps."""
     import statistics
 
+    from kvpush.sim.served import step_kind
+
     def busy_at(t: float, other: Sequence[Mapping[str, Any]]) -> bool:
         return any(o["t"] < t < o["t"] + o["dur"] for o in other)
 
@@ -117,7 +119,7 @@ def pair_corun_ratios(p_steps: Sequence[Mapping[str, Any]],
         sides: dict[bool, list[float]] = {True: [], False: []}
         for st in mine:
             chunks = [tuple(c) for c in st["chunks"]]
-            if (all(c[0] == 1 for c in chunks)) != (kind == "decode"):
+            if (step_kind(chunks) == "decode") != (kind == "decode"):
                 continue
             predicted = model.step_time(chunks)
             if predicted > 0:
@@ -142,15 +144,11 @@ def probe_served_pair(model: str, engine_model: StepModel, input_len: int = 384,
     prefill and 1.07-1.10x on decode steps (the v8 and v9 runs)."""
     import tempfile
 
-    from kvpush.bench.compare import CompareConfig, ModeSpec, run_compare
-    from kvpush.sim.served import traced_steps
+    from kvpush.sim.served import serve_traced, traced_steps
 
     with tempfile.TemporaryDirectory(prefix="kvpush-pair-probe-") as tmp:
-        cfg = CompareConfig(modes=[ModeSpec("push")], rates=[rate], out_dir=Path(tmp),
-                            model=model, input_len=input_len, output_len=output_len,
-                            num_prompts=num_prompts, seed=seed, step_trace=True,
-                            time_limit=600.0, run_timeout=300.0)
-        run_compare(cfg, log=lambda m: None)
+        serve_traced(Path(tmp), model, "push", None, [rate], input_len, output_len,
+                     num_prompts, seed)
         p_steps = traced_steps(sorted(Path(tmp).rglob("steps/**/prefill-*.jsonl")))
         d_steps = traced_steps(sorted(Path(tmp).rglob("steps/**/decode-*.jsonl")))
     out = pair_corun_ratios(p_steps, d_steps, engine_model)

@@ -266,6 +266,11 @@ class Profile:
     #: calibrate's served 1P1D pair measures it; where given, it replaces corun_slowdown
     corun_by_kind: Mapping[str, float] | None = None
 
+    @property
+    def has_corun(self) -> bool:
+        """Whether a step beside a busy neighbour costs more at all."""
+        return self.corun_by_kind is not None or self.corun_slowdown != 1.0
+
     def corun_factor(self, decode: bool) -> float:
         """The slowdown of a step (a decode-only one or not) beside a busy neighbour."""
         if self.corun_by_kind is not None:

@@ -235,18 +235,23 @@ def lone_paths(run: Mapping[str, Any], arrivals: Sequence[float],
     origin = run.get("start_wall")
     if not origin:
         return [], []
+    from bisect import bisect_left, bisect_right
+
     arrivals, step_ends = sorted(arrivals), sorted(step_ends)
     ins, outs = [], []
     for start, ttft, err in zip(run["start_times"], run["ttfts"], run["errors"]):
         if err or start < 0:
             continue
         sent, first = origin + start, origin + start + ttft
-        arrived = next((a for a in arrivals if a >= sent), None)
-        if arrived is not None and arrived < first:
+        i = bisect_left(arrivals, sent)
+        if i == len(arrivals):
+            continue
+        arrived = arrivals[i]
+        if arrived < first:
             ins.append(arrived - sent)
-        ended = [e for e in step_ends if e <= first]
-        if ended and arrived is not None and ended[-1] > arrived:
-            outs.append(first - ended[-1])
+        j = bisect_right(step_ends, first)
+        if j and step_ends[j - 1] > arrived:
+            outs.append(first - step_ends[j - 1])
     return ins, outs
 
 
@@ -281,6 +286,20 @@ def describe(factor: float, curve: RowTable | None) -> str:
                                            for t, f in curve) + ")"
 
 
+def serve_traced(out_dir: Path, model: str, mode: str, threads: int | None,
+                 rates: list[float], input_len: int, output_len: int, num_prompts: int,
+                 seed: int) -> None:
+    """Serve a random-prompt workload through ``kvpush bench compare``'s cluster for
+    ``mode`` with the per-step trace on; runs and traces land under ``out_dir``."""
+    from kvpush.bench.compare import CompareConfig, ModeSpec, run_compare
+
+    run_compare(CompareConfig(modes=[ModeSpec(mode, threads)], rates=rates,
+                              out_dir=out_dir, model=model, input_len=input_len,
+                              output_len=output_len, num_prompts=num_prompts, seed=seed,
+                              step_trace=True, time_limit=600.0, run_timeout=300.0),
+                log=lambda m: None)
+
+
 def probe_served(model: str, threads: int, engine_model: StepModel,
                  probe: ServedProbe = ServedProbe(),
                  log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -290,7 +309,6 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
     and the traced steps themselves (``trace``)."""
     import json
 
-    from kvpush.bench.compare import CompareConfig, ModeSpec, run_compare
     from kvpush.engine.step_trace import read_arrivals
 
     phases = [(probe.input_len, probe.num_prompts, list(probe.rates))]
@@ -298,12 +316,8 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
         phases.append((probe.long_input_len, probe.long_num_prompts, [probe.long_rate]))
     with tempfile.TemporaryDirectory(prefix="kvpush-served-probe-") as tmp:
         for i, (input_len, num_prompts, rates) in enumerate(phases):
-            cfg = CompareConfig(modes=[ModeSpec("colocated", threads)], rates=rates,
-                                out_dir=Path(tmp) / f"phase{i}", model=model,
-                                input_len=input_len, output_len=probe.output_len,
-                                num_prompts=num_prompts, seed=probe.seed, step_trace=True,
-                                time_limit=600.0, run_timeout=300.0)
-            run_compare(cfg, log=lambda m: None)
+            serve_traced(Path(tmp) / f"phase{i}", model, "colocated", threads, rates,
+                         input_len, probe.output_len, num_prompts, probe.seed)
         files = sorted(Path(tmp).rglob("steps/**/*.jsonl"))
         steps = traced_steps(files)
         pairs = step_pairs(steps, engine_model)
