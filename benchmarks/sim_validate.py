@@ -36,6 +36,8 @@ DOC = HERE / "SIMULATION.md"
 #: the default validation's tables also go into RESULTS.md (issue 7 asks for them there)
 RESULTS_DOC = HERE / "RESULTS.md"
 TOLERANCE = 0.15
+#: noise seeds per cell for profiles with host.step_noise (their requests pooled)
+REPLICAS = 16
 METRICS = (("median_ttft_ms", "TTFT med"), ("p90_ttft_ms", "TTFT p90"),
            ("median_tpot_ms", "TPOT med"))
 
@@ -65,8 +67,9 @@ def idle_factor(prof, workload: str) -> tuple[float, str]:
 
 
 def validate(profile_path: Path, scale: float = 1.0,
-             workloads: tuple[str, ...] = WORKLOADS) -> tuple[list[dict], str]:
-    from kvpush.sim.cluster import ClusterConfig, simulate
+             workloads: tuple[str, ...] = WORKLOADS,
+             replicas: int = REPLICAS) -> tuple[list[dict], str]:
+    from kvpush.sim.cluster import ClusterConfig, simulate_pooled, summarize
     from kvpush.sim.profile import load_profile
     from kvpush.sim.workload import Workload
 
@@ -100,8 +103,10 @@ def validate(profile_path: Path, scale: float = 1.0,
                 # bench compare runs colocated as ONE `role both` instance (its runs say
                 # "instances": "1 both"); P/D as cfg prefill + cfg decode instances
                 size = (0, 1) if mode == "colocated" else (cfg["prefill"], cfg["decode"])
-                sim = simulate(prof, w, ClusterConfig(mode, *size, step_models=over,
-                                                      prefix_hit_tail=tail)).summary()
+                # with step noise: `replicas` noise seeds pooled, as the measured cell
+                # pools its repeats (kvpush.sim.noise); without: one deterministic run
+                sim = summarize(simulate_pooled(prof, w, ClusterConfig(
+                    mode, *size, step_models=over, prefix_hit_tail=tail), replicas))
                 row = {"workload": name, "mode": label, "rate": rate_text,
                        "n": cell["completed"]}
                 for key, _ in METRICS:
@@ -192,6 +197,9 @@ def main() -> int:
     ap.add_argument("--idle-factor", action="store_true",
                     help="also table B: step times scaled by measured / simulated TTFT of "
                          "the first workload's first colocated-1t request")
+    ap.add_argument("--replicas", type=int, default=REPLICAS,
+                    help="noise seeds per cell, pooled, for a profile with host.step_noise "
+                         f"(default {REPLICAS}; a profile without simulates once)")
     ap.add_argument("--marker", default="sim_validate",
                     help="section of SIMULATION.md to (re)write")
     args = ap.parse_args()
@@ -208,27 +216,33 @@ def main() -> int:
     from kvpush.sim.profile import load_profile
 
     workloads = tuple(w for w in args.workloads.split(",") if w)
-    rows, name = validate(args.profile, workloads=workloads)
+    rows, name = validate(args.profile, workloads=workloads, replicas=args.replicas)
     with_factor = args.idle_factor
     if with_factor:
         factor, basis = idle_factor(load_profile(args.profile), workloads[0])
-        adjusted, _ = validate(args.profile, factor, workloads)
+        adjusted, _ = validate(args.profile, factor, workloads, args.replicas)
     else:
         factor, basis, adjusted = 1.0, "", []
     prof = json.loads(args.profile.read_text())
     meas = prof.get("measured", {})
+    noise = ", ".join(f"{m} " + "/".join(f"{k} {v:.3f}" for k, v in sig.items())
+                      for m, sig in prof.get("host", {}).get("step_noise", {}).items())
     shown = (args.profile.resolve().relative_to(HERE.parent)
              if HERE.parent in args.profile.resolve().parents else args.profile)
     body = (f"Profile `{shown}`"
             f" ({name}; calibrated {meas.get('started_utc', '?')} with the "
             f"{meas.get('clock', '?')} clock, load average before/after "
             f"{meas.get('load_avg_before', '?')} / {meas.get('load_avg_after', '?')}). "
+            + (f"Step noise (host.step_noise, sigma of log step time): {noise}; each cell "
+               f"pools {args.replicas} noise seeds. " if noise else
+               "No step noise: one deterministic run per cell. ") +
             "Latencies in ms; err = (sim - measured) / measured; **x** = outside "
             f"{TOLERANCE:.0%}. Command: `.venv/bin/python benchmarks/sim_validate.py"
             f"{' --calibrate' if args.calibrate else ''}"
             f"{'' if args.profile == DEFAULT_PROFILE else f' --profile {shown}'}"
             f"{'' if args.workloads == ','.join(WORKLOADS) else ' --workloads ' + args.workloads}"
             f"{' --idle-factor' if args.idle_factor else ''}"
+            f"{'' if args.replicas == REPLICAS else f' --replicas {args.replicas}'}"
             f"{'' if args.marker == 'sim_validate' else ' --marker ' + args.marker}`.\n\n"
             "#### A. The calibrated profile as it is (a pure prediction)\n\n"
             + table(rows) + "\n\n" + scorecard(rows)

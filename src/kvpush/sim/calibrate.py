@@ -420,6 +420,9 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "light-rate requests give handoff.request_path_s (client send to the "
             "engine's inbox) and handoff.token_return_s (the end of the step that sampled "
             "token #1 to the client's read); the other handoff figures are estimates.",
+            "host.step_noise: the scatter of the probe's steps around the served model "
+            "(robust sigma of log measured / modelled, per prefill and decode steps); "
+            "the simulator draws each step's time from it (kvpush.sim.noise).",
             "kvpush posts pull's READ from its transfer thread, not the step loop "
             "(pull_post_on_step_loop false). Over cma the copy happens inside post(), so the "
             "whole cost is on the wire terms.",
@@ -439,7 +442,8 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                     if pair else {}),
                  "served_factors": {k: v["factors"] for k, v in served.items()},
                  "served_factor_curves": {k: v["curves"] for k, v in served.items()
-                                          if v.get("curves")}},
+                                          if v.get("curves")},
+                 "step_noise": {k: v["noise"] for k, v in served.items() if v.get("noise")}},
         "step_models": step_models,
         "roles": {"prefill": one, "decode": one, "colocated": two},
         "transfer": tr,

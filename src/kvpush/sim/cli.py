@@ -50,6 +50,10 @@ def _workload_args(p: argparse.ArgumentParser, rate_help: str) -> None:
                         "per layer per block)")
     p.add_argument("--step-scale", type=float, default=1.0, metavar="F",
                    help="multiply every step time by F (a shared or slower host; default 1)")
+    p.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="for a profile with step noise (host.step_noise, calibrated "
+                        "profiles): simulate N noise seeds and pool their requests, as "
+                        "`kvpush bench compare --repeats` pools repeats (default 1)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
 
@@ -133,7 +137,7 @@ def _workload(args: argparse.Namespace, rate: float):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvpush.sim.cluster import ClusterConfig, simulate
+    from kvpush.sim.cluster import ClusterConfig, simulate_pooled, summarize
     from kvpush.sim.report import format_rows
 
     prof = _load(args)
@@ -146,7 +150,7 @@ def _run(args: argparse.Namespace) -> int:
             for mode in args.modes:
                 cfg = ClusterConfig(mode, args.prefill, args.decode, args.fragmentation,
                                     prefill_prefix_cache=args.prefill_prefix_cache)
-                s = simulate(prof, w, cfg).summary()
+                s = summarize(simulate_pooled(prof, w, cfg, args.replicas))
                 s["rate"] = rate
                 rows.append(s)
     except ValueError as e:
@@ -203,7 +207,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         w = _workload(args, args.rate[0])
         result = plan_cluster(prof, w, targets, args.max_instances, tuple(args.modes),
-                              args.fragmentation, args.prefill_prefix_cache)
+                              args.fragmentation, args.prefill_prefix_cache, args.replicas)
     except ValueError as e:
         print(f"kvpush simulate: {e}", file=sys.stderr)
         return 2

@@ -12,13 +12,16 @@ client_hop_s``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.sim.engine import EngineSim, Job, JobKind
 from kvpush.sim.handoff import Handoff, PushXfer
+from kvpush.sim.noise import StepNoise
 from kvpush.sim.profile import Profile
 from kvpush.sim.workload import SimRequest, Stage, Workload, make_requests
 
@@ -42,6 +45,8 @@ class ClusterConfig:
     step_models: tuple[tuple[str, str], ...] = ()
     #: how long past the last arrival the simulation may run before giving up (s)
     horizon_s: float = 1e6
+    #: seeds the step-noise draws (profiles with host.step_noise; kvpush.sim.noise)
+    seed: int = 0
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -72,26 +77,42 @@ class SimResult:
     end_time: float = 0.0
 
     def summary(self) -> dict[str, Any]:
-        from kvpush.bench.metrics import mean, percentile
+        return summarize([self])
 
-        done = [r for r in self.requests if r.done]
-        ttfts = [r.ttft for r in done]
-        tpots = [t for r in done if (t := r.tpot) is not None]
-        out: dict[str, Any] = {"mode": self.config.mode, "label": self.config.label,
-                               "completed": len(done),
-                               "unfinished": len(self.requests) - len(done)}
-        for name, vals in (("ttft", ttfts), ("tpot", tpots)):
-            out[f"mean_{name}_ms"] = mean(vals) * 1e3
-            for q, key in ((50, "median"), (90, "p90"), (99, "p99")):
-                out[f"{key}_{name}_ms"] = percentile(vals, q) * 1e3
-        span = max((r.token_times[-1] for r in done), default=0.0) - min(
-            (r.arrival for r in self.requests), default=0.0)
-        out["request_throughput"] = len(done) / span if span > 0 else 0.0
-        out["utilization"] = {e.name: (e.busy_time / self.end_time if self.end_time else 0.0)
-                              for e in self.engines}
-        out["mean_descs"] = mean([r.descs for r in done])
-        out["stages_ms"] = stage_means(done)
-        return out
+
+def summarize(results: list[SimResult]) -> dict[str, Any]:
+    """Latency percentiles over the requests of all ``results`` pooled (runs of one
+    configuration and workload under different noise seeds, as `kvpush bench compare`
+    pools its repeats); throughput and utilization are their means over the runs."""
+    from kvpush.bench.metrics import mean, percentile
+
+    first = results[0]
+    done = [r for res in results for r in res.requests if r.done]
+    ttfts = [r.ttft for r in done]
+    tpots = [t for r in done if (t := r.tpot) is not None]
+    total = sum(len(res.requests) for res in results)
+    out: dict[str, Any] = {"mode": first.config.mode, "label": first.config.label,
+                           "completed": len(done), "unfinished": total - len(done)}
+    if len(results) > 1:
+        out["replicas"] = len(results)
+    for name, vals in (("ttft", ttfts), ("tpot", tpots)):
+        out[f"mean_{name}_ms"] = mean(vals) * 1e3
+        for q, key in ((50, "median"), (90, "p90"), (99, "p99")):
+            out[f"{key}_{name}_ms"] = percentile(vals, q) * 1e3
+    throughputs, busy = [], {}
+    for res in results:
+        fin = [r for r in res.requests if r.done]
+        span = max((r.token_times[-1] for r in fin), default=0.0) - min(
+            (r.arrival for r in res.requests), default=0.0)
+        throughputs.append(len(fin) / span if span > 0 else 0.0)
+        for e in res.engines:
+            busy.setdefault(e.name, []).append(e.busy_time / res.end_time
+                                               if res.end_time else 0.0)
+    out["request_throughput"] = mean(throughputs)
+    out["utilization"] = {name: mean(v) for name, v in busy.items()}
+    out["mean_descs"] = mean([r.descs for r in done])
+    out["stages_ms"] = stage_means(done)
+    return out
 
 
 def stage_means(reqs: list[SimRequest]) -> dict[str, float]:
@@ -127,12 +148,25 @@ def _prefix_state(profile: Profile, w: Workload, role: str) -> Mapping[int, int]
     return {}
 
 
+def simulate_pooled(profile: Profile, workload: Workload, config: ClusterConfig,
+                    replicas: int = 1) -> list[SimResult]:
+    """``replicas`` runs with noise seeds ``config.seed``, ``config.seed + 1``, ...; one
+    run where the profile has no step noise (every run would be the same)."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    n = replicas if profile.step_noise else 1
+    return [simulate(profile, workload, dataclasses.replace(config, seed=config.seed + k))
+            for k in range(n)]
+
+
 def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> SimResult:
-    """Replay ``workload`` through the cluster ``config`` on ``profile``; deterministic."""
+    """Replay ``workload`` through the cluster ``config`` on ``profile``; deterministic
+    for a workload seed and ``config.seed``."""
     import simpy
 
     config.validate()
     env = simpy.Environment()
+    noise_rng = random.Random(config.seed)
     reqs = make_requests(workload)
     overrides = dict(config.step_models)
     lim = profile.instance
@@ -153,10 +187,14 @@ def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> Sim
 
     def make(role: str, n: int, cache_role: str) -> list[EngineSim]:
         model = profile.step_model(role, overrides.get(role))
+        sigmas = profile.noise_sigmas(role, overrides.get(role))
         caching = role != "prefill" or config.prefill_prefix_cache
-        return [EngineSim(env, f"{role}{i}", role, model, lim,
-                          _prefix_state(profile, workload, cache_role), caching)
-                for i in range(n)]
+        engines = [EngineSim(env, f"{role}{i}", role, model, lim,
+                             _prefix_state(profile, workload, cache_role), caching)
+                   for i in range(n)]
+        for e in engines:  # one generator: SimPy's event order makes the draws repeatable
+            e.noise = StepNoise(sigmas, noise_rng) if sigmas else None
+        return engines
 
     if config.mode == "colocated":
         engines = make("colocated", config.num_prefill + config.num_decode, "decode")

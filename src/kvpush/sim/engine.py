@@ -8,7 +8,8 @@ arrival order while budget, sequence slots and free blocks last, with the prefix
 consulted on admission (the last prompt token is always computed). A step lasts what the
 profile's step model says for its chunks (times the profile's co-run factor for its kind,
 ``Profile.corun_factor``, when another instance of the same host is mid-step as it
-starts: CPU instances share cores, caches and memory bandwidth), plus any work posted
+starts: CPU instances share cores, caches and memory bandwidth), times a draw of the
+profile's step noise where it has one (:mod:`kvpush.sim.noise`), plus any work posted
 onto the step loop (pull's READ post in vLLM).
 """
 
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpush.sim.noise import StepNoise
 from kvpush.sim.profile import InstanceLimits, Profile, StepModel
 from kvpush.sim.workload import SimRequest, Stage
 
@@ -84,6 +86,8 @@ class EngineSim:
         #: prices a step that starts while one of them is mid-step (None: none does)
         self.host: list[EngineSim] = [self]
         self.corun: Profile | None = None
+        #: multiplies each step's time by a random draw (None: steps last their model)
+        self.noise: StepNoise | None = None
         self.busy_until = 0.0
         #: the jobs that decoded in the last step, by id; the dict holds the jobs
         #: themselves so that no id is reused by a new job while it is listed (an id set
@@ -241,8 +245,11 @@ class EngineSim:
                 yield self._wake
                 continue
             dt = self.model.step_time(self.chunks(plan))
+            decode_only = all(n == 1 for _, n in plan)
             if self.corun is not None and self.corun_busy():
-                dt *= self.corun.corun_factor(all(n == 1 for _, n in plan))
+                dt *= self.corun.corun_factor(decode_only)
+            if self.noise is not None:
+                dt *= self.noise.factor(decode_only)
             dt += self.stall
             self.stall = 0.0
             t0 = env.now

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush.sim.cluster import ClusterConfig, simulate
+from kvpush.sim.cluster import ClusterConfig, simulate_pooled, summarize
 from kvpush.sim.profile import Profile
 from kvpush.sim.report import markdown_table
 from kvpush.sim.workload import Workload
@@ -97,7 +97,11 @@ def configurations(max_instances: int, modes: tuple[str, ...]) -> list[tuple[str
 
 def plan_cluster(profile: Profile, workload: Workload, targets: PlanTargets,
                  max_instances: int = 8, modes: tuple[str, ...] = ("colocated", "pull", "push"),
-                 fragmentation: float = 0.0, prefill_prefix_cache: bool = True) -> PlanResult:
+                 fragmentation: float = 0.0, prefill_prefix_cache: bool = True,
+                 replicas: int = 1) -> PlanResult:
+    """Every split up to ``max_instances`` in every mode, each simulated (``replicas``
+    noise seeds pooled where the profile has step noise) and checked against the
+    targets."""
     if max_instances < 1:
         raise ValueError("max_instances must be >= 1")
     bad = set(modes) - {"colocated", "pull", "push"}
@@ -107,7 +111,7 @@ def plan_cluster(profile: Profile, workload: Workload, targets: PlanTargets,
     for mode, x, y in configurations(max_instances, modes):
         cfg = ClusterConfig(mode, x, y, fragmentation,
                             prefill_prefix_cache=prefill_prefix_cache)
-        s = simulate(profile, workload, cfg).summary()
+        s = summarize(simulate_pooled(profile, workload, cfg, replicas))
         meets = (s["unfinished"] == 0 and s["p90_ttft_ms"] <= targets.ttft_p90_ms
                  and s["p90_tpot_ms"] <= targets.tpot_p90_ms)
         res.candidates.append(Candidate(mode, x, y, s["p90_ttft_ms"], s["p90_tpot_ms"],

@@ -265,6 +265,13 @@ class Profile:
     #: the same per kind of step ("prefill": any chunk over one token, "decode"), as
     #: calibrate's served 1P1D pair measures it; where given, it replaces corun_slowdown
     corun_by_kind: Mapping[str, float] | None = None
+    #: step model name -> {"prefill": sigma, "decode": sigma}: how far served steps
+    #: scatter around the model (kvpush.sim.noise); none: steps last their modelled time
+    step_noise: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+
+    def noise_sigmas(self, role: str, override: str | None = None) -> Mapping[str, float]:
+        """The step noise of the step model ``role`` (or ``override``) runs ({}: none)."""
+        return self.step_noise.get(override or self.roles[role], {})
 
     @property
     def has_corun(self) -> bool:
@@ -421,6 +428,7 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
     from kvpush.sim.served import served_step_models
 
     models = served_step_models(models, host, path)
+    noise = _step_noise(host.get("step_noise", {}), models, f"{path}: host.step_noise")
     sources = data.get("sources", {})
     if not isinstance(sources, Mapping):
         raise ProfileError(f"{path}: sources must be an object (figure -> source)")
@@ -433,7 +441,25 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
             ho.get("pull_post_on_step_loop", True))),
         instance=limits, sources={str(k): str(v) for k, v in sources.items()},
         notes=tuple(str(n) for n in data.get("notes", ())), path=path,
-        corun_slowdown=corun, corun_by_kind=by_kind)
+        corun_slowdown=corun, corun_by_kind=by_kind, step_noise=noise)
+
+
+def _step_noise(table: Any, models: Mapping[str, StepModel], where: str
+                ) -> dict[str, dict[str, float]]:
+    if not isinstance(table, Mapping):
+        raise ProfileError(f"{where} must be an object (step model -> {{kind: sigma}})")
+    out: dict[str, dict[str, float]] = {}
+    for name, sigmas in table.items():
+        if name not in models:
+            raise ProfileError(f"{where}.{name}: no such step model")
+        if not isinstance(sigmas, Mapping) or set(sigmas) - {"prefill", "decode"}:
+            raise ProfileError(f"{where}.{name}: expected an object with keys among "
+                               "prefill, decode")
+        out[str(name)] = {str(k): float(require_field(sigmas, k, f"{where}.{name}"))
+                          for k in sigmas}
+        if any(not 0.0 <= v < 1.0 for v in out[name].values()):
+            raise ProfileError(f"{where}.{name}: sigmas must be in [0, 1), got {out[name]}")
+    return out
 
 
 def builtin_profiles() -> list[str]:

@@ -4,9 +4,9 @@
 from the served probe, every step the serving instance ran (``measured.served[...]
 .trace``). When the step model changes (a new feature, a new fit), ``kvpush simulate
 refit OLD.json --out NEW.json`` fits it again from those samples and prices the probe's
-steps with the new fit for new ``host.served_factors``: no engine runs, so the new
-profile describes the same host at the same moment as the old one, and the two can be
-compared on the same benchmark runs.
+steps with the new fit for new ``host.served_factors`` and ``host.step_noise``: no
+engine runs, so the new profile describes the same host at the same moment as the old
+one, and the two can be compared on the same benchmark runs.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
                   ) -> dict[str, Any]:
     """A copy of the profile ``data`` with its linear step models fitted again and, where
     the probe's trace was kept, its served factors re-measured against the new fits."""
-    from kvpush.sim.served import describe, served_model_from, step_pairs
+    from kvpush.sim.noise import measure_noise
+    from kvpush.sim.served import ServedStepModel, describe, served_model_from, step_pairs
 
     if not isinstance(data, dict) or not isinstance(data.get("measured", {}), dict):
         raise ValueError("not a calibrated profile (a JSON object with a measured object)")
@@ -54,7 +55,12 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
             table.pop(name, None)
             if curves:
                 table[name] = {k: [list(p) for p in v] for k, v in curves.items()}
-            served[name].update(factors=factors[name], curves=table.get(name, {}))
+            noise = measure_noise(steps, ServedStepModel(model, factors[name], curves))
+            host.setdefault("step_noise", {}).pop(name, None)
+            if noise:
+                host["step_noise"][name] = noise
+            served[name].update(factors=factors[name], curves=table.get(name, {}),
+                                noise=noise)
             log(f"[refit] {name}: served factors " + ", ".join(
                 f"{k} {describe(v, curves.get(k))}" for k, v in factors[name].items()))
         elif name in factors:

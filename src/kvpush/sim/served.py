@@ -34,7 +34,8 @@ cached prefix 100 ms more: the extra is not a fixed cost per step.)
 The profile keeps them as ``host.served_factors[step model][kind]`` (the median over
 all steps of the kind) and ``host.served_factor_curves[step model][kind]`` (``[[modelled
 seconds, factor], ...]``: linear between the points, the end points' factors beyond),
-and the simulator multiplies its step times by them (:class:`ServedStepModel`).
+and the simulator multiplies its step times by them (:class:`ServedStepModel`). What
+scatter is left around the served model is ``host.step_noise`` (:mod:`kvpush.sim.noise`).
 
 The same probe times the front end: in its all-at-once phase, the instance notes when
 each request reached its engine (the trace's arrival lines); the mean gap between them
@@ -310,6 +311,7 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
     import json
 
     from kvpush.engine.step_trace import read_arrivals
+    from kvpush.sim.noise import measure_noise
 
     phases = [(probe.input_len, probe.num_prompts, list(probe.rates))]
     if probe.long_input_len:
@@ -336,6 +338,7 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
                 ways_in += ins
                 ways_out += outs
     factors, curves = served_model_from(pairs)
+    noise = measure_noise(steps, ServedStepModel(engine_model, factors, curves))
     front_end = statistics.median(gaps) if gaps else None
     way_in = statistics.median(ways_in) if ways_in else None
     way_out = statistics.median(ways_out) if ways_out else None
@@ -344,9 +347,11 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
                     "steps)" for k in KINDS)
         + (f"; front end {1e3 * front_end:.2f} ms per request" if front_end else "")
         + (f"; request in {1e3 * way_in:.1f} ms, token #1 out {1e3 * way_out:.1f} ms"
-           if way_in is not None and way_out is not None else ""))
+           if way_in is not None and way_out is not None else "")
+        + ("; scatter " + ", ".join(f"{k} {v:.1%}" for k, v in noise.items()) if noise
+           else ""))
     return {"factors": factors, "curves": {k: [list(p) for p in v] for k, v in curves.items()},
-            "steps": {k: len(pairs.get(k, [])) for k in KINDS},
+            "steps": {k: len(pairs.get(k, [])) for k in KINDS}, "noise": noise,
             "front_end_s": front_end,
             "request_path_s": way_in, "token_return_s": way_out,
             # every traced step ([chunks, seconds]): a refit prices them again

@@ -1,0 +1,152 @@
+"""kvpush simulate's step noise: the M/G/1 closed form, measurement, seeds, pooling."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import random
+
+import pytest
+
+pytest.importorskip("simpy")
+
+from kvpush.sim.cluster import ClusterConfig, simulate, simulate_pooled, summarize  # noqa: E402
+from kvpush.sim.noise import StepNoise, measure_noise, robust_sigma  # noqa: E402
+from kvpush.sim.profile import LinearStepModel, ProfileError, profile_from_dict  # noqa: E402
+from kvpush.sim.workload import Stage, Workload  # noqa: E402
+from test_sim import BASE, prof  # noqa: E402
+
+HOST = {"corun_slowdown": 1.0}
+
+
+def noisy(prefill: float = 0.0, decode: float = 0.0, **changes):
+    return prof(host={**HOST, "step_noise": {"s": {"prefill": prefill, "decode": decode}}},
+                **changes)
+
+
+def test_mg1_prefill_queue_matches_pollaczek_khinchine():
+    """With log-normal step noise, one prompt per step is an M/G/1 queue: mean wait
+    W = lambda E[S^2] / (2 (1 - rho)), which for sigma 0.5 is 1.28x the M/D/1 wait at
+    the same load: the noise reaches the queue, not only the step times. (Workload seeds
+    0-3 x noise seeds 0-2: -4% .. +5% of the closed form.)"""
+    median, sigma, rho, n = 0.1, 0.5, 0.5, 20000
+    mean_s = median * math.exp(sigma ** 2 / 2)
+    second = median ** 2 * math.exp(2 * sigma ** 2)
+    lam = rho / mean_s
+    p = noisy(prefill=sigma, step_models={"s": {"kind": "linear", "base_s": median,
+                                                "per_token_s": 0.0}},
+              instance__max_num_batched_tokens=64)
+    res = simulate(p, Workload(n, lam, 64, 1, seed=0), ClusterConfig("colocated", 0, 1))
+    waits = [r.stages[Stage.PREFILL_STARTED] - r.stages[Stage.PREFILL_RECEIVED]
+             for r in res.requests[n // 10:]]
+    expected = lam * second / (2 * (1 - rho))
+    assert sum(waits) / len(waits) == pytest.approx(expected, rel=0.08)
+    assert expected > 1.2 * rho * mean_s / (2 * (1 - rho))  # the M/D/1 wait
+    busy = res.engines[0].busy_time / res.end_time
+    assert busy == pytest.approx(rho, rel=0.05)
+
+
+def test_noise_draws_have_the_profile_sigma_per_kind():
+    noise = StepNoise({"prefill": 0.2}, random.Random(1))
+    pre = [math.log(noise.factor(decode=False)) for _ in range(4000)]
+    assert robust_sigma(pre) == pytest.approx(0.2, rel=0.08)
+    assert abs(sorted(pre)[2000]) < 0.02  # median 1
+    assert {noise.factor(decode=True) for _ in range(10)} == {1.0}  # no decode sigma
+
+
+def test_measure_noise_recovers_sigma_around_the_model_not_its_level():
+    model = LinearStepModel(base_s=0.01, per_token_s=1e-4)
+    rng = random.Random(7)
+    steps = []
+    for i in range(600):
+        chunks = [[64 + i % 512, 0, True]] if i % 3 else [[1, 100, True, True]] * 4
+        sigma, level = (0.05, 1.3) if i % 3 else (0.12, 0.8)
+        steps.append({"chunks": chunks,
+                      "dur": level * model.step_time([tuple(c) for c in chunks])
+                      * rng.lognormvariate(0, sigma)})
+    steps.append({"chunks": [[300, 0, True]], "dur": 50.0})  # a stray stall sets nothing
+    got = measure_noise(steps, model)
+    assert got["prefill"] == pytest.approx(0.05, rel=0.15)
+    assert got["decode"] == pytest.approx(0.12, rel=0.15)
+    assert measure_noise(steps[:5], model) == {}  # too few steps to say
+
+
+@pytest.mark.parametrize("mode", ["colocated", "pull", "push"])
+def test_noise_is_deterministic_for_a_seed_and_pooling_runs_each_seed(mode):
+    p = noisy(prefill=0.1, decode=0.1)
+    w = Workload(30, 8.0, 200, 6, seed=2)
+
+    def times(seed):
+        return [r.token_times for r in simulate(p, w, ClusterConfig(mode, seed=seed)).requests]
+
+    assert times(3) == times(3)
+    assert times(3) != times(4)
+    runs = simulate_pooled(p, w, ClusterConfig(mode, seed=3), replicas=3)
+    assert [[r.token_times for r in res.requests] for res in runs] == [
+        times(3), times(4), times(5)]
+    s = summarize(runs)
+    assert s["completed"] == 90 and s["replicas"] == 3
+    ttfts = sorted(r.ttft for res in runs for r in res.requests)
+    assert s["median_ttft_ms"] == pytest.approx(1e3 * (ttfts[44] + ttfts[45]) / 2)
+
+
+def test_without_noise_seeds_change_nothing_and_pooling_runs_once():
+    p = prof()
+    w = Workload(20, 8.0, 200, 6, seed=2)
+    a = [r.token_times for r in simulate(p, w, ClusterConfig("push", seed=0)).requests]
+    b = [r.token_times for r in simulate(p, w, ClusterConfig("push", seed=9)).requests]
+    assert a == b
+    assert len(simulate_pooled(p, w, ClusterConfig("push"), replicas=5)) == 1
+    with pytest.raises(ValueError, match="replicas"):
+        simulate_pooled(p, w, ClusterConfig("push"), replicas=0)
+
+
+def test_noise_follows_the_step_model_a_role_runs():
+    """Sigma belongs to a step model: an override to a model without noise has none."""
+    d = copy.deepcopy(BASE)
+    d["step_models"]["quiet"] = dict(d["step_models"]["s"])
+    d["host"] = {**HOST, "step_noise": {"s": {"prefill": 0.3}}}
+    p = profile_from_dict(d)
+    assert p.noise_sigmas("prefill") == {"prefill": 0.3}
+    assert p.noise_sigmas("prefill", "quiet") == {}
+    w = Workload(10, 4.0, 200, 3, seed=1)
+    quiet = ClusterConfig("colocated", 0, 1, step_models=(("colocated", "quiet"),))
+    reseeded = dataclasses.replace(quiet, seed=5)
+    assert ([r.token_times for r in simulate(p, w, quiet).requests]
+            == [r.token_times for r in simulate(p, w, reseeded).requests])
+
+
+@pytest.mark.parametrize("noise, needle", [
+    ({"nope": {"prefill": 0.1}}, "no such step model"),
+    ({"s": {"prefil": 0.1}}, "keys among"),
+    ({"s": {"prefill": 1.5}}, "[0, 1)"),
+    ({"s": {"decode": -0.1}}, ">= 0"),
+    ({"s": {"decode": "x"}}, "decode"),
+    ([0.1], "must be an object"),
+])
+def test_step_noise_errors_name_the_field(noise, needle):
+    d = copy.deepcopy(BASE)
+    d["host"] = {**HOST, "step_noise": noise}
+    with pytest.raises(ProfileError, match="step_noise") as e:
+        profile_from_dict(d)
+    assert needle in str(e.value)
+
+
+def test_cli_run_pools_replicas_of_a_noisy_profile(tmp_path, capsys):
+    import json
+
+    from kvpush.cli import main
+
+    d = copy.deepcopy(BASE)
+    d["host"] = {**HOST, "step_noise": {"s": {"prefill": 0.2, "decode": 0.1}}}
+    path = tmp_path / "noisy.json"
+    path.write_text(json.dumps(d))
+    args = ["simulate", "run", "--profile", str(path), "--rate", "8", "--num-prompts", "12",
+            "--input-len", "128", "--output-len", "4", "--modes", "push"]
+    assert main(args + ["--replicas", "3", "--json", str(tmp_path / "r.json")]) == 0
+    (row,) = json.loads((tmp_path / "r.json").read_text())
+    assert row["replicas"] == 3 and row["completed"] == 36
+    capsys.readouterr()
+    assert main(args + ["--replicas", "0"]) == 2
+    assert "replicas must be >= 1" in capsys.readouterr().err
