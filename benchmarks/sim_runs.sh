@@ -3,7 +3,10 @@
 # host, re-run the recorded workloads of benchmarks/RESULTS.md tables 1-3 (and 512 / 16)
 # with per-step traces, calibrate again (how far the host drifted meanwhile).
 #
-#   benchmarks/sim_runs.sh OUT_DIR      # ~30 min on 2 cores; run it on a quiet host
+#   benchmarks/sim_runs.sh OUT_DIR      # ~45 min on 2 cores; run it on a quiet host
+#
+# Repeats: 3 (4 for the short prefix-hit runs), pooled per cell: with 2, one slow step
+# (148 ms among 98-116) moved a p90 by 24% from one repeat to the other (v12).
 #
 # Then: .venv/bin/python benchmarks/sim_validate.py --profile OUT_DIR/cpu-local.json \
 #         --workloads OUT/quiet_512,OUT/long_prompts,... (OUT relative to benchmarks/results)
@@ -16,18 +19,18 @@ B=".venv/bin/kvpush bench compare --model smollm2-135m --step-trace"
   --note "calibrated just before the runs of benchmarks/sim_runs.sh $O"
 $B --out "$O/quiet_512" --label "random 512 in / 16 out" --dataset random \
   --input-len 512 --output-len 16 --num-prompts 10 --rates 0.5,inf \
-  --modes colocated:1,colocated,pull,push --repeats 2 --time-limit 1200
+  --modes colocated:1,colocated,pull,push --repeats 3 --time-limit 1800
 $B --out "$O/long_prompts" --label "long prompts: random 1024 in / 32 out" --dataset random \
   --input-len 1024 --output-len 32 --num-prompts 12 --rates 0.25,0.5,inf \
   --modes colocated:1,colocated,pull,push --repeats 1 --time-limit 1200
 $B --out "$O/short_high_rate" --label "short prompts at high rate: random 128 in / 16 out" \
   --dataset random --input-len 128 --output-len 16 --num-prompts 32 --rates 4,16,inf \
-  --modes colocated,pull,push --repeats 2 --time-limit 900
+  --modes colocated,pull,push --repeats 3 --time-limit 1200
 $B --out "$O/prefix_hit_tail_on_decode" --label "decode-side prefix hit, tail on decode: shared-prefix 1024 in (992 shared) / 16 out" \
   --dataset shared-prefix --input-len 1024 --output-len 16 --prefix-len 992 --num-prompts 16 \
-  --rates 1,inf --modes pull,push --repeats 2 --prefix-hit-tail decode --time-limit 900
+  --rates 1,inf --modes pull,push --repeats 4 --prefix-hit-tail decode --time-limit 1200
 $B --out "$O/prefix_hit" --label "decode-side prefix hit, tail on prefill (default): shared-prefix 1024 in (992 shared) / 16 out" \
   --dataset shared-prefix --input-len 1024 --output-len 16 --prefix-len 992 --num-prompts 16 \
-  --rates 1,inf --modes pull,push --repeats 2 --time-limit 900
+  --rates 1,inf --modes pull,push --repeats 4 --time-limit 1200
 .venv/bin/kvpush simulate calibrate --model smollm2-135m --clock wall --out "$O/cpu-local-after.json" \
   --note "calibrated just after the runs of benchmarks/sim_runs.sh $O"

@@ -134,14 +134,16 @@ def pair_corun_ratios(p_steps: Sequence[Mapping[str, Any]],
 
 
 def probe_served_pair(model: str, engine_model: StepModel, input_len: int = 384,
-                      output_len: int = 24, num_prompts: int = 16, rate: float = 1.0,
+                      output_len: int = 24, num_prompts: int = 32, rate: float = 1.0,
                       seed: int = 7, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Serve a light load through ``kvpush bench compare``'s 1P1D push pair (1 torch
     thread each, the router and the streaming client on the same host) with the step
     trace on, and measure how much slower each instance's steps run while the other is
     mid-step (:func:`pair_corun_ratios`). The engine-alone ``--corun`` probe measured
     1.0-2.1x within minutes on 2 vCPUs; served pairs showed a steady 1.02-1.03x on
-    prefill and 1.07-1.10x on decode steps (the v8 and v9 runs)."""
+    prefill and 1.07-1.10x on decode steps (the v8 and v9 runs). 32 prompts: with 16,
+    only 4-6 of P's steps started beside a decode step of D (P's figure moved 1.04-1.12
+    between two calibrations an hour apart); 32 give about twice that (~20 s more)."""
     import tempfile
 
     from kvpush.sim.served import serve_traced, traced_steps
