@@ -8,7 +8,7 @@
 # Repeats: 3 (4 for the short prefix-hit runs), pooled per cell: with 2, one slow step
 # (148 ms among 98-116) moved a p90 by 24% from one repeat to the other (v12).
 #
-# Then: .venv/bin/python benchmarks/sim_validate.py --profile OUT_DIR/cpu-local.json \
+# Then: .venv/bin/python benchmarks/sim_validate.py --profile OUT_DIR/cpu-local-pooled.json \
 #         --workloads OUT/quiet_512,OUT/long_prompts,... (OUT relative to benchmarks/results)
 set -e
 [ $# -eq 1 ] || { echo "usage: $0 OUT_DIR" >&2; exit 2; }
@@ -34,3 +34,6 @@ $B --out "$O/prefix_hit" --label "decode-side prefix hit, tail on prefill (defau
   --rates 1,inf --modes pull,push --repeats 4 --time-limit 1200
 .venv/bin/kvpush simulate calibrate --model smollm2-135m --clock wall --out "$O/cpu-local-after.json" \
   --note "calibrated just after the runs of benchmarks/sim_runs.sh $O"
+# the two calibrations bracket the runs: one profile from both (kvpush.sim.refit)
+.venv/bin/kvpush simulate refit "$O/cpu-local.json" "$O/cpu-local-after.json" \
+  --out "$O/cpu-local-pooled.json"

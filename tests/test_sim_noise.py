@@ -1,4 +1,5 @@
-"""kvpush simulate's step noise: the M/G/1 closed form, measurement, seeds, pooling."""
+"""kvpush simulate's step noise (the M/G/1 closed form, measurement, seeds, pooled runs)
+and pooled calibrations (`kvpush simulate refit A B`)."""
 
 from __future__ import annotations
 
@@ -150,3 +151,54 @@ def test_cli_run_pools_replicas_of_a_noisy_profile(tmp_path, capsys):
     capsys.readouterr()
     assert main(args + ["--replicas", "0"]) == 2
     assert "replicas must be >= 1" in capsys.readouterr().err
+
+
+def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
+    """kvpush simulate refit A B: one fit over both calibrations' samples, the served
+    factors over both probes' steps, tables and co-run figures averaged."""
+    import json
+
+    from kvpush.cli import main
+
+    truth = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_seq_s=5e-4)
+    shapes = [[(n, 0, True)] for n in (32, 128, 512, 1024)] + [[(1, 64, True)] * b
+                                                              for b in (1, 4, 16)]
+
+    def calibration(speed: float, served: float, corun: float, path_s: float) -> dict:
+        d = copy.deepcopy(BASE)
+        d["step_models"]["s"]["token_rows_s"] = [[1, 0.001 * speed], [64, 0.004 * speed]]
+        d["host"] = {**HOST, "corun_by_kind": {"prefill": corun, "decode": corun}}
+        d["handoff"]["request_path_s"] = path_s
+        d["measured"] = {
+            "started_utc": f"t{speed}",
+            "step_samples": {"s": [[[list(c) for c in ch], speed * truth.step_time(ch)]
+                                   for ch in shapes]},
+            "served": {"s": {"trace": [[[[n, 0, True]], served * speed
+                                        * truth.step_time([(n, 0, True)])]
+                                       for n in (100, 110, 120, 130)]}}}
+        return d
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(calibration(1.0, 1.2, 1.02, 0.004)))
+    b.write_text(json.dumps(calibration(1.1, 1.2, 1.10, 0.006)))
+    out = tmp_path / "pooled.json"
+    assert main(["simulate", "refit", str(a), str(b), "--out", str(out)]) == 0
+    new = json.loads(out.read_text())
+    assert len(new["measured"]["step_samples"]["s"]) == 2 * len(shapes)
+    assert len(new["measured"]["served"]["s"]["trace"]) == 8
+    assert new["measured"]["pooled_from"] == ["t1.0", "t1.1"]
+    rows = new["step_models"]["s"]["token_rows_s"]
+    assert [r for r, _ in rows] == [1, 64]
+    assert [t for _, t in rows] == pytest.approx([0.00105, 0.0042])
+    assert new["host"]["corun_by_kind"]["prefill"] == pytest.approx(1.06)
+    assert new["handoff"]["request_path_s"] == pytest.approx(0.005)
+    # the served probe's steps were 1.2x their own calibration: 1.2x the pooled fit too
+    assert new["host"]["served_factors"]["s"]["prefill"] == pytest.approx(1.2, rel=0.06)
+    # profiles of another model are refused, nothing written
+    other = calibration(1.0, 1.2, 1.0, 0.004)
+    other["model"]["num_layers"] = 8
+    b.write_text(json.dumps(other))
+    out.unlink()
+    capsys.readouterr()
+    assert main(["simulate", "refit", str(a), str(b), "--out", str(out)]) == 2
+    assert "different models" in capsys.readouterr().err and not out.exists()

@@ -98,8 +98,11 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.set_defaults(func=_calibrate)
 
     rf = sub.add_parser("refit", help="fit a calibrated profile's step models again from "
-                        "the samples it recorded (no engine runs)")
-    rf.add_argument("profile", metavar="PROFILE", help="a profile written by calibrate")
+                        "the samples it recorded (no engine runs); several profiles of one "
+                        "host: fit their samples pooled")
+    rf.add_argument("profile", metavar="PROFILE", nargs="+",
+                    help="profiles written by calibrate (several: the same model and plan, "
+                         "e.g. calibrated before and after a set of runs)")
     rf.add_argument("--out", required=True, metavar="PROFILE", help="JSON file to write")
     rf.set_defaults(func=_refit)
 
@@ -181,11 +184,14 @@ def _refit(args: argparse.Namespace) -> int:
     import json
 
     from kvpush.sim.profile import ProfileError, profile_from_dict
-    from kvpush.sim.refit import refit_profile
+    from kvpush.sim.refit import pool_calibrations, refit_profile
 
     try:
-        with open(args.profile, encoding="utf-8") as f:
-            data = refit_profile(json.load(f))
+        datas = []
+        for path in args.profile:
+            with open(path, encoding="utf-8") as f:
+                datas.append(json.load(f))
+        data = refit_profile(pool_calibrations(datas))
         profile_from_dict(data, args.out)
     except (OSError, ValueError, KeyError, TypeError) as e:  # ProfileError is a ValueError
         kind = "bad profile" if isinstance(e, (ProfileError, KeyError, TypeError)) else "error"

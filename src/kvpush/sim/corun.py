@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.sim.calibrate import CalibrationPlan, Sample, measure_steps
-from kvpush.sim.profile import StepModel
+from kvpush.sim.profile import StepModel, decode_only
 
 _CORUNNER = """
 import sys, torch
@@ -67,8 +67,8 @@ def measure_corun(model_dir: str | Path, clock: str = "wall",
     import sys
 
     def split(samples: list[Sample]) -> tuple[float, float]:
-        pre = sum(dt for ch, dt in samples if any(c[0] > 1 for c in ch))
-        dec = sum(dt for ch, dt in samples if all(c[0] == 1 for c in ch))
+        pre = sum(dt for ch, dt in samples if not decode_only(ch))
+        dec = sum(dt for ch, dt in samples if decode_only(ch))
         return pre, dec
 
     def run() -> tuple[float, float]:
@@ -109,8 +109,6 @@ def pair_corun_ratios(p_steps: Sequence[Mapping[str, Any]],
     fewer than :data:`PAIR_MIN_STEPS` steps."""
     import statistics
 
-    from kvpush.sim.served import step_kind
-
     def busy_at(t: float, other: Sequence[Mapping[str, Any]]) -> bool:
         return any(o["t"] < t < o["t"] + o["dur"] for o in other)
 
@@ -119,7 +117,7 @@ def pair_corun_ratios(p_steps: Sequence[Mapping[str, Any]],
         sides: dict[bool, list[float]] = {True: [], False: []}
         for st in mine:
             chunks = [tuple(c) for c in st["chunks"]]
-            if (step_kind(chunks) == "decode") != (kind == "decode"):
+            if decode_only(chunks) != (kind == "decode"):
                 continue
             predicted = model.step_time(chunks)
             if predicted > 0:

@@ -33,7 +33,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kvpush.sim.profile import StepModel
+from kvpush.sim.profile import StepModel, decode_only
 
 NOISE_KINDS = ("prefill", "decode")
 #: steps of a kind the probe needs before its noise is measured (else: none for it)
@@ -44,7 +44,7 @@ MAD_TO_SIGMA = 1.4826
 
 def noise_kind(chunks: Sequence[Sequence[Any]]) -> str:
     """"decode" for a step of one-token rows only, else "prefill"."""
-    return "decode" if all(c[0] == 1 for c in chunks) else "prefill"
+    return "decode" if decode_only(chunks) else "prefill"
 
 
 def robust_sigma(logs: Sequence[float]) -> float:

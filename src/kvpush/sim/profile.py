@@ -86,6 +86,12 @@ class StepModel(Protocol):
     def step_time(self, chunks: Sequence[Chunk]) -> float: ...
 
 
+def decode_only(chunks: Sequence[Sequence[Any]]) -> bool:
+    """Whether a step is one-token rows only (a decode step), the split every kind of
+    step the simulator tells apart starts from."""
+    return all(c[0] == 1 for c in chunks)
+
+
 def step_features(chunks: Sequence[Chunk]) -> tuple[float, float, float, float, float]:
     """(T, A, S, C, N) of a step; see the module docstring. A chunk samples one row when
     it ends a prompt or decodes; a chunk given without its flag counts as sampled."""

@@ -6,7 +6,9 @@ from the served probe, every step the serving instance ran (``measured.served[..
 refit OLD.json --out NEW.json`` fits it again from those samples and prices the probe's
 steps with the new fit for new ``host.served_factors`` and ``host.step_noise``: no
 engine runs, so the new profile describes the same host at the same moment as the old
-one, and the two can be compared on the same benchmark runs.
+one, and the two can be compared on the same benchmark runs. Given several profiles
+of one host, ``kvpush simulate refit A.json B.json --out POOLED.json`` fits them as one
+(:func:`pool_calibrations`).
 """
 
 from __future__ import annotations
@@ -20,12 +22,84 @@ from typing import Any
 from kvpush.sim.calibrate import fit_linear
 
 
+def _mean_numbers(dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first dict with each number that every dict has replaced by their mean."""
+    out = dict(dicts[0])
+    for k, v in out.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and all(
+                isinstance(d.get(k), (int, float)) for d in dicts):
+            out[k] = sum(float(d[k]) for d in dicts) / len(dicts)
+    return out
+
+
+def pool_calibrations(datas: list[dict[str, Any]]) -> dict[str, Any]:
+    """One calibrated profile from several of the same host and model (e.g. the ones
+    `benchmarks/sim_runs.sh` makes just before and just after its runs), ready for
+    :func:`refit_profile`: the step samples and served probe traces of all, matmul
+    tables, co-run factors, hand-off and transfer figures averaged. Two calibrations 25
+    minutes apart differed by up to 11% on one-thread steps (SIMULATION.md 1-v12); runs
+    between them see the host somewhere in between."""
+    if not datas:
+        raise ValueError("no profiles to pool")
+    for d in datas:
+        if not isinstance(d, dict) or not isinstance(d.get("measured"), dict):
+            raise ValueError("not a calibrated profile (a JSON object with a measured object)")
+        if d.get("model") != datas[0].get("model"):
+            raise ValueError("the profiles describe different models; pool calibrations of "
+                             "one model only")
+        if set(d.get("step_models", {})) != set(datas[0].get("step_models", {})):
+            raise ValueError("the profiles have different step models")
+    out = copy.deepcopy(datas[0])
+    if len(datas) == 1:
+        return out
+    measured = out["measured"]
+    measured["pooled_from"] = [d["measured"].get("started_utc", "?") for d in datas]
+    measured["step_samples"] = {name: [row for d in datas
+                                       for row in d["measured"].get("step_samples", {})
+                                       .get(name, [])]
+                                for name in out["step_models"]}
+    served = measured.get("served") or {}
+    for name in served:
+        served[name]["trace"] = [st for d in datas for st in
+                                 (d["measured"].get("served") or {}).get(name, {})
+                                 .get("trace", [])]
+    for name, sm in out["step_models"].items():
+        for key in ("token_rows_s", "sample_rows_s"):
+            tables = [d["step_models"][name].get(key) for d in datas]
+            if not tables[0]:
+                continue
+            if any(not t or [r for r, _ in t] != [r for r, _ in tables[0]] for t in tables):
+                raise ValueError(f"step_models.{name}.{key}: the profiles timed different "
+                                 "rows; pool calibrations of one plan only")
+            sm[key] = [[r, sum(t[i][1] for t in tables) / len(tables)]
+                       for i, (r, _) in enumerate(tables[0])]
+    host = out.setdefault("host", {"corun_slowdown": 1.0})
+    hosts = [d.get("host", {}) for d in datas]
+    host["corun_slowdown"] = sum(float(h.get("corun_slowdown", 1.0)) for h in hosts) / len(hosts)
+    if all("corun_by_kind" in h for h in hosts):
+        host["corun_by_kind"] = _mean_numbers([h["corun_by_kind"] for h in hosts])
+    for key in ("handoff", "transfer"):
+        if all(isinstance(d.get(key), dict) for d in datas):
+            out[key] = _mean_numbers([d[key] for d in datas])
+    out.setdefault("notes", []).append(
+        f"Pooled from {len(datas)} calibrations ({', '.join(measured['pooled_from'])}): "
+        "their step samples and served probe traces refitted together; matmul tables, "
+        "co-run factors, hand-off and transfer figures averaged.")
+    return out
+
+
 def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
                   ) -> dict[str, Any]:
     """A copy of the profile ``data`` with its linear step models fitted again and, where
     the probe's trace was kept, its served factors re-measured against the new fits."""
     from kvpush.sim.noise import measure_noise
-    from kvpush.sim.served import ServedStepModel, describe, served_model_from, step_pairs
+    from kvpush.sim.served import (
+        ServedStepModel,
+        curves_json,
+        describe,
+        served_model_from,
+        step_pairs,
+    )
 
     if not isinstance(data, dict) or not isinstance(data.get("measured", {}), dict):
         raise ValueError("not a calibrated profile (a JSON object with a measured object)")
@@ -54,7 +128,7 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
             table = host.setdefault("served_factor_curves", {})
             table.pop(name, None)
             if curves:
-                table[name] = {k: [list(p) for p in v] for k, v in curves.items()}
+                table[name] = curves_json(curves)
             noise = measure_noise(steps, ServedStepModel(model, factors[name], curves))
             host.setdefault("step_noise", {}).pop(name, None)
             if noise:

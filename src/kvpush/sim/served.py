@@ -63,6 +63,7 @@ from kvpush.sim.profile import (
     ProfileError,
     RowTable,
     StepModel,
+    decode_only,
     interp,
     require_field,
     row_table,
@@ -75,7 +76,7 @@ BATCHED_MIN_TOKENS = 64
 
 
 def step_kind(chunks: Sequence[Sequence[Any]]) -> str:
-    if all(c[0] == 1 for c in chunks):
+    if decode_only(chunks):
         return "decode"
     big = sum(1 for c in chunks if c[0] >= BATCHED_MIN_TOKENS)
     return "prefill_batched" if big >= 2 else "prefill"
@@ -216,6 +217,11 @@ def served_model_from(pairs: Mapping[str, Sequence[tuple[float, float]]]
     return {k: factors[k] for k in KINDS}, curves
 
 
+def curves_json(curves: Mapping[str, RowTable]) -> dict[str, list[list[float]]]:
+    """Curves as the profile stores them (``host.served_factor_curves[model]``)."""
+    return {k: [list(p) for p in v] for k, v in curves.items()}
+
+
 def front_end_gap(arrivals: Sequence[float]) -> float | None:
     """Mean gap between consecutive arrivals of a burst sent all at once (None for
     fewer than two)."""
@@ -350,7 +356,7 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
            if way_in is not None and way_out is not None else "")
         + ("; scatter " + ", ".join(f"{k} {v:.1%}" for k, v in noise.items()) if noise
            else ""))
-    return {"factors": factors, "curves": {k: [list(p) for p in v] for k, v in curves.items()},
+    return {"factors": factors, "curves": curves_json(curves),
             "steps": {k: len(pairs.get(k, [])) for k in KINDS}, "noise": noise,
             "front_end_s": front_end,
             "request_path_s": way_in, "token_return_s": way_out,
