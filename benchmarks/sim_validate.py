@@ -1,6 +1,6 @@
 """Validate `kvpush simulate` against the recorded `kvpush bench compare` runs.
 
-For each workload (default: the runs of ``benchmarks/results/sim/v10/``, made by
+For each workload (default: the runs of ``benchmarks/results/sim/v13/``, made by
 ``benchmarks/sim_runs.sh`` with per-step traces) the configuration is read from
 ``summary.json`` (model, lengths, prompts, rates, modes, threads, seed) and replayed
 through the simulator with the same Poisson arrivals (`kvpush bench`'s own generator
@@ -12,7 +12,7 @@ repeats pooled) and written between the ``sim_validate`` markers of
     # calibrate this machine, then validate (the one command to re-run on a quiet host):
     .venv/bin/python benchmarks/sim_validate.py --calibrate --profile /tmp/cpu-now.json
     # validate against an existing profile:
-    .venv/bin/python benchmarks/sim_validate.py --profile benchmarks/results/sim/v10/cpu-local.json
+    .venv/bin/python benchmarks/sim_validate.py --profile benchmarks/results/sim/v13/cpu-local.json
     # the older runs of benchmarks/RESULTS.md, with table B's one-number host factor:
     .venv/bin/python benchmarks/sim_validate.py --idle-factor --marker sim_validate_legacy \
         --workloads long_prompts,prefix_hit,short_high_rate
@@ -29,9 +29,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-WORKLOADS = tuple(f"sim/v10/{w}" for w in ("quiet_512", "long_prompts", "short_high_rate",
+WORKLOADS = tuple(f"sim/v13/{w}" for w in ("quiet_512", "long_prompts", "short_high_rate",
                                            "prefix_hit", "prefix_hit_tail_on_decode"))
-DEFAULT_PROFILE = RESULTS / "sim" / "v10" / "cpu-local.json"
+DEFAULT_PROFILE = RESULTS / "sim" / "v13" / "cpu-local-pooled.json"
 DOC = HERE / "SIMULATION.md"
 #: the default validation's tables also go into RESULTS.md (issue 7 asks for them there)
 RESULTS_DOC = HERE / "RESULTS.md"
@@ -109,8 +109,11 @@ def validate(profile_path: Path, scale: float = 1.0,
                     mode, *size, step_models=over, prefix_hit_tail=tail), replicas))
                 row = {"workload": name, "mode": label, "rate": rate_text,
                        "n": cell["completed"]}
+                reps = [json.loads(f.read_text()) for f in sorted(
+                    (RESULTS / name / "runs").glob(f"{label}_r{rate_text}_rep*.json"))]
                 for key, _ in METRICS:
                     row[f"meas_{key}"] = cell[key]
+                    row[f"reps_{key}"] = [r[key] for r in reps if r.get(key) is not None]
                     row[f"sim_{key}"] = sim[key]
                     row[f"err_{key}"] = (sim[key] - cell[key]) / cell[key] if cell[key] else 0.0
                 rows.append(row)
@@ -162,6 +165,71 @@ def ratio_table(rows: list[dict]) -> str:
                              f"|error| {errs[len(errs) // 2]:.0%}" if errs else "")
 
 
+def spread(values: list[float]) -> float:
+    """(max - min) / mean of one cell's per-repeat values (0 for fewer than two)."""
+    if len(values) < 2 or not sum(values):
+        return 0.0
+    return (max(values) - min(values)) / (sum(values) / len(values))
+
+
+def repeat_table(rows: list[dict]) -> str:
+    """The measured side: cells whose repeats differ among themselves by more than the
+    tolerance, with the simulation beside them."""
+    out = ["| workload | mode | rate | metric | repeats | spread | pooled | sim | err |",
+           "|---|---|---:|---|---|---:|---:|---:|---:|"]
+    count = total = 0
+    for r in rows:
+        for key, title in METRICS:
+            reps = r.get(f"reps_{key}", [])
+            if len(reps) < 2:
+                continue
+            total += 1
+            sp = spread(reps)
+            if sp <= TOLERANCE:
+                continue
+            count += 1
+            e = r[f"err_{key}"]
+            out.append(f"| {r['workload']} | {r['mode']} | {r['rate']} | {title} | "
+                       + " / ".join(f"{v:.0f}" for v in reps)
+                       + f" | {sp:.0%} | {r[f'meas_{key}']:.0f} | {r[f'sim_{key}']:.0f} | "
+                       f"{e:+.0%}{'' if abs(e) <= TOLERANCE else ' **x**'} |")
+    return "\n".join(out) + (f"\n\n- {count} of {total} repeated cell metrics differ by more "
+                             f"than {TOLERANCE:.0%} from one repeat to another")
+
+
+#: the step-time change the sensitivity section tries: two calibrations of this host
+#: 25 minutes apart differed by 4-11% on one-thread steps (SIMULATION.md 1-v12)
+SENSITIVITY = 0.05
+
+
+def sensitivity_table(rows: list[dict], lo: list[dict], hi: list[dict]) -> str:
+    """Cells whose prediction moves by more than the tolerance either way when every
+    step takes ``SENSITIVITY`` less or more time (``lo`` / ``hi``: the validation at
+    those scales): near saturation a few percent of step time is tens of percent of
+    latency, and no profile measured apart from the runs pins them to 15%."""
+    out = ["| workload | mode | rate | metric | measured | sim x0.95 | sim | sim x1.05 | "
+           "measured inside? |", "|---|---|---:|---|---:|---:|---:|---:|---|"]
+    count = misses = inside = 0
+    for r, a, b in zip(rows, lo, hi):
+        for key, title in METRICS:
+            s0, s1, s2 = a[f"sim_{key}"], r[f"sim_{key}"], b[f"sim_{key}"]
+            if not s1 or max(abs(s0 - s1), abs(s2 - s1)) / s1 <= TOLERANCE:
+                continue
+            count += 1
+            m = r[f"meas_{key}"]
+            within = min(s0, s2) <= m <= max(s0, s2)
+            if abs(r[f"err_{key}"]) > TOLERANCE:
+                misses += 1
+                inside += within
+            out.append(f"| {r['workload']} | {r['mode']} | {r['rate']} | {title} | {m:.0f} | "
+                       f"{s0:.0f} | {s1:.0f} | {s2:.0f} | {'yes' if within else 'no'} |")
+    total = sum(abs(r[f"err_{k}"]) > TOLERANCE for r in rows for k, _ in METRICS)
+    return "\n".join(out) + (
+        f"\n\n- {count} cell metrics move more than {TOLERANCE:.0%} for "
+        f"{SENSITIVITY:.0%} of step time; {misses} of table A's {total} misses are among "
+        f"them, {inside} of those with the measured value inside the band")
+
+
 def scorecard(rows: list[dict]) -> str:
     lines = []
     for key, t in METRICS:
@@ -193,7 +261,7 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument("--workloads", default=",".join(WORKLOADS),
                     help="result folders under benchmarks/results/ (default: the runs of "
-                         "sim/v10/)")
+                         "sim/v13/)")
     ap.add_argument("--idle-factor", action="store_true",
                     help="also table B: step times scaled by measured / simulated TTFT of "
                          "the first workload's first colocated-1t request")
@@ -217,6 +285,8 @@ def main() -> int:
 
     workloads = tuple(w for w in args.workloads.split(",") if w)
     rows, name = validate(args.profile, workloads=workloads, replicas=args.replicas)
+    lo, _ = validate(args.profile, 1 - SENSITIVITY, workloads, args.replicas)
+    hi, _ = validate(args.profile, 1 + SENSITIVITY, workloads, args.replicas)
     with_factor = args.idle_factor
     if with_factor:
         factor, basis = idle_factor(load_profile(args.profile), workloads[0])
@@ -254,7 +324,13 @@ def main() -> int:
                + table(adjusted) + "\n\n" + scorecard(adjusted) if with_factor else "")
             + "\n\n#### C. Ratios between modes (table A's predictions; a uniformly slower host "
             "would cancel out here)\n\n"
-            + ratio_table(rows))
+            + ratio_table(rows)
+            + "\n\n#### D. The measured side: cells whose repeats differ by more than "
+            f"{TOLERANCE:.0%} (max - min over their mean)\n\n"
+            + repeat_table(rows)
+            + f"\n\n#### E. Sensitivity: cells that move more than {TOLERANCE:.0%} when every "
+            f"step takes {SENSITIVITY:.0%} less or more time\n\n"
+            + sensitivity_table(rows, lo, hi))
     print(body)
     if not args.no_write:
         write_section(DOC, args.marker, body)
@@ -262,7 +338,8 @@ def main() -> int:
             write_section(RESULTS_DOC, args.marker, body)
         (RESULTS / "sim").mkdir(parents=True, exist_ok=True)
         (RESULTS / "sim" / f"{args.marker}.json").write_text(json.dumps(
-            {"profile": str(shown), "raw": rows, "contention_factor": factor,
+            {"profile": str(shown), "raw": rows, "step_scale_lo": lo, "step_scale_hi": hi,
+             "contention_factor": factor,
              "factor_basis": basis, "adjusted": adjusted}, indent=1) + "\n")
         print(f"\nwrote {DOC}{' and RESULTS.md' if args.marker == 'sim_validate' else ''} "
               f"and {RESULTS / 'sim' / (args.marker + '.json')}")
