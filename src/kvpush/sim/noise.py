@@ -8,8 +8,8 @@ from one step to the next (lag-1 autocorrelation -0.3..0.5, around 0), decode st
 misses two things a measured percentile contains:
 
 * queueing: a queue's mean wait grows with the variance of its service time
-  (Pollaczek-Khinchine: an M/G/1 queue waits ``lambda E[S^2] / (2 (1 - rho))``, an
-  M/D/1 queue half as long at the same mean when S is fixed);
+  (Pollaczek-Khinchine: an M/G/1 queue waits ``lambda E[S^2] / (2 (1 - rho))``, which
+  is ``lambda Var[S] / (2 (1 - rho))`` more than the M/D/1 queue with the same mean);
 * knife edges: whether a request that arrives a few milliseconds around the end of a
   step joins the next step with another prompt or goes alone is decided by the
   milliseconds; a 700 ms step that scatters 5% scatters 35 ms (SIMULATION.md 1-v10a:
@@ -23,6 +23,10 @@ that sigma, from a generator seeded by ``ClusterConfig.seed``; and
 :func:`kvpush.sim.cluster.simulate_pooled` runs several seeds and pools their
 requests, as ``kvpush bench compare`` pools its repeats. A profile without it (the GPU
 profiles written from public figures) simulates deterministically, as before.
+
+Measured effect on the recorded validation runs: neutral (SIMULATION.md 1-v12). The
+probe's robust sigma is 2-5%; the knife edge of 1-v10a was set, in v12, by one step at
+1.4x its neighbours, a tail the probe's few dozen prefill steps do not contain.
 """
 
 from __future__ import annotations
