@@ -300,3 +300,23 @@ def test_second_stop_signal_skips_the_wait(tmp_path):
         signals.restore()
     assert signals.count == 1 and signals.last == "SIGINT"
     assert codes == {"stubborn": -signal.SIGKILL}
+
+
+def test_default_log_folders_are_pruned_to_the_newest_except_recent(tmp_path):
+    """The oldest `up-*` folders beyond the newest N go; one still written to stays,
+    and nothing else in the folder is touched."""
+    old = time.time() - 3 * 24 * 3600
+    made = []
+    for i in range(6):
+        d = tmp_path / f"up-20260101-00000{i}-x{i}"
+        d.mkdir()
+        (d / "router.log").write_text("log")
+        os.utime(d / "router.log", (old, old))
+        made.append(d)
+    os.utime(made[1] / "router.log")  # a cluster from then is still logging
+    (tmp_path / "keep-me").mkdir()
+    removed = up_cli.prune_log_dirs(tmp_path, keep=3)
+    assert removed == [made[0], made[2]]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([made[1].name, *(d.name for d in made[3:]), "keep-me"])
+    assert up_cli.prune_log_dirs(tmp_path, keep=3) == []

@@ -80,7 +80,8 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the router's port on 127.0.0.1 (default: 8000; 0: a free port)")
     p.add_argument("--log-dir", type=Path, metavar="DIR",
                    help="folder for the children's logs (default: a new folder under "
-                        "<kvpush cache>/logs)")
+                        "<kvpush cache>/logs, where the newest 20 and any written to in the "
+                        "last day are kept)")
     p.add_argument("--startup-timeout", type=cli_types.seconds, default=300.0, metavar="SECONDS",
                    help="how long every child may take to become healthy (default: 300)")
     p.add_argument("--stop-timeout", type=cli_types.seconds, default=20.0, metavar="SECONDS",
@@ -246,6 +247,34 @@ def usage_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+#: default log folders (<cache>/logs/up-*) kept when `kvpush up` makes a new one ...
+KEEP_LOG_DIRS = 20
+#: ... besides any written to within this many seconds (a cluster still running)
+KEEP_RECENT_LOGS_S = 24 * 3600.0
+
+
+def prune_log_dirs(base: Path, keep: int = KEEP_LOG_DIRS,
+                   recent_s: float = KEEP_RECENT_LOGS_S) -> list[Path]:
+    """Remove the oldest ``up-*`` folders under ``base`` beyond the newest ``keep``
+    (their names start with the time they were made), except any with a file written
+    to within ``recent_s`` seconds; returns what was removed."""
+    import shutil
+
+    dirs = sorted((d for d in base.glob("up-*") if d.is_dir()), key=lambda d: d.name)
+    removed = []
+    now = time.time()
+    for d in dirs[:max(0, len(dirs) - keep)]:
+        try:
+            newest = max((f.stat().st_mtime for f in d.iterdir()), default=d.stat().st_mtime)
+        except OSError:
+            continue
+        if now - newest < recent_s:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
 def _make_log_dir(args: argparse.Namespace) -> Path:
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -254,6 +283,7 @@ def _make_log_dir(args: argparse.Namespace) -> Path:
 
     base = cache_root() / "logs"
     base.mkdir(parents=True, exist_ok=True)
+    prune_log_dirs(base)
     return Path(tempfile.mkdtemp(prefix=time.strftime("up-%Y%m%d-%H%M%S-"), dir=base))
 
 
