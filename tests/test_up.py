@@ -320,3 +320,37 @@ def test_default_log_folders_are_pruned_to_the_newest_except_recent(tmp_path):
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == sorted([made[1].name, *(d.name for d in made[3:]), "keep-me"])
     assert up_cli.prune_log_dirs(tmp_path, keep=3) == []
+
+
+def test_a_child_whose_port_was_taken_starts_again_on_a_new_one(tiny_llama, tmp_path,
+                                                                  capsys):
+    """The port kvpush up probed can be taken before the instance binds it (its model
+    loads in between): the instance, refused by uvicorn, is started again on a new free
+    port and the cluster goes on; without retries the failure is reported."""
+    import socket
+
+    from kvpush.cluster.launcher import ChildFailed, ChildSpec, Supervisor
+
+    def spec(port: int) -> ChildSpec:
+        argv = [sys.executable, "-m", "kvpush", "serve", str(tiny_llama), "--host",
+                "127.0.0.1", "--port", str(port), "--threads", "1", *ENGINE]
+        return ChildSpec("instance-0", "both", argv, port)
+
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        busy = blocker.getsockname()[1]
+        with Supervisor(tmp_path, up_cli.child_env(), stop_timeout=15) as sup:
+            (child,) = up_cli.start_healthy(sup, [spec(busy)], timeout=60)
+            assert child.spec.port != busy and child.healthy
+            assert f"--port {child.spec.port}" in " ".join(child.spec.argv)
+            assert httpx.get(f"{child.url}/health", timeout=5).status_code == 200
+            assert f"port {busy} was taken" in capsys.readouterr().out
+            first = sup.children[0]
+            assert first.poll() is not None and up_cli.port_clash(first)
+            assert first.log_path.name == f"instance-0.port-{busy}.log"
+        (tmp_path / "again").mkdir()
+        with Supervisor(tmp_path / "again", up_cli.child_env(), stop_timeout=15) as sup:
+            with pytest.raises(ChildFailed) as e:
+                up_cli.start_healthy(sup, [spec(busy)], timeout=60, retry_ports=False)
+            assert up_cli.port_clash(e.value.child) and len(sup.children) == 1

@@ -7,6 +7,7 @@ builds this parser and must not pay for torch or httpx.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -26,7 +27,9 @@ Start order: every instance at once, then (all healthy) the router with their UR
 endpoint, the instances and their roles, an example request and the log folder are
 printed once the router is healthy. Each child runs in its own process group with its
 output in <log-dir>/<name>.log; the children are killed by the kernel if `kvpush up`
-itself dies (Linux PDEATHSIG).
+itself dies (Linux PDEATHSIG). A child whose free port was taken before it could bind
+it (its model loads in between) is started again on a new free port, up to 3 times (the
+router's only with --port 0); the refused attempt's log stays as <name>.port-<N>.log.
 
 Stopping: Ctrl-C, SIGTERM or SIGHUP sends SIGTERM to every child, waits --stop-timeout
 seconds (a second Ctrl-C: no wait), SIGKILLs what is left and reaps all.
@@ -331,6 +334,52 @@ def _banner(args: argparse.Namespace, instances: list[Child], router: Child,
     _say("Ctrl-C or SIGTERM stops the cluster.\n")
 
 
+#: times a child whose port was taken before it bound is started again on a new one
+PORT_RETRIES = 3
+
+
+def port_clash(child: Child) -> bool:
+    """Whether ``child`` exited because its port was taken (uvicorn's bind error): the
+    free port was probed before the child bound it, with its model load in between."""
+    return child.poll() is not None and "address already in use" in child.log_tail().lower()
+
+
+def start_healthy(sup: Supervisor, specs: list[ChildSpec], timeout: float,
+                  retry_ports: bool = True) -> list[Child]:
+    """Spawn ``specs`` and wait until all are healthy. One that exits because its port
+    was taken in the meantime is started again on a new free port (``retry_ports``; up
+    to :data:`PORT_RETRIES` times); any other failure raises ``ChildFailed``."""
+    from kvpush.cluster.launcher import ChildFailed, ChildSpec, free_port
+
+    children = [sup.spawn(spec) for spec in specs]
+    taken = {spec.port for spec in specs}
+    retries = PORT_RETRIES if retry_ports else 0
+    while True:
+        try:
+            sup.wait_healthy(children, timeout)
+            return children
+        except ChildFailed as e:
+            if retries == 0 or not port_clash(e.child):
+                raise
+            retries -= 1
+            old = e.child
+            port = free_port(HOST)
+            while port in taken:
+                port = free_port(HOST)
+            taken.add(port)
+            argv = list(old.spec.argv)
+            argv[argv.index("--port") + 1] = str(port)
+            # keep the refused attempt's log beside the new one (same child name)
+            kept = old.log_path.with_name(f"{old.name}.port-{old.spec.port}.log")
+            with contextlib.suppress(OSError):
+                old.log_path.rename(kept)
+                old.log_path = kept
+            _say(f"kvpush up: {old.name}: port {old.spec.port} was taken before it could "
+                 f"bind; starting it again on port {port}")
+            children[children.index(old)] = sup.spawn(
+                ChildSpec(old.name, old.spec.role, argv, port, old.spec.host))
+
+
 def _serve(sup: Supervisor, args: argparse.Namespace, model: str, port: int,
            log_dir: Path, api_key: str | None = None) -> int:
     from kvpush.cluster.launcher import ChildFailed, StopRequested, describe_exit
@@ -347,10 +396,10 @@ def _serve(sup: Supervisor, args: argparse.Namespace, model: str, port: int,
          f"{threads} torch thread(s) each), then the router on port {port}")
     _say(f"kvpush up: logs in {log_dir}")
     try:
-        instances = [sup.spawn(spec) for spec in specs]
-        sup.wait_healthy(instances, args.startup_timeout)
-        router = sup.spawn(plan_router(args, port, instances))
-        sup.wait_healthy([router], args.startup_timeout)
+        instances = start_healthy(sup, specs, args.startup_timeout)
+        # the router's port: a --port the user chose is theirs to fix if it was taken
+        (router,) = start_healthy(sup, [plan_router(args, port, instances)],
+                                  args.startup_timeout, retry_ports=not args.port)
     except ChildFailed as e:
         _report(e.child, e.reason)
         _stop(sup, "start-up failed")
