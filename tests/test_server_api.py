@@ -863,6 +863,31 @@ def test_cli_config_errors(argv: list[str], model: tuple[Any, Any],
     assert err.startswith("kvpush serve: error: ") and "Traceback" not in err
 
 
+def test_cli_port_in_use_fails_before_loading_the_model(
+        model: tuple[Any, Any], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A taken port is an error at once, not after the model has loaded (the socket is
+    bound first), and its message says so in the words `kvpush up` looks for."""
+    import socket
+
+    import kvpush.engine.async_engine as async_engine
+
+    def no_load(*_a: Any, **_k: Any) -> None:
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(async_engine, "AsyncEngine", no_load)
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        busy = blocker.getsockname()[1]
+        args = serve_parser().parse_args(["serve", model[0].model.path, "--host",
+                                          "127.0.0.1", "--port", str(busy)])
+        assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpush serve: error: cannot listen on 127.0.0.1:")
+    assert "address already in use" in err.lower() and "Traceback" not in err
+
+
 @pytest.mark.parametrize("argv", [
     ["serve", "m", "--kv-cache-memory", "lots"],
     ["serve", "m", "--kv-cache-memory", "1GiB", "--num-blocks", "10"],

@@ -324,8 +324,8 @@ def test_default_log_folders_are_pruned_to_the_newest_except_recent(tmp_path):
 
 def test_a_child_whose_port_was_taken_starts_again_on_a_new_one(tiny_llama, tmp_path,
                                                                   capsys):
-    """The port kvpush up probed can be taken before the instance binds it (its model
-    loads in between): the instance, refused by uvicorn, is started again on a new free
+    """The port kvpush up probed can be taken before the instance binds it (a new
+    process starts in between): the instance, refused, is started again on a new free
     port and the cluster goes on; without retries the failure is reported."""
     import socket
 

@@ -28,8 +28,9 @@ endpoint, the instances and their roles, an example request and the log folder a
 printed once the router is healthy. Each child runs in its own process group with its
 output in <log-dir>/<name>.log; the children are killed by the kernel if `kvpush up`
 itself dies (Linux PDEATHSIG). A child whose free port was taken before it could bind
-it (its model loads in between) is started again on a new free port, up to 3 times (the
-router's only with --port 0); the refused attempt's log stays as <name>.port-<N>.log.
+it (between the probe and the child's start) is started again on a new free port, up to
+3 times (the router's only with --port 0); the refused attempt's log stays as
+<name>.port-<N>.log.
 
 Stopping: Ctrl-C, SIGTERM or SIGHUP sends SIGTERM to every child, waits --stop-timeout
 seconds (a second Ctrl-C: no wait), SIGKILLs what is left and reaps all.
@@ -339,8 +340,8 @@ PORT_RETRIES = 3
 
 
 def port_clash(child: Child) -> bool:
-    """Whether ``child`` exited because its port was taken (uvicorn's bind error): the
-    free port was probed before the child bound it, with its model load in between."""
+    """Whether ``child`` exited because its port was taken (`kvpush serve`'s or uvicorn's
+    bind error): the free port was probed before the child, a new process, bound it."""
     return child.poll() is not None and "address already in use" in child.log_tail().lower()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,21 @@ def _fail(message: str) -> int:
     return 2
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's TCP socket, bound now: before the model loads (seconds to minutes), so
+    that a port in use is an error at once, and a port probed free by `kvpush up` is
+    held from the start. uvicorn listens on it (``Server.run(sockets=...)``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _resolve_model(name_or_dir: str) -> tuple[str, str | None]:
     """(model folder, default served name or None for "the folder's name")."""
     try:
@@ -233,6 +249,12 @@ def run_serve(args: argparse.Namespace) -> int:
         config = build_config(args)
     except ConfigError as e:
         return _fail(str(e))
+    try:
+        listener = bind_listener(args.host, args.port)
+    except OSError as e:
+        return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; choose "
+                     "another --port (0: a free one)")
+    port = listener.getsockname()[1]
     # torch threads: AsyncEngine loads the model with one and gives the step loop
     # config.threads (one OpenMP pool per process; see kvpush.engine.async_engine)
     from kvpush.engine.async_engine import AsyncEngine
@@ -243,6 +265,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         engine = AsyncEngine(config)
     except ConfigError as e:
+        listener.close()
         return _fail(str(e))
 
     import uvicorn
@@ -254,7 +277,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log.warning("listening on %s without an API key: anyone who reaches this address "
                     "can use the server (--api-key or KVPUSH_API_KEY)", args.host)
     server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
+        app, host=args.host, port=port, log_level=args.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     ))
     kvt = config.kv_transfer
@@ -263,7 +286,7 @@ def run_serve(args: argparse.Namespace) -> int:
                  kvt.engine_id, engine.kv_info()["side_channel"],
                  "messages signed" if kvt.side_channel_secret else "unsigned")
     log.info("serving %r on http://%s:%d/v1%s", config.served_model_name, args.host,
-             args.port, " (API key required)" if api_key else "")
-    server.run()
+             port, " (API key required)" if api_key else "")
+    server.run(sockets=[listener])
     # uvicorn returns normally on Ctrl-C; a failed bind or startup leaves started False.
     return 0 if server.started else 1
