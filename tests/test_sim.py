@@ -367,6 +367,30 @@ def test_fit_recovers_the_step_model_it_was_sampled_from():
                                                      abs=1e-12), name
 
 
+def test_pass_levels_tell_a_host_that_slowed_between_passes():
+    """Two passes over the same shapes, the second 20% slower: the fit sits between
+    them, each pass's level says how fast it ran, and the spread draws a warning."""
+    from kvpush.sim.calibrate import fit_linear, pass_levels, pass_warning
+    from kvpush.sim.profile import LinearStepModel
+
+    truth = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_attn_s=1e-6, per_seq_s=5e-4,
+                            per_ctx_s=3e-6, per_fill_s=1e-5)
+    shapes = [[(n, 0)] for n in (32, 128, 512, 1024)] + [
+        [(1, c, True, True)] * b for b, c in ((1, 128), (4, 128), (16, 128), (8, 1024))]
+    slow = [(ch, truth.step_time(ch)) for ch in shapes] + [
+        (ch, 1.2 * truth.step_time(ch)) for ch in shapes]
+    model, _ = fit_linear(slow)
+    first, second = pass_levels(slow, model, 2)
+    assert first < 1.0 < second
+    assert second / first == pytest.approx(1.2, rel=0.02)
+    assert "20% apart" in pass_warning("threads=2", [first, second])
+    steady = [(ch, truth.step_time(ch)) for ch in shapes] * 2
+    model, _ = fit_linear(steady)
+    assert pass_levels(steady, model, 2) == pytest.approx([1.0, 1.0], abs=1e-4)
+    assert pass_warning("threads=2", pass_levels(steady, model, 2)) is None
+    assert pass_warning("threads=1", [1.0]) is None and pass_levels(steady, model, 0) == []
+
+
 def test_refit_fits_again_and_reprices_the_probe_trace(tmp_path):
     """kvpush simulate refit: the step model from the recorded samples, the served
     factors from the recorded probe steps against that new fit."""
@@ -601,6 +625,7 @@ def test_calibrate_quick_on_tiny_model(tiny_llama, tmp_path):
     assert [r for r, _ in sm["token_rows_s"]][:3] == [1, 2, 3]
     assert all(t > 0 for _, t in sm["token_rows_s"] + sm["sample_rows_s"])
     samples = data["measured"]["step_samples"]["threads=1"]
+    assert len(data["measured"]["fits"]["threads=1"]["pass_levels"]) == 1  # repeats=1
     # the prefix plan (2, 32, 8): both prompts hit the cached 32 tokens and compute 8
     assert [[8, 32, True, False]] * 2 in [chunks for chunks, _ in samples]
     r = simulate(p, Workload(3, 50.0, 32, 3), ClusterConfig("push")).requests

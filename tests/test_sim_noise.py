@@ -187,6 +187,9 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
     assert len(new["measured"]["step_samples"]["s"]) == 2 * len(shapes)
     assert len(new["measured"]["served"]["s"]["trace"]) == 8
     assert new["measured"]["pooled_from"] == ["t1.0", "t1.1"]
+    # one pass per calibration (no plan recorded): how fast each ran against the fit
+    first, second = new["measured"]["fits"]["s"]["pass_levels"]
+    assert second / first == pytest.approx(1.1, rel=0.01)
     rows = new["step_models"]["s"]["token_rows_s"]
     assert [r for r, _ in rows] == [1, 64]
     assert [t for _, t in rows] == pytest.approx([0.00105, 0.0042])

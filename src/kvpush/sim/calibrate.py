@@ -321,6 +321,38 @@ def load_avg() -> str:
         return "n/a"
 
 
+#: passes whose speeds differ by more than this get a warning (benchmarks/host_speed.py:
+#: on the 2-vCPU VM of SIMULATION.md the host ran one 2-thread job 25-30% slower for
+#: seconds to minutes at a time, and 1-thread jobs on both cores 12% slower together)
+PASS_SPREAD_WARN = 0.10
+
+
+def pass_levels(samples: Sequence[Sample], model: Any, passes: int) -> list[float]:
+    """How fast the host ran during each pass over the plan: the median of measured /
+    fitted step time over that pass's samples (``samples`` in pass order, one equal
+    share per pass, as :func:`measure_steps` records them)."""
+    if passes < 1 or len(samples) < passes:
+        return []
+    n = len(samples) // passes
+    return [round(statistics.median(dt / model.step_time(ch)
+                                    for ch, dt in samples[i * n:(i + 1) * n]), 4)
+            for i in range(passes)]
+
+
+def pass_warning(name: str, levels: Sequence[float]) -> str | None:
+    """A warning when the passes of step model ``name`` ran at different speeds: the host's
+    speed moved during the calibration by about as much, and a prediction near
+    saturation moves several times that (benchmarks/SIMULATION.md section E)."""
+    if len(levels) < 2 or max(levels) <= (1 + PASS_SPREAD_WARN) * min(levels):
+        return None
+    return (f"warning: {name}: the passes ran "
+            + " / ".join(f"{v:.2f}x" for v in levels)
+            + f" the fit ({max(levels) / min(levels) - 1:.0%} apart): this host's speed "
+            "moved during the calibration (benchmarks/host_speed.py shows how steady a "
+            "host is); predictions for it carry that much uncertainty, more near "
+            "saturation")
+
+
 def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
               transfer: bool = True, note: str = "", clock: str = "auto",
               log: Callable[[str], None] = print,
@@ -344,13 +376,16 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
         samples = measure_steps(model_dir, th, plan, clock=clock, log=log,
                                 tables=tables if matmul_tables else None)
         m, quality = fit_linear(samples, tables)
+        levels = pass_levels(samples, m, plan.repeats)
         step_models[f"threads={th}"] = {"kind": "linear", **dataclasses.asdict(m)}
-        fits[f"threads={th}"] = quality
+        fits[f"threads={th}"] = {**quality, "pass_levels": levels}
         # every step measured ([[tokens, context, sampled], ...], seconds): a refit of
         # another step model needs no new run
         samples_out[f"threads={th}"] = [[[list(ch) for ch in chunks], round(dt, 6)]
                                         for chunks, dt in samples]
         log(f"[calibrate] threads={th}: {m} (median rel. err {quality['median_rel_err']:.1%})")
+        if warning := pass_warning(f"threads={th}", levels):
+            log(f"[calibrate] {warning}")
         if plan.served:
             from kvpush.sim.served import probe_served
 

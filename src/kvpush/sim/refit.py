@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvpush.sim.calibrate import fit_linear
+from kvpush.sim.calibrate import fit_linear, pass_levels, pass_warning
 
 
 def _mean_numbers(dicts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -112,15 +112,22 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
     served = measured.get("served") or {}
     host = out.setdefault("host", {"corun_slowdown": 1.0})
     factors = host.setdefault("served_factors", {})
+    # the samples hold every pass over the plan of every calibration pooled, in order
+    passes = (int((measured.get("plan") or {}).get("repeats") or 1)
+              * len(measured.get("pooled_from") or [None]))
     for name, rows in samples.items():
         old = out["step_models"].get(name, {})
         tables = {k: old[k] for k in ("token_rows_s", "sample_rows_s") if k in old}
-        model, quality = fit_linear([([tuple(c) for c in ch], dt) for ch, dt in rows], tables)
+        pairs = [([tuple(c) for c in ch], dt) for ch, dt in rows]
+        model, quality = fit_linear(pairs, tables)
         out["step_models"][name] = {"kind": "linear", **{
             k: v for k, v in dataclasses.asdict(model).items() if v is not None}}
-        measured.setdefault("fits", {})[name] = quality
+        levels = pass_levels(pairs, model, passes)
+        measured.setdefault("fits", {})[name] = {**quality, "pass_levels": levels}
         log(f"[refit] {name}: median rel. err {quality['median_rel_err']:.1%}, max "
             f"{quality['max_rel_err']:.1%} over {len(rows)} samples")
+        if warning := pass_warning(name, levels):
+            log(f"[refit] {warning}")
         trace = (served.get(name) or {}).get("trace")
         if trace:
             steps = [{"chunks": ch, "dur": dt} for ch, dt in trace]
