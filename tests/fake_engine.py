@@ -28,6 +28,12 @@ def fake_logprob(i: int) -> float:
     return -0.25 * (i % 4 + 1)
 
 
+def fake_top_logprobs(n: int) -> tuple[tuple[int, float], ...]:
+    """The top alternatives the fake reports at every position: ids 100, 101, ...
+    (never a sampled token of the tests' prompts), most likely first."""
+    return tuple((100 + j, -0.1 * (j + 1)) for j in range(n))
+
+
 def fake_token(prompt_ids: list[int], i: int) -> int:
     """Output token number ``i``: the prompt read backwards, over and over."""
     return prompt_ids[-(1 + i % len(prompt_ids))]
@@ -166,6 +172,8 @@ class FakeEngine:
                     request_id, [tok], new_text, finished=reason is not None,
                     finish_reason=reason,
                     new_logprobs=[fake_logprob(i)] if params.logprobs else None,
+                    new_top_logprobs=([fake_top_logprobs(params.top_logprobs)]
+                                      if params.top_logprobs else None),
                     num_prompt_tokens=plen, num_output_tokens=i + 1, extra=extra,
                 )
                 if reason is not None:

@@ -37,6 +37,7 @@ class Leg:
     error: str | None = None
     kv_transfer_params: dict | None = None
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
     rejected: bool = False  # refused as the client's mistake (the server answers 400)
 
     @property
@@ -106,6 +107,7 @@ class PDDriver:
             leg.tokens += o.new_token_ids
             leg.text += o.new_text
             leg.logprobs += o.new_logprobs or []
+            leg.top_logprobs += o.new_top_logprobs or []
             if o.finished:
                 leg.finish_reason = o.finish_reason
                 leg.error = o.error

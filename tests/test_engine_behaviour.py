@@ -138,6 +138,11 @@ def test_request_validation(tiny_llama):
         with pytest.raises(SamplingParamsError) as err:
             SamplingParams(top_k=bad_top_k)
         assert err.value.param == "top_k"
+    for bad_top in ({"top_logprobs": 21, "logprobs": True}, {"top_logprobs": -1},
+                    {"top_logprobs": 2.0, "logprobs": True}, {"top_logprobs": 2}):
+        with pytest.raises(SamplingParamsError) as err:
+            SamplingParams(**bad_top)
+        assert err.value.param == "top_logprobs"
     assert_all_blocks_free(engine)
 
 
@@ -156,7 +161,7 @@ def test_degenerate_sampling_values_never_fail_a_step(tiny_llama):
     assert out["tiny-t"] == greedy_ref["tiny-t"] and out["plain"] == greedy_ref["plain"]
     assert out["tiny-p"] == greedy_ref["tiny-p"]  # nucleus of one token: the argmax
     logits = torch.tensor([[0.0, float("inf"), float("nan"), 1.0]])
-    tokens, _ = sample(logits, [SamplingParams(temperature=0.7)], [None], torch.Generator())
+    tokens, *_ = sample(logits, [SamplingParams(temperature=0.7)], [None], torch.Generator())
     assert tokens == [1]  # the row's argmax, NaN ignored: no exception, no failed step
     assert_all_blocks_free(engine)
 

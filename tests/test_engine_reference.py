@@ -14,7 +14,7 @@ from engine_helpers import (
     random_prompts,
     run_to_completion,
 )
-from kvpush.sampling_params import SamplingParams
+from kvpush.sampling_params import SampledToken, SamplingParams
 
 MODELS = [
     ("llama", "tiny", None),
@@ -67,7 +67,7 @@ def test_decode_logits_match_hf(model_factory, arch):
         torch.testing.assert_close(logits[0], ref, rtol=1e-4, atol=1e-4)
         tok = int(logits[0].argmax())
         seq.append(tok)
-        engine.scheduler.update_after_step(plan, {"r": (tok, None)})
+        engine.scheduler.update_after_step(plan, {"r": SampledToken(tok)})
     engine.abort_request("r")
     assert_all_blocks_free(engine)
 
@@ -99,4 +99,29 @@ def test_logprobs_are_log_softmax_of_logits(tiny_qwen3):
     for i, (t, lp) in enumerate(zip(toks, lps)):
         assert lp == pytest.approx(ref[len(prompt) - 1 + i, t].item(), abs=1e-4)
         assert lp <= 0
+    assert_all_blocks_free(engine)
+
+
+def test_top_logprobs_are_the_reference_distributions_most_likely_tokens(tiny_qwen3):
+    """top_logprobs N: at every position the N most likely tokens of HF's distribution,
+    most likely first, with their logprobs; a request beside it without top_logprobs
+    gets none, and its tokens do not change."""
+    prompt = random_prompts([20])[0]
+    engine = make_engine(tiny_qwen3)
+    engine.add_request("top", prompt, greedy(4, logprobs=True, top_logprobs=5))
+    engine.add_request("plain", prompt, greedy(4, logprobs=True))
+    toks: dict[str, list[int]] = {"top": [], "plain": []}
+    tops: dict[str, list] = {"top": [], "plain": []}
+    while engine.has_work():
+        for o in engine.step():
+            toks[o.request_id] += o.new_token_ids
+            tops[o.request_id] += o.new_top_logprobs or []
+    assert toks["top"] == toks["plain"] and tops["plain"] == []
+    ref = torch.log_softmax(hf_logits(tiny_qwen3, prompt + toks["top"]), dim=-1)
+    assert len(tops["top"]) == 4
+    for i, (tok, top) in enumerate(zip(toks["top"], tops["top"])):
+        want = ref[len(prompt) - 1 + i].topk(5)
+        assert [t for t, _ in top] == want.indices.tolist()
+        assert [lp for _, lp in top] == pytest.approx(want.values.tolist(), abs=1e-4)
+        assert top[0][0] == tok  # greedy: the sampled token is the most likely one
     assert_all_blocks_free(engine)

@@ -27,9 +27,10 @@ def single(tiny_llama, tmp_path_factory):
     srv.stop()
 
 
-def _body(prompt: str, stream: bool, kv: dict | None = None, max_tokens: int = 12) -> dict:
+def _body(prompt: str, stream: bool, kv: dict | None = None, max_tokens: int = 12,
+          **extra) -> dict:
     b = {"model": "ignored-by-default", "prompt": prompt, "max_tokens": max_tokens,
-         "temperature": 0, "stream": stream}
+         "temperature": 0, "stream": stream, **extra}
     b.pop("model")
     if kv is not None:
         b["kv_transfer_params"] = kv
@@ -53,21 +54,21 @@ async def _complete(client: httpx.AsyncClient, url: str, body: dict, rid: str) -
     return {"choices": [{"text": text, "finish_reason": last["choices"][0]["finish_reason"]}]}
 
 
-async def _two_legs(p_url, d_url, p_info, prompt, mode, stream) -> dict:
+async def _two_legs(p_url, d_url, p_info, prompt, mode, stream, **extra) -> dict:
     tid = uuid.uuid4().hex
     async with httpx.AsyncClient(timeout=60) as client:
         p_body = _body(prompt, False, {"do_remote_decode": True, "transfer_id": tid},
-                       max_tokens=1)
+                       max_tokens=1, **extra)
         if mode == "pull":
             p_out = await _complete(client, p_url, p_body, tid)
             kv = p_out["kv_transfer_params"]
-            return await _complete(client, d_url, _body(prompt, stream, kv), tid)
+            return await _complete(client, d_url, _body(prompt, stream, kv, **extra), tid)
         d_kv = {"do_remote_prefill": True, "transfer_id": tid,
                 "remote_host": p_info["side_channel_host"],
                 "remote_port": p_info["side_channel_port"],
                 "remote_engine_id": p_info["engine_id"], "remote_request_id": tid}
         p_task = asyncio.create_task(_complete(client, p_url, p_body, tid))
-        d_out = await _complete(client, d_url, _body(prompt, stream, d_kv), tid)
+        d_out = await _complete(client, d_url, _body(prompt, stream, d_kv, **extra), tid)
         await p_task
         return d_out
 
@@ -100,6 +101,23 @@ def test_pd_over_http_equals_single(tiny_llama, single, tmp_path, mode):
         assert "kvpush_kv_transfers_ok_total 6.0" in metrics
         assert f'kvpush_kv_transfer_bytes_count{{mode="{mode}",outcome="ok",role="decode"}}' \
             in metrics
+        # logprobs with 3 alternatives per token: token #1's from prefill (push) or
+        # decode's recompute (pull), the rest from decode; all equal the single instance's
+        # (pull's recompute batches token #1 differently: logprobs agree to ~2e-5)
+        got = asyncio.run(_two_legs(p.url, d.url, p_info, PROMPTS[0], mode, False,
+                                    logprobs=3))["choices"][0]["logprobs"]
+        ref = httpx.post(single.url + "/v1/completions", timeout=60,
+                         json=_body(PROMPTS[0], False, logprobs=3)).json()["choices"][0]
+        ref = ref["logprobs"]
+        assert got["tokens"] == ref["tokens"] and len(got["top_logprobs"]) == 12
+        assert got["token_logprobs"] == pytest.approx(ref["token_logprobs"], abs=1e-4)
+        for g, r in zip(got["top_logprobs"], ref["top_logprobs"], strict=True):
+            # keyed by text: alternatives that decode alike (a lone UTF-8 byte is "\ufffd")
+            # share a key, as in OpenAI's legacy format
+            assert 1 <= len(g) <= 4 and g.keys() == r.keys()
+            assert list(g.values()) == pytest.approx(list(r.values()), abs=1e-4)
+        p.wait_all_free()
+        d.wait_all_free()
     finally:
         p.stop()
         d.stop()

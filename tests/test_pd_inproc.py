@@ -84,6 +84,31 @@ def test_push_token1_travels_with_kv(pd, tiny_qwen3):
     pd.settle()
 
 
+@pytest.mark.parametrize("pd", ["push", "pull"], indirect=True)
+def test_disaggregated_top_logprobs_equal_single(pd, tiny_qwen3):
+    """top_logprobs through P/D: token #1's alternatives come from prefill (push: with the
+    KV, in PushDone; pull: decode samples token #1 itself), the rest from decode; all
+    equal a single instance's."""
+    prompt = random_prompts([90], seed=7)[0]
+    params = greedy(4, logprobs=True, top_logprobs=3)
+    eng = make_engine(tiny_qwen3)
+    eng.add_request("r", prompt, params)
+    ref = []
+    while eng.has_work():
+        for o in eng.step():
+            ref += o.new_top_logprobs or []
+    pd.submit("r", prompt, params)
+    pd.run()
+    leg = pd.d_legs["r"]
+    assert leg.error is None and len(leg.top_logprobs) == 4
+    for got, want in zip(leg.top_logprobs, ref, strict=True):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-5)
+    if pd.mode == "push":
+        assert pd.p_legs["r"].top_logprobs[0] == leg.top_logprobs[0]
+    pd.settle()
+
+
 @pytest.mark.parametrize("pd", ["push"], indirect=True)
 def test_push_token1_goes_out_before_decode_runs_a_forward(pd):
     """Token #1 arrives with the KV; decode hands it out at once, not with the output

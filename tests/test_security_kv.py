@@ -278,7 +278,11 @@ def test_duplicate_or_negative_remote_block_ids_are_a_400_at_once(tiny_qwen3):
         drv.close()
 
 
-def test_invalid_first_token_from_prefill_fails_the_request(tiny_qwen3):
+@pytest.mark.parametrize("bad", [
+    "token-out-of-vocab", "top-id-out-of-vocab", "top-logprob-positive", "top-too-long"])
+def test_invalid_first_token_from_prefill_fails_the_request(tiny_qwen3, bad):
+    """A PushDone whose token #1, or any of its top alternatives, is out of range fails
+    the request (decode never hands it out) and frees its blocks."""
     drv = pair(tiny_qwen3, "push", lease=1.0)  # prefill's wait for this request ends soon
     try:
         drv.submit("warm", random_prompts([40])[0], greedy(2))
@@ -291,7 +295,13 @@ def test_invalid_first_token_from_prefill_fails_the_request(tiny_qwen3):
             assert time.monotonic() < deadline
             drv.pump()
         vocab = drv.d.connector.vocab_size
-        drv.d.inbox.put(("kv", ("push_done", m.PushDone("t", ok=True, first_token=vocab))))
+        done = {"token-out-of-vocab": {"first_token": vocab},
+                "top-id-out-of-vocab": {"first_token": 1,
+                                        "first_top_logprobs": [(1, -0.5), (vocab, -1.0)]},
+                "top-logprob-positive": {"first_token": 1, "first_top_logprobs": [(1, 0.5)]},
+                "top-too-long": {"first_token": 1,
+                                 "first_top_logprobs": [(1, -1.0)] * 21}}[bad]
+        drv.d.inbox.put(("kv", ("push_done", m.PushDone("t", ok=True, **done))))
         drv.run(timeout=20)
         leg = drv.d_legs["t"]
         assert leg.finish_reason is FinishReason.ERROR and "invalid first token" in leg.error

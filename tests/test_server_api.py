@@ -21,7 +21,13 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from fake_engine import FakeEngine, fake_logprob, fake_token, make_test_model
+from fake_engine import (
+    FakeEngine,
+    fake_logprob,
+    fake_token,
+    fake_top_logprobs,
+    make_test_model,
+)
 from kvpush.config import DEFAULT_BLOCK_SIZE
 from kvpush.engine.outputs import RequestError
 from kvpush.server.app import build_app
@@ -266,10 +272,17 @@ async def test_completion_logprobs(client: httpx.AsyncClient, engine: FakeEngine
             text = r.json()["choices"][0]["text"]
         assert lps["token_logprobs"] == [fake_logprob(i) for i in range(4)]
         assert "".join(lps["tokens"]).replace("<s>", "") == text  # special tokens: no text
-        assert lps["top_logprobs"] == [{t: lp} for t, lp in
-                                       zip(lps["tokens"], lps["token_logprobs"])]
+        # the engine's one top alternative (id 100, never sampled here) and the sampled
+        # token beside it, as OpenAI lists up to logprobs + 1
+        for top, t, lp in zip(lps["top_logprobs"], lps["tokens"], lps["token_logprobs"],
+                              strict=True):
+            assert len(top) == 2 and top[t] == lp
+            assert [v for k, v in top.items() if k != t] == [fake_top_logprobs(1)[0][1]]
         assert lps["text_offset"] == [sum(len(t) for t in lps["tokens"][:i]) for i in range(4)]
-    assert engine.requests[-1][2].logprobs
+    assert engine.requests[-1][2].logprobs and engine.requests[-1][2].top_logprobs == 1
+    r = await client.post(C, json={"prompt": "hello", "max_tokens": 2, "logprobs": 0})
+    assert r.json()["choices"][0]["logprobs"]["top_logprobs"] == [None, None]
+    assert engine.requests[-1][2].top_logprobs == 0
 
 
 @pytest.mark.anyio
@@ -366,11 +379,15 @@ async def test_chat_logprobs(client: httpx.AsyncClient, tokenizer: Any) -> None:
     for s in specials:
         raw = raw.replace(s, "")
     assert raw == choice["message"]["content"]
-    r = await client.post(CHAT, json={**body, "top_logprobs": 1, "stream": True})
+    r = await client.post(CHAT, json={**body, "top_logprobs": 3, "stream": True})
     chunks = [e for e in sse(r.text)[:-1] if e["choices"] and e["choices"][0]["logprobs"]]
     items = [it for c in chunks for it in c["choices"][0]["logprobs"]["content"]]
-    assert [it["top_logprobs"][0]["logprob"] for it in items] == [fake_logprob(i)
-                                                                  for i in range(6)]
+    assert [it["logprob"] for it in items] == [fake_logprob(i) for i in range(6)]
+    want = [lp for _, lp in fake_top_logprobs(3)]
+    for it in items:  # the engine's alternatives, most likely first, with their text
+        assert [alt["logprob"] for alt in it["top_logprobs"]] == want
+        assert all(set(alt) == {"token", "logprob", "bytes"} and alt["token"]
+                   for alt in it["top_logprobs"])
 
 
 # -------------------------------------------------------------------------- bad input

@@ -8,11 +8,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 #: Temperatures below this sample greedily, and top_p is raised to at least this (as
 #: vLLM's _SAMPLING_EPS): logits / 1e-300 overflow to inf, and a top_p that rounds to 0
 #: in float32 masks every token; either would make the step's probabilities NaN.
 SAMPLING_EPS = 1e-5
+#: The most alternatives a sampled token's logprobs list (OpenAI's chat API caps
+#: top_logprobs at 20; vLLM's max_logprobs defaults to 20)
+MAX_TOP_LOGPROBS = 20
+
+
+#: (token id, logprob) of the most likely tokens at one position, most likely first
+TopLogprobs = tuple[tuple[int, float], ...]
+
+
+class SampledToken(NamedTuple):
+    """One sampled token: its logprob when the request asked for logprobs, the top
+    alternatives when it asked for top_logprobs."""
+
+    token: int
+    logprob: float | None = None
+    top: TopLogprobs | None = None
 
 
 class SamplingParamsError(ValueError):
@@ -32,6 +49,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    #: also the logprobs of this many most likely tokens at each position (needs logprobs)
+    top_logprobs: int = 0
     include_stop_str_in_output: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -57,6 +76,14 @@ class SamplingParams:
                 f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}",
                 "top_k",
             )
+        top = self.top_logprobs
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise SamplingParamsError(
+                f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}",
+                "top_logprobs",
+            )
+        if top and not self.logprobs:
+            raise SamplingParamsError("top_logprobs needs logprobs", "top_logprobs")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop must be non-empty strings", "stop")
         if len(self.stop) > 16:

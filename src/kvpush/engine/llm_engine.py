@@ -21,7 +21,7 @@ from kvpush.engine.detokenizer import IncrementalDetokenizer
 from kvpush.engine.model_runner import ModelRunner
 from kvpush.engine.outputs import EngineStats, FinishReason, RequestError, RequestOutput
 from kvpush.engine.step_trace import step_trace_from_env
-from kvpush.sampling_params import SamplingParams
+from kvpush.sampling_params import SamplingParams, TopLogprobs
 from kvpush.scheduler.request import Request, RequestState
 from kvpush.scheduler.scheduler import Scheduler, StepPlan
 
@@ -257,13 +257,16 @@ class LLMEngine:
         detok.add(token)
         reason = self._stop_reason(req, token, detok)
         logprobs = [req.output_logprobs[-1]] if req.params.logprobs else None
+        top = ([req.output_top_logprobs[-1]]
+               if req.params.top_logprobs and req.output_top_logprobs else None)
         if reason is not None:
-            return self._finish(req, reason, [token], logprobs)
+            return self._finish(req, reason, [token], logprobs, top=top)
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=[token],
             new_text=detok.take(final=False),
             new_logprobs=logprobs,
+            new_top_logprobs=top,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
@@ -292,6 +295,7 @@ class LLMEngine:
         new_tokens: list[int],
         logprobs: list[float] | None,
         error: str | None = None,
+        top: list[TopLogprobs] | None = None,
     ) -> RequestOutput:
         keep, kv_params = False, None
         if self.connector is not None:
@@ -307,6 +311,7 @@ class LLMEngine:
             finished=True,
             finish_reason=reason,
             new_logprobs=logprobs,
+            new_top_logprobs=top,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,

@@ -11,6 +11,7 @@ from kvpush.kv_cache.kv_region import KVRegion
 from kvpush.model.attention import DecodeKVCache, build_metadata
 from kvpush.model.loader import load_model
 from kvpush.model.sampler import sample
+from kvpush.sampling_params import SampledToken
 from kvpush.scheduler.scheduler import StepPlan
 
 
@@ -99,19 +100,20 @@ class ModelRunner:
 
     def execute(
         self, plan: StepPlan, layer_done: Callable[[int], None] | None = None
-    ) -> dict[str, tuple[int, float | None]]:
+    ) -> dict[str, SampledToken]:
         """Run the plan and sample one token for every chunk that asks for one."""
         logits = self.forward(plan, layer_done)
         sampled_chunks = [c for c in plan.chunks if c.sample]
         if not sampled_chunks:
             return {}
-        tokens, logprobs = sample(
+        tokens, logprobs, tops = sample(
             logits.cpu(),
             [c.params for c in sampled_chunks],
             [c.generator for c in sampled_chunks],
             self.default_generator,
         )
         return {
-            c.request_id: (tokens[i], logprobs[i] if logprobs is not None else None)
+            c.request_id: SampledToken(tokens[i], logprobs[i] if logprobs is not None else None,
+                                       tops[i] if tops is not None else None)
             for i, c in enumerate(sampled_chunks)
         }

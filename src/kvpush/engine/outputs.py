@@ -32,6 +32,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     new_logprobs: list[float] | None = None
+    #: per new token, its top alternatives ((id, logprob), most likely first), for a
+    #: request whose params ask for top_logprobs
+    new_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

@@ -55,6 +55,7 @@ from kvpush.kv_transfer.state import (
 )
 from kvpush.kv_transfer.transport import layer_block_descs
 from kvpush.kv_transfer.worker import TransferWorker
+from kvpush.sampling_params import SampledToken
 from kvpush.scheduler.request import Request
 from kvpush.scheduler.scheduler import Scheduler
 
@@ -269,8 +270,9 @@ class KVConnector(PrefillSide, DecodeSide):
             send.finished = True
             send.block_ids = list(req.block_ids)
             send.num_prompt_tokens = req.num_prompt_tokens
-            lp = req.output_logprobs[0] if req.output_logprobs else None
-            send.first = (req.output_token_ids[0], lp)
+            send.first = SampledToken(
+                req.output_token_ids[0], req.output_logprobs[0] if req.output_logprobs else None,
+                req.output_top_logprobs[0] if req.output_top_logprobs else None)
             if send.state is SendState.SENDING:
                 self._flush(send, final=True)
             return True, None

@@ -27,6 +27,7 @@ from kvpush.kv_transfer.state import (
     block_ids_problem,
 )
 from kvpush.kv_transfer.transport import TransferPostError
+from kvpush.sampling_params import MAX_TOP_LOGPROBS, SampledToken
 from kvpush.scheduler.request import Request
 
 log = logging.getLogger("kvpush.kv_transfer.connector")
@@ -222,7 +223,7 @@ class DecodeSide:
         self._end_recv(recv, ok=False)
 
     def _kv_arrived(self, recv: DecodeRecv, num_computed: int,
-                    first: tuple[int, float | None] | None, record: TransferRecord) -> None:
+                    first: SampledToken | None, record: TransferRecord) -> None:
         self._end_recv(recv, ok=True)
         self.counters["transfers_ok"] += 1
         record.transfer_s = time.perf_counter() - recv.t_start
@@ -242,17 +243,30 @@ class DecodeSide:
         if not done.ok:
             self._recv_failed(recv, done.error or "prefill reported a failure")
             return
-        lp = done.first_logprob
-        if not 0 <= done.first_token < self.vocab_size or (
-                lp is not None and not (math.isfinite(lp) and lp <= 0)):
+        first = self._first_token(done)
+        if first is None:
             self._recv_failed(recv, f"prefill sent an invalid first token "
-                                    f"{done.first_token} (logprob {lp})")
+                                    f"{done.first_token} (logprob {done.first_logprob}, top "
+                                    f"{done.first_top_logprobs})")
             return
         req = self.scheduler.requests.get(recv.request_id)
         record = TransferRecord(recv.tid, "decode", "push", True, done.num_bytes,
                                 done.num_descriptors)
-        self._kv_arrived(recv, req.num_prompt_tokens, (done.first_token, done.first_logprob),
-                         record)
+        self._kv_arrived(recv, req.num_prompt_tokens, first, record)
+
+    def _first_token(self, done: m.PushDone) -> SampledToken | None:
+        """Token #1 as prefill sent it, None if any part of it is out of range."""
+        def valid(token: int, lp: float | None) -> bool:
+            return 0 <= token < self.vocab_size and (
+                lp is None or (math.isfinite(lp) and lp <= 0))
+
+        top = done.first_top_logprobs
+        if not valid(done.first_token, done.first_logprob) or top is not None and (
+                len(top) > MAX_TOP_LOGPROBS or not all(valid(t, lp) for t, lp in top)):
+            return None
+        return SampledToken(done.first_token, done.first_logprob,
+                            tuple((int(t), float(lp)) for t, lp in top)
+                            if top is not None else None)
 
     def _ev_read_done(self, tid: str, ok: bool) -> None:
         recv = self.recvs.get(tid)

@@ -74,6 +74,8 @@ class PushDone(msgspec.Struct, tag=True):
     ok: bool
     first_token: int = -1
     first_logprob: float | None = None
+    #: token #1's top alternatives [[id, logprob], ...] when the request asked for them
+    first_top_logprobs: list[tuple[int, float]] | None = None
     num_descriptors: int = 0
     num_bytes: int = 0
     error: str | None = None

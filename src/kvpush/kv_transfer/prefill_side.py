@@ -83,9 +83,11 @@ class PrefillSide:
         n_blocks = -(-send.num_prompt_tokens // self.block_size)
         self._post_blocks(send, send.block_ids, n_blocks, range(self.layout.num_layers))
         send.state = SendState.DRAINING
-        tok, lp = send.first
+        first = send.first
+        top = [tuple(alt) for alt in first.top] if first.top is not None else None
         self.worker.submit("finalize", send.tid, send.reg.address,
-                           m.PushDone(send.tid, ok=True, first_token=tok, first_logprob=lp))
+                           m.PushDone(send.tid, ok=True, first_token=first.token,
+                                      first_logprob=first.logprob, first_top_logprobs=top))
 
     def layer_hook(self, plan: StepPlan) -> Callable[[int], None] | None:
         """Per-layer WRITE of the blocks this step completes, for registered push sends

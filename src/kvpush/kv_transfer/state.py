@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvpush.engine.outputs import RequestError
 from kvpush.kv_transfer import messages as m
+from kvpush.sampling_params import SampledToken
 
 #: Re-sends of a registration that prefill says it never got, before decode gives up.
 MAX_REGISTER_RESENDS = 3
@@ -39,7 +40,7 @@ class PushSend:
     finished: bool = False  # prefill done, token #1 known, blocks held here
     block_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
-    first: tuple[int, float | None] = (-1, None)
+    first: SampledToken = SampledToken(-1)
     retired: list[list[int]] = field(default_factory=list)  # blocks of a preempted run
 
 

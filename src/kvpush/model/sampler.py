@@ -1,7 +1,9 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
 
 Logprobs are those of the model's raw distribution (log_softmax of the logits before
-temperature and truncation), as vLLM and OpenAI report them.
+temperature and truncation), as vLLM and OpenAI report them: the sampled token's, and
+for a row whose params ask for ``top_logprobs`` N, the N most likely tokens' (id,
+logprob), most likely first.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvpush.sampling_params import SamplingParams
+from kvpush.sampling_params import SamplingParams, TopLogprobs
 
 
 def _truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -34,8 +36,9 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator,
-) -> tuple[list[int], list[float] | None]:
-    """One token per row; logprobs only computed when a row asks for them."""
+) -> tuple[list[int], list[float] | None, list[TopLogprobs | None] | None]:
+    """One token per row, and, only when some row asks for them, each row's logprobs
+    (the sampled token's) and top logprobs (None for a row that asked for none)."""
     n = logits.shape[0]
     tokens = [0] * n
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
@@ -57,7 +60,15 @@ def sample(
         gen = generators[i] or default_generator
         tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
     logprobs: list[float] | None = None
+    tops: list[TopLogprobs | None] | None = None
     if any(p.logprobs for p in params):
-        lp = torch.log_softmax(logits, dim=-1)
+        lp = torch.log_softmax(logits.float(), dim=-1)
         logprobs = lp[torch.arange(n), torch.tensor(tokens)].tolist()
-    return tokens, logprobs
+        k = min(max(p.top_logprobs for p in params), lp.shape[-1])
+        if k:
+            values, ids = lp.topk(k, dim=-1)
+            values, ids = values.tolist(), ids.tolist()
+            tops = [tuple(zip(ids[i][:p.top_logprobs], values[i][:p.top_logprobs],
+                              strict=True)) if p.top_logprobs else None
+                    for i, p in enumerate(params)]
+    return tokens, logprobs, tops

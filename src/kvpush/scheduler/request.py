@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpush.kv_cache.block_pool import BlockHash
-from kvpush.sampling_params import SamplingParams
+from kvpush.sampling_params import SamplingParams, TopLogprobs
 
 
 class RequestState(enum.Enum):
@@ -54,6 +54,8 @@ class Request:
     state: RequestState = RequestState.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    #: per output token, its top alternatives (params.top_logprobs > 0 only)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -28,8 +28,16 @@ import torch
 
 from kvpush.config import CacheConfig, SchedulerConfig
 from kvpush.kv_cache.block_pool import BlockPool, hash_block_tokens
-from kvpush.sampling_params import SamplingParams
+from kvpush.sampling_params import SampledToken, SamplingParams
 from kvpush.scheduler.request import Request, RequestState
+
+
+def _append_token(req: Request, sampled: SampledToken) -> None:
+    req.output_token_ids.append(sampled.token)
+    if sampled.logprob is not None:
+        req.output_logprobs.append(sampled.logprob)
+    if sampled.top is not None:
+        req.output_top_logprobs.append(sampled.top)
 
 
 @dataclass
@@ -111,16 +119,14 @@ class Scheduler:
         return True
 
     def remote_kv_arrived(
-        self, request_id: str, num_computed: int, first: tuple[int, float | None] | None
+        self, request_id: str, num_computed: int, first: SampledToken | None
     ) -> Request:
         """The request's KV up to ``num_computed`` tokens is in its blocks: it runs from
-        here. ``first`` is token #1 (and its logprob) when prefill sent it along."""
+        here. ``first`` is token #1 (and its logprobs) when prefill sent it along."""
         req = self.remote_waiting.pop(request_id)
         req.num_computed_tokens = num_computed
         if first is not None:
-            req.output_token_ids.append(first[0])
-            if first[1] is not None:
-                req.output_logprobs.append(first[1])
+            _append_token(req, first)
         self._cache_full_blocks(req)
         req.state = RequestState.RUNNING
         self.running.append(req)
@@ -254,7 +260,7 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------------
     def update_after_step(
-        self, plan: StepPlan, sampled: dict[str, tuple[int, float | None]]
+        self, plan: StepPlan, sampled: dict[str, SampledToken]
     ) -> list[Request]:
         """Advance computed counts and append sampled tokens; returns requests that got a
         new token (the engine checks their stop conditions)."""
@@ -266,10 +272,7 @@ class Scheduler:
             req.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
             self._cache_full_blocks(req)
             if chunk.sample:
-                token, logprob = sampled[chunk.request_id]
-                req.output_token_ids.append(token)
-                if logprob is not None:
-                    req.output_logprobs.append(logprob)
+                _append_token(req, sampled[chunk.request_id])
                 got_token.append(req)
         return got_token
 

@@ -185,7 +185,8 @@ class PromptBuilder:
             )
 
     @staticmethod
-    def _sampling_params(req: SamplingRequest, max_tokens: int, logprobs: bool) -> SamplingParams:
+    def _sampling_params(req: SamplingRequest, max_tokens: int, logprobs: bool,
+                         top_logprobs: int = 0) -> SamplingParams:
         extra: dict[str, Any] = {}
         if req.kv_transfer_params is not None:
             extra["kv_transfer_params"] = req.kv_transfer_params
@@ -199,6 +200,7 @@ class PromptBuilder:
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             extra=extra,
         )
@@ -231,7 +233,8 @@ class PromptBuilder:
         if max_tokens is None:
             max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
         self._check_context(len(ids), 1, "prompt")
-        params = self._sampling_params(req, max_tokens, logprobs=req.logprobs is not None)
+        params = self._sampling_params(req, max_tokens, logprobs=req.logprobs is not None,
+                                       top_logprobs=req.logprobs or 0)
         self._check_context(len(ids), max_tokens, "prompt")
         return Job(request_id, ids, params, arrival, bool(req.stream),
                    bool(req.stream_options and req.stream_options.include_usage),
@@ -262,7 +265,8 @@ class PromptBuilder:
         max_tokens = mct if mct is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(ids)
-        params = self._sampling_params(req, max_tokens, logprobs=bool(req.logprobs))
+        params = self._sampling_params(req, max_tokens, logprobs=bool(req.logprobs),
+                                       top_logprobs=(top or 0) if req.logprobs else 0)
         self._check_context(len(ids), max_tokens, "messages")
         return Job(request_id, ids, params, arrival, bool(req.stream),
                    bool(req.stream_options and req.stream_options.include_usage),

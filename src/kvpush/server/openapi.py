@@ -69,7 +69,7 @@ def component_schemas() -> dict[str, Any]:
             if field in props:
                 _constrain(props[field], bounds)
     out["ChatCompletionRequest"]["properties"]["logprobs"]["description"] = (
-        "return the sampled token's logprob")
+        "return the sampled token's logprob (and top_logprobs alternatives)")
     _constrain(out["CompletionRequest"]["properties"]["logprobs"], {"minimum": 0, "maximum": 5})
     out["ChatMessage"]["properties"]["role"] = {"type": "string", "enum": list(ALLOWED_ROLES)}
     return out

@@ -260,8 +260,8 @@ class Job:
     arrival: float
     stream: bool
     include_usage: bool
-    #: None: no logprobs; else how many top alternatives the client asked for (only the
-    #: sampled token's logprob is known, so at most that one is listed).
+    #: None: no logprobs; else how many top alternatives the client asked for
+    #: (params.top_logprobs)
     logprobs: int | None
 
 
@@ -298,12 +298,17 @@ class Format:
             if isinstance(ktp, dict):
                 self.kv_transfer_params = ktp
 
-    def _token_logprobs(self, out: RequestOutput) -> list[tuple[int, float | None]]:
+    def _token_logprobs(self, out: RequestOutput
+                        ) -> list[tuple[int, float | None, tuple[tuple[int, float], ...]]]:
+        """(token id, logprob, top alternatives) of each new token."""
         if self.job.logprobs is None or not out.new_token_ids:
             return []
+        n = len(out.new_token_ids)
         lps: list[float | None] = list(out.new_logprobs or [])
-        lps += [None] * (len(out.new_token_ids) - len(lps))
-        return list(zip(out.new_token_ids, lps))
+        lps += [None] * (n - len(lps))
+        tops = list(out.new_top_logprobs or [])
+        tops += [()] * (n - len(tops))
+        return list(zip(out.new_token_ids, lps, tops))
 
     def add(self, out: RequestOutput) -> None:
         """Accumulate an output for the non-streaming body."""
@@ -343,11 +348,18 @@ class CompletionFormat(Format):
 
     def _logprobs(self, out: RequestOutput, into: CompletionLogprobs) -> None:
         top = self.job.logprobs or 0
-        for tid, lp in self._token_logprobs(out):
+        for tid, lp, alts in self._token_logprobs(out):
             text, _ = self.texts(tid)
             into.tokens.append(text)
             into.token_logprobs.append(lp)
-            into.top_logprobs.append({text: lp} if top and lp is not None else None)
+            if top and lp is not None:
+                # the top alternatives, and the sampled token where it is not among them
+                # (as OpenAI's legacy API: up to logprobs + 1 entries)
+                entries = {self.texts(a)[0]: a_lp for a, a_lp in alts[:top]}
+                entries.setdefault(text, lp)
+                into.top_logprobs.append(entries)
+            else:
+                into.top_logprobs.append(None)
             into.text_offset.append(self._offset)
             self._offset += len(text)
 
@@ -398,10 +410,14 @@ class ChatFormat(Format):
     def _logprobs(self, out: RequestOutput) -> list[ChatTokenLogprob]:
         top = self.job.logprobs or 0
         items = []
-        for tid, lp in self._token_logprobs(out):
+        for tid, lp, alts in self._token_logprobs(out):
             text, raw = self.texts(tid)
-            alts = [TopLogprob(token=text, logprob=lp, bytes=raw)] if top else []
-            items.append(ChatTokenLogprob(token=text, logprob=lp, bytes=raw, top_logprobs=alts))
+            listed = []
+            for a, a_lp in alts[:top]:
+                a_text, a_raw = self.texts(a)
+                listed.append(TopLogprob(token=a_text, logprob=a_lp, bytes=a_raw))
+            items.append(ChatTokenLogprob(token=text, logprob=lp, bytes=raw,
+                                          top_logprobs=listed))
         return items
 
     def add(self, out: RequestOutput) -> None:
