@@ -56,7 +56,7 @@ def hf_model(model_dir: Path):
 
 
 @torch.inference_mode()
-def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+def hf_greedy(model_dir: Path, prompt: list[int], n: int, **generate_kw) -> list[int]:
     """Greedy continuation by HF transformers with its own KV cache, no EOS stop.
 
     ``eos_token_id=None`` rather than ``min_new_tokens``: the latter suppresses EOS in
@@ -69,6 +69,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
         eos_token_id=None,
         do_sample=False,
         pad_token_id=0,
+        **generate_kw,
     )
     return out[0, len(prompt) :].tolist()
 

@@ -125,3 +125,58 @@ def test_top_logprobs_are_the_reference_distributions_most_likely_tokens(tiny_qw
         assert [lp for _, lp in top] == pytest.approx(want.values.tolist(), abs=1e-4)
         assert top[0][0] == tok  # greedy: the sampled token is the most likely one
     assert_all_blocks_free(engine)
+
+
+def test_repetition_penalty_matches_hf_generate(tiny_llama):
+    """repetition_penalty (HF's RepetitionPenaltyLogitsProcessor over prompt and output):
+    greedy tokens equal HF generate's with the same penalty, and differ from the
+    unpenalized ones (the tiny model repeats itself)."""
+    prompts = {f"r{i}": p for i, p in enumerate(random_prompts([12, 40], seed=8))}
+    engine = make_engine(tiny_llama)
+    got = run_to_completion(engine, prompts, greedy(16, repetition_penalty=1.5))
+    plain = run_to_completion(make_engine(tiny_llama), prompts, greedy(16))
+    for rid, p in prompts.items():
+        assert got[rid] == hf_greedy(tiny_llama, p, 16, repetition_penalty=1.5), rid
+    assert got != plain
+    assert_all_blocks_free(engine)
+
+
+def test_presence_and_frequency_penalties_follow_openai_formula(tiny_llama):
+    """logit - count x frequency - (count > 0) x presence over the output so far, then
+    greedy: each step's token equals that formula applied to HF's logits; logprobs stay
+    those of the raw distribution; the continuation changes (this model repeats
+    itself)."""
+    prompt = random_prompts([12], seed=8)[0]
+    params = greedy(16, presence_penalty=1.5, frequency_penalty=1.0, logprobs=True)
+    engine = make_engine(tiny_llama)
+    engine.add_request("r", prompt, params)
+    toks, lps = [], []
+    while engine.has_work():
+        for o in engine.step():
+            toks += o.new_token_ids
+            lps += o.new_logprobs
+    logits = hf_logits(tiny_llama, prompt + toks)
+    for i, tok in enumerate(toks):
+        row = logits[len(prompt) - 1 + i].clone()
+        counts = torch.bincount(torch.tensor(toks[:i], dtype=torch.long),
+                                minlength=row.shape[0]).float()
+        row -= counts * 1.0 + (counts > 0).float() * 1.5
+        assert tok == int(row.argmax()), i
+        raw = torch.log_softmax(logits[len(prompt) - 1 + i], dim=-1)[tok].item()
+        assert lps[i] == pytest.approx(raw, abs=1e-4)
+    plain = run_to_completion(make_engine(tiny_llama), {"r": prompt}, greedy(16))["r"]
+    assert toks != plain
+    assert_all_blocks_free(engine)
+
+
+def test_logit_bias_forces_and_bans_tokens(tiny_llama):
+    prompt = random_prompts([15], seed=10)[0]
+    plain = run_to_completion(make_engine(tiny_llama), {"r": prompt}, greedy(6))["r"]
+    engine = make_engine(tiny_llama)
+    forced = run_to_completion(engine, {"r": prompt},
+                               greedy(6, logit_bias=((77, 100.0),)))["r"]
+    assert forced == [77] * 6
+    banned = run_to_completion(engine, {"r": prompt},
+                               greedy(6, logit_bias=((plain[0], -100.0),)))["r"]
+    assert banned[0] != plain[0] and plain[0] not in banned
+    assert_all_blocks_free(engine)

@@ -43,7 +43,8 @@ json_values = st.recursive(
 
 COMPLETION_KEYS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "n", "stream", "stream_options",
-                   "logprobs", "echo", "logit_bias", "kv_transfer_params", "model", "suffix"]
+                   "logprobs", "echo", "logit_bias", "kv_transfer_params", "model", "suffix",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty"]
 CHAT_KEYS = ["messages", "max_tokens", "max_completion_tokens", "temperature", "logprobs",
              "top_logprobs", "tools", "response_format", "stream", "stop", "seed"]
 

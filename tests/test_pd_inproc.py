@@ -85,6 +85,25 @@ def test_push_token1_travels_with_kv(pd, tiny_qwen3):
 
 
 @pytest.mark.parametrize("pd", ["push", "pull"], indirect=True)
+def test_disaggregated_penalties_equal_single(pd, tiny_qwen3):
+    """Penalties and logit_bias through P/D: prefill samples token #1 (push) with the
+    prompt as history, decode goes on with prompt + output; the tokens equal a single
+    instance's, which differ from the unpenalized ones."""
+    prompts = random_prompts([33, 100], seed=22)
+    params = greedy(12, repetition_penalty=1.6, presence_penalty=1.0, frequency_penalty=0.5,
+                    logit_bias=((11, 3.0),))
+    ref = run_to_completion(make_engine(tiny_qwen3),
+                            {f"r{i}": p for i, p in enumerate(prompts)}, params)
+    assert ref != single_outputs(tiny_qwen3, prompts, 12)
+    for i, p in enumerate(prompts):
+        pd.submit(f"r{i}", p, params)
+    pd.run()
+    for i in range(len(prompts)):
+        assert pd.d_legs[f"r{i}"].tokens == ref[f"r{i}"], f"r{i}"
+    pd.settle()
+
+
+@pytest.mark.parametrize("pd", ["push", "pull"], indirect=True)
 def test_disaggregated_top_logprobs_equal_single(pd, tiny_qwen3):
     """top_logprobs through P/D: token #1's alternatives come from prefill (push: with the
     KV, in PushDone; pull: decode samples token #1 itself), the rest from decode; all

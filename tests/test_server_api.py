@@ -181,6 +181,15 @@ async def test_sampling_fields_pass_through(client: httpx.AsyncClient,
     r = await client.post(C, json={"prompt": "hello", "max_tokens": 2, "stop": ["a", "b"]})
     assert engine.requests[-1][2].stop == ("a", "b")
     assert "kv_transfer_params" not in engine.requests[-1][2].extra
+    assert not engine.requests[-1][2].adjusts_logits  # no penalties, no bias by default
+    r = await client.post(CHAT, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.2,
+        "logit_bias": {"5": -100, "7": 2.5}})
+    assert r.status_code == 200, r.text
+    p = engine.requests[-1][2]
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.2)
+    assert p.logit_bias == ((5, -100), (7, 2.5)) and p.penalized
 
 
 @pytest.mark.anyio
@@ -428,8 +437,20 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("n-2", C, {"prompt": "x", "n": 2}, 400, "n", None),
     ("echo", C, {"prompt": "x", "echo": True}, 400, "echo", None),
     ("logprobs-too-many", C, {"prompt": "x", "logprobs": 6}, 400, "logprobs", None),
-    ("presence-penalty", C, {"prompt": "x", "presence_penalty": 0.5}, 400,
+    ("presence-penalty-too-big", C, {"prompt": "x", "presence_penalty": 2.5}, 400,
      "presence_penalty", None),
+    ("frequency-penalty-too-small", C, {"prompt": "x", "frequency_penalty": -3}, 400,
+     "frequency_penalty", None),
+    ("repetition-penalty-zero", C, {"prompt": "x", "repetition_penalty": 0}, 400,
+     "repetition_penalty", None),
+    ("logit-bias-not-an-id", C, {"prompt": "x", "logit_bias": {"abc": 1}}, 400,
+     "logit_bias", None),
+    ("logit-bias-unicode-digit", C, {"prompt": "x", "logit_bias": {"\u00b3": 1}}, 400,
+     "logit_bias", None),
+    ("logit-bias-id-out-of-range", C, {"prompt": "x", "logit_bias": {"99999": 1}}, 400,
+     "logit_bias", None),
+    ("logit-bias-too-big", C, {"prompt": "x", "logit_bias": {"5": 101}}, 400,
+     "logit_bias", None),
     ("seed-too-big", C, {"prompt": "x", "seed": 2**70}, 400, "seed", None),
     ("chat-messages-not-list", CHAT, {"messages": "hi"}, 400, "messages", None),
     ("chat-messages-empty", CHAT, {"messages": []}, 400, "messages", None),

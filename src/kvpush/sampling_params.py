@@ -17,6 +17,9 @@ SAMPLING_EPS = 1e-5
 #: The most alternatives a sampled token's logprobs list (OpenAI's chat API caps
 #: top_logprobs at 20; vLLM's max_logprobs defaults to 20)
 MAX_TOP_LOGPROBS = 20
+#: OpenAI's ranges: presence / frequency penalties in [-2, 2], logit_bias in [-100, 100]
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 #: (token id, logprob) of the most likely tokens at one position, most likely first
@@ -52,6 +55,15 @@ class SamplingParams:
     #: also the logprobs of this many most likely tokens at each position (needs logprobs)
     top_logprobs: int = 0
     include_stop_str_in_output: bool = False
+    #: subtracted from a token's logit once it appears in the output (OpenAI)
+    presence_penalty: float = 0.0
+    #: subtracted from a token's logit per time it appears in the output (OpenAI)
+    frequency_penalty: float = 0.0
+    #: a token of the prompt or output has its logit divided by this when positive,
+    #: multiplied when negative (vLLM, HF transformers; 1: off)
+    repetition_penalty: float = 1.0
+    #: (token id, bias) added to the logits before sampling (OpenAI's logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +96,27 @@ class SamplingParams:
             )
         if top and not self.logprobs:
             raise SamplingParamsError("top_logprobs needs logprobs", "top_logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                    -MAX_PENALTY <= v <= MAX_PENALTY):
+                raise SamplingParamsError(
+                    f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {v!r}",
+                    name)
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not (
+                math.isfinite(rp) and rp > 0):
+            raise SamplingParamsError(f"repetition_penalty must be > 0, got {rp!r}",
+                                      "repetition_penalty")
+        for tid, bias in self.logit_bias:
+            if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+                raise SamplingParamsError(f"logit_bias: {tid!r} is not a token id",
+                                          "logit_bias")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
+                    -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise SamplingParamsError(
+                    f"logit_bias: the bias of token {tid} must be between "
+                    f"-{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, got {bias!r}", "logit_bias")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop must be non-empty strings", "stop")
         if len(self.stop) > 16:
@@ -92,3 +125,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler needs the request's tokens so far (penalties)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.penalized or bool(self.logit_bias)

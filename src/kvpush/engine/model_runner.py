@@ -111,6 +111,7 @@ class ModelRunner:
             [c.params for c in sampled_chunks],
             [c.generator for c in sampled_chunks],
             self.default_generator,
+            [c.history for c in sampled_chunks],
         )
         return {
             c.request_id: SampledToken(tokens[i], logprobs[i] if logprobs is not None else None,

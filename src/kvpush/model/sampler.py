@@ -1,5 +1,11 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
 
+Before any of those, a row's logits get its logit_bias and its penalties: the
+repetition penalty over the prompt's and output's tokens (a positive logit divided by
+it, a negative one multiplied, as HF transformers and vLLM do), then the presence and
+frequency penalties over the output's (OpenAI: ``logit - count x frequency - (count >
+0) x presence``).
+
 Logprobs are those of the model's raw distribution (log_softmax of the logits before
 temperature and truncation), as vLLM and OpenAI report them: the sampled token's, and
 for a row whose params ask for ``top_logprobs`` N, the N most likely tokens' (id,
@@ -31,15 +37,53 @@ def _truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
+#: a row's tokens so far: (prompt token ids, output token ids)
+History = tuple[Sequence[int], Sequence[int]]
+
+
+def adjust_logits(row: torch.Tensor, p: SamplingParams, history: History | None
+                  ) -> torch.Tensor:
+    """A copy of one 1-D logits row with ``p``'s logit_bias and penalties applied."""
+    row = row.clone()
+    vocab = row.shape[-1]
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.long)
+        bias = torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=row.dtype)
+        row.index_add_(0, ids, bias)
+    if not p.penalized or history is None:
+        return row
+    prompt, output = history
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(list({*prompt, *output}), dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                vals * p.repetition_penalty)
+    if output and (p.presence_penalty or p.frequency_penalty):
+        counts = torch.bincount(torch.tensor(list(output), dtype=torch.long),
+                                minlength=vocab)[:vocab].to(row.dtype)
+        row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
+    return row
+
+
 def sample(
     logits: torch.Tensor,  # [N, V] float32
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator,
+    histories: Sequence[History | None] | None = None,
 ) -> tuple[list[int], list[float] | None, list[TopLogprobs | None] | None]:
     """One token per row, and, only when some row asks for them, each row's logprobs
-    (the sampled token's) and top logprobs (None for a row that asked for none)."""
+    (the sampled token's) and top logprobs (None for a row that asked for none).
+    ``histories``: per row, its tokens so far (needed by rows with penalties). Logprobs
+    are the raw distribution's, before bias and penalties."""
     n = logits.shape[0]
+    raw = logits
+    adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if adjusted:
+        logits = logits.clone()
+        for i in adjusted:
+            logits[i] = adjust_logits(raw[i], params[i],
+                                      histories[i] if histories is not None else None)
     tokens = [0] * n
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy_rows) == n:  # all greedy: no row gather
@@ -62,7 +106,7 @@ def sample(
     logprobs: list[float] | None = None
     tops: list[TopLogprobs | None] | None = None
     if any(p.logprobs for p in params):
-        lp = torch.log_softmax(logits.float(), dim=-1)
+        lp = torch.log_softmax(raw.float(), dim=-1)
         logprobs = lp[torch.arange(n), torch.tensor(tokens)].tolist()
         k = min(max(p.top_logprobs for p in params), lp.shape[-1])
         if k:

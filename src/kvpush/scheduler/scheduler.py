@@ -51,6 +51,9 @@ class ScheduledChunk:
     sample: bool  # True when the chunk ends at the last known token: sample the next
     params: SamplingParams
     generator: torch.Generator | None = None
+    #: (prompt ids, output ids so far) for a sampling chunk whose params penalize
+    #: repeats (the request's own lists: read during the step, appended after it)
+    history: tuple[list[int], list[int]] | None = None
 
 
 @dataclass
@@ -228,14 +231,17 @@ class Scheduler:
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         end = start + num_new
+        sample = end == req.num_tokens
         return ScheduledChunk(
             request_id=req.request_id,
             token_ids=req.tokens_slice(start, end),
             start_pos=start,
             block_ids=list(req.block_ids),
-            sample=end == req.num_tokens,
+            sample=sample,
             params=req.params,
             generator=req.generator,
+            history=((req.prompt_token_ids, req.output_token_ids)
+                     if sample and req.params.penalized else None),
         )
 
     def _extend_hashes(self, req: Request, upto_tokens: int) -> None:

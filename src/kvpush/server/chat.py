@@ -120,6 +120,8 @@ def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[
 INLINE_TOKENIZE_CHARS = 4096
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+#: logit_bias entries a request may carry (each is a scatter into the logits per step)
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 class PromptBuilder:
@@ -150,11 +152,16 @@ class PromptBuilder:
         if req.max_tokens is not None and req.max_tokens < 1:
             raise APIError(f"max_tokens must be at least 1, got {req.max_tokens}",
                            param="max_tokens")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) not in (None, 0):
-                raise APIError(f"{name} is not supported", param=name)
         if req.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
+            if len(req.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise APIError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got "
+                               f"{len(req.logit_bias)}", param="logit_bias")
+            ids = []
+            for key in req.logit_bias:
+                if not (key.isascii() and key.isdigit()):
+                    raise APIError(f"logit_bias: {key!r} is not a token id", param="logit_bias")
+                ids.append(int(key))
+            self._check_token_ids(ids, "logit_bias")
         if req.stop_token_ids:
             self._check_token_ids(req.stop_token_ids, "stop_token_ids")
 
@@ -199,6 +206,10 @@ class PromptBuilder:
             stop=tuple(req.stop or ()),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=tuple((int(k), v) for k, v in (req.logit_bias or {}).items()),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,

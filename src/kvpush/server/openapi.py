@@ -89,6 +89,10 @@ LIMITS: dict[str, dict[str, Any]] = {
     "top_logprobs": {"minimum": 0, "maximum": 20},
     "seed": {"minimum": -(2**63), "maximum": 2**64 - 1},
     "stop": {"maxItems": 16},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"exclusiveMinimum": 0},
+    "logit_bias": {"maxProperties": 1024},
 }
 
 

@@ -53,6 +53,7 @@ class SamplingRequest(_Model):
     stream_options: StreamOptions | None = None
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None  # extension (vLLM): 1 is off
     logit_bias: dict[str, Float] | None = None
     #: Opaque KV-transfer instructions from the disaggregation router; passed through to
     #: SamplingParams.extra["kv_transfer_params"].
