@@ -6,7 +6,10 @@ takes each run of OUT/runs/, the steps its instances took during it, and sets ea
 step's measured time beside the profile's prediction for the same step shape (same
 chunks, positions, sampling and decode-cache fills), grouped by role and step kind:
 
-    .venv/bin/python benchmarks/sim_steps.py OUT --profile PROFILE.json
+    .venv/bin/python benchmarks/sim_steps.py OUT --profile PROFILE.json [--min-rows N]
+
+(``--min-rows``: only steps of at least N rows, e.g. 30 for the batch-32 decodes of a
+busy colocated instance.)
 
 A ratio near 1 means the step model (as the simulator uses it: the engine-alone fit
 times the profile's host.served_factors) holds inside the serving stack, so any
@@ -44,7 +47,8 @@ def step_kind(chunks: list[list[Any]]) -> str:
     return "mixed" if kind == "prefill" and any(c[0] == 1 for c in chunks) else kind
 
 
-def compare_run(out: Path, run: dict[str, Any], profile: Any) -> list[dict[str, Any]]:
+def compare_run(out: Path, run: dict[str, Any], profile: Any,
+                min_rows: int = 0) -> list[dict[str, Any]]:
     folder = out / "steps" / f"{run['mode_label']}_rep{run['repeat']}"
     model = profile.step_models[f"threads={run['threads_per_instance']}"]
     groups: dict[tuple[str, str], list[tuple[float, float]]] = {}
@@ -57,6 +61,8 @@ def compare_run(out: Path, run: dict[str, Any], profile: Any) -> list[dict[str, 
             if end is not None and st["t"] - end < GAP_S:
                 gaps.setdefault(role, []).append(st["t"] - end)
             end = st["t"] + st["dur"]
+            if len(st["chunks"]) < min_rows:
+                continue
             chunks = [tuple(c) for c in st["chunks"]]
             groups.setdefault((role, step_kind(st["chunks"])), []).append(
                 (st["dur"], model.step_time(chunks)))
@@ -93,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path, help="a `kvpush bench compare --step-trace` folder")
     ap.add_argument("--profile", default=str(ROOT / "benchmarks/results/sim/cpu-local.json"))
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--min-rows", type=int, default=0,
+                    help="only steps with at least this many rows (chunks)")
     args = ap.parse_args(argv)
     profile = load_profile(args.profile)
     rows: list[dict[str, Any]] = []
@@ -102,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path.name}: no step trace (run bench compare with --step-trace)",
                   file=sys.stderr)
             continue
-        rows += compare_run(args.out, run, profile)
+        rows += compare_run(args.out, run, profile, args.min_rows)
     if not rows:
         print("no traced steps found", file=sys.stderr)
         return 1
