@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -489,6 +490,17 @@ def test_cli_help_and_bad_flags():
     assert r.returncode == 2 and "takes no --prefill" in r.stderr
     r = _router_cli("--decode", "http://127.0.0.1:x")
     assert r.returncode == 2 and "invalid port" in r.stderr
+    # a port in use: refused at once, not after waiting --startup-timeout for instances
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        busy = blocker.getsockname()[1]
+        t0 = time.monotonic()
+        r = _router_cli("--mode", "colocated", "--decode", f"http://127.0.0.1:{free_port()}",
+                        "--port", str(busy), "--startup-timeout", "60")
+    assert r.returncode == 2 and time.monotonic() - t0 < 30, r.stderr
+    assert f"cannot listen on 127.0.0.1:{busy}" in r.stderr
+    assert "address already in use" in r.stderr.lower() and "Traceback" not in r.stderr
 
 
 def test_cli_refuses_misconfigured_or_missing_instances(cluster):

@@ -121,7 +121,15 @@ def run_router(args: argparse.Namespace) -> int:
 
     from kvpush.router.app import Router, serve_forever
     from kvpush.router.pool import RouterStartupError
+    from kvpush.server.cli import bind_listener
 
+    # bound before the wait for the instances (up to --startup-timeout): a port in use
+    # is an error at once, and a port that `kvpush up` probed free is held from the start
+    try:
+        listener = bind_listener(args.host, args.port)
+    except OSError as e:
+        return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; choose "
+                     "another --port (0: a free one)")
     log = logging.getLogger("kvpush.router")
     router = Router(cfg)
     log.info("%s router, %s, %d prefill and %d decode instances%s; checking them",
@@ -133,7 +141,8 @@ def run_router(args: argparse.Namespace) -> int:
         log.warning("listening on %s without an API key: anyone who reaches this address "
                     "can use the router (--api-key or KVPUSH_API_KEY)", args.host)
     try:
-        started = asyncio.run(serve_forever(router, args.host, args.port, args.log_level))
+        started = asyncio.run(serve_forever(router, args.host, listener.getsockname()[1],
+                                            args.log_level, sockets=[listener]))
     except RouterConfigError as e:
         return _fail(f"misconfigured instance(s):\n{e}")
     except RouterStartupError as e:
