@@ -186,6 +186,8 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
     new = json.loads(out.read_text())
     assert len(new["measured"]["step_samples"]["s"]) == 2 * len(shapes)
     assert len(new["measured"]["served"]["s"]["trace"]) == 8
+    # the step counts behind the factors are the pooled trace's, not the first profile's
+    assert sum(new["measured"]["served"]["s"]["steps"].values()) == 8
     assert new["measured"]["pooled_from"] == ["t1.0", "t1.1"]
     # one pass per calibration (no plan recorded): how fast each ran against the fit
     first, second = new["measured"]["fits"]["s"]["pass_levels"]

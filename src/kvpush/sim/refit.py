@@ -94,6 +94,7 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
     the probe's trace was kept, its served factors re-measured against the new fits."""
     from kvpush.sim.noise import measure_noise
     from kvpush.sim.served import (
+        KINDS,
         ServedStepModel,
         curves_json,
         describe,
@@ -131,7 +132,8 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
         trace = (served.get(name) or {}).get("trace")
         if trace:
             steps = [{"chunks": ch, "dur": dt} for ch, dt in trace]
-            factors[name], curves = served_model_from(step_pairs(steps, model))
+            pairs = step_pairs(steps, model)
+            factors[name], curves = served_model_from(pairs)
             table = host.setdefault("served_factor_curves", {})
             table.pop(name, None)
             if curves:
@@ -141,7 +143,8 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
             if noise:
                 host["step_noise"][name] = noise
             served[name].update(factors=factors[name], curves=table.get(name, {}),
-                                noise=noise)
+                                noise=noise,
+                                steps={k: len(pairs.get(k, [])) for k in KINDS})
             log(f"[refit] {name}: served factors " + ", ".join(
                 f"{k} {describe(v, curves.get(k))}" for k, v in factors[name].items()))
         elif name in factors:
