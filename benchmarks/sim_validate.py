@@ -68,14 +68,15 @@ def idle_factor(prof, workload: str) -> tuple[float, str]:
 
 def validate(profile_path: Path, scale: float = 1.0,
              workloads: tuple[str, ...] = WORKLOADS,
-             replicas: int = REPLICAS) -> tuple[list[dict], str]:
+             replicas: int = REPLICAS, scale_model: str | None = None
+             ) -> tuple[list[dict], str]:
     from kvpush.sim.cluster import ClusterConfig, simulate_pooled, summarize
     from kvpush.sim.profile import load_profile
     from kvpush.sim.workload import Workload
 
     prof = load_profile(profile_path)
     if scale != 1.0:
-        prof = prof.scaled(scale)
+        prof = prof.scaled(scale, scale_model)
     rows: list[dict] = []
     for name in workloads:
         summary = json.loads((RESULTS / name / "summary.json").read_text())
@@ -271,7 +272,15 @@ def main() -> int:
                          f"(default {REPLICAS}; a profile without simulates once)")
     ap.add_argument("--marker", default="sim_validate",
                     help="section of SIMULATION.md to (re)write")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="every step time x this in table A (a what-if: the host at another "
+                         "speed level, SIMULATION.md 1-host); needs --no-write or a --marker "
+                         "of its own")
+    ap.add_argument("--scale-model", default=None,
+                    help="--scale only this step model's steps (e.g. threads=2)")
     args = ap.parse_args()
+    if args.scale != 1.0 and not args.no_write and args.marker == "sim_validate":
+        ap.error("--scale makes a what-if, not the validation: add --no-write or a --marker")
     if args.calibrate and args.profile == DEFAULT_PROFILE:
         ap.error(f"--calibrate writes a new profile: give it a --profile path (the default, "
                  f"{DEFAULT_PROFILE.relative_to(HERE.parent)}, is the one the recorded runs "
@@ -285,9 +294,11 @@ def main() -> int:
     from kvpush.sim.profile import load_profile
 
     workloads = tuple(w for w in args.workloads.split(",") if w)
-    rows, name = validate(args.profile, workloads=workloads, replicas=args.replicas)
-    lo, _ = validate(args.profile, 1 - SENSITIVITY, workloads, args.replicas)
-    hi, _ = validate(args.profile, 1 + SENSITIVITY, workloads, args.replicas)
+    rows, name = validate(args.profile, args.scale, workloads, args.replicas, args.scale_model)
+    lo, _ = validate(args.profile, args.scale * (1 - SENSITIVITY), workloads, args.replicas,
+                     args.scale_model)
+    hi, _ = validate(args.profile, args.scale * (1 + SENSITIVITY), workloads, args.replicas,
+                     args.scale_model)
     with_factor = args.idle_factor
     if with_factor:
         factor, basis = idle_factor(load_profile(args.profile), workloads[0])
@@ -314,8 +325,14 @@ def main() -> int:
             f"{'' if args.workloads == ','.join(WORKLOADS) else ' --workloads ' + args.workloads}"
             f"{' --idle-factor' if args.idle_factor else ''}"
             f"{'' if args.replicas == REPLICAS else f' --replicas {args.replicas}'}"
-            f"{'' if args.marker == 'sim_validate' else ' --marker ' + args.marker}`.\n\n"
-            "#### A. The calibrated profile as it is (a pure prediction)\n\n"
+            f"{'' if args.marker == 'sim_validate' else ' --marker ' + args.marker}"
+            f"{'' if args.scale == 1.0 else f' --scale {args.scale:g}'}"
+            f"{' --scale-model ' + args.scale_model if args.scale_model else ''}`.\n\n"
+            + ("#### A. The calibrated profile as it is (a pure prediction)\n\n"
+               if args.scale == 1.0 else
+               f"#### A. The calibrated profile with every "
+               f"{args.scale_model + ' ' if args.scale_model else ''}step x{args.scale:g} "
+               "(a what-if, not a prediction)\n\n")
             + table(rows) + "\n\n" + scorecard(rows)
             + ("\n\n#### B. Step times scaled by one contention factor\n\n"
                f"Factor **{factor:.2f}** = measured / simulated TTFT of a single request "

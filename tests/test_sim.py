@@ -272,6 +272,14 @@ def test_scaled_profile_scales_step_times():
         2.5 * p.step_model("decode").step_time([(10, 5)]))
     with pytest.raises(ProfileError, match="scale"):
         p.scaled(0)
+    # one step model only: the other keeps its times
+    two = prof(step_models__t={"kind": "linear", "base_s": 0.02, "per_token_s": 0.002})
+    one_model = two.scaled(2.0, "t")
+    assert one_model.step_models["t"].step_time([(10, 5)]) == pytest.approx(
+        2.0 * two.step_models["t"].step_time([(10, 5)]))
+    assert one_model.step_models["s"] is two.step_models["s"]
+    with pytest.raises(ProfileError, match="no step model"):
+        two.scaled(2.0, "threads=99")
 
 
 def test_profile_file_errors(tmp_path):

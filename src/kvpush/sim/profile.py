@@ -290,13 +290,19 @@ class Profile:
             return self.corun_by_kind["decode" if decode else "prefill"]
         return self.corun_slowdown
 
-    def scaled(self, factor: float) -> Profile:
-        """This profile with every step model's times multiplied by ``factor``."""
+    def scaled(self, factor: float, model: str | None = None) -> Profile:
+        """This profile with every step model's times (or only ``model``'s) multiplied by
+        ``factor``."""
         if not factor > 0:
             raise ProfileError(f"step-time scale must be > 0, got {factor}")
-        models = {k: ScaledStepModel(m, factor) for k, m in self.step_models.items()}
+        if model is not None and model not in self.step_models:
+            raise ProfileError(f"{self.name}: no step model {model!r} (have "
+                               f"{', '.join(sorted(self.step_models))})")
+        models = {k: ScaledStepModel(m, factor) if model in (None, k) else m
+                  for k, m in self.step_models.items()}
+        which = "step times" if model is None else f"{model} step times"
         return dataclasses.replace(self, step_models=models,
-                                   notes=self.notes + (f"step times scaled by {factor:g}",))
+                                   notes=self.notes + (f"{which} scaled by {factor:g}",))
 
     def step_model(self, role: str, override: str | None = None) -> StepModel:
         name = override or self.roles[role]
