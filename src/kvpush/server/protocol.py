@@ -355,8 +355,11 @@ class CompletionFormat(Format):
             into.token_logprobs.append(lp)
             if top and lp is not None:
                 # the top alternatives, and the sampled token where it is not among them
-                # (as OpenAI's legacy API: up to logprobs + 1 entries)
-                entries = {self.texts(a)[0]: a_lp for a, a_lp in alts[:top]}
+                # (as OpenAI's legacy API: up to logprobs + 1 entries); keyed by text, so
+                # tokens that read alike share one entry, the most likely one's
+                entries: dict[str, float] = {}
+                for a, a_lp in alts[:top]:
+                    entries.setdefault(self.texts(a)[0], a_lp)
                 entries.setdefault(text, lp)
                 into.top_logprobs.append(entries)
             else:
