@@ -20,6 +20,8 @@ MAX_TOP_LOGPROBS = 20
 #: OpenAI's ranges: presence / frequency penalties in [-2, 2], logit_bias in [-100, 100]
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
+#: logit_bias entries a request may carry (each is a scatter into the logits per step)
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 #: (token id, logprob) of the most likely tokens at one position, most likely first

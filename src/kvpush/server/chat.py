@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
-from kvpush.sampling_params import SamplingParams
+from kvpush.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_LOGPROBS, SamplingParams
 from kvpush.server.errors import APIError
 from kvpush.server.protocol import (
     ChatCompletionRequest,
@@ -120,8 +120,6 @@ def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[
 INLINE_TOKENIZE_CHARS = 4096
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-#: logit_bias entries a request may carry (each is a scatter into the logits per step)
-MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 class PromptBuilder:
@@ -248,8 +246,7 @@ class PromptBuilder:
                                        top_logprobs=req.logprobs or 0)
         self._check_context(len(ids), max_tokens, "prompt")
         return Job(request_id, ids, params, arrival, bool(req.stream),
-                   bool(req.stream_options and req.stream_options.include_usage),
-                   req.logprobs)
+                   bool(req.stream_options and req.stream_options.include_usage))
 
     async def chat(self, req: ChatCompletionRequest, request_id: str, arrival: float) -> Job:
         """Validate a chat request, render its messages and tokenize them."""
@@ -264,8 +261,8 @@ class PromptBuilder:
             raise APIError("only response_format {\"type\": \"text\"} is supported",
                            param="response_format")
         top = req.top_logprobs
-        if top is not None and not 0 <= top <= 20:
-            raise APIError(f"top_logprobs must be between 0 and 20, got {top}",
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise APIError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}",
                            param="top_logprobs")
         if top and not req.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -280,8 +277,7 @@ class PromptBuilder:
                                        top_logprobs=(top or 0) if req.logprobs else 0)
         self._check_context(len(ids), max_tokens, "messages")
         return Job(request_id, ids, params, arrival, bool(req.stream),
-                   bool(req.stream_options and req.stream_options.include_usage),
-                   (top or 0) if req.logprobs else None)
+                   bool(req.stream_options and req.stream_options.include_usage))
 
 
 def _bytes_to_unicode() -> dict[int, str]:

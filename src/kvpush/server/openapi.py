@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvpush.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY, MAX_TOP_LOGPROBS
 from kvpush.server.chat import ALLOWED_ROLES
 from kvpush.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -86,13 +87,13 @@ LIMITS: dict[str, dict[str, Any]] = {
     "top_k": {"minimum": -1},
     "n": {"minimum": 1, "maximum": 1},
     "best_of": {"minimum": 1, "maximum": 1},
-    "top_logprobs": {"minimum": 0, "maximum": 20},
+    "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
     "seed": {"minimum": -(2**63), "maximum": 2**64 - 1},
     "stop": {"maxItems": 16},
-    "presence_penalty": {"minimum": -2, "maximum": 2},
-    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "presence_penalty": {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY},
+    "frequency_penalty": {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY},
     "repetition_penalty": {"exclusiveMinimum": 0},
-    "logit_bias": {"maxProperties": 1024},
+    "logit_bias": {"maxProperties": MAX_LOGIT_BIAS_ENTRIES},
 }
 
 

@@ -261,9 +261,11 @@ class Job:
     arrival: float
     stream: bool
     include_usage: bool
-    #: None: no logprobs; else how many top alternatives the client asked for
-    #: (params.top_logprobs)
-    logprobs: int | None
+
+    @property
+    def logprobs(self) -> int | None:
+        """None: no logprobs; else how many top alternatives the client asked for."""
+        return self.params.top_logprobs if self.params.logprobs else None
 
 
 TokenTexts = Callable[[int], tuple[str, list[int]]]
