@@ -121,15 +121,14 @@ def run_router(args: argparse.Namespace) -> int:
 
     from kvpush.router.app import Router, serve_forever
     from kvpush.router.pool import RouterStartupError
-    from kvpush.server.cli import bind_listener
+    from kvpush.server.cli import bind_listener, cannot_listen
 
     # bound before the wait for the instances (up to --startup-timeout): a port in use
     # is an error at once, and a port that `kvpush up` probed free is held from the start
     try:
         listener = bind_listener(args.host, args.port)
     except OSError as e:
-        return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; choose "
-                     "another --port (0: a free one)")
+        return _fail(cannot_listen(args.host, args.port, e))
     log = logging.getLogger("kvpush.router")
     router = Router(cfg)
     log.info("%s router, %s, %d prefill and %d decode instances%s; checking them",

@@ -173,6 +173,12 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def cannot_listen(host: str, port: int, err: OSError) -> str:
+    """The message for a :func:`bind_listener` that failed (serve and router)."""
+    return (f"cannot listen on {host}:{port}: {err.strerror or err}; choose another --port "
+            "(0: a free one)")
+
+
 def _resolve_model(name_or_dir: str) -> tuple[str, str | None]:
     """(model folder, default served name or None for "the folder's name")."""
     try:
@@ -252,8 +258,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         listener = bind_listener(args.host, args.port)
     except OSError as e:
-        return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; choose "
-                     "another --port (0: a free one)")
+        return _fail(cannot_listen(args.host, args.port, e))
     port = listener.getsockname()[1]
     # torch threads: AsyncEngine loads the model with one and gives the step loop
     # config.threads (one OpenMP pool per process; see kvpush.engine.async_engine)
