@@ -92,15 +92,7 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
                   ) -> dict[str, Any]:
     """A copy of the profile ``data`` with its linear step models fitted again and, where
     the probe's trace was kept, its served factors re-measured against the new fits."""
-    from kvpush.sim.noise import measure_noise
-    from kvpush.sim.served import (
-        KINDS,
-        ServedStepModel,
-        curves_json,
-        describe,
-        served_model_from,
-        step_pairs,
-    )
+    from kvpush.sim.served import curves_json, describe, fit_served
 
     if not isinstance(data, dict) or not isinstance(data.get("measured", {}), dict):
         raise ValueError("not a calibrated profile (a JSON object with a measured object)")
@@ -131,22 +123,19 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
             log(f"[refit] {warning}")
         trace = (served.get(name) or {}).get("trace")
         if trace:
-            steps = [{"chunks": ch, "dur": dt} for ch, dt in trace]
-            pairs = step_pairs(steps, model)
-            factors[name], curves = served_model_from(pairs)
+            fit = fit_served([{"chunks": ch, "dur": dt} for ch, dt in trace], model)
+            factors[name] = fit.factors
             table = host.setdefault("served_factor_curves", {})
             table.pop(name, None)
-            if curves:
-                table[name] = curves_json(curves)
-            noise = measure_noise(steps, ServedStepModel(model, factors[name], curves))
+            if fit.curves:
+                table[name] = curves_json(fit.curves)
             host.setdefault("step_noise", {}).pop(name, None)
-            if noise:
-                host["step_noise"][name] = noise
-            served[name].update(factors=factors[name], curves=table.get(name, {}),
-                                noise=noise,
-                                steps={k: len(pairs.get(k, [])) for k in KINDS})
+            if fit.noise:
+                host["step_noise"][name] = fit.noise
+            served[name].update(factors=fit.factors, curves=table.get(name, {}),
+                                noise=fit.noise, steps=fit.steps)
             log(f"[refit] {name}: served factors " + ", ".join(
-                f"{k} {describe(v, curves.get(k))}" for k, v in factors[name].items()))
+                f"{k} {describe(v, fit.curves.get(k))}" for k, v in fit.factors.items()))
         elif name in factors:
             log(f"[refit] {name}: no probe trace kept; served factors left as they were "
                 "(measured against the old fit)")

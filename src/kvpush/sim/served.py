@@ -217,6 +217,28 @@ def served_model_from(pairs: Mapping[str, Sequence[tuple[float, float]]]
     return {k: factors[k] for k in KINDS}, curves
 
 
+@dataclass(frozen=True)
+class ServedFit:
+    """What the probe's traced steps say against an engine-alone step model."""
+
+    factors: dict[str, float]
+    curves: dict[str, RowTable]
+    noise: dict[str, float]  # kvpush.sim.noise: the scatter left around the served model
+    steps: dict[str, int]  # how many steps of each kind the figures rest on
+
+
+def fit_served(steps: Sequence[Mapping[str, Any]], engine_model: StepModel) -> ServedFit:
+    """Served factors and curves (:func:`served_model_from`), then the step noise around
+    the served model they make, from traced steps (``{"chunks": ..., "dur": ...}``);
+    the served probe and `kvpush simulate refit` both fit this way."""
+    from kvpush.sim.noise import measure_noise
+
+    pairs = step_pairs(steps, engine_model)
+    factors, curves = served_model_from(pairs)
+    noise = measure_noise(steps, ServedStepModel(engine_model, factors, curves))
+    return ServedFit(factors, curves, noise, {k: len(pairs.get(k, [])) for k in KINDS})
+
+
 def curves_json(curves: Mapping[str, RowTable]) -> dict[str, list[list[float]]]:
     """Curves as the profile stores them (``host.served_factor_curves[model]``)."""
     return {k: [list(p) for p in v] for k, v in curves.items()}
@@ -317,7 +339,6 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
     import json
 
     from kvpush.engine.step_trace import read_arrivals
-    from kvpush.sim.noise import measure_noise
 
     phases = [(probe.input_len, probe.num_prompts, list(probe.rates))]
     if probe.long_input_len:
@@ -328,7 +349,6 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
                          input_len, probe.output_len, num_prompts, probe.seed)
         files = sorted(Path(tmp).rglob("steps/**/*.jsonl"))
         steps = traced_steps(files)
-        pairs = step_pairs(steps, engine_model)
         arrivals = [t for f in files for t in read_arrivals(f)]
         step_ends = [st["t"] + st["dur"] for st in steps]
         gaps, ways_in, ways_out = [], [], []
@@ -343,21 +363,21 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
                 ins, outs = lone_paths(run, arrivals, step_ends)
                 ways_in += ins
                 ways_out += outs
-    factors, curves = served_model_from(pairs)
-    noise = measure_noise(steps, ServedStepModel(engine_model, factors, curves))
+    fit = fit_served(steps, engine_model)
+    factors, curves, noise = fit.factors, fit.curves, fit.noise
     front_end = statistics.median(gaps) if gaps else None
     way_in = statistics.median(ways_in) if ways_in else None
     way_out = statistics.median(ways_out) if ways_out else None
     log(f"[calibrate] served probe, threads={threads}: steps in the server / engine alone "
-        + ", ".join(f"{k} {describe(factors[k], curves.get(k))} ({len(pairs.get(k, []))} "
-                    "steps)" for k in KINDS)
+        + ", ".join(f"{k} {describe(factors[k], curves.get(k))} ({fit.steps[k]} steps)"
+                    for k in KINDS)
         + (f"; front end {1e3 * front_end:.2f} ms per request" if front_end else "")
         + (f"; request in {1e3 * way_in:.1f} ms, token #1 out {1e3 * way_out:.1f} ms"
            if way_in is not None and way_out is not None else "")
         + ("; scatter " + ", ".join(f"{k} {v:.1%}" for k, v in noise.items()) if noise
            else ""))
     return {"factors": factors, "curves": curves_json(curves),
-            "steps": {k: len(pairs.get(k, [])) for k in KINDS}, "noise": noise,
+            "steps": fit.steps, "noise": noise,
             "front_end_s": front_end,
             "request_path_s": way_in, "token_return_s": way_out,
             # every traced step ([chunks, seconds]): a refit prices them again
