@@ -41,17 +41,15 @@ def _truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 History = tuple[Sequence[int], Sequence[int]]
 
 
-def adjust_logits(row: torch.Tensor, p: SamplingParams, history: History | None
-                  ) -> torch.Tensor:
-    """A copy of one 1-D logits row with ``p``'s logit_bias and penalties applied."""
-    row = row.clone()
+def adjust_logits_(row: torch.Tensor, p: SamplingParams, history: History | None) -> None:
+    """Apply ``p``'s logit_bias and penalties to one 1-D logits row, in place."""
     vocab = row.shape[-1]
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.long)
         bias = torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=row.dtype)
         row.index_add_(0, ids, bias)
     if not p.penalized or history is None:
-        return row
+        return
     prompt, output = history
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(list({*prompt, *output}), dtype=torch.long)
@@ -62,7 +60,6 @@ def adjust_logits(row: torch.Tensor, p: SamplingParams, history: History | None
         counts = torch.bincount(torch.tensor(list(output), dtype=torch.long),
                                 minlength=vocab)[:vocab].to(row.dtype)
         row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
-    return row
 
 
 def sample(
@@ -80,10 +77,10 @@ def sample(
     raw = logits
     adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
     if adjusted:
-        logits = logits.clone()
+        logits = logits.clone()  # the raw rows stay for the logprobs
         for i in adjusted:
-            logits[i] = adjust_logits(raw[i], params[i],
-                                      histories[i] if histories is not None else None)
+            adjust_logits_(logits[i], params[i],
+                           histories[i] if histories is not None else None)
     tokens = [0] * n
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy_rows) == n:  # all greedy: no row gather
