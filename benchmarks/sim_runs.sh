@@ -8,13 +8,17 @@
 # Repeats: 3 (4 for the short prefix-hit runs), pooled per cell: with 2, one slow step
 # (148 ms among 98-116) moved a p90 by 24% from one repeat to the other (v12).
 #
+# Each run is bracketed by a 1-second idle host probe (bench compare --host-probe; the
+# calibrations probe before each pass): the host's speed level beside each run, which
+# sim_validate.py --host-level compares with the calibrations' (SIMULATION.md 1-host).
+#
 # Then: .venv/bin/python benchmarks/sim_validate.py --profile OUT_DIR/cpu-local-pooled.json \
 #         --workloads OUT/quiet_512,OUT/long_prompts,... (OUT relative to benchmarks/results)
 set -e
 [ $# -eq 1 ] || { echo "usage: $0 OUT_DIR" >&2; exit 2; }
 O=$1
 cd "$(dirname "$0")/.."
-B=".venv/bin/kvpush bench compare --model smollm2-135m --step-trace"
+B=".venv/bin/kvpush bench compare --model smollm2-135m --step-trace --host-probe 1"
 .venv/bin/kvpush simulate calibrate --model smollm2-135m --clock wall --out "$O/cpu-local.json" \
   --note "calibrated just before the runs of benchmarks/sim_runs.sh $O"
 $B --out "$O/quiet_512" --label "random 512 in / 16 out" --dataset random \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -622,8 +623,8 @@ def test_calibrate_quick_on_tiny_model(tiny_llama, tmp_path):
     from kvpush.sim.calibrate import CalibrationPlan, calibrate
 
     out = tmp_path / "local.json"
-    calibrate(str(tiny_llama), out, CalibrationPlan.quick(), transfer=False,
-              log=lambda _m: None)
+    plan = dataclasses.replace(CalibrationPlan.quick(), repeats=2, host_probe=0.1)
+    calibrate(str(tiny_llama), out, plan, transfer=False, log=lambda _m: None)
     p = load_profile(out)
     m = p.step_model("prefill")
     assert 0 < m.step_time([(1, 10)]) < m.step_time([(64, 0)]) * 10
@@ -633,7 +634,10 @@ def test_calibrate_quick_on_tiny_model(tiny_llama, tmp_path):
     assert [r for r, _ in sm["token_rows_s"]][:3] == [1, 2, 3]
     assert all(t > 0 for _, t in sm["token_rows_s"] + sm["sample_rows_s"])
     samples = data["measured"]["step_samples"]["threads=1"]
-    assert len(data["measured"]["fits"]["threads=1"]["pass_levels"]) == 1  # repeats=1
+    assert len(data["measured"]["fits"]["threads=1"]["pass_levels"]) == 2  # repeats=2
+    # the idle host probe before each pass and after the last
+    probes = data["measured"]["host_probe_ms"]["threads=1"]
+    assert len(probes) == 3 and all(v > 0 for v in probes)
     # the prefix plan (2, 32, 8): both prompts hit the cached 32 tokens and compute 8
     assert [[8, 32, True, False]] * 2 in [chunks for chunks, _ in samples]
     r = simulate(p, Workload(3, 50.0, 32, 3), ClusterConfig("push")).requests

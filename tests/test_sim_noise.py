@@ -170,7 +170,7 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
         d["host"] = {**HOST, "corun_by_kind": {"prefill": corun, "decode": corun}}
         d["handoff"]["request_path_s"] = path_s
         d["measured"] = {
-            "started_utc": f"t{speed}",
+            "started_utc": f"t{speed}", "host_probe_ms": {"s": [200 * speed, 210 * speed]},
             "step_samples": {"s": [[[list(c) for c in ch], speed * truth.step_time(ch)]
                                    for ch in shapes]},
             "served": {"s": {"trace": [[[[n, 0, True]], served * speed
@@ -189,6 +189,7 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
     # the step counts behind the factors are the pooled trace's, not the first profile's
     assert sum(new["measured"]["served"]["s"]["steps"].values()) == 8
     assert new["measured"]["pooled_from"] == ["t1.0", "t1.1"]
+    assert new["measured"]["host_probe_ms"]["s"] == pytest.approx([200, 210, 220, 231])
     # one pass per calibration (no plan recorded): how fast each ran against the fit
     first, second = new["measured"]["fits"]["s"]["pass_levels"]
     assert second / first == pytest.approx(1.1, rel=0.01)

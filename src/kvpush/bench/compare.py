@@ -28,6 +28,7 @@ installed, ``ttft_tpot_vs_rate.png`` and ``ttft_cdf.png`` (:mod:`kvpush.bench.pl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -119,6 +120,9 @@ class CompareConfig:
     progress: bool = False
     #: write every kvpush engine's per-step trace under OUT/steps/ (KVPUSH_STEP_TRACE)
     step_trace: bool = False
+    #: seconds of an idle host probe (kvpush.bench.host_probe) right before and right
+    #: after each run, at the run's threads per instance; 0: none
+    host_probe: float = 0.0
     #: Filled in: threads each configuration ran with.
     threads: dict[str, int] = field(default_factory=dict)
 
@@ -136,6 +140,9 @@ class CompareConfig:
                 raise CompareError(f"{name} must be at least 1")
         if self.warmup < 0:
             raise CompareError("warmup must be >= 0")
+        if not 0 <= self.host_probe <= 60:
+            raise CompareError(f"host_probe must be 0 (off) to 60 seconds, got "
+                               f"{self.host_probe}")
 
 
 def rate_text(rate: float) -> str:
@@ -266,7 +273,6 @@ def _prompts(cfg: CompareConfig, tokenizer: Any, rate_index: int) -> tuple[list,
 
 def run_compare(cfg: CompareConfig, log=print) -> dict[str, Any]:
     """Run every configuration x rate x repeat; write the outputs; return the summary."""
-    from kvpush.bench.client import BenchConfig, run_benchmark
     from kvpush.bench.datasets import load_tokenizer
 
     cfg.validate()
@@ -278,6 +284,36 @@ def run_compare(cfg: CompareConfig, log=print) -> dict[str, Any]:
     prompts = [_prompts(cfg, tokenizer, i) for i in range(len(cfg.rates))]
     runs: list[dict[str, Any]] = []
     skipped: list[str] = []
+    with contextlib.ExitStack() as stack:
+        probe = None
+        if cfg.host_probe:
+            from kvpush.bench.host_probe import HostProbe
+
+            probe = stack.enter_context(HostProbe())
+        _run_all(cfg, served, tok_dir, tokenizer, out, prompts, probe, t_start, runs,
+                 skipped, log)
+    summary = summarize_runs(runs, cfg)
+    summary["skipped"] = skipped
+    summary["wall_s"] = time.monotonic() - t_start
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "summary.md").write_text(markdown_report(summary) + "\n")
+    try:
+        from kvpush.bench.plots import plot_summary
+
+        summary["plots"] = [str(p) for p in plot_summary(summary, runs, out)]
+    except ImportError:
+        summary["plots"] = []
+        log("[compare] matplotlib is not installed: no plots")
+    return summary
+
+
+def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out: Path,
+             prompts: list[tuple[list[Any], list[Any]]], probe: Any, t_start: float,
+             runs: list[dict[str, Any]], skipped: list[str], log) -> None:
+    """Every configuration x rate x repeat: each run's result into ``runs`` (and its
+    file), what the time limit cut into ``skipped``."""
+    from kvpush.bench.client import BenchConfig, run_benchmark
+
     for rep in range(cfg.repeats):
         for spec in mode_order(cfg.modes, rep):
             left = cfg.time_limit - (time.monotonic() - t_start)
@@ -312,9 +348,14 @@ def run_compare(cfg: CompareConfig, log=print) -> dict[str, Any]:
                                             "max_concurrency": 1, "request_rate": math.inf,
                                             "progress": False})
                         run_benchmark(wc, requests=warm, tokenizer=tokenizer)
+                    before = probe.measure(cl.args.threads, cfg.host_probe) if probe else None
                     wall_start = time.time()
                     res = run_benchmark(bc, requests=measured, tokenizer=tokenizer)
                     d = res.to_dict()
+                    if probe:
+                        d["host_probe_ms"] = {"threads": cl.args.threads, "before": before,
+                                              "after": probe.measure(cl.args.threads,
+                                                                     cfg.host_probe)}
                     d.update(mode=spec.mode, mode_label=spec.label, repeat=rep,
                              wall_start=wall_start, wall_end=time.time(),
                              threads_per_instance=cl.args.threads,
@@ -326,19 +367,6 @@ def run_compare(cfg: CompareConfig, log=print) -> dict[str, Any]:
                     log(f"[compare]   rate {rate_text(rate)}: median TTFT "
                         f"{d['median_ttft_ms']:.0f} ms, mean TPOT {d['mean_tpot_ms']:.1f} ms,"
                         f" {d['completed']} ok / {d['failed']} failed")
-    summary = summarize_runs(runs, cfg)
-    summary["skipped"] = skipped
-    summary["wall_s"] = time.monotonic() - t_start
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (out / "summary.md").write_text(markdown_report(summary) + "\n")
-    try:
-        from kvpush.bench.plots import plot_summary
-
-        summary["plots"] = [str(p) for p in plot_summary(summary, runs, out)]
-    except ImportError:
-        summary["plots"] = []
-        log("[compare] matplotlib is not installed: no plots")
-    return summary
 
 
 # ---------------------------------------------------------------------- aggregation
@@ -538,6 +566,11 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--step-trace", action="store_true",
                    help="kvpush instances write one JSON line per engine step under "
                         "OUT/steps/ (for benchmarks/sim_steps.py)")
+    p.add_argument("--host-probe", type=float, default=0.0, metavar="S",
+                   help="time a fixed matmul job for S seconds right before and after each "
+                        "run, on the run's threads per instance with the cluster idle, and "
+                        "record it in the run's JSON (host_probe_ms): the host's speed "
+                        "level, for benchmarks/sim_validate.py (default: 0, off)")
     p.set_defaults(func=run_compare_cli)
     return p
 
@@ -559,7 +592,7 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         vllm_bin=args.vllm_bin,
         vllm_dtype=args.vllm_dtype, request_timeout=args.request_timeout,
         startup_timeout=args.startup_timeout,
-        step_trace=args.step_trace,
+        step_trace=args.step_trace, host_probe=args.host_probe,
         time_limit=args.time_limit, label=args.label, progress=args.progress)
     try:
         summary = run_compare(cfg)

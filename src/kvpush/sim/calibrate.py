@@ -17,6 +17,7 @@ the linear terms cannot express. Those tables go into the step model (``token_ro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -66,12 +67,17 @@ class CalibrationPlan:
     #: pair, for how much slower steps run beside the other instance's
     #: (host.corun_by_kind, kvpush.sim.corun)
     served: bool = True
+    #: seconds of the idle host probe (kvpush.bench.host_probe) before each pass and
+    #: after the last, per thread count (measured.host_probe_ms): the host's speed level
+    #: while the steps were timed, which benchmarks/sim_validate.py compares with the
+    #: level `kvpush bench compare --host-probe` saw beside each run; 0: none
+    host_probe: float = 1.5
 
     @classmethod
     def quick(cls) -> CalibrationPlan:
         return cls(prefill=((32, 64), (8, 16)), decode=((1, 16), (4, 16)), decode_steps=3,
                    threads=(1,), mixed=((2, 16, 32),), prefix=((2, 32, 8),), repeats=1,
-                   served=False)
+                   served=False, host_probe=0.0)
 
 
 Sample = tuple[list[Chunk], float]
@@ -140,11 +146,13 @@ def choose_clock(clock: str) -> str:
 def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
                   block_size: int = 32, clock: str = "wall",
                   log: Callable[[str], None] = print,
-                  tables: Tables | None = None) -> list[Sample]:
+                  tables: Tables | None = None,
+                  between_passes: Callable[[], None] | None = None) -> list[Sample]:
     """Run ``plan`` through a fresh LLMEngine with ``threads`` torch threads. ``clock``:
     ``wall`` (time.perf_counter) or ``cpu`` (CPU time of the thread that steps: what the
     step would take on dedicated cores, as that thread is busy, or spinning at the
-    parallel regions' barriers, for the whole step)."""
+    parallel regions' barriers, for the whole step). ``between_passes``: called with the
+    engine idle before each pass over the plan and after the last (the host probe)."""
     import torch
 
     from kvpush.config import EngineConfig
@@ -233,8 +241,13 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
                 run(*args)
             log(f"[calibrate] threads={threads}{tag} {what}: {time.perf_counter() - t0:.2f} s")
 
+        def probe() -> None:
+            if between_passes is not None:
+                between_passes()
+
         for rep in range(plan.repeats):  # the whole plan again: a fit over all passes
             tag = f" pass {rep + 1}/{plan.repeats}" if plan.repeats > 1 else ""
+            probe()
             for chunk, prompt in plan.prefill:
                 timed(f"prefill {prompt} tokens in chunks of {chunk}",
                       ([prompt], 1, chunk, True))
@@ -254,6 +267,7 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
                 timed(f"{batch} prompts of {new} tokens over a cached {cached}-token prefix",
                       ([shared + tokens(new)], 1, budget, False),
                       ([shared + tokens(new) for _ in range(batch)], 2, budget, True))
+        probe()
     finally:
         eng.shutdown()
     return samples
@@ -371,10 +385,24 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
     samples_out: dict[str, Any] = {}
     served: dict[str, Any] = {}
     pair: dict[str, Any] = {}
+    probes: dict[str, list[float]] = {}
     for th in plan.threads:
         tables: Tables = {}
-        samples = measure_steps(model_dir, th, plan, clock=clock, log=log,
-                                tables=tables if matmul_tables else None)
+        levels_ms = probes[f"threads={th}"] = []
+        with contextlib.ExitStack() as stack:
+            between = None
+            if plan.host_probe:
+                from kvpush.bench.host_probe import HostProbe
+
+                hp = stack.enter_context(HostProbe())
+
+                def between(hp=hp, th=th, levels_ms=levels_ms) -> None:
+                    levels_ms.append(hp.measure(th, plan.host_probe))
+                    log(f"[calibrate] threads={th} host probe: {levels_ms[-1]:.0f} ms")
+
+            samples = measure_steps(model_dir, th, plan, clock=clock, log=log,
+                                    tables=tables if matmul_tables else None,
+                                    between_passes=between)
         m, quality = fit_linear(samples, tables)
         levels = pass_levels(samples, m, plan.repeats)
         step_models[f"threads={th}"] = {"kind": "linear", **dataclasses.asdict(m)}
@@ -423,7 +451,9 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                      "wall_s": round(time.time() - started, 1), "cpus": os.cpu_count(),
                      "load_avg_before": load_before, "load_avg_after": load_avg(),
                      "clock": clock,
-                     "fits": fits, "transfer_samples": tr_rows, "plan": dataclasses.asdict(plan),
+                     "fits": fits, "transfer_samples": tr_rows,
+                     **({"host_probe_ms": probes} if plan.host_probe else {}),
+                     "plan": dataclasses.asdict(plan),
                      "step_samples": samples_out, "corun": corun_info, "served": served,
                      "served_pair": pair},
         "notes": [n for n in (note,) if n] + [

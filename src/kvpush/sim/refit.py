@@ -58,6 +58,14 @@ def pool_calibrations(datas: list[dict[str, Any]]) -> dict[str, Any]:
                                        for row in d["measured"].get("step_samples", {})
                                        .get(name, [])]
                                 for name in out["step_models"]}
+    # the host probe's figures of every calibration (kvpush.sim.host_level): the pooled
+    # fit's speed level is theirs together; without them in every profile, none
+    probes = [d["measured"].get("host_probe_ms") for d in datas]
+    if all(probes):
+        measured["host_probe_ms"] = {name: [v for p in probes for v in p.get(name, [])]
+                                     for name in out["step_models"]}
+    else:
+        measured.pop("host_probe_ms", None)
     served = measured.get("served") or {}
     for name in served:
         served[name]["trace"] = [st for d in datas for st in
