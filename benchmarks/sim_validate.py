@@ -21,6 +21,7 @@ repeats pooled) and written between the ``sim_validate`` markers of
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import subprocess
@@ -68,13 +69,19 @@ def idle_factor(prof, workload: str) -> tuple[float, str]:
 
 def validate(profile_path: Path, scale: float = 1.0,
              workloads: tuple[str, ...] = WORKLOADS,
-             replicas: int = REPLICAS, scale_model: str | None = None
-             ) -> tuple[list[dict], str]:
+             replicas: int = REPLICAS, scale_model: str | None = None,
+             host_level: bool = False) -> tuple[list[dict], str]:
+    """One row per measured cell: measured and simulated metrics. ``host_level``: each
+    repeat simulated on its own, its run's step model scaled by the run's host probe over
+    the calibration's (kvpush.sim.host_level), ``replicas`` noise seeds shared out among
+    the repeats and all their requests pooled."""
     from kvpush.sim.cluster import ClusterConfig, simulate_pooled, summarize
+    from kvpush.sim.host_level import level_scale
     from kvpush.sim.profile import load_profile
     from kvpush.sim.workload import Workload
 
     prof = load_profile(profile_path)
+    measured = json.loads(profile_path.read_text()).get("measured", {})
     if scale != 1.0:
         prof = prof.scaled(scale, scale_model)
     rows: list[dict] = []
@@ -104,14 +111,26 @@ def validate(profile_path: Path, scale: float = 1.0,
                 # bench compare runs colocated as ONE `role both` instance (its runs say
                 # "instances": "1 both"); P/D as cfg prefill + cfg decode instances
                 size = (0, 1) if mode == "colocated" else (cfg["prefill"], cfg["decode"])
-                # with step noise: `replicas` noise seeds pooled, as the measured cell
-                # pools its repeats (kvpush.sim.noise); without: one deterministic run
-                sim = summarize(simulate_pooled(prof, w, ClusterConfig(
-                    mode, *size, step_models=over, prefix_hit_tail=tail), replicas))
-                row = {"workload": name, "mode": label, "rate": rate_text,
-                       "n": cell["completed"]}
+                cluster = ClusterConfig(mode, *size, step_models=over, prefix_hit_tail=tail)
                 reps = [json.loads(f.read_text()) for f in sorted(
                     (RESULTS / name / "runs").glob(f"{label}_r{rate_text}_rep*.json"))]
+                row = {"workload": name, "mode": label, "rate": rate_text,
+                       "n": cell["completed"]}
+                if host_level:
+                    share = -(-replicas // len(reps))
+                    results = []
+                    row["host_scales"] = []
+                    for k, run in enumerate(reps):
+                        model, factor = level_scale(measured, run)
+                        row["host_scales"].append(round(factor, 4))
+                        results += simulate_pooled(prof.scaled(factor, model), w,
+                                                   dataclasses.replace(
+                                                       cluster, seed=k * share), share)
+                    sim = summarize(results)
+                else:
+                    # with step noise: `replicas` noise seeds pooled, as the measured cell
+                    # pools its repeats (kvpush.sim.noise); without: one deterministic run
+                    sim = summarize(simulate_pooled(prof, w, cluster, replicas))
                 for key, _ in METRICS:
                     row[f"meas_{key}"] = cell[key]
                     row[f"reps_{key}"] = [r[key] for r in reps if r.get(key) is not None]
@@ -119,6 +138,16 @@ def validate(profile_path: Path, scale: float = 1.0,
                     row[f"err_{key}"] = (sim[key] - cell[key]) / cell[key] if cell[key] else 0.0
                 rows.append(row)
     return rows, prof.name
+
+
+def level_table(rows: list[dict]) -> str:
+    """Table A's layout with each cell's per-repeat host levels."""
+    lines = table(rows).split("\n")
+    lines[0] += " levels |"
+    lines[1] += "---|"
+    for i, r in enumerate(rows):
+        lines[i + 2] += " " + "/".join(f"{f:.2f}" for f in r["host_scales"]) + " |"
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -278,6 +307,10 @@ def main() -> int:
                          "of its own")
     ap.add_argument("--scale-model", default=None,
                     help="--scale only this step model's steps (e.g. threads=2)")
+    ap.add_argument("--host-level", action="store_true",
+                    help="also table F: each run's steps scaled by its idle host probe over "
+                         "the calibration's (runs made with bench compare --host-probe, a "
+                         "profile calibrated with the probe; kvpush.sim.host_level)")
     args = ap.parse_args()
     if args.scale != 1.0 and not args.no_write and args.marker == "sim_validate":
         ap.error("--scale makes a what-if, not the validation: add --no-write or a --marker")
@@ -299,6 +332,13 @@ def main() -> int:
                      args.scale_model)
     hi, _ = validate(args.profile, args.scale * (1 + SENSITIVITY), workloads, args.replicas,
                      args.scale_model)
+    from kvpush.sim.host_level import HostLevelError
+
+    try:
+        leveled = (validate(args.profile, args.scale, workloads, args.replicas,
+                            args.scale_model, host_level=True)[0] if args.host_level else [])
+    except HostLevelError as e:
+        ap.error(f"--host-level: {e}")
     with_factor = args.idle_factor
     if with_factor:
         factor, basis = idle_factor(load_profile(args.profile), workloads[0])
@@ -327,7 +367,8 @@ def main() -> int:
             f"{'' if args.replicas == REPLICAS else f' --replicas {args.replicas}'}"
             f"{'' if args.marker == 'sim_validate' else ' --marker ' + args.marker}"
             f"{'' if args.scale == 1.0 else f' --scale {args.scale:g}'}"
-            f"{' --scale-model ' + args.scale_model if args.scale_model else ''}`.\n\n"
+            f"{' --scale-model ' + args.scale_model if args.scale_model else ''}"
+            f"{' --host-level' if args.host_level else ''}`.\n\n"
             + ("#### A. The calibrated profile as it is (a pure prediction)\n\n"
                if args.scale == 1.0 else
                f"#### A. The calibrated profile with every "
@@ -348,7 +389,14 @@ def main() -> int:
             + repeat_table(rows)
             + f"\n\n#### E. Sensitivity: cells that move more than {TOLERANCE:.0%} when every "
             f"step takes {SENSITIVITY:.0%} less or more time\n\n"
-            + sensitivity_table(rows, lo, hi))
+            + sensitivity_table(rows, lo, hi)
+            + ("\n\n#### F. Each run at its host's measured speed level\n\n"
+               "Each repeat simulated on its own with its step model's times x (the run's "
+               "idle host probe, mean of before and after) / (the calibration's, mean over "
+               "its passes); the repeats' requests pooled as measured. The probe is a fixed "
+               "matmul job on an idle cluster (kvpush.bench.host_probe), measured apart "
+               "from the runs' own latencies. levels: each repeat's factor.\n\n"
+               + level_table(leveled) + "\n\n" + scorecard(leveled) if leveled else ""))
     print(body)
     if not args.no_write:
         write_section(DOC, args.marker, body)
@@ -362,7 +410,7 @@ def main() -> int:
                                         if k in ("workload", "mode", "rate")
                                         or k.startswith("sim_")} for r in rs]
                 for side, rs in (("lo", lo), ("hi", hi))},
-             "contention_factor": factor,
+             "host_level": leveled, "contention_factor": factor,
              "factor_basis": basis, "adjusted": adjusted}, indent=1) + "\n")
         print(f"\nwrote {DOC}{' and RESULTS.md' if args.marker == 'sim_validate' else ''} "
               f"and {RESULTS / 'sim' / (args.marker + '.json')}")

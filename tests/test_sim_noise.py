@@ -208,3 +208,25 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
     capsys.readouterr()
     assert main(["simulate", "refit", str(a), str(b), "--out", str(out)]) == 2
     assert "different models" in capsys.readouterr().err and not out.exists()
+
+
+def test_host_level_is_the_run_probe_over_the_calibration_probe():
+    """kvpush.sim.host_level: a run probed 20% slower than the calibration's mean level
+    scales its own thread count's step model by 1.2; unprobed sides are refused."""
+    from kvpush.sim.host_level import HostLevelError, calibration_level, level_scale
+
+    measured = {"host_probe_ms": {"threads=1": [300.0, 330.0, 315.0],
+                                  "threads=2": [190.0, 250.0, 220.0]}}
+    assert calibration_level(measured, "threads=2") == pytest.approx(220.0)
+    run = {"mode_label": "colocated", "repeat": 0,
+           "host_probe_ms": {"threads": 2, "before": 250.0, "after": 278.0}}
+    model, factor = level_scale(measured, run)
+    assert model == "threads=2" and factor == pytest.approx(264.0 / 220.0)
+    one = {"host_probe_ms": {"threads": 1, "before": 315.0, "after": None}}
+    assert level_scale(measured, one) == ("threads=1", pytest.approx(1.0))
+    with pytest.raises(HostLevelError, match="repeat 0 has no host_probe_ms"):
+        level_scale(measured, {"mode_label": "push", "repeat": 0})
+    with pytest.raises(HostLevelError, match="no host probe for threads=4"):
+        level_scale(measured, {"host_probe_ms": {"threads": 4, "before": 100.0}})
+    with pytest.raises(HostLevelError, match="no host probe"):
+        level_scale({}, run)
