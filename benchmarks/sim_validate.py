@@ -1,6 +1,6 @@
 """Validate `kvpush simulate` against the recorded `kvpush bench compare` runs.
 
-For each workload (default: the runs of ``benchmarks/results/sim/v13/``, made by
+For each workload (default: the runs of ``benchmarks/results/sim/v14/``, made by
 ``benchmarks/sim_runs.sh`` with per-step traces) the configuration is read from
 ``summary.json`` (model, lengths, prompts, rates, modes, threads, seed) and replayed
 through the simulator with the same Poisson arrivals (`kvpush bench`'s own generator
@@ -12,7 +12,7 @@ repeats pooled) and written between the ``sim_validate`` markers of
     # calibrate this machine, then validate (the one command to re-run on a quiet host):
     .venv/bin/python benchmarks/sim_validate.py --calibrate --profile /tmp/cpu-now.json
     # validate against an existing profile:
-    .venv/bin/python benchmarks/sim_validate.py --profile benchmarks/results/sim/v13/cpu-local.json
+    .venv/bin/python benchmarks/sim_validate.py --profile benchmarks/results/sim/v14/cpu-local.json
     # the older runs of benchmarks/RESULTS.md, with table B's one-number host factor:
     .venv/bin/python benchmarks/sim_validate.py --idle-factor --marker sim_validate_legacy \
         --workloads long_prompts,prefix_hit,short_high_rate
@@ -30,9 +30,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-WORKLOADS = tuple(f"sim/v13/{w}" for w in ("quiet_512", "long_prompts", "short_high_rate",
+WORKLOADS = tuple(f"sim/v14/{w}" for w in ("quiet_512", "long_prompts", "short_high_rate",
                                            "prefix_hit", "prefix_hit_tail_on_decode"))
-DEFAULT_PROFILE = RESULTS / "sim" / "v13" / "cpu-local-pooled.json"
+DEFAULT_PROFILE = RESULTS / "sim" / "v14" / "cpu-local-pooled.json"
 DOC = HERE / "SIMULATION.md"
 #: the default validation's tables also go into RESULTS.md (issue 7 asks for them there)
 RESULTS_DOC = HERE / "RESULTS.md"
@@ -292,7 +292,7 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument("--workloads", default=",".join(WORKLOADS),
                     help="result folders under benchmarks/results/ (default: the runs of "
-                         "sim/v13/)")
+                         "sim/v14/)")
     ap.add_argument("--idle-factor", action="store_true",
                     help="also table B: step times scaled by measured / simulated TTFT of "
                          "the first workload's first colocated-1t request")
