@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 WORKLOADS = tuple(f"sim/v14/{w}" for w in ("quiet_512", "long_prompts", "short_high_rate",
                                            "prefix_hit", "prefix_hit_tail_on_decode"))
-DEFAULT_PROFILE = RESULTS / "sim" / "v14" / "cpu-local-pooled.json"
+DEFAULT_PROFILE = RESULTS / "sim" / "v14" / "cpu-local-pooled-push-step.json"
 DOC = HERE / "SIMULATION.md"
 #: the default validation's tables also go into RESULTS.md (issue 7 asks for them there)
 RESULTS_DOC = HERE / "RESULTS.md"

@@ -125,6 +125,41 @@ def test_single_request_push_ttft_is_sum_of_stages():
     assert Stage.RELAYED not in r.stages
 
 
+def test_push_prefill_step_cost_lengthens_push_prefill_steps_only():
+    """handoff.push_prefill_step_s (the pull / push pair probe's figure) is added to each
+    prefill step of P that carries a push request it sends: a lone push request's TTFT
+    grows by it once per prefill step (here 2 chunks); pull and colocated do not move."""
+    base, cost = prof(), prof(handoff__push_prefill_step_s=0.007)
+    assert cost.handoff.push_prefill_step_s == 0.007 and base.handoff.push_prefill_step_s == 0
+    assert one("push", cost).ttft == pytest.approx(one("push", base).ttft + 0.007, abs=1e-9)
+    chunked = dict(instance__max_num_batched_tokens=128)
+    assert one("push", prof(handoff__push_prefill_step_s=0.007, **chunked)).ttft == \
+        pytest.approx(one("push", prof(**chunked)).ttft + 2 * 0.007, abs=1e-9)
+    for mode in ("pull", "colocated"):
+        assert one(mode, cost).ttft == pytest.approx(one(mode, base).ttft, abs=1e-12)
+    with pytest.raises(ProfileError, match="push_prefill_step_s: must be >= 0"):
+        prof(handoff__push_prefill_step_s=-0.001)
+
+
+def test_push_step_cost_is_push_residual_over_pull_residual():
+    from kvpush.sim.corun import push_step_cost
+
+    class Flat:  # every prefill step modelled at 0.1 s
+        def step_time(self, chunks):
+            return 0.1
+
+    pre, dec = [[128, 0, True, False]], [[1, 128, True, True]]
+    pull = [{"t": i, "dur": d, "chunks": pre} for i, d in enumerate((0.10, 0.11, 0.12))]
+    push = [{"t": i, "dur": d, "chunks": pre} for i, d in enumerate((0.115, 0.118, 0.13))]
+    decodes = [{"t": 9, "dur": 5.0, "chunks": dec}] * 5  # not prefill steps: ignored
+    out = push_step_cost(pull + decodes, push + decodes, Flat())
+    assert out["push_prefill_step_s"] == pytest.approx(0.008)  # medians 0.118 - 0.110
+    assert out["steps"] == {"pull": 3, "push": 3}
+    # push no slower: 0, never negative; too few steps on a side: 0
+    assert push_step_cost(push, pull, Flat())["push_prefill_step_s"] == 0.0
+    assert push_step_cost(pull, push[:2], Flat())["push_prefill_step_s"] == 0.0
+
+
 @pytest.mark.parametrize("mode", ["colocated", "pull", "push"])
 def test_measured_request_path_and_token_return_replace_the_estimated_hops(mode):
     """A profile with handoff.request_path_s / token_return_s (measured by the served
@@ -669,3 +704,29 @@ def test_pair_corun_ratios_split_steps_by_the_neighbour_at_their_start():
     assert (few["prefill"], few["decode"]) == (1.0, 1.0)
     faster = [dict(s, dur=0.08) for s in d_steps[:4]] + d_steps[4:]
     assert pair_corun_ratios(p_steps, faster, Flat())["decode"] == 1.0
+
+
+def test_push_step_probe_serves_both_pairs_and_stops_them(tiny_llama):
+    """The pull / push pair probe on a tiny model: both pairs' prefill steps are
+    measured after the warm-up turn, and every process it started is gone."""
+    pytest.importorskip("nixl._api", reason="push mode needs NIXL")
+    import os
+
+    from kvpush.cluster.launcher import descendant_pids
+    from kvpush.sim.corun import probe_push_step
+    from kvpush.sim.profile import engine_step_model
+
+    before = set(descendant_pids(os.getpid()))
+    engine = engine_step_model(BASE, "s")
+    assert engine.step_time([(10, 0, True, False)]) == pytest.approx(0.010 + 10 * 0.001
+                                                                      + 0.0005)
+    logged: list[str] = []
+    out = probe_push_step(str(tiny_llama), engine, input_len=24, output_len=2,
+                          prompts_per_turn=3, turns=2, rate=20.0, log=logged.append)
+    # 3 prompts 50 ms apart on a tiny model: one prefill step each, 2 turns
+    assert out["steps"]["pull"] >= 3 and out["steps"]["push"] >= 3
+    assert out["push_prefill_step_s"] >= 0 and "push_residual_s" in out
+    assert "2 turns each" in logged[0]
+    assert set(descendant_pids(os.getpid())) <= before
+    with pytest.raises(ValueError, match="turns"):
+        probe_push_step(str(tiny_llama), engine, turns=0)

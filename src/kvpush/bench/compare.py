@@ -245,7 +245,7 @@ class Cluster:
 
 
 # ------------------------------------------------------------------------- the runs
-def _resolve_model(name: str | None) -> tuple[str, str]:
+def resolve_served_model(name: str | None) -> tuple[str, str]:
     """(what to pass to kvpush serve, the tokenizer folder)."""
     from kvpush.errors import ConfigError
     from kvpush.models.registry import DEFAULT_MODEL, resolve_model
@@ -277,7 +277,7 @@ def run_compare(cfg: CompareConfig, log=print) -> dict[str, Any]:
 
     cfg.validate()
     t_start = time.monotonic()
-    served, tok_dir = _resolve_model(cfg.model)
+    served, tok_dir = resolve_served_model(cfg.model)
     tokenizer = load_tokenizer(tok_dir)
     out = Path(cfg.out_dir)
     (out / "runs").mkdir(parents=True, exist_ok=True)

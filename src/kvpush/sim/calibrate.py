@@ -72,12 +72,16 @@ class CalibrationPlan:
     #: while the steps were timed, which benchmarks/sim_validate.py compares with the
     #: level `kvpush bench compare --host-probe` saw beside each run; 0: none
     host_probe: float = 1.5
+    #: turns of the short-prompt pull and push pairs, alternating (~5 s each; plus ~15 s
+    #: to start both pairs): kvpush.sim.corun.probe_push_step, handoff.push_prefill_step_s;
+    #: with the served probe; 0: none
+    push_step_turns: int = 8
 
     @classmethod
     def quick(cls) -> CalibrationPlan:
         return cls(prefill=((32, 64), (8, 16)), decode=((1, 16), (4, 16)), decode_steps=3,
                    threads=(1,), mixed=((2, 16, 32),), prefix=((2, 32, 8),), repeats=1,
-                   served=False, host_probe=0.0)
+                   served=False, host_probe=0.0, push_step_turns=0)
 
 
 Sample = tuple[list[Chunk], float]
@@ -385,6 +389,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
     samples_out: dict[str, Any] = {}
     served: dict[str, Any] = {}
     pair: dict[str, Any] = {}
+    push_step: dict[str, Any] = {}
     probes: dict[str, list[float]] = {}
     for th in plan.threads:
         tables: Tables = {}
@@ -422,6 +427,11 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                 from kvpush.sim.corun import probe_served_pair
 
                 pair = probe_served_pair(str(model_dir), m, log=log)
+                if plan.push_step_turns:
+                    from kvpush.sim.corun import probe_push_step
+
+                    push_step = probe_push_step(str(model_dir), m,
+                                                turns=plan.push_step_turns, log=log)
     corun_info: dict[str, float] = {}
     if plan.corun:
         try:
@@ -455,7 +465,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                      **({"host_probe_ms": probes} if plan.host_probe else {}),
                      "plan": dataclasses.asdict(plan),
                      "step_samples": samples_out, "corun": corun_info, "served": served,
-                     "served_pair": pair},
+                     "served_pair": pair, "push_step": push_step},
         "notes": [n for n in (note,) if n] + [
             f"Step times are {'wall' if clock == 'wall' else 'stepping-thread CPU'} times of "
             "LLMEngine.step() (scheduling, forward, sampling, detokenization), one engine "
@@ -491,6 +501,10 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "kvpush posts pull's READ from its transfer thread, not the step loop "
             "(pull_post_on_step_loop false). Over cma the copy happens inside post(), so the "
             "whole cost is on the wire terms.",
+            "handoff.push_prefill_step_s: how much longer P's prefill steps ran in a push "
+            "pair than in a pull pair serving the same 128-token prompts, turns "
+            "alternating (measured.push_step; kvpush.sim.corun.probe_push_step): push's "
+            "per-layer WRITE hand-off and posts, on P's interpreter and cores.",
         ],
         "sources": {
             "step_models": "measured here (LLMEngine.step wall time)",
@@ -499,7 +513,8 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "handoff": "estimates: localhost HTTP hop through uvicorn/httpx ~1 ms; side "
                        "channel one-way ~12 us (PLATFORM.md: 25 us round trip); "
                        "front_end_s, request_path_s and token_return_s measured by the "
-                       "served probe (absent / 0 when it did not run)",
+                       "served probe, push_prefill_step_s by the pull / push pair probe "
+                       "(absent / 0 when they did not run)",
         },
         "model": shape,
         "host": {"corun_slowdown": corun_info.get("corun_slowdown", 1.0),
@@ -517,6 +532,8 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                     "front_end_s": round(statistics.median(front_ends), 6) if front_ends
                     else 0.0,
                     **{k: round(statistics.median(v), 6) for k, v in paths.items() if v},
+                    **({"push_prefill_step_s": push_step["push_prefill_step_s"]}
+                       if push_step else {}),
                     "pull_post_on_step_loop": False},
         "instance": {"block_size": 32, "num_blocks": (1 << 30) // (
             32 * 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * 4),

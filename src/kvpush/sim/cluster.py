@@ -216,6 +216,7 @@ def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> Sim
         if config.mode == "push":
             for p in prefills:
                 p.step_hook = hand.on_prefill_step
+                p.step_extra = hand.push_step_extra
         pp, dp = _Picker(prefills, config.policy), _Picker(decodes, config.policy)
 
         def start(req: SimRequest) -> None:

@@ -21,6 +21,7 @@ is mid-step (:meth:`kvpush.sim.profile.Profile.corun_factor`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -155,4 +156,92 @@ def probe_served_pair(model: str, engine_model: StepModel, input_len: int = 384,
     log(f"[calibrate] served 1P1D pair: steps beside the other instance's / alone: "
         f"prefill x{out['prefill']:.3f}, decode x{out['decode']:.3f} "
         f"({out['steps']})")
+    return out
+
+
+def push_step_cost(pull_steps: Sequence[Mapping[str, Any]],
+                   push_steps: Sequence[Mapping[str, Any]],
+                   model: StepModel) -> dict[str, Any]:
+    """How much longer a prefill instance's prefill steps take in push than in pull: the
+    median of (measured - modelled) over P's prefill steps of a push pair, minus the same
+    over a pull pair that served the same prompts (what the pair shares, the served
+    overhead and the neighbour, cancels; what remains is push's own work on P: the
+    per-layer WRITE hand-off from the step loop and the transfer thread's posts beside
+    it). Seconds per step, 0 when push is not slower or a side has fewer than
+    :data:`PAIR_MIN_STEPS` steps."""
+    import statistics
+
+    def residuals(steps: Sequence[Mapping[str, Any]]) -> list[float]:
+        out = []
+        for st in steps:
+            chunks = [tuple(c) for c in st["chunks"]]
+            if not decode_only(chunks) and (predicted := model.step_time(chunks)) > 0:
+                out.append(st["dur"] - predicted)
+        return out
+
+    pull, push = residuals(pull_steps), residuals(push_steps)
+    out: dict[str, Any] = {"steps": {"pull": len(pull), "push": len(push)}}
+    if min(len(pull), len(push)) < PAIR_MIN_STEPS:
+        out["push_prefill_step_s"] = 0.0
+        return out
+    out["pull_residual_s"] = round(statistics.median(pull), 6)
+    out["push_residual_s"] = round(statistics.median(push), 6)
+    out["push_prefill_step_s"] = round(max(0.0, out["push_residual_s"]
+                                           - out["pull_residual_s"]), 6)
+    return out
+
+
+def probe_push_step(model: str, engine_model: StepModel, input_len: int = 128,
+                    output_len: int = 8, prompts_per_turn: int = 8, turns: int = 8,
+                    rate: float = 2.0, seed: int = 11,
+                    log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Start ``kvpush bench compare``'s 1P1D pull pair and its push pair side by side (1
+    torch thread per instance, traced; an idle pair does not step), then send
+    ``prompts_per_turn`` short prompts at ``rate`` to one pair, the same prompts to the
+    other, and so on for ``turns`` turns each, the order alternating (pull push push
+    pull ...). Push's extra cost per prefill step on P is then taken over every
+    measured step (:func:`push_step_cost`). Short prompts: on the v14 runs the difference
+    was 5-15 ms per step, within the scatter of the 384-token pair probe's ~485 ms steps
+    but 5-10% of a 100-150 ms one. Turns of a few seconds: one pull run then one push run
+    of 16-32 prompts measured anything from 1 to 20 ms in tries minutes apart, as the
+    host's speed moved between them."""
+    import tempfile
+    import time
+
+    if turns < 1:
+        raise ValueError(f"turns must be >= 1, got {turns}")
+    from kvpush.bench.client import BenchConfig, prepare_requests, run_benchmark
+    from kvpush.bench.compare import Cluster, CompareConfig, ModeSpec, resolve_served_model
+    from kvpush.bench.datasets import load_tokenizer
+    from kvpush.sim.served import traced_steps
+
+    served, tok_dir = resolve_served_model(model)
+    tokenizer = load_tokenizer(tok_dir)
+    with tempfile.TemporaryDirectory(prefix="kvpush-push-step-probe-") as tmp:
+        cfg = CompareConfig(modes=[ModeSpec("pull"), ModeSpec("push")], rates=[rate],
+                            out_dir=Path(tmp), model=model, input_len=input_len,
+                            output_len=output_len, startup_timeout=300.0)
+        root = Path(tmp)
+        with Cluster(cfg, ModeSpec("pull"), served, root / "logs-pull", tok_dir,
+                     root / "pull") as a, \
+                Cluster(cfg, ModeSpec("push"), served, root / "logs-push", tok_dir,
+                        root / "push") as b:
+            urls = {"pull": a.url, "push": b.url}
+            for turn in range(turns + 1):  # turn 0: warm-up (connections, hand-shakes)
+                if turn == 1:
+                    start = time.time()
+                for mode in (("pull", "push") if turn % 2 == 0 else ("push", "pull")):
+                    bc = BenchConfig(url=urls[mode], tokenizer=tok_dir, input_len=input_len,
+                                     output_len=output_len,
+                                     num_prompts=prompts_per_turn if turn else 2,
+                                     request_rate=rate if turn else math.inf,
+                                     seed=seed + turn, timeout=120.0)
+                    run_benchmark(bc, requests=prepare_requests(bc, tokenizer),
+                                  tokenizer=tokenizer)
+        steps = {m: traced_steps(sorted((root / m).rglob("prefill-*.jsonl")), start)
+                 for m in ("pull", "push")}
+    out = push_step_cost(steps["pull"], steps["push"], engine_model)
+    log(f"[calibrate] push's prefill steps over pull's ({input_len}-token prompts at "
+        f"{rate:g} req/s, {turns} turns each, alternating): "
+        f"+{1e3 * out['push_prefill_step_s']:.1f} ms per step ({out['steps']})")
     return out

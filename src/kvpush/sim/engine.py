@@ -82,6 +82,9 @@ class EngineSim:
         self.steps = 0
         self.preemptions = 0
         self.step_hook: Callable[[list[tuple[Job, int]], float, float], None] | None = None
+        #: seconds a step's plan adds on top of its modelled time (push on a prefill
+        #: instance: HandoffModel.push_prefill_step_s); None: nothing
+        self.step_extra: Callable[[list[tuple[Job, int]]], float] | None = None
         #: the instances sharing this one's host, and the profile whose corun_factor
         #: prices a step that starts while one of them is mid-step (None: none does)
         self.host: list[EngineSim] = [self]
@@ -250,6 +253,8 @@ class EngineSim:
                 dt *= self.corun.corun_factor(decode_only)
             if self.noise is not None:
                 dt *= self.noise.factor(decode_only)
+            if self.step_extra is not None:
+                dt += self.step_extra(plan)
             dt += self.stall
             self.stall = 0.0
             t0 = env.now

@@ -208,6 +208,15 @@ class Handoff:
         self._pump(xf)
         self._push_finalize(xf)
 
+    def push_step_extra(self, plan: list[tuple[Job, int]]) -> float:
+        """P's step extra: ``handoff.push_prefill_step_s`` when the step carries a chunk of
+        a push request that P sends (not a full hit), else 0."""
+        cost = self.profile.handoff.push_prefill_step_s
+        if cost and any((xf := job.extra.get("push")) is not None and not xf.full_hit
+                        for job, _ in plan):
+            return cost
+        return 0.0
+
     def on_prefill_step(self, plan: list[tuple[Job, int]], t0: float, t1: float) -> None:
         """P's step hook: queue the per-layer WRITEs of blocks this step completes."""
         for job, n in plan:

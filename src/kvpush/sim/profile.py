@@ -242,6 +242,11 @@ class HandoffModel:
     #: HTTP loop, SSE, router, client; None: http_hop_s + client_hop_s)
     token_return_s: float | None = None
     pull_post_on_step_loop: bool = True  # vLLM: D posts the READ on its step path
+    #: measured: how much longer a prefill instance's step is in push than in pull when
+    #: it carries a push request's chunk (the per-layer WRITE hand-off on the step loop
+    #: and the transfer thread's posts beside it, sharing the interpreter and the cores;
+    #: kvpush.sim.corun.probe_push_step); added to each such step
+    push_prefill_step_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -389,6 +394,15 @@ def _step_model(d: Any, where: str, shape: ModelShape) -> StepModel:
     raise ProfileError(f"{where}.kind: expected 'linear' or 'roofline', got {kind!r}")
 
 
+def engine_step_model(data: Mapping[str, Any], name: str) -> StepModel:
+    """Step model ``name`` of a profile's data as the engine alone runs it (without the
+    served factors a loaded profile wraps it in)."""
+    models = data.get("step_models")
+    if not isinstance(models, Mapping) or name not in models:
+        raise ProfileError(f"no step model {name!r}")
+    return _step_model(models[name], f"step_models.{name}", _shape(data.get("model"), "model"))
+
+
 def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
     if not isinstance(data, Mapping):
         raise ProfileError(f"{path}: a profile is a JSON object")
@@ -414,7 +428,8 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
     ho = data.get("handoff")
     hn = _numbers(ho, f"{path}: handoff",
                   ("http_hop_s", "client_hop_s", "relay_s", "side_channel_s"),
-                  ("handshake_s", "front_end_s", "request_path_s", "token_return_s"))
+                  ("handshake_s", "front_end_s", "request_path_s", "token_return_s",
+                   "push_prefill_step_s"))
     inst = data.get("instance")
     if not isinstance(inst, Mapping):
         raise ProfileError(f"{path}: missing field 'instance'")
