@@ -169,8 +169,10 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
         d["step_models"]["s"]["token_rows_s"] = [[1, 0.001 * speed], [64, 0.004 * speed]]
         d["host"] = {**HOST, "corun_by_kind": {"prefill": corun, "decode": corun}}
         d["handoff"]["request_path_s"] = path_s
+        d["handoff"]["push_prefill_step_s"] = 0.002 * speed
         d["measured"] = {
             "started_utc": f"t{speed}", "host_probe_ms": {"s": [200 * speed, 210 * speed]},
+            "push_step": {"push_prefill_step_s": 0.002 * speed},
             "step_samples": {"s": [[[list(c) for c in ch], speed * truth.step_time(ch)]
                                    for ch in shapes]},
             "served": {"s": {"trace": [[[[n, 0, True]], served * speed
@@ -198,6 +200,9 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
     assert [t for _, t in rows] == pytest.approx([0.00105, 0.0042])
     assert new["host"]["corun_by_kind"]["prefill"] == pytest.approx(1.06)
     assert new["handoff"]["request_path_s"] == pytest.approx(0.005)
+    assert new["handoff"]["push_prefill_step_s"] == pytest.approx(0.0021)
+    assert [p["push_prefill_step_s"] for p in new["measured"]["push_step"]] == \
+        pytest.approx([0.002, 0.0022])
     # the served probe's steps were 1.2x their own calibration: 1.2x the pooled fit too
     assert new["host"]["served_factors"]["s"]["prefill"] == pytest.approx(1.2, rel=0.06)
     # profiles of another model are refused, nothing written

@@ -245,10 +245,7 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
                 run(*args)
             log(f"[calibrate] threads={threads}{tag} {what}: {time.perf_counter() - t0:.2f} s")
 
-        def probe() -> None:
-            if between_passes is not None:
-                between_passes()
-
+        probe = between_passes or (lambda: None)
         for rep in range(plan.repeats):  # the whole plan again: a fit over all passes
             tag = f" pass {rep + 1}/{plan.repeats}" if plan.repeats > 1 else ""
             probe()

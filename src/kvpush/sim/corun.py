@@ -201,7 +201,7 @@ def probe_push_step(model: str, engine_model: StepModel, input_len: int = 128,
     other, and so on for ``turns`` turns each, the order alternating (pull push push
     pull ...). Push's extra cost per prefill step on P is then taken over every
     measured step (:func:`push_step_cost`). Short prompts: on the v14 runs the difference
-    was 5-15 ms per step, within the scatter of the 384-token pair probe's ~485 ms steps
+    was roughly 7-12 ms per step, within the scatter of the 384-token pair probe's ~485 ms steps
     but 5-10% of a 100-150 ms one. Turns of a few seconds: one pull run then one push run
     of 16-32 prompts measured anything from 1 to 20 ms in tries minutes apart, as the
     host's speed moved between them."""

@@ -66,6 +66,9 @@ def pool_calibrations(datas: list[dict[str, Any]]) -> dict[str, Any]:
                                      for name in out["step_models"]}
     else:
         measured.pop("host_probe_ms", None)
+    # each calibration's pull / push pair figure (handoff.push_prefill_step_s: their mean)
+    if any(d["measured"].get("push_step") for d in datas):
+        measured["push_step"] = [d["measured"].get("push_step") or {} for d in datas]
     served = measured.get("served") or {}
     for name in served:
         served[name]["trace"] = [st for d in datas for st in
