@@ -42,13 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out = probe_push_step(str(resolve_model(args.model)), engine, turns=args.turns)
     data.setdefault("measured", {})["push_step"] = {**out, "started_utc": started}
-    data["handoff"]["push_prefill_step_s"] = out["push_prefill_step_s"]
+    for key in ("push_prefill_step_s", "push_prefill_corun_step_s"):
+        data["handoff"][key] = out[key]
     data.setdefault("notes", []).append(
-        f"handoff.push_prefill_step_s measured {started} by benchmarks/push_step_probe.py "
-        f"({args.turns} turns), after the rest of this profile")
+        f"handoff.push_prefill_step_s and push_prefill_corun_step_s measured {started} by "
+        f"benchmarks/push_step_probe.py ({args.turns} turns), after the rest of this profile")
     profile_from_dict(data, str(args.out))  # refuse to write what cannot be loaded
     args.out.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {args.out}: push_prefill_step_s {out['push_prefill_step_s']}")
+    print(f"wrote {args.out}: push_prefill_step_s {out['push_prefill_step_s']}, "
+          f"push_prefill_corun_step_s {out['push_prefill_corun_step_s']}")
     return 0
 
 

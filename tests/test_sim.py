@@ -141,6 +141,26 @@ def test_push_prefill_step_cost_lengthens_push_prefill_steps_only():
         prof(handoff__push_prefill_step_s=-0.001)
 
 
+def test_push_prefill_corun_cost_applies_to_steps_beside_a_busy_decode():
+    """push_prefill_corun_step_s prices a push prefill step that starts while D is
+    mid-step; one that starts with D idle gets push_prefill_step_s."""
+    w = Workload(2, 2.0, 256, 200, seed=3)  # the 2nd prompt arrives while D decodes the 1st
+    cfg = ClusterConfig("push")
+    base = simulate(prof(), w, cfg).requests
+    corun = simulate(prof(handoff__push_prefill_corun_step_s=0.02), w, cfg).requests
+    idle = simulate(prof(handoff__push_prefill_step_s=0.02), w, cfg).requests
+    assert base[1].arrival < base[0].token_times[-1]  # D busy when the 2nd arrives
+
+    def prefill(r):  # P's one prefill step for the request
+        return r.stages[Stage.PREFILL_DONE] - r.stages[Stage.PREFILL_STARTED]
+
+    assert corun[0].ttft == pytest.approx(base[0].ttft, abs=1e-12)
+    assert prefill(corun[1]) == pytest.approx(prefill(base[1]) + 0.02, abs=1e-9)
+    assert corun[1].ttft > base[1].ttft + 0.02 - 1e-9
+    assert prefill(idle[0]) == pytest.approx(prefill(base[0]) + 0.02, abs=1e-9)
+    assert prefill(idle[1]) == pytest.approx(prefill(base[1]), abs=1e-9)
+
+
 def test_push_step_cost_is_push_residual_over_pull_residual():
     from kvpush.sim.corun import push_step_cost
 
@@ -154,10 +174,19 @@ def test_push_step_cost_is_push_residual_over_pull_residual():
     decodes = [{"t": 9, "dur": 5.0, "chunks": dec}] * 5  # not prefill steps: ignored
     out = push_step_cost(pull + decodes, push + decodes, Flat())
     assert out["push_prefill_step_s"] == pytest.approx(0.008)  # medians 0.118 - 0.110
-    assert out["steps"] == {"pull": 3, "push": 3}
+    assert out["steps"] == {"all": {"pull": 3, "push": 3}}
     # push no slower: 0, never negative; too few steps on a side: 0
     assert push_step_cost(push, pull, Flat())["push_prefill_step_s"] == 0.0
     assert push_step_cost(pull, push[:2], Flat())["push_prefill_step_s"] == 0.0
+    # with D's steps: P steps that started inside one are priced on their own
+    d_busy = [{"t": i - 0.01, "dur": 0.05, "chunks": dec} for i in (3, 4, 5)]
+    late = [{"t": i, "dur": d, "chunks": pre} for i, d in ((3, 0.12), (4, 0.12), (5, 0.13))]
+    later = [{"t": i, "dur": d, "chunks": pre} for i, d in ((3, 0.14), (4, 0.15), (5, 0.15))]
+    split = push_step_cost(pull + late, push + later, Flat(), d_busy, d_busy)
+    assert split["push_prefill_step_s"] == pytest.approx(0.008)
+    assert split["push_prefill_corun_step_s"] == pytest.approx(0.03)  # 0.15 - 0.12
+    assert split["steps"] == {"D idle": {"pull": 3, "push": 3},
+                              "beside D": {"pull": 3, "push": 3}}
 
 
 @pytest.mark.parametrize("mode", ["colocated", "pull", "push"])
@@ -724,8 +753,9 @@ def test_push_step_probe_serves_both_pairs_and_stops_them(tiny_llama):
     out = probe_push_step(str(tiny_llama), engine, input_len=24, output_len=2,
                           prompts_per_turn=3, turns=2, rate=20.0, log=logged.append)
     # 3 prompts 50 ms apart on a tiny model: one prefill step each, 2 turns
-    assert out["steps"]["pull"] >= 3 and out["steps"]["push"] >= 3
-    assert out["push_prefill_step_s"] >= 0 and "push_residual_s" in out
+    seen = {m: sum(side[m] for side in out["steps"].values()) for m in ("pull", "push")}
+    assert seen["pull"] >= 3 and seen["push"] >= 3
+    assert out["push_prefill_step_s"] >= 0 and out["push_prefill_corun_step_s"] >= 0
     assert "2 turns each" in logged[0]
     assert set(descendant_pids(os.getpid())) <= before
     with pytest.raises(ValueError, match="turns"):

@@ -498,10 +498,11 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "kvpush posts pull's READ from its transfer thread, not the step loop "
             "(pull_post_on_step_loop false). Over cma the copy happens inside post(), so the "
             "whole cost is on the wire terms.",
-            "handoff.push_prefill_step_s: how much longer P's prefill steps ran in a push "
-            "pair than in a pull pair serving the same 128-token prompts, turns "
-            "alternating (measured.push_step; kvpush.sim.corun.probe_push_step): push's "
-            "per-layer WRITE hand-off and posts, on P's interpreter and cores.",
+            "handoff.push_prefill_step_s / push_prefill_corun_step_s: how much longer P's "
+            "prefill steps ran in a push pair than in a pull pair serving the same "
+            "128-token prompts, turns alternating, for steps that started with D idle / "
+            "mid-step (measured.push_step; kvpush.sim.corun.probe_push_step): push's "
+            "per-layer WRITE hand-off and posts, on P's interpreter and the cores.",
         ],
         "sources": {
             "step_models": "measured here (LLMEngine.step wall time)",
@@ -529,8 +530,9 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                     "front_end_s": round(statistics.median(front_ends), 6) if front_ends
                     else 0.0,
                     **{k: round(statistics.median(v), 6) for k, v in paths.items() if v},
-                    **({"push_prefill_step_s": push_step["push_prefill_step_s"]}
-                       if push_step else {}),
+                    **{k: push_step[k] for k in ("push_prefill_step_s",
+                                                  "push_prefill_corun_step_s")
+                       if k in push_step},
                     "pull_post_on_step_loop": False},
         "instance": {"block_size": 32, "num_blocks": (1 << 30) // (
             32 * 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * 4),

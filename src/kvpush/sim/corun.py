@@ -161,33 +161,52 @@ def probe_served_pair(model: str, engine_model: StepModel, input_len: int = 384,
 
 def push_step_cost(pull_steps: Sequence[Mapping[str, Any]],
                    push_steps: Sequence[Mapping[str, Any]],
-                   model: StepModel) -> dict[str, Any]:
+                   model: StepModel,
+                   pull_decode: Sequence[Mapping[str, Any]] | None = None,
+                   push_decode: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """How much longer a prefill instance's prefill steps take in push than in pull: the
     median of (measured - modelled) over P's prefill steps of a push pair, minus the same
     over a pull pair that served the same prompts (what the pair shares, the served
-    overhead and the neighbour, cancels; what remains is push's own work on P: the
-    per-layer WRITE hand-off from the step loop and the transfer thread's posts beside
-    it). Seconds per step, 0 when push is not slower or a side has fewer than
-    :data:`PAIR_MIN_STEPS` steps."""
+    overhead, cancels; what remains is push's own work on P: the per-layer WRITE hand-off
+    from the step loop and the transfer thread's posts beside it). With each pair's D
+    steps (``*_decode``) the steps are split as the simulator applies them: those that
+    started while D was idle give ``push_prefill_step_s``, those that started while D
+    was mid-step ``push_prefill_corun_step_s`` (the transfer thread then competes with
+    D's step for the cores too). Seconds per step, 0 when push is not slower or a side
+    has fewer than :data:`PAIR_MIN_STEPS` steps."""
     import statistics
 
-    def residuals(steps: Sequence[Mapping[str, Any]]) -> list[float]:
+    def busy_at(t: float, other: Sequence[Mapping[str, Any]]) -> bool:
+        return any(o["t"] < t < o["t"] + o["dur"] for o in other)
+
+    def residuals(steps: Sequence[Mapping[str, Any]],
+                  decode: Sequence[Mapping[str, Any]] | None, beside: bool) -> list[float]:
         out = []
         for st in steps:
             chunks = [tuple(c) for c in st["chunks"]]
-            if not decode_only(chunks) and (predicted := model.step_time(chunks)) > 0:
+            if decode_only(chunks) or (decode is not None and busy_at(st["t"], decode)
+                                       != beside):
+                continue
+            if (predicted := model.step_time(chunks)) > 0:
                 out.append(st["dur"] - predicted)
         return out
 
-    pull, push = residuals(pull_steps), residuals(push_steps)
-    out: dict[str, Any] = {"steps": {"pull": len(pull), "push": len(push)}}
-    if min(len(pull), len(push)) < PAIR_MIN_STEPS:
-        out["push_prefill_step_s"] = 0.0
-        return out
-    out["pull_residual_s"] = round(statistics.median(pull), 6)
-    out["push_residual_s"] = round(statistics.median(push), 6)
-    out["push_prefill_step_s"] = round(max(0.0, out["push_residual_s"]
-                                           - out["pull_residual_s"]), 6)
+    split = pull_decode is not None and push_decode is not None
+    out: dict[str, Any] = {"steps": {}}
+    for key, beside in (("push_prefill_step_s", False), ("push_prefill_corun_step_s", True)):
+        if not split and beside:
+            break
+        pull = residuals(pull_steps, pull_decode if split else None, beside)
+        push = residuals(push_steps, push_decode if split else None, beside)
+        where = "beside D" if beside else ("D idle" if split else "all")
+        out["steps"][where] = {"pull": len(pull), "push": len(push)}
+        if min(len(pull), len(push)) < PAIR_MIN_STEPS:
+            out[key] = 0.0
+            continue
+        a, b = statistics.median(pull), statistics.median(push)
+        out["residual_s"] = {**out.get("residual_s", {}),
+                             where: {"pull": round(a, 6), "push": round(b, 6)}}
+        out[key] = round(max(0.0, b - a), 6)
     return out
 
 
@@ -238,10 +257,12 @@ def probe_push_step(model: str, engine_model: StepModel, input_len: int = 128,
                                      seed=seed + turn, timeout=120.0)
                     run_benchmark(bc, requests=prepare_requests(bc, tokenizer),
                                   tokenizer=tokenizer)
-        steps = {m: traced_steps(sorted((root / m).rglob("prefill-*.jsonl")), start)
-                 for m in ("pull", "push")}
-    out = push_step_cost(steps["pull"], steps["push"], engine_model)
+        steps = {(m, role): traced_steps(sorted((root / m).rglob(f"{role}-*.jsonl")), start)
+                 for m in ("pull", "push") for role in ("prefill", "decode")}
+    out = push_step_cost(steps["pull", "prefill"], steps["push", "prefill"], engine_model,
+                         steps["pull", "decode"], steps["push", "decode"])
     log(f"[calibrate] push's prefill steps over pull's ({input_len}-token prompts at "
         f"{rate:g} req/s, {turns} turns each, alternating): "
-        f"+{1e3 * out['push_prefill_step_s']:.1f} ms per step ({out['steps']})")
+        f"+{1e3 * out['push_prefill_step_s']:.1f} ms per step with D idle, "
+        f"+{1e3 * out['push_prefill_corun_step_s']:.1f} ms beside a D step ({out['steps']})")
     return out

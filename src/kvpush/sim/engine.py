@@ -82,9 +82,10 @@ class EngineSim:
         self.steps = 0
         self.preemptions = 0
         self.step_hook: Callable[[list[tuple[Job, int]], float, float], None] | None = None
-        #: seconds a step's plan adds on top of its modelled time (push on a prefill
-        #: instance: HandoffModel.push_prefill_step_s); None: nothing
-        self.step_extra: Callable[[list[tuple[Job, int]]], float] | None = None
+        #: seconds a step's plan adds on top of its modelled time, given whether another
+        #: instance of the host is mid-step (push on a prefill instance:
+        #: HandoffModel.push_prefill_step_s / push_prefill_corun_step_s); None: nothing
+        self.step_extra: Callable[[list[tuple[Job, int]], bool], float] | None = None
         #: the instances sharing this one's host, and the profile whose corun_factor
         #: prices a step that starts while one of them is mid-step (None: none does)
         self.host: list[EngineSim] = [self]
@@ -249,12 +250,13 @@ class EngineSim:
                 continue
             dt = self.model.step_time(self.chunks(plan))
             decode_only = all(n == 1 for _, n in plan)
-            if self.corun is not None and self.corun_busy():
+            beside = self.corun_busy()
+            if self.corun is not None and beside:
                 dt *= self.corun.corun_factor(decode_only)
             if self.noise is not None:
                 dt *= self.noise.factor(decode_only)
             if self.step_extra is not None:
-                dt += self.step_extra(plan)
+                dt += self.step_extra(plan, beside)
             dt += self.stall
             self.stall = 0.0
             t0 = env.now

@@ -208,10 +208,12 @@ class Handoff:
         self._pump(xf)
         self._push_finalize(xf)
 
-    def push_step_extra(self, plan: list[tuple[Job, int]]) -> float:
-        """P's step extra: ``handoff.push_prefill_step_s`` when the step carries a chunk of
-        a push request that P sends (not a full hit), else 0."""
-        cost = self.profile.handoff.push_prefill_step_s
+    def push_step_extra(self, plan: list[tuple[Job, int]], beside: bool) -> float:
+        """P's step extra when the step carries a chunk of a push request that P sends
+        (not a full hit): ``handoff.push_prefill_corun_step_s`` if it starts beside
+        another instance's step (``beside``), else ``push_prefill_step_s``; 0 otherwise."""
+        ho = self.profile.handoff
+        cost = ho.push_prefill_corun_step_s if beside else ho.push_prefill_step_s
         if cost and any((xf := job.extra.get("push")) is not None and not xf.full_hit
                         for job, _ in plan):
             return cost

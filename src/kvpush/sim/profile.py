@@ -245,8 +245,12 @@ class HandoffModel:
     #: measured: how much longer a prefill instance's step is in push than in pull when
     #: it carries a push request's chunk (the per-layer WRITE hand-off on the step loop
     #: and the transfer thread's posts beside it, sharing the interpreter and the cores;
-    #: kvpush.sim.corun.probe_push_step); added to each such step
+    #: kvpush.sim.corun.probe_push_step); added to each such step that starts while the
+    #: other instances of its host are idle
     push_prefill_step_s: float = 0.0
+    #: the same for a step that starts while another instance of its host is mid-step
+    #: (the transfer thread's posts then compete with that step for the cores too)
+    push_prefill_corun_step_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -429,7 +433,7 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
     hn = _numbers(ho, f"{path}: handoff",
                   ("http_hop_s", "client_hop_s", "relay_s", "side_channel_s"),
                   ("handshake_s", "front_end_s", "request_path_s", "token_return_s",
-                   "push_prefill_step_s"))
+                   "push_prefill_step_s", "push_prefill_corun_step_s"))
     inst = data.get("instance")
     if not isinstance(inst, Mapping):
         raise ProfileError(f"{path}: missing field 'instance'")
