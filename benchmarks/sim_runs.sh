@@ -12,7 +12,7 @@
 # calibrations probe before each pass): the host's speed level beside each run, which
 # sim_validate.py --host-level compares with the calibrations' (SIMULATION.md 1-host).
 # The calibrations also measure push's prefill step cost (a pull and a push pair side by
-# side, ~1.5 min each: handoff.push_prefill_step_s).
+# side, ~3.5 min each: handoff.push_prefill_step_s and push_prefill_corun_step_s).
 #
 # Then: .venv/bin/python benchmarks/sim_validate.py --profile OUT_DIR/cpu-local-pooled.json \
 #         --workloads OUT/quiet_512,OUT/long_prompts,... (OUT relative to benchmarks/results)

@@ -72,10 +72,12 @@ class CalibrationPlan:
     #: while the steps were timed, which benchmarks/sim_validate.py compares with the
     #: level `kvpush bench compare --host-probe` saw beside each run; 0: none
     host_probe: float = 1.5
-    #: turns of the short-prompt pull and push pairs, alternating (~5 s each; plus ~15 s
-    #: to start both pairs): kvpush.sim.corun.probe_push_step, handoff.push_prefill_step_s;
-    #: with the served probe; 0: none
-    push_step_turns: int = 8
+    #: turns of the short-prompt pull and push pairs, alternating (~4 s each; plus ~15 s
+    #: to start both pairs): kvpush.sim.corun.probe_push_step, handoff.push_prefill_step_s
+    #: and push_prefill_corun_step_s; with the served probe; 0: none. 24: 8 turns gave
+    #: 15-19 steps beside a D step and +0.3 / +5.3 ms in two calibrations, 24 turns ~50
+    #: steps and +14.2 ms (benchmarks/SIMULATION.md 1-v15)
+    push_step_turns: int = 24
 
     @classmethod
     def quick(cls) -> CalibrationPlan:
