@@ -99,6 +99,11 @@ def measure_corun(model_dir: str | Path, clock: str = "wall",
 PAIR_MIN_STEPS = 3
 
 
+def _busy_at(t: float, other: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether one of the ``other`` instance's traced steps was running at ``t``."""
+    return any(o["t"] < t < o["t"] + o["dur"] for o in other)
+
+
 def pair_corun_ratios(p_steps: Sequence[Mapping[str, Any]],
                       d_steps: Sequence[Mapping[str, Any]],
                       model: StepModel) -> dict[str, Any]:
@@ -110,9 +115,6 @@ def pair_corun_ratios(p_steps: Sequence[Mapping[str, Any]],
     fewer than :data:`PAIR_MIN_STEPS` steps."""
     import statistics
 
-    def busy_at(t: float, other: Sequence[Mapping[str, Any]]) -> bool:
-        return any(o["t"] < t < o["t"] + o["dur"] for o in other)
-
     out: dict[str, Any] = {"steps": {}}
     for kind, mine, other in (("prefill", p_steps, d_steps), ("decode", d_steps, p_steps)):
         sides: dict[bool, list[float]] = {True: [], False: []}
@@ -122,7 +124,7 @@ def pair_corun_ratios(p_steps: Sequence[Mapping[str, Any]],
                 continue
             predicted = model.step_time(chunks)
             if predicted > 0:
-                sides[busy_at(st["t"], other)].append(st["dur"] / predicted)
+                sides[_busy_at(st["t"], other)].append(st["dur"] / predicted)
         out["steps"][kind] = {"busy": len(sides[True]), "alone": len(sides[False])}
         if min(len(sides[True]), len(sides[False])) < PAIR_MIN_STEPS:
             out[kind] = 1.0
@@ -176,15 +178,12 @@ def push_step_cost(pull_steps: Sequence[Mapping[str, Any]],
     has fewer than :data:`PAIR_MIN_STEPS` steps."""
     import statistics
 
-    def busy_at(t: float, other: Sequence[Mapping[str, Any]]) -> bool:
-        return any(o["t"] < t < o["t"] + o["dur"] for o in other)
-
     def residuals(steps: Sequence[Mapping[str, Any]],
                   decode: Sequence[Mapping[str, Any]] | None, beside: bool) -> list[float]:
         out = []
         for st in steps:
             chunks = [tuple(c) for c in st["chunks"]]
-            if decode_only(chunks) or (decode is not None and busy_at(st["t"], decode)
+            if decode_only(chunks) or (decode is not None and _busy_at(st["t"], decode)
                                        != beside):
                 continue
             if (predicted := model.step_time(chunks)) > 0:
