@@ -8,7 +8,9 @@ import time
 import pytest
 
 from engine_helpers import greedy, make_engine, random_prompts, run_to_completion
+from kvpush.config import KVTransferConfig
 from kvpush.engine.outputs import FinishReason
+from kvpush.errors import ConfigError
 from kvpush.kv_cache.block_pool import hash_prefix_blocks
 from kvpush.kv_transfer.faults import FaultPlan
 from pd_helpers import PDDriver, make_instance
@@ -198,6 +200,71 @@ def test_registration_arriving_mid_step_starts_the_writes_there(pd, tiny_qwen3):
     assert writes.count(False) == 1  # the partial last block, every layer in one WRITE
     assert pd.d_legs["r"].tokens == single_outputs(tiny_qwen3, [prompt], 6)["r0"]
     _assert_clean(pd)
+
+
+@pytest.mark.parametrize("configured,expected_groups", [
+    (0, [(0, 1), (2, 3)]),  # auto on CPU: a third of the 4 layers, rounded up (2)
+    (1, [(0,), (1,), (2,), (3,)]), (3, [(0, 1, 2), (3,)]), (4, [(0, 1, 2, 3)]),
+    (9, [(0, 1, 2, 3)])])
+def test_push_writes_layers_in_groups(model_factory, configured, expected_groups):
+    """--push-layers-per-write: during a prefill step the step loop hands the transfer
+    thread one WRITE per group of layers (the last group may be shorter), each covering
+    exactly its layers; decode's KV and tokens equal a single instance's."""
+    model = model_factory("qwen3", "small")  # 4 layers
+    p = make_instance(model, "prefill", "push", layers_per_write=configured)
+    d = make_instance(model, "decode", "push", layers_per_write=configured)
+    pd = PDDriver(p, d)
+    try:
+        warm, prompt = random_prompts([20, 100], seed=31)  # 100: 6 full blocks and a part
+        pd.submit("warm", warm, greedy(1))  # meet and register before the step we watch
+        pd.run()
+        assert p.kv_info()["push_layers_per_write"] == max(len(g) for g in expected_groups)
+        in_forward, groups = [False], []
+        layer_bytes = p.runner.kv_region.layout.layer_bytes
+        base = p.runner.kv_region.base_address
+        submit, execute = p.connector.worker.submit, p.runner.execute
+
+        def recording(*cmd):
+            if cmd[0] == "write" and in_forward[0]:
+                local = cmd[3]  # (address, length) per descriptor, layer-major
+                groups.append(tuple(sorted({(a - base) // layer_bytes for a, _ in local})))
+            submit(*cmd)
+
+        def watched(plan, hook=None):
+            in_forward[0] = True
+            try:
+                return execute(plan, hook)
+            finally:
+                in_forward[0] = False
+
+        p.connector.worker.submit, p.runner.execute = recording, watched
+        pd.submit_registered("r", prompt, greedy(5))  # registered before prefill's step
+        pd.run(until=lambda: "r" in pd.d_legs and pd.d_legs["r"].finished)
+        assert groups == expected_groups
+        assert pd.d_legs["r"].tokens == single_outputs(model, [prompt], 5)["r0"]
+        pd.settle()
+        hashes = hash_prefix_blocks(prompt, 16)
+        p_blocks, d_blocks = p.scheduler.pool.lookup(hashes), d.scheduler.pool.lookup(hashes)
+        assert len(p_blocks) == len(d_blocks) == 6
+        assert (p.runner.kv_region.kv[:, p_blocks] == d.runner.kv_region.kv[:, d_blocks]).all()
+        for eng in (p, d):
+            s = eng.stats()
+            assert s.num_free_blocks == s.num_total_blocks
+    finally:
+        pd.close()
+
+
+def test_layers_per_write_auto_and_bounds():
+    from kvpush.kv_transfer.prefill_side import layers_per_write
+
+    assert layers_per_write(0, 30, cuda=True) == 1  # overlap the kernels still to run
+    assert layers_per_write(0, 30, cuda=False) == 10
+    assert layers_per_write(0, 64, cuda=False) == 22
+    assert layers_per_write(0, 2, cuda=False) == 1
+    assert layers_per_write(5, 30, cuda=True) == 5
+    assert layers_per_write(99, 30, cuda=False) == 30
+    with pytest.raises(ConfigError, match="--push-layers-per-write"):
+        KVTransferConfig(role="prefill", push_layers_per_write=-1).validate()
 
 
 def _assert_clean(pd) -> None:

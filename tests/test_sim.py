@@ -108,15 +108,17 @@ def test_single_request_pull_ttft_is_sum_of_stages(on_step_loop):
         <= st[Stage.TRANSFER_POSTED] < st[Stage.TRANSFER_DONE] < st[Stage.FIRST_TOKEN]
 
 
-def test_single_request_push_ttft_is_sum_of_stages():
-    p = prof()
+@pytest.mark.parametrize("group", [1, 3, L])
+def test_single_request_push_ttft_is_sum_of_stages(group):
+    p = prof(handoff__push_layers_per_write=group)
     ho, tr = p.handoff, p.transfer
     r = one("push", p)
     per_layer_bytes = 256 * p.model.kv_bytes_per_token // L
     prefill = _step(p, [(256, 0)])
-    # the last layer is ready when the forward ends; its WRITE: post, wire, latency
-    expected = (ho.client_hop_s + ho.http_hop_s + prefill + tr.post_time(1)
-                + tr.wire_time(per_layer_bytes, 1) + tr.latency_s
+    # the last layer group is ready when the forward ends; its WRITE: post, wire, latency
+    n = L - (L - 1) // group * group
+    expected = (ho.client_hop_s + ho.http_hop_s + prefill + tr.post_time(n)
+                + tr.wire_time(n * per_layer_bytes, n) + tr.latency_s
                 + ho.side_channel_s                          # PushDone carries token #1
                 + ho.http_hop_s + ho.client_hop_s)
     assert r.ttft == pytest.approx(expected, abs=1e-9)
@@ -318,6 +320,8 @@ def test_arrivals_are_the_bench_generators():
     ({"roles": {"prefill": "s", "decode": "nope", "colocated": "s"}}, "roles.decode"),
     ({"instance": {"block_size": 16}}, "num_blocks"),
     ({"model": {"num_layers": "many"}}, "num_layers"),
+    ({"handoff": {**BASE["handoff"], "push_layers_per_write": 0}}, "push_layers_per_write"),
+    ({"handoff": {**BASE["handoff"], "push_layers_per_write": 2.5}}, "push_layers_per_write"),
 ])
 def test_profile_errors_name_the_field(change, needle):
     d = copy.deepcopy(BASE)

@@ -170,6 +170,7 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
         d["host"] = {**HOST, "corun_by_kind": {"prefill": corun, "decode": corun}}
         d["handoff"]["request_path_s"] = path_s
         d["handoff"]["push_prefill_step_s"] = 0.002 * speed
+        d["handoff"]["push_layers_per_write"] = 3  # a setting: kept, not averaged
         d["measured"] = {
             "started_utc": f"t{speed}", "host_probe_ms": {"s": [200 * speed, 210 * speed]},
             "push_step": {"push_prefill_step_s": 0.002 * speed},
@@ -201,6 +202,8 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
     assert new["host"]["corun_by_kind"]["prefill"] == pytest.approx(1.06)
     assert new["handoff"]["request_path_s"] == pytest.approx(0.005)
     assert new["handoff"]["push_prefill_step_s"] == pytest.approx(0.0021)
+    assert new["handoff"]["push_layers_per_write"] == 3
+    assert isinstance(new["handoff"]["push_layers_per_write"], int)
     assert [p["push_prefill_step_s"] for p in new["measured"]["push_step"]] == \
         pytest.approx([0.002, 0.0022])
     # the served probe's steps were 1.2x their own calibration: 1.2x the pooled fit too

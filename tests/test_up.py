@@ -219,7 +219,8 @@ def test_plan_roles_threads_and_pass_through():
     args = _parse("--prefill", "2", "--decode", "3", "--mode", "pull", "--block-size", "3",
                   "--dtype", "bfloat16", "--kv-cache-memory", "1GiB",
                   "--decode-cache-memory", "256MiB",
-                  "--shuffle-free-blocks", "--prefix-hit-tail", "decode")
+                  "--shuffle-free-blocks", "--prefix-hit-tail", "decode",
+                  "--push-layers-per-write", "5")
     assert up_cli.instance_roles(args) == ["prefill"] * 2 + ["decode"] * 3
     assert up_cli.default_threads(5, cores=16) == 3
     assert up_cli.default_threads(5, cores=2) == 1
@@ -229,7 +230,7 @@ def test_plan_roles_threads_and_pass_through():
                  ["--block-size", "3"], ["--dtype", "bfloat16"], ["--kv-cache-memory", "1GiB"],
                  ["--decode-cache-memory", "256MiB"],
                  ["--port", "1234"], ["--host", "127.0.0.1"], ["--shuffle-free-blocks", "0"],
-                 ["--prefix-hit-tail", "decode"]):
+                 ["--prefix-hit-tail", "decode"], ["--push-layers-per-write", "5"]):
         i = argv.index(pair[0])
         assert argv[i:i + 2] == pair
     assert "--max-model-len" not in argv
@@ -245,6 +246,7 @@ def test_plan_colocated_and_router_argv():
     argv = up_cli.serve_argv(args, "m", "both", 1, 1)
     assert "--kv-transfer" not in argv and argv[argv.index("--role") + 1] == "both"
     assert "--prefix-hit-tail" not in argv and "--shuffle-free-blocks" not in argv
+    assert "--push-layers-per-write" not in argv
     assert "--decode-cache-memory" not in argv
     argv = up_cli.router_argv(args, 8000, [], ["http://a"])
     assert argv[2:4] == ["kvpush", "router"] and "--prefill" not in argv

@@ -199,6 +199,14 @@ class KVTransferConfig:
     #: step loop stays pure decode; "decode": decode computes it itself and prefill's leg
     #: is dropped (faster first token when prefill lacks the prefix; slower decode steps)
     prefix_hit_tail: Literal["prefill", "decode"] = "prefill"
+    #: push, prefill side: how many layers' new blocks go in one WRITE while the forward
+    #: pass runs (the step loop hands each group to the transfer thread as the pass
+    #: completes its last layer). 0: per layer on CUDA, where the WRITEs overlap the
+    #: kernels still to run; a third of the layers per WRITE on CPU, where each hand-off
+    #: wakes the transfer thread on the cores the forward pass runs on (per layer, a
+    #: 128-token prefill step took 5-18 ms longer than pull's on 2 vCPUs; in thirds,
+    #: 1-4 ms: benchmarks/results/push-layer-groups.md)
+    push_layers_per_write: int = 0
     #: shared secret that signs every side-channel message (None: unsigned, for trusted
     #: networks only); never shown in reprs or logs
     side_channel_secret: bytes | None = field(default=None, repr=False)
@@ -222,6 +230,9 @@ class KVTransferConfig:
         if self.prefix_hit_tail not in ("prefill", "decode"):
             raise ConfigError("--prefix-hit-tail must be prefill or decode, "
                               f"got {self.prefix_hit_tail!r}")
+        if self.push_layers_per_write < 0:
+            raise ConfigError("--push-layers-per-write must be 0 (auto) or more, "
+                              f"got {self.push_layers_per_write}")
         if self.side_channel_secret is not None and len(self.side_channel_secret) < 16:
             raise ConfigError("the side-channel secret must be at least 16 bytes "
                               "(--kv-secret-file / KVPUSH_KV_SECRET)")

@@ -106,6 +106,7 @@ class CompareConfig:
     block_size: int | None = None
     shuffle_free_blocks: int | None = None
     prefix_hit_tail: str | None = None
+    push_layers_per_write: int | None = None
     dtype: str | None = None
     #: the vllm executable for vllm-* modes (default: $VLLM_BIN, PATH, this Python)
     vllm_bin: str | None = None
@@ -173,7 +174,8 @@ def _up_args(cfg: CompareConfig, spec: ModeSpec) -> argparse.Namespace:
         max_model_len=cfg.max_model_len, kv_cache_memory=cfg.kv_cache_memory,
         decode_cache_memory=None,
         block_size=cfg.block_size, dtype=cfg.dtype, policy=None, health_interval=None,
-        shuffle_free_blocks=cfg.shuffle_free_blocks, prefix_hit_tail=cfg.prefix_hit_tail)
+        shuffle_free_blocks=cfg.shuffle_free_blocks, prefix_hit_tail=cfg.prefix_hit_tail,
+        push_layers_per_write=cfg.push_layers_per_write)
 
 
 class Cluster:
@@ -549,6 +551,9 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="scatter block ids on every instance (fragmented-KV workload)")
     eng.add_argument("--prefix-hit-tail", choices=("prefill", "decode"),
                      help="push: who computes a prefix-hit tail (see kvpush serve --help)")
+    eng.add_argument("--push-layers-per-write", type=int, metavar="N",
+                     help="push: layers per WRITE during a prefill step (see kvpush serve "
+                          "--help; default: the server's)")
     vl = p.add_argument_group("vLLM peers (modes vllm-*)")
     vl.add_argument("--vllm-bin", metavar="PATH",
                     help="the vllm executable (default: $VLLM_BIN, vllm on PATH, or this "
@@ -589,6 +594,7 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size, dtype=args.dtype, run_timeout=args.run_timeout,
         shuffle_free_blocks=args.shuffle_free_blocks, prefix_hit_tail=args.prefix_hit_tail,
+        push_layers_per_write=args.push_layers_per_write,
         vllm_bin=args.vllm_bin,
         vllm_dtype=args.vllm_dtype, request_timeout=args.request_timeout,
         startup_timeout=args.startup_timeout,

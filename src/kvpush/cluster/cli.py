@@ -109,6 +109,9 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--prefix-hit-tail", choices=("prefill", "decode"),
                      help="push: who computes the tail when decode holds every full block "
                           "of a prompt (see `kvpush serve --help`; default: prefill)")
+    eng.add_argument("--push-layers-per-write", type=int, metavar="N",
+                     help="push: layers per WRITE during a prefill step (see `kvpush serve "
+                          "--help`; default: 1 on CUDA, a third of the layers on CPU)")
 
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on the router and every instance "
@@ -151,6 +154,8 @@ def serve_argv(args: argparse.Namespace, model: str, role: str, port: int,
         argv += ["--kv-transfer", args.mode]
         if args.prefix_hit_tail is not None:
             argv += ["--prefix-hit-tail", args.prefix_hit_tail]
+        if args.push_layers_per_write is not None:
+            argv += ["--push-layers-per-write", str(args.push_layers_per_write)]
     for flag, value in (("--max-model-len", args.max_model_len),
                         ("--kv-cache-memory", args.kv_cache_memory),
                         ("--decode-cache-memory", args.decode_cache_memory),

@@ -44,7 +44,7 @@ from kvpush.engine.outputs import RequestError
 from kvpush.kv_cache.kv_region import KVLayout, KVRegion
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.decode_side import DecodeSide
-from kvpush.kv_transfer.prefill_side import PrefillSide
+from kvpush.kv_transfer.prefill_side import PrefillSide, layers_per_write
 from kvpush.kv_transfer.state import (
     DecodeRecv,
     PushSend,
@@ -82,6 +82,8 @@ class KVConnector(PrefillSide, DecodeSide):
         self.engine_id = cfg.engine_id
         self.region = region
         self.layout = region.layout
+        self.layers_per_write = layers_per_write(cfg.push_layers_per_write,
+                                                 region.layout.num_layers, region.kv.is_cuda)
         self.scheduler = scheduler
         self.block_size = config.cache.block_size
         if faults is None:
@@ -180,6 +182,7 @@ class KVConnector(PrefillSide, DecodeSide):
             "lease_timeout_s": self.cfg.lease_timeout_s,
             "fence_timeout_s": self.cfg.fence_timeout_s,
             "num_fenced_blocks": self.fenced_blocks,
+            "push_layers_per_write": self.layers_per_write,
         }
 
     # ---- requests -------------------------------------------------------------------

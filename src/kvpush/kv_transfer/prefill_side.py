@@ -2,7 +2,8 @@
 
 Push: a ``PushSend`` per request waits for decode's registration, then WRITEs each
 layer's newly completed full blocks from the runner's layer hook while the forward pass
-goes on, the rest when prefill ends, and asks the transfer thread to send ``PushDone``
+goes on (``layers_per_write`` layers per WRITE: one on CUDA, a third of the model on CPU
+by default), the rest when prefill ends, and asks the transfer thread to send ``PushDone``
 (token #1) once every WRITE completed; its blocks are freed on ``writes_done``.
 
 Decode's registration usually lands a few milliseconds after prefill's step for the
@@ -10,9 +11,9 @@ request began (both legs leave the router together), so the step loop would see 
 after that step, and a prompt prefilled in one step would have all of its KV written
 after the forward pass, on the path to token #1. The transfer thread therefore also
 leaves each registration in ``worker.register_hints``; the layer hook takes one there
-mid-step (on the step-loop thread, where all connector state lives), writes the layers
-already computed at once and the rest layer by layer. The registration's inbox event
-comes later and finds it applied.
+mid-step, at the end of a layer group (on the step-loop thread, where all connector
+state lives), writes the layers already computed at once and the rest group by group.
+The registration's inbox event comes later and finds it applied.
 Pull: a finished request's blocks are lent (``lent``) until decode's ``PullDone`` or the
 lease ends.
 """
@@ -35,6 +36,14 @@ from kvpush.scheduler.request import Request
 from kvpush.scheduler.scheduler import ScheduledChunk, StepPlan
 
 log = logging.getLogger("kvpush.kv_transfer.connector")
+
+
+def layers_per_write(configured: int, num_layers: int, cuda: bool) -> int:
+    """Layers per WRITE of a push prefill step (``--push-layers-per-write``; 0: one on
+    CUDA, a third of the layers on CPU), at most ``num_layers``."""
+    if configured <= 0:
+        configured = 1 if cuda else -(-num_layers // 3)
+    return max(1, min(configured, num_layers))
 
 
 class PrefillSide:
@@ -109,13 +118,19 @@ class PrefillSide:
             return None
         cuda = self.region.kv.is_cuda
         hints = self.worker.register_hints
+        group, last = self.layers_per_write, self.layout.num_layers - 1
+        first = 0  # the first layer of the group being computed
 
         def on_layer(layer: int) -> None:
+            nonlocal first
+            if (layer + 1) % group and layer != last:
+                return  # mid-group: handed over with the group's last layer
+            layers, first = range(first, layer + 1), layer + 1
             if cuda:  # the WRITE must not read the layer before the GPU wrote it
                 torch.cuda.current_stream().synchronize()
             for send, local_blocks, remote_blocks in self._step_writes:
                 address = send.reg.address
-                local, remote = self._descs(local_blocks, remote_blocks, address, (layer,))
+                local, remote = self._descs(local_blocks, remote_blocks, address, layers)
                 self.worker.submit("write", send.tid, address, local, remote)
             if waiting and hints:
                 for item in [w for w in waiting if w[0].tid in hints]:

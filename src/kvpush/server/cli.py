@@ -132,6 +132,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                     default="fail",
                     help="decode side, when the KV does not arrive: fail the request with "
                          "a clear error (default) or prefill it locally")
+    pd.add_argument("--push-layers-per-write", type=int, default=0, metavar="N",
+                    help="push, prefill side: layers whose new KV goes in one WRITE while "
+                         "the forward pass runs (default: 0, auto: 1 on CUDA, so WRITEs "
+                         "overlap the layers still to compute; a third of the layers on "
+                         "CPU, where each hand-off to the transfer thread costs the "
+                         "forward pass time on the same cores)")
     pd.add_argument("--prefix-hit-tail", choices=("prefill", "decode"), default="prefill",
                     help="push, decode side, when decode's prefix cache holds every full "
                          "block of the prompt: prefill computes the short uncached tail and "
@@ -210,6 +216,7 @@ def build_config(args: argparse.Namespace) -> Any:
         fence_timeout_s=args.fence_timeout,
         load_failure_policy=args.kv_load_failure_policy,
         prefix_hit_tail=args.prefix_hit_tail,
+        push_layers_per_write=args.push_layers_per_write,
         side_channel_secret=secret,
     )
     kwargs: dict[str, Any] = {}

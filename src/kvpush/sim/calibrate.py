@@ -375,6 +375,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
               log: Callable[[str], None] = print,
               matmul_tables: bool = True) -> dict[str, Any]:
     """Measure and write a profile; returns its dict."""
+    from kvpush.kv_transfer.prefill_side import layers_per_write
     from kvpush.models.registry import DEFAULT_MODEL, resolve_model
 
     model_dir = resolve_model(model or DEFAULT_MODEL)
@@ -504,7 +505,8 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "prefill steps ran in a push pair than in a pull pair serving the same "
             "128-token prompts, turns alternating, for steps that started with D idle / "
             "mid-step (measured.push_step; kvpush.sim.corun.probe_push_step): push's "
-            "per-layer WRITE hand-off and posts, on P's interpreter and the cores.",
+            "WRITE hand-offs (handoff.push_layers_per_write layers each) and posts, on "
+            "P's interpreter and the cores.",
         ],
         "sources": {
             "step_models": "measured here (LLMEngine.step wall time)",
@@ -535,7 +537,10 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                     **{k: push_step[k] for k in ("push_prefill_step_s",
                                                   "push_prefill_corun_step_s")
                        if k in push_step},
-                    "pull_post_on_step_loop": False},
+                    "pull_post_on_step_loop": False,
+                    # what the served prefill instances used (kvpush serve's CPU default)
+                    "push_layers_per_write": layers_per_write(0, shape["num_layers"],
+                                                              cuda=False)},
         "instance": {"block_size": 32, "num_blocks": (1 << 30) // (
             32 * 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * 4),
                      "max_num_batched_tokens": 1024, "max_num_seqs": 64},

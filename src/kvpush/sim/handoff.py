@@ -7,8 +7,9 @@ transfer thread), the READ crosses the link, D notices it at a step boundary and
 recomputes the last prompt token to sample token #1; PullDone lets P free.
 
 Push: both legs at once; D allocates on arrival and registers (one side-channel
-message); P WRITEs each layer of each newly completed block as its forward pass reaches
-that layer (writer thread: post cost; link: bytes, serial), the last blocks when prefill
+message); P WRITEs each newly completed block layer group by layer group
+(``handoff.push_layers_per_write``) as its forward pass completes the group (writer
+thread: post cost; link: bytes, serial), the last blocks when prefill
 ends, and sends PushDone with token #1 once every WRITE is done; D appends token #1 at
 its next step boundary. Decode-side prefix hits shrink the transfer. A full hit (D holds
 every block but the one the prompt's tail is in): with ``tail_on="prefill"`` (kvpush's
@@ -251,12 +252,15 @@ class Handoff:
             nbytes = nblocks * self.block_layer_bytes
             xf.req.descs += d_runs * self.layers
             xf.req.transfer_bytes += nbytes * self.layers
-            for layer in range(self.layers):
-                ready = max(t0 + (layer + 1) / self.layers * (t1 - t0), xf.registered_at)
-                posted = self.res.take(("writer", xf.p.name), ready, tr.post_time(d_runs))
+            group = min(self.profile.handoff.push_layers_per_write, self.layers)
+            for first in range(0, self.layers, group):
+                last = min(first + group, self.layers)  # one WRITE: layers [first, last)
+                n = last - first
+                ready = max(t0 + last / self.layers * (t1 - t0), xf.registered_at)
+                posted = self.res.take(("writer", xf.p.name), ready, tr.post_time(n * d_runs))
                 xf.req.stages[Stage.TRANSFER_POSTED] = posted
                 end = self.res.take(("link", xf.p.name, xf.d.name), posted,
-                                    tr.wire_time(nbytes, d_runs)) + tr.latency_s
+                                    tr.wire_time(n * nbytes, n * d_runs)) + tr.latency_s
                 xf.done = max(xf.done, end)
 
     def _push_finalize(self, xf: PushXfer) -> None:

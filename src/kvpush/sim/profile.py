@@ -251,6 +251,10 @@ class HandoffModel:
     #: the same for a step that starts while another instance of its host is mid-step
     #: (the transfer thread's posts then compete with that step for the cores too)
     push_prefill_corun_step_s: float = 0.0
+    #: push: layers per WRITE while P's forward pass runs (kvpush's
+    #: --push-layers-per-write: one on CUDA, a third of the layers on CPU by default);
+    #: each group goes as the pass completes its last layer
+    push_layers_per_write: int = 1
 
 
 @dataclass(frozen=True)
@@ -434,6 +438,10 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
                   ("http_hop_s", "client_hop_s", "relay_s", "side_channel_s"),
                   ("handshake_s", "front_end_s", "request_path_s", "token_return_s",
                    "push_prefill_step_s", "push_prefill_corun_step_s"))
+    group = ho.get("push_layers_per_write", 1)
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ProfileError(f"{path}: handoff.push_layers_per_write must be an integer >= 1, "
+                           f"got {group!r}")
     inst = data.get("instance")
     if not isinstance(inst, Mapping):
         raise ProfileError(f"{path}: missing field 'instance'")
@@ -469,7 +477,7 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
         model=shape, step_models=models, roles={r: str(roles[r]) for r in ROLES},
         transfer=TransferModel(**tr),
         handoff=HandoffModel(**hn, pull_post_on_step_loop=bool(
-            ho.get("pull_post_on_step_loop", True))),
+            ho.get("pull_post_on_step_loop", True)), push_layers_per_write=group),
         instance=limits, sources={str(k): str(v) for k, v in sources.items()},
         notes=tuple(str(n) for n in data.get("notes", ())), path=path,
         corun_slowdown=corun, corun_by_kind=by_kind, step_noise=noise)

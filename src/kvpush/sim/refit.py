@@ -23,11 +23,15 @@ from kvpush.sim.calibrate import fit_linear, pass_levels, pass_warning
 
 
 def _mean_numbers(dicts: list[dict[str, Any]]) -> dict[str, Any]:
-    """The first dict with each number that every dict has replaced by their mean."""
+    """The first dict with each number that every dict has replaced by their mean (an
+    integer that all have alike, a setting such as handoff.push_layers_per_write, stays
+    as it is)."""
     out = dict(dicts[0])
     for k, v in out.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and all(
                 isinstance(d.get(k), (int, float)) for d in dicts):
+            if isinstance(v, int) and all(d[k] == v for d in dicts):
+                continue
             out[k] = sum(float(d[k]) for d in dicts) / len(dicts)
     return out
 
