@@ -732,6 +732,7 @@ def test_pair_corun_ratios_split_steps_by_the_neighbour_at_their_start():
     assert out["prefill"] == pytest.approx(1.05) and out["decode"] == pytest.approx(1.2)
     assert out["steps"] == {"prefill": {"busy": 4, "alone": 4},
                             "decode": {"busy": 4, "alone": 8}}
+    assert out["alone"] == {"prefill": pytest.approx(1.0), "decode": pytest.approx(1.0)}
     # too few steps on a side: no figure; never a speed-up
     few = pair_corun_ratios(p_steps[:2], d_steps[4:8], Flat())
     assert (few["prefill"], few["decode"]) == (1.0, 1.0)

@@ -112,7 +112,10 @@ def pair_corun_ratios(p_steps: Sequence[Mapping[str, Any]],
     decode-only steps), the median measured / modelled time of the steps that started
     while the other instance was mid-step (the simulator's rule) over that of the steps
     that started while it was idle; 1.0 (and no slowdown below 1) where either side has
-    fewer than :data:`PAIR_MIN_STEPS` steps."""
+    fewer than :data:`PAIR_MIN_STEPS` steps. ``alone``: per kind, the median measured /
+    modelled of the steps that started alone (recorded, not used by the simulator: in
+    the v14 runs D's lone decode steps ran ~0.99x the engine-alone fit in a pair, where
+    a lone served instance's ran 0.96x)."""
     import statistics
 
     out: dict[str, Any] = {"steps": {}}
@@ -126,6 +129,8 @@ def pair_corun_ratios(p_steps: Sequence[Mapping[str, Any]],
             if predicted > 0:
                 sides[_busy_at(st["t"], other)].append(st["dur"] / predicted)
         out["steps"][kind] = {"busy": len(sides[True]), "alone": len(sides[False])}
+        if len(sides[False]) >= PAIR_MIN_STEPS:  # a record: served alone, in a pair
+            out.setdefault("alone", {})[kind] = round(statistics.median(sides[False]), 4)
         if min(len(sides[True]), len(sides[False])) < PAIR_MIN_STEPS:
             out[kind] = 1.0
         else:
