@@ -67,6 +67,43 @@ def idle_factor(prof, workload: str) -> tuple[float, str]:
                                  f"{measured * 1e3:.0f} ms, simulated {sim.ttft * 1e3:.0f} ms")
 
 
+def cells(name: str):
+    """Each measured cell of one workload folder: (rate text, mode label, the Workload, the
+    ClusterConfig that replays it, the summary's pooled cell, the repeats' run JSONs)."""
+    from kvpush.sim.cluster import ClusterConfig
+    from kvpush.sim.workload import Workload
+
+    summary = json.loads((RESULTS / name / "summary.json").read_text())
+    cfg = summary["config"]
+    shared = cfg["dataset"] == "shared-prefix"
+    prefix = (cfg["prefix_len"] or cfg["input_len"] // 2) if shared else 0
+    # runs from before --prefix-hit-tail had the engine compute a full hit's tail on D
+    tail = cfg.get("prefix_hit_tail") or ("prefill" if "prefix_hit_tail" in cfg
+                                          else "decode")
+    for i, rate_text in enumerate(summary["rates"]):
+        # the warm-up requests ran the shared prefix through P and D (or colocated)
+        w = Workload(cfg["num_prompts"], _rate(rate_text), cfg["input_len"],
+                     cfg["output_len"], seed=cfg["seed"] + 1000 * i, prefix_len=prefix,
+                     prefix_cached_on=("prefill", "decode") if shared and cfg["warmup"]
+                     else ())
+        for label in summary["modes"]:
+            cell = summary["cells"].get(f"{label}@{rate_text}")
+            if cell is None:
+                continue
+            mode = label.split(":")[0].split("-")[0]
+            threads = cfg["threads"][label]
+            role = "colocated" if mode == "colocated" else None
+            over = (("colocated", f"threads={threads}"),) if role else (
+                ("prefill", f"threads={threads}"), ("decode", f"threads={threads}"))
+            # bench compare runs colocated as ONE `role both` instance (its runs say
+            # "instances": "1 both"); P/D as cfg prefill + cfg decode instances
+            size = (0, 1) if mode == "colocated" else (cfg["prefill"], cfg["decode"])
+            cluster = ClusterConfig(mode, *size, step_models=over, prefix_hit_tail=tail)
+            reps = [json.loads(f.read_text()) for f in sorted(
+                (RESULTS / name / "runs").glob(f"{label}_r{rate_text}_rep*.json"))]
+            yield rate_text, label, w, cluster, cell, reps
+
+
 def validate(profile_path: Path, scale: float = 1.0,
              workloads: tuple[str, ...] = WORKLOADS,
              replicas: int = REPLICAS, scale_model: str | None = None,
@@ -75,10 +112,9 @@ def validate(profile_path: Path, scale: float = 1.0,
     repeat simulated on its own, its run's step model scaled by the run's host probe over
     the calibration's (kvpush.sim.host_level), ``replicas`` noise seeds shared out among
     the repeats and all their requests pooled."""
-    from kvpush.sim.cluster import ClusterConfig, simulate_pooled, summarize
+    from kvpush.sim.cluster import simulate_pooled, summarize
     from kvpush.sim.host_level import level_scale
     from kvpush.sim.profile import load_profile
-    from kvpush.sim.workload import Workload
 
     prof = load_profile(profile_path)
     measured = json.loads(profile_path.read_text()).get("measured", {})
@@ -86,57 +122,30 @@ def validate(profile_path: Path, scale: float = 1.0,
         prof = prof.scaled(scale, scale_model)
     rows: list[dict] = []
     for name in workloads:
-        summary = json.loads((RESULTS / name / "summary.json").read_text())
-        cfg = summary["config"]
-        shared = cfg["dataset"] == "shared-prefix"
-        prefix = (cfg["prefix_len"] or cfg["input_len"] // 2) if shared else 0
-        # runs from before --prefix-hit-tail had the engine compute a full hit's tail on D
-        tail = cfg.get("prefix_hit_tail") or ("prefill" if "prefix_hit_tail" in cfg
-                                              else "decode")
-        for i, rate_text in enumerate(summary["rates"]):
-            # the warm-up requests ran the shared prefix through P and D (or colocated)
-            w = Workload(cfg["num_prompts"], _rate(rate_text), cfg["input_len"],
-                         cfg["output_len"], seed=cfg["seed"] + 1000 * i, prefix_len=prefix,
-                         prefix_cached_on=("prefill", "decode") if shared and cfg["warmup"]
-                         else ())
-            for label in summary["modes"]:
-                cell = summary["cells"].get(f"{label}@{rate_text}")
-                if cell is None:
-                    continue
-                mode = label.split(":")[0].split("-")[0]
-                threads = cfg["threads"][label]
-                role = "colocated" if mode == "colocated" else None
-                over = (("colocated", f"threads={threads}"),) if role else (
-                    ("prefill", f"threads={threads}"), ("decode", f"threads={threads}"))
-                # bench compare runs colocated as ONE `role both` instance (its runs say
-                # "instances": "1 both"); P/D as cfg prefill + cfg decode instances
-                size = (0, 1) if mode == "colocated" else (cfg["prefill"], cfg["decode"])
-                cluster = ClusterConfig(mode, *size, step_models=over, prefix_hit_tail=tail)
-                reps = [json.loads(f.read_text()) for f in sorted(
-                    (RESULTS / name / "runs").glob(f"{label}_r{rate_text}_rep*.json"))]
-                row = {"workload": name, "mode": label, "rate": rate_text,
-                       "n": cell["completed"]}
-                if host_level:
-                    share = -(-replicas // len(reps))
-                    results = []
-                    row["host_scales"] = []
-                    for k, run in enumerate(reps):
-                        model, factor = level_scale(measured, run)
-                        row["host_scales"].append(round(factor, 4))
-                        results += simulate_pooled(prof.scaled(factor, model), w,
-                                                   dataclasses.replace(
-                                                       cluster, seed=k * share), share)
-                    sim = summarize(results)
-                else:
-                    # with step noise: `replicas` noise seeds pooled, as the measured cell
-                    # pools its repeats (kvpush.sim.noise); without: one deterministic run
-                    sim = summarize(simulate_pooled(prof, w, cluster, replicas))
-                for key, _ in METRICS:
-                    row[f"meas_{key}"] = cell[key]
-                    row[f"reps_{key}"] = [r[key] for r in reps if r.get(key) is not None]
-                    row[f"sim_{key}"] = sim[key]
-                    row[f"err_{key}"] = (sim[key] - cell[key]) / cell[key] if cell[key] else 0.0
-                rows.append(row)
+        for rate_text, label, w, cluster, cell, reps in cells(name):
+            row = {"workload": name, "mode": label, "rate": rate_text,
+                   "n": cell["completed"]}
+            if host_level:
+                share = -(-replicas // len(reps))
+                results = []
+                row["host_scales"] = []
+                for k, run in enumerate(reps):
+                    model, factor = level_scale(measured, run)
+                    row["host_scales"].append(round(factor, 4))
+                    results += simulate_pooled(prof.scaled(factor, model), w,
+                                               dataclasses.replace(
+                                                   cluster, seed=k * share), share)
+                sim = summarize(results)
+            else:
+                # with step noise: `replicas` noise seeds pooled, as the measured cell
+                # pools its repeats (kvpush.sim.noise); without: one deterministic run
+                sim = summarize(simulate_pooled(prof, w, cluster, replicas))
+            for key, _ in METRICS:
+                row[f"meas_{key}"] = cell[key]
+                row[f"reps_{key}"] = [r[key] for r in reps if r.get(key) is not None]
+                row[f"sim_{key}"] = sim[key]
+                row[f"err_{key}"] = (sim[key] - cell[key]) / cell[key] if cell[key] else 0.0
+            rows.append(row)
     return rows, prof.name
 
 

@@ -1,0 +1,101 @@
+"""Validate `kvpush simulate` against several run sets at once, each on its own profile.
+
+`benchmarks/sim_runs.sh` made the same five workloads more than once (sim/v14, v15,
+v16), each set bracketed by its own calibrations. On this VM a cell's repeats move by up
+to 30% with the host (SIMULATION.md 1-host), so one set's three repeats still carry that
+noise. This script pools the sets: for every cell it simulates each set's workload on
+that set's own profile (the noise seeds shared out among the sets) and compares the
+percentiles of all simulated requests with those of all measured requests of all the
+sets' repeats. Each set is still predicted only from its own calibration; what pooling
+adds is repeats, as `kvpush bench compare` pools its repeats within a set.
+
+    .venv/bin/python benchmarks/sim_validate_sets.py \\
+        --set sim/v14=sim/v14/cpu-local-pooled-push-step.json \\
+        --set sim/v15=sim/v15/cpu-local-pooled.json \\
+        --set sim/v16=sim/v16/cpu-local-pooled.json
+
+(paths under benchmarks/results/). The table goes between the ``sim_validate_sets``
+markers of SIMULATION.md (``--no-write``: print only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+import sim_validate as sv  # noqa: E402
+
+NAMES = ("quiet_512", "long_prompts", "short_high_rate", "prefix_hit",
+         "prefix_hit_tail_on_decode")
+
+
+def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS) -> list[dict]:
+    """One row per cell present in every set: measured (all sets' repeats pooled) and
+    simulated (each set on its profile, requests pooled) metrics."""
+    from kvpush.bench.compare import pooled
+    from kvpush.sim.cluster import simulate_pooled, summarize
+    from kvpush.sim.profile import load_profile
+
+    profiles = [load_profile(p) for _, p in sets]
+    share = -(-replicas // len(sets))
+    rows = []
+    for name in NAMES:
+        per_set = [{(rate, label): (w, cluster, reps)
+                    for rate, label, w, cluster, _cell, reps in sv.cells(f"{folder}/{name}")}
+                   for folder, _ in sets]
+        for key in [k for k in per_set[0] if all(k in s for s in per_set)]:
+            results, runs = [], []
+            for k, (prof, cells) in enumerate(zip(profiles, per_set)):
+                w, cluster, reps = cells[key]
+                results += simulate_pooled(prof, w, dataclasses.replace(
+                    cluster, seed=k * share), share)
+                runs += reps
+            meas, sim = pooled(runs), summarize(results)
+            row = {"workload": name, "mode": key[1], "rate": key[0],
+                   "n": meas["completed"], "repeats": len(runs)}
+            for metric, _ in sv.METRICS:
+                row[f"meas_{metric}"], row[f"sim_{metric}"] = meas[metric], sim[metric]
+                row[f"err_{metric}"] = ((sim[metric] - meas[metric]) / meas[metric]
+                                        if meas[metric] else 0.0)
+            rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--set", action="append", required=True, metavar="FOLDER=PROFILE",
+                    help="a run set's folder and its profile, both under benchmarks/results")
+    ap.add_argument("--replicas", type=int, default=sv.REPLICAS,
+                    help="noise seeds per cell, shared out among the sets")
+    ap.add_argument("--no-write", action="store_true", help="print only")
+    args = ap.parse_args(argv)
+    sets = []
+    for text in args.set:
+        folder, sep, profile = text.partition("=")
+        if not sep or not (sv.RESULTS / folder).is_dir() or not (sv.RESULTS / profile).is_file():
+            ap.error(f"--set {text}: expected FOLDER=PROFILE, both under benchmarks/results")
+        sets.append((folder, sv.RESULTS / profile))
+    rows = validate_sets(sets, args.replicas)
+    body = ("Each cell pools the repeats of the sets "
+            + ", ".join(f"`{f}` (profile `{p.relative_to(sv.RESULTS)}`)" for f, p in sets)
+            + f"; simulated: each set on its own profile, {args.replicas} noise seeds shared "
+            "out among the sets, every request pooled. Latencies in ms; err = (sim - "
+            f"measured) / measured; **x** = outside {sv.TOLERANCE:.0%}. Command: `.venv/bin/"
+            "python benchmarks/sim_validate_sets.py "
+            + " ".join(f"--set {t}" for t in args.set) + "`.\n\n"
+            + sv.table(rows) + "\n\n"
+            + sv.scorecard(rows))
+    print(body)
+    if not args.no_write:
+        sv.write_section(sv.DOC, "sim_validate_sets", body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
