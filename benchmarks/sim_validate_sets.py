@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", required=True, metavar="FOLDER=PROFILE",
                     help="a run set's folder and its profile, both under benchmarks/results")
     ap.add_argument("--replicas", type=int, default=sv.REPLICAS,
-                    help="noise seeds per cell, shared out among the sets")
+                    help="noise seeds per cell, shared out among the sets (rounded up)")
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
     sets = []
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = validate_sets(sets, args.replicas)
     body = ("Each cell pools the repeats of the sets "
             + ", ".join(f"`{f}` (profile `{p.relative_to(sv.RESULTS)}`)" for f, p in sets)
-            + f"; simulated: each set on its own profile, {args.replicas} noise seeds shared "
-            "out among the sets, every request pooled. Latencies in ms; err = (sim - "
+            + f"; simulated: each set on its own profile with {-(-args.replicas // len(sets))}"
+            " noise seeds, every request pooled. Latencies in ms; err = (sim - "
             f"measured) / measured; **x** = outside {sv.TOLERANCE:.0%}. Command: `.venv/bin/"
             "python benchmarks/sim_validate_sets.py "
             + " ".join(f"--set {t}" for t in args.set) + "`.\n\n"
