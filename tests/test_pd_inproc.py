@@ -150,15 +150,28 @@ def test_push_token1_goes_out_before_decode_runs_a_forward(pd):
     pd.settle()
 
 
-@pytest.mark.parametrize("pd", ["push"], indirect=True)
-def test_registration_arriving_mid_step_starts_the_writes_there(pd, tiny_qwen3):
+@pytest.mark.parametrize("preset,group,during_forward", [
+    ("tiny", 0, 1),  # 2 layers, one per WRITE: layers 0-1 at once, nothing after
+    ("small", 1, 3),  # 4 layers: layers 0-1 at once, then layer 2, then layer 3
+    ("small", 2, 2)])  # groups of 2: layers 0-1 at once (a group end), then 2-3
+def test_registration_arriving_mid_step_starts_the_writes_there(model_factory, preset,
+                                                                 group, during_forward):
     """Decode registers while prefill's one-step forward pass is at layer 1: the layers
-    already computed are written at once and every later layer as it completes, so
-    that after the step only the partial last block is left to write."""
+    already computed are written at once and every later layer group as it completes,
+    so that after the step only the partial last block is left to write."""
+    model = model_factory("qwen3", preset)
+    pd = PDDriver(make_instance(model, "prefill", "push", layers_per_write=group),
+                  make_instance(model, "decode", "push", layers_per_write=group))
+    try:
+        _registration_mid_step(pd, model, during_forward)
+    finally:
+        pd.close()
+
+
+def _registration_mid_step(pd, model, during_forward: int) -> None:
     prompt, warm = random_prompts([250, 20], seed=8)  # 250: 15 full blocks and a part
     pd.submit("warm", warm, greedy(1))  # the instances meet (Hello) before the step
     pd.run()
-    layers = pd.p.config.model.num_layers
     writes: list[bool] = []  # per WRITE submitted: during the forward pass?
     in_forward = [False]
     submit = pd.p.connector.worker.submit
@@ -195,10 +208,9 @@ def test_registration_arriving_mid_step_starts_the_writes_there(pd, tiny_qwen3):
     pd.send_prefill("r", prompt, greedy(6))
     pd.run(until=lambda: "r" in pd.d_legs and pd.d_legs["r"].finished)
     assert pd.p.connector.counters["registrations_mid_step"] == 1
-    # layers 0-1 in one WRITE when the registration was applied, then one per layer
-    assert writes.count(True) == 1 + (layers - 2)
+    assert writes.count(True) == during_forward
     assert writes.count(False) == 1  # the partial last block, every layer in one WRITE
-    assert pd.d_legs["r"].tokens == single_outputs(tiny_qwen3, [prompt], 6)["r0"]
+    assert pd.d_legs["r"].tokens == single_outputs(model, [prompt], 6)["r0"]
     _assert_clean(pd)
 
 
