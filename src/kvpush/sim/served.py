@@ -295,7 +295,10 @@ class ServedProbe:
 
     input_len: int = 384
     output_len: int = 24
-    num_prompts: int = 12
+    #: 24: with 12, the all-at-once phase gave 4-5 batched prefill steps, and the 2-thread
+    #: ``prefill_batched`` factor they set ranged 0.96-1.19 over the v13-v16 calibrations
+    #: (SIMULATION.md 1-sets)
+    num_prompts: int = 24
     rates: tuple[float, ...] = (1.0, math.inf)
     seed: int = 7
     #: then longer prompts at a light rate (None: not), so that the prefill steps span
