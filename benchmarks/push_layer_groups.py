@@ -19,14 +19,9 @@ Run it on a quiet host: ~3 minutes for 12 turns of 8 prompts at 2 req/s.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
 import statistics
 import sys
-import tempfile
-import time
-from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,49 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.turns < 1 or any(g < 0 for g in groups):
         ap.error("--turns must be >= 1 and every group >= 0")
 
-    from kvpush.bench.client import BenchConfig, prepare_requests, run_benchmark
-    from kvpush.bench.compare import Cluster, CompareConfig, ModeSpec, resolve_served_model
-    from kvpush.bench.datasets import load_tokenizer
-    from kvpush.sim.corun import push_step_cost
+    from kvpush.sim.corun import PairSpec, push_step_cost, serve_side_by_side
     from kvpush.sim.profile import engine_step_model
-    from kvpush.sim.served import traced_steps
 
     data = json.loads(args.profile.read_text())
     engine = engine_step_model(data, data["roles"]["prefill"])
-    served, tok_dir = resolve_served_model(args.model)
-    tokenizer = load_tokenizer(tok_dir)
-    names = ["pull"] + [f"push, {g or 'default'} layers per WRITE" for g in groups]
-    ttfts: dict[str, list[float]] = {n: [] for n in names}
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    with tempfile.TemporaryDirectory(prefix="kvpush-layer-groups-") as tmp, ExitStack() as st:
-        root = Path(tmp)
-        urls, folders = {}, {}
-        for i, name in enumerate(names):
-            mode = "pull" if i == 0 else "push"
-            cfg = CompareConfig(modes=[ModeSpec(mode)], rates=[args.rate], out_dir=root,
-                                model=args.model, input_len=args.input_len,
-                                output_len=args.output_len, startup_timeout=300.0,
-                                push_layers_per_write=None if i == 0 else groups[i - 1])
-            folders[name] = root / f"steps{i}"
-            urls[name] = st.enter_context(Cluster(cfg, ModeSpec(mode), served,
-                                                  root / f"logs{i}", tok_dir,
-                                                  folders[name])).url
-        orders = list(itertools.permutations(names))
-        for turn in range(args.turns + 1):  # turn 0: warm-up (connections, hand-shakes)
-            if turn == 1:
-                start = time.time()
-            for name in orders[turn % len(orders)]:
-                bc = BenchConfig(url=urls[name], tokenizer=tok_dir, input_len=args.input_len,
-                                 output_len=args.output_len,
-                                 num_prompts=args.prompts_per_turn if turn else 2,
-                                 request_rate=args.rate if turn else math.inf,
-                                 seed=11 + turn, timeout=120.0)
-                res = run_benchmark(bc, requests=prepare_requests(bc, tokenizer),
-                                    tokenizer=tokenizer)
-                if turn:
-                    ttfts[name] += [o.ttft for o in res.outputs if o.success]
-        steps = {(n, role): traced_steps(sorted(folders[n].rglob(f"{role}-*.jsonl")), start)
-                 for n in names for role in ("prefill", "decode")}
+    pairs = [PairSpec("pull", "pull")] + [
+        PairSpec(f"push, {g or 'default'} layers per WRITE", "push", g) for g in groups]
+    run = serve_side_by_side(args.model, pairs, args.input_len, args.output_len,
+                             args.prompts_per_turn, args.turns, args.rate)
+    ttfts, steps, started = run.ttfts, run.steps, run.started_utc
+    names = [p.name for p in pairs]
     rows = []
     for name in names:
         t = ttfts[name]

@@ -174,12 +174,14 @@ def test_push_step_cost_is_push_residual_over_pull_residual():
     pull = [{"t": i, "dur": d, "chunks": pre} for i, d in enumerate((0.10, 0.11, 0.12))]
     push = [{"t": i, "dur": d, "chunks": pre} for i, d in enumerate((0.115, 0.118, 0.13))]
     decodes = [{"t": 9, "dur": 5.0, "chunks": dec}] * 5  # not prefill steps: ignored
-    out = push_step_cost(pull + decodes, push + decodes, Flat())
+    out = push_step_cost(pull + decodes, push + decodes, Flat(), [], [])  # D never busy
     assert out["push_prefill_step_s"] == pytest.approx(0.008)  # medians 0.118 - 0.110
-    assert out["steps"] == {"all": {"pull": 3, "push": 3}}
+    assert out["push_prefill_corun_step_s"] == 0.0  # no step started beside D
+    assert out["steps"] == {"D idle": {"pull": 3, "push": 3},
+                            "beside D": {"pull": 0, "push": 0}}
     # push no slower: 0, never negative; too few steps on a side: 0
-    assert push_step_cost(push, pull, Flat())["push_prefill_step_s"] == 0.0
-    assert push_step_cost(pull, push[:2], Flat())["push_prefill_step_s"] == 0.0
+    assert push_step_cost(push, pull, Flat(), [], [])["push_prefill_step_s"] == 0.0
+    assert push_step_cost(pull, push[:2], Flat(), [], [])["push_prefill_step_s"] == 0.0
     # with D's steps: P steps that started inside one are priced on their own
     d_busy = [{"t": i - 0.01, "dur": 0.05, "chunks": dec} for i in (3, 4, 5)]
     late = [{"t": i, "dur": d, "chunks": pre} for i, d in ((3, 0.12), (4, 0.12), (5, 0.13))]
@@ -765,3 +767,8 @@ def test_push_step_probe_serves_both_pairs_and_stops_them(tiny_llama):
     assert set(descendant_pids(os.getpid())) <= before
     with pytest.raises(ValueError, match="turns"):
         probe_push_step(str(tiny_llama), engine, turns=0)
+    from kvpush.sim.corun import PairSpec, serve_side_by_side
+
+    with pytest.raises(ValueError, match="distinct"):  # refused before anything starts
+        serve_side_by_side(str(tiny_llama), [PairSpec("a", "pull"), PairSpec("a", "push")])
+    assert set(descendant_pids(os.getpid())) <= before

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -169,40 +171,36 @@ def probe_served_pair(model: str, engine_model: StepModel, input_len: int = 384,
 def push_step_cost(pull_steps: Sequence[Mapping[str, Any]],
                    push_steps: Sequence[Mapping[str, Any]],
                    model: StepModel,
-                   pull_decode: Sequence[Mapping[str, Any]] | None = None,
-                   push_decode: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                   pull_decode: Sequence[Mapping[str, Any]],
+                   push_decode: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """How much longer a prefill instance's prefill steps take in push than in pull: the
     median of (measured - modelled) over P's prefill steps of a push pair, minus the same
     over a pull pair that served the same prompts (what the pair shares, the served
     overhead, cancels; what remains is push's own work on P: the per-layer WRITE hand-off
-    from the step loop and the transfer thread's posts beside it). With each pair's D
-    steps (``*_decode``) the steps are split as the simulator applies them: those that
-    started while D was idle give ``push_prefill_step_s``, those that started while D
-    was mid-step ``push_prefill_corun_step_s`` (the transfer thread then competes with
-    D's step for the cores too). Seconds per step, 0 when push is not slower or a side
+    from the step loop and the transfer thread's posts beside it). Each pair's D steps
+    (``*_decode``) split P's steps as the simulator applies them: those that started
+    while D was idle give ``push_prefill_step_s``, those that started while D was
+    mid-step ``push_prefill_corun_step_s`` (the transfer thread then competes with D's
+    step for the cores too). Seconds per step, 0 when push is not slower or a side
     has fewer than :data:`PAIR_MIN_STEPS` steps."""
     import statistics
 
     def residuals(steps: Sequence[Mapping[str, Any]],
-                  decode: Sequence[Mapping[str, Any]] | None, beside: bool) -> list[float]:
+                  decode: Sequence[Mapping[str, Any]], beside: bool) -> list[float]:
         out = []
         for st in steps:
             chunks = [tuple(c) for c in st["chunks"]]
-            if decode_only(chunks) or (decode is not None and _busy_at(st["t"], decode)
-                                       != beside):
+            if decode_only(chunks) or _busy_at(st["t"], decode) != beside:
                 continue
             if (predicted := model.step_time(chunks)) > 0:
                 out.append(st["dur"] - predicted)
         return out
 
-    split = pull_decode is not None and push_decode is not None
     out: dict[str, Any] = {"steps": {}}
     for key, beside in (("push_prefill_step_s", False), ("push_prefill_corun_step_s", True)):
-        if not split and beside:
-            break
-        pull = residuals(pull_steps, pull_decode if split else None, beside)
-        push = residuals(push_steps, push_decode if split else None, beside)
-        where = "beside D" if beside else ("D idle" if split else "all")
+        pull = residuals(pull_steps, pull_decode, beside)
+        push = residuals(push_steps, push_decode, beside)
+        where = "beside D" if beside else "D idle"
         out["steps"][where] = {"pull": len(pull), "push": len(push)}
         if min(len(pull), len(push)) < PAIR_MIN_STEPS:
             out[key] = 0.0
@@ -214,25 +212,45 @@ def push_step_cost(pull_steps: Sequence[Mapping[str, Any]],
     return out
 
 
-def probe_push_step(model: str, engine_model: StepModel, input_len: int = 128,
-                    output_len: int = 8, prompts_per_turn: int = 8, turns: int = 8,
-                    rate: float = 2.0, seed: int = 11,
-                    log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Start ``kvpush bench compare``'s 1P1D pull pair and its push pair side by side (1
-    torch thread per instance, traced; an idle pair does not step), then send
-    ``prompts_per_turn`` short prompts at ``rate`` to one pair, the same prompts to the
-    other, and so on for ``turns`` turns each, the order alternating (pull push push
-    pull ...). Push's extra cost per prefill step on P is then taken over every
-    measured step (:func:`push_step_cost`). Short prompts: on the v14 runs the difference
-    was roughly 7-12 ms per step, within the scatter of the 384-token pair probe's ~485 ms steps
-    but 5-10% of a 100-150 ms one. Turns of a few seconds: one pull run then one push run
-    of 16-32 prompts measured anything from 1 to 20 ms in tries minutes apart, as the
-    host's speed moved between them."""
+@dataclass(frozen=True)
+class PairSpec:
+    """One 1P1D pair of a side-by-side run: its label, transfer mode and, for push, how
+    many layers one WRITE carries (``None``: the server's default)."""
+
+    name: str
+    mode: str
+    push_layers_per_write: int | None = None
+
+
+@dataclass
+class SideBySide:
+    """What a side-by-side run gave: per pair, the measured requests' times to first
+    token (s), and per (pair, role) the traced steps from the first measured turn on."""
+
+    started_utc: str
+    ttfts: dict[str, list[float]] = field(default_factory=dict)
+    steps: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
+
+
+def serve_side_by_side(model: str, pairs: Sequence[PairSpec], input_len: int = 128,
+                       output_len: int = 8, prompts_per_turn: int = 8, turns: int = 8,
+                       rate: float = 2.0, seed: int = 11) -> SideBySide:
+    """Start one of ``kvpush bench compare``'s 1P1D pairs per spec side by side (1 torch
+    thread per instance, traced; an idle pair does not step), then send
+    ``prompts_per_turn`` prompts at ``rate`` to each pair in turn, the same prompts to
+    each, for ``turns`` turns after a warm-up turn (connections, hand-shakes). The order
+    rotates through every permutation of the pairs (two pairs: A B, B A, A B, ...), so
+    that the host's drifting speed falls on every pair alike. Every process started is
+    stopped before it returns."""
+    import itertools
     import tempfile
     import time
 
     if turns < 1:
         raise ValueError(f"turns must be >= 1, got {turns}")
+    names = [p.name for p in pairs]
+    if len(set(names)) != len(names) or not names:
+        raise ValueError(f"pair names must be distinct and at least one: {names}")
     from kvpush.bench.client import BenchConfig, prepare_requests, run_benchmark
     from kvpush.bench.compare import Cluster, CompareConfig, ModeSpec, resolve_served_model
     from kvpush.bench.datasets import load_tokenizer
@@ -240,31 +258,57 @@ def probe_push_step(model: str, engine_model: StepModel, input_len: int = 128,
 
     served, tok_dir = resolve_served_model(model)
     tokenizer = load_tokenizer(tok_dir)
-    with tempfile.TemporaryDirectory(prefix="kvpush-push-step-probe-") as tmp:
-        cfg = CompareConfig(modes=[ModeSpec("pull"), ModeSpec("push")], rates=[rate],
-                            out_dir=Path(tmp), model=model, input_len=input_len,
-                            output_len=output_len, startup_timeout=300.0)
+    run = SideBySide(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     {n: [] for n in names})
+    with tempfile.TemporaryDirectory(prefix="kvpush-side-by-side-") as tmp, ExitStack() as st:
         root = Path(tmp)
-        with Cluster(cfg, ModeSpec("pull"), served, root / "logs-pull", tok_dir,
-                     root / "pull") as a, \
-                Cluster(cfg, ModeSpec("push"), served, root / "logs-push", tok_dir,
-                        root / "push") as b:
-            urls = {"pull": a.url, "push": b.url}
-            for turn in range(turns + 1):  # turn 0: warm-up (connections, hand-shakes)
-                if turn == 1:
-                    start = time.time()
-                for mode in (("pull", "push") if turn % 2 == 0 else ("push", "pull")):
-                    bc = BenchConfig(url=urls[mode], tokenizer=tok_dir, input_len=input_len,
-                                     output_len=output_len,
-                                     num_prompts=prompts_per_turn if turn else 2,
-                                     request_rate=rate if turn else math.inf,
-                                     seed=seed + turn, timeout=120.0)
-                    run_benchmark(bc, requests=prepare_requests(bc, tokenizer),
-                                  tokenizer=tokenizer)
-        steps = {(m, role): traced_steps(sorted((root / m).rglob(f"{role}-*.jsonl")), start)
-                 for m in ("pull", "push") for role in ("prefill", "decode")}
-    out = push_step_cost(steps["pull", "prefill"], steps["push", "prefill"], engine_model,
-                         steps["pull", "decode"], steps["push", "decode"])
+        urls = {}
+        for i, spec in enumerate(pairs):
+            cfg = CompareConfig(modes=[ModeSpec(spec.mode)], rates=[rate], out_dir=root,
+                                model=model, input_len=input_len, output_len=output_len,
+                                startup_timeout=300.0,
+                                push_layers_per_write=spec.push_layers_per_write)
+            urls[spec.name] = st.enter_context(Cluster(
+                cfg, ModeSpec(spec.mode), served, root / f"logs{i}", tok_dir,
+                root / f"steps{i}")).url
+        orders = list(itertools.permutations(names))
+        for turn in range(turns + 1):
+            if turn == 1:
+                start = time.time()
+            for name in orders[turn % len(orders)]:
+                bc = BenchConfig(url=urls[name], tokenizer=tok_dir, input_len=input_len,
+                                 output_len=output_len,
+                                 num_prompts=prompts_per_turn if turn else 2,
+                                 request_rate=rate if turn else math.inf,
+                                 seed=seed + turn, timeout=120.0)
+                res = run_benchmark(bc, requests=prepare_requests(bc, tokenizer),
+                                    tokenizer=tokenizer)
+                if turn:
+                    run.ttfts[name] += [o.ttft for o in res.outputs if o.success]
+        st.close()  # the pairs are stopped before their traces are read
+        run.steps = {(spec.name, role): traced_steps(
+            sorted((root / f"steps{i}").rglob(f"{role}-*.jsonl")), start)
+            for i, spec in enumerate(pairs) for role in ("prefill", "decode")}
+    return run
+
+
+def probe_push_step(model: str, engine_model: StepModel, input_len: int = 128,
+                    output_len: int = 8, prompts_per_turn: int = 8, turns: int = 8,
+                    rate: float = 2.0, seed: int = 11,
+                    log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Serve ``kvpush bench compare``'s 1P1D pull pair and its push pair side by side,
+    ``prompts_per_turn`` short prompts at ``rate`` per turn, the order alternating
+    (:func:`serve_side_by_side`); push's extra cost per prefill step on P is then taken
+    over every measured step (:func:`push_step_cost`). Short prompts: on the v14 runs the
+    difference was roughly 7-12 ms per step, within the scatter of the 384-token pair
+    probe's ~485 ms steps but 5-10% of a 100-150 ms one. Turns of a few seconds: one pull
+    run then one push run of 16-32 prompts measured anything from 1 to 20 ms in tries
+    minutes apart, as the host's speed moved between them."""
+    run = serve_side_by_side(model, [PairSpec("pull", "pull"), PairSpec("push", "push")],
+                             input_len, output_len, prompts_per_turn, turns, rate, seed)
+    out = push_step_cost(run.steps["pull", "prefill"], run.steps["push", "prefill"],
+                         engine_model, run.steps["pull", "decode"],
+                         run.steps["push", "decode"])
     log(f"[calibrate] push's prefill steps over pull's ({input_len}-token prompts at "
         f"{rate:g} req/s, {turns} turns each, alternating): "
         f"+{1e3 * out['push_prefill_step_s']:.1f} ms per step with D idle, "
