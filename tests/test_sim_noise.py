@@ -167,7 +167,8 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
     def calibration(speed: float, served: float, corun: float, path_s: float) -> dict:
         d = copy.deepcopy(BASE)
         d["step_models"]["s"]["token_rows_s"] = [[1, 0.001 * speed], [64, 0.004 * speed]]
-        d["host"] = {**HOST, "corun_by_kind": {"prefill": corun, "decode": corun}}
+        d["host"] = {**HOST, "corun_by_kind": {"prefill": corun, "decode": corun},
+                     "arrival_step_s": {"s": 0.004 * speed}}
         d["handoff"]["request_path_s"] = path_s
         d["handoff"]["push_prefill_step_s"] = 0.002 * speed
         d["handoff"]["push_layers_per_write"] = 3  # a setting: kept, not averaged
@@ -200,6 +201,7 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
     assert [r for r, _ in rows] == [1, 64]
     assert [t for _, t in rows] == pytest.approx([0.00105, 0.0042])
     assert new["host"]["corun_by_kind"]["prefill"] == pytest.approx(1.06)
+    assert new["host"]["arrival_step_s"] == {"s": pytest.approx(0.0042)}
     assert new["handoff"]["request_path_s"] == pytest.approx(0.005)
     assert new["handoff"]["push_prefill_step_s"] == pytest.approx(0.0021)
     assert new["handoff"]["push_layers_per_write"] == 3

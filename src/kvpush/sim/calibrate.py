@@ -370,6 +370,17 @@ def pass_warning(name: str, levels: Sequence[float]) -> str | None:
             "saturation")
 
 
+def arrival_costs(served: dict[str, Any], pair: dict[str, Any], one: str
+                  ) -> dict[str, float]:
+    """host.arrival_step_s: the 1-thread figure from the served pair (P/D instances,
+    both cores busy), the others from their served probe; none where not measured."""
+    out = {name: v["arrival_step"]["arrival_step_s"] for name, v in served.items()
+           if name != one and v.get("arrival_step")}
+    if pair.get("arrival_step"):
+        out[one] = pair["arrival_step"]["arrival_step_s"]
+    return {k: v for k, v in sorted(out.items()) if v is not None}
+
+
 def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
               transfer: bool = True, note: str = "", clock: str = "auto",
               log: Callable[[str], None] = print,
@@ -495,6 +506,11 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "light-rate requests give handoff.request_path_s (client send to the "
             "engine's inbox) and handoff.token_return_s (the end of the step that sampled "
             "token #1 to the client's read); the other handoff figures are estimates.",
+            "host.arrival_step_s: seconds each request arriving at the host adds to an "
+            "engine step in flight (the client, router and front end take it in on the "
+            "same cores; kvpush.sim.arrival_cost): per arrival, the median excess of the "
+            "decode steps it arrived during over those with none, from the served probe "
+            "(2+ threads) and the served 1P1D pair's D (1 thread).",
             "host.step_noise: the scatter of the probe's steps around the served model "
             "(robust sigma of log measured / modelled, per prefill and decode steps); "
             "the simulator draws each step's time from it (kvpush.sim.noise).",
@@ -525,7 +541,8 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                  "served_factors": {k: v["factors"] for k, v in served.items()},
                  "served_factor_curves": {k: v["curves"] for k, v in served.items()
                                           if v.get("curves")},
-                 "step_noise": {k: v["noise"] for k, v in served.items() if v.get("noise")}},
+                 "step_noise": {k: v["noise"] for k, v in served.items() if v.get("noise")},
+                 "arrival_step_s": arrival_costs(served, pair, one)},
         "step_models": step_models,
         "roles": {"prefill": one, "decode": one, "colocated": two},
         "transfer": tr,

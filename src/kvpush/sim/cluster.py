@@ -194,6 +194,7 @@ def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> Sim
                    for i in range(n)]
         for e in engines:  # one generator: SimPy's event order makes the draws repeatable
             e.noise = StepNoise(sigmas, noise_rng) if sigmas else None
+            e.arrival_cost = profile.arrival_cost(role, overrides.get(role))
         return engines
 
     if config.mode == "colocated":
@@ -250,6 +251,8 @@ def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> Sim
             if req.arrival > env.now:
                 yield env.timeout(req.arrival - env.now)
             req.mark(Stage.ARRIVED, env.now)
+            for e in engines:
+                e.host_arrival()
             through_front_end(req)
 
     env.process(arrivals())

@@ -154,17 +154,28 @@ def probe_served_pair(model: str, engine_model: StepModel, input_len: int = 384,
     between two calibrations an hour apart); 32 give about twice that (~20 s more)."""
     import tempfile
 
+    from kvpush.engine.step_trace import read_arrivals
+    from kvpush.sim.arrival_cost import arrival_step_cost
     from kvpush.sim.served import serve_traced, traced_steps
 
     with tempfile.TemporaryDirectory(prefix="kvpush-pair-probe-") as tmp:
         serve_traced(Path(tmp), model, "push", None, [rate], input_len, output_len,
                      num_prompts, seed)
-        p_steps = traced_steps(sorted(Path(tmp).rglob("steps/**/prefill-*.jsonl")))
+        p_files = sorted(Path(tmp).rglob("steps/**/prefill-*.jsonl"))
+        p_steps = traced_steps(p_files)
         d_steps = traced_steps(sorted(Path(tmp).rglob("steps/**/decode-*.jsonl")))
+        # one arrival per request at the host: when it reached P (push sends it to D
+        # at the same time)
+        arrivals = [t for f in p_files for t in read_arrivals(f)]
     out = pair_corun_ratios(p_steps, d_steps, engine_model)
+    out["arrival_step"] = arrival_step_cost(d_steps, arrivals, engine_model, p_steps)
+    cost = out["arrival_step"]["arrival_step_s"]
     log(f"[calibrate] served 1P1D pair: steps beside the other instance's / alone: "
         f"prefill x{out['prefill']:.3f}, decode x{out['decode']:.3f} "
-        f"({out['steps']})")
+        f"({out['steps']})"
+        + (f"; an arrival adds {1e3 * cost:.1f} ms to D's decode step in flight"
+           if cost is not None else "")
+        + f" (decode steps with / without arrivals: {out['arrival_step']['steps']})")
     return out
 
 

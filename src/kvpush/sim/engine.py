@@ -10,7 +10,9 @@ profile's step model says for its chunks (times the profile's co-run factor for 
 ``Profile.corun_factor``, when another instance of the same host is mid-step as it
 starts: CPU instances share cores, caches and memory bandwidth), times a draw of the
 profile's step noise where it has one (:mod:`kvpush.sim.noise`), plus any work posted
-onto the step loop (pull's READ post in vLLM).
+onto the step loop (pull's READ post in vLLM), plus the profile's arrival cost for each
+request that arrives at the host while it runs (``Profile.arrival_cost``: on a CPU host
+the client, router and HTTP front end take a request in on the cores the step runs on).
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ class EngineSim:
         #: multiplies each step's time by a random draw (None: steps last their model)
         self.noise: StepNoise | None = None
         self.busy_until = 0.0
+        #: seconds each request arriving at the host adds to a step in flight
+        #: (Profile.arrival_cost), and what arrivals added to the one in flight so far
+        self.arrival_cost = 0.0
+        self._stolen = 0.0
         #: the jobs that decoded in the last step, by id; the dict holds the jobs
         #: themselves so that no id is reused by a new job while it is listed (an id set
         #: let a job created where a finished one lived skip its dense-cache fill, so
@@ -114,6 +120,12 @@ class EngineSim:
             return
         ev = self.env.timeout(t - self.env.now)
         ev.callbacks.append(lambda _e: self.submit(fn))
+
+    def host_arrival(self) -> None:
+        """A request arrived at the host: the step in flight (if any) runs
+        ``arrival_cost`` longer, the front end's work taking the cores from it."""
+        if self.arrival_cost > 0 and self.busy_until > self.env.now:
+            self._stolen += self.arrival_cost
 
     def add_stall(self, seconds: float) -> None:
         """Work done on the step loop itself (lengthens the next step)."""
@@ -267,6 +279,11 @@ class EngineSim:
             self.busy_time += dt
             self._decoded = {id(j): j for j, n in plan if n == 1}
             yield env.timeout(dt)
+            while self._stolen > 0:  # arrivals during the step lengthened it
+                extra, self._stolen = self._stolen, 0.0
+                self.busy_until += extra
+                self.busy_time += extra
+                yield env.timeout(extra)
             self._complete(plan)
 
     def _complete(self, plan: list[tuple[Job, int]]) -> None:

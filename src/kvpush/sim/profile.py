@@ -287,6 +287,15 @@ class Profile:
     #: step model name -> {"prefill": sigma, "decode": sigma}: how far served steps
     #: scatter around the model (kvpush.sim.noise); none: steps last their modelled time
     step_noise: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    #: step model name -> seconds that each request arriving at the host (client, router
+    #: and HTTP front end taking it in, on the cores the steps run on) adds to a step of
+    #: that model in flight (host.arrival_step_s; none: arrivals cost steps nothing)
+    arrival_step_s: Mapping[str, float] = field(default_factory=dict)
+
+    def arrival_cost(self, role: str, override: str | None = None) -> float:
+        """Seconds an arrival at the host adds to a step in flight of the step model
+        ``role`` (or ``override``) runs."""
+        return self.arrival_step_s.get(override or self.roles[role], 0.0)
 
     def noise_sigmas(self, role: str, override: str | None = None) -> Mapping[str, float]:
         """The step noise of the step model ``role`` (or ``override``) runs ({}: none)."""
@@ -468,6 +477,14 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
 
     models = served_step_models(models, host, path)
     noise = _step_noise(host.get("step_noise", {}), models, f"{path}: host.step_noise")
+    arrival = host.get("arrival_step_s", {})
+    if not isinstance(arrival, Mapping) or set(arrival) - set(models):
+        raise ProfileError(f"{path}: host.arrival_step_s must map step model names to "
+                           f"seconds, got {arrival!r}")
+    arrival = {str(k): float(require_field(arrival, k, f"{path}: host.arrival_step_s"))
+               for k in arrival}
+    if any(v < 0 for v in arrival.values()):
+        raise ProfileError(f"{path}: host.arrival_step_s must be >= 0, got {arrival}")
     sources = data.get("sources", {})
     if not isinstance(sources, Mapping):
         raise ProfileError(f"{path}: sources must be an object (figure -> source)")
@@ -480,7 +497,8 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
             ho.get("pull_post_on_step_loop", True)), push_layers_per_write=group),
         instance=limits, sources={str(k): str(v) for k, v in sources.items()},
         notes=tuple(str(n) for n in data.get("notes", ())), path=path,
-        corun_slowdown=corun, corun_by_kind=by_kind, step_noise=noise)
+        corun_slowdown=corun, corun_by_kind=by_kind, step_noise=noise,
+        arrival_step_s=arrival)
 
 
 def _step_noise(table: Any, models: Mapping[str, StepModel], where: str

@@ -93,13 +93,17 @@ def pool_calibrations(datas: list[dict[str, Any]]) -> dict[str, Any]:
     host["corun_slowdown"] = sum(float(h.get("corun_slowdown", 1.0)) for h in hosts) / len(hosts)
     if all("corun_by_kind" in h for h in hosts):
         host["corun_by_kind"] = _mean_numbers([h["corun_by_kind"] for h in hosts])
+    costs = [h.get("arrival_step_s") or {} for h in hosts]  # per step model, where all have it
+    host.pop("arrival_step_s", None)
+    if common := [k for k in sorted(costs[0]) if all(k in c for c in costs)]:
+        host["arrival_step_s"] = {k: sum(c[k] for c in costs) / len(costs) for k in common}
     for key in ("handoff", "transfer"):
         if all(isinstance(d.get(key), dict) for d in datas):
             out[key] = _mean_numbers([d[key] for d in datas])
     out.setdefault("notes", []).append(
         f"Pooled from {len(datas)} calibrations ({', '.join(measured['pooled_from'])}): "
         "their step samples and served probe traces refitted together; matmul tables, "
-        "co-run factors, hand-off and transfer figures averaged.")
+        "co-run factors, arrival costs, hand-off and transfer figures averaged.")
     return out
 
 

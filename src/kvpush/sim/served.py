@@ -368,6 +368,9 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
                 ways_out += outs
     fit = fit_served(steps, engine_model)
     factors, curves, noise = fit.factors, fit.curves, fit.noise
+    from kvpush.sim.arrival_cost import arrival_step_cost
+
+    arrival = arrival_step_cost(steps, arrivals, engine_model)
     front_end = statistics.median(gaps) if gaps else None
     way_in = statistics.median(ways_in) if ways_in else None
     way_out = statistics.median(ways_out) if ways_out else None
@@ -378,11 +381,16 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
         + (f"; request in {1e3 * way_in:.1f} ms, token #1 out {1e3 * way_out:.1f} ms"
            if way_in is not None and way_out is not None else "")
         + ("; scatter " + ", ".join(f"{k} {v:.1%}" for k, v in noise.items()) if noise
-           else ""))
+           else "")
+        + (f"; an arrival adds {1e3 * arrival['arrival_step_s']:.1f} ms to a step in flight"
+           if arrival["arrival_step_s"] is not None else "")
+        + f" (decode steps with / without arrivals: {arrival['steps']})")
     return {"factors": factors, "curves": curves_json(curves),
             "steps": fit.steps, "noise": noise,
             "front_end_s": front_end,
             "request_path_s": way_in, "token_return_s": way_out,
+            # kvpush.sim.arrival_cost: host.arrival_step_s for this thread count
+            "arrival_step": arrival,
             # every traced step ([chunks, seconds]): a refit prices them again
             # (kvpush.sim.refit) without serving the probe again
             "trace": [[st["chunks"], round(st["dur"], 6)] for st in steps],
