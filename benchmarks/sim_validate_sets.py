@@ -35,14 +35,19 @@ NAMES = ("quiet_512", "long_prompts", "short_high_rate", "prefix_hit",
          "prefix_hit_tail_on_decode")
 
 
-def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS) -> list[dict]:
+def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS,
+                  arrival_step_s: float | None = None) -> list[dict]:
     """One row per cell present in every set: measured (all sets' repeats pooled) and
-    simulated (each set on its profile, requests pooled) metrics."""
+    simulated (each set on its profile, requests pooled) metrics. ``arrival_step_s``: a
+    what-if, every profile's host.arrival_step_s set to it for all its step models."""
     from kvpush.bench.compare import pooled
     from kvpush.sim.cluster import simulate_pooled, summarize
     from kvpush.sim.profile import load_profile
 
     profiles = [load_profile(p) for _, p in sets]
+    if arrival_step_s is not None:
+        profiles = [dataclasses.replace(p, arrival_step_s=dict.fromkeys(
+            p.step_models, arrival_step_s)) for p in profiles]
     share = -(-replicas // len(sets))
     rows = []
     for name in NAMES:
@@ -73,27 +78,41 @@ def main(argv: list[str] | None = None) -> int:
                     help="a run set's folder and its profile, both under benchmarks/results")
     ap.add_argument("--replicas", type=int, default=sv.REPLICAS,
                     help="noise seeds per cell, shared out among the sets (rounded up)")
+    ap.add_argument("--arrival-step-s", type=float, metavar="SECONDS",
+                    help="a what-if, not a prediction: every profile's host.arrival_step_s "
+                         "set to this for all step models")
+    ap.add_argument("--marker", default="sim_validate_sets",
+                    help="the SIMULATION.md markers to write between")
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
+    if args.arrival_step_s is not None and args.arrival_step_s < 0:
+        ap.error("--arrival-step-s must be >= 0")
     sets = []
     for text in args.set:
         folder, sep, profile = text.partition("=")
         if not sep or not (sv.RESULTS / folder).is_dir() or not (sv.RESULTS / profile).is_file():
             ap.error(f"--set {text}: expected FOLDER=PROFILE, both under benchmarks/results")
         sets.append((folder, sv.RESULTS / profile))
-    rows = validate_sets(sets, args.replicas)
-    body = ("Each cell pools the repeats of the sets "
+    rows = validate_sets(sets, args.replicas, args.arrival_step_s)
+    what_if = ("" if args.arrival_step_s is None else
+               f"**What-if, not a prediction:** every profile's host.arrival_step_s set to "
+               f"{1e3 * args.arrival_step_s:g} ms for all step models. ")
+    body = (what_if + "Each cell pools the repeats of the sets "
             + ", ".join(f"`{f}` (profile `{p.relative_to(sv.RESULTS)}`)" for f, p in sets)
             + f"; simulated: each set on its own profile with {-(-args.replicas // len(sets))}"
             " noise seeds, every request pooled. Latencies in ms; err = (sim - "
             f"measured) / measured; **x** = outside {sv.TOLERANCE:.0%}. Command: `.venv/bin/"
             "python benchmarks/sim_validate_sets.py "
-            + " ".join(f"--set {t}" for t in args.set) + "`.\n\n"
+            + " ".join(f"--set {t}" for t in args.set)
+            + (f" --arrival-step-s {args.arrival_step_s:g}"
+               if args.arrival_step_s is not None else "")
+            + (f" --marker {args.marker}" if args.marker != "sim_validate_sets" else "")
+            + "`.\n\n"
             + sv.table(rows) + "\n\n"
             + sv.scorecard(rows))
     print(body)
     if not args.no_write:
-        sv.write_section(sv.DOC, "sim_validate_sets", body)
+        sv.write_section(sv.DOC, args.marker, body)
     return 0
 
 

@@ -4,9 +4,10 @@ On a CPU host the load generator, the router and the instance's HTTP front end t
 request in (HTTP, JSON, tokenization, opening the stream) on the same cores the engine
 steps on. In the v14-v17 run sets, a step during which requests reached the engine ran
 longer by a few milliseconds per request, fitted within each run so that the host's
-drifting speed cancels (benchmarks/SIMULATION.md 1-arrivals): 4.7 +- 0.9 ms for the
-2-thread colocated instance's steps at 16 req/s, 5.8-6.3 +- 0.6 ms for P's steps in the
-1P1D pairs, 3-4.7 ms for D's decode steps. The served factors come from probes whose
+drifting speed cancels (benchmarks/arrival_steps.py, SIMULATION.md 1-arrivals): 4.7 +-
+0.9 ms for the 2-thread colocated instance's steps at 16 req/s, 6.3-6.6 +- 1.1 ms for
+P's prefill steps at 16 req/s, 2.9-4.9 ms for D's decode steps; ~0-1 ms for requests
+sent all at once. The served factors come from probes whose
 steps rarely see an arrival, so where 700 ms steps each saw ~10 arrivals (128-token
 prompts at 16 req/s) the model ran 5-10% short and the queue behind it longer still.
 

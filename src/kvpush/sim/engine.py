@@ -273,6 +273,8 @@ class EngineSim:
             self.stall = 0.0
             t0 = env.now
             self.busy_until = t0 + dt
+            # the hook sees the step's span as planned (push times its WRITEs over it);
+            # arrivals during the step lengthen it afterwards, the WRITEs stay as timed
             if self.step_hook is not None:
                 self.step_hook(plan, t0, t0 + dt)
             self.steps += 1
