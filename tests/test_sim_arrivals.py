@@ -179,3 +179,19 @@ def test_served_pair_probe_measures_the_arrival_cost_on_d(tiny_llama):
     assert arrival["arrival_step_s"] is None or arrival["arrival_step_s"] >= 0
     assert "decode steps with / without arrivals" in logged[0]
     assert set(descendant_pids(os.getpid())) <= before
+
+
+def test_busy_spans_answer_as_a_scan_over_every_step_would():
+    """BusySpans (binary search) against the plain rule, on overlapping steps of two
+    instances and on the edges: a step is mid-step strictly between start and end."""
+    import random
+
+    from kvpush.sim.corun import BusySpans
+
+    rng = random.Random(5)
+    steps = [{"t": rng.uniform(0, 10), "dur": rng.uniform(0.01, 1.5)} for _ in range(60)]
+    spans = BusySpans(steps)
+    for t in [rng.uniform(-1, 12) for _ in range(500)] + [s["t"] for s in steps] + [
+            s["t"] + s["dur"] for s in steps]:
+        assert spans.at(t) == any(o["t"] < t < o["t"] + o["dur"] for o in steps), t
+    assert not BusySpans([]).at(1.0)

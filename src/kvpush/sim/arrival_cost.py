@@ -50,16 +50,17 @@ def arrival_step_cost(steps: Sequence[Mapping[str, Any]], arrivals: Sequence[flo
     then taken apart for steps that started while it was mid-step and while it was
     idle. ``arrival_step_s`` is None where a side has fewer than :data:`MIN_STEPS`
     steps, and never below 0."""
-    from kvpush.sim.corun import _busy_at
+    from kvpush.sim.corun import BusySpans
 
     arrivals = sorted(arrivals)
     sides: dict[bool, dict[str, list[tuple[float, float, int]]]] = {}
+    busy = BusySpans(neighbour or [])
     for st in steps:
         chunks = [tuple(c) for c in st["chunks"]]
         if not decode_only(chunks) or (predicted := model.step_time(chunks)) <= 0:
             continue
         n = arrivals_during(st, arrivals)
-        beside = neighbour is not None and _busy_at(st["t"], neighbour)
+        beside = busy.at(st["t"])
         side = sides.setdefault(beside, {"with": [], "without": []})
         side["with" if n else "without"].append((st["dur"], predicted, n))
     excess: list[float] = []

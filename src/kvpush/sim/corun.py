@@ -101,9 +101,23 @@ def measure_corun(model_dir: str | Path, clock: str = "wall",
 PAIR_MIN_STEPS = 3
 
 
-def _busy_at(t: float, other: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether one of the ``other`` instance's traced steps was running at ``t``."""
-    return any(o["t"] < t < o["t"] + o["dur"] for o in other)
+class BusySpans:
+    """Another instance's traced steps, asked when it was mid-step: a step that started
+    before ``t`` and ended after it (``at``, a binary search over the starts with the
+    latest end so far: steps of several instances may overlap)."""
+
+    def __init__(self, steps: Sequence[Mapping[str, Any]]) -> None:
+        import itertools
+
+        spans = sorted((o["t"], o["t"] + o["dur"]) for o in steps)
+        self.starts = [a for a, _ in spans]
+        self.latest_end = list(itertools.accumulate((b for _, b in spans), max))
+
+    def at(self, t: float) -> bool:
+        from bisect import bisect_left
+
+        i = bisect_left(self.starts, t)  # the steps that started strictly before t
+        return i > 0 and self.latest_end[i - 1] > t
 
 
 def pair_corun_ratios(p_steps: Sequence[Mapping[str, Any]],
@@ -123,13 +137,14 @@ def pair_corun_ratios(p_steps: Sequence[Mapping[str, Any]],
     out: dict[str, Any] = {"steps": {}}
     for kind, mine, other in (("prefill", p_steps, d_steps), ("decode", d_steps, p_steps)):
         sides: dict[bool, list[float]] = {True: [], False: []}
+        busy = BusySpans(other)
         for st in mine:
             chunks = [tuple(c) for c in st["chunks"]]
             if decode_only(chunks) != (kind == "decode"):
                 continue
             predicted = model.step_time(chunks)
             if predicted > 0:
-                sides[_busy_at(st["t"], other)].append(st["dur"] / predicted)
+                sides[busy.at(st["t"])].append(st["dur"] / predicted)
         out["steps"][kind] = {"busy": len(sides[True]), "alone": len(sides[False])}
         if len(sides[False]) >= PAIR_MIN_STEPS:  # a record: served alone, in a pair
             out.setdefault("alone", {})[kind] = round(statistics.median(sides[False]), 4)
@@ -198,10 +213,10 @@ def push_step_cost(pull_steps: Sequence[Mapping[str, Any]],
 
     def residuals(steps: Sequence[Mapping[str, Any]],
                   decode: Sequence[Mapping[str, Any]], beside: bool) -> list[float]:
-        out = []
+        out, busy = [], BusySpans(decode)
         for st in steps:
             chunks = [tuple(c) for c in st["chunks"]]
-            if decode_only(chunks) or _busy_at(st["t"], decode) != beside:
+            if decode_only(chunks) or busy.at(st["t"]) != beside:
                 continue
             if (predicted := model.step_time(chunks)) > 0:
                 out.append(st["dur"] - predicted)
