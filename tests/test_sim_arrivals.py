@@ -195,3 +195,28 @@ def test_busy_spans_answer_as_a_scan_over_every_step_would():
             s["t"] + s["dur"] for s in steps]:
         assert spans.at(t) == any(o["t"] < t < o["t"] + o["dur"] for o in steps), t
     assert not BusySpans([]).at(1.0)
+
+
+def test_served_probe_records_the_arrival_cost(tiny_llama):
+    """The colocated served probe on a tiny model counts its decode steps with and
+    without an arrival during them, from its own trace, and logs the figure's basis."""
+    import math
+    import os
+
+    from kvpush.cluster.launcher import descendant_pids
+    from kvpush.sim.profile import engine_step_model
+    from kvpush.sim.served import ServedProbe, probe_served
+    from test_sim import BASE
+
+    before = set(descendant_pids(os.getpid()))
+    logged: list[str] = []
+    probe = ServedProbe(input_len=24, output_len=16, num_prompts=6, rates=(20.0, math.inf),
+                        long_input_len=None)
+    out = probe_served(str(tiny_llama), 1, engine_step_model(BASE, "s"), probe,
+                       log=logged.append)
+    arrival = out["arrival_step"]
+    assert arrival["arrivals"] >= 12  # both phases' requests reached the engine
+    assert arrival["steps"]["with"] + arrival["steps"]["without"] >= 12 * 15 // 2
+    assert arrival["arrival_step_s"] is None or arrival["arrival_step_s"] >= 0
+    assert "decode steps with / without arrivals" in logged[0]
+    assert set(descendant_pids(os.getpid())) <= before
