@@ -6,8 +6,8 @@ steps on. In the v14-v17 run sets, a step during which requests reached the engi
 longer by a few milliseconds per request, fitted within each run so that the host's
 drifting speed cancels (benchmarks/arrival_steps.py, SIMULATION.md 1-arrivals): 4.7 +-
 0.9 ms for the 2-thread colocated instance's steps at 16 req/s, 6.3-6.6 +- 1.1 ms for
-P's prefill steps at 16 req/s, 2.9-4.9 ms for D's decode steps; ~0-1 ms for requests
-sent all at once. The served factors come from probes whose
+P's prefill steps at 16 req/s, 2.9-4.9 ms for D's decode steps at 4 and 16 req/s, ~0-1
+ms where the requests were sent all at once. The served factors come from probes whose
 steps rarely see an arrival, so where 700 ms steps each saw ~10 arrivals (128-token
 prompts at 16 req/s) the model ran 5-10% short and the queue behind it longer still.
 
