@@ -37,6 +37,16 @@ class SampledToken(NamedTuple):
     top: TopLogprobs | None = None
 
 
+def _is_int(v: object) -> bool:
+    """An int that is not a bool (JSON true would pass isinstance(v, int))."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 class SamplingParamsError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -69,7 +79,7 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+        if not _is_int(self.max_tokens):
             raise SamplingParamsError("max_tokens must be an integer", "max_tokens")
         if self.max_tokens <= 0:
             raise SamplingParamsError(
@@ -85,13 +95,13 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)
         if self.top_p < SAMPLING_EPS:
             object.__setattr__(self, "top_p", SAMPLING_EPS)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise SamplingParamsError(
                 f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}",
                 "top_k",
             )
         top = self.top_logprobs
-        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise SamplingParamsError(
                 f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}",
                 "top_logprobs",
@@ -100,22 +110,19 @@ class SamplingParams:
             raise SamplingParamsError("top_logprobs needs logprobs", "top_logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
-                    -MAX_PENALTY <= v <= MAX_PENALTY):
+            if not _is_real(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
                 raise SamplingParamsError(
                     f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {v!r}",
                     name)
         rp = self.repetition_penalty
-        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not (
-                math.isfinite(rp) and rp > 0):
+        if not _is_real(rp) or not (math.isfinite(rp) and rp > 0):
             raise SamplingParamsError(f"repetition_penalty must be > 0, got {rp!r}",
                                       "repetition_penalty")
         for tid, bias in self.logit_bias:
-            if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+            if not _is_int(tid) or tid < 0:
                 raise SamplingParamsError(f"logit_bias: {tid!r} is not a token id",
                                           "logit_bias")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
-                    -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise SamplingParamsError(
                     f"logit_bias: the bias of token {tid} must be between "
                     f"-{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, got {bias!r}", "logit_bias")
