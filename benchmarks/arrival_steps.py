@@ -56,6 +56,7 @@ def fit(rows: list[tuple[int, float, float, int]]) -> tuple[float, float] | None
 
 def collect(run_set: str) -> dict[tuple[str, ...], list]:
     from kvpush.engine.step_trace import read_arrivals
+    from kvpush.sim.arrival_cost import arrivals_during
     from kvpush.sim.profile import decode_only, load_profile
     from kvpush.sim.served import traced_steps
 
@@ -78,7 +79,7 @@ def collect(run_set: str) -> dict[tuple[str, ...], list]:
                 for st in traced_steps(sorted(folder.glob(f"{role}-*.jsonl")), *span):
                     chunks = [tuple(c) for c in st["chunks"]]
                     kind = "decode" if decode_only(chunks) else "prefill"
-                    n = sum(1 for t in arrivals if st["t"] < t < st["t"] + st["dur"])
+                    n = arrivals_during(st, arrivals)
                     groups.setdefault((wl.name, run["mode_label"], rate, inst, kind),
                                       []).append(
                         (key_run, model.step_time(chunks), st["dur"], n))

@@ -21,7 +21,9 @@ is mid-step (:meth:`kvpush.sim.profile.Profile.corun_factor`).
 
 from __future__ import annotations
 
+import itertools
 import math
+from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -107,15 +109,11 @@ class BusySpans:
     latest end so far: steps of several instances may overlap)."""
 
     def __init__(self, steps: Sequence[Mapping[str, Any]]) -> None:
-        import itertools
-
         spans = sorted((o["t"], o["t"] + o["dur"]) for o in steps)
         self.starts = [a for a, _ in spans]
         self.latest_end = list(itertools.accumulate((b for _, b in spans), max))
 
     def at(self, t: float) -> bool:
-        from bisect import bisect_left
-
         i = bisect_left(self.starts, t)  # the steps that started strictly before t
         return i > 0 and self.latest_end[i - 1] > t
 
@@ -268,7 +266,6 @@ def serve_side_by_side(model: str, pairs: Sequence[PairSpec], input_len: int = 1
     rotates through every permutation of the pairs (two pairs: A B, B A, A B, ...), so
     that the host's drifting speed falls on every pair alike. Every process started is
     stopped before it returns."""
-    import itertools
     import tempfile
     import time
 
