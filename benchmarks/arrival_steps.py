@@ -57,8 +57,9 @@ def fit(rows: list[tuple[int, float, float, int]]) -> tuple[float, float] | None
 def collect(run_set: str) -> dict[tuple[str, ...], list]:
     from kvpush.engine.step_trace import read_arrivals
     from kvpush.sim.arrival_cost import arrivals_during
-    from kvpush.sim.profile import decode_only, load_profile
+    from kvpush.sim.profile import load_profile
     from kvpush.sim.served import traced_steps
+    from kvpush.sim.step_models import decode_only
 
     prof = load_profile(RESULTS / run_set / "cpu-local-pooled.json")
     groups: dict[tuple[str, ...], list] = {}

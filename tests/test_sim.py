@@ -384,7 +384,7 @@ GEMM = {"kind": "linear", "base_s": 0.010, "per_token_s": 0.0001, "per_seq_s": 0
 
 
 def test_row_tables_interpolate_and_extend():
-    from kvpush.sim.profile import interp
+    from kvpush.sim.step_models import interp
 
     t = ((1.0, 0.006), (2.0, 0.012), (4.0, 0.013), (64.0, 0.043))
     assert interp(t, 0) == 0.0
@@ -428,8 +428,8 @@ def test_first_decode_fills_the_dense_decode_cache():
 
 
 def test_fit_recovers_the_step_model_it_was_sampled_from():
-    from kvpush.sim.calibrate import FIT_FIELDS, fit_linear
-    from kvpush.sim.profile import LinearStepModel
+    from kvpush.sim.step_fit import FIT_FIELDS, fit_linear
+    from kvpush.sim.step_models import LinearStepModel
 
     truth = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_attn_s=1e-6, per_seq_s=5e-4,
                             per_ctx_s=3e-6, per_fill_s=1e-5)
@@ -449,8 +449,8 @@ def test_fit_recovers_the_step_model_it_was_sampled_from():
 def test_pass_levels_tell_a_host_that_slowed_between_passes():
     """Two passes over the same shapes, the second 20% slower: the fit sits between
     them, each pass's level says how fast it ran, and the spread draws a warning."""
-    from kvpush.sim.calibrate import fit_linear, pass_levels, pass_warning
-    from kvpush.sim.profile import LinearStepModel
+    from kvpush.sim.step_fit import fit_linear, pass_levels, pass_warning
+    from kvpush.sim.step_models import LinearStepModel
 
     truth = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_attn_s=1e-6, per_seq_s=5e-4,
                             per_ctx_s=3e-6, per_fill_s=1e-5)
@@ -473,7 +473,7 @@ def test_pass_levels_tell_a_host_that_slowed_between_passes():
 def test_refit_fits_again_and_reprices_the_probe_trace(tmp_path):
     """kvpush simulate refit: the step model from the recorded samples, the served
     factors from the recorded probe steps against that new fit."""
-    from kvpush.sim.profile import LinearStepModel
+    from kvpush.sim.step_models import LinearStepModel
 
     truth = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_attn_s=1e-6, per_seq_s=5e-4,
                             per_ctx_s=3e-6)

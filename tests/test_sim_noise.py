@@ -14,7 +14,8 @@ pytest.importorskip("simpy")
 
 from kvpush.sim.cluster import ClusterConfig, simulate, simulate_pooled, summarize  # noqa: E402
 from kvpush.sim.noise import StepNoise, measure_noise, robust_sigma  # noqa: E402
-from kvpush.sim.profile import LinearStepModel, ProfileError, profile_from_dict  # noqa: E402
+from kvpush.sim.profile import ProfileError, profile_from_dict  # noqa: E402
+from kvpush.sim.step_models import LinearStepModel  # noqa: E402
 from kvpush.sim.workload import Stage, Workload  # noqa: E402
 from test_sim import BASE, prof  # noqa: E402
 

@@ -28,7 +28,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvpush.sim.profile import StepModel, decode_only
+from kvpush.sim.step_models import StepModel, decode_only
 
 #: fewer decode steps than this on either side (with arrivals / without): no figure
 MIN_STEPS = 3

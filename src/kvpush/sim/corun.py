@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush.sim.calibrate import CalibrationPlan, Sample, measure_steps
-from kvpush.sim.profile import StepModel, decode_only
+from kvpush.sim.calibrate import CalibrationPlan, measure_steps
+from kvpush.sim.step_fit import Sample
+from kvpush.sim.step_models import StepModel, decode_only
 
 _CORUNNER = """
 import sys, torch

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.sim.noise import StepNoise
-from kvpush.sim.profile import InstanceLimits, Profile, StepModel
+from kvpush.sim.profile import InstanceLimits, Profile
+from kvpush.sim.step_models import StepModel
 from kvpush.sim.workload import SimRequest, Stage
 
 

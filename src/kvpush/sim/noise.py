@@ -37,7 +37,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kvpush.sim.profile import StepModel, decode_only
+from kvpush.sim.step_models import StepModel, decode_only
 
 NOISE_KINDS = ("prefill", "decode")
 #: steps of a kind the probe needs before its noise is measured (else: none for it)

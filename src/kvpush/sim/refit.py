@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvpush.sim.calibrate import fit_linear, pass_levels, pass_warning
+from kvpush.sim.step_fit import fit_linear, pass_levels, pass_warning
 
 
 def _mean_numbers(dicts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -58,16 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush.sim.profile import (
-    Chunk,
-    ProfileError,
-    RowTable,
-    StepModel,
-    decode_only,
-    interp,
-    require_field,
-    row_table,
-)
+from kvpush.sim.profile import ProfileError, require_field, row_table
+from kvpush.sim.step_models import Chunk, RowTable, StepModel, decode_only, interp
 
 KINDS = ("prefill", "prefill_batched", "decode")
 #: the size from which a prefill chunk counts as a prompt's prefill in a batched step

@@ -24,7 +24,7 @@ def probe_transfer(shape: dict[str, Any], tokens: Sequence[int] = (256, 1024, 40
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from kvpush.kv_transfer.loopback import LoopbackPair
-    from kvpush.sim.calibrate import nnls_fit
+    from kvpush.sim.step_fit import nnls_fit
 
     blocks = max(tokens) // BLOCK * 2
     rows: list[dict] = []
