@@ -343,12 +343,15 @@ def test_scaled_profile_scales_step_times():
         2.5 * p.step_model("decode").step_time([(10, 5)]))
     with pytest.raises(ProfileError, match="scale"):
         p.scaled(0)
-    # one step model only: the other keeps its times
-    two = prof(step_models__t={"kind": "linear", "base_s": 0.02, "per_token_s": 0.002})
+    # one step model only: the other keeps its times, and its arrival cost
+    two = prof(step_models__t={"kind": "linear", "base_s": 0.02, "per_token_s": 0.002},
+               host={"corun_slowdown": 1.0, "arrival_step_s": {"s": 0.004, "t": 0.003}})
     one_model = two.scaled(2.0, "t")
     assert one_model.step_models["t"].step_time([(10, 5)]) == pytest.approx(
         2.0 * two.step_models["t"].step_time([(10, 5)]))
     assert one_model.step_models["s"] is two.step_models["s"]
+    assert one_model.arrival_step_s == pytest.approx({"s": 0.004, "t": 0.006})
+    assert two.scaled(0.5).arrival_step_s == pytest.approx({"s": 0.002, "t": 0.0015})
     with pytest.raises(ProfileError, match="no step model"):
         two.scaled(2.0, "threads=99")
 

@@ -145,7 +145,8 @@ class Profile:
 
     def scaled(self, factor: float, model: str | None = None) -> Profile:
         """This profile with every step model's times (or only ``model``'s) multiplied by
-        ``factor``."""
+        ``factor``, and what an arrival adds to those models' steps with them (the
+        front end takes a request in on the same cores, at the same speed)."""
         if not factor > 0:
             raise ProfileError(f"step-time scale must be > 0, got {factor}")
         if model is not None and model not in self.step_models:
@@ -153,8 +154,10 @@ class Profile:
                                f"{', '.join(sorted(self.step_models))})")
         models = {k: ScaledStepModel(m, factor) if model in (None, k) else m
                   for k, m in self.step_models.items()}
+        arrival = {k: v * factor if model in (None, k) else v
+                   for k, v in self.arrival_step_s.items()}
         which = "step times" if model is None else f"{model} step times"
-        return dataclasses.replace(self, step_models=models,
+        return dataclasses.replace(self, step_models=models, arrival_step_s=arrival,
                                    notes=self.notes + (f"{which} scaled by {factor:g}",))
 
     def step_model(self, role: str, override: str | None = None) -> StepModel:
