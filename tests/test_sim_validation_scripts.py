@@ -1,0 +1,92 @@
+"""The scripts that make the simulator's validation tables (benchmarks/sim_validate.py,
+sim_validate_sets.py, arrival_steps.py), on a committed run set (benchmarks/results/
+sim/v19) and on synthetic rows: which cells they replay, with which configuration, and
+what they fit."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("simpy")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import arrival_steps  # noqa: E402
+import sim_validate as sv  # noqa: E402
+import sim_validate_sets as svs  # noqa: E402
+
+SET = "sim/v19"
+PROFILE = ROOT / "benchmarks/results" / SET / "cpu-local-pooled.json"
+
+
+def test_cells_replay_each_measured_cell_with_its_own_configuration():
+    name = f"{SET}/short_high_rate"
+    summary = json.loads((ROOT / "benchmarks/results" / name / "summary.json").read_text())
+    cfg = summary["config"]
+    got = list(sv.cells(name))
+    assert {(rate, label) for rate, label, *_ in got} == {
+        (r, m) for r in summary["rates"] for m in summary["modes"]}
+    for rate, label, w, cluster, cell, reps in got:
+        i = summary["rates"].index(rate)
+        # the bench's own arrival process: its seed per rate index, its lengths
+        assert (w.seed, w.num_prompts, w.input_len, w.output_len) == (
+            cfg["seed"] + 1000 * i, cfg["num_prompts"], cfg["input_len"], cfg["output_len"])
+        assert w.rate == (float("inf") if rate == "inf" else float(rate))
+        threads = f"threads={cfg['threads'][label]}"
+        if label.startswith("colocated"):  # bench compare's one `role both` instance
+            assert (cluster.mode, cluster.num_prefill, cluster.num_decode) == ("colocated", 0, 1)
+            assert dict(cluster.step_models) == {"colocated": threads}
+        else:
+            assert (cluster.mode, cluster.num_prefill, cluster.num_decode) == (
+                label, cfg["prefill"], cfg["decode"])
+            assert dict(cluster.step_models) == {"prefill": threads, "decode": threads}
+        assert len(reps) == cfg["repeats"]
+        assert all(r["mode_label"] == label for r in reps)
+        assert cell["completed"] == sum(r["completed"] for r in reps)
+
+
+def test_cells_model_the_warm_prefix_on_both_roles():
+    w = next(sv.cells(f"{SET}/prefix_hit"))[2]
+    assert w.prefix_len == 992 and set(w.prefix_cached_on) == {"prefill", "decode"}
+
+
+def test_validate_sets_pools_the_repeats_of_every_set():
+    one = svs.validate_sets([(SET, PROFILE)], replicas=1)
+    two = svs.validate_sets([(SET, PROFILE), (SET, PROFILE)], replicas=2)
+    assert len(one) == len(two) == 37
+    for a, b in zip(one, two, strict=True):
+        assert (a["workload"], a["mode"], a["rate"]) == (b["workload"], b["mode"], b["rate"])
+        assert b["n"] == 2 * a["n"] and b["repeats"] == 2 * a["repeats"]
+        # the same runs twice: the same measured percentiles
+        assert b["meas_median_ttft_ms"] == pytest.approx(a["meas_median_ttft_ms"])
+        assert a["err_median_ttft_ms"] == pytest.approx(
+            (a["sim_median_ttft_ms"] - a["meas_median_ttft_ms"]) / a["meas_median_ttft_ms"])
+
+
+def test_validate_sets_arrival_cost_what_if_lengthens_loaded_cells():
+    base = {(r["workload"], r["mode"], r["rate"]): r
+            for r in svs.validate_sets([(SET, PROFILE)], replicas=1, arrival_step_s=0.0)}
+    more = svs.validate_sets([(SET, PROFILE)], replicas=1, arrival_step_s=0.05)
+    key = ("short_high_rate", "colocated", "4")
+    row = next(r for r in more if (r["workload"], r["mode"], r["rate"]) == key)
+    assert row["sim_median_ttft_ms"] > 1.2 * base[key]["sim_median_ttft_ms"]
+    assert row["meas_median_ttft_ms"] == base[key]["meas_median_ttft_ms"]
+
+
+def test_arrival_fit_recovers_the_cost_per_arrival_beside_per_run_speeds():
+    rows = []
+    for run, k in enumerate((0.9, 1.0, 1.15)):  # each run at its own host speed
+        for i in range(40):
+            modelled, arrivals = 0.05 + 0.01 * (i % 7), i % 4
+            rows.append((run, modelled, k * modelled + 0.004 * arrivals
+                         + 1e-4 * ((i * 7919) % 11 - 5), arrivals))
+    c, err = arrival_steps.fit(rows)
+    assert c == pytest.approx(0.004, abs=3 * err) and err < 2e-4
+    assert arrival_steps.fit([(r, m, d, 0) for r, m, d, _ in rows]) is None
+    # two runs' speeds and the cost from three steps: not enough to fit
+    assert arrival_steps.fit([rows[0], rows[1], rows[40]]) is None
