@@ -166,6 +166,21 @@ def test_degenerate_sampling_values_never_fail_a_step(tiny_llama):
     assert_all_blocks_free(engine)
 
 
+def test_repetition_penalty_counts_each_token_once():
+    """A token in the prompt and the output, or several times in either, is penalized
+    once (HF's RepetitionPenaltyLogitsProcessor over the unique ids): positive logits
+    divided by the penalty, negative ones multiplied, the rest untouched."""
+    from kvpush.model.sampler import adjust_logits_
+
+    row = torch.tensor([2.0, -1.0, 0.5, -3.0, 4.0, 1.0])
+    got = row.clone()
+    adjust_logits_(got, SamplingParams(repetition_penalty=2.0), ([0, 1, 0, 3, 0], (1, 3, 3)))
+    assert got.tolist() == [1.0, -2.0, 0.5, -6.0, 4.0, 1.0]
+    same = row.clone()
+    adjust_logits_(same, SamplingParams(repetition_penalty=2.0), ([], []))
+    assert same.tolist() == row.tolist()
+
+
 def test_seeded_sampling_is_reproducible_and_varies(tiny_llama):
     prompt = random_prompts([12])[0]
 
