@@ -5,6 +5,7 @@ what they fit."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -47,12 +48,14 @@ def test_cells_replay_each_measured_cell_with_its_own_configuration():
             assert dict(cluster.step_models) == {"prefill": threads, "decode": threads}
         assert len(reps) == cfg["repeats"]
         assert all(r["mode_label"] == label for r in reps)
-        assert cell["completed"] == sum(r["completed"] for r in reps)
+        assert cell == summary["cells"][f"{label}@{rate}"]
 
 
-def test_cells_model_the_warm_prefix_on_both_roles():
-    w = next(sv.cells(f"{SET}/prefix_hit"))[2]
-    assert w.prefix_len == 992 and set(w.prefix_cached_on) == {"prefill", "decode"}
+def test_cells_model_the_warm_prefix_on_both_roles_and_the_tail_policy():
+    for name, tail in (("prefix_hit", "prefill"), ("prefix_hit_tail_on_decode", "decode")):
+        for _rate, _label, w, cluster, *_ in sv.cells(f"{SET}/{name}"):
+            assert w.prefix_len == 992 and set(w.prefix_cached_on) == {"prefill", "decode"}
+            assert cluster.prefix_hit_tail == tail
 
 
 def test_validate_sets_pools_the_repeats_of_every_set():
@@ -64,8 +67,27 @@ def test_validate_sets_pools_the_repeats_of_every_set():
         assert b["n"] == 2 * a["n"] and b["repeats"] == 2 * a["repeats"]
         # the same runs twice: the same measured percentiles
         assert b["meas_median_ttft_ms"] == pytest.approx(a["meas_median_ttft_ms"])
-        assert a["err_median_ttft_ms"] == pytest.approx(
-            (a["sim_median_ttft_ms"] - a["meas_median_ttft_ms"]) / a["meas_median_ttft_ms"])
+
+
+def test_validate_sets_simulates_each_set_on_its_own_profile():
+    """Two sets on two profiles: every simulated request of each set comes from its own
+    profile, each set with its own noise seeds, all pooled."""
+    from kvpush.sim.cluster import simulate_pooled, summarize
+    from kvpush.sim.profile import load_profile
+
+    other = ROOT / "benchmarks/results/sim/v18/cpu-local-pooled.json"
+    rows = svs.validate_sets([(SET, PROFILE), (SET, other)], replicas=2)
+    got = next(r for r in rows if (r["workload"], r["mode"], r["rate"]) == (
+        "short_high_rate", "push", "4"))
+    _rate, _label, w, cluster, *_ = next(c for c in sv.cells(f"{SET}/short_high_rate")
+                                          if c[:2] == ("4", "push"))
+    runs = (simulate_pooled(load_profile(PROFILE), w, cluster, 1)
+            + simulate_pooled(load_profile(other), w,
+                              dataclasses.replace(cluster, seed=cluster.seed + 1), 1))
+    want = summarize(runs)
+    alone = summarize(simulate_pooled(load_profile(PROFILE), w, cluster, 2))
+    assert got["sim_median_ttft_ms"] == pytest.approx(want["median_ttft_ms"])
+    assert got["sim_median_ttft_ms"] != pytest.approx(alone["median_ttft_ms"])
 
 
 def test_validate_sets_arrival_cost_what_if_lengthens_loaded_cells():
