@@ -49,7 +49,8 @@ def _workload_args(p: argparse.ArgumentParser, rate_help: str) -> None:
                    help="0: block ids contiguous; 1: no two blocks adjacent (one descriptor "
                         "per layer per block)")
     p.add_argument("--step-scale", type=float, default=1.0, metavar="F",
-                   help="multiply every step time by F (a shared or slower host; default 1)")
+                   help="multiply every step time, and what an arrival adds to a step "
+                        "(host.arrival_step_s), by F (a shared or slower host; default 1)")
     p.add_argument("--replicas", type=int, default=1, metavar="N",
                    help="for a profile with step noise (host.step_noise, calibrated "
                         "profiles): simulate N noise seeds and pool their requests, as "

@@ -51,7 +51,8 @@ def nnls_fit(rows: Sequence[Sequence[float]], targets: Sequence[float],
 def fit_linear(samples: Sequence[Sample], tables: Tables | None = None
                ) -> tuple[LinearStepModel, dict[str, float]]:
     """The step model and its fit quality (median / max relative error). With ``tables``
-    (:func:`measure_matmuls`), the linear terms are fitted to what the tables leave."""
+    (:func:`kvpush.sim.calibrate.measure_matmuls`), the linear terms are fitted to what
+    the tables leave."""
     if len(samples) < len(FIT_FIELDS):
         raise ValueError(f"need at least {len(FIT_FIELDS)} samples to fit, got {len(samples)}")
     tab = {k: tuple((float(r), float(v)) for r, v in pts) for k, pts in (tables or {}).items()}
@@ -78,7 +79,7 @@ PASS_SPREAD_WARN = 0.10
 def pass_levels(samples: Sequence[Sample], model: Any, passes: int) -> list[float]:
     """How fast the host ran during each pass over the plan: the median of measured /
     fitted step time over that pass's samples (``samples`` in pass order, one equal
-    share per pass, as :func:`measure_steps` records them)."""
+    share per pass, as :func:`kvpush.sim.calibrate.measure_steps` records them)."""
     if passes < 1 or len(samples) < passes:
         return []
     n = len(samples) // passes
