@@ -181,6 +181,23 @@ def test_repetition_penalty_counts_each_token_once():
     assert same.tolist() == row.tolist()
 
 
+def test_frequency_and_presence_penalties_touch_only_output_tokens():
+    """OpenAI's formula, logit - count x frequency - (count > 0) x presence, over the
+    output's tokens only (the prompt's are not penalized), repeats counted."""
+    from kvpush.model.sampler import adjust_logits_
+
+    gen = torch.Generator().manual_seed(3)
+    row = torch.randn(50, generator=gen)
+    output = [7, 3, 7, 7, 49, 3, 0]
+    got = row.clone()
+    adjust_logits_(got, SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
+                   ([1, 2, 7], output))
+    counts = torch.bincount(torch.tensor(output), minlength=50).float()
+    want = row - counts * 0.5 - (counts > 0).float() * 0.25
+    assert torch.allclose(got, want)
+    assert got[1] == row[1] and got[2] == row[2]  # prompt tokens: untouched
+
+
 def test_seeded_sampling_is_reproducible_and_varies(tiny_llama):
     prompt = random_prompts([12])[0]
 

@@ -63,9 +63,11 @@ def adjust_logits_(row: torch.Tensor, p: SamplingParams, history: History | None
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
                                 vals * p.repetition_penalty)
     if output and (p.presence_penalty or p.frequency_penalty):
-        counts = torch.bincount(torch.tensor(list(output), dtype=torch.long),
-                                minlength=vocab)[:vocab].to(row.dtype)
-        row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
+        # only the distinct output tokens move (not a vocabulary-wide count per row)
+        ids, counts = torch.unique(torch.tensor(output, dtype=torch.long), return_counts=True)
+        keep = ids < vocab
+        penalty = counts[keep].to(row.dtype) * p.frequency_penalty + p.presence_penalty
+        row.index_add_(0, ids[keep], -penalty)
 
 
 def sample(
