@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,10 @@ ROLES = {"colocated": [("colocated", "both", "both")],
          "push": [("P", "prefill", "prefill"), ("D", "decode", "prefill")]}
 
 
-def fit(rows: list[tuple[int, float, float, int]]) -> tuple[float, float] | None:
-    """(c, its standard error) from (run index, modelled, measured, arrivals) rows, with a
-    speed factor per run; None when no step saw an arrival."""
+def fit(rows: list[tuple[Hashable, float, float, int]]) -> tuple[float, float] | None:
+    """(c, its standard error) from (run, modelled, measured, arrivals) rows, with a speed
+    factor per run (any key that tells the runs apart); None when no step saw an
+    arrival."""
     import numpy as np
 
     runs = sorted({r for r, *_ in rows})
@@ -102,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| workload | mode | rate | instance | steps | n | arrivals in them | c (ms) |")
     print("|---|---|---:|---|---|---:|---:|---:|")
     for (wl, mode, rate, inst, kind), rows in sorted(groups.items()):
-        runs = sorted({r for r, *_ in rows})
-        idx = [(runs.index(r), m, d, n) for r, m, d, n in rows]
-        got = fit(idx)
+        got = fit(rows)
         if got is None:
             continue
         c, se = got
