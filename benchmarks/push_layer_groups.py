@@ -8,7 +8,7 @@ sends the same short prompts to each in turns, the order rotating, so that the h
 drifting speed falls on every configuration alike. It prints, per configuration, the
 time to first token and how much longer P's prefill steps ran than pull's (the median
 of measured minus modelled time over P's prefill steps, as
-``kvpush.sim.corun.push_step_cost`` takes it, split by whether D was mid-step):
+``kvpush.sim.push_step.push_step_cost`` takes it, split by whether D was mid-step):
 
     .venv/bin/python benchmarks/push_layer_groups.py --groups 1,0 --turns 12 \\
         --out benchmarks/results/push-layer-groups.json
@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.turns < 1 or any(g < 0 for g in groups):
         ap.error("--turns must be >= 1 and every group >= 0")
 
-    from kvpush.sim.corun import PairSpec, push_step_cost, serve_side_by_side
+    from kvpush.sim.corun import PairSpec, serve_side_by_side
     from kvpush.sim.profile import engine_step_model
+    from kvpush.sim.push_step import describe, push_step_cost
 
     data = json.loads(args.profile.read_text())
     engine = engine_step_model(data, data["roles"]["prefill"])
@@ -77,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
                 "D idle": round(1e3 * cost["push_prefill_step_s"], 1),
                 "beside D": round(1e3 * cost["push_prefill_corun_step_s"], 1)}
             row["p_steps"] = cost["steps"]
+            # the same steps priced per step + per KV block, as calibrate fits them
+            blocks = push_step_cost(steps["pull", "prefill"], steps[name, "prefill"],
+                                    engine, steps["pull", "decode"], steps[name, "decode"],
+                                    int(data["instance"]["block_size"]))
+            row["p_step_fit"] = describe(blocks)
         rows.append(row)
     print(f"{args.input_len}-token prompts, {args.output_len} out, {args.rate:g} req/s, "
           f"{args.turns} turns of {args.prompts_per_turn} per configuration, rotating; "
@@ -89,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['config']} | {r['requests']} | {r['ttft_median_ms']} | "
               f"{r['ttft_mean_ms']} | {r['ttft_p90_ms']} | "
               + (f"+{extra['D idle']} / +{extra['beside D']}" if extra else "-") + " |")
+    for r in rows:
+        if "p_step_fit" in r:
+            print(f"\n{r['config']}, per step + per KV block: {r['p_step_fit']}")
     if args.out:
         args.out.write_text(json.dumps({"started_utc": started, "args": {
             k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

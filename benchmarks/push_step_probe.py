@@ -1,17 +1,20 @@
 """Measure push's extra cost per prefill step on this host and add it to a profile.
 
-`kvpush simulate calibrate` measures ``handoff.push_prefill_step_s`` with its served
-probe (kvpush.sim.corun.probe_push_step: the same 128-token prompts through a 1P1D pull
-pair and a push pair running side by side, in short turns alternating, P's prefill steps
-measured against the profile's engine-alone model). Profiles calibrated before it
-existed lack the figure; this script measures it now and writes a copy of PROFILE with
-it (``measured.push_step`` and a note saying when), leaving PROFILE as it was.
+`kvpush simulate calibrate` measures ``handoff.push_prefill_step_s`` (and, since session
+13, the per-block ``push_prefill_block_s`` and their ``corun_`` twins) with its served
+probe (kvpush.sim.push_step.probe_push_step: the same 128-token prompts through a 1P1D
+pull pair and a push pair running side by side, in short turns alternating, at each
+load, P's prefill steps measured against the profile's engine-alone model). Profiles
+calibrated before that lack the figures; this script measures them now and writes a
+copy of PROFILE with them (``measured.push_step`` and a note saying when), leaving
+PROFILE as it was.
 
-    V=benchmarks/results/sim/v14
+    V=benchmarks/results/sim/v20
     .venv/bin/python benchmarks/push_step_probe.py $V/cpu-local-pooled.json \\
-        --out $V/cpu-local-pooled-push-step.json --turns 8
+        --out $V/cpu-local-pooled-push-step.json
 
-Run it on a quiet host (~1.5 minutes with the default 8 turns).
+Run it on a quiet host (~7 minutes with the default loads, calibrate's; v14's figure
+came from ``--loads 2:8:24:8``, one load, ~3.5 minutes).
 """
 
 from __future__ import annotations
@@ -24,33 +27,49 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvpush.sim.calibrate import PUSH_STEP_KEYS, CalibrationPlan
+
+    default_loads = CalibrationPlan().push_step_loads
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("profile", type=Path)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--loads", default=None,
+                    help="comma-separated RATE:PROMPTS_PER_TURN:TURNS:OUTPUT_LEN loads "
+                         "(default: calibrate's, "
+                         + ",".join(":".join(f"{v:g}" for v in ld) for ld in default_loads)
+                         + ")")
     ap.add_argument("--model", default="smollm2-135m")
     args = ap.parse_args(argv)
-    if args.turns < 1:
-        ap.error("--turns must be >= 1")
     from kvpush.models.registry import resolve_model
-    from kvpush.sim.corun import probe_push_step
     from kvpush.sim.profile import engine_step_model, profile_from_dict
+    from kvpush.sim.push_step import ProbeLoad, probe_push_step
+
+    try:
+        loads = [ProbeLoad(float(r), int(p), int(t), int(o)) for r, p, t, o in (
+            spec.split(":") for spec in args.loads.split(","))] if args.loads else [
+            ProbeLoad(*ld) for ld in default_loads]
+    except ValueError:
+        ap.error(f"--loads: expected RATE:PROMPTS_PER_TURN:TURNS:OUTPUT_LEN,..., "
+                 f"got {args.loads!r}")
+    if any(ld.turns < 1 or ld.prompts_per_turn < 1 or ld.rate <= 0 for ld in loads):
+        ap.error("--loads: every rate must be > 0, prompts per turn and turns >= 1")
 
     data = json.loads(args.profile.read_text())
     # residuals against the engine-alone fit, as calibrate measures them
     engine = engine_step_model(data, data["roles"]["prefill"])
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    out = probe_push_step(str(resolve_model(args.model)), engine, turns=args.turns)
+    block_size = int(data["instance"]["block_size"])
+    out = probe_push_step(str(resolve_model(args.model)), engine, block_size, loads)
     data.setdefault("measured", {})["push_step"] = {**out, "started_utc": started}
-    for key in ("push_prefill_step_s", "push_prefill_corun_step_s"):
+    for key in PUSH_STEP_KEYS:
         data["handoff"][key] = out[key]
+    spec = ",".join(":".join(f"{v:g}" for v in ld) for ld in loads)
     data.setdefault("notes", []).append(
-        f"handoff.push_prefill_step_s and push_prefill_corun_step_s measured {started} by "
-        f"benchmarks/push_step_probe.py ({args.turns} turns), after the rest of this profile")
+        f"handoff.{', '.join(PUSH_STEP_KEYS)} measured {started} by "
+        f"benchmarks/push_step_probe.py (--loads {spec}), after the rest of this profile")
     profile_from_dict(data, str(args.out))  # refuse to write what cannot be loaded
     args.out.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {args.out}: push_prefill_step_s {out['push_prefill_step_s']}, "
-          f"push_prefill_corun_step_s {out['push_prefill_corun_step_s']}")
+    print(f"wrote {args.out}: " + ", ".join(f"{k} {out[k]}" for k in PUSH_STEP_KEYS))
     return 0
 
 

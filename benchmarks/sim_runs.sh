@@ -3,7 +3,7 @@
 # host, re-run the recorded workloads of benchmarks/RESULTS.md tables 1-3 (and 512 / 16)
 # with per-step traces, calibrate again (how far the host drifted meanwhile).
 #
-#   benchmarks/sim_runs.sh OUT_DIR      # ~45 min on 2 cores; run it on a quiet host
+#   benchmarks/sim_runs.sh OUT_DIR      # ~75 min on 2 cores; run it on a quiet host
 #
 # Repeats: 3 (4 for the short prefix-hit runs), pooled per cell: with 2, one slow step
 # (148 ms among 98-116) moved a p90 by 24% from one repeat to the other (v12).
@@ -12,7 +12,8 @@
 # calibrations probe before each pass): the host's speed level beside each run, which
 # sim_validate.py --host-level compares with the calibrations' (SIMULATION.md 1-host).
 # The calibrations also measure push's prefill step cost (a pull and a push pair side by
-# side, ~3.5 min each: handoff.push_prefill_step_s and push_prefill_corun_step_s).
+# side at 2 and 4 req/s, ~7 min each: handoff.push_prefill_step_s, push_prefill_block_s
+# and their corun_ twins; kvpush.sim.push_step).
 #
 # Then: .venv/bin/python benchmarks/sim_validate.py --profile OUT_DIR/cpu-local-pooled.json \
 #         --workloads OUT/quiet_512,OUT/long_prompts,... (OUT relative to benchmarks/results)

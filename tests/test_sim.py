@@ -163,36 +163,6 @@ def test_push_prefill_corun_cost_applies_to_steps_beside_a_busy_decode():
     assert prefill(idle[1]) == pytest.approx(prefill(base[1]), abs=1e-9)
 
 
-def test_push_step_cost_is_push_residual_over_pull_residual():
-    from kvpush.sim.corun import push_step_cost
-
-    class Flat:  # every prefill step modelled at 0.1 s
-        def step_time(self, chunks):
-            return 0.1
-
-    pre, dec = [[128, 0, True, False]], [[1, 128, True, True]]
-    pull = [{"t": i, "dur": d, "chunks": pre} for i, d in enumerate((0.10, 0.11, 0.12))]
-    push = [{"t": i, "dur": d, "chunks": pre} for i, d in enumerate((0.115, 0.118, 0.13))]
-    decodes = [{"t": 9, "dur": 5.0, "chunks": dec}] * 5  # not prefill steps: ignored
-    out = push_step_cost(pull + decodes, push + decodes, Flat(), [], [])  # D never busy
-    assert out["push_prefill_step_s"] == pytest.approx(0.008)  # medians 0.118 - 0.110
-    assert out["push_prefill_corun_step_s"] == 0.0  # no step started beside D
-    assert out["steps"] == {"D idle": {"pull": 3, "push": 3},
-                            "beside D": {"pull": 0, "push": 0}}
-    # push no slower: 0, never negative; too few steps on a side: 0
-    assert push_step_cost(push, pull, Flat(), [], [])["push_prefill_step_s"] == 0.0
-    assert push_step_cost(pull, push[:2], Flat(), [], [])["push_prefill_step_s"] == 0.0
-    # with D's steps: P steps that started inside one are priced on their own
-    d_busy = [{"t": i - 0.01, "dur": 0.05, "chunks": dec} for i in (3, 4, 5)]
-    late = [{"t": i, "dur": d, "chunks": pre} for i, d in ((3, 0.12), (4, 0.12), (5, 0.13))]
-    later = [{"t": i, "dur": d, "chunks": pre} for i, d in ((3, 0.14), (4, 0.15), (5, 0.15))]
-    split = push_step_cost(pull + late, push + later, Flat(), d_busy, d_busy)
-    assert split["push_prefill_step_s"] == pytest.approx(0.008)
-    assert split["push_prefill_corun_step_s"] == pytest.approx(0.03)  # 0.15 - 0.12
-    assert split["steps"] == {"D idle": {"pull": 3, "push": 3},
-                              "beside D": {"pull": 3, "push": 3}}
-
-
 @pytest.mark.parametrize("mode", ["colocated", "pull", "push"])
 def test_measured_request_path_and_token_return_replace_the_estimated_hops(mode):
     """A profile with handoff.request_path_s / token_return_s (measured by the served
@@ -743,35 +713,3 @@ def test_pair_corun_ratios_split_steps_by_the_neighbour_at_their_start():
     assert (few["prefill"], few["decode"]) == (1.0, 1.0)
     faster = [dict(s, dur=0.08) for s in d_steps[:4]] + d_steps[4:]
     assert pair_corun_ratios(p_steps, faster, Flat())["decode"] == 1.0
-
-
-def test_push_step_probe_serves_both_pairs_and_stops_them(tiny_llama):
-    """The pull / push pair probe on a tiny model: both pairs' prefill steps are
-    measured after the warm-up turn, and every process it started is gone."""
-    pytest.importorskip("nixl._api", reason="push mode needs NIXL")
-    import os
-
-    from kvpush.cluster.launcher import descendant_pids
-    from kvpush.sim.corun import probe_push_step
-    from kvpush.sim.profile import engine_step_model
-
-    before = set(descendant_pids(os.getpid()))
-    engine = engine_step_model(BASE, "s")
-    assert engine.step_time([(10, 0, True, False)]) == pytest.approx(0.010 + 10 * 0.001
-                                                                      + 0.0005)
-    logged: list[str] = []
-    out = probe_push_step(str(tiny_llama), engine, input_len=24, output_len=2,
-                          prompts_per_turn=3, turns=2, rate=20.0, log=logged.append)
-    # 3 prompts 50 ms apart on a tiny model: one prefill step each, 2 turns
-    seen = {m: sum(side[m] for side in out["steps"].values()) for m in ("pull", "push")}
-    assert seen["pull"] >= 3 and seen["push"] >= 3
-    assert out["push_prefill_step_s"] >= 0 and out["push_prefill_corun_step_s"] >= 0
-    assert "2 turns each" in logged[0]
-    assert set(descendant_pids(os.getpid())) <= before
-    with pytest.raises(ValueError, match="turns"):
-        probe_push_step(str(tiny_llama), engine, turns=0)
-    from kvpush.sim.corun import PairSpec, serve_side_by_side
-
-    with pytest.raises(ValueError, match="distinct"):  # refused before anything starts
-        serve_side_by_side(str(tiny_llama), [PairSpec("a", "pull"), PairSpec("a", "push")])
-    assert set(descendant_pids(os.getpid())) <= before

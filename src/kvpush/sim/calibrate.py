@@ -68,24 +68,31 @@ class CalibrationPlan:
     #: while the steps were timed, which benchmarks/sim_validate.py compares with the
     #: level `kvpush bench compare --host-probe` saw beside each run; 0: none
     host_probe: float = 1.5
-    #: turns of the short-prompt pull and push pairs, alternating (~4 s each; plus ~15 s
-    #: to start both pairs): kvpush.sim.corun.probe_push_step, handoff.push_prefill_step_s
-    #: and push_prefill_corun_step_s; with the served probe; 0: none. 24: 8 turns gave
-    #: 15-19 steps beside a D step and +0.3 / +5.3 ms in two calibrations, 24 turns ~50
-    #: steps and +14.2 ms (benchmarks/SIMULATION.md 1-v15)
-    push_step_turns: int = 24
+    #: loads of the short-prompt pull and push pairs served side by side, turns
+    #: alternating, as (req/s, prompts per turn, turns, output tokens)
+    #: (kvpush.sim.push_step.ProbeLoad; handoff.push_prefill_step_s, _block_s and their
+    #: corun_ twins); with the served probe; (): none. 2 req/s is one prompt per step
+    #: (24 turns, ~50 steps beside a D step; 8 turns gave 15-19 and +0.3 / +5.3 ms in
+    #: two calibrations, benchmarks/SIMULATION.md 1-v15); 4 req/s batches 5-8 prompts
+    #: per step beside a decoding D, where push's cost per step grew (1-v19), so the
+    #: per-block term can be fitted (~3 min)
+    push_step_loads: tuple[tuple[float, int, int, int], ...] = ((2.0, 8, 24, 8),
+                                                                (4.0, 16, 8, 16))
 
     @classmethod
     def quick(cls) -> CalibrationPlan:
         return cls(prefill=((32, 64), (8, 16)), decode=((1, 16), (4, 16)), decode_steps=3,
                    threads=(1,), mixed=((2, 16, 32),), prefix=((2, 32, 8),), repeats=1,
-                   served=False, host_probe=0.0, push_step_turns=0)
+                   served=False, host_probe=0.0, push_step_loads=())
 
 
 CLOCKS = ("auto", "wall", "cpu")
 #: token rows at which the projections and the LM head are timed
 TOKEN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256, 512, 1024)
 SAMPLE_ROWS = (1, 2, 3, 4, 6, 8, 16, 32, 64)
+#: handoff's figures from the pull / push pair probe (kvpush.sim.push_step)
+PUSH_STEP_KEYS = ("push_prefill_step_s", "push_prefill_corun_step_s",
+                  "push_prefill_block_s", "push_prefill_corun_block_s")
 
 
 def measure_matmuls(model: Any, token_rows: Sequence[int] = TOKEN_ROWS,
@@ -304,6 +311,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
               log: Callable[[str], None] = print,
               matmul_tables: bool = True) -> dict[str, Any]:
     """Measure and write a profile; returns its dict."""
+    from kvpush.config import DEFAULT_BLOCK_SIZE
     from kvpush.kv_transfer.prefill_side import layers_per_write
     from kvpush.models.registry import DEFAULT_MODEL, resolve_model
 
@@ -356,11 +364,12 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                 from kvpush.sim.corun import probe_served_pair
 
                 pair = probe_served_pair(str(model_dir), m, log=log)
-                if plan.push_step_turns:
-                    from kvpush.sim.corun import probe_push_step
+                if plan.push_step_loads:
+                    from kvpush.sim.push_step import ProbeLoad, probe_push_step
 
-                    push_step = probe_push_step(str(model_dir), m,
-                                                turns=plan.push_step_turns, log=log)
+                    push_step = probe_push_step(
+                        str(model_dir), m, DEFAULT_BLOCK_SIZE,
+                        [ProbeLoad(*ld) for ld in plan.push_step_loads], log=log)
     corun_info: dict[str, float] = {}
     if plan.corun:
         try:
@@ -435,12 +444,14 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "kvpush posts pull's READ from its transfer thread, not the step loop "
             "(pull_post_on_step_loop false). Over cma the copy happens inside post(), so the "
             "whole cost is on the wire terms.",
-            "handoff.push_prefill_step_s / push_prefill_corun_step_s: how much longer P's "
+            "handoff.push_prefill_step_s / push_prefill_corun_step_s, plus _block_s / "
+            "corun_block_s per KV block the step completes: how much longer P's "
             "prefill steps ran in a push pair than in a pull pair serving the same "
-            "128-token prompts, turns alternating, for steps that started with D idle / "
-            "mid-step (measured.push_step; kvpush.sim.corun.probe_push_step): push's "
-            "WRITE hand-offs (handoff.push_layers_per_write layers each) and posts, on "
-            "P's interpreter and the cores.",
+            "128-token prompts, turns alternating, at each load of the plan, for steps "
+            "that started with D idle / mid-step (measured.push_step; "
+            "kvpush.sim.push_step): push's WRITE hand-offs (handoff.push_layers_per_write "
+            "layers each) and the transfer thread's copies, on P's interpreter and the "
+            "cores.",
         ],
         "sources": {
             "step_models": "measured here (LLMEngine.step wall time)",
@@ -469,15 +480,14 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                     "front_end_s": round(statistics.median(front_ends), 6) if front_ends
                     else 0.0,
                     **{k: round(statistics.median(v), 6) for k, v in paths.items() if v},
-                    **{k: push_step[k] for k in ("push_prefill_step_s",
-                                                  "push_prefill_corun_step_s")
-                       if k in push_step},
+                    **{k: push_step[k] for k in PUSH_STEP_KEYS if k in push_step},
                     "pull_post_on_step_loop": False,
                     # what the served prefill instances used (kvpush serve's CPU default)
                     "push_layers_per_write": layers_per_write(0, shape["num_layers"],
                                                               cuda=False)},
-        "instance": {"block_size": 32, "num_blocks": (1 << 30) // (
-            32 * 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * 4),
+        "instance": {"block_size": DEFAULT_BLOCK_SIZE, "num_blocks": (1 << 30) // (
+            DEFAULT_BLOCK_SIZE * 2 * shape["num_layers"] * shape["num_kv_heads"]
+            * shape["head_dim"] * 4),
                      "max_num_batched_tokens": 1024, "max_num_seqs": 64},
     }
     from kvpush.sim.profile import profile_from_dict

@@ -193,50 +193,6 @@ def probe_served_pair(model: str, engine_model: StepModel, input_len: int = 384,
     return out
 
 
-def push_step_cost(pull_steps: Sequence[Mapping[str, Any]],
-                   push_steps: Sequence[Mapping[str, Any]],
-                   model: StepModel,
-                   pull_decode: Sequence[Mapping[str, Any]],
-                   push_decode: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """How much longer a prefill instance's prefill steps take in push than in pull: the
-    median of (measured - modelled) over P's prefill steps of a push pair, minus the same
-    over a pull pair that served the same prompts (what the pair shares, the served
-    overhead, cancels; what remains is push's own work on P: the per-layer WRITE hand-off
-    from the step loop and the transfer thread's posts beside it). Each pair's D steps
-    (``*_decode``) split P's steps as the simulator applies them: those that started
-    while D was idle give ``push_prefill_step_s``, those that started while D was
-    mid-step ``push_prefill_corun_step_s`` (the transfer thread then competes with D's
-    step for the cores too). Seconds per step, 0 when push is not slower or a side
-    has fewer than :data:`PAIR_MIN_STEPS` steps."""
-    import statistics
-
-    def residuals(steps: Sequence[Mapping[str, Any]],
-                  decode: Sequence[Mapping[str, Any]], beside: bool) -> list[float]:
-        out, busy = [], BusySpans(decode)
-        for st in steps:
-            chunks = [tuple(c) for c in st["chunks"]]
-            if decode_only(chunks) or busy.at(st["t"]) != beside:
-                continue
-            if (predicted := model.step_time(chunks)) > 0:
-                out.append(st["dur"] - predicted)
-        return out
-
-    out: dict[str, Any] = {"steps": {}}
-    for key, beside in (("push_prefill_step_s", False), ("push_prefill_corun_step_s", True)):
-        pull = residuals(pull_steps, pull_decode, beside)
-        push = residuals(push_steps, push_decode, beside)
-        where = "beside D" if beside else "D idle"
-        out["steps"][where] = {"pull": len(pull), "push": len(push)}
-        if min(len(pull), len(push)) < PAIR_MIN_STEPS:
-            out[key] = 0.0
-            continue
-        a, b = statistics.median(pull), statistics.median(push)
-        out["residual_s"] = {**out.get("residual_s", {}),
-                             where: {"pull": round(a, 6), "push": round(b, 6)}}
-        out[key] = round(max(0.0, b - a), 6)
-    return out
-
-
 @dataclass(frozen=True)
 class PairSpec:
     """One 1P1D pair of a side-by-side run: its label, transfer mode and, for push, how
@@ -314,27 +270,3 @@ def serve_side_by_side(model: str, pairs: Sequence[PairSpec], input_len: int = 1
             sorted((root / f"steps{i}").rglob(f"{role}-*.jsonl")), start)
             for i, spec in enumerate(pairs) for role in ("prefill", "decode")}
     return run
-
-
-def probe_push_step(model: str, engine_model: StepModel, input_len: int = 128,
-                    output_len: int = 8, prompts_per_turn: int = 8, turns: int = 8,
-                    rate: float = 2.0, seed: int = 11,
-                    log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Serve ``kvpush bench compare``'s 1P1D pull pair and its push pair side by side,
-    ``prompts_per_turn`` short prompts at ``rate`` per turn, the order alternating
-    (:func:`serve_side_by_side`); push's extra cost per prefill step on P is then taken
-    over every measured step (:func:`push_step_cost`). Short prompts: on the v14 runs the
-    difference was roughly 7-12 ms per step, within the scatter of the 384-token pair
-    probe's ~485 ms steps but 5-10% of a 100-150 ms one. Turns of a few seconds: one pull
-    run then one push run of 16-32 prompts measured anything from 1 to 20 ms in tries
-    minutes apart, as the host's speed moved between them."""
-    run = serve_side_by_side(model, [PairSpec("pull", "pull"), PairSpec("push", "push")],
-                             input_len, output_len, prompts_per_turn, turns, rate, seed)
-    out = push_step_cost(run.steps["pull", "prefill"], run.steps["push", "prefill"],
-                         engine_model, run.steps["pull", "decode"],
-                         run.steps["push", "decode"])
-    log(f"[calibrate] push's prefill steps over pull's ({input_len}-token prompts at "
-        f"{rate:g} req/s, {turns} turns each, alternating): "
-        f"+{1e3 * out['push_prefill_step_s']:.1f} ms per step with D idle, "
-        f"+{1e3 * out['push_prefill_corun_step_s']:.1f} ms beside a D step ({out['steps']})")
-    return out

@@ -209,16 +209,37 @@ class Handoff:
         self._pump(xf)
         self._push_finalize(xf)
 
+    def _completed_blocks(self, job: Job, n: int) -> tuple[int, int]:
+        """[first, end) of the KV blocks of ``job``'s prompt that a chunk of ``n`` tokens
+        completes (the last, partial block with the prompt's last token)."""
+        before, after = job.computed, job.computed + n
+        if after >= job.req.prompt_len:
+            return before // self.bs, blocks_for(job.req.prompt_len, self.bs)
+        return before // self.bs, after // self.bs
+
     def push_step_extra(self, plan: list[tuple[Job, int]], beside: bool) -> float:
         """P's step extra when the step carries a chunk of a push request that P sends
-        (not a full hit): ``handoff.push_prefill_corun_step_s`` if it starts beside
-        another instance's step (``beside``), else ``push_prefill_step_s``; 0 otherwise."""
+        (not a full hit): per step, ``handoff.push_prefill_corun_step_s`` if it starts
+        beside another instance's step (``beside``), else ``push_prefill_step_s``; plus,
+        per KV block the step completes for D (D's prefix hit excluded),
+        ``push_prefill_corun_block_s`` / ``push_prefill_block_s``; 0 otherwise."""
         ho = self.profile.handoff
-        cost = ho.push_prefill_corun_step_s if beside else ho.push_prefill_step_s
-        if cost and any((xf := job.extra.get("push")) is not None and not xf.full_hit
-                        for job, _ in plan):
-            return cost
-        return 0.0
+        step = ho.push_prefill_corun_step_s if beside else ho.push_prefill_step_s
+        block = ho.push_prefill_corun_block_s if beside else ho.push_prefill_block_s
+        if not step and not block:
+            return 0.0
+        pushing, blocks = False, 0
+        for job, n in plan:
+            xf = job.extra.get("push")
+            if xf is None or xf.full_hit:
+                continue
+            pushing = True
+            first, end = self._completed_blocks(job, n)
+            # D's prefix hit is never written: as D allocated it, or what D holds now
+            skip = xf.skip_blocks if xf.d_job is not None else (
+                xf.d.cached_tokens(xf.req) // self.bs)
+            blocks += max(0, end - max(first, skip))
+        return step + block * blocks if pushing else 0.0
 
     def on_prefill_step(self, plan: list[tuple[Job, int]], t0: float, t1: float) -> None:
         """P's step hook: queue the per-layer WRITEs of blocks this step completes."""
@@ -226,12 +247,7 @@ class Handoff:
             xf = job.extra.get("push")
             if xf is None or xf.full_hit:
                 continue
-            before, after = job.computed, job.computed + n
-            done_before = before // self.bs
-            if after >= job.req.prompt_len:
-                done_after = blocks_for(job.req.prompt_len, self.bs)
-            else:
-                done_after = after // self.bs
+            done_before, done_after = self._completed_blocks(job, n)
             if done_after > done_before:  # blocks D holds already are dropped in _pump
                 xf.pieces.append((t0, t1, done_before, done_after))
         for job, _ in plan:

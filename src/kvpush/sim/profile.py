@@ -76,12 +76,19 @@ class HandoffModel:
     #: measured: how much longer a prefill instance's step is in push than in pull when
     #: it carries a push request's chunk (the per-layer WRITE hand-off on the step loop
     #: and the transfer thread's posts beside it, sharing the interpreter and the cores;
-    #: kvpush.sim.corun.probe_push_step); added to each such step that starts while the
+    #: kvpush.sim.push_step.probe_push_step); added to each such step that starts while the
     #: other instances of its host are idle
     push_prefill_step_s: float = 0.0
     #: the same for a step that starts while another instance of its host is mid-step
     #: (the transfer thread's posts then compete with that step for the cores too)
     push_prefill_corun_step_s: float = 0.0
+    #: measured: what each KV block such a step WRITEs to decode adds to it on top of
+    #: the per-step figures, with the host's other instances idle / mid-step (the
+    #: transfer thread copies while the forward pass runs; beside a decoding instance
+    #: three busy threads share the cores). kvpush.sim.push_step.push_step_cost fits both
+    #: from probes at two loads: one prompt per step and several.
+    push_prefill_block_s: float = 0.0
+    push_prefill_corun_block_s: float = 0.0
     #: push: layers per WRITE while P's forward pass runs (kvpush's
     #: --push-layers-per-write: one on CUDA, a third of the layers on CPU by default);
     #: each group goes as the pass completes its last layer
@@ -280,7 +287,8 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
     hn = _numbers(ho, f"{path}: handoff",
                   ("http_hop_s", "client_hop_s", "relay_s", "side_channel_s"),
                   ("handshake_s", "front_end_s", "request_path_s", "token_return_s",
-                   "push_prefill_step_s", "push_prefill_corun_step_s"))
+                   "push_prefill_step_s", "push_prefill_corun_step_s",
+                   "push_prefill_block_s", "push_prefill_corun_block_s"))
     group = ho.get("push_layers_per_write", 1)
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
         raise ProfileError(f"{path}: handoff.push_layers_per_write must be an integer >= 1, "

@@ -1,0 +1,197 @@
+"""What push costs a prefill instance's steps on a shared CPU host (CPU profiles).
+
+Push hands each prefill step's new KV to P's transfer thread layer group by layer group
+while the forward pass runs, and the transfer thread WRITEs it into D's blocks. On a
+2-core host that thread's copies share the cores with P's forward pass and, when D is
+decoding, with D's step: three busy threads on two cores. Pull's READ runs on D's side
+after P's step, so P's steps carry none of it.
+
+:func:`probe_push_step` serves the same short prompts through a 1P1D pull pair and a
+push pair side by side (``kvpush.sim.corun.serve_side_by_side``), at one or more loads,
+and :func:`push_step_cost` prices push's extra time per P step from the traces, apart
+for steps that started with D idle and mid-step:
+
+    extra = per_step + per_block x (KV blocks the step completes)
+
+The light load (2 req/s, one prompt per step: every step writes the same number of
+blocks) gives only the per-step term, as the calibrations before the per-block term
+did. A loaded one (4 req/s, several prompts per step) spreads the blocks per step, and
+the two terms are fitted together (Theil-Sen lines, robust to the odd slow step): in
+the v18 / v19 runs push's steps at 4 req/s ran ~2% longer than pull's, beside a busy D,
+while the 2 req/s probe measured 0-1.6 ms a step (benchmarks/SIMULATION.md 1-v20).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from kvpush.sim.step_models import StepModel, decode_only
+
+#: fewer steps than this on either side (pull, push) of a D state: no figure (0)
+MIN_STEPS = 3
+#: the blocks per step must span at least this ratio (largest over smallest) for a
+#: per-block term to be fitted; below it, one figure per step
+MIN_BLOCK_SPREAD = 1.5
+
+
+class ProbeLoad(NamedTuple):
+    """One load of the pull / push pair probe: ``prompts_per_turn`` prompts at ``rate``
+    per turn, ``turns`` turns per pair, ``output_len`` tokens out."""
+
+    rate: float
+    prompts_per_turn: int
+    turns: int
+    output_len: int = 8
+
+
+#: one prompt per P step, D mostly idle (the calibrations' probe until session 13)
+LIGHT = ProbeLoad(2.0, 8, 24, 8)
+#: 5-8 prompts per P step beside a decoding D (short_high_rate's 4 req/s cell)
+LOADED = ProbeLoad(4.0, 16, 8, 16)
+
+
+def step_blocks(chunks: Sequence[Sequence[Any]], block_size: int) -> int:
+    """KV blocks a prefill step completes, what push WRITEs to D for it (no prefix hit):
+    per chunk ``(tokens, context, ends_prompt, ...)``, the whole blocks it fills and,
+    when it ends the prompt, the last partial one. A chunk given without its flag
+    counts as ending the prompt."""
+    total = 0
+    for ch in chunks:
+        n, ctx = int(ch[0]), int(ch[1])
+        ends = bool(ch[2]) if len(ch) > 2 else True
+        end = -(-(ctx + n) // block_size) if ends else (ctx + n) // block_size
+        total += max(0, end - ctx // block_size)
+    return total
+
+
+def theil_sen(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the median line through ``(x, y)`` points: the median of
+    the slopes between every two points with different x, then the median of
+    ``y - slope x``; a flat line at the median y where every x is the same."""
+    slopes = [(b[1] - a[1]) / (b[0] - a[0]) for i, a in enumerate(points)
+              for b in points[i + 1:] if b[0] != a[0]]
+    k = statistics.median(slopes) if slopes else 0.0
+    return statistics.median(y - k * x for x, y in points), k
+
+
+def _spread(xs: Sequence[float]) -> bool:
+    return min(xs) > 0 and max(xs) >= MIN_BLOCK_SPREAD * min(xs)
+
+
+def excess_fit(pull: Sequence[tuple[float, float]], push: Sequence[tuple[float, float]]
+               ) -> tuple[float, float]:
+    """(per step, per block) seconds push's ``(blocks, residual)`` steps run over pull's,
+    both never below 0. Pull's residual line (over blocks, where its steps span them)
+    is what the model misses in both modes; push's steps over it are fitted as
+    ``per_step + per_block x blocks`` where push's blocks span
+    :data:`MIN_BLOCK_SPREAD`, else their median is the per-step figure."""
+    if not _spread([x for x, _ in push]):
+        return max(0.0, statistics.median(r for _, r in push)
+                   - statistics.median(r for _, r in pull)), 0.0
+    a, k = theil_sen(pull) if _spread([x for x, _ in pull]) else (
+        statistics.median(r for _, r in pull), 0.0)
+    excess = [(x, r - a - k * x) for x, r in push]
+    s, b = theil_sen(excess)
+    if b <= 0:
+        return max(0.0, statistics.median(e for _, e in excess)), 0.0
+    if s < 0:  # through the origin: the median of excess / blocks
+        return 0.0, max(0.0, statistics.median(e / x for x, e in excess))
+    return s, b
+
+
+def push_step_cost(pull_steps: Sequence[Mapping[str, Any]],
+                   push_steps: Sequence[Mapping[str, Any]],
+                   model: StepModel,
+                   pull_decode: Sequence[Mapping[str, Any]],
+                   push_decode: Sequence[Mapping[str, Any]],
+                   block_size: int | None = None) -> dict[str, Any]:
+    """How much longer a prefill instance's prefill steps take in push than in pull, from
+    a push pair's and a pull pair's traces over the same prompts (what the pair shares,
+    the served overhead, cancels). Each step's residual is measured minus modelled;
+    each pair's D steps (``*_decode``) split P's steps as the simulator applies the
+    figures: started with D idle -> ``push_prefill_step_s`` / ``push_prefill_block_s``,
+    started while D was mid-step -> ``push_prefill_corun_step_s`` /
+    ``push_prefill_corun_block_s`` (:func:`excess_fit`; without ``block_size`` one
+    figure per step). Seconds; 0 where a side has fewer than :data:`MIN_STEPS` steps."""
+    from kvpush.sim.corun import BusySpans
+
+    def residuals(steps: Sequence[Mapping[str, Any]],
+                  decode: Sequence[Mapping[str, Any]], beside: bool
+                  ) -> list[tuple[float, float]]:
+        out, busy = [], BusySpans(decode)
+        for st in steps:
+            chunks = [tuple(c) for c in st["chunks"]]
+            if decode_only(chunks) or busy.at(st["t"]) != beside:
+                continue
+            if (predicted := model.step_time(chunks)) > 0:
+                blocks = step_blocks(chunks, block_size) if block_size else 1
+                out.append((float(blocks), st["dur"] - predicted))
+        return out
+
+    out: dict[str, Any] = {"steps": {}}
+    for suffix, beside in (("", False), ("corun_", True)):
+        pull = residuals(pull_steps, pull_decode, beside)
+        push = residuals(push_steps, push_decode, beside)
+        where = "beside D" if beside else "D idle"
+        out["steps"][where] = {"pull": len(pull), "push": len(push)}
+        step_key, block_key = f"push_prefill_{suffix}step_s", f"push_prefill_{suffix}block_s"
+        if min(len(pull), len(push)) < MIN_STEPS:
+            out[step_key] = out[block_key] = 0.0
+            continue
+        out.setdefault("residual_s", {})[where] = {
+            "pull": round(statistics.median(r for _, r in pull), 6),
+            "push": round(statistics.median(r for _, r in push), 6)}
+        if block_size:
+            out.setdefault("blocks", {})[where] = [min(x for x, _ in push),
+                                                   max(x for x, _ in push)]
+        per_step, per_block = excess_fit(pull, push)  # blocks all 1: one per-step figure
+        out[step_key], out[block_key] = round(per_step, 6), round(per_block, 7)
+    return out
+
+
+def probe_push_step(model: str, engine_model: StepModel, block_size: int = 32,
+                    loads: Sequence[ProbeLoad] = (LIGHT, LOADED), input_len: int = 128,
+                    seed: int = 11, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Serve ``kvpush bench compare``'s 1P1D pull pair and its push pair side by side at
+    each of ``loads`` in turn (``kvpush.sim.corun.serve_side_by_side``: the same short
+    prompts to both, the order alternating, so the host's drift falls on both alike),
+    then price push's extra time per P step over all of their steps together
+    (:func:`push_step_cost`), and each load's on its own for the record (``loads``).
+    Short prompts: on the v14 runs the difference was roughly 7-12 ms per step, within
+    the scatter of a 485 ms step but 5-10% of a 100-150 ms one."""
+    from kvpush.sim.corun import PairSpec, serve_side_by_side
+
+    if not loads or any(ld.turns < 1 for ld in loads):
+        raise ValueError(f"need at least one load, each of turns >= 1, got {list(loads)}")
+    pairs = [PairSpec("pull", "pull"), PairSpec("push", "push")]
+    steps: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    per_load = []
+    for ld in loads:
+        run = serve_side_by_side(model, pairs, input_len, ld.output_len,
+                                 ld.prompts_per_turn, ld.turns, ld.rate, seed)
+        for key, got in run.steps.items():
+            steps.setdefault(key, []).extend(got)
+        alone = push_step_cost(run.steps["pull", "prefill"], run.steps["push", "prefill"],
+                               engine_model, run.steps["pull", "decode"],
+                               run.steps["push", "decode"], block_size)
+        per_load.append({**ld._asdict(), "started_utc": run.started_utc, **alone})
+        log(f"[calibrate] push's prefill steps over pull's ({input_len}-token prompts, "
+            f"{ld.prompts_per_turn} per turn at {ld.rate:g} req/s, {ld.turns} turns each, "
+            f"alternating): {describe(alone)} ({alone['steps']})")
+    out = push_step_cost(steps["pull", "prefill"], steps["push", "prefill"], engine_model,
+                         steps["pull", "decode"], steps["push", "decode"], block_size)
+    out["loads"] = per_load
+    if len(loads) > 1:
+        log(f"[calibrate] push's prefill step cost, all loads: {describe(out)}")
+    return out
+
+
+def describe(cost: Mapping[str, Any]) -> str:
+    """One line of a :func:`push_step_cost` result, in milliseconds."""
+    def part(suffix: str) -> str:
+        step = 1e3 * cost[f"push_prefill_{suffix}step_s"]
+        block = 1e3 * cost.get(f"push_prefill_{suffix}block_s", 0.0)
+        return f"+{step:.1f} ms" + (f" + {block:.2f} ms/block" if block else "")
+    return f"{part('')} per step with D idle, {part('corun_')} beside a D step"
