@@ -170,3 +170,33 @@ def test_push_step_probe_serves_both_pairs_and_stops_them(tiny_llama):
     with pytest.raises(ValueError, match="distinct"):  # refused before anything starts
         serve_side_by_side(str(tiny_llama), [PairSpec("a", "pull"), PairSpec("a", "push")])
     assert set(descendant_pids(os.getpid())) <= before
+
+
+def test_pooled_cost_takes_each_runs_push_over_its_own_pull():
+    """Two loads run minutes apart: the second on a host 20 ms a step slower in both
+    modes. Push runs 0.5 ms a block over pull in both; taken run by run and pooled, the
+    figure comes back, the drift cancelling within each run."""
+    from kvpush.sim.push_step import pooled_push_step_cost
+
+    def run(t0, blocks_per_step, drift):
+        pull, push = [], []
+        for i, prompts in enumerate(blocks_per_step):
+            chunks = [[128, 0, True, False]] * prompts
+            for j in range(3):
+                t = t0 + 10 * i + j
+                pull.append({"t": t, "dur": 0.1 + drift + 0.001 * j, "chunks": chunks})
+                push.append({"t": t, "dur": 0.1 + drift + 0.001 * j + 0.0005 * 4 * prompts,
+                             "chunks": chunks})
+        return pull, push, [], []
+
+    light, loaded = run(0, [1, 1, 1], 0.0), run(1000, [2, 4, 6, 8], 0.02)
+    out = pooled_push_step_cost([light, loaded], Flat(), 32)
+    assert out["push_prefill_step_s"] == pytest.approx(0.0, abs=1e-9)
+    assert out["push_prefill_block_s"] == pytest.approx(0.0005)
+    assert out["steps"]["D idle"] == {"pull": 21, "push": 21}
+    assert out["residual_s"]["D idle"][1]["pull"] == pytest.approx(0.021)  # per run
+    # a run with too few steps on a side adds nothing; none at all: 0
+    few = run(2000, [3], 0.0)
+    assert pooled_push_step_cost([light, (few[0][:2], few[1][:2], [], [])], Flat(), 32)[
+        "push_prefill_step_s"] == pytest.approx(0.002)  # the light run's 4 blocks alone
+    assert pooled_push_step_cost([], Flat(), 32)["push_prefill_block_s"] == 0.0

@@ -16,9 +16,10 @@ for steps that started with D idle and mid-step:
 The light load (2 req/s, one prompt per step: every step writes the same number of
 blocks) gives only the per-step term, as the calibrations before the per-block term
 did. A loaded one (4 req/s, several prompts per step) spreads the blocks per step, and
-the two terms are fitted together (Theil-Sen lines, robust to the odd slow step): in
-the v18 / v19 runs push's steps at 4 req/s ran ~2% longer than pull's, beside a busy D,
-while the 2 req/s probe measured 0-1.6 ms a step (benchmarks/SIMULATION.md 1-v20).
+the two terms are fitted together (Theil-Sen lines, robust to the odd slow step), each
+load's push steps over its own pull steps, as the loads run minutes apart: in the v18 /
+v19 runs push's steps at 4 req/s ran ~2% longer than pull's, beside a busy D, while the
+2 req/s probe measured 0-1.6 ms a step (benchmarks/SIMULATION.md 1-v19, 1-v20).
 """
 
 from __future__ import annotations
@@ -80,25 +81,42 @@ def _spread(xs: Sequence[float]) -> bool:
     return min(xs) > 0 and max(xs) >= MIN_BLOCK_SPREAD * min(xs)
 
 
-def excess_fit(pull: Sequence[tuple[float, float]], push: Sequence[tuple[float, float]]
-               ) -> tuple[float, float]:
-    """(per step, per block) seconds push's ``(blocks, residual)`` steps run over pull's,
-    both never below 0. Pull's residual line (over blocks, where its steps span them)
-    is what the model misses in both modes; push's steps over it are fitted as
-    ``per_step + per_block x blocks`` where push's blocks span
-    :data:`MIN_BLOCK_SPREAD`, else their median is the per-step figure."""
-    if not _spread([x for x, _ in push]):
-        return max(0.0, statistics.median(r for _, r in push)
-                   - statistics.median(r for _, r in pull)), 0.0
+def excess_points(pull: Sequence[tuple[float, float]], push: Sequence[tuple[float, float]]
+                  ) -> list[tuple[float, float]]:
+    """Push's ``(blocks, residual)`` steps as ``(blocks, excess)`` over pull's residual
+    line, what the model misses in both modes: a Theil-Sen line over blocks where pull's
+    steps span :data:`MIN_BLOCK_SPREAD`, else their median."""
     a, k = theil_sen(pull) if _spread([x for x, _ in pull]) else (
         statistics.median(r for _, r in pull), 0.0)
-    excess = [(x, r - a - k * x) for x, r in push]
+    return [(x, r - a - k * x) for x, r in push]
+
+
+def fit_excess(excess: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(per step, per block) seconds from push's ``(blocks, excess)`` points, both never
+    below 0: ``per_step + per_block x blocks`` (Theil-Sen) where the blocks span
+    :data:`MIN_BLOCK_SPREAD`, else the median excess per step; through the origin where
+    the line's intercept is negative."""
+    if not _spread([x for x, _ in excess]):
+        return max(0.0, statistics.median(e for _, e in excess)), 0.0
     s, b = theil_sen(excess)
     if b <= 0:
         return max(0.0, statistics.median(e for _, e in excess)), 0.0
     if s < 0:  # through the origin: the median of excess / blocks
         return 0.0, max(0.0, statistics.median(e / x for x, e in excess))
     return s, b
+
+
+def excess_fit(pull: Sequence[tuple[float, float]], push: Sequence[tuple[float, float]]
+               ) -> tuple[float, float]:
+    """(per step, per block) seconds push's ``(blocks, residual)`` steps run over pull's
+    (:func:`excess_points`, :func:`fit_excess`); without a spread of blocks, the
+    difference of the medians per step."""
+    return fit_excess(excess_points(pull, push))
+
+
+#: one side-by-side run: P's steps in the pull pair and the push pair, then D's in each
+PairTraces = tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]],
+                   Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]
 
 
 def push_step_cost(pull_steps: Sequence[Mapping[str, Any]],
@@ -109,12 +127,23 @@ def push_step_cost(pull_steps: Sequence[Mapping[str, Any]],
                    block_size: int | None = None) -> dict[str, Any]:
     """How much longer a prefill instance's prefill steps take in push than in pull, from
     a push pair's and a pull pair's traces over the same prompts (what the pair shares,
-    the served overhead, cancels). Each step's residual is measured minus modelled;
-    each pair's D steps (``*_decode``) split P's steps as the simulator applies the
-    figures: started with D idle -> ``push_prefill_step_s`` / ``push_prefill_block_s``,
-    started while D was mid-step -> ``push_prefill_corun_step_s`` /
-    ``push_prefill_corun_block_s`` (:func:`excess_fit`; without ``block_size`` one
-    figure per step). Seconds; 0 where a side has fewer than :data:`MIN_STEPS` steps."""
+    the served overhead, cancels); :func:`pooled_push_step_cost` of one run."""
+    return pooled_push_step_cost([(pull_steps, push_steps, pull_decode, push_decode)],
+                                 model, block_size)
+
+
+def pooled_push_step_cost(runs: Sequence[PairTraces], model: StepModel,
+                          block_size: int | None = None) -> dict[str, Any]:
+    """Push's extra time per P step over several side-by-side runs (one per load). Each
+    step's residual is measured minus modelled; each pair's D steps split P's steps as
+    the simulator applies the figures: started with D idle -> ``push_prefill_step_s`` /
+    ``push_prefill_block_s``, started while D was mid-step ->
+    ``push_prefill_corun_step_s`` / ``push_prefill_corun_block_s``. Push's steps are
+    taken over pull's of the same run (:func:`excess_points`: the host's drift from one
+    run to the next cancels, which pooling the raw residuals would fit as a slope), then
+    all runs' points are fitted together (:func:`fit_excess`; without ``block_size``
+    one figure per step). Seconds; a run adds nothing to a D state where a side has
+    fewer than :data:`MIN_STEPS` steps, and a state no run adds to gets 0."""
     from kvpush.sim.corun import BusySpans
 
     def residuals(steps: Sequence[Mapping[str, Any]],
@@ -132,21 +161,29 @@ def push_step_cost(pull_steps: Sequence[Mapping[str, Any]],
 
     out: dict[str, Any] = {"steps": {}}
     for suffix, beside in (("", False), ("corun_", True)):
-        pull = residuals(pull_steps, pull_decode, beside)
-        push = residuals(push_steps, push_decode, beside)
         where = "beside D" if beside else "D idle"
-        out["steps"][where] = {"pull": len(pull), "push": len(push)}
+        counts = {"pull": 0, "push": 0}
+        excess: list[tuple[float, float]] = []
+        medians = []
+        for pull_steps, push_steps, pull_decode, push_decode in runs:
+            pull = residuals(pull_steps, pull_decode, beside)
+            push = residuals(push_steps, push_decode, beside)
+            counts["pull"] += len(pull)
+            counts["push"] += len(push)
+            if min(len(pull), len(push)) >= MIN_STEPS:
+                excess += excess_points(pull, push)
+                medians.append({"pull": round(statistics.median(r for _, r in pull), 6),
+                                "push": round(statistics.median(r for _, r in push), 6)})
+        out["steps"][where] = counts
         step_key, block_key = f"push_prefill_{suffix}step_s", f"push_prefill_{suffix}block_s"
-        if min(len(pull), len(push)) < MIN_STEPS:
+        if not excess:
             out[step_key] = out[block_key] = 0.0
             continue
-        out.setdefault("residual_s", {})[where] = {
-            "pull": round(statistics.median(r for _, r in pull), 6),
-            "push": round(statistics.median(r for _, r in push), 6)}
+        out.setdefault("residual_s", {})[where] = medians[0] if len(medians) == 1 else medians
         if block_size:
-            out.setdefault("blocks", {})[where] = [min(x for x, _ in push),
-                                                   max(x for x, _ in push)]
-        per_step, per_block = excess_fit(pull, push)  # blocks all 1: one per-step figure
+            out.setdefault("blocks", {})[where] = [min(x for x, _ in excess),
+                                                   max(x for x, _ in excess)]
+        per_step, per_block = fit_excess(excess)  # blocks all 1: one per-step figure
         out[step_key], out[block_key] = round(per_step, 6), round(per_block, 7)
     return out
 
@@ -157,8 +194,9 @@ def probe_push_step(model: str, engine_model: StepModel, block_size: int = 32,
     """Serve ``kvpush bench compare``'s 1P1D pull pair and its push pair side by side at
     each of ``loads`` in turn (``kvpush.sim.corun.serve_side_by_side``: the same short
     prompts to both, the order alternating, so the host's drift falls on both alike),
-    then price push's extra time per P step over all of their steps together
-    (:func:`push_step_cost`), and each load's on its own for the record (``loads``).
+    then price push's extra time per P step over all of their steps together, each
+    load's push steps over its own pull steps (:func:`pooled_push_step_cost`), and each
+    load's on its own for the record (``loads``).
     Short prompts: on the v14 runs the difference was roughly 7-12 ms per step, within
     the scatter of a 485 ms step but 5-10% of a 100-150 ms one."""
     from kvpush.sim.corun import PairSpec, serve_side_by_side
@@ -166,22 +204,19 @@ def probe_push_step(model: str, engine_model: StepModel, block_size: int = 32,
     if not loads or any(ld.turns < 1 for ld in loads):
         raise ValueError(f"need at least one load, each of turns >= 1, got {list(loads)}")
     pairs = [PairSpec("pull", "pull"), PairSpec("push", "push")]
-    steps: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    runs: list[PairTraces] = []
     per_load = []
     for ld in loads:
         run = serve_side_by_side(model, pairs, input_len, ld.output_len,
                                  ld.prompts_per_turn, ld.turns, ld.rate, seed)
-        for key, got in run.steps.items():
-            steps.setdefault(key, []).extend(got)
-        alone = push_step_cost(run.steps["pull", "prefill"], run.steps["push", "prefill"],
-                               engine_model, run.steps["pull", "decode"],
-                               run.steps["push", "decode"], block_size)
+        runs.append((run.steps["pull", "prefill"], run.steps["push", "prefill"],
+                     run.steps["pull", "decode"], run.steps["push", "decode"]))
+        alone = pooled_push_step_cost(runs[-1:], engine_model, block_size)
         per_load.append({**ld._asdict(), "started_utc": run.started_utc, **alone})
         log(f"[calibrate] push's prefill steps over pull's ({input_len}-token prompts, "
             f"{ld.prompts_per_turn} per turn at {ld.rate:g} req/s, {ld.turns} turns each, "
             f"alternating): {describe(alone)} ({alone['steps']})")
-    out = push_step_cost(steps["pull", "prefill"], steps["push", "prefill"], engine_model,
-                         steps["pull", "decode"], steps["push", "decode"], block_size)
+    out = pooled_push_step_cost(runs, engine_model, block_size)
     out["loads"] = per_load
     if len(loads) > 1:
         log(f"[calibrate] push's prefill step cost, all loads: {describe(out)}")
