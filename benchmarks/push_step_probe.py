@@ -14,7 +14,9 @@ PROFILE as it was.
         --out $V/cpu-local-pooled-push-step.json
 
 Run it on a quiet host (~7 minutes with the default loads, calibrate's; v14's figure
-came from ``--loads 2:8:24:8``, one load, ~3.5 minutes).
+came from ``--loads 2:8:24:8``, one load, ~3.5 minutes). ``--reprice`` serves nothing:
+it fits the figures again from the traces the profile's record stored (after a change
+to the fit; calibrations and this script keep them since session 13).
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
                          + ",".join(":".join(f"{v:g}" for v in ld) for ld in default_loads)
                          + ")")
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--reprice", action="store_true",
+                    help="serve nothing: fit the figures again from the probe traces "
+                         "PROFILE's measured.push_step stored (calibrations since "
+                         "session 13 keep them), against PROFILE's engine-alone fit; "
+                         "a pooled profile's calibrations are refitted one by one and "
+                         "their figures averaged, as refit pools them")
     args = ap.parse_args(argv)
     from kvpush.models.registry import resolve_model
     from kvpush.sim.profile import engine_step_model, profile_from_dict
@@ -59,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = engine_step_model(data, data["roles"]["prefill"])
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     block_size = int(data["instance"]["block_size"])
+    if args.reprice:
+        return reprice_profile(args, data, engine, block_size)
     out = probe_push_step(str(resolve_model(args.model)), engine, block_size, loads)
     data.setdefault("measured", {})["push_step"] = {**out, "started_utc": started}
     for key in PUSH_STEP_KEYS:
@@ -70,6 +80,33 @@ def main(argv: list[str] | None = None) -> int:
     profile_from_dict(data, str(args.out))  # refuse to write what cannot be loaded
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {args.out}: " + ", ".join(f"{k} {out[k]}" for k in PUSH_STEP_KEYS))
+    return 0
+
+
+def reprice_profile(args: argparse.Namespace, data: dict, engine, block_size: int) -> int:
+    from kvpush.sim.calibrate import PUSH_STEP_KEYS
+    from kvpush.sim.profile import profile_from_dict
+    from kvpush.sim.push_step import describe, reprice
+
+    record = data.get("measured", {}).get("push_step")
+    records = record if isinstance(record, list) else [record or {}]
+    try:
+        outs = [reprice(r, engine, block_size) for r in records]
+    except ValueError as e:
+        print(f"error: {args.profile}: {e}", file=sys.stderr)
+        return 2
+    for r, out in zip(records, outs, strict=True):
+        r.update(out)
+        print(f"{r.get('started_utc', '?')}: {describe(out)}")
+    for key in PUSH_STEP_KEYS:
+        data["handoff"][key] = round(sum(o[key] for o in outs) / len(outs), 7)
+    data.setdefault("notes", []).append(
+        f"handoff.{', '.join(PUSH_STEP_KEYS)} refitted from the stored probe traces by "
+        "benchmarks/push_step_probe.py --reprice")
+    profile_from_dict(data, str(args.out))
+    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {args.out}: " + ", ".join(f"{k} {data['handoff'][k]}"
+                                           for k in PUSH_STEP_KEYS))
     return 0
 
 

@@ -4,6 +4,8 @@ the probe's traces price them (kvpush.sim.push_step) and how the simulator charg
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("simpy")
@@ -163,6 +165,8 @@ def test_push_step_probe_serves_both_pairs_and_stops_them(tiny_llama):
     assert all(out[k] >= 0 for k in ("push_prefill_step_s", "push_prefill_corun_step_s",
                                      "push_prefill_block_s", "push_prefill_corun_block_s"))
     assert [ld["rate"] for ld in out["loads"]] == [20.0] and "started_utc" in out["loads"][0]
+    stored = out["loads"][0]["traces"]  # kept for a later refit (reprice)
+    assert len(stored["push_prefill"]) >= 3 and len(stored["pull_decode"]) >= 1
     assert "2 turns each" in logged[0]
     assert set(descendant_pids(os.getpid())) <= before
     with pytest.raises(ValueError, match="turns"):
@@ -200,3 +204,77 @@ def test_pooled_cost_takes_each_runs_push_over_its_own_pull():
     assert pooled_push_step_cost([light, (few[0][:2], few[1][:2], [], [])], Flat(), 32)[
         "push_prefill_step_s"] == pytest.approx(0.002)  # the light run's 4 blocks alone
     assert pooled_push_step_cost([], Flat(), 32)["push_prefill_block_s"] == 0.0
+
+
+def _loaded_run(t0=1000.0):
+    """P's steps of 1-8 prompts (4 blocks each), push 0.5 ms a block over pull, D idle;
+    times and durations on the 0.1 ms grid a profile's record keeps."""
+    pull, push = [], []
+    for i, prompts in enumerate([1, 2, 4, 6, 8] * 2):
+        chunks = [[128, 0, True, False]] * prompts
+        t = t0 + 10 * i
+        pull.append({"t": t, "dur": 0.1 + 0.001 * (i % 3), "chunks": chunks})
+        push.append({"t": t + 5, "dur": 0.1 + 0.001 * (i % 3) + 0.002 * prompts,
+                     "chunks": chunks})
+    return pull, push, [{"t": t0 - 100, "dur": 1.0, "chunks": []}], []
+
+
+def test_stored_traces_reprice_to_the_same_figures():
+    """A probe run packed into a profile's record and unpacked prices the same; reprice()
+    fits every stored load together and each alone, and refuses a record without
+    traces."""
+    from kvpush.sim.push_step import pack_traces, pooled_push_step_cost, reprice, unpack_traces
+
+    run = _loaded_run()
+    packed = json.loads(json.dumps(pack_traces(run)))  # as a profile stores it
+    assert packed["t0"] == 900.0 and packed["pull_decode"] == [[0.0, 1.0]]
+    back = unpack_traces(packed)
+    assert [st["t"] for st in back[1]] == pytest.approx([st["t"] for st in run[1]])
+    direct = pooled_push_step_cost([run], Flat(), 32)
+    assert pooled_push_step_cost([back], Flat(), 32) == direct
+    assert direct["push_prefill_block_s"] == pytest.approx(0.0005)
+    record = {"loads": [{"rate": 4.0, "traces": packed}, {"rate": 2.0, "traces": packed}]}
+    out = reprice(record, Flat(), 32)
+    assert out["push_prefill_block_s"] == pytest.approx(0.0005)
+    assert [ld["rate"] for ld in out["loads"]] == [4.0, 2.0]
+    assert out["loads"][1]["push_prefill_block_s"] == pytest.approx(0.0005)
+    with pytest.raises(ValueError, match="no probe traces"):
+        reprice({"loads": [{"rate": 2.0}]}, Flat(), 32)
+
+
+def test_push_step_probe_script_reprices_a_profile_from_its_record(tmp_path, capsys):
+    """benchmarks/push_step_probe.py --reprice serves nothing: it fits the figures from
+    the stored traces into a copy of the profile; a pooled profile's calibrations are
+    fitted one by one and averaged; a profile without traces is refused."""
+    import sys
+    from pathlib import Path
+
+    from kvpush.sim.push_step import pack_traces
+    from test_sim import BASE
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import push_step_probe
+
+    # BASE's engine model prices each step higher than these durations; the modelled
+    # time is the same in both modes, so push's excess over pull stays as built
+    run = _loaded_run()
+    data = json.loads(json.dumps(BASE))
+    half = tuple([dict(st, dur=st["dur"] - 0.001 * len(st["chunks"])) for st in run[1]]
+                 if k == 1 else run[k] for k in range(4))  # push 1 ms a prompt over
+    data["measured"] = {"push_step": [{"started_utc": "a", "loads": [
+        {"traces": pack_traces(run)}]}, {"started_utc": "b", "loads": [
+            {"traces": pack_traces(half)}]}]}
+    src, out = tmp_path / "p.json", tmp_path / "out.json"
+    src.write_text(json.dumps(data))
+    assert push_step_probe.main([str(src), "--out", str(out), "--reprice"]) == 0
+    got = json.loads(out.read_text())
+    per_block = 0.002 / (128 // BS)  # 2 ms a prompt over BASE's blocks of BS tokens
+    assert got["handoff"]["push_prefill_block_s"] == pytest.approx(0.75 * per_block)
+    assert got["handoff"]["push_prefill_corun_block_s"] == 0.0
+    assert "refitted from the stored probe traces" in got["notes"][-1]
+    assert [r["push_prefill_block_s"] for r in got["measured"]["push_step"]] == \
+        pytest.approx([per_block, per_block / 2])
+    del data["measured"]["push_step"]
+    src.write_text(json.dumps(data))
+    assert push_step_probe.main([str(src), "--out", str(out), "--reprice"]) == 2
+    assert "no probe traces" in capsys.readouterr().err

@@ -212,7 +212,8 @@ def probe_push_step(model: str, engine_model: StepModel, block_size: int = 32,
         runs.append((run.steps["pull", "prefill"], run.steps["push", "prefill"],
                      run.steps["pull", "decode"], run.steps["push", "decode"]))
         alone = pooled_push_step_cost(runs[-1:], engine_model, block_size)
-        per_load.append({**ld._asdict(), "started_utc": run.started_utc, **alone})
+        per_load.append({**ld._asdict(), "started_utc": run.started_utc, **alone,
+                         "traces": pack_traces(runs[-1])})
         log(f"[calibrate] push's prefill steps over pull's ({input_len}-token prompts, "
             f"{ld.prompts_per_turn} per turn at {ld.rate:g} req/s, {ld.turns} turns each, "
             f"alternating): {describe(alone)} ({alone['steps']})")
@@ -230,3 +231,45 @@ def describe(cost: Mapping[str, Any]) -> str:
         block = 1e3 * cost.get(f"push_prefill_{suffix}block_s", 0.0)
         return f"+{step:.1f} ms" + (f" + {block:.2f} ms/block" if block else "")
     return f"{part('')} per step with D idle, {part('corun_')} beside a D step"
+
+
+#: the four step lists of a side-by-side run, as :func:`pack_traces` stores them
+TRACE_KEYS = ("pull_prefill", "push_prefill", "pull_decode", "push_decode")
+
+
+def pack_traces(run: PairTraces) -> dict[str, Any]:
+    """A run's traced steps for a profile's record, compact: times from the run's first
+    step (``t0``, wall clock), P's steps as ``[t, dur, chunks]``, D's as ``[t, dur]``
+    (only when D was mid-step matters), to 0.1 ms."""
+    t0 = min((st["t"] for steps in run for st in steps), default=0.0)
+    out: dict[str, Any] = {"t0": t0}
+    for key, steps in zip(TRACE_KEYS, run, strict=True):
+        out[key] = [[round(st["t"] - t0, 4), round(st["dur"], 4)]
+                    + ([[list(c) for c in st["chunks"]]] if key.endswith("prefill") else [])
+                    for st in steps]
+    return out
+
+
+def unpack_traces(packed: Mapping[str, Any]) -> PairTraces:
+    """The step lists :func:`pack_traces` stored, as :func:`pooled_push_step_cost` takes
+    them (D's steps carry no chunks: they only mark when D was mid-step)."""
+    t0 = float(packed["t0"])
+    steps = [[{"t": t0 + row[0], "dur": row[1], "chunks": row[2] if len(row) > 2 else []}
+              for row in packed[key]] for key in TRACE_KEYS]
+    return steps[0], steps[1], steps[2], steps[3]
+
+
+def reprice(record: Mapping[str, Any], engine_model: StepModel,
+            block_size: int) -> dict[str, Any]:
+    """:func:`pooled_push_step_cost` over the runs a profile's ``measured.push_step``
+    stored (:func:`probe_push_step`'s ``loads``, each with its ``traces``), e.g. after
+    the fit changed; each load's own figures again too. ValueError if it stored none."""
+    loads = [ld for ld in record.get("loads", []) if ld.get("traces")]
+    if not loads:
+        raise ValueError("this record stores no probe traces (calibrations before "
+                         "session 13 did not keep them)")
+    runs = [unpack_traces(ld["traces"]) for ld in loads]
+    out = pooled_push_step_cost(runs, engine_model, block_size)
+    out["loads"] = [{**ld, **pooled_push_step_cost([run], engine_model, block_size)}
+                    for ld, run in zip(loads, runs, strict=True)]
+    return out
