@@ -79,10 +79,11 @@ def main(argv: list[str] | None = None) -> int:
                 "beside D": round(1e3 * cost["push_prefill_corun_step_s"], 1)}
             row["p_steps"] = cost["steps"]
             # the same steps priced per step + per KV block, as calibrate fits them
-            blocks = push_step_cost(steps["pull", "prefill"], steps[name, "prefill"],
-                                    engine, steps["pull", "decode"], steps[name, "decode"],
-                                    int(data["instance"]["block_size"]))
-            row["p_step_fit"] = describe(blocks)
+            per_block = push_step_cost(steps["pull", "prefill"], steps[name, "prefill"],
+                                       engine, steps["pull", "decode"],
+                                       steps[name, "decode"],
+                                       int(data["instance"]["block_size"]))
+            row["p_step_fit"] = describe(per_block)
         rows.append(row)
     print(f"{args.input_len}-token prompts, {args.output_len} out, {args.rate:g} req/s, "
           f"{args.turns} turns of {args.prompts_per_turn} per configuration, rotating; "

@@ -13,7 +13,7 @@ PROFILE as it was.
     .venv/bin/python benchmarks/push_step_probe.py $V/cpu-local-pooled.json \\
         --out $V/cpu-local-pooled-push-step.json
 
-Run it on a quiet host (~7 minutes with the default loads, calibrate's; v14's figure
+Run it on a quiet host (~9 minutes with the default loads, calibrate's; v14's figure
 came from ``--loads 2:8:24:8``, one load, ~3.5 minutes). ``--reprice`` serves nothing:
 it fits the figures again from the traces the profile's record stored (after a change
 to the fit; calibrations and this script keep them since session 13).

@@ -12,7 +12,7 @@
 # calibrations probe before each pass): the host's speed level beside each run, which
 # sim_validate.py --host-level compares with the calibrations' (SIMULATION.md 1-host).
 # The calibrations also measure push's prefill step cost (a pull and a push pair side by
-# side at 2 and 4 req/s, ~7 min each: handoff.push_prefill_step_s, push_prefill_block_s
+# side at 2 and 4 req/s, ~9 min each: handoff.push_prefill_step_s, push_prefill_block_s
 # and their corun_ twins; kvpush.sim.push_step).
 #
 # Then: .venv/bin/python benchmarks/sim_validate.py --profile OUT_DIR/cpu-local-pooled.json \

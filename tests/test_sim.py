@@ -143,26 +143,6 @@ def test_push_prefill_step_cost_lengthens_push_prefill_steps_only():
         prof(handoff__push_prefill_step_s=-0.001)
 
 
-def test_push_prefill_corun_cost_applies_to_steps_beside_a_busy_decode():
-    """push_prefill_corun_step_s prices a push prefill step that starts while D is
-    mid-step; one that starts with D idle gets push_prefill_step_s."""
-    w = Workload(2, 2.0, 256, 200, seed=3)  # the 2nd prompt arrives while D decodes the 1st
-    cfg = ClusterConfig("push")
-    base = simulate(prof(), w, cfg).requests
-    corun = simulate(prof(handoff__push_prefill_corun_step_s=0.02), w, cfg).requests
-    idle = simulate(prof(handoff__push_prefill_step_s=0.02), w, cfg).requests
-    assert base[1].arrival < base[0].token_times[-1]  # D busy when the 2nd arrives
-
-    def prefill(r):  # P's one prefill step for the request
-        return r.stages[Stage.PREFILL_DONE] - r.stages[Stage.PREFILL_STARTED]
-
-    assert corun[0].ttft == pytest.approx(base[0].ttft, abs=1e-12)
-    assert prefill(corun[1]) == pytest.approx(prefill(base[1]) + 0.02, abs=1e-9)
-    assert corun[1].ttft > base[1].ttft + 0.02 - 1e-9
-    assert prefill(idle[0]) == pytest.approx(prefill(base[0]) + 0.02, abs=1e-9)
-    assert prefill(idle[1]) == pytest.approx(prefill(base[1]), abs=1e-9)
-
-
 @pytest.mark.parametrize("mode", ["colocated", "pull", "push"])
 def test_measured_request_path_and_token_return_replace_the_estimated_hops(mode):
     """A profile with handoff.request_path_s / token_return_s (measured by the served

@@ -76,8 +76,9 @@ def test_push_step_cost_is_push_residual_over_pull_residual():
     assert out["push_prefill_step_s"] == pytest.approx(0.008)  # medians 0.118 - 0.110
     assert out["push_prefill_corun_step_s"] == 0.0  # no step started beside D
     assert out["push_prefill_block_s"] == out["push_prefill_corun_block_s"] == 0.0
-    assert out["steps"] == {"D idle": {"pull": 3, "push": 3},
+    assert out["steps"] == {"D idle": {"pull": 3, "push": 3, "fitted": 3},
                             "beside D": {"pull": 0, "push": 0}}
+    assert out["residual_s"] == {"D idle": [{"pull": 0.01, "push": 0.018}]}
     # push no slower: 0, never negative; too few steps on a side: 0
     assert push_step_cost(push, pull, Flat(), [], [])["push_prefill_step_s"] == 0.0
     assert push_step_cost(pull, push[:2], Flat(), [], [])["push_prefill_step_s"] == 0.0
@@ -88,8 +89,8 @@ def test_push_step_cost_is_push_residual_over_pull_residual():
     split = push_step_cost(pull + late, push + later, Flat(), d_busy, d_busy)
     assert split["push_prefill_step_s"] == pytest.approx(0.008)
     assert split["push_prefill_corun_step_s"] == pytest.approx(0.03)  # 0.15 - 0.12
-    assert split["steps"] == {"D idle": {"pull": 3, "push": 3},
-                              "beside D": {"pull": 3, "push": 3}}
+    assert split["steps"] == {"D idle": {"pull": 3, "push": 3, "fitted": 3},
+                              "beside D": {"pull": 3, "push": 3, "fitted": 3}}
     # every step the same blocks: with the block size, still one per-step figure
     same = push_step_cost(pull, push, Flat(), [], [], block_size=32)
     assert same["push_prefill_step_s"] == pytest.approx(0.008)
@@ -139,6 +140,32 @@ def test_push_prefill_block_cost_charges_the_blocks_each_step_completes():
         prof(handoff__push_prefill_corun_block_s=-0.001)
 
 
+@pytest.mark.parametrize("kind, per_request", [("step", 0.02), ("block", 0.001 * (256 // BS))])
+def test_push_prefill_corun_cost_applies_to_steps_beside_a_busy_decode(kind, per_request):
+    """push_prefill_corun_step_s (per step) and push_prefill_corun_block_s (per block, a
+    256-token prompt's 256 / BS) price a push prefill step that starts while D is
+    mid-step; one that starts with D idle gets push_prefill_step_s / _block_s."""
+    from kvpush.sim.cluster import ClusterConfig, simulate
+    from kvpush.sim.workload import Stage, Workload
+
+    value = 0.02 if kind == "step" else 0.001
+    w = Workload(2, 2.0, 256, 200, seed=3)  # the 2nd prompt arrives while D decodes the 1st
+    cfg = ClusterConfig("push")
+    base = simulate(prof(), w, cfg).requests
+    corun = simulate(prof(**{f"handoff__push_prefill_corun_{kind}_s": value}), w, cfg).requests
+    idle = simulate(prof(**{f"handoff__push_prefill_{kind}_s": value}), w, cfg).requests
+    assert base[1].arrival < base[0].token_times[-1]  # D busy when the 2nd arrives
+
+    def prefill(r):  # P's one prefill step for the request
+        return r.stages[Stage.PREFILL_DONE] - r.stages[Stage.PREFILL_STARTED]
+
+    assert corun[0].ttft == pytest.approx(base[0].ttft, abs=1e-12)
+    assert prefill(corun[1]) == pytest.approx(prefill(base[1]) + per_request, abs=1e-9)
+    assert corun[1].ttft > base[1].ttft + per_request - 1e-9
+    assert prefill(idle[0]) == pytest.approx(prefill(base[0]) + per_request, abs=1e-9)
+    assert prefill(idle[1]) == pytest.approx(prefill(base[1]), abs=1e-9)
+
+
 def test_push_step_probe_serves_both_pairs_and_stops_them(tiny_llama):
     """The pull / push pair probe on a tiny model: both pairs' prefill steps are
     measured after the warm-up turn, each load is recorded, and every process it
@@ -162,8 +189,6 @@ def test_push_step_probe_serves_both_pairs_and_stops_them(tiny_llama):
     # 3 prompts 50 ms apart on a tiny model: one prefill step each, 2 turns
     seen = {m: sum(side[m] for side in out["steps"].values()) for m in ("pull", "push")}
     assert seen["pull"] >= 3 and seen["push"] >= 3
-    assert all(out[k] >= 0 for k in ("push_prefill_step_s", "push_prefill_corun_step_s",
-                                     "push_prefill_block_s", "push_prefill_corun_block_s"))
     assert [ld["rate"] for ld in out["loads"]] == [20.0] and "started_utc" in out["loads"][0]
     stored = out["loads"][0]["traces"]  # kept for a later refit (reprice)
     assert len(stored["push_prefill"]) >= 3 and len(stored["pull_decode"]) >= 1
@@ -197,7 +222,7 @@ def test_pooled_cost_takes_each_runs_push_over_its_own_pull():
     out = pooled_push_step_cost([light, loaded], Flat(), 32)
     assert out["push_prefill_step_s"] == pytest.approx(0.0, abs=1e-9)
     assert out["push_prefill_block_s"] == pytest.approx(0.0005)
-    assert out["steps"]["D idle"] == {"pull": 21, "push": 21}
+    assert out["steps"]["D idle"] == {"pull": 21, "push": 21, "fitted": 21}
     assert out["residual_s"]["D idle"][1]["pull"] == pytest.approx(0.021)  # per run
     # a run with too few steps on a side adds nothing; none at all: 0
     few = run(2000, [3], 0.0)

@@ -112,3 +112,19 @@ def test_arrival_fit_recovers_the_cost_per_arrival_beside_per_run_speeds():
     assert arrival_steps.fit([(r, m, d, 0) for r, m, d, _ in rows]) is None
     # two runs' speeds and the cost from three steps: not enough to fit
     assert arrival_steps.fit([rows[0], rows[1], rows[40]]) is None
+
+
+def test_bimodal_cells_counts_the_requests_that_waited_a_mixed_step():
+    """bimodal_cells.py on v20's 512-token colocated cells at 0.5 req/s: 5 of each
+    repeat's 10 requests waited one mixed step, the median is the mean of two TPOTs
+    either side of the gap, and the simulation's requests are counted the same way."""
+    import bimodal_cells
+
+    rows = {r["instance"]: r for r in bimodal_cells.cell_rows("sim/v20", "quiet_512", "0.5",
+                                                              0.6, 2)}
+    assert set(rows) == {"colocated", "colocated-1t"}
+    two = rows["colocated"]
+    assert (two["meas_hit"], two["meas_n"], two["sim_n"]) == (15, 30, 20)
+    low, high = two["meas_middle"][1], two["meas_middle"][2]
+    assert high > 1.5 * low and two["meas_median"] == pytest.approx((low + high) / 2, abs=1)
+    assert 0 < two["sim_hit"] < two["sim_n"]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpush.sim.push_step import LIGHT, LOADED
 from kvpush.sim.step_fit import Sample, Tables, fit_linear, pass_levels, pass_warning
 
 
@@ -71,13 +72,13 @@ class CalibrationPlan:
     #: loads of the short-prompt pull and push pairs served side by side, turns
     #: alternating, as (req/s, prompts per turn, turns, output tokens)
     #: (kvpush.sim.push_step.ProbeLoad; handoff.push_prefill_step_s, _block_s and their
-    #: corun_ twins); with the served probe; (): none. 2 req/s is one prompt per step
-    #: (24 turns, ~50 steps beside a D step; 8 turns gave 15-19 and +0.3 / +5.3 ms in
-    #: two calibrations, benchmarks/SIMULATION.md 1-v15); 4 req/s batches 5-8 prompts
-    #: per step beside a decoding D, where push's cost per step grew (1-v19), so the
-    #: per-block term can be fitted (~3 min)
-    push_step_loads: tuple[tuple[float, int, int, int], ...] = ((2.0, 8, 24, 8),
-                                                                (4.0, 16, 8, 16))
+    #: corun_ twins); with the served probe; (): none. 2 req/s is mostly one prompt per
+    #: step (24 turns, ~50-60 steps beside a D step; 8 turns gave 15-19 and +0.3 / +5.3
+    #: ms in two calibrations, benchmarks/SIMULATION.md 1-v15); 4 req/s batches up to 7
+    #: prompts per step beside a decoding D, where push's cost per step grew (1-v19), so
+    #: the per-block term can be fitted (~9 min for both)
+    push_step_loads: tuple[tuple[float, int, int, int], ...] = (tuple(LIGHT),
+                                                                tuple(LOADED))
 
     @classmethod
     def quick(cls) -> CalibrationPlan:
@@ -444,14 +445,15 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "kvpush posts pull's READ from its transfer thread, not the step loop "
             "(pull_post_on_step_loop false). Over cma the copy happens inside post(), so the "
             "whole cost is on the wire terms.",
-            "handoff.push_prefill_step_s / push_prefill_corun_step_s, plus _block_s / "
-            "corun_block_s per KV block the step completes: how much longer P's "
+            "handoff.push_prefill_step_s / push_prefill_corun_step_s, plus "
+            "push_prefill_block_s / push_prefill_corun_block_s per KV block the step "
+            "completes: how much longer P's "
             "prefill steps ran in a push pair than in a pull pair serving the same "
             "128-token prompts, turns alternating, at each load of the plan, for steps "
             "that started with D idle / mid-step (measured.push_step; "
             "kvpush.sim.push_step): push's WRITE hand-offs (handoff.push_layers_per_write "
-            "layers each) and the transfer thread's copies, on P's interpreter and the "
-            "cores.",
+            "layers each) and, likely, the transfer thread's copies, on P's interpreter "
+            "and the cores.",
         ],
         "sources": {
             "step_models": "measured here (LLMEngine.step wall time)",

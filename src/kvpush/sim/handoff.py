@@ -222,7 +222,10 @@ class Handoff:
         (not a full hit): per step, ``handoff.push_prefill_corun_step_s`` if it starts
         beside another instance's step (``beside``), else ``push_prefill_step_s``; plus,
         per KV block the step completes for D (D's prefix hit excluded),
-        ``push_prefill_corun_block_s`` / ``push_prefill_block_s``; 0 otherwise."""
+        ``push_prefill_corun_block_s`` / ``push_prefill_block_s``; 0 otherwise. Priced
+        when the step starts: before D has allocated, its hit is what it holds then,
+        and blocks are charged even if D registers only after the step (their WRITEs
+        are then posted later, in :meth:`_pump`)."""
         ho = self.profile.handoff
         step = ho.push_prefill_corun_step_s if beside else ho.push_prefill_step_s
         block = ho.push_prefill_corun_block_s if beside else ho.push_prefill_block_s

@@ -83,10 +83,10 @@ class HandoffModel:
     #: (the transfer thread's posts then compete with that step for the cores too)
     push_prefill_corun_step_s: float = 0.0
     #: measured: what each KV block such a step WRITEs to decode adds to it on top of
-    #: the per-step figures, with the host's other instances idle / mid-step (the
-    #: transfer thread copies while the forward pass runs; beside a decoding instance
-    #: three busy threads share the cores). kvpush.sim.push_step.push_step_cost fits both
-    #: from probes at two loads: one prompt per step and several.
+    #: the per-step figures, with the host's other instances idle / mid-step (likely the
+    #: transfer thread's copies during the forward pass; beside a decoding instance three
+    #: busy threads share the cores). kvpush.sim.push_step.probe_push_step measures both
+    #: at two loads, mostly one prompt per step and several.
     push_prefill_block_s: float = 0.0
     push_prefill_corun_block_s: float = 0.0
     #: push: layers per WRITE while P's forward pass runs (kvpush's

@@ -1,25 +1,28 @@
 """What push costs a prefill instance's steps on a shared CPU host (CPU profiles).
 
 Push hands each prefill step's new KV to P's transfer thread layer group by layer group
-while the forward pass runs, and the transfer thread WRITEs it into D's blocks. On a
-2-core host that thread's copies share the cores with P's forward pass and, when D is
-decoding, with D's step: three busy threads on two cores. Pull's READ runs on D's side
-after P's step, so P's steps carry none of it.
+while the forward pass runs, and the transfer thread WRITEs it into D's blocks; pull's
+READ runs on D's side after P's step. On the 2-vCPU host push's P steps ran longer than
+pull's, most where several prompts shared a step beside a decoding D. Why is not settled
+(benchmarks/SIMULATION.md 1-v19: P's transfer and side-channel threads used the same CPU
+time in both modes, and P's step loop was 99.8% in the forward pass); the model takes the
+copies' share of the cores and memory bandwidth as the likely cause and prices it per
+KV block written.
 
 :func:`probe_push_step` serves the same short prompts through a 1P1D pull pair and a
 push pair side by side (``kvpush.sim.corun.serve_side_by_side``), at one or more loads,
-and :func:`push_step_cost` prices push's extra time per P step from the traces, apart
-for steps that started with D idle and mid-step:
+and :func:`pooled_push_step_cost` prices push's extra time per P step from the traces,
+apart for steps that started with D idle and mid-step:
 
     extra = per_step + per_block x (KV blocks the step completes)
 
-The light load (2 req/s, one prompt per step: every step writes the same number of
-blocks) gives only the per-step term, as the calibrations before the per-block term
-did. A loaded one (4 req/s, several prompts per step) spreads the blocks per step, and
-the two terms are fitted together (Theil-Sen lines, robust to the odd slow step), each
-load's push steps over its own pull steps, as the loads run minutes apart: in the v18 /
-v19 runs push's steps at 4 req/s ran ~2% longer than pull's, beside a busy D, while the
-2 req/s probe measured 0-1.6 ms a step (benchmarks/SIMULATION.md 1-v19, 1-v20).
+The light load (2 req/s: mostly one prompt per step, up to 3-4) spreads the blocks per
+step little; the loaded one (4 req/s: up to 7 prompts per step, mostly beside a decoding
+D) spreads them, and the two terms are fitted together (Theil-Sen lines, robust to the
+odd slow step), each load's push steps over its own pull steps, as the loads run minutes
+apart. Where the blocks do not span :data:`MIN_BLOCK_SPREAD`, one figure per step. In
+the v18 / v19 runs push's steps at 4 req/s ran ~2% longer than pull's, while the 2 req/s
+probe measured 0-1.6 ms a step (SIMULATION.md 1-v19, 1-v20).
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ class ProbeLoad(NamedTuple):
     output_len: int = 8
 
 
-#: one prompt per P step, D mostly idle (the calibrations' probe until session 13)
+#: mostly one prompt per P step (the calibrations' probe until session 13; ~4 min)
 LIGHT = ProbeLoad(2.0, 8, 24, 8)
-#: 5-8 prompts per P step beside a decoding D (short_high_rate's 4 req/s cell)
+#: up to 7 prompts per P step, mostly beside a decoding D (short_high_rate's 4 req/s
+#: cell; ~4-5 min)
 LOADED = ProbeLoad(4.0, 16, 8, 16)
 
 
@@ -78,7 +82,9 @@ def theil_sen(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 
 def _spread(xs: Sequence[float]) -> bool:
-    return min(xs) > 0 and max(xs) >= MIN_BLOCK_SPREAD * min(xs)
+    """Whether the blocks per step span :data:`MIN_BLOCK_SPREAD` (steps that complete
+    no block, a chunk inside one, count as one)."""
+    return max(xs) >= MIN_BLOCK_SPREAD * max(min(xs), 1.0)
 
 
 def excess_points(pull: Sequence[tuple[float, float]], push: Sequence[tuple[float, float]]
@@ -102,15 +108,15 @@ def fit_excess(excess: Sequence[tuple[float, float]]) -> tuple[float, float]:
     if b <= 0:
         return max(0.0, statistics.median(e for _, e in excess)), 0.0
     if s < 0:  # through the origin: the median of excess / blocks
-        return 0.0, max(0.0, statistics.median(e / x for x, e in excess))
+        return 0.0, max(0.0, statistics.median(e / x for x, e in excess if x > 0))
     return s, b
 
 
 def excess_fit(pull: Sequence[tuple[float, float]], push: Sequence[tuple[float, float]]
                ) -> tuple[float, float]:
     """(per step, per block) seconds push's ``(blocks, residual)`` steps run over pull's
-    (:func:`excess_points`, :func:`fit_excess`); without a spread of blocks, the
-    difference of the medians per step."""
+    (:func:`excess_points`, :func:`fit_excess`); where neither side's blocks spread,
+    the difference of the medians per step."""
     return fit_excess(excess_points(pull, push))
 
 
@@ -143,7 +149,9 @@ def pooled_push_step_cost(runs: Sequence[PairTraces], model: StepModel,
     run to the next cancels, which pooling the raw residuals would fit as a slope), then
     all runs' points are fitted together (:func:`fit_excess`; without ``block_size``
     one figure per step). Seconds; a run adds nothing to a D state where a side has
-    fewer than :data:`MIN_STEPS` steps, and a state no run adds to gets 0."""
+    fewer than :data:`MIN_STEPS` steps, and a state no run adds to gets 0. ``steps``
+    counts every run's steps (``fitted``: push's steps of the runs that added), and
+    ``residual_s`` holds each run's median residuals (None where it added nothing)."""
     from kvpush.sim.corun import BusySpans
 
     def residuals(steps: Sequence[Mapping[str, Any]],
@@ -164,22 +172,25 @@ def pooled_push_step_cost(runs: Sequence[PairTraces], model: StepModel,
         where = "beside D" if beside else "D idle"
         counts = {"pull": 0, "push": 0}
         excess: list[tuple[float, float]] = []
-        medians = []
+        medians: list[dict[str, float] | None] = []  # per run; None: it added nothing
         for pull_steps, push_steps, pull_decode, push_decode in runs:
             pull = residuals(pull_steps, pull_decode, beside)
             push = residuals(push_steps, push_decode, beside)
             counts["pull"] += len(pull)
             counts["push"] += len(push)
-            if min(len(pull), len(push)) >= MIN_STEPS:
-                excess += excess_points(pull, push)
-                medians.append({"pull": round(statistics.median(r for _, r in pull), 6),
-                                "push": round(statistics.median(r for _, r in push), 6)})
+            if min(len(pull), len(push)) < MIN_STEPS:
+                medians.append(None)
+                continue
+            excess += excess_points(pull, push)
+            counts["fitted"] = counts.get("fitted", 0) + len(push)
+            medians.append({"pull": round(statistics.median(r for _, r in pull), 6),
+                            "push": round(statistics.median(r for _, r in push), 6)})
         out["steps"][where] = counts
         step_key, block_key = f"push_prefill_{suffix}step_s", f"push_prefill_{suffix}block_s"
         if not excess:
             out[step_key] = out[block_key] = 0.0
             continue
-        out.setdefault("residual_s", {})[where] = medians[0] if len(medians) == 1 else medians
+        out.setdefault("residual_s", {})[where] = medians
         if block_size:
             out.setdefault("blocks", {})[where] = [min(x for x, _ in excess),
                                                    max(x for x, _ in excess)]

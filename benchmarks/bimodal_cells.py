@@ -1,0 +1,85 @@
+"""Cells whose requests' TPOTs fall in two groups, measured against simulated.
+
+At a low rate on a colocated instance, a request that is decoding when the next prompt
+arrives waits one mixed (prefill + decode) step between two of its tokens; its TPOT is
+then several times that of a request that did not. Where about half the requests waited,
+the median TPOT of a cell is the mean of two values either side of the gap and moves by
+the width of the gap with one request more or less on either side (SIMULATION.md
+1-v20). This script prints, per run set and colocated cell of one workload and rate, how
+many requests waited ("hit": a gap over ``--gap`` seconds between two of its tokens), the
+middle of the sorted measured TPOTs, and the same for the simulation on the set's own
+profile with ``--replicas`` noise seeds:
+
+    .venv/bin/python benchmarks/bimodal_cells.py sim/v18 sim/v19 sim/v20
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+import sim_validate as sv  # noqa: E402
+
+
+def tpot(token_gaps: list[float]) -> float:
+    """A request's TPOT from the gaps between its output tokens."""
+    return sum(token_gaps) / len(token_gaps)
+
+
+def cell_rows(run_set: str, workload: str, rate: str, gap: float, replicas: int
+              ) -> list[dict]:
+    from kvpush.sim.cluster import simulate_pooled
+    from kvpush.sim.profile import load_profile
+
+    prof = load_profile(sv.RESULTS / run_set / "cpu-local-pooled.json")
+    rows = []
+    for rate_text, label, w, cluster, _cell, reps in sv.cells(f"{run_set}/{workload}"):
+        if rate_text != rate or not label.startswith("colocated"):
+            continue
+        measured = [i for r in reps for i in r["itls"] if i]
+        sims = [q for res in simulate_pooled(prof, w, cluster, replicas)
+                for q in res.requests]
+        sim_gaps = [[b - a for a, b in zip(q.token_times, q.token_times[1:], strict=False)]
+                    for q in sims if len(q.token_times) > 1]
+        ordered = sorted(tpot(i) for i in measured)
+        mid = len(ordered) // 2
+        rows.append({
+            "set": run_set, "instance": label,
+            "meas_hit": sum(max(i) > gap for i in measured), "meas_n": len(measured),
+            "meas_middle": [round(1e3 * v) for v in ordered[max(0, mid - 2):mid + 2]],
+            "meas_median": round(1e3 * statistics.median(ordered)),
+            "sim_hit": sum(max(g) > gap for g in sim_gaps), "sim_n": len(sim_gaps),
+            "sim_median": round(1e3 * statistics.median(tpot(g) for g in sim_gaps))})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("sets", nargs="+", help="run set folders under benchmarks/results")
+    ap.add_argument("--workload", default="quiet_512")
+    ap.add_argument("--rate", default="0.5")
+    ap.add_argument("--gap", type=float, default=0.6,
+                    help="seconds between two tokens that count as a wait (default 0.6)")
+    ap.add_argument("--replicas", type=int, default=sv.REPLICAS)
+    args = ap.parse_args(argv)
+    print(f"{args.workload} at {args.rate} req/s; hit: a gap over {args.gap:g} s between "
+          f"two tokens; simulated: {args.replicas} noise seeds\n")
+    print("| set | instance | measured: requests hit | middle of the sorted TPOTs (ms) "
+          "| median | simulated: hit | median |")
+    print("|---|---|---:|---|---:|---:|---:|")
+    for s in args.sets:
+        for r in cell_rows(s, args.workload, args.rate, args.gap, args.replicas):
+            print(f"| {r['set']} | {r['instance']} | {r['meas_hit']} / {r['meas_n']} | "
+                  f"{', '.join(map(str, r['meas_middle']))} | {r['meas_median']} | "
+                  f"{r['sim_hit']} / {r['sim_n']} | {r['sim_median']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
