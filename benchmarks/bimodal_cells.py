@@ -1,8 +1,8 @@
 """Cells whose requests' TPOTs fall in two groups, measured against simulated.
 
 At a low rate on a colocated instance, a request that is decoding when the next prompt
-arrives waits one mixed (prefill + decode) step between two of its tokens; its TPOT is
-then several times that of a request that did not. Where about half the requests waited,
+arrives waits one or more mixed (prefill + decode) steps between two of its tokens; its
+TPOT is then twice or more that of a request that did not. Where about half the requests waited,
 the median TPOT of a cell is the mean of two values either side of the gap and moves by
 the width of the gap with one request more or less on either side (SIMULATION.md
 1-v20). This script prints, per run set and colocated cell of one workload and rate, how

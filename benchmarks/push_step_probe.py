@@ -16,7 +16,7 @@ PROFILE as it was.
 Run it on a quiet host (~9 minutes with the default loads, calibrate's; v14's figure
 came from ``--loads 2:8:24:8``, one load, ~3.5 minutes). ``--reprice`` serves nothing:
 it fits the figures again from the traces the profile's record stored (after a change
-to the fit; calibrations and this script keep them since session 13).
+to the fit; calibrations and this script keep them since commit 9900d06).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reprice", action="store_true",
                     help="serve nothing: fit the figures again from the probe traces "
                          "PROFILE's measured.push_step stored (calibrations since "
-                         "session 13 keep them), against PROFILE's engine-alone fit; "
+                         "commit 9900d06 keep them), against PROFILE's engine-alone fit; "
                          "a pooled profile's calibrations are refitted one by one and "
                          "their figures averaged, as refit pools them")
     args = ap.parse_args(argv)
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 def reprice_profile(args: argparse.Namespace, data: dict, engine, block_size: int) -> int:
     from kvpush.sim.calibrate import PUSH_STEP_KEYS
     from kvpush.sim.profile import profile_from_dict
-    from kvpush.sim.push_step import describe, reprice
+    from kvpush.sim.push_step import describe, reprice, without_fit
 
     record = data.get("measured", {}).get("push_step")
     records = record if isinstance(record, list) else [record or {}]
@@ -95,9 +95,10 @@ def reprice_profile(args: argparse.Namespace, data: dict, engine, block_size: in
     except ValueError as e:
         print(f"error: {args.profile}: {e}", file=sys.stderr)
         return 2
-    for r, out in zip(records, outs, strict=True):
-        r.update(out)
+    for i, out in enumerate(outs):
+        records[i] = r = {**without_fit(records[i]), **out}
         print(f"{r.get('started_utc', '?')}: {describe(out)}")
+    data["measured"]["push_step"] = records if isinstance(record, list) else records[0]
     for key in PUSH_STEP_KEYS:
         data["handoff"][key] = round(sum(o[key] for o in outs) / len(outs), 7)
     data.setdefault("notes", []).append(

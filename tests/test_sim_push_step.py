@@ -61,6 +61,9 @@ def test_excess_fit_recovers_per_step_and_per_block_over_pulls_line():
     down = [(x, 0.01 + 0.001 * x + 0.01 - 0.0001 * x) for x in xs]
     s, b = excess_fit(pull, down)
     assert b == 0.0 and s == pytest.approx(0.01 - 0.0001 * 16)  # the median excess
+    # steps that complete no block (a chunk inside one) do not switch the fit off
+    zero = [(0, 0.0)] + [(x, 0.0005 * x) for x in (4, 8, 12)]
+    assert excess_fit([(x, 0.0) for x, _ in zero], zero) == (0.0, pytest.approx(0.0005))
     # a steep line with a negative intercept: through the origin instead
     steep = [(x, 0.01 + 0.001 * x - 0.004 + 0.001 * x) for x in xs]
     s, b = excess_fit(pull, steep)
@@ -77,8 +80,9 @@ def test_push_step_cost_is_push_residual_over_pull_residual():
     assert out["push_prefill_corun_step_s"] == 0.0  # no step started beside D
     assert out["push_prefill_block_s"] == out["push_prefill_corun_block_s"] == 0.0
     assert out["steps"] == {"D idle": {"pull": 3, "push": 3, "fitted": 3},
-                            "beside D": {"pull": 0, "push": 0}}
-    assert out["residual_s"] == {"D idle": [{"pull": 0.01, "push": 0.018}]}
+                            "beside D": {"pull": 0, "push": 0, "fitted": 0}}
+    assert out["residual_s"] == {"D idle": [{"pull": 0.01, "push": 0.018}],
+                                 "beside D": [None]}
     # push no slower: 0, never negative; too few steps on a side: 0
     assert push_step_cost(push, pull, Flat(), [], [])["push_prefill_step_s"] == 0.0
     assert push_step_cost(pull, push[:2], Flat(), [], [])["push_prefill_step_s"] == 0.0
@@ -226,8 +230,10 @@ def test_pooled_cost_takes_each_runs_push_over_its_own_pull():
     assert out["residual_s"]["D idle"][1]["pull"] == pytest.approx(0.021)  # per run
     # a run with too few steps on a side adds nothing; none at all: 0
     few = run(2000, [3], 0.0)
-    assert pooled_push_step_cost([light, (few[0][:2], few[1][:2], [], [])], Flat(), 32)[
-        "push_prefill_step_s"] == pytest.approx(0.002)  # the light run's 4 blocks alone
+    short = pooled_push_step_cost([light, (few[0][:2], few[1][:2], [], [])], Flat(), 32)
+    assert short["push_prefill_step_s"] == pytest.approx(0.002)  # the light run alone
+    assert short["steps"]["D idle"] == {"pull": 11, "push": 11, "fitted": 9}
+    assert short["residual_s"]["D idle"][1] is None
     assert pooled_push_step_cost([], Flat(), 32)["push_prefill_block_s"] == 0.0
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.sim.push_step import LIGHT, LOADED
+from kvpush.sim.push_step import LIGHT, LOADED, ProbeLoad
 from kvpush.sim.step_fit import Sample, Tables, fit_linear, pass_levels, pass_warning
 
 
@@ -366,7 +366,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
 
                 pair = probe_served_pair(str(model_dir), m, log=log)
                 if plan.push_step_loads:
-                    from kvpush.sim.push_step import ProbeLoad, probe_push_step
+                    from kvpush.sim.push_step import probe_push_step
 
                     push_step = probe_push_step(
                         str(model_dir), m, DEFAULT_BLOCK_SIZE,

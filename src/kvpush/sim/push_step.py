@@ -170,7 +170,7 @@ def pooled_push_step_cost(runs: Sequence[PairTraces], model: StepModel,
     out: dict[str, Any] = {"steps": {}}
     for suffix, beside in (("", False), ("corun_", True)):
         where = "beside D" if beside else "D idle"
-        counts = {"pull": 0, "push": 0}
+        counts = {"pull": 0, "push": 0, "fitted": 0}
         excess: list[tuple[float, float]] = []
         medians: list[dict[str, float] | None] = []  # per run; None: it added nothing
         for pull_steps, push_steps, pull_decode, push_decode in runs:
@@ -182,15 +182,15 @@ def pooled_push_step_cost(runs: Sequence[PairTraces], model: StepModel,
                 medians.append(None)
                 continue
             excess += excess_points(pull, push)
-            counts["fitted"] = counts.get("fitted", 0) + len(push)
+            counts["fitted"] += len(push)
             medians.append({"pull": round(statistics.median(r for _, r in pull), 6),
                             "push": round(statistics.median(r for _, r in push), 6)})
         out["steps"][where] = counts
+        out.setdefault("residual_s", {})[where] = medians
         step_key, block_key = f"push_prefill_{suffix}step_s", f"push_prefill_{suffix}block_s"
         if not excess:
             out[step_key] = out[block_key] = 0.0
             continue
-        out.setdefault("residual_s", {})[where] = medians
         if block_size:
             out.setdefault("blocks", {})[where] = [min(x for x, _ in excess),
                                                    max(x for x, _ in excess)]
@@ -251,11 +251,12 @@ TRACE_KEYS = ("pull_prefill", "push_prefill", "pull_decode", "push_decode")
 def pack_traces(run: PairTraces) -> dict[str, Any]:
     """A run's traced steps for a profile's record, compact: times from the run's first
     step (``t0``, wall clock), P's steps as ``[t, dur, chunks]``, D's as ``[t, dur]``
-    (only when D was mid-step matters), to 0.1 ms."""
+    (only when D was mid-step matters), to 1 us (coarser, a P step starting at a D
+    step's edge could change sides on a refit)."""
     t0 = min((st["t"] for steps in run for st in steps), default=0.0)
     out: dict[str, Any] = {"t0": t0}
     for key, steps in zip(TRACE_KEYS, run, strict=True):
-        out[key] = [[round(st["t"] - t0, 4), round(st["dur"], 4)]
+        out[key] = [[round(st["t"] - t0, 6), round(st["dur"], 6)]
                     + ([[list(c) for c in st["chunks"]]] if key.endswith("prefill") else [])
                     for st in steps]
     return out
@@ -278,9 +279,21 @@ def reprice(record: Mapping[str, Any], engine_model: StepModel,
     loads = [ld for ld in record.get("loads", []) if ld.get("traces")]
     if not loads:
         raise ValueError("this record stores no probe traces (calibrations before "
-                         "session 13 did not keep them)")
+                         "commit 9900d06 did not keep them)")
     runs = [unpack_traces(ld["traces"]) for ld in loads]
     out = pooled_push_step_cost(runs, engine_model, block_size)
-    out["loads"] = [{**ld, **pooled_push_step_cost([run], engine_model, block_size)}
+    out["loads"] = [{**without_fit(ld), **pooled_push_step_cost([run], engine_model,
+                                                                 block_size)}
                     for ld, run in zip(loads, runs, strict=True)]
     return out
+
+
+#: what :func:`pooled_push_step_cost` writes into a record (a refit replaces them all)
+FIT_KEYS = ("steps", "residual_s", "blocks", "push_prefill_step_s",
+            "push_prefill_corun_step_s", "push_prefill_block_s", "push_prefill_corun_block_s")
+
+
+def without_fit(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A record without the figures of an earlier fit (the load, its traces and when it
+    ran stay)."""
+    return {k: v for k, v in record.items() if k not in FIT_KEYS}
