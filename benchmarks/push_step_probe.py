@@ -49,13 +49,13 @@ def main(argv: list[str] | None = None) -> int:
                          "their figures averaged, as refit pools them")
     args = ap.parse_args(argv)
     from kvpush.models.registry import resolve_model
-    from kvpush.sim.profile import engine_step_model, profile_from_dict
+    from kvpush.sim.profile import engine_step_model
     from kvpush.sim.push_step import ProbeLoad, probe_push_step
 
     try:
         loads = [ProbeLoad(float(r), int(p), int(t), int(o)) for r, p, t, o in (
-            spec.split(":") for spec in args.loads.split(","))] if args.loads else [
-            ProbeLoad(*ld) for ld in default_loads]
+            spec.split(":") for spec in args.loads.split(","))] if args.loads else list(
+            default_loads)
     except ValueError:
         ap.error(f"--loads: expected RATE:PROMPTS_PER_TURN:TURNS:OUTPUT_LEN,..., "
                  f"got {args.loads!r}")
@@ -77,15 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     data.setdefault("notes", []).append(
         f"handoff.{', '.join(PUSH_STEP_KEYS)} measured {started} by "
         f"benchmarks/push_step_probe.py (--loads {spec}), after the rest of this profile")
-    profile_from_dict(data, str(args.out))  # refuse to write what cannot be loaded
-    args.out.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {args.out}: " + ", ".join(f"{k} {out[k]}" for k in PUSH_STEP_KEYS))
-    return 0
+    return write_profile(data, args.out)
 
 
 def reprice_profile(args: argparse.Namespace, data: dict, engine, block_size: int) -> int:
     from kvpush.sim.calibrate import PUSH_STEP_KEYS
-    from kvpush.sim.profile import profile_from_dict
     from kvpush.sim.push_step import describe, reprice, without_fit
 
     record = data.get("measured", {}).get("push_step")
@@ -104,10 +100,17 @@ def reprice_profile(args: argparse.Namespace, data: dict, engine, block_size: in
     data.setdefault("notes", []).append(
         f"handoff.{', '.join(PUSH_STEP_KEYS)} refitted from the stored probe traces by "
         "benchmarks/push_step_probe.py --reprice")
-    profile_from_dict(data, str(args.out))
-    args.out.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {args.out}: " + ", ".join(f"{k} {data['handoff'][k]}"
-                                           for k in PUSH_STEP_KEYS))
+    return write_profile(data, args.out)
+
+
+def write_profile(data: dict, out: Path) -> int:
+    """Write ``data`` to ``out`` once it loads as a profile, and say what it carries."""
+    from kvpush.sim.calibrate import PUSH_STEP_KEYS
+    from kvpush.sim.profile import profile_from_dict
+
+    profile_from_dict(data, str(out))  # refuse to write what cannot be loaded
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {out}: " + ", ".join(f"{k} {data['handoff'][k]}" for k in PUSH_STEP_KEYS))
     return 0
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.sim.push_step import LIGHT, LOADED, ProbeLoad
+from kvpush.sim.push_step import LIGHT, LOADED, ProbeLoad, probe_push_step
 from kvpush.sim.step_fit import Sample, Tables, fit_linear, pass_levels, pass_warning
 
 
@@ -70,15 +70,14 @@ class CalibrationPlan:
     #: level `kvpush bench compare --host-probe` saw beside each run; 0: none
     host_probe: float = 1.5
     #: loads of the short-prompt pull and push pairs served side by side, turns
-    #: alternating, as (req/s, prompts per turn, turns, output tokens)
+    #: alternating: (req/s, prompts per turn, turns, output tokens) each
     #: (kvpush.sim.push_step.ProbeLoad; handoff.push_prefill_step_s, _block_s and their
     #: corun_ twins); with the served probe; (): none. 2 req/s is mostly one prompt per
     #: step (24 turns, ~50-60 steps beside a D step; 8 turns gave 15-19 and +0.3 / +5.3
     #: ms in two calibrations, benchmarks/SIMULATION.md 1-v15); 4 req/s batches up to 7
     #: prompts per step beside a decoding D, where push's cost per step grew (1-v19), so
     #: the per-block term can be fitted (~9 min for both)
-    push_step_loads: tuple[tuple[float, int, int, int], ...] = (tuple(LIGHT),
-                                                                tuple(LOADED))
+    push_step_loads: tuple[ProbeLoad, ...] = (LIGHT, LOADED)
 
     @classmethod
     def quick(cls) -> CalibrationPlan:
@@ -366,11 +365,9 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
 
                 pair = probe_served_pair(str(model_dir), m, log=log)
                 if plan.push_step_loads:
-                    from kvpush.sim.push_step import probe_push_step
-
                     push_step = probe_push_step(
                         str(model_dir), m, DEFAULT_BLOCK_SIZE,
-                        [ProbeLoad(*ld) for ld in plan.push_step_loads], log=log)
+                        plan.push_step_loads, log=log)
     corun_info: dict[str, float] = {}
     if plan.corun:
         try:

@@ -29,6 +29,7 @@ from typing import Any
 
 from kvpush.sim.engine import EngineSim, Job, JobKind, blocks_for
 from kvpush.sim.profile import Profile
+from kvpush.sim.step_models import completed_blocks
 from kvpush.sim.workload import SimRequest, Stage
 
 
@@ -212,10 +213,8 @@ class Handoff:
     def _completed_blocks(self, job: Job, n: int) -> tuple[int, int]:
         """[first, end) of the KV blocks of ``job``'s prompt that a chunk of ``n`` tokens
         completes (the last, partial block with the prompt's last token)."""
-        before, after = job.computed, job.computed + n
-        if after >= job.req.prompt_len:
-            return before // self.bs, blocks_for(job.req.prompt_len, self.bs)
-        return before // self.bs, after // self.bs
+        return completed_blocks(job.computed, n, job.computed + n >= job.req.prompt_len,
+                                self.bs)
 
     def push_step_extra(self, plan: list[tuple[Job, int]], beside: bool) -> float:
         """P's step extra when the step carries a chunk of a push request that P sends

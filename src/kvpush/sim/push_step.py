@@ -31,7 +31,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from kvpush.sim.step_models import StepModel, decode_only
+from kvpush.sim.step_models import StepModel, completed_blocks, decode_only
 
 #: fewer steps than this on either side (pull, push) of a D state: no figure (0)
 MIN_STEPS = 3
@@ -64,10 +64,9 @@ def step_blocks(chunks: Sequence[Sequence[Any]], block_size: int) -> int:
     counts as ending the prompt."""
     total = 0
     for ch in chunks:
-        n, ctx = int(ch[0]), int(ch[1])
-        ends = bool(ch[2]) if len(ch) > 2 else True
-        end = -(-(ctx + n) // block_size) if ends else (ctx + n) // block_size
-        total += max(0, end - ctx // block_size)
+        first, end = completed_blocks(int(ch[1]), int(ch[0]),
+                                      bool(ch[2]) if len(ch) > 2 else True, block_size)
+        total += max(0, end - first)
     return total
 
 
@@ -154,28 +153,30 @@ def pooled_push_step_cost(runs: Sequence[PairTraces], model: StepModel,
     ``residual_s`` holds each run's median residuals (None where it added nothing)."""
     from kvpush.sim.corun import BusySpans
 
-    def residuals(steps: Sequence[Mapping[str, Any]],
-                  decode: Sequence[Mapping[str, Any]], beside: bool
-                  ) -> list[tuple[float, float]]:
-        out, busy = [], BusySpans(decode)
+    def residuals(steps: Sequence[Mapping[str, Any]], decode: Sequence[Mapping[str, Any]]
+                  ) -> dict[bool, list[tuple[float, float]]]:
+        """(blocks, measured - modelled) of each prefill step, by whether D was
+        mid-step when it started."""
+        out: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        busy = BusySpans(decode)
         for st in steps:
             chunks = [tuple(c) for c in st["chunks"]]
-            if decode_only(chunks) or busy.at(st["t"]) != beside:
+            if decode_only(chunks) or (predicted := model.step_time(chunks)) <= 0:
                 continue
-            if (predicted := model.step_time(chunks)) > 0:
-                blocks = step_blocks(chunks, block_size) if block_size else 1
-                out.append((float(blocks), st["dur"] - predicted))
+            blocks = step_blocks(chunks, block_size) if block_size else 1
+            out[busy.at(st["t"])].append((float(blocks), st["dur"] - predicted))
         return out
 
+    split = [(residuals(pull_steps, pull_decode), residuals(push_steps, push_decode))
+             for pull_steps, push_steps, pull_decode, push_decode in runs]
     out: dict[str, Any] = {"steps": {}}
     for suffix, beside in (("", False), ("corun_", True)):
         where = "beside D" if beside else "D idle"
         counts = {"pull": 0, "push": 0, "fitted": 0}
         excess: list[tuple[float, float]] = []
         medians: list[dict[str, float] | None] = []  # per run; None: it added nothing
-        for pull_steps, push_steps, pull_decode, push_decode in runs:
-            pull = residuals(pull_steps, pull_decode, beside)
-            push = residuals(push_steps, push_decode, beside)
+        for pull_sides, push_sides in split:
+            pull, push = pull_sides[beside], push_sides[beside]
             counts["pull"] += len(pull)
             counts["push"] += len(push)
             if min(len(pull), len(push)) < MIN_STEPS:

@@ -93,6 +93,16 @@ def step_features(chunks: Sequence[Chunk]) -> tuple[float, float, float, float, 
     return t, a, float(len(chunks)), c, smp
 
 
+def completed_blocks(context: int, tokens: int, ends_prompt: bool,
+                     block_size: int) -> tuple[int, int]:
+    """[first, end) of the KV blocks a chunk of ``tokens`` after ``context`` completes:
+    the whole blocks it fills and, when it ends the prompt, the last partial one (what
+    push WRITEs to decode for it, before any prefix hit)."""
+    after = context + tokens
+    end = -(-after // block_size) if ends_prompt else after // block_size
+    return context // block_size, end
+
+
 def fill_tokens(chunks: Sequence[Chunk]) -> float:
     """Context tokens copied into kvpush's dense decode cache (``DecodeKVCache``) this
     step: a decode row that did not decode in the step before has its whole context
