@@ -34,7 +34,6 @@ def tpot(token_gaps: list[float]) -> float:
 
 def cell_rows(run_set: str, workload: str, rate: str, gap: float, replicas: int
               ) -> list[dict]:
-    from kvpush.sim.cluster import simulate_pooled
     from kvpush.sim.profile import load_profile
 
     prof = load_profile(sv.RESULTS / run_set / "cpu-local-pooled.json")
@@ -43,7 +42,7 @@ def cell_rows(run_set: str, workload: str, rate: str, gap: float, replicas: int
         if rate_text != rate or not label.startswith("colocated"):
             continue
         measured = [i for r in reps for i in r["itls"] if i]
-        sims = [q for res in simulate_pooled(prof, w, cluster, replicas)
+        sims = [q for res in sv.simulate_cell(prof, w, cluster, reps, replicas)
                 for q in res.requests]
         sim_gaps = [[b - a for a, b in zip(q.token_times, q.token_times[1:], strict=False)]
                     for q in sims if len(q.token_times) > 1]

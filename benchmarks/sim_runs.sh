@@ -6,7 +6,11 @@
 #   benchmarks/sim_runs.sh OUT_DIR      # ~75 min on 2 cores; run it on a quiet host
 #
 # Repeats: 3 (4 for the short prefix-hit runs), pooled per cell: with 2, one slow step
-# (148 ms among 98-116) moved a p90 by 24% from one repeat to the other (v12).
+# (148 ms among 98-116) moved a p90 by 24% from one repeat to the other (v12). Each repeat
+# draws its own Poisson arrivals (--arrivals-per-repeat, since v21): with one draw for all,
+# the 512-token colocated cells at 0.5 req/s had exactly 5 of 10 requests wait a mixed step
+# in every repeat, and the pooled median fell in the gap between the two groups (1-v20).
+# quiet_512 sends 20 prompts per run (10 before v21) for the same reason.
 #
 # Each run is bracketed by a 1-second idle host probe (bench compare --host-probe; the
 # calibrations probe before each pass): the host's speed level beside each run, which
@@ -21,11 +25,11 @@ set -e
 [ $# -eq 1 ] || { echo "usage: $0 OUT_DIR" >&2; exit 2; }
 O=$1
 cd "$(dirname "$0")/.."
-B=".venv/bin/kvpush bench compare --model smollm2-135m --step-trace --host-probe 1"
+B=".venv/bin/kvpush bench compare --model smollm2-135m --step-trace --host-probe 1 --arrivals-per-repeat"
 .venv/bin/kvpush simulate calibrate --model smollm2-135m --clock wall --out "$O/cpu-local.json" \
   --note "calibrated just before the runs of benchmarks/sim_runs.sh $O"
 $B --out "$O/quiet_512" --label "random 512 in / 16 out" --dataset random \
-  --input-len 512 --output-len 16 --num-prompts 10 --rates 0.5,inf \
+  --input-len 512 --output-len 16 --num-prompts 20 --rates 0.5,inf \
   --modes colocated:1,colocated,pull,push --repeats 3 --time-limit 1800
 $B --out "$O/long_prompts" --label "long prompts: random 1024 in / 32 out" --dataset random \
   --input-len 1024 --output-len 32 --num-prompts 12 --rates 0.25,0.5,inf \

@@ -4,7 +4,9 @@ For each workload (default: the runs of ``benchmarks/results/sim/v14/``, made by
 ``benchmarks/sim_runs.sh`` with per-step traces) the configuration is read from
 ``summary.json`` (model, lengths, prompts, rates, modes, threads, seed) and replayed
 through the simulator with the same Poisson arrivals (`kvpush bench`'s own generator
-and seeds: ``seed + 1000 x rate index``), on a profile calibrated on this machine.
+and seeds: ``seed + 1000 x rate index``; runs made with ``--arrivals-per-repeat`` are
+replayed repeat by repeat at each run's recorded seed), on a profile calibrated on this
+machine.
 Predicted median / p90 TTFT and median TPOT are printed next to the measured (all
 repeats pooled) and written between the ``sim_validate`` markers of
 ``benchmarks/SIMULATION.md``.
@@ -104,6 +106,36 @@ def cells(name: str):
             yield rate_text, label, w, cluster, cell, reps
 
 
+def per_repeat_arrivals(w, reps: list[dict]) -> bool:
+    """Whether the cell's repeats drew their own arrivals (`bench compare
+    --arrivals-per-repeat`): their run JSONs record different seeds."""
+    return len({r.get("seed", w.seed) for r in reps}) > 1
+
+
+def simulate_cell(prof, w, cluster, reps: list[dict], replicas: int,
+                  levels: list[tuple[str | None, float]] | None = None) -> list:
+    """The simulated requests of one measured cell, pooled as its repeats are.
+
+    Repeats that share one arrival draw (the default of `bench compare`) are one workload:
+    ``replicas`` noise seeds pooled (kvpush.sim.noise; one deterministic run without step
+    noise). Where the repeats drew their own arrivals, or ``levels`` (per repeat: the step
+    model and factor of kvpush.sim.host_level) scale each one, every repeat is replayed on
+    its own, at its recorded arrival seed, with the noise seeds (from ``cluster.seed`` on)
+    shared out among them."""
+    from kvpush.sim.cluster import simulate_pooled
+
+    if levels is None and not per_repeat_arrivals(w, reps):
+        return simulate_pooled(prof, w, cluster, replicas)
+    share = -(-replicas // len(reps))
+    results: list = []
+    for k, run in enumerate(reps):
+        p = prof if levels is None else prof.scaled(levels[k][1], levels[k][0])
+        wk = dataclasses.replace(w, seed=run.get("seed", w.seed))
+        results += simulate_pooled(p, wk, dataclasses.replace(
+            cluster, seed=cluster.seed + k * share), share)
+    return results
+
+
 def validate(profile_path: Path, scale: float = 1.0,
              workloads: tuple[str, ...] = WORKLOADS,
              replicas: int = REPLICAS, scale_model: str | None = None,
@@ -112,7 +144,7 @@ def validate(profile_path: Path, scale: float = 1.0,
     repeat simulated on its own, its run's step model scaled by the run's host probe over
     the calibration's (kvpush.sim.host_level), ``replicas`` noise seeds shared out among
     the repeats and all their requests pooled."""
-    from kvpush.sim.cluster import simulate_pooled, summarize
+    from kvpush.sim.cluster import summarize
     from kvpush.sim.host_level import level_scale
     from kvpush.sim.profile import load_profile
 
@@ -126,20 +158,11 @@ def validate(profile_path: Path, scale: float = 1.0,
             row = {"workload": name, "mode": label, "rate": rate_text,
                    "n": cell["completed"]}
             if host_level:
-                share = -(-replicas // len(reps))
-                results = []
-                row["host_scales"] = []
-                for k, run in enumerate(reps):
-                    model, factor = level_scale(measured, run)
-                    row["host_scales"].append(round(factor, 4))
-                    results += simulate_pooled(prof.scaled(factor, model), w,
-                                               dataclasses.replace(
-                                                   cluster, seed=k * share), share)
-                sim = summarize(results)
+                levels = [level_scale(measured, run) for run in reps]
+                row["host_scales"] = [round(factor, 4) for _, factor in levels]
+                sim = summarize(simulate_cell(prof, w, cluster, reps, replicas, levels))
             else:
-                # with step noise: `replicas` noise seeds pooled, as the measured cell
-                # pools its repeats (kvpush.sim.noise); without: one deterministic run
-                sim = summarize(simulate_pooled(prof, w, cluster, replicas))
+                sim = summarize(simulate_cell(prof, w, cluster, reps, replicas))
             for key, _ in METRICS:
                 row[f"meas_{key}"] = cell[key]
                 row[f"reps_{key}"] = [r[key] for r in reps if r.get(key) is not None]

@@ -41,7 +41,7 @@ def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS,
     simulated (each set on its profile, requests pooled) metrics. ``arrival_step_s``: a
     what-if, every profile's host.arrival_step_s set to it for all its step models."""
     from kvpush.bench.compare import pooled
-    from kvpush.sim.cluster import simulate_pooled, summarize
+    from kvpush.sim.cluster import summarize
     from kvpush.sim.profile import load_profile
 
     profiles = [load_profile(p) for _, p in sets]
@@ -58,8 +58,8 @@ def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS,
             results, runs = [], []
             for k, (prof, cells) in enumerate(zip(profiles, per_set)):
                 w, cluster, reps = cells[key]
-                results += simulate_pooled(prof, w, dataclasses.replace(
-                    cluster, seed=k * share), share)
+                results += sv.simulate_cell(prof, w, dataclasses.replace(
+                    cluster, seed=k * share), reps, share)
                 runs += reps
             meas, sim = pooled(runs), summarize(results)
             row = {"workload": name, "mode": key[1], "rate": key[0],

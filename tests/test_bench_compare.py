@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -12,6 +13,8 @@ from kvpush.bench.compare import (
     CompareConfig,
     CompareError,
     ModeSpec,
+    add_compare_parser,
+    arrival_seed,
     markdown_report,
     mode_order,
     pooled,
@@ -47,6 +50,73 @@ def test_mode_spec_and_order():
     modes = [ModeSpec("colocated"), ModeSpec("pull"), ModeSpec("push")]
     assert [m.mode for m in mode_order(modes, 1)] == ["push", "pull", "colocated"]
     assert mode_order(modes, 2) == modes
+
+
+def test_arrivals_per_repeat_give_each_repeat_its_own_poisson_draw():
+    from kvpush.bench.client import arrival_offsets
+
+    same = CompareConfig(modes=[ModeSpec("push")], rates=[0.5, 2.0], out_dir="unused",
+                         seed=3, repeats=3)
+    own = CompareConfig(**{**same.__dict__, "arrivals_per_repeat": True})
+    # default: every repeat replays the prompts' seed, so the same arrival times
+    assert [arrival_seed(same, 1, k) for k in range(3)] == [1003] * 3
+    # per repeat: repeat 0 as the default, later repeats their own seeds and offsets
+    seeds = [arrival_seed(own, 1, k) for k in range(3)]
+    assert seeds == [1003, 1004, 1005]
+    draws = [arrival_offsets(10, 2.0, s) for s in seeds]
+    assert draws[0] == arrival_offsets(10, 2.0, arrival_seed(same, 1, 2))
+    assert draws[0] != draws[1] != draws[2]
+    # a repeat's seeds never reach the next rate's
+    assert arrival_seed(own, 0, 999) < arrival_seed(own, 1, 0)
+    with pytest.raises(CompareError, match="at most 1000"):
+        CompareConfig(**{**own.__dict__, "repeats": 1001}).validate()
+    parser = add_compare_parser(argparse.ArgumentParser().add_subparsers())
+    assert parser.parse_args(["--out", "x", "--arrivals-per-repeat"]).arrivals_per_repeat
+    assert parser.parse_args(["--out", "x"]).arrivals_per_repeat is False
+    summary = {"config": {**own.__dict__, "threads": {}}, "machine": "m", "cells": {},
+               "ratios": {}, "modes": [], "rates": [], "skipped": []}
+    assert "each repeat with its own arrivals" in markdown_report(summary)
+
+
+def test_each_run_sends_on_its_repeats_arrival_seed(tmp_path, monkeypatch):
+    """run_compare's loop hands every run the arrival seed of its rate and repeat, and the
+    run's JSON records it (sim_validate.py replays each repeat at that seed)."""
+    from types import SimpleNamespace
+
+    from kvpush.bench import client, compare
+
+    class FakeCluster:  # no processes: the loop's bookkeeping only
+        def __init__(self, cfg, spec, *a):
+            self.args, self.url = SimpleNamespace(threads=1), "http://127.0.0.1:9"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    sent = []
+
+    def fake_run(bc, requests, tokenizer):
+        sent.append((bc.label, bc.seed, bc.request_rate))
+        out = _run("push", "push", bc.request_rate, 0, [0.1] * len(requests))
+        return SimpleNamespace(to_dict=lambda: {**out, "seed": bc.seed, "mean_tpot_ms": 100.0})
+
+    monkeypatch.setattr(compare, "Cluster", FakeCluster)
+    monkeypatch.setattr(client, "run_benchmark", fake_run)
+    cfg = CompareConfig(modes=[ModeSpec("pull"), ModeSpec("push")], rates=[0.5, 2.0],
+                        out_dir=tmp_path, model=None, input_len=8, output_len=2,
+                        num_prompts=2, warmup=0, repeats=2, seed=5,
+                        arrivals_per_repeat=True)
+    monkeypatch.setattr(compare, "resolve_served_model", lambda m: ("m", "tok"))
+    monkeypatch.setattr("kvpush.bench.datasets.load_tokenizer", lambda d: None)
+    monkeypatch.setattr(compare, "_prompts", lambda c, t, i: ([object()] * 2, []))
+    run_compare(cfg, log=lambda *_: None)
+    assert sorted((label.split()[0], seed, rate) for label, seed, rate in sent) == sorted(
+        (m, 5 + 1000 * i + rep, rate) for rep in range(2) for m in ("pull", "push")
+        for i, rate in enumerate((0.5, 2.0)))
+    run = json.loads((tmp_path / "runs" / "push_r2_rep1.json").read_text())
+    assert run["seed"] == 1006 and run["repeat"] == 1
 
 
 def test_summary_ratios_and_plots_from_canned_runs(tmp_path):

@@ -130,3 +130,32 @@ def test_bimodal_cells_counts_the_requests_that_waited_a_mixed_step():
     reps = [json.loads(p.read_text()) for p in sorted(
         (ROOT / "benchmarks/results/sim/v20/quiet_512/runs").glob("colocated_r0.5_rep*.json"))]
     assert [sum(max(i) > 0.6 for i in r["itls"] if i) for r in reps] == [5, 5, 5]
+
+
+def test_repeats_with_their_own_arrivals_are_replayed_each_at_its_seed():
+    """bench compare --arrivals-per-repeat: each repeat's run JSON records its own arrival
+    seed, and simulate_cell replays every repeat at that seed (noise seeds shared out);
+    repeats of one draw stay one pooled workload, as before."""
+    from kvpush.sim.cluster import simulate_pooled
+    from kvpush.sim.profile import load_profile
+
+    prof = load_profile(PROFILE)
+    rate, _label, w, cluster, _cell, reps = next(
+        c for c in sv.cells(f"{SET}/quiet_512") if c[0] == "0.5" and c[1] == "push")
+    assert not sv.per_repeat_arrivals(w, reps)  # v19: one draw for every repeat
+    arrivals = [[q.arrival for q in res.requests]
+                for res in sv.simulate_cell(prof, w, cluster, reps, 4)]
+    assert len(arrivals) == 4 and all(a == arrivals[0] for a in arrivals)
+    own = [{**r, "seed": w.seed + k} for k, r in enumerate(reps)]
+    assert sv.per_repeat_arrivals(w, own)
+    got = sv.simulate_cell(prof, w, cluster, own, 4)
+    share = -(-4 // len(own))
+    assert len(got) == share * len(own)
+    for k in range(len(own)):
+        wk = dataclasses.replace(w, seed=w.seed + k)
+        want = simulate_pooled(prof, wk, dataclasses.replace(cluster, seed=k * share), share)
+        for g, x in zip(got[k * share:(k + 1) * share], want, strict=True):
+            assert [q.arrival for q in g.requests] == [q.arrival for q in x.requests]
+            assert [q.token_times for q in g.requests] == [q.token_times for q in x.requests]
+        assert [q.arrival for q in want[0].requests] == pytest.approx(wk.arrivals())
+    assert [q.arrival for q in got[0].requests] != [q.arrival for q in got[share].requests]

@@ -20,6 +20,12 @@ and for shared-prefix the shared prefix lands in both caches: the decode-side pr
 workload). Each rate has its own prompts so a later rate never hits the cache of an
 earlier one on the same cluster.
 
+Arrivals: Poisson from the same seed as the prompts, so by default every repeat replays
+the same arrival times. With ``--arrivals-per-repeat`` repeat ``k`` draws its own from
+``seed + 1000 * rate index + k`` (repeat 0's are the default's); every mode of a repeat
+shares them, so modes still compare on equal arrivals, and pooled repeats sample the
+arrival process rather than one draw of it. Each run's JSON records its arrival seed.
+
 Outputs in ``out_dir``: ``runs/<mode>_r<rate>_rep<k>.json`` (vLLM's result JSON plus
 kvpush's extras), ``summary.json``, ``summary.md`` (the tables) and, if matplotlib is
 installed, ``ttft_tpot_vs_rate.png`` and ``ttft_cdf.png`` (:mod:`kvpush.bench.plots`).
@@ -124,6 +130,8 @@ class CompareConfig:
     #: seconds of an idle host probe (kvpush.bench.host_probe) right before and right
     #: after each run, at the run's threads per instance; 0: none
     host_probe: float = 0.0
+    #: repeat k draws its own arrivals (:func:`arrival_seed`); False: all repeats alike
+    arrivals_per_repeat: bool = False
     #: Filled in: threads each configuration ran with.
     threads: dict[str, int] = field(default_factory=dict)
 
@@ -141,9 +149,19 @@ class CompareConfig:
                 raise CompareError(f"{name} must be at least 1")
         if self.warmup < 0:
             raise CompareError("warmup must be >= 0")
+        if self.arrivals_per_repeat and self.repeats > 1000:
+            raise CompareError("--arrivals-per-repeat takes at most 1000 repeats (the "
+                               "seeds of one rate must not reach the next rate's)")
         if not 0 <= self.host_probe <= 60:
             raise CompareError(f"host_probe must be 0 (off) to 60 seconds, got "
                                f"{self.host_probe}")
+
+
+def arrival_seed(cfg: CompareConfig, rate_index: int, repeat: int) -> int:
+    """The seed of one run's Poisson arrivals: ``seed + 1000 * rate_index`` (the prompts'
+    seed), plus the repeat's number with ``arrivals_per_repeat``."""
+    return (cfg.seed + 1000 * rate_index
+            + (repeat if cfg.arrivals_per_repeat else 0))
 
 
 def rate_text(rate: float) -> str:
@@ -340,7 +358,7 @@ def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out:
                                      input_len=cfg.input_len, output_len=cfg.output_len,
                                      prefix_len=cfg.prefix_len,
                                      num_prompts=cfg.num_prompts, request_rate=rate,
-                                     seed=cfg.seed + 1000 * i,
+                                     seed=arrival_seed(cfg, i, rep),
                                      timeout=min(cfg.run_timeout, left),
                                      request_timeout=cfg.request_timeout,
                                      label=f"{spec.label} rate={rate_text(rate)} rep={rep}",
@@ -459,7 +477,9 @@ def markdown_report(summary: dict[str, Any]) -> str:
         f"{c['input_len']} in / {c['output_len']} out"
         + (f" (prefix {c['prefix_len']})" if c.get("prefix_len") else "")
         + f", {c['num_prompts']} prompts per run (+{c['warmup']} warm-up), seed "
-        f"{c['seed']}, {c['repeats']} repeat(s) in alternating order; P/D "
+        f"{c['seed']}, {c['repeats']} repeat(s) in alternating order"
+        + (", each repeat with its own arrivals" if c.get("arrivals_per_repeat") else "")
+        + f"; P/D "
         f"{c['prefill']} prefill + {c['decode']} decode. Torch threads per instance: "
         f"{threads or '-'} (P/D: one share of the cores per instance; colocated: all on "
         "its one instance). Machine: " + summary["machine"] + ". Latencies in ms, "
@@ -536,6 +556,10 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=_positive_int, default=1, metavar="N",
                    help="each configuration N times, order alternating (default: 1)")
+    p.add_argument("--arrivals-per-repeat", action="store_true",
+                   help="repeat k draws its own Poisson arrivals (seed + 1000 x rate index "
+                        "+ k), shared by every mode of that repeat (default: every repeat "
+                        "replays the same arrivals)")
     p.add_argument("--warmup", type=int, default=2, metavar="N",
                    help="unmeasured requests before each rate, one at a time (default: 2)")
     p.add_argument("--out", type=Path, required=True, metavar="DIR")
@@ -590,7 +614,8 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         modes=args.modes, rates=args.rates, out_dir=args.out, model=args.model,
         dataset=args.dataset, input_len=args.input_len, output_len=args.output_len,
         prefix_len=args.prefix_len, num_prompts=args.num_prompts, seed=args.seed,
-        repeats=args.repeats, warmup=args.warmup, prefill=args.prefill, decode=args.decode,
+        repeats=args.repeats, arrivals_per_repeat=args.arrivals_per_repeat,
+        warmup=args.warmup, prefill=args.prefill, decode=args.decode,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size, dtype=args.dtype, run_timeout=args.run_timeout,
         shuffle_free_blocks=args.shuffle_free_blocks, prefix_hit_tail=args.prefix_hit_tail,
