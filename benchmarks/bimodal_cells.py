@@ -8,9 +8,11 @@ the width of the gap with one request more or less on either side (SIMULATION.md
 1-v20). This script prints, per run set and colocated cell of one workload and rate, how
 many requests waited ("hit": a gap over ``--gap`` seconds between two of its tokens), the
 middle of the sorted measured TPOTs, and the same for the simulation on the set's own
-profile with ``--replicas`` noise seeds:
+profile, each measured repeat replayed at its own arrivals on ``--groups`` noise seeds;
+and request by request how many the simulation classes as measured ("alike": hit in more
+than half of its seeds where the measured request was hit, and not where it was not):
 
-    .venv/bin/python benchmarks/bimodal_cells.py sim/v18 sim/v19 sim/v20
+    .venv/bin/python benchmarks/bimodal_cells.py sim/v18 sim/v19 sim/v20 sim/v21
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import sim_validate as sv  # noqa: E402
+from sim_band import simulated_measurements  # noqa: E402
 
 
 def tpot(token_gaps: list[float]) -> float:
@@ -32,8 +35,17 @@ def tpot(token_gaps: list[float]) -> float:
     return sum(token_gaps) / len(token_gaps)
 
 
-def cell_rows(run_set: str, workload: str, rate: str, gap: float, replicas: int
+def waited(token_times: list[float], gap: float) -> bool:
+    """Whether a request waited a mixed step: a gap over ``gap`` s between two tokens."""
+    return any(b - a > gap for a, b in zip(token_times, token_times[1:]))
+
+
+def cell_rows(run_set: str, workload: str, rate: str, gap: float, groups: int
               ) -> list[dict]:
+    """Per colocated cell: the measured and simulated shares of requests that waited, the
+    middle of the measured TPOTs, both medians, and request by request (each repeat at its
+    own arrivals) how many the simulation classes as measured: waited in more than half
+    of its ``groups`` noise seeds exactly where the request measured waited."""
     from kvpush.sim.profile import load_profile
 
     prof = load_profile(sv.RESULTS / run_set / "cpu-local-pooled.json")
@@ -41,11 +53,17 @@ def cell_rows(run_set: str, workload: str, rate: str, gap: float, replicas: int
     for rate_text, label, w, cluster, _cell, reps in sv.cells(f"{run_set}/{workload}"):
         if rate_text != rate or not label.startswith("colocated"):
             continue
-        measured = [i for r in reps for i in r["itls"] if i]
-        sims = [q for res in sv.simulate_cell(prof, w, cluster, reps, replicas)
-                for q in res.requests]
-        sim_gaps = [[b - a for a, b in zip(q.token_times, q.token_times[1:], strict=False)]
-                    for q in sims if len(q.token_times) > 1]
+        sims = simulated_measurements(prof, w, cluster, reps, groups)
+        measured, agree = [], 0
+        for k, run in enumerate(reps):
+            for i, itl in enumerate(run["itls"]):
+                if not itl:
+                    continue
+                measured.append(itl)
+                votes = sum(waited(m[k].requests[i].token_times, gap) for m in sims)
+                agree += (votes * 2 > groups) == (max(itl) > gap)
+        sim_times = [q.token_times for m in sims for res in m for q in res.requests
+                     if len(q.token_times) > 1]
         ordered = sorted(tpot(i) for i in measured)
         mid = len(ordered) // 2
         rows.append({
@@ -53,8 +71,10 @@ def cell_rows(run_set: str, workload: str, rate: str, gap: float, replicas: int
             "meas_hit": sum(max(i) > gap for i in measured), "meas_n": len(measured),
             "meas_middle": [round(1e3 * v) for v in ordered[max(0, mid - 2):mid + 2]],
             "meas_median": round(1e3 * statistics.median(ordered)),
-            "sim_hit": sum(max(g) > gap for g in sim_gaps), "sim_n": len(sim_gaps),
-            "sim_median": round(1e3 * statistics.median(tpot(g) for g in sim_gaps))})
+            "sim_hit": sum(waited(t, gap) for t in sim_times), "sim_n": len(sim_times),
+            "sim_median": round(1e3 * statistics.median(
+                tpot([b - a for a, b in zip(t, t[1:])]) for t in sim_times)),
+            "agree": agree})
     return rows
 
 
@@ -65,18 +85,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", default="0.5")
     ap.add_argument("--gap", type=float, default=0.6,
                     help="seconds between two tokens that count as a wait (default 0.6)")
-    ap.add_argument("--replicas", type=int, default=sv.REPLICAS)
+    ap.add_argument("--groups", type=int, default=sv.REPLICAS,
+                    help="noise seeds per measured repeat (default %(default)s)")
     args = ap.parse_args(argv)
     print(f"{args.workload} at {args.rate} req/s; hit: a gap over {args.gap:g} s between "
-          f"two tokens; simulated: {args.replicas} noise seeds\n")
+          f"two tokens; simulated: each repeat on {args.groups} noise seeds; alike: "
+          "requests whose hit the simulation gives in most of its seeds exactly where "
+          "the measured request was hit\n")
     print("| set | instance | measured: requests hit | middle of the sorted TPOTs (ms) "
-          "| median | simulated: hit | median |")
-    print("|---|---|---:|---|---:|---:|---:|")
+          "| median | simulated: hit | median | alike |")
+    print("|---|---|---:|---|---:|---:|---:|---:|")
     for s in args.sets:
-        for r in cell_rows(s, args.workload, args.rate, args.gap, args.replicas):
+        for r in cell_rows(s, args.workload, args.rate, args.gap, args.groups):
             print(f"| {r['set']} | {r['instance']} | {r['meas_hit']} / {r['meas_n']} | "
                   f"{', '.join(map(str, r['meas_middle']))} | {r['meas_median']} | "
-                  f"{r['sim_hit']} / {r['sim_n']} | {r['sim_median']} |")
+                  f"{r['sim_hit']} / {r['sim_n']} ({r['sim_hit'] / r['sim_n']:.0%}) | "
+                  f"{r['sim_median']} | {r['agree']} / {r['meas_n']} |")
     return 0
 
 

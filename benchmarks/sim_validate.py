@@ -106,22 +106,30 @@ def cells(name: str):
             yield rate_text, label, w, cluster, cell, reps
 
 
+def arrival_seed(w, run: dict) -> int:
+    """The seed of a run's Poisson arrivals: ``arrival_seed`` in its JSON (bench compare
+    since --arrivals-per-repeat), else ``seed`` (which the bench client uses for both)."""
+    return run.get("arrival_seed", run.get("seed", w.seed))
+
+
 def per_repeat_arrivals(w, reps: list[dict]) -> bool:
     """Whether the cell's repeats drew their own arrivals (`bench compare
-    --arrivals-per-repeat`): their run JSONs record different seeds."""
-    return len({r.get("seed", w.seed) for r in reps}) > 1
+    --arrivals-per-repeat`): a run records another seed than the workload's. At an
+    infinite rate every draw sends all at once, so those repeats are one workload."""
+    return not math.isinf(w.rate) and any(arrival_seed(w, r) != w.seed for r in reps)
 
 
 def simulate_cell(prof, w, cluster, reps: list[dict], replicas: int,
                   levels: list[tuple[str | None, float]] | None = None) -> list:
-    """The simulated requests of one measured cell, pooled as its repeats are.
+    """The simulated runs of one measured cell, to pool as its repeats are pooled.
 
     Repeats that share one arrival draw (the default of `bench compare`) are one workload:
-    ``replicas`` noise seeds pooled (kvpush.sim.noise; one deterministic run without step
-    noise). Where the repeats drew their own arrivals, or ``levels`` (per repeat: the step
-    model and factor of kvpush.sim.host_level) scale each one, every repeat is replayed on
-    its own, at its recorded arrival seed, with the noise seeds (from ``cluster.seed`` on)
-    shared out among them."""
+    ``replicas`` noise seeds from ``cluster.seed`` on (kvpush.sim.noise; one
+    deterministic run without step noise). Where the repeats drew their own arrivals, or
+    ``levels`` (per repeat: the step model and factor of kvpush.sim.host_level) scale
+    each one, every repeat is replayed on its own, at its recorded arrival seed, with
+    ``ceil(replicas / repeats)`` noise seeds each, consecutive from ``cluster.seed``.
+    One result per noise seed used, so ``len()`` of the answer is how many were."""
     from kvpush.sim.cluster import simulate_pooled
 
     if levels is None and not per_repeat_arrivals(w, reps):
@@ -130,7 +138,7 @@ def simulate_cell(prof, w, cluster, reps: list[dict], replicas: int,
     results: list = []
     for k, run in enumerate(reps):
         p = prof if levels is None else prof.scaled(levels[k][1], levels[k][0])
-        wk = dataclasses.replace(w, seed=run.get("seed", w.seed))
+        wk = dataclasses.replace(w, seed=arrival_seed(w, run))
         results += simulate_pooled(p, wk, dataclasses.replace(
             cluster, seed=cluster.seed + k * share), share)
     return results

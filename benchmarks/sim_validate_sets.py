@@ -4,10 +4,13 @@
 v16), each set bracketed by its own calibrations. On this VM a cell's repeats move by up
 to 30% with the host (SIMULATION.md 1-host), so one set's three repeats still carry that
 noise. This script pools the sets: for every cell it simulates each set's workload on
-that set's own profile (the noise seeds shared out among the sets) and compares the
-percentiles of all simulated requests with those of all measured requests of all the
-sets' repeats. Each set is still predicted only from its own calibration; what pooling
-adds is repeats, as `kvpush bench compare` pools its repeats within a set.
+that set's own profile and compares the percentiles of all simulated requests with those
+of all measured requests of all the sets' repeats. Each set's simulation has as many
+runs per measured repeat as every other's (``--replicas`` noise seeds over all the
+cell's repeats, rounded up; each run at its repeat's arrivals), so the sets weigh in
+the pooled simulation as they do in the pooled measurement. Each set is still predicted
+only from its own calibration; what pooling adds is repeats, as `kvpush bench compare`
+pools its repeats within a set.
 
     .venv/bin/python benchmarks/sim_validate_sets.py \\
         --set sim/v14=sim/v14/cpu-local-pooled-push-step.json \\
@@ -30,6 +33,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import sim_validate as sv  # noqa: E402
+from sim_band import simulated_measurements  # noqa: E402
 
 NAMES = ("quiet_512", "long_prompts", "short_high_rate", "prefix_hit",
          "prefix_hit_tail_on_decode")
@@ -48,22 +52,27 @@ def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS,
     if arrival_step_s is not None:
         profiles = [dataclasses.replace(p, arrival_step_s=dict.fromkeys(
             p.step_models, arrival_step_s)) for p in profiles]
-    share = -(-replicas // len(sets))
     rows = []
     for name in NAMES:
         per_set = [{(rate, label): (w, cluster, reps)
                     for rate, label, w, cluster, _cell, reps in sv.cells(f"{folder}/{name}")}
                    for folder, _ in sets]
         for key in [k for k in per_set[0] if all(k in s for s in per_set)]:
+            # every set simulated as `groups` measurements of its own (one run per
+            # measured repeat, at the repeat's arrivals), so that each set weighs in the
+            # pooled simulation as its repeats weigh in the pooled measurement
+            groups = -(-replicas // sum(len(cells[key][2]) for cells in per_set))
             results, runs = [], []
-            for k, (prof, cells) in enumerate(zip(profiles, per_set)):
+            for prof, cells in zip(profiles, per_set):
                 w, cluster, reps = cells[key]
-                results += sv.simulate_cell(prof, w, dataclasses.replace(
-                    cluster, seed=k * share), reps, share)
+                # each set's noise seeds follow the ones the sets before it used
+                results += [r for m in simulated_measurements(
+                    prof, w, dataclasses.replace(cluster, seed=len(results)), reps, groups)
+                    for r in m]
                 runs += reps
             meas, sim = pooled(runs), summarize(results)
             row = {"workload": name, "mode": key[1], "rate": key[0],
-                   "n": meas["completed"], "repeats": len(runs)}
+                   "n": meas["completed"], "repeats": len(runs), "sim_runs": len(results)}
             for metric, _ in sv.METRICS:
                 row[f"meas_{metric}"], row[f"sim_{metric}"] = meas[metric], sim[metric]
                 row[f"err_{metric}"] = ((sim[metric] - meas[metric]) / meas[metric]
@@ -77,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", required=True, metavar="FOLDER=PROFILE",
                     help="a run set's folder and its profile, both under benchmarks/results")
     ap.add_argument("--replicas", type=int, default=sv.REPLICAS,
-                    help="noise seeds per cell, shared out among the sets (rounded up)")
+                    help="noise seeds per cell, shared out among all the sets' repeats "
+                         "(rounded up to a whole number per repeat)")
     ap.add_argument("--arrival-step-s", type=float, metavar="SECONDS",
                     help="a what-if, not a prediction: every profile's host.arrival_step_s "
                          "set to this for all step models")
@@ -99,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
                f"{1e3 * args.arrival_step_s:g} ms for all step models. ")
     body = (what_if + "Each cell pools the repeats of the sets "
             + ", ".join(f"`{f}` (profile `{p.relative_to(sv.RESULTS)}`)" for f, p in sets)
-            + f"; simulated: each set on its own profile with {-(-args.replicas // len(sets))}"
-            " noise seeds, every request pooled. Latencies in ms; err = (sim - "
+            + f"; simulated: each set on its own profile, {args.replicas} noise seeds "
+            "shared out among all the sets' repeats (rounded up to a whole number per "
+            "repeat, each at its repeat's arrivals), every request pooled. Latencies in ms; "
+            "err = (sim - "
             f"measured) / measured; **x** = outside {sv.TOLERANCE:.0%}. Command: `.venv/bin/"
             "python benchmarks/sim_validate_sets.py "
             + " ".join(f"--set {t}" for t in args.set)

@@ -170,6 +170,30 @@ def test_push_prefill_corun_cost_applies_to_steps_beside_a_busy_decode(kind, per
     assert prefill(idle[1]) == pytest.approx(prefill(base[1]), abs=1e-9)
 
 
+def test_push_block_cost_before_d_allocates_excludes_what_d_holds_then():
+    """A push prefill step that starts before D has allocated (D's leg waits for D's
+    step boundary while D decodes the 1st request) is priced on D's prefix cache as it is
+    then: P, with no prefix cache, computes all 256 / BS blocks, and D, which holds the
+    250-token shared prefix (a warm-up), lacks 1 of them: 1 block is charged."""
+    from kvpush.sim.cluster import ClusterConfig, simulate
+    from kvpush.sim.workload import Stage, Workload
+
+    w = Workload(2, 2.0, 256, 200, seed=3, prefix_len=250, prefix_cached_on=("decode",))
+    cfg = ClusterConfig("push", prefill_prefix_cache=False)
+    base = simulate(prof(), w, cfg).requests
+    cost = simulate(prof(handoff__push_prefill_corun_block_s=0.001), w, cfg).requests
+    second = base[1].stages
+    assert second[Stage.PREFILL_STARTED] < second[Stage.DECODE_ALLOCATED]  # the branch
+
+    def prefill(r):
+        return r.stages[Stage.PREFILL_DONE] - r.stages[Stage.PREFILL_STARTED]
+
+    # P computed the whole prompt: a step over 256 tokens, not over the 6-token tail
+    full = simulate(prof(), Workload(2, 2.0, 256, 200, seed=3), cfg).requests
+    assert prefill(base[1]) == pytest.approx(prefill(full[1]), abs=1e-9)
+    assert prefill(cost[1]) == pytest.approx(prefill(base[1]) + 0.001, abs=1e-9)
+
+
 def test_push_step_probe_serves_both_pairs_and_stops_them(tiny_llama):
     """The pull / push pair probe on a tiny model: both pairs' prefill steps are
     measured after the warm-up turn, each load is recorded, and every process it

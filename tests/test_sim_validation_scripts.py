@@ -71,7 +71,8 @@ def test_validate_sets_pools_the_repeats_of_every_set():
 
 def test_validate_sets_simulates_each_set_on_its_own_profile():
     """Two sets on two profiles: every simulated request of each set comes from its own
-    profile, each set with its own noise seeds, all pooled."""
+    profile, one run per measured repeat (at least), each set on its own noise seeds
+    after the ones of the set before it, all pooled."""
     from kvpush.sim.cluster import simulate_pooled, summarize
     from kvpush.sim.profile import load_profile
 
@@ -79,15 +80,31 @@ def test_validate_sets_simulates_each_set_on_its_own_profile():
     rows = svs.validate_sets([(SET, PROFILE), (SET, other)], replicas=2)
     got = next(r for r in rows if (r["workload"], r["mode"], r["rate"]) == (
         "short_high_rate", "push", "4"))
-    _rate, _label, w, cluster, *_ = next(c for c in sv.cells(f"{SET}/short_high_rate")
-                                          if c[:2] == ("4", "push"))
-    runs = (simulate_pooled(load_profile(PROFILE), w, cluster, 1)
+    _rate, _label, w, cluster, _cell, reps = next(
+        c for c in sv.cells(f"{SET}/short_high_rate") if c[:2] == ("4", "push"))
+    n = len(reps)  # 3 repeats per set: 2 noise seeds over 6 repeats is 1 run each
+    assert got["sim_runs"] == 2 * n
+    runs = (simulate_pooled(load_profile(PROFILE), w, cluster, n)
             + simulate_pooled(load_profile(other), w,
-                              dataclasses.replace(cluster, seed=cluster.seed + 1), 1))
+                              dataclasses.replace(cluster, seed=cluster.seed + n), n))
     want = summarize(runs)
-    alone = summarize(simulate_pooled(load_profile(PROFILE), w, cluster, 2))
+    alone = summarize(simulate_pooled(load_profile(PROFILE), w, cluster, 2 * n))
     assert got["sim_median_ttft_ms"] == pytest.approx(want["median_ttft_ms"])
     assert got["sim_median_ttft_ms"] != pytest.approx(alone["median_ttft_ms"])
+
+
+def test_validate_sets_weigh_each_set_as_its_repeats_weigh_measured():
+    """v19 (one arrival draw, 10 prompts a run) and v21 (each repeat its own draw, 20
+    prompts a run): every set gets the same whole number of simulated runs per measured
+    repeat, so the pooled simulation mixes the sets as the pooled measurement does."""
+    v21 = ROOT / "benchmarks/results/sim/v21/cpu-local-pooled.json"
+    rows = {(r["workload"], r["mode"], r["rate"]): r
+            for r in svs.validate_sets([(SET, PROFILE), ("sim/v21", v21)], replicas=16)}
+    quiet = rows["quiet_512", "push", "0.5"]
+    assert quiet["repeats"] == 6 and quiet["n"] == 3 * 10 + 3 * 20
+    assert quiet["sim_runs"] == 3 * 6  # ceil(16 / 6) runs per repeat
+    hit = rows["prefix_hit", "push", "1"]
+    assert hit["repeats"] == 8 and hit["sim_runs"] == 2 * 8
 
 
 def test_validate_sets_arrival_cost_what_if_lengthens_loaded_cells():
@@ -117,45 +134,85 @@ def test_arrival_fit_recovers_the_cost_per_arrival_beside_per_run_speeds():
 def test_bimodal_cells_counts_the_requests_that_waited_a_mixed_step():
     """bimodal_cells.py on v20's 512-token colocated cells at 0.5 req/s: 15 of the 30
     requests waited a mixed step (5 in each repeat), so the median lies in the gap
-    between the two middle TPOTs; the simulation's requests are counted the same way."""
+    between the two middle TPOTs; the simulation's requests are counted the same way,
+    and request by request it calls every 2-thread request's wait as measured."""
     import bimodal_cells
 
     rows = {r["instance"]: r for r in bimodal_cells.cell_rows("sim/v20", "quiet_512", "0.5",
-                                                              0.6, 2)}
+                                                              0.6, 3)}
     assert set(rows) == {"colocated", "colocated-1t"}
     two = rows["colocated"]
-    assert (two["meas_hit"], two["meas_n"], two["sim_n"]) == (15, 30, 20)
+    assert (two["meas_hit"], two["meas_n"], two["sim_n"]) == (15, 30, 3 * 3 * 10)
     assert two["meas_middle"][1:3] == [53, 95] and two["meas_median"] == 74  # in the gap
     assert 0 < two["sim_hit"] < two["sim_n"]
+    assert two["agree"] == 30 and rows["colocated-1t"]["agree"] < 30
     reps = [json.loads(p.read_text()) for p in sorted(
         (ROOT / "benchmarks/results/sim/v20/quiet_512/runs").glob("colocated_r0.5_rep*.json"))]
     assert [sum(max(i) > 0.6 for i in r["itls"] if i) for r in reps] == [5, 5, 5]
+    assert bimodal_cells.waited([0.0, 0.1, 0.8, 0.9], 0.6)
+    assert not bimodal_cells.waited([0.0, 0.5, 1.0], 0.6)
 
 
-def test_repeats_with_their_own_arrivals_are_replayed_each_at_its_seed():
+def test_sim_band_replays_one_measurement_per_group_and_flags_a_wide_band():
+    """sim_band.py: every simulated measurement has one run per measured repeat, at its
+    noise seed cluster.seed + g x R + k; the band's quantiles and flags follow the
+    values."""
+    import sim_band
+
+    from kvpush.sim.cluster import simulate
+    from kvpush.sim.profile import load_profile
+
+    prof = load_profile(PROFILE)
+    _rate, _label, w, cluster, _cell, reps = next(
+        c for c in sv.cells(f"{SET}/quiet_512") if c[0] == "0.5" and c[1] == "colocated")
+    sims = sim_band.simulated_measurements(prof, w, cluster, reps, 2)
+    assert [len(m) for m in sims] == [len(reps)] * 2
+    again = simulate(prof, w, dataclasses.replace(cluster, seed=1 * len(reps) + 2))
+    assert [q.token_times for q in sims[1][2].requests] == [
+        q.token_times for q in again.requests]
+    assert sim_band.quantile([1.0, 2.0, 3.0, 5.0], 0.5) == pytest.approx(2.5)
+    assert sim_band.quantile([4.0], 0.9) == 4.0
+    row = {"measured": 75.0, "sim": 55.0, "values": [50.0, 55.0, 60.0, 90.0, 95.0]}
+    d = sim_band.describe(row)
+    assert (d["p10"], d["p90"]) == (pytest.approx(52.0), pytest.approx(93.0))
+    assert not d["within"] and d["inside"] and d["half_width"] > sv.TOLERANCE
+    text = sim_band.table([{**row, "workload": "w", "mode": "colocated", "rate": "0.5",
+                            "metric": "TPOT med"}])
+    assert "| 52-93 | 50-95 |" in text and "1 of them with the measured value inside" in text
+
+
+@pytest.mark.parametrize("first_seed", [0, 40])
+def test_repeats_with_their_own_arrivals_are_replayed_each_at_its_seed(first_seed):
     """bench compare --arrivals-per-repeat: each repeat's run JSON records its own arrival
-    seed, and simulate_cell replays every repeat at that seed (noise seeds shared out);
-    repeats of one draw stay one pooled workload, as before."""
+    seed, and simulate_cell replays every repeat at that seed, the noise seeds shared
+    out from the cluster's on; repeats of one draw stay one pooled workload, as before."""
     from kvpush.sim.cluster import simulate_pooled
     from kvpush.sim.profile import load_profile
 
     prof = load_profile(PROFILE)
-    rate, _label, w, cluster, _cell, reps = next(
+    _rate, _label, w, cluster, _cell, reps = next(
         c for c in sv.cells(f"{SET}/quiet_512") if c[0] == "0.5" and c[1] == "push")
+    cluster = dataclasses.replace(cluster, seed=first_seed)
     assert not sv.per_repeat_arrivals(w, reps)  # v19: one draw for every repeat
     arrivals = [[q.arrival for q in res.requests]
                 for res in sv.simulate_cell(prof, w, cluster, reps, 4)]
     assert len(arrivals) == 4 and all(a == arrivals[0] for a in arrivals)
-    own = [{**r, "seed": w.seed + k} for k, r in enumerate(reps)]
+    # runs made at 97933e8 record the arrival seed as "seed"; later ones as arrival_seed
+    own = [{**r, "seed": w.seed + k} if k % 2 else {**r, "arrival_seed": w.seed + k}
+           for k, r in enumerate(reps)]
     assert sv.per_repeat_arrivals(w, own)
     got = sv.simulate_cell(prof, w, cluster, own, 4)
     share = -(-4 // len(own))
     assert len(got) == share * len(own)
     for k in range(len(own)):
         wk = dataclasses.replace(w, seed=w.seed + k)
-        want = simulate_pooled(prof, wk, dataclasses.replace(cluster, seed=k * share), share)
+        want = simulate_pooled(prof, wk, dataclasses.replace(
+            cluster, seed=first_seed + k * share), share)
         for g, x in zip(got[k * share:(k + 1) * share], want, strict=True):
             assert [q.arrival for q in g.requests] == [q.arrival for q in x.requests]
             assert [q.token_times for q in g.requests] == [q.token_times for q in x.requests]
         assert [q.arrival for q in want[0].requests] == pytest.approx(wk.arrivals())
     assert [q.arrival for q in got[0].requests] != [q.arrival for q in got[share].requests]
+    # all at once: every draw is the same, so the repeats stay one workload
+    burst = dataclasses.replace(w, rate=float("inf"))
+    assert not sv.per_repeat_arrivals(burst, own)

@@ -24,7 +24,8 @@ Arrivals: Poisson from the same seed as the prompts, so by default every repeat 
 the same arrival times. With ``--arrivals-per-repeat`` repeat ``k`` draws its own from
 ``seed + 1000 * rate index + k`` (repeat 0's are the default's); every mode of a repeat
 shares them, so modes still compare on equal arrivals, and pooled repeats sample the
-arrival process rather than one draw of it. Each run's JSON records its arrival seed.
+arrival process rather than one draw of it. Each run's JSON records both seeds
+(``prompt_seed``, ``arrival_seed``; its ``seed`` is the arrival seed).
 
 Outputs in ``out_dir``: ``runs/<mode>_r<rate>_rep<k>.json`` (vLLM's result JSON plus
 kvpush's extras), ``summary.json``, ``summary.md`` (the tables) and, if matplotlib is
@@ -157,11 +158,16 @@ class CompareConfig:
                                f"{self.host_probe}")
 
 
+def prompt_seed(cfg: CompareConfig, rate_index: int) -> int:
+    """The seed of one rate's prompts (every repeat and mode): ``seed + 1000 *
+    rate_index``, what ``kvpush bench --seed`` would build them from."""
+    return cfg.seed + 1000 * rate_index
+
+
 def arrival_seed(cfg: CompareConfig, rate_index: int, repeat: int) -> int:
-    """The seed of one run's Poisson arrivals: ``seed + 1000 * rate_index`` (the prompts'
-    seed), plus the repeat's number with ``arrivals_per_repeat``."""
-    return (cfg.seed + 1000 * rate_index
-            + (repeat if cfg.arrivals_per_repeat else 0))
+    """The seed of one run's Poisson arrivals: the prompts' seed, plus the repeat's
+    number with ``arrivals_per_repeat``."""
+    return prompt_seed(cfg, rate_index) + (repeat if cfg.arrivals_per_repeat else 0)
 
 
 def rate_text(rate: float) -> str:
@@ -286,7 +292,7 @@ def _prompts(cfg: CompareConfig, tokenizer: Any, rate_index: int) -> tuple[list,
     bc = BenchConfig(url="http://x", dataset=cfg.dataset, input_len=cfg.input_len,
                      output_len=cfg.output_len, prefix_len=cfg.prefix_len,
                      num_prompts=cfg.num_prompts + cfg.warmup,
-                     seed=cfg.seed + 1000 * rate_index)
+                     seed=prompt_seed(cfg, rate_index))
     reqs = prepare_requests(bc, tokenizer)
     return reqs[:cfg.num_prompts], reqs[cfg.num_prompts:]
 
@@ -377,6 +383,7 @@ def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out:
                                               "after": probe.measure(cl.args.threads,
                                                                      cfg.host_probe)}
                     d.update(mode=spec.mode, mode_label=spec.label, repeat=rep,
+                             prompt_seed=prompt_seed(cfg, i), arrival_seed=bc.seed,
                              wall_start=wall_start, wall_end=time.time(),
                              threads_per_instance=cl.args.threads,
                              instances=("1 both" if spec.mode.endswith("colocated") else
