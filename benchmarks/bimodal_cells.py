@@ -27,7 +27,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import sim_validate as sv  # noqa: E402
-from sim_band import simulated_measurements  # noqa: E402
 
 
 def tpot(token_gaps: list[float]) -> float:
@@ -53,7 +52,7 @@ def cell_rows(run_set: str, workload: str, rate: str, gap: float, groups: int
     for rate_text, label, w, cluster, _cell, reps in sv.cells(f"{run_set}/{workload}"):
         if rate_text != rate or not label.startswith("colocated"):
             continue
-        sims = simulated_measurements(prof, w, cluster, reps, groups)
+        sims = sv.simulated_measurements(prof, w, cluster, reps, groups)
         measured, agree = [], 0
         for k, run in enumerate(reps):
             for i, itl in enumerate(run["itls"]):

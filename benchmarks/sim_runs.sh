@@ -8,8 +8,9 @@
 # Repeats: 3 (4 for the short prefix-hit runs), pooled per cell: with 2, one slow step
 # (148 ms among 98-116) moved a p90 by 24% from one repeat to the other (v12). Each repeat
 # draws its own Poisson arrivals (--arrivals-per-repeat, since v21): with one draw for all,
-# the 512-token colocated cells at 0.5 req/s had exactly 5 of 10 requests wait a mixed step
-# in every repeat, and the pooled median fell in the gap between the two groups (1-v20).
+# the 512-token 2-thread colocated cell at 0.5 req/s had exactly 5 of 10 requests wait a
+# mixed step in every repeat, and the pooled median fell in the gap between the two groups
+# (1-v20).
 # quiet_512 sends 20 prompts per run (10 before v21) for the same reason.
 #
 # Each run is bracketed by a 1-second idle host probe (bench compare --host-probe; the

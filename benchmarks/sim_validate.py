@@ -106,9 +106,10 @@ def cells(name: str):
             yield rate_text, label, w, cluster, cell, reps
 
 
-def arrival_seed(w, run: dict) -> int:
+def run_arrival_seed(w, run: dict) -> int:
     """The seed of a run's Poisson arrivals: ``arrival_seed`` in its JSON (bench compare
-    since --arrivals-per-repeat), else ``seed`` (which the bench client uses for both)."""
+    since 749f67c), else ``seed`` (the bench client's one seed, which bench compare sets
+    to the arrival seed; the v21 runs, made at 97933e8, have only that)."""
     return run.get("arrival_seed", run.get("seed", w.seed))
 
 
@@ -116,7 +117,7 @@ def per_repeat_arrivals(w, reps: list[dict]) -> bool:
     """Whether the cell's repeats drew their own arrivals (`bench compare
     --arrivals-per-repeat`): a run records another seed than the workload's. At an
     infinite rate every draw sends all at once, so those repeats are one workload."""
-    return not math.isinf(w.rate) and any(arrival_seed(w, r) != w.seed for r in reps)
+    return not math.isinf(w.rate) and any(run_arrival_seed(w, r) != w.seed for r in reps)
 
 
 def simulate_cell(prof, w, cluster, reps: list[dict], replicas: int,
@@ -138,10 +139,26 @@ def simulate_cell(prof, w, cluster, reps: list[dict], replicas: int,
     results: list = []
     for k, run in enumerate(reps):
         p = prof if levels is None else prof.scaled(levels[k][1], levels[k][0])
-        wk = dataclasses.replace(w, seed=arrival_seed(w, run))
+        wk = dataclasses.replace(w, seed=run_arrival_seed(w, run))
         results += simulate_pooled(p, wk, dataclasses.replace(
             cluster, seed=cluster.seed + k * share), share)
     return results
+
+
+def simulated_measurements(prof, w, cluster, reps: list[dict], groups: int) -> list[list]:
+    """``groups`` simulated measurements of one cell, each built as the measured cell is:
+    one simulated run per measured repeat (at the repeat's arrivals where the repeats drew
+    their own), on noise seeds ``cluster.seed + g * R + k`` (g: the measurement, k: the
+    repeat). Always ``groups`` x R runs, with or without step noise, so that callers can
+    weigh cells by their repeats (sim_validate_sets.py)."""
+    from kvpush.sim.cluster import simulate
+
+    own = per_repeat_arrivals(w, reps)
+    loads = [dataclasses.replace(w, seed=run_arrival_seed(w, run)) if own else w
+             for run in reps]
+    n = len(reps)
+    return [[simulate(prof, wk, dataclasses.replace(cluster, seed=cluster.seed + g * n + k))
+             for k, wk in enumerate(loads)] for g in range(groups)]
 
 
 def validate(profile_path: Path, scale: float = 1.0,
@@ -164,7 +181,7 @@ def validate(profile_path: Path, scale: float = 1.0,
     for name in workloads:
         for rate_text, label, w, cluster, cell, reps in cells(name):
             row = {"workload": name, "mode": label, "rate": rate_text,
-                   "n": cell["completed"]}
+                   "n": cell["completed"], "per_repeat": per_repeat_arrivals(w, reps)}
             if host_level:
                 levels = [level_scale(measured, run) for run in reps]
                 row["host_scales"] = [round(factor, 4) for _, factor in levels]
@@ -396,7 +413,10 @@ def main() -> int:
             f"{meas.get('clock', '?')} clock, load average before/after "
             f"{meas.get('load_avg_before', '?')} / {meas.get('load_avg_after', '?')}). "
             + (f"Step noise (host.step_noise, sigma of log step time): {noise}; each cell "
-               f"pools {args.replicas} noise seeds. " if noise else
+               f"pools {args.replicas} noise seeds"
+               + (" (rounded up to a whole number per repeat where the repeats drew their "
+                  "own arrivals)" if any(r["per_repeat"] for r in rows) else "")
+               + ". " if noise else
                "No step noise: one deterministic run per cell. ") +
             "Latencies in ms; err = (sim - measured) / measured; **x** = outside "
             f"{TOLERANCE:.0%}. Command: `.venv/bin/python benchmarks/sim_validate.py"

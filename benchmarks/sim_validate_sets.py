@@ -33,7 +33,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import sim_validate as sv  # noqa: E402
-from sim_band import simulated_measurements  # noqa: E402
 
 NAMES = ("quiet_512", "long_prompts", "short_high_rate", "prefix_hit",
          "prefix_hit_tail_on_decode")
@@ -66,8 +65,9 @@ def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS,
             for prof, cells in zip(profiles, per_set):
                 w, cluster, reps = cells[key]
                 # each set's noise seeds follow the ones the sets before it used
-                results += [r for m in simulated_measurements(
-                    prof, w, dataclasses.replace(cluster, seed=len(results)), reps, groups)
+                results += [r for m in sv.simulated_measurements(
+                    prof, w, dataclasses.replace(cluster, seed=cluster.seed + len(results)), reps,
+                    groups)
                     for r in m]
                 runs += reps
             meas, sim = pooled(runs), summarize(results)

@@ -165,11 +165,17 @@ def test_sim_band_replays_one_measurement_per_group_and_flags_a_wide_band():
     prof = load_profile(PROFILE)
     _rate, _label, w, cluster, _cell, reps = next(
         c for c in sv.cells(f"{SET}/quiet_512") if c[0] == "0.5" and c[1] == "colocated")
-    sims = sim_band.simulated_measurements(prof, w, cluster, reps, 2)
+    sims = sv.simulated_measurements(prof, w, cluster, reps, 2)
     assert [len(m) for m in sims] == [len(reps)] * 2
     again = simulate(prof, w, dataclasses.replace(cluster, seed=1 * len(reps) + 2))
     assert [q.token_times for q in sims[1][2].requests] == [
         q.token_times for q in again.requests]
+    # repeats with their own arrivals: run k of every measurement at repeat k's seed
+    own = [{**r, "arrival_seed": w.seed + 7 * k} for k, r in enumerate(reps)]
+    for m in sv.simulated_measurements(prof, w, cluster, own, 2):
+        for k, run in enumerate(m):
+            assert [q.arrival for q in run.requests] == pytest.approx(
+                dataclasses.replace(w, seed=w.seed + 7 * k).arrivals())
     assert sim_band.quantile([1.0, 2.0, 3.0, 5.0], 0.5) == pytest.approx(2.5)
     assert sim_band.quantile([4.0], 0.9) == 4.0
     row = {"measured": 75.0, "sim": 55.0, "values": [50.0, 55.0, 60.0, 90.0, 95.0]}
@@ -179,6 +185,7 @@ def test_sim_band_replays_one_measurement_per_group_and_flags_a_wide_band():
     text = sim_band.table([{**row, "workload": "w", "mode": "colocated", "rate": "0.5",
                             "metric": "TPOT med"}])
     assert "| 52-93 | 50-95 |" in text and "1 of them with the measured value inside" in text
+    assert "median ±37%, largest ±37%" in text  # (93 - 52) / 2 / 55
 
 
 @pytest.mark.parametrize("first_seed", [0, 40])
