@@ -50,7 +50,7 @@ def quantile(values: list[float], q: float) -> float:
 def band_rows(profile: Path, workloads: tuple[str, ...], groups: int = GROUPS) -> list[dict]:
     """One row per cell metric: measured, pooled prediction, and the simulated
     measurements' values."""
-    from kvpush.bench.compare import pooled
+    from kvpush.bench.compare_report import pooled
     from kvpush.sim.cluster import summarize
     from kvpush.sim.profile import load_profile
 

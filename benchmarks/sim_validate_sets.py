@@ -43,7 +43,7 @@ def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS,
     """One row per cell present in every set: measured (all sets' repeats pooled) and
     simulated (each set on its profile, requests pooled) metrics. ``arrival_step_s``: a
     what-if, every profile's host.arrival_step_s set to it for all its step models."""
-    from kvpush.bench.compare import pooled
+    from kvpush.bench.compare_report import pooled
     from kvpush.sim.cluster import summarize
     from kvpush.sim.profile import load_profile
 

@@ -15,11 +15,10 @@ from kvpush.bench.compare import (
     ModeSpec,
     add_compare_parser,
     arrival_seed,
-    markdown_report,
     mode_order,
-    pooled,
     run_compare,
 )
+from kvpush.bench.compare_report import markdown_report, pooled
 from kvpush.cluster.launcher import alive, descendant_pids
 
 
@@ -121,7 +120,7 @@ def test_each_run_sends_on_its_repeats_arrival_seed(tmp_path, monkeypatch):
 
 
 def test_summary_ratios_and_plots_from_canned_runs(tmp_path):
-    from kvpush.bench.compare import summarize_runs
+    from kvpush.bench.compare_report import summarize_runs
 
     cfg, runs = _canned()
     summary = summarize_runs(runs, cfg)

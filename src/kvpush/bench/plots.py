@@ -16,7 +16,7 @@ from typing import Any
 
 
 def _ttfts(runs: list[dict[str, Any]], mode: str, rate: str) -> list[float]:
-    from kvpush.bench.compare import rate_text
+    from kvpush.bench.compare_report import rate_text
 
     return sorted(t * 1e3 for r in runs if r["mode_label"] == mode
                   and rate_text(float(r["request_rate"])) == rate
