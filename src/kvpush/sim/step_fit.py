@@ -51,7 +51,7 @@ def nnls_fit(rows: Sequence[Sequence[float]], targets: Sequence[float],
 def fit_linear(samples: Sequence[Sample], tables: Tables | None = None
                ) -> tuple[LinearStepModel, dict[str, float]]:
     """The step model and its fit quality (median / max relative error). With ``tables``
-    (:func:`kvpush.sim.calibrate.measure_matmuls`), the linear terms are fitted to what
+    (:func:`kvpush.sim.matmul_tables.measure_matmuls`), the linear terms are fitted to what
     the tables leave."""
     if len(samples) < len(FIT_FIELDS):
         raise ValueError(f"need at least {len(FIT_FIELDS)} samples to fit, got {len(samples)}")
