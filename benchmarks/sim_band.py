@@ -39,14 +39,6 @@ import sim_validate as sv  # noqa: E402
 GROUPS = 16
 
 
-def quantile(values: list[float], q: float) -> float:
-    """Linear-interpolated quantile, q in [0, 1]."""
-    s = sorted(values)
-    x = q * (len(s) - 1)
-    i = int(x)
-    return s[i] if i + 1 >= len(s) else s[i] + (x - i) * (s[i + 1] - s[i])
-
-
 def band_rows(profile: Path, workloads: tuple[str, ...], groups: int = GROUPS) -> list[dict]:
     """One row per cell metric: measured, pooled prediction, and the simulated
     measurements' values."""
@@ -73,8 +65,10 @@ def describe(row: dict) -> dict:
     """The row's band: p10 / p90 / min / max of the simulated measurements, the band's
     half-width over the pooled prediction, whether the pooled prediction is within the
     tolerance and whether the measured value lies inside p10-p90."""
+    from kvpush.bench.metrics import percentile
+
     v, m, s = row["values"], row["measured"], row["sim"]
-    lo, hi = quantile(v, 0.1), quantile(v, 0.9)
+    lo, hi = percentile(v, 10), percentile(v, 90)
     return {"p10": lo, "p90": hi, "min": min(v), "max": max(v),
             "half_width": (hi - lo) / 2 / s if s else 0.0,
             "err": (s - m) / m if m else 0.0,
