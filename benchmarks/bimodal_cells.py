@@ -8,9 +8,10 @@ the width of the gap with one request more or less on either side (SIMULATION.md
 1-v20). This script prints, per run set and colocated cell of one workload and rate, how
 many requests waited ("hit": a gap over ``--gap`` seconds between two of its tokens), the
 middle of the sorted measured TPOTs, and the same for the simulation on the set's own
-profile, each measured repeat replayed at its own arrivals on ``--groups`` noise seeds;
-and request by request how many the simulation classes as measured ("alike": hit in more
-than half of its seeds where the measured request was hit, and not where it was not):
+profile (``--profile``: its file name in each set), each measured repeat replayed at
+its own arrivals on ``--groups`` noise seeds; and request by request how many the
+simulation classes as measured ("alike": hit in more than half of its seeds where the
+measured request was hit, and not where it was not):
 
     .venv/bin/python benchmarks/bimodal_cells.py sim/v18 sim/v19 sim/v20 sim/v21
 """
@@ -39,15 +40,15 @@ def waited(token_times: list[float], gap: float) -> bool:
     return any(b - a > gap for a, b in zip(token_times, token_times[1:]))
 
 
-def cell_rows(run_set: str, workload: str, rate: str, gap: float, groups: int
-              ) -> list[dict]:
+def cell_rows(run_set: str, workload: str, rate: str, gap: float, groups: int,
+              profile: str = "cpu-local-pooled.json") -> list[dict]:
     """Per colocated cell: the measured and simulated shares of requests that waited, the
     middle of the measured TPOTs, both medians, and request by request (each repeat at its
     own arrivals) how many the simulation classes as measured: waited in more than half
     of its ``groups`` noise seeds exactly where the request measured waited."""
     from kvpush.sim.profile import load_profile
 
-    prof = load_profile(sv.RESULTS / run_set / "cpu-local-pooled.json")
+    prof = load_profile(sv.RESULTS / run_set / profile)
     rows = []
     for rate_text, label, w, cluster, _cell, reps in sv.cells(f"{run_set}/{workload}"):
         if rate_text != rate or not label.startswith("colocated"):
@@ -86,16 +87,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds between two tokens that count as a wait (default 0.6)")
     ap.add_argument("--groups", type=int, default=sv.REPLICAS,
                     help="noise seeds per measured repeat (default %(default)s)")
+    ap.add_argument("--profile", default="cpu-local-pooled.json",
+                    help="the profile's file name in each set (default %(default)s)")
     args = ap.parse_args(argv)
-    print(f"{args.workload} at {args.rate} req/s; hit: a gap over {args.gap:g} s between "
-          f"two tokens; simulated: each repeat on {args.groups} noise seeds; alike: "
+    print(f"{args.workload} at {args.rate} req/s, each set on its {args.profile}; hit: a "
+          f"gap over {args.gap:g} s between two tokens; simulated: each repeat on "
+          f"{args.groups} noise seeds; alike: "
           "requests whose hit the simulation gives in most of its seeds exactly where "
           "the measured request was hit\n")
     print("| set | instance | measured: requests hit | middle of the sorted TPOTs (ms) "
           "| median | simulated: hit | median | alike |")
     print("|---|---|---:|---|---:|---:|---:|---:|")
     for s in args.sets:
-        for r in cell_rows(s, args.workload, args.rate, args.gap, args.groups):
+        for r in cell_rows(s, args.workload, args.rate, args.gap, args.groups,
+                           args.profile):
             print(f"| {r['set']} | {r['instance']} | {r['meas_hit']} / {r['meas_n']} | "
                   f"{', '.join(map(str, r['meas_middle']))} | {r['meas_median']} | "
                   f"{r['sim_hit']} / {r['sim_n']} ({r['sim_hit'] / r['sim_n']:.0%}) | "

@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -328,6 +329,19 @@ def scorecard(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def noise_phrase(host: dict) -> str:
+    """How the profile's steps scatter, for a table's header ("" for not at all)."""
+    if tables := host.get("step_noise_quantiles"):
+        means = ", ".join(f"{m} " + "/".join(f"{k} {statistics.mean(map(math.exp, q)):.3f}"
+                                             for k, q in kinds.items())
+                          for m, kinds in tables.items())
+        return ("Step noise (drawn from host.step_noise_quantiles, the probe's percentiles "
+                f"of log step time; mean factor {means})")
+    sigmas = ", ".join(f"{m} " + "/".join(f"{k} {v:.3f}" for k, v in sig.items())
+                       for m, sig in host.get("step_noise", {}).items())
+    return f"Step noise (host.step_noise, sigma of log step time): {sigmas}" if sigmas else ""
+
+
 def write_section(doc: Path, marker: str, body: str) -> None:
     begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
     text = doc.read_text() if doc.exists() else "# kvpush simulator: validation and projection\n"
@@ -404,16 +418,14 @@ def main() -> int:
         factor, basis, adjusted = 1.0, "", []
     prof = json.loads(args.profile.read_text())
     meas = prof.get("measured", {})
-    noise = ", ".join(f"{m} " + "/".join(f"{k} {v:.3f}" for k, v in sig.items())
-                      for m, sig in prof.get("host", {}).get("step_noise", {}).items())
+    noise = noise_phrase(prof.get("host", {}))
     shown = (args.profile.resolve().relative_to(HERE.parent)
              if HERE.parent in args.profile.resolve().parents else args.profile)
     body = (f"Profile `{shown}`"
             f" ({name}; calibrated {meas.get('started_utc', '?')} with the "
             f"{meas.get('clock', '?')} clock, load average before/after "
             f"{meas.get('load_avg_before', '?')} / {meas.get('load_avg_after', '?')}). "
-            + (f"Step noise (host.step_noise, sigma of log step time): {noise}; each cell "
-               f"pools {args.replicas} noise seeds"
+            + (f"{noise}; each cell pools {args.replicas} noise seeds"
                + (" (rounded up to a whole number per repeat where the repeats drew their "
                   "own arrivals)" if any(r["per_repeat"] for r in rows) else "")
                + ". " if noise else

@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--marker", default="sim_validate_sets",
                     help="the SIMULATION.md markers to write between")
     ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--results", action="store_true",
+                    help="also write the section into RESULTS.md, where its markers are "
+                         "(the validation of record, issue 7)")
     args = ap.parse_args(argv)
     if args.arrival_step_s is not None and args.arrival_step_s < 0:
         ap.error("--arrival-step-s must be >= 0")
@@ -119,12 +122,15 @@ def main(argv: list[str] | None = None) -> int:
             + (f" --arrival-step-s {args.arrival_step_s:g}"
                if args.arrival_step_s is not None else "")
             + (f" --marker {args.marker}" if args.marker != "sim_validate_sets" else "")
+            + (" --results" if args.results else "")
             + "`.\n\n"
             + sv.table(rows) + "\n\n"
             + sv.scorecard(rows))
     print(body)
     if not args.no_write:
         sv.write_section(sv.DOC, args.marker, body)
+        if args.results:
+            sv.write_section(sv.RESULTS_DOC, args.marker, body)
     return 0
 
 

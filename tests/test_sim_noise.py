@@ -7,13 +7,22 @@ import copy
 import dataclasses
 import math
 import random
+import statistics
 
 import pytest
 
 pytest.importorskip("simpy")
 
 from kvpush.sim.cluster import ClusterConfig, simulate, simulate_pooled, summarize  # noqa: E402
-from kvpush.sim.noise import StepNoise, measure_noise, robust_sigma  # noqa: E402
+from kvpush.sim.noise import (  # noqa: E402
+    MIN_QUANTILE_STEPS,
+    StepNoise,
+    even_quantiles,
+    measure_noise,
+    measure_noise_quantiles,
+    quantile_draw,
+    robust_sigma,
+)
 from kvpush.sim.profile import ProfileError, profile_from_dict  # noqa: E402
 from kvpush.sim.step_models import LinearStepModel  # noqa: E402
 from kvpush.sim.workload import Stage, Workload  # noqa: E402
@@ -74,6 +83,116 @@ def test_measure_noise_recovers_sigma_around_the_model_not_its_level():
     assert measure_noise(steps[:5], model) == {}  # too few steps to say
 
 
+def test_quantile_draw_is_linear_between_points_from_first_to_last():
+    table = (-0.1, 0.0, 0.4)  # at probabilities 0, 1/2, 1
+    assert quantile_draw(table, 0.0) == -0.1
+    assert quantile_draw(table, 0.25) == pytest.approx(-0.05)
+    assert quantile_draw(table, 0.5) == pytest.approx(0.0)
+    assert quantile_draw(table, 0.75) == pytest.approx(0.2)
+    assert quantile_draw(table, 1.0) == pytest.approx(0.4)
+    assert even_quantiles([3.0, 1.0, 2.0], 5) == (1.0, 1.5, 2.0, 2.5, 3.0)  # min .. max
+
+
+def skewed_logs(n: int, rng: random.Random) -> list[float]:
+    """log factors: a narrow core and one step in eight 1.2-1.8x (a stray stall)."""
+    return [math.log(rng.uniform(1.2, 1.8)) if rng.random() < 0.125
+            else rng.gauss(0.0, 0.03) for _ in range(n)]
+
+
+def test_quantile_noise_keeps_the_tail_and_mean_the_log_normal_loses():
+    """A TPOT is a mean of steps, so the tail counts: drawn from the quantile table the
+    factors average what the measured ones did; the log-normal of the same robust sigma
+    keeps the core only and averages ~1."""
+    rng = random.Random(3)
+    logs = skewed_logs(4000, rng)
+    measured_mean = sum(math.exp(x) for x in logs) / len(logs)
+    assert measured_mean > 1.05
+    table = even_quantiles(logs)
+    draws = StepNoise({"decode": robust_sigma(logs)}, random.Random(5), {"decode": table})
+    got = [draws.factor(decode=True) for _ in range(20000)]
+    assert sum(got) / len(got) == pytest.approx(measured_mean, rel=0.01)
+    assert sorted(got)[10000] == pytest.approx(math.exp(sorted(logs)[2000]), abs=0.01)
+    assert sorted(got)[19000] == pytest.approx(
+        math.exp(sorted(logs)[3800]), rel=0.03)  # the 95th percentile, in the tail
+    plain = StepNoise({"decode": robust_sigma(logs)}, random.Random(5))
+    alone = [plain.factor(decode=True) for _ in range(20000)]
+    assert sum(alone) / len(alone) < 1.01
+    # a kind without a table keeps its log-normal, a kind with neither is 1
+    mixed = StepNoise({"prefill": 0.2}, random.Random(5), {"decode": table})
+    pre = [math.log(mixed.factor(decode=False)) for _ in range(4000)]
+    assert robust_sigma(pre) == pytest.approx(0.2, rel=0.08)
+    assert {draws.factor(decode=False) for _ in range(10)} == {1.0}
+
+
+def test_without_tables_the_draws_are_the_log_normal_ones_as_before():
+    """Profiles calibrated before the tables simulate exactly as they did: the same
+    generator calls, the same factors."""
+    ref = random.Random(9)
+    expected = [ref.lognormvariate(0.0, 0.07) for _ in range(50)]
+    for noise in (StepNoise({"decode": 0.07}, random.Random(9)),
+                  StepNoise({"decode": 0.07}, random.Random(9), {})):
+        assert [noise.factor(decode=True) for _ in range(50)] == expected
+
+
+def test_measure_noise_quantiles_are_the_log_ratios_to_the_model_given():
+    model = LinearStepModel(base_s=0.01, per_token_s=1e-4)
+    rng = random.Random(11)
+    logs = skewed_logs(800, rng)
+    steps = [{"chunks": [[1, 100, True, True]] * 4,
+              "dur": 0.8 * model.step_time([(1, 100, True, True)] * 4) * math.exp(x)}
+             for x in logs]
+    got = measure_noise_quantiles(steps, model)
+    assert set(got) == {"decode"} and len(got["decode"]) == 101
+    assert list(got["decode"]) == sorted(got["decode"])
+    expect = even_quantiles([x + math.log(0.8) for x in logs])
+    assert got["decode"] == pytest.approx(expect, abs=1e-4)
+    assert measure_noise_quantiles(steps[:MIN_QUANTILE_STEPS - 1], model) == {}  # too few
+
+
+def test_fit_served_keeps_a_table_for_decode_around_the_served_model_not_the_engine():
+    """The served probe's fit: decode steps 1.2x the engine alone with a tail; the table
+    is around the served model (median 0, mean the tail's), and the probe's few prefill
+    steps get a sigma but no table."""
+    from kvpush.sim.served import fit_served
+
+    model = LinearStepModel(base_s=0.01, per_token_s=1e-4)
+    rng = random.Random(4)
+    dec = [(1, 100, True, True)] * 4
+    steps = [{"chunks": dec, "dur": 1.2 * model.step_time(dec) * math.exp(x)}
+             for x in skewed_logs(400, rng)]
+    steps += [{"chunks": [(300, 0, True)], "dur": model.step_time([(300, 0, True)])
+               * rng.lognormvariate(0, 0.04)} for _ in range(60)]
+    fit = fit_served(steps, model)
+    assert fit.factors["decode"] == pytest.approx(1.2, rel=0.03)
+    assert set(fit.noise) == {"prefill", "decode"} and set(fit.noise_quantiles) == {"decode"}
+    table = fit.noise_quantiles["decode"]
+    assert abs(table[50]) < 0.01
+    assert statistics.mean(math.exp(quantile_draw(table, (i + 0.5) / 2000))
+                           for i in range(2000)) > 1.04
+
+
+def test_a_profile_with_quantile_noise_only_scatters_per_seed_and_pools():
+    d = copy.deepcopy(BASE)
+    d["host"] = {**HOST, "step_noise_quantiles": {"s": {"decode": [-0.05, 0.0, 0.05, 0.5]}}}
+    p = profile_from_dict(d)
+    assert p.has_noise and p.noise_sigmas("decode") == {}
+    assert p.noise_quantiles("decode") == {"decode": (-0.05, 0.0, 0.05, 0.5)}
+    w = Workload(6, 2.0, 200, 40, seed=2)
+    runs = simulate_pooled(p, w, ClusterConfig("colocated", 0, 1, seed=1), replicas=3)
+    assert len(runs) == 3
+    assert runs[0].requests[0].token_times != runs[1].requests[0].token_times
+    again = simulate(p, w, ClusterConfig("colocated", 0, 1, seed=1))
+    assert [r.token_times for r in again.requests] == [r.token_times
+                                                         for r in runs[0].requests]
+    # the decode steps average the table's mean factor: longer than without noise
+    quiet = simulate(prof(), w, ClusterConfig("colocated", 0, 1))
+    gaps = [sum(b - a for a, b in zip(t, t[1:])) for res in runs
+            for t in (r.token_times for r in res.requests)]
+    base = [sum(b - a for a, b in zip(t, t[1:])) for t in (r.token_times
+                                                            for r in quiet.requests)]
+    assert sum(gaps) / len(gaps) > 1.05 * sum(base) / len(base)
+
+
 @pytest.mark.parametrize("mode", ["colocated", "pull", "push"])
 def test_noise_is_deterministic_for_a_seed_and_pooling_runs_each_seed(mode):
     p = noisy(prefill=0.1, decode=0.1)
@@ -119,18 +238,26 @@ def test_noise_follows_the_step_model_a_role_runs():
             == [r.token_times for r in simulate(p, w, reseeded).requests])
 
 
-@pytest.mark.parametrize("noise, needle", [
-    ({"nope": {"prefill": 0.1}}, "no such step model"),
-    ({"s": {"prefil": 0.1}}, "keys among"),
-    ({"s": {"prefill": 1.5}}, "[0, 1)"),
-    ({"s": {"decode": -0.1}}, ">= 0"),
-    ({"s": {"decode": "x"}}, "decode"),
-    ([0.1], "must be an object"),
+@pytest.mark.parametrize("key, noise, needle", [
+    ("step_noise", {"nope": {"prefill": 0.1}}, "no such step model"),
+    ("step_noise", {"s": {"prefil": 0.1}}, "keys among"),
+    ("step_noise", {"s": {"prefill": 1.5}}, "[0, 1)"),
+    ("step_noise", {"s": {"decode": -0.1}}, ">= 0"),
+    ("step_noise", {"s": {"decode": "x"}}, "decode"),
+    ("step_noise", [0.1], "must be an object"),
+    ("step_noise_quantiles", {"nope": {"decode": [0.0, 0.1]}}, "no such step model"),
+    ("step_noise_quantiles", {"s": {"decod": [0.0, 0.1]}}, "keys among"),
+    ("step_noise_quantiles", {"s": {"decode": [0.1]}}, "at least two numbers"),
+    ("step_noise_quantiles", {"s": {"decode": [0.1, "x"]}}, "at least two numbers"),
+    ("step_noise_quantiles", {"s": {"decode": [0.2, 0.1]}}, "non-decreasing"),
+    ("step_noise_quantiles", {"s": {"prefill": [0.0, 4.0]}}, "within (-3, 3)"),
+    ("step_noise_quantiles", {"s": {"prefill": [0.0, float("nan")]}}, "within (-3, 3)"),
+    ("step_noise_quantiles", [0.1], "must be an object"),
 ])
-def test_step_noise_errors_name_the_field(noise, needle):
+def test_step_noise_errors_name_the_field(key, noise, needle):
     d = copy.deepcopy(BASE)
-    d["host"] = {**HOST, "step_noise": noise}
-    with pytest.raises(ProfileError, match="step_noise") as e:
+    d["host"] = {**HOST, key: noise}
+    with pytest.raises(ProfileError, match=key) as e:
         profile_from_dict(d)
     assert needle in str(e.value)
 
@@ -211,6 +338,24 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
         pytest.approx([0.002, 0.0022])
     # the served probe's steps were 1.2x their own calibration: 1.2x the pooled fit too
     assert new["host"]["served_factors"]["s"]["prefill"] == pytest.approx(1.2, rel=0.06)
+    # a table measured against an older fit does not outlive a refit whose trace is too
+    # short for a new one (with no trace at all, factors and noise stay as they were)
+    stale = calibration(1.0, 1.2, 1.0, 0.004)
+    stale["host"]["step_noise_quantiles"] = {"s": {"prefill": [0.0, 0.1]}}
+    a.write_text(json.dumps(stale))
+    assert main(["simulate", "refit", str(a), "--out", str(out)]) == 0
+    assert "s" not in json.loads(out.read_text())["host"].get("step_noise_quantiles", {})
+    # a trace long enough gives one, measured around the new served model
+    long = calibration(1.0, 1.2, 1.0, 0.004)
+    dec = [[1, 64, True, True]] * 4
+    long["measured"]["served"]["s"]["trace"] += [
+        [dec, 1.3 * truth.step_time([tuple(c) for c in dec]) * (1.5 if i % 10 == 0 else 1.0)]
+        for i in range(MIN_QUANTILE_STEPS)]
+    a.write_text(json.dumps(long))
+    assert main(["simulate", "refit", str(a), "--out", str(out)]) == 0
+    table = json.loads(out.read_text())["host"]["step_noise_quantiles"]["s"]["decode"]
+    assert len(table) == 101 and abs(table[50]) < 0.02
+    assert table[-1] == pytest.approx(math.log(1.5), abs=0.03)  # the slow tenth's steps
     # profiles of another model are refused, nothing written
     other = calibration(1.0, 1.2, 1.0, 0.004)
     other["model"]["num_layers"] = 8

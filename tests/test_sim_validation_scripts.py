@@ -131,6 +131,25 @@ def test_arrival_fit_recovers_the_cost_per_arrival_beside_per_run_speeds():
     assert arrival_steps.fit([rows[0], rows[1], rows[40]]) is None
 
 
+def test_validate_sets_writes_results_md_only_when_asked(tmp_path, monkeypatch, capsys):
+    """--results puts the pooled table into RESULTS.md as well (the validation of record);
+    without it only SIMULATION.md's section is written."""
+    sim_doc, results_doc = tmp_path / "SIMULATION.md", tmp_path / "RESULTS.md"
+    results_doc.write_text("# results\n")
+    monkeypatch.setattr(sv, "DOC", sim_doc)
+    monkeypatch.setattr(sv, "RESULTS_DOC", results_doc)
+    args = ["--set", f"{SET}=sim/v19/cpu-local-pooled.json", "--replicas", "1",
+            "--marker", "pooled_check"]
+    assert svs.main(args) == 0
+    assert "<!-- pooled_check:begin -->" in sim_doc.read_text()
+    assert results_doc.read_text() == "# results\n"
+    assert svs.main(args + ["--results"]) == 0
+    text = results_doc.read_text()
+    assert "<!-- pooled_check:begin -->" in text and "--results`" in text
+    assert "TPOT med:" in text
+    capsys.readouterr()
+
+
 def test_bimodal_cells_counts_the_requests_that_waited_a_mixed_step():
     """bimodal_cells.py on v20's 512-token colocated cells at 0.5 req/s: 15 of the 30
     requests waited a mixed step (5 in each repeat), so the median lies in the gap

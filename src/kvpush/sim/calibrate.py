@@ -393,7 +393,10 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "(2+ threads) and the served 1P1D pair's D (1 thread).",
             "host.step_noise: the scatter of the probe's steps around the served model "
             "(robust sigma of log measured / modelled, per prefill and decode steps); "
-            "the simulator draws each step's time from it (kvpush.sim.noise).",
+            "host.step_noise_quantiles: the percentiles 0-100 of the same scatter, its "
+            "tail included, for kinds with 300+ probe steps (decode); the simulator "
+            "draws those steps' times from them, the others' from the log-normal "
+            "(kvpush.sim.noise).",
             "kvpush posts pull's READ from its transfer thread, not the step loop "
             "(pull_post_on_step_loop false). Over cma the copy happens inside post(), so the "
             "whole cost is on the wire terms.",
@@ -425,6 +428,8 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                  "served_factor_curves": {k: v["curves"] for k, v in served.items()
                                           if v.get("curves")},
                  "step_noise": {k: v["noise"] for k, v in served.items() if v.get("noise")},
+                 "step_noise_quantiles": {k: v["noise_quantiles"] for k, v in served.items()
+                                          if v.get("noise_quantiles")},
                  "arrival_step_s": arrival_costs(served, pair, one)},
         "step_models": step_models,
         "roles": {"prefill": one, "decode": one, "colocated": two},

@@ -52,9 +52,10 @@ def _workload_args(p: argparse.ArgumentParser, rate_help: str) -> None:
                    help="multiply every step time, and what an arrival adds to a step "
                         "(host.arrival_step_s), by F (a shared or slower host; default 1)")
     p.add_argument("--replicas", type=int, default=1, metavar="N",
-                   help="for a profile with step noise (host.step_noise, calibrated "
-                        "profiles): simulate N noise seeds and pool their requests, as "
-                        "`kvpush bench compare --repeats` pools repeats (default 1)")
+                   help="for a profile with step noise (host.step_noise or "
+                        "step_noise_quantiles, calibrated profiles): simulate N noise "
+                        "seeds and pool their requests, as `kvpush bench compare "
+                        "--repeats` pools repeats (default 1)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
 

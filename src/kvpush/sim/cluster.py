@@ -45,7 +45,8 @@ class ClusterConfig:
     step_models: tuple[tuple[str, str], ...] = ()
     #: how long past the last arrival the simulation may run before giving up (s)
     horizon_s: float = 1e6
-    #: seeds the step-noise draws (profiles with host.step_noise; kvpush.sim.noise)
+    #: seeds the step-noise draws (profiles with host.step_noise or
+    #: host.step_noise_quantiles; kvpush.sim.noise)
     seed: int = 0
 
     def validate(self) -> None:
@@ -154,7 +155,7 @@ def simulate_pooled(profile: Profile, workload: Workload, config: ClusterConfig,
     run where the profile has no step noise (every run would be the same)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
-    n = replicas if profile.step_noise else 1
+    n = replicas if profile.has_noise else 1
     return [simulate(profile, workload, dataclasses.replace(config, seed=config.seed + k))
             for k in range(n)]
 
@@ -188,12 +189,13 @@ def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> Sim
     def make(role: str, n: int, cache_role: str) -> list[EngineSim]:
         model = profile.step_model(role, overrides.get(role))
         sigmas = profile.noise_sigmas(role, overrides.get(role))
+        quantiles = profile.noise_quantiles(role, overrides.get(role))
         caching = role != "prefill" or config.prefill_prefix_cache
         engines = [EngineSim(env, f"{role}{i}", role, model, lim,
                              _prefix_state(profile, workload, cache_role), caching)
                    for i in range(n)]
         for e in engines:  # one generator: SimPy's event order makes the draws repeatable
-            e.noise = StepNoise(sigmas, noise_rng) if sigmas else None
+            e.noise = StepNoise(sigmas, noise_rng, quantiles) if sigmas or quantiles else None
             e.arrival_cost = profile.arrival_cost(role, overrides.get(role))
         return engines
 

@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvpush.sim.noise import NOISE_KINDS
 from kvpush.sim.step_models import (
     LinearStepModel,
     ModelShape,
@@ -125,6 +126,11 @@ class Profile:
     #: step model name -> {"prefill": sigma, "decode": sigma}: how far served steps
     #: scatter around the model (kvpush.sim.noise); none: steps last their modelled time
     step_noise: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    #: step model name -> {"prefill": (log factor, ...), "decode": ...}: the same scatter
+    #: as a table of even quantiles, tail included; where given it is drawn from instead
+    #: of the log-normal (kvpush.sim.noise)
+    step_noise_quantiles: Mapping[str, Mapping[str, tuple[float, ...]]] = field(
+        default_factory=dict)
     #: step model name -> seconds that each request arriving at the host (client, router
     #: and HTTP front end taking it in, on the cores the steps run on) adds to a step of
     #: that model in flight (host.arrival_step_s; none: arrivals cost steps nothing)
@@ -138,6 +144,17 @@ class Profile:
     def noise_sigmas(self, role: str, override: str | None = None) -> Mapping[str, float]:
         """The step noise of the step model ``role`` (or ``override``) runs ({}: none)."""
         return self.step_noise.get(override or self.roles[role], {})
+
+    def noise_quantiles(self, role: str, override: str | None = None
+                        ) -> Mapping[str, tuple[float, ...]]:
+        """The step noise's quantile tables of the step model ``role`` (or ``override``)
+        runs ({}: none)."""
+        return self.step_noise_quantiles.get(override or self.roles[role], {})
+
+    @property
+    def has_noise(self) -> bool:
+        """Whether any step model's steps scatter (so noise seeds differ)."""
+        return bool(self.step_noise or self.step_noise_quantiles)
 
     @property
     def has_corun(self) -> bool:
@@ -319,6 +336,8 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
 
     models = served_step_models(models, host, path)
     noise = _step_noise(host.get("step_noise", {}), models, f"{path}: host.step_noise")
+    quantiles = _step_noise_quantiles(host.get("step_noise_quantiles", {}), models,
+                                      f"{path}: host.step_noise_quantiles")
     arrival = host.get("arrival_step_s", {})
     if not isinstance(arrival, Mapping) or set(arrival) - set(models):
         raise ProfileError(f"{path}: host.arrival_step_s must map step model names to "
@@ -340,7 +359,7 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
         instance=limits, sources={str(k): str(v) for k, v in sources.items()},
         notes=tuple(str(n) for n in data.get("notes", ())), path=path,
         corun_slowdown=corun, corun_by_kind=by_kind, step_noise=noise,
-        arrival_step_s=arrival)
+        step_noise_quantiles=quantiles, arrival_step_s=arrival)
 
 
 def _step_noise(table: Any, models: Mapping[str, StepModel], where: str
@@ -358,6 +377,34 @@ def _step_noise(table: Any, models: Mapping[str, StepModel], where: str
                           for k in sigmas}
         if any(not 0.0 <= v < 1.0 for v in out[name].values()):
             raise ProfileError(f"{where}.{name}: sigmas must be in [0, 1), got {out[name]}")
+    return out
+
+
+def _step_noise_quantiles(table: Any, models: Mapping[str, StepModel], where: str
+                          ) -> dict[str, dict[str, tuple[float, ...]]]:
+    if not isinstance(table, Mapping):
+        raise ProfileError(f"{where} must be an object (step model -> {{kind: [log "
+                           "factor, ...]}})")
+    out: dict[str, dict[str, tuple[float, ...]]] = {}
+    for name, kinds in table.items():
+        if name not in models:
+            raise ProfileError(f"{where}.{name}: no such step model")
+        if not isinstance(kinds, Mapping) or set(kinds) - set(NOISE_KINDS):
+            raise ProfileError(f"{where}.{name}: expected an object with keys among "
+                               f"{', '.join(NOISE_KINDS)}")
+        out[str(name)] = {}
+        for kind, values in kinds.items():
+            at = f"{where}.{name}.{kind}"
+            if (isinstance(values, str) or not isinstance(values, Sequence)
+                    or len(values) < 2 or any(
+                    isinstance(v, bool) or not isinstance(v, (int, float)) for v in values)):
+                raise ProfileError(f"{at}: expected a list of at least two numbers (log "
+                                   "factors at even probabilities)")
+            qs = tuple(float(v) for v in values)
+            if any(b < a for a, b in zip(qs, qs[1:])) or not all(abs(v) < 3 for v in qs):
+                raise ProfileError(f"{at}: the quantiles must be non-decreasing log "
+                                   "factors within (-3, 3)")
+            out[name][str(kind)] = qs
     return out
 
 

@@ -4,11 +4,13 @@
 from the served probe, every step the serving instance ran (``measured.served[...]
 .trace``). When the step model changes (a new feature, a new fit), ``kvpush simulate
 refit OLD.json --out NEW.json`` fits it again from those samples and prices the probe's
-steps with the new fit for new ``host.served_factors`` and ``host.step_noise``: no
-engine runs, so the new profile describes the same host at the same moment as the old
-one, and the two can be compared on the same benchmark runs. Given several profiles
-of one host, ``kvpush simulate refit A.json B.json --out POOLED.json`` fits them as one
-(:func:`pool_calibrations`).
+steps with the new fit for new ``host.served_factors``, ``host.step_noise`` and
+``host.step_noise_quantiles``: no engine runs, so the new profile describes the same
+host at the same moment as the old one, and the two can be compared on the same
+benchmark runs. (A profile calibrated before the quantile tables existed gains them in
+a refit, so its steps then scatter as the tables say, not log-normally: two changes at
+once.) Given several profiles of one host, ``kvpush simulate refit A.json B.json --out
+POOLED.json`` fits them as one (:func:`pool_calibrations`).
 """
 
 from __future__ import annotations
@@ -151,13 +153,17 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
             host.setdefault("step_noise", {}).pop(name, None)
             if fit.noise:
                 host["step_noise"][name] = fit.noise
+            quantiles = {k: list(v) for k, v in fit.noise_quantiles.items()}
+            host.setdefault("step_noise_quantiles", {}).pop(name, None)
+            if quantiles:
+                host["step_noise_quantiles"][name] = quantiles
             served[name].update(factors=fit.factors, curves=table.get(name, {}),
-                                noise=fit.noise, steps=fit.steps)
+                                noise=fit.noise, noise_quantiles=quantiles, steps=fit.steps)
             log(f"[refit] {name}: served factors " + ", ".join(
                 f"{k} {describe(v, fit.curves.get(k))}" for k, v in fit.factors.items()))
         elif name in factors:
-            log(f"[refit] {name}: no probe trace kept; served factors left as they were "
-                "(measured against the old fit)")
+            log(f"[refit] {name}: no probe trace kept; served factors and step noise left "
+                "as they were (measured against the old fit)")
     out.setdefault("notes", []).append(
         f"Step models refitted from the recorded samples by `kvpush simulate refit` on "
         f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}.")

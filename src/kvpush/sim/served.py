@@ -35,7 +35,8 @@ The profile keeps them as ``host.served_factors[step model][kind]`` (the median 
 all steps of the kind) and ``host.served_factor_curves[step model][kind]`` (``[[modelled
 seconds, factor], ...]``: linear between the points, the end points' factors beyond),
 and the simulator multiplies its step times by them (:class:`ServedStepModel`). What
-scatter is left around the served model is ``host.step_noise`` (:mod:`kvpush.sim.noise`).
+scatter is left around the served model is ``host.step_noise`` and, tail included,
+``host.step_noise_quantiles`` (:mod:`kvpush.sim.noise`).
 
 The same probe times the front end: in its all-at-once phase, the instance notes when
 each request reached its engine (the trace's arrival lines); the mean gap between them
@@ -217,18 +218,23 @@ class ServedFit:
     curves: dict[str, RowTable]
     noise: dict[str, float]  # kvpush.sim.noise: the scatter left around the served model
     steps: dict[str, int]  # how many steps of each kind the figures rest on
+    #: the same scatter as even quantiles of log measured / served-modelled, tail kept
+    noise_quantiles: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 def fit_served(steps: Sequence[Mapping[str, Any]], engine_model: StepModel) -> ServedFit:
     """Served factors and curves (:func:`served_model_from`), then the step noise around
     the served model they make, from traced steps (``{"chunks": ..., "dur": ...}``);
     the served probe and `kvpush simulate refit` both fit this way."""
-    from kvpush.sim.noise import measure_noise
+    from kvpush.sim.noise import measure_noise, measure_noise_quantiles
 
+    steps = list(steps)
     pairs = step_pairs(steps, engine_model)
     factors, curves = served_model_from(pairs)
-    noise = measure_noise(steps, ServedStepModel(engine_model, factors, curves))
-    return ServedFit(factors, curves, noise, {k: len(pairs.get(k, [])) for k in KINDS})
+    served = ServedStepModel(engine_model, factors, curves)
+    return ServedFit(factors, curves, measure_noise(steps, served),
+                     {k: len(pairs.get(k, [])) for k in KINDS},
+                     measure_noise_quantiles(steps, served))
 
 
 def curves_json(curves: Mapping[str, RowTable]) -> dict[str, list[list[float]]]:
@@ -379,6 +385,7 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
         + f" (decode steps with / without arrivals: {arrival['steps']})")
     return {"factors": factors, "curves": curves_json(curves),
             "steps": fit.steps, "noise": noise,
+            "noise_quantiles": {k: list(v) for k, v in fit.noise_quantiles.items()},
             "front_end_s": front_end,
             "request_path_s": way_in, "token_return_s": way_out,
             # kvpush.sim.arrival_cost: host.arrival_step_s for this thread count
