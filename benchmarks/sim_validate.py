@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +39,8 @@ DOC = HERE / "SIMULATION.md"
 #: the default validation's tables also go into RESULTS.md (issue 7 asks for them there)
 RESULTS_DOC = HERE / "RESULTS.md"
 TOLERANCE = 0.15
-#: noise seeds per cell for profiles with host.step_noise (their requests pooled)
+#: noise seeds per cell for profiles with host.step_noise or step_noise_quantiles (their
+#: requests pooled)
 REPLICAS = 16
 METRICS = (("median_ttft_ms", "TTFT med"), ("p90_ttft_ms", "TTFT p90"),
            ("median_tpot_ms", "TPOT med"))
@@ -332,11 +332,22 @@ def scorecard(rows: list[dict]) -> str:
 def noise_phrase(host: dict) -> str:
     """How the profile's steps scatter, for a table's header ("" for not at all)."""
     if tables := host.get("step_noise_quantiles"):
-        means = ", ".join(f"{m} " + "/".join(f"{k} {statistics.mean(map(math.exp, q)):.3f}"
-                                             for k, q in kinds.items())
-                          for m, kinds in tables.items())
-        return ("Step noise (drawn from host.step_noise_quantiles, the probe's percentiles "
-                f"of log step time; mean factor {means})")
+        from kvpush.sim.noise import table_mean
+
+        sigmas = host.get("step_noise", {})
+
+        def kind(m: str, k: str) -> str:
+            if k in tables.get(m, {}):
+                return f"{k} mean {table_mean(tables[m][k]):.3f}"
+            return f"{k} sigma {sigmas[m][k]:.3f}"
+
+        kinds = ", ".join(f"{m} " + "/".join(
+            kind(m, k) for k in ("prefill", "decode")
+            if k in tables.get(m, {}) or k in sigmas.get(m, {}))
+            for m in sorted(set(sigmas) | set(tables)))
+        return ("Step noise (per step model and kind: a mean factor where drawn from the "
+                "probe's percentiles, host.step_noise_quantiles, else the sigma of the "
+                f"log-normal, host.step_noise): {kinds}")
     sigmas = ", ".join(f"{m} " + "/".join(f"{k} {v:.3f}" for k, v in sig.items())
                        for m, sig in host.get("step_noise", {}).items())
     return f"Step noise (host.step_noise, sigma of log step time): {sigmas}" if sigmas else ""
@@ -368,8 +379,9 @@ def main() -> int:
                     help="also table B: step times scaled by measured / simulated TTFT of "
                          "the first workload's first colocated-1t request")
     ap.add_argument("--replicas", type=int, default=REPLICAS,
-                    help="noise seeds per cell, pooled, for a profile with host.step_noise "
-                         f"(default {REPLICAS}; a profile without simulates once)")
+                    help="noise seeds per cell, pooled, for a profile with step noise "
+                         "(host.step_noise or step_noise_quantiles; default "
+                         f"{REPLICAS}; a profile without simulates once)")
     ap.add_argument("--marker", default="sim_validate",
                     help="section of SIMULATION.md to (re)write")
     ap.add_argument("--scale", type=float, default=1.0,

@@ -95,11 +95,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the SIMULATION.md markers to write between")
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument("--results", action="store_true",
-                    help="also write the section into RESULTS.md, where its markers are "
-                         "(the validation of record, issue 7)")
+                    help="also write the section into RESULTS.md, between its markers "
+                         "there (which must exist; the validation of record, issue 7)")
     args = ap.parse_args(argv)
     if args.arrival_step_s is not None and args.arrival_step_s < 0:
         ap.error("--arrival-step-s must be >= 0")
+    if args.results and not args.no_write and (why := check_results_markers(args.marker)):
+        ap.error(why)
     sets = []
     for text in args.set:
         folder, sep, profile = text.partition("=")
@@ -132,6 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.results:
             sv.write_section(sv.RESULTS_DOC, args.marker, body)
     return 0
+
+
+def check_results_markers(marker: str) -> str | None:
+    """Why RESULTS.md cannot take the section (None: it can): --results only replaces a
+    section whose markers a person has placed there, never appends one at the end."""
+    text = sv.RESULTS_DOC.read_text() if sv.RESULTS_DOC.exists() else ""
+    if f"<!-- {marker}:begin -->" in text and f"<!-- {marker}:end -->" in text:
+        return None
+    return (f"--results: {sv.RESULTS_DOC.name} has no <!-- {marker}:begin/end --> markers; "
+            "place them where the table belongs first")
 
 
 if __name__ == "__main__":

@@ -231,6 +231,10 @@ def test_noise_follows_the_step_model_a_role_runs():
     p = profile_from_dict(d)
     assert p.noise_sigmas("prefill") == {"prefill": 0.3}
     assert p.noise_sigmas("prefill", "quiet") == {}
+    d["host"]["step_noise_quantiles"] = {"s": {"decode": [0.0, 0.1]}}
+    tables = profile_from_dict(d)
+    assert tables.noise_quantiles("decode") == {"decode": (0.0, 0.1)}
+    assert tables.noise_quantiles("decode", "quiet") == {}
     w = Workload(10, 4.0, 200, 3, seed=1)
     quiet = ClusterConfig("colocated", 0, 1, step_models=(("colocated", "quiet"),))
     reseeded = dataclasses.replace(quiet, seed=5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -143,11 +144,34 @@ def test_validate_sets_writes_results_md_only_when_asked(tmp_path, monkeypatch, 
     assert svs.main(args) == 0
     assert "<!-- pooled_check:begin -->" in sim_doc.read_text()
     assert results_doc.read_text() == "# results\n"
+    # RESULTS.md without the markers: refused, nothing appended
+    with pytest.raises(SystemExit):
+        svs.main(args + ["--results"])
+    assert "has no <!-- pooled_check:begin/end -->" in capsys.readouterr().err
+    assert results_doc.read_text() == "# results\n"
+    results_doc.write_text("# results\n\n<!-- pooled_check:begin -->\n"
+                           "<!-- pooled_check:end -->\n\nafter\n")
     assert svs.main(args + ["--results"]) == 0
     text = results_doc.read_text()
     assert "<!-- pooled_check:begin -->" in text and "--results`" in text
-    assert "TPOT med:" in text
+    assert "TPOT med:" in text and text.endswith("\n\nafter\n")
     capsys.readouterr()
+
+
+def test_noise_phrase_names_each_kinds_noise():
+    """The header says which kinds draw from percentiles (their draws' mean factor) and
+    which keep a log-normal (its sigma); old profiles read as before."""
+    from kvpush.sim.noise import table_mean
+
+    table = [-0.05, 0.0, 0.02, 0.4]
+    host = {"step_noise": {"threads=2": {"prefill": 0.05, "decode": 0.07}},
+            "step_noise_quantiles": {"threads=2": {"decode": table}}}
+    assert table_mean(table) < sum(math.exp(x) for x in table) / len(table)
+    phrase = sv.noise_phrase(host)
+    assert f"threads=2 prefill sigma 0.050/decode mean {table_mean(table):.3f}" in phrase
+    assert sv.noise_phrase({"step_noise": {"s": {"decode": 0.07}}}) == (
+        "Step noise (host.step_noise, sigma of log step time): s decode 0.070")
+    assert sv.noise_phrase({}) == ""
 
 
 def test_bimodal_cells_counts_the_requests_that_waited_a_mixed_step():

@@ -394,7 +394,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "host.step_noise: the scatter of the probe's steps around the served model "
             "(robust sigma of log measured / modelled, per prefill and decode steps); "
             "host.step_noise_quantiles: the percentiles 0-100 of the same scatter, its "
-            "tail included, for kinds with 300+ probe steps (decode); the simulator "
+            "tail included, for kinds with 200+ probe steps (decode); the simulator "
             "draws those steps' times from them, the others' from the log-normal "
             "(kvpush.sim.noise).",
             "kvpush posts pull's READ from its transfer thread, not the step loop "

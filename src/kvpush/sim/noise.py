@@ -21,8 +21,9 @@ calibrate's served probe: :func:`measure_noise`) the simulator multiplies every 
 modelled time by a log-normal draw of median 1 (the served factors are medians) and
 that sigma, from a generator seeded by ``ClusterConfig.seed``; and
 :func:`kvpush.sim.cluster.simulate_pooled` runs several seeds and pools their
-requests, as ``kvpush bench compare`` pools its repeats. A profile without it (the GPU
-profiles written from public figures) simulates deterministically, as before.
+requests, as ``kvpush bench compare`` pools its repeats. A profile with neither it nor
+``host.step_noise_quantiles`` (below; the GPU profiles written from public figures)
+simulates deterministically, as before.
 
 Measured effect on the recorded validation runs: neutral (SIMULATION.md 1-v12). The
 probe's robust sigma is 2-5%; the knife edge of 1-v10a was set, in v12, by one step at
@@ -63,12 +64,13 @@ MAD_TO_SIGMA = 1.4826
 #: points of the quantile table per noise kind (host.step_noise_quantiles): the
 #: percentiles 0, 1, ..., 100, the smallest and largest step included
 NOISE_QUANTILES = 101
-#: steps of a kind the probe needs before its table is kept: a tail needs several steps
-#: per top percentile. The probe runs ~550-1000 decode steps but only ~90 prefill ones,
-#: whose top percent is one step: the v22 calibrations' 2-thread prefill table averaged
-#: 3% over its median, two steps at 1.4x among them (v18-v21: within 1%), a tail the
-#: next calibration need not repeat. Prefill keeps its log-normal.
-MIN_QUANTILE_STEPS = 300
+#: steps of a kind the probe needs before its table is kept: a tail needs a couple of
+#: steps per top percentile. One calibration's probe runs ~270-280 decode steps on 1
+#: thread and ~450-500 on 2, but only ~45 prefill ones (a pooled pair of calibrations,
+#: twice that), whose top percent is under one step: pooled, v22's 2-thread prefill
+#: table averaged 3% over its median, two steps at 1.4x among them (v18-v21: within 1%),
+#: a tail the next calibration need not repeat. Prefill keeps its log-normal.
+MIN_QUANTILE_STEPS = 200
 
 
 def noise_kind(chunks: Sequence[Sequence[Any]]) -> str:
@@ -112,6 +114,9 @@ def even_quantiles(values: Sequence[float], n: int = NOISE_QUANTILES) -> tuple[f
     largest, linear between order statistics (:func:`kvpush.bench.metrics.percentile`)."""
     from kvpush.bench.metrics import percentile
 
+    if n < 2:
+        raise ValueError(f"a quantile table needs at least 2 points, got {n}")
+
     return tuple(round(percentile(values, 100.0 * i / (n - 1)), 5) for i in range(n))
 
 
@@ -126,6 +131,13 @@ def measure_noise_quantiles(steps: Iterable[Mapping[str, Any]], model: StepModel
     logs = log_ratios(steps, model)
     return {k: even_quantiles(v, n) for k in NOISE_KINDS
             if len(v := logs.get(k, [])) >= MIN_QUANTILE_STEPS}
+
+
+def table_mean(table: Sequence[float], points: int = 2000) -> float:
+    """The mean factor the draws from ``table`` give (exp of :func:`quantile_draw`,
+    averaged over ``points`` even probabilities)."""
+    return statistics.mean(math.exp(quantile_draw(table, (i + 0.5) / points))
+                           for i in range(points))
 
 
 def quantile_draw(table: Sequence[float], u: float) -> float:
