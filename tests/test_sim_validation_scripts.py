@@ -196,6 +196,26 @@ def test_bimodal_cells_counts_the_requests_that_waited_a_mixed_step():
     assert not bimodal_cells.waited([0.0, 0.5, 1.0], 0.6)
 
 
+def test_bimodal_cells_simulates_on_the_profile_file_named():
+    """--profile picks each set's profile file: the measured side is the same, the
+    simulated side comes from that file (v20's decode-percentile profile draws its decode
+    steps from the tables, so its simulated requests differ), and a name no set has is
+    an error, not a silent fallback."""
+    import bimodal_cells
+
+    from kvpush.sim.profile import ProfileError
+
+    plain = bimodal_cells.cell_rows("sim/v20", "quiet_512", "0.5", 0.6, 2)
+    tables = bimodal_cells.cell_rows("sim/v20", "quiet_512", "0.5", 0.6, 2,
+                                     "cpu-local-pooled-quantiles.json")
+    for a, b in zip(plain, tables, strict=True):
+        assert (a["meas_hit"], a["meas_middle"]) == (b["meas_hit"], b["meas_middle"])
+    assert [(r["sim_hit"], r["sim_median"]) for r in plain] != [
+        (r["sim_hit"], r["sim_median"]) for r in tables]
+    with pytest.raises(ProfileError, match="no profile"):
+        bimodal_cells.cell_rows("sim/v20", "quiet_512", "0.5", 0.6, 2, "nope.json")
+
+
 def test_sim_band_replays_one_measurement_per_group_and_flags_a_wide_band():
     """sim_band.py: every simulated measurement has one run per measured repeat, at its
     noise seed cluster.seed + g x R + k; the band's quantiles and flags follow the
