@@ -91,7 +91,11 @@ def measure_noise(steps: Iterable[Mapping[str, Any]], model: StepModel
     (``{"chunks": ..., "dur": seconds}``) priced by ``model`` (the served step model:
     what is left is scatter, not level); kinds with fewer than
     :data:`MIN_NOISE_STEPS` steps are left out."""
-    logs = log_ratios(steps, model)
+    return sigmas_of(log_ratios(steps, model))
+
+
+def sigmas_of(logs: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """:func:`measure_noise` from :func:`log_ratios` already taken."""
     return {k: round(robust_sigma(v), 4) for k in NOISE_KINDS
             if len(v := logs.get(k, [])) >= MIN_NOISE_STEPS}
 
@@ -116,7 +120,6 @@ def even_quantiles(values: Sequence[float], n: int = NOISE_QUANTILES) -> tuple[f
 
     if n < 2:
         raise ValueError(f"a quantile table needs at least 2 points, got {n}")
-
     return tuple(round(percentile(values, 100.0 * i / (n - 1)), 5) for i in range(n))
 
 
@@ -128,7 +131,12 @@ def measure_noise_quantiles(steps: Iterable[Mapping[str, Any]], model: StepModel
     are left out (they keep :func:`measure_noise`'s log-normal). Unlike
     :func:`measure_noise` it keeps the tail: stray slow steps are part of what a mean
     over many steps (a TPOT) pays."""
-    logs = log_ratios(steps, model)
+    return quantiles_of(log_ratios(steps, model), n)
+
+
+def quantiles_of(logs: Mapping[str, Sequence[float]], n: int = NOISE_QUANTILES
+                 ) -> dict[str, tuple[float, ...]]:
+    """:func:`measure_noise_quantiles` from :func:`log_ratios` already taken."""
     return {k: even_quantiles(v, n) for k in NOISE_KINDS
             if len(v := logs.get(k, [])) >= MIN_QUANTILE_STEPS}
 

@@ -362,19 +362,28 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
         step_noise_quantiles=quantiles, arrival_step_s=arrival)
 
 
-def _step_noise(table: Any, models: Mapping[str, StepModel], where: str
-                ) -> dict[str, dict[str, float]]:
+def _per_model_kinds(table: Any, models: Mapping[str, StepModel], where: str, shape: str
+                     ) -> list[tuple[str, Mapping[str, Any]]]:
+    """The (step model, {noise kind: value}) pairs of ``host.step_noise`` or
+    ``host.step_noise_quantiles``, the outer shape checked: an object of known step models,
+    each an object keyed by noise kinds (``shape``: what a value is, for the error)."""
     if not isinstance(table, Mapping):
-        raise ProfileError(f"{where} must be an object (step model -> {{kind: sigma}})")
-    out: dict[str, dict[str, float]] = {}
-    for name, sigmas in table.items():
+        raise ProfileError(f"{where} must be an object (step model -> {{kind: {shape}}})")
+    for name, kinds in table.items():
         if name not in models:
             raise ProfileError(f"{where}.{name}: no such step model")
-        if not isinstance(sigmas, Mapping) or set(sigmas) - {"prefill", "decode"}:
+        if not isinstance(kinds, Mapping) or set(kinds) - set(NOISE_KINDS):
             raise ProfileError(f"{where}.{name}: expected an object with keys among "
-                               "prefill, decode")
-        out[str(name)] = {str(k): float(require_field(sigmas, k, f"{where}.{name}"))
-                          for k in sigmas}
+                               f"{', '.join(NOISE_KINDS)}")
+    return [(str(name), kinds) for name, kinds in table.items()]
+
+
+def _step_noise(table: Any, models: Mapping[str, StepModel], where: str
+                ) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for name, sigmas in _per_model_kinds(table, models, where, "sigma"):
+        out[name] = {str(k): float(require_field(sigmas, k, f"{where}.{name}"))
+                     for k in sigmas}
         if any(not 0.0 <= v < 1.0 for v in out[name].values()):
             raise ProfileError(f"{where}.{name}: sigmas must be in [0, 1), got {out[name]}")
     return out
@@ -382,17 +391,9 @@ def _step_noise(table: Any, models: Mapping[str, StepModel], where: str
 
 def _step_noise_quantiles(table: Any, models: Mapping[str, StepModel], where: str
                           ) -> dict[str, dict[str, tuple[float, ...]]]:
-    if not isinstance(table, Mapping):
-        raise ProfileError(f"{where} must be an object (step model -> {{kind: [log "
-                           "factor, ...]}})")
     out: dict[str, dict[str, tuple[float, ...]]] = {}
-    for name, kinds in table.items():
-        if name not in models:
-            raise ProfileError(f"{where}.{name}: no such step model")
-        if not isinstance(kinds, Mapping) or set(kinds) - set(NOISE_KINDS):
-            raise ProfileError(f"{where}.{name}: expected an object with keys among "
-                               f"{', '.join(NOISE_KINDS)}")
-        out[str(name)] = {}
+    for name, kinds in _per_model_kinds(table, models, where, "[log factor, ...]"):
+        out[name] = {}
         for kind, values in kinds.items():
             at = f"{where}.{name}.{kind}"
             if (isinstance(values, str) or not isinstance(values, Sequence)

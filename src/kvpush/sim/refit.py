@@ -146,19 +146,17 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
         if trace:
             fit = fit_served([{"chunks": ch, "dur": dt} for ch, dt in trace], model)
             factors[name] = fit.factors
-            table = host.setdefault("served_factor_curves", {})
-            table.pop(name, None)
-            if fit.curves:
-                table[name] = curves_json(fit.curves)
-            host.setdefault("step_noise", {}).pop(name, None)
-            if fit.noise:
-                host["step_noise"][name] = fit.noise
+            curves = curves_json(fit.curves)
             quantiles = {k: list(v) for k, v in fit.noise_quantiles.items()}
-            host.setdefault("step_noise_quantiles", {}).pop(name, None)
-            if quantiles:
-                host["step_noise_quantiles"][name] = quantiles
-            served[name].update(factors=fit.factors, curves=table.get(name, {}),
-                                noise=fit.noise, noise_quantiles=quantiles, steps=fit.steps)
+            for key, value in (("served_factor_curves", curves), ("step_noise", fit.noise),
+                               ("step_noise_quantiles", quantiles)):
+                # the new fit's figure, or none: an old one was measured against the old fit
+                table = host.setdefault(key, {})
+                table.pop(name, None)
+                if value:
+                    table[name] = value
+            served[name].update(factors=fit.factors, curves=curves, noise=fit.noise,
+                                noise_quantiles=quantiles, steps=fit.steps)
             log(f"[refit] {name}: served factors " + ", ".join(
                 f"{k} {describe(v, fit.curves.get(k))}" for k, v in fit.factors.items()))
         elif name in factors:

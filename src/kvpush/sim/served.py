@@ -226,15 +226,15 @@ def fit_served(steps: Sequence[Mapping[str, Any]], engine_model: StepModel) -> S
     """Served factors and curves (:func:`served_model_from`), then the step noise around
     the served model they make, from traced steps (``{"chunks": ..., "dur": ...}``);
     the served probe and `kvpush simulate refit` both fit this way."""
-    from kvpush.sim.noise import measure_noise, measure_noise_quantiles
+    from kvpush.sim.noise import log_ratios, quantiles_of, sigmas_of
 
     steps = list(steps)
     pairs = step_pairs(steps, engine_model)
     factors, curves = served_model_from(pairs)
-    served = ServedStepModel(engine_model, factors, curves)
-    return ServedFit(factors, curves, measure_noise(steps, served),
-                     {k: len(pairs.get(k, [])) for k in KINDS},
-                     measure_noise_quantiles(steps, served))
+    # every step priced once by the served model, for both forms of its scatter
+    logs = log_ratios(steps, ServedStepModel(engine_model, factors, curves))
+    return ServedFit(factors, curves, sigmas_of(logs),
+                     {k: len(pairs.get(k, [])) for k in KINDS}, quantiles_of(logs))
 
 
 def curves_json(curves: Mapping[str, RowTable]) -> dict[str, list[list[float]]]:
