@@ -3,7 +3,12 @@
 # host, re-run the recorded workloads of benchmarks/RESULTS.md tables 1-3 (and 512 / 16)
 # with per-step traces, calibrate again (how far the host drifted meanwhile).
 #
-#   benchmarks/sim_runs.sh OUT_DIR      # ~75 min on 2 cores; run it on a quiet host
+#   benchmarks/sim_runs.sh OUT_DIR [SEED]   # ~80 min on 2 cores; run it on a quiet host
+#
+# SEED (default 0) seeds the prompts and every repeat's arrivals (bench compare --seed).
+# v18-v22 all ran at 0, so they replay the very same arrivals and differ only in the
+# host's timing; another seed puts the simulator in front of arrivals it was never
+# checked against (v23: seed 23).
 #
 # Repeats: 3 (4 for the short prefix-hit runs), pooled per cell: with 2, one slow step
 # (148 ms among 98-116) moved a p90 by 24% from one repeat to the other (v12). Each repeat
@@ -23,10 +28,12 @@
 # Then: .venv/bin/python benchmarks/sim_validate.py --profile OUT_DIR/cpu-local-pooled.json \
 #         --workloads OUT/quiet_512,OUT/long_prompts,... (OUT relative to benchmarks/results)
 set -e
-[ $# -eq 1 ] || { echo "usage: $0 OUT_DIR" >&2; exit 2; }
+[ $# -eq 1 ] || [ $# -eq 2 ] || { echo "usage: $0 OUT_DIR [SEED]" >&2; exit 2; }
 O=$1
+SEED=${2:-0}
+case $SEED in ''|*[!0-9]*) echo "$0: SEED must be a whole number, not '$SEED'" >&2; exit 2;; esac
 cd "$(dirname "$0")/.."
-B=".venv/bin/kvpush bench compare --model smollm2-135m --step-trace --host-probe 1 --arrivals-per-repeat"
+B=".venv/bin/kvpush bench compare --model smollm2-135m --step-trace --host-probe 1 --arrivals-per-repeat --seed $SEED"
 .venv/bin/kvpush simulate calibrate --model smollm2-135m --clock wall --out "$O/cpu-local.json" \
   --note "calibrated just before the runs of benchmarks/sim_runs.sh $O"
 $B --out "$O/quiet_512" --label "random 512 in / 16 out" --dataset random \
