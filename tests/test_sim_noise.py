@@ -390,3 +390,48 @@ def test_host_level_is_the_run_probe_over_the_calibration_probe():
         level_scale(measured, {"host_probe_ms": {"threads": 4, "before": 100.0}})
     with pytest.raises(HostLevelError, match="no host probe"):
         level_scale({}, run)
+
+
+def test_calibrate_writes_the_served_probes_noise_into_host(tiny_llama, tmp_path, monkeypatch):
+    """calibrate() copies each served probe's sigmas and percentile tables into
+    host.step_noise / host.step_noise_quantiles under its step model (the probes stand
+    in here: they serve for minutes), and the written profile draws its decode steps
+    from the table."""
+    import json
+
+    import kvpush.sim.corun as corun
+    import kvpush.sim.served as served
+    from kvpush.sim.calibrate import CalibrationPlan, calibrate
+    from kvpush.sim.profile import load_profile
+
+    table = [round(-0.2 + 0.005 * i, 6) for i in range(101)]  # percentiles 0-100
+
+    def fake_probe(model, threads, engine_model, log=print):
+        return {"factors": {"prefill": 1.1, "prefill_batched": 1.2, "decode": 1.05},
+                "noise": {"prefill": 0.08, "decode": 0.04},
+                "noise_quantiles": {"decode": table},
+                "arrival_step": {"arrival_step_s": 0.002, "steps": {}}}
+
+    def fake_pair(model, engine_model, log=print):
+        return {"prefill": 1.03, "decode": 1.07,
+                "arrival_step": {"arrival_step_s": 0.003, "steps": {}}}
+
+    monkeypatch.setattr(served, "probe_served", fake_probe)
+    monkeypatch.setattr(corun, "probe_served_pair", fake_pair)
+    out = tmp_path / "local.json"
+    plan = dataclasses.replace(CalibrationPlan.quick(), served=True)
+    calibrate(str(tiny_llama), out, plan, transfer=False, log=lambda _m: None)
+    host = json.loads(out.read_text())["host"]
+    assert host["step_noise"] == {"threads=1": {"prefill": 0.08, "decode": 0.04}}
+    assert host["step_noise_quantiles"] == {"threads=1": {"decode": table}}
+    assert host["corun_by_kind"] == {"prefill": 1.03, "decode": 1.07}
+    p = load_profile(out)
+    assert p.has_noise and p.noise_quantiles("decode") == {"decode": tuple(table)}
+    # the decode steps are drawn from the written table: without it (the log-normal of
+    # the same sigmas) the same seed gives other token times
+    w = Workload(4, 20.0, 32, 8)
+    with_table = simulate(p, w, ClusterConfig("push", seed=0)).requests
+    without = simulate(dataclasses.replace(p, step_noise_quantiles={}), w,
+                       ClusterConfig("push", seed=0)).requests
+    assert all(r.done for r in with_table + without)
+    assert [r.token_times for r in with_table] != [r.token_times for r in without]
