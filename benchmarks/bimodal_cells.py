@@ -14,11 +14,20 @@ simulation classes as measured ("alike": hit in more than half of its seeds wher
 measured request was hit, and not where it was not):
 
     .venv/bin/python benchmarks/bimodal_cells.py sim/v18 sim/v19 sim/v20 sim/v21
+
+``--pooled`` adds one row per instance over all the sets' requests, with how far the
+measured median itself moves: the 90% interval of the pooled median when the arrival
+draws are drawn again with replacement (``--resamples`` times), and the share of those
+resamples whose median the simulated one is within 15% of (relative to the measured,
+as ``err``). A draw is every measured repeat that replayed the same arrival seed, in
+whichever set: which requests wait follows the arrivals, so the repeats of one draw are
+not independent (v18-v20 replayed seed 0 in all their repeats, v21 and v22 seeds 0-2).
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -28,6 +37,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import sim_validate as sv  # noqa: E402
+
+from kvpush.bench.metrics import percentile  # noqa: E402
 
 
 def tpot(token_gaps: list[float]) -> float:
@@ -54,8 +65,9 @@ def cell_rows(run_set: str, workload: str, rate: str, gap: float, groups: int,
         if rate_text != rate or not label.startswith("colocated"):
             continue
         sims = sv.simulated_measurements(prof, w, cluster, reps, groups)
-        measured, agree = [], 0
+        measured, agree, repeats = [], 0, []
         for k, run in enumerate(reps):
+            repeats.append((sv.run_arrival_seed(w, run), [tpot(i) for i in run["itls"] if i]))
             for i, itl in enumerate(run["itls"]):
                 if not itl:
                     continue
@@ -66,16 +78,57 @@ def cell_rows(run_set: str, workload: str, rate: str, gap: float, groups: int,
                      if len(q.token_times) > 1]
         ordered = sorted(tpot(i) for i in measured)
         mid = len(ordered) // 2
+        sim_tpots = [tpot([b - a for a, b in zip(t, t[1:])]) for t in sim_times]
         rows.append({
             "set": run_set, "instance": label,
             "meas_hit": sum(max(i) > gap for i in measured), "meas_n": len(measured),
             "meas_middle": [round(1e3 * v) for v in ordered[max(0, mid - 2):mid + 2]],
             "meas_median": round(1e3 * statistics.median(ordered)),
             "sim_hit": sum(waited(t, gap) for t in sim_times), "sim_n": len(sim_times),
-            "sim_median": round(1e3 * statistics.median(
-                tpot([b - a for a, b in zip(t, t[1:])]) for t in sim_times)),
-            "agree": agree})
+            "sim_median": round(1e3 * statistics.median(sim_tpots)),
+            "agree": agree,
+            # for the pooled view: (arrival seed, its TPOTs in s) per measured repeat, and
+            # every simulated TPOT
+            "repeat_tpots": repeats, "sim_tpots": sim_tpots})
     return rows
+
+
+def resampled_medians(groups: list[list[float]], resamples: int, seed: int = 0) -> list[float]:
+    """The median of the pooled values when ``len(groups)`` groups are drawn again with
+    replacement, ``resamples`` times (a cluster bootstrap: values of one group are not
+    drawn one by one)."""
+    rng = random.Random(seed)
+    return [statistics.median(v for g in rng.choices(groups, k=len(groups)) for v in g)
+            for _ in range(resamples)]
+
+
+def pooled_rows(per_set: list[dict], resamples: int,
+                tolerance: float = sv.TOLERANCE) -> list[dict]:
+    """One row per instance over the sets' rows of :func:`cell_rows`: the pooled measured
+    and simulated medians (ms) and shares that waited, the measured median's 90% interval
+    over resampled arrival draws (the repeats grouped by arrival seed), and the share of
+    resamples whose median the simulated one is within ``tolerance`` of."""
+    out = []
+    for label in dict.fromkeys(r["instance"] for r in per_set):
+        rows = [r for r in per_set if r["instance"] == label]
+        draws: dict[int, list[float]] = {}
+        for r in rows:
+            for seed, tpots in r["repeat_tpots"]:
+                draws.setdefault(seed, []).extend(tpots)
+        groups = [g for g in draws.values() if g]
+        meas = statistics.median(v for g in groups for v in g)
+        sim = statistics.median(t for r in rows for t in r["sim_tpots"])
+        meds = resampled_medians(groups, resamples)
+        out.append({
+            "instance": label, "sets": len(rows), "draws": len(groups),
+            "repeats": sum(len(r["repeat_tpots"]) for r in rows),
+            "meas_hit": sum(r["meas_hit"] for r in rows), "meas_n": sum(r["meas_n"] for r in rows),
+            "sim_hit": sum(r["sim_hit"] for r in rows), "sim_n": sum(r["sim_n"] for r in rows),
+            "meas_median": round(1e3 * meas), "sim_median": round(1e3 * sim),
+            "err": (sim - meas) / meas,
+            "interval": (round(1e3 * percentile(meds, 5)), round(1e3 * percentile(meds, 95))),
+            "within": sum(abs(sim - m) <= tolerance * m for m in meds) / resamples})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +142,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="noise seeds per measured repeat (default %(default)s)")
     ap.add_argument("--profile", default="cpu-local-pooled.json",
                     help="the profile's file name in each set (default %(default)s)")
+    ap.add_argument("--pooled", action="store_true",
+                    help="also one row per instance over all the sets, with the measured "
+                         "median's interval over resampled arrival draws")
+    ap.add_argument("--resamples", type=int, default=2000,
+                    help="resamples of the arrival draws for --pooled (default %(default)s)")
     args = ap.parse_args(argv)
+    if args.resamples < 1:
+        ap.error("--resamples must be at least 1")
     print(f"{args.workload} at {args.rate} req/s, each set on its {args.profile}; hit: a "
           f"gap over {args.gap:g} s between two tokens; simulated: each repeat on "
           f"{args.groups} noise seeds; alike: "
@@ -98,13 +158,30 @@ def main(argv: list[str] | None = None) -> int:
     print("| set | instance | measured: requests hit | middle of the sorted TPOTs (ms) "
           "| median | simulated: hit | median | alike |")
     print("|---|---|---:|---|---:|---:|---:|---:|")
+    per_set = []
     for s in args.sets:
         for r in cell_rows(s, args.workload, args.rate, args.gap, args.groups,
                            args.profile):
+            per_set.append(r)
             print(f"| {r['set']} | {r['instance']} | {r['meas_hit']} / {r['meas_n']} | "
                   f"{', '.join(map(str, r['meas_middle']))} | {r['meas_median']} | "
                   f"{r['sim_hit']} / {r['sim_n']} ({r['sim_hit'] / r['sim_n']:.0%}) | "
                   f"{r['sim_median']} | {r['agree']} / {r['meas_n']} |")
+    if args.pooled:
+        tol = f"{sv.TOLERANCE:.0%}"
+        print(f"\npooled over the {len(args.sets)} sets; draws: the distinct arrival draws the "
+              f"repeats replayed; interval: the measured median's 5th-95th percentile over "
+              f"{args.resamples} resamples of the draws; within {tol}: the share of those "
+              f"resamples whose median the simulated one is within {tol} of\n")
+        print("| instance | repeats | draws | measured: hit | median | 90% interval "
+              f"| simulated: hit | median | err | within {tol} |")
+        print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+        for r in pooled_rows(per_set, args.resamples):
+            print(f"| {r['instance']} | {r['repeats']} | {r['draws']} | "
+                  f"{r['meas_hit']} / {r['meas_n']} | "
+                  f"{r['meas_median']} | {r['interval'][0]}-{r['interval'][1]} | "
+                  f"{r['sim_hit']} / {r['sim_n']} ({r['sim_hit'] / r['sim_n']:.1%}) | "
+                  f"{r['sim_median']} | {r['err']:+.0%} | {r['within']:.0%} |")
     return 0
 
 

@@ -5,10 +5,11 @@
 #
 #   benchmarks/sim_runs.sh OUT_DIR [SEED]   # ~80 min on 2 cores; run it on a quiet host
 #
-# SEED (default 0) seeds the prompts and every repeat's arrivals (bench compare --seed).
-# v18-v22 all ran at 0, so they replay the very same arrivals and differ only in the
-# host's timing; another seed puts the simulator in front of arrivals it was never
-# checked against (v23: seed 23).
+# SEED (default 0) seeds the prompts and every repeat's arrivals (bench compare --seed:
+# repeat k at rate index i draws seed SEED + 1000 x i + k, k < 4). v18-v22 all ran at 0,
+# so they rest on the same three arrival draws per rate and differ only in the host's
+# timing; a SEED at least 4 away from every earlier one (and not 1000 x i away from one)
+# gives draws the simulator was never checked against (v23: seed 23).
 #
 # Repeats: 3 (4 for the short prefix-hit runs), pooled per cell: with 2, one slow step
 # (148 ms among 98-116) moved a p90 by 24% from one repeat to the other (v12). Each repeat

@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             + " ".join(f"--set {t}" for t in args.set)
             + (f" --arrival-step-s {args.arrival_step_s:g}"
                if args.arrival_step_s is not None else "")
+            + (f" --replicas {args.replicas}" if args.replicas != sv.REPLICAS else "")
             + (f" --marker {args.marker}" if args.marker != "sim_validate_sets" else "")
             + (" --results" if args.results else "")
             + "`.\n\n"

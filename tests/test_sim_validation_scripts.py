@@ -143,6 +143,8 @@ def test_validate_sets_writes_results_md_only_when_asked(tmp_path, monkeypatch, 
             "--marker", "pooled_check"]
     assert svs.main(args) == 0
     assert "<!-- pooled_check:begin -->" in sim_doc.read_text()
+    # the command shown regenerates the table: a seed count other than the default is in it
+    assert "--replicas 1 --marker pooled_check`" in sim_doc.read_text()
     assert results_doc.read_text() == "# results\n"
     # RESULTS.md without the markers: refused, nothing appended
     with pytest.raises(SystemExit):
@@ -194,6 +196,34 @@ def test_bimodal_cells_counts_the_requests_that_waited_a_mixed_step():
     assert [sum(max(i) > 0.6 for i in r["itls"] if i) for r in reps] == [5, 5, 5]
     assert bimodal_cells.waited([0.0, 0.1, 0.8, 0.9], 0.6)
     assert not bimodal_cells.waited([0.0, 0.5, 1.0], 0.6)
+
+
+def test_bimodal_cells_pooled_interval_resamples_arrival_draws():
+    """--pooled: the measured median's interval comes from arrival draws drawn again
+    whole, a draw being every repeat (of any set) at one arrival seed. Two sets, each
+    with a fast repeat at seed 0 and a slow one at seed 1: two draws, so a resample is
+    all fast (1 in 4), all slow (1 in 4) or half and half (median in the gap), and only
+    the all-fast ones lie within 15% of a simulated median at the fast level (4
+    independent repeats would give 5 in 16). All-alike draws give no spread."""
+    import bimodal_cells as bc
+
+    same = bc.resampled_medians([[0.05, 0.07]] * 4, resamples=50)
+    assert same == pytest.approx([0.06] * 50)
+    fast, slow = [0.060] * 10, [0.090] * 10
+    rows = [{"instance": "colocated", "meas_hit": 10, "meas_n": 20, "sim_hit": 40,
+             "sim_n": 80, "repeat_tpots": [(0, fast), (1, slow)], "sim_tpots": [0.061] * 80},
+            {"instance": "colocated", "meas_hit": 10, "meas_n": 20, "sim_hit": 40,
+             "sim_n": 80, "repeat_tpots": [(0, fast), (1, slow)], "sim_tpots": [0.063] * 80},
+            {"instance": "colocated-1t", "meas_hit": 0, "meas_n": 20, "sim_hit": 0,
+             "sim_n": 80, "repeat_tpots": [(0, fast), (1, fast)], "sim_tpots": [0.2] * 80}]
+    two, one = bc.pooled_rows(rows, resamples=2000)
+    assert (two["instance"], two["sets"], two["repeats"], two["draws"]) == ("colocated", 2, 4, 2)
+    assert (two["meas_hit"], two["meas_n"], two["sim_hit"], two["sim_n"]) == (20, 40, 80, 160)
+    assert two["meas_median"] == 75 and two["sim_median"] == 62
+    assert two["err"] == pytest.approx((0.062 - 0.075) / 0.075)
+    assert two["interval"] == (60, 90)
+    assert two["within"] == pytest.approx(0.25, abs=0.04)
+    assert one["draws"] == 2 and one["interval"] == (60, 60) and one["within"] == 0.0
 
 
 def test_bimodal_cells_simulates_on_the_profile_file_named():
