@@ -13,20 +13,24 @@ its own arrivals on ``--groups`` noise seeds; and request by request how many th
 simulation classes as measured ("alike": hit in more than half of its seeds where the
 measured request was hit, and not where it was not):
 
-    .venv/bin/python benchmarks/bimodal_cells.py sim/v18 sim/v19 sim/v20 sim/v21
+    .venv/bin/python benchmarks/bimodal_cells.py sim/v18 sim/v19 sim/v20 sim/v21 sim/v22 \
+        sim/v23 --profile cpu-local-pooled-quantiles.json --pooled
 
 ``--pooled`` adds one row per instance over all the sets' requests, with how far the
 measured median itself moves: the 90% interval of the pooled median when the arrival
 draws are drawn again with replacement (``--resamples`` times), and the share of those
-resamples whose median the simulated one is within 15% of (relative to the measured,
-as ``err``). A draw is every measured repeat that replayed the same arrival seed, in
-whichever set: which requests wait follows the arrivals, so the repeats of one draw are
-not independent (v18-v20 replayed seed 0 in all their repeats, v21 and v22 seeds 0-2).
+resamples whose median the simulated one is within the validation's tolerance
+(``sim_validate.TOLERANCE``, 15%) of, relative to the measured, as ``err``. A draw is
+every measured repeat that replayed the same arrival seed, in whichever set (at an
+infinite rate all repeats are one draw: the same burst): which requests wait follows
+the arrivals, so the repeats of one draw are not independent (at 0.5 req/s v18-v20
+replayed seed 0 in all their repeats, v21 and v22 seeds 0-2, v23 seeds 23-25).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -56,7 +60,9 @@ def cell_rows(run_set: str, workload: str, rate: str, gap: float, groups: int,
     """Per colocated cell: the measured and simulated shares of requests that waited, the
     middle of the measured TPOTs, both medians, and request by request (each repeat at its
     own arrivals) how many the simulation classes as measured: waited in more than half
-    of its ``groups`` noise seeds exactly where the request measured waited."""
+    of its ``groups`` noise seeds exactly where the request measured waited. For
+    :func:`pooled_rows`: ``repeat_tpots``, (arrival draw, its requests' TPOTs in s) per
+    measured repeat, and ``sim_tpots``, every simulated request's TPOT."""
     from kvpush.sim.profile import load_profile
 
     prof = load_profile(sv.RESULTS / run_set / profile)
@@ -65,20 +71,22 @@ def cell_rows(run_set: str, workload: str, rate: str, gap: float, groups: int,
         if rate_text != rate or not label.startswith("colocated"):
             continue
         sims = sv.simulated_measurements(prof, w, cluster, reps, groups)
-        measured, agree, repeats = [], 0, []
+        measured, agree, repeat_tpots = [], 0, []
         for k, run in enumerate(reps):
-            repeats.append((sv.run_arrival_seed(w, run), [tpot(i) for i in run["itls"] if i]))
+            draw = "burst" if math.isinf(w.rate) else sv.run_arrival_seed(w, run)
+            repeat_tpots.append((draw, [tpot(i) for i in run["itls"] if i]))
             for i, itl in enumerate(run["itls"]):
                 if not itl:
                     continue
                 measured.append(itl)
                 votes = sum(waited(m[k].requests[i].token_times, gap) for m in sims)
                 agree += (votes * 2 > groups) == (max(itl) > gap)
-        sim_times = [q.token_times for m in sims for res in m for q in res.requests
-                     if len(q.token_times) > 1]
-        ordered = sorted(tpot(i) for i in measured)
+        sim_reqs = [q for m in sims for res in m for q in res.requests
+                    if len(q.token_times) > 1]
+        sim_times = [q.token_times for q in sim_reqs]
+        ordered = sorted(v for _draw, tpots in repeat_tpots for v in tpots)
         mid = len(ordered) // 2
-        sim_tpots = [tpot([b - a for a, b in zip(t, t[1:])]) for t in sim_times]
+        sim_tpots = [q.tpot for q in sim_reqs]
         rows.append({
             "set": run_set, "instance": label,
             "meas_hit": sum(max(i) > gap for i in measured), "meas_n": len(measured),
@@ -87,40 +95,39 @@ def cell_rows(run_set: str, workload: str, rate: str, gap: float, groups: int,
             "sim_hit": sum(waited(t, gap) for t in sim_times), "sim_n": len(sim_times),
             "sim_median": round(1e3 * statistics.median(sim_tpots)),
             "agree": agree,
-            # for the pooled view: (arrival seed, its TPOTs in s) per measured repeat, and
-            # every simulated TPOT
-            "repeat_tpots": repeats, "sim_tpots": sim_tpots})
+            "repeat_tpots": repeat_tpots, "sim_tpots": sim_tpots})
     return rows
 
 
-def resampled_medians(groups: list[list[float]], resamples: int, seed: int = 0) -> list[float]:
-    """The median of the pooled values when ``len(groups)`` groups are drawn again with
-    replacement, ``resamples`` times (a cluster bootstrap: values of one group are not
-    drawn one by one)."""
+def resampled_medians(draws: list[list[float]], resamples: int, seed: int = 0) -> list[float]:
+    """The median of the pooled values when ``len(draws)`` draws (lists of values) are
+    drawn again with replacement, ``resamples`` times (a cluster bootstrap: the values of
+    one draw are not drawn one by one)."""
     rng = random.Random(seed)
-    return [statistics.median(v for g in rng.choices(groups, k=len(groups)) for v in g)
+    return [statistics.median(v for d in rng.choices(draws, k=len(draws)) for v in d)
             for _ in range(resamples)]
 
 
 def pooled_rows(per_set: list[dict], resamples: int,
                 tolerance: float = sv.TOLERANCE) -> list[dict]:
     """One row per instance over the sets' rows of :func:`cell_rows`: the pooled measured
-    and simulated medians (ms) and shares that waited, the measured median's 90% interval
-    over resampled arrival draws (the repeats grouped by arrival seed), and the share of
-    resamples whose median the simulated one is within ``tolerance`` of."""
+    and simulated medians (ms), their ``err``, the requests that waited of all, the
+    measured median's 90% interval over resampled arrival draws (the repeats grouped by
+    arrival draw), and the share of resamples whose median the simulated one is within
+    ``tolerance`` of."""
     out = []
     for label in dict.fromkeys(r["instance"] for r in per_set):
         rows = [r for r in per_set if r["instance"] == label]
-        draws: dict[int, list[float]] = {}
+        by_draw: dict[int | str, list[float]] = {}
         for r in rows:
-            for seed, tpots in r["repeat_tpots"]:
-                draws.setdefault(seed, []).extend(tpots)
-        groups = [g for g in draws.values() if g]
-        meas = statistics.median(v for g in groups for v in g)
+            for draw, tpots in r["repeat_tpots"]:
+                by_draw.setdefault(draw, []).extend(tpots)
+        draws = [d for d in by_draw.values() if d]
+        meas = statistics.median(v for d in draws for v in d)
         sim = statistics.median(t for r in rows for t in r["sim_tpots"])
-        meds = resampled_medians(groups, resamples)
+        meds = resampled_medians(draws, resamples)
         out.append({
-            "instance": label, "sets": len(rows), "draws": len(groups),
+            "instance": label, "draws": len(draws),
             "repeats": sum(len(r["repeat_tpots"]) for r in rows),
             "meas_hit": sum(r["meas_hit"] for r in rows), "meas_n": sum(r["meas_n"] for r in rows),
             "sim_hit": sum(r["sim_hit"] for r in rows), "sim_n": sum(r["sim_n"] for r in rows),

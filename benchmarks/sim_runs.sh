@@ -7,9 +7,10 @@
 #
 # SEED (default 0) seeds the prompts and every repeat's arrivals (bench compare --seed:
 # repeat k at rate index i draws seed SEED + 1000 x i + k, k < 4). v18-v22 all ran at 0,
-# so they rest on the same three arrival draws per rate and differ only in the host's
-# timing; a SEED at least 4 away from every earlier one (and not 1000 x i away from one)
-# gives draws the simulator was never checked against (v23: seed 23).
+# so they rest on the same arrival draws (three per rate, four for the prefix-hit runs)
+# and differ mostly in the host's timing; a SEED at least 4 away from every earlier
+# SEED + 1000 x j (j = 0, 1, 2, ...) gives draws the simulator was never checked
+# against (v23: seed 23).
 #
 # Repeats: 3 (4 for the short prefix-hit runs), pooled per cell: with 2, one slow step
 # (148 ms among 98-116) moved a p90 by 24% from one repeat to the other (v12). Each repeat
@@ -26,8 +27,11 @@
 # side at 2 and 4 req/s, ~9 min each: handoff.push_prefill_step_s, push_prefill_block_s
 # and their corun_ twins; kvpush.sim.push_step).
 #
-# Then: .venv/bin/python benchmarks/sim_validate.py --profile OUT_DIR/cpu-local-pooled.json \
+# Then (as SIMULATION.md 1-v23): .venv/bin/python benchmarks/sim_validate.py \
+#         --replicas 256 --host-level --profile OUT_DIR/cpu-local-pooled.json \
 #         --workloads OUT/quiet_512,OUT/long_prompts,... (OUT relative to benchmarks/results)
+# (the refit below keeps the decode percentile tables; v18-v22, made before they
+# existed, were refitted into cpu-local-pooled-quantiles.json, and so was v23, by name)
 set -e
 [ $# -eq 1 ] || [ $# -eq 2 ] || { echo "usage: $0 OUT_DIR [SEED]" >&2; exit 2; }
 O=$1

@@ -196,6 +196,16 @@ def test_bimodal_cells_counts_the_requests_that_waited_a_mixed_step():
     assert [sum(max(i) > 0.6 for i in r["itls"] if i) for r in reps] == [5, 5, 5]
     assert bimodal_cells.waited([0.0, 0.1, 0.8, 0.9], 0.6)
     assert not bimodal_cells.waited([0.0, 0.5, 1.0], 0.6)
+    # for --pooled: v20 replayed one arrival draw (seed 0) in its three repeats; v22 drew
+    # seeds 0-2, so the two sets pooled rest on three draws, v20's inside v22's first
+    assert [d for d, _ in two["repeat_tpots"]] == [0, 0, 0]
+    v22 = bimodal_cells.cell_rows("sim/v22", "quiet_512", "0.5", 0.6, 1)
+    pooled = {r["instance"]: r for r in bimodal_cells.pooled_rows(
+        list(rows.values()) + v22, resamples=20)}
+    assert (pooled["colocated"]["draws"], pooled["colocated"]["repeats"]) == (3, 6)
+    assert pooled["colocated"]["meas_n"] == 30 + 60
+    burst = bimodal_cells.cell_rows("sim/v22", "quiet_512", "inf", 0.6, 1)
+    assert {d for r in burst for d, _ in r["repeat_tpots"]} == {"burst"}
 
 
 def test_bimodal_cells_pooled_interval_resamples_arrival_draws():
@@ -217,7 +227,7 @@ def test_bimodal_cells_pooled_interval_resamples_arrival_draws():
             {"instance": "colocated-1t", "meas_hit": 0, "meas_n": 20, "sim_hit": 0,
              "sim_n": 80, "repeat_tpots": [(0, fast), (1, fast)], "sim_tpots": [0.2] * 80}]
     two, one = bc.pooled_rows(rows, resamples=2000)
-    assert (two["instance"], two["sets"], two["repeats"], two["draws"]) == ("colocated", 2, 4, 2)
+    assert (two["instance"], two["repeats"], two["draws"]) == ("colocated", 4, 2)
     assert (two["meas_hit"], two["meas_n"], two["sim_hit"], two["sim_n"]) == (20, 40, 80, 160)
     assert two["meas_median"] == 75 and two["sim_median"] == 62
     assert two["err"] == pytest.approx((0.062 - 0.075) / 0.075)
