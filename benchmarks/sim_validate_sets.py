@@ -102,12 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--arrival-step-s must be >= 0")
     if args.results and not args.no_write and (why := check_results_markers(args.marker)):
         ap.error(why)
-    sets = []
-    for text in args.set:
-        folder, sep, profile = text.partition("=")
-        if not sep or not (sv.RESULTS / folder).is_dir() or not (sv.RESULTS / profile).is_file():
-            ap.error(f"--set {text}: expected FOLDER=PROFILE, both under benchmarks/results")
-        sets.append((folder, sv.RESULTS / profile))
+    sets = parse_sets(ap, args.set)
     rows = validate_sets(sets, args.replicas, args.arrival_step_s)
     what_if = ("" if args.arrival_step_s is None else
                f"**What-if, not a prediction:** every profile's host.arrival_step_s set to "
@@ -135,6 +130,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.results:
             sv.write_section(sv.RESULTS_DOC, args.marker, body)
     return 0
+
+
+def parse_sets(ap: argparse.ArgumentParser, texts: list[str]) -> list[tuple[str, Path]]:
+    """The ``--set FOLDER=PROFILE`` arguments as (folder, profile path); a usage error
+    (exit 2) for one that does not name a folder and a file under benchmarks/results."""
+    sets = []
+    for text in texts:
+        folder, sep, profile = text.partition("=")
+        if not sep or not (sv.RESULTS / folder).is_dir() or not (sv.RESULTS / profile).is_file():
+            ap.error(f"--set {text}: expected FOLDER=PROFILE, both under benchmarks/results")
+        sets.append((folder, sv.RESULTS / profile))
+    return sets
 
 
 def check_results_markers(marker: str) -> str | None:

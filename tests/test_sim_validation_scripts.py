@@ -328,3 +328,63 @@ def test_repeats_with_their_own_arrivals_are_replayed_each_at_its_seed(first_see
     # all at once: every draw is the same, so the repeats stay one workload
     burst = dataclasses.replace(w, rate=float("inf"))
     assert not sv.per_repeat_arrivals(burst, own)
+
+
+def test_holdout_pairs_a_set_only_with_sets_that_ran_the_cell_alike():
+    """sim_holdout.py: v20 ran quiet_512 with 10 prompts, v21 with 20, so neither is the
+    other's reference there; their other workloads match, and the reference error is the
+    other set's pooled repeats against this set's measurement. The simulated error is the
+    set's own simulation (sim_validate.py's), whatever the other set holds."""
+    import sim_holdout
+
+    from kvpush.bench.compare_report import pooled
+
+    cells = {s: {(r, lbl): (w, c, cell, reps) for r, lbl, w, c, cell, reps
+                 in sv.cells(f"{s}/quiet_512")} for s in ("sim/v20", "sim/v21", "sim/v23")}
+    key = ("0.5", "push")
+    assert not sim_holdout.same_cell(cells["sim/v20"][key], cells["sim/v21"][key])
+    # v23 drew other prompts and arrivals (seed 23) of the same workload
+    assert sim_holdout.same_cell(cells["sim/v21"][key], cells["sim/v23"][key])
+    prof = ROOT / "benchmarks/results/sim/v21/cpu-local-pooled-quantiles.json"
+    rows = sim_holdout.holdout([("sim/v20", PROFILE), ("sim/v21", prof)], replicas=1)
+    assert len(rows) == 2 * 37
+    for r in rows:
+        assert r["others"] == (0 if r["workload"] == "quiet_512" else 1)
+        assert ("err_others_median_ttft_ms" in r) == bool(r["others"])
+    row = next(r for r in rows if (r["set"], r["workload"], r["rate"], r["mode"])
+               == ("sim/v21", "long_prompts", "0.5", "pull"))
+    reps20 = next(reps for r, lbl, _w, _c, _cell, reps in sv.cells("sim/v20/long_prompts")
+                  if (r, lbl) == ("0.5", "pull"))
+    meas = row["meas_p90_ttft_ms"]
+    assert row["err_others_p90_ttft_ms"] == pytest.approx(
+        (pooled(reps20)["p90_ttft_ms"] - meas) / meas)
+    alone = sim_holdout.holdout([("sim/v21", prof), ("sim/v21", prof)], replicas=1)
+    mine = next(r for r in alone if (r["workload"], r["rate"], r["mode"])
+                == ("long_prompts", "0.5", "pull"))
+    assert mine["err_sim_p90_ttft_ms"] == pytest.approx(row["err_sim_p90_ttft_ms"])
+    assert mine["err_others_p90_ttft_ms"] == pytest.approx(0.0)  # itself as the other
+
+
+def test_holdout_tables_count_only_the_cells_with_a_reference():
+    """Counts: the simulation over every cell, the reference over the cells it has, and
+    each missed metric of those cells as missed by one side or both."""
+    import sim_holdout
+
+    def row(others: int, sim: float, ref: float | None) -> dict:
+        r = {"set": "sim/vX", "workload": "w", "mode": "push", "rate": "1", "others": others}
+        for m, _ in sv.METRICS:
+            r[f"meas_{m}"] = 100.0
+            r[f"err_sim_{m}"] = sim
+            if ref is not None:
+                r[f"err_others_{m}"] = ref
+        return r
+
+    rows = [row(1, 0.05, 0.30), row(1, 0.30, 0.30), row(0, 0.20, None), row(1, 0.0, -0.10)]
+    c = sim_holdout.counts(rows)
+    assert (c["cells"], c["sim"], c["paired"], c["others"]) == ("4", "2 / 2 / 2", "3",
+                                                                "1 / 1 / 1")
+    assert (c["sim only"], c["others only"], c["both"]) == ("0", "3", "3")
+    misses = sim_holdout.miss_table(rows).splitlines()[2:]
+    assert len(misses) == 3 * 3  # the last row misses nothing
+    assert all(line.endswith("| - |") for line in misses[6:])  # no reference: shown as -
+    assert "+30% **x**" in misses[0] and "+5% |" in misses[0]
