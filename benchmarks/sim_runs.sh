@@ -27,11 +27,13 @@
 # side at 2 and 4 req/s, ~9 min each: handoff.push_prefill_step_s, push_prefill_block_s
 # and their corun_ twins; kvpush.sim.push_step).
 #
-# Then (as SIMULATION.md 1-v23): .venv/bin/python benchmarks/sim_validate.py \
+# Then (as SIMULATION.md 1-v24): .venv/bin/python benchmarks/sim_validate.py \
 #         --replicas 256 --host-level --profile OUT_DIR/cpu-local-pooled.json \
-#         --workloads OUT/quiet_512,OUT/long_prompts,... (OUT relative to benchmarks/results)
+#         --workloads OUT/quiet_512,OUT/long_prompts,... (OUT relative to benchmarks/results),
+# and the same on OUT_DIR/cpu-local-pooled-scaled.json
 # (the refit below keeps the decode percentile tables; v18-v22, made before they
-# existed, were refitted into cpu-local-pooled-quantiles.json, and so was v23, by name)
+# existed, were refitted into cpu-local-pooled-quantiles.json, and so were v23 and v24,
+# by name)
 set -e
 [ $# -eq 1 ] || [ $# -eq 2 ] || { echo "usage: $0 OUT_DIR [SEED]" >&2; exit 2; }
 O=$1
@@ -61,3 +63,7 @@ $B --out "$O/prefix_hit" --label "decode-side prefix hit, tail on prefill (defau
 # the two calibrations bracket the runs: one profile from both (kvpush.sim.refit)
 .venv/bin/kvpush simulate refit "$O/cpu-local.json" "$O/cpu-local-after.json" \
   --out "$O/cpu-local-pooled.json"
+# the same with the projections' table level fitted (refit --fit-table-scale, SIMULATION.md
+# 1-v24): judged beside the plain profile on the sets made after it
+.venv/bin/kvpush simulate refit "$O/cpu-local.json" "$O/cpu-local-after.json" \
+  --fit-table-scale --out "$O/cpu-local-pooled-scaled.json"

@@ -399,6 +399,51 @@ def test_fit_recovers_the_step_model_it_was_sampled_from():
                                                      abs=1e-12), name
 
 
+def test_fit_table_scale_takes_back_a_table_timed_above_the_steps(tmp_path):
+    """The projections' table timed 40% above what the engine's steps spend on those
+    matmuls: the plain fit cannot take it back (its per-token term clamps at 0 and the
+    prefills are priced high), the fit with the table's level recovers the steps exactly
+    and the level (1 / 1.4); a profile carries it, and refit --fit-table-scale writes it."""
+    from kvpush.sim.step_fit import fit_linear
+    from kvpush.sim.step_models import LinearStepModel
+
+    table = ((1.0, 0.006), (2.0, 0.012), (4.0, 0.013), (64.0, 0.043), (1024.0, 0.6))
+    truth = LinearStepModel(base_s=0.01, per_token_s=2e-5, per_attn_s=1e-7, per_seq_s=5e-4,
+                            per_ctx_s=3e-6, per_fill_s=1e-5, token_rows_s=table)
+    timed = {"token_rows_s": [[r, 1.4 * t] for r, t in table]}
+    shapes = [[(n, 0)] for n in (32, 128, 512, 1024)] + [[(128, 0)] * 8, [(32, 992)] * 15]
+    shapes += [[(n, c)] for n, c in ((32, 96), (128, 384), (512, 512))]
+    shapes += [[(1, c, True, True)] * b for b, c in ((1, 128), (4, 128), (16, 1024))]
+    shapes += [[(1, 1024, True, False)] * 8]
+    samples = [(ch, truth.step_time(ch)) for ch in shapes]
+    plain, plain_fit = fit_linear(samples, timed)
+    assert plain.per_token_s == 0.0 and plain_fit["max_rel_err"] > 0.1
+    assert plain.step_time([(128, 0)]) > 1.1 * truth.step_time([(128, 0)])
+    model, fit = fit_linear(samples, timed, fit_table_scale=True)
+    assert fit["max_rel_err"] < 1e-6
+    assert model.token_rows_scale == pytest.approx(1 / 1.4, rel=1e-4)
+    assert model.per_token_s == pytest.approx(2e-5, rel=1e-3)
+    # without a table there is no level to fit: the plain fit
+    alone, _ = fit_linear(samples, None, fit_table_scale=True)
+    assert alone.token_rows_scale == 1.0 and alone == fit_linear(samples)[0]
+    # the profile and refit
+    d = copy.deepcopy(BASE)
+    d["step_models"]["s"]["token_rows_s"] = timed["token_rows_s"]
+    d["measured"] = {"step_samples": {"s": [[[list(c) for c in ch], dt] for ch, dt in samples]}}
+    src, out = tmp_path / "old.json", tmp_path / "new.json"
+    src.write_text(json.dumps(d))
+    assert cli_main(["simulate", "refit", str(src), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["step_models"]["s"]["token_rows_scale"] == 1.0
+    assert cli_main(["simulate", "refit", str(src), "--fit-table-scale", "--out",
+                     str(out)]) == 0
+    new = json.loads(out.read_text())["step_models"]["s"]
+    assert new["token_rows_scale"] == pytest.approx(1 / 1.4, rel=1e-4)
+    assert new["token_rows_s"] == timed["token_rows_s"]  # the table kept as timed
+    got = load_profile(out).step_models["s"]
+    for ch in ([(128, 0)], [(1, 512, True, True)] * 4):
+        assert got.step_time(ch) == pytest.approx(truth.step_time(ch), rel=1e-4)
+
+
 def test_pass_levels_tell_a_host_that_slowed_between_passes():
     """Two passes over the same shapes, the second 20% slower: the fit sits between
     them, each pass's level says how fast it ran, and the spread draws a warning."""

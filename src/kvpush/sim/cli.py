@@ -106,6 +106,10 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="profiles written by calibrate (several: the same model and plan, "
                          "e.g. calibrated before and after a set of runs)")
     rf.add_argument("--out", required=True, metavar="PROFILE", help="JSON file to write")
+    rf.add_argument("--fit-table-scale", action="store_true",
+                    help="fit the level of the measured projection-matmul table with the "
+                         "linear terms (token_rows_scale) instead of taking it as timed: "
+                         "for a host whose matmul timing ran apart from its steps")
     rf.set_defaults(func=_refit)
 
     pl = sub.add_parser("plan", help="smallest xPyD split and mode meeting latency targets")
@@ -193,7 +197,7 @@ def _refit(args: argparse.Namespace) -> int:
         for path in args.profile:
             with open(path, encoding="utf-8") as f:
                 datas.append(json.load(f))
-        data = refit_profile(pool_calibrations(datas))
+        data = refit_profile(pool_calibrations(datas), fit_table_scale=args.fit_table_scale)
         profile_from_dict(data, args.out)
     except (OSError, ValueError, KeyError, TypeError) as e:  # ProfileError is a ValueError
         kind = "bad profile" if isinstance(e, (ProfileError, KeyError, TypeError)) else "error"

@@ -252,7 +252,8 @@ def _step_model(d: Any, where: str, shape: ModelShape) -> StepModel:
     kind = d.get("kind")
     if kind == "linear":
         c = _numbers(d, where, ("base_s", "per_token_s"),
-                     ("per_attn_s", "per_seq_s", "per_ctx_s", "per_sample_s", "per_fill_s"))
+                     ("per_attn_s", "per_seq_s", "per_ctx_s", "per_sample_s", "per_fill_s",
+                      "token_rows_scale"))
         tables = {k: row_table(d[k], f"{where}.{k}") for k in ("token_rows_s",
                                                                  "sample_rows_s") if k in d}
         return LinearStepModel(**c, **tables)

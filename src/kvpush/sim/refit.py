@@ -109,10 +109,12 @@ def pool_calibrations(datas: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
-                  ) -> dict[str, Any]:
+def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print,
+                  fit_table_scale: bool = False) -> dict[str, Any]:
     """A copy of the profile ``data`` with its linear step models fitted again and, where
-    the probe's trace was kept, its served factors re-measured against the new fits."""
+    the probe's trace was kept, its served factors re-measured against the new fits
+    (``fit_table_scale``: the projections' table level fitted too, see
+    :func:`kvpush.sim.step_fit.fit_linear`)."""
     from kvpush.sim.served import curves_json, describe, fit_served
 
     if not isinstance(data, dict) or not isinstance(data.get("measured", {}), dict):
@@ -133,7 +135,7 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print
         old = out["step_models"].get(name, {})
         tables = {k: old[k] for k in ("token_rows_s", "sample_rows_s") if k in old}
         pairs = [([tuple(c) for c in ch], dt) for ch, dt in rows]
-        model, quality = fit_linear(pairs, tables)
+        model, quality = fit_linear(pairs, tables, fit_table_scale)
         out["step_models"][name] = {"kind": "linear", **{
             k: v for k, v in dataclasses.asdict(model).items() if v is not None}}
         levels = pass_levels(pairs, model, passes)

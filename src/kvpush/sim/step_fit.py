@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from kvpush.sim.step_models import Chunk, LinearStepModel, fill_tokens, step_features
+from kvpush.sim.step_models import Chunk, LinearStepModel, fill_tokens, interp, step_features
 
 #: The features fitted (see :func:`kvpush.sim.step_models.step_features`); per_sample is not
 #: separable from per_seq (every chunk here samples) and stays 0.
@@ -48,23 +48,37 @@ def nnls_fit(rows: Sequence[Sequence[float]], targets: Sequence[float],
     return coef.tolist()
 
 
-def fit_linear(samples: Sequence[Sample], tables: Tables | None = None
+def fit_linear(samples: Sequence[Sample], tables: Tables | None = None,
+               fit_table_scale: bool = False
                ) -> tuple[LinearStepModel, dict[str, float]]:
     """The step model and its fit quality (median / max relative error). With ``tables``
     (:func:`kvpush.sim.matmul_tables.measure_matmuls`), the linear terms are fitted to what
-    the tables leave."""
-    if len(samples) < len(FIT_FIELDS):
-        raise ValueError(f"need at least {len(FIT_FIELDS)} samples to fit, got {len(samples)}")
+    the tables leave; with ``fit_table_scale`` too, the level of the projections' table
+    (``token_rows_scale``) is fitted with them, the table keeping only its shape.
+
+    Why the level: the tables are timed apart from the steps, and on a shared host a
+    2-thread matmul timed a moment slower leaves a table above the steps themselves,
+    which non-negative linear terms cannot take back (SIMULATION.md 1-v24: a table 40-50%
+    above v22's, ``per_token_s`` at 0, and 128-token prefills priced 17% over the
+    calibration's own timings of them)."""
+    if len(samples) < len(FIT_FIELDS) + fit_table_scale:
+        raise ValueError(f"need at least {len(FIT_FIELDS) + fit_table_scale} samples to "
+                         f"fit, got {len(samples)}")
     tab = {k: tuple((float(r), float(v)) for r, v in pts) for k, pts in (tables or {}).items()}
-    zero = LinearStepModel(0.0, 0.0, **tab)
+    scaled = fit_table_scale and bool(tab.get("token_rows_s"))
+    zero = LinearStepModel(0.0, 0.0, **tab, token_rows_scale=0.0 if scaled else 1.0)
     rows, ys, ws = [], [], []
     for chunks, dt in samples:
         t, a, s, c, _ = step_features(chunks)
-        rows.append([1.0, t, a, s, c, fill_tokens(chunks)])
+        rows.append([1.0, t, a, s, c, fill_tokens(chunks)]
+                    + ([interp(tab["token_rows_s"], t)] if scaled else []))
         ys.append(dt - zero.tabled_time(chunks))
         ws.append(1.0 / dt)  # relative error on the whole step
     coef = nnls_fit(rows, ys, ws)
-    model = LinearStepModel(**dict(zip(FIT_FIELDS, coef)), **tab)
+    fitted = dict(zip(FIT_FIELDS, coef))
+    if scaled:
+        fitted["token_rows_scale"] = coef[len(FIT_FIELDS)]
+    model = LinearStepModel(**fitted, **tab)
     errs = sorted(abs(model.step_time(ch) - dt) / dt for ch, dt in samples)
     return model, {"median_rel_err": errs[len(errs) // 2], "max_rel_err": errs[-1],
                    "samples": float(len(samples))}

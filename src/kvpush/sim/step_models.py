@@ -4,7 +4,7 @@ A profile (:mod:`kvpush.sim.profile`) names one or more, and which one each role
 Two kinds:
 
 * ``linear`` (fitted by ``kvpush simulate calibrate``): ``t = base + per_token * T +
-  per_attn * A + per_seq * S + per_ctx * C + per_sample * N + G(T) + H(N)`` with ``T``
+  per_attn * A + per_seq * S + per_ctx * C + per_sample * N + g * G(T) + H(N)`` with ``T``
   new tokens, ``A`` the attention pairs ``sum n * (c + (n + 1) / 2)``, ``S`` sequences,
   ``C`` the context the decode rows read ``sum (c + n)`` and ``N`` the sampled rows.
   ``G`` and ``H`` are optional measured tables (rows -> seconds, interpolated) of the
@@ -13,7 +13,9 @@ Two kinds:
   kvpush's dense decode cache (a request's first decode). They carry what a linear term
   cannot: on CPU torch a 1-row matmul runs a
   GEMV kernel and 2+ rows a GEMM one that costs about twice as much (a decode batch of 2
-  is ~1.6x a batch of 1, then each further row adds little).
+  is ~1.6x a batch of 1, then each further row adds little). ``g``
+  (``token_rows_scale``, default 1) is G's level: 1 takes the table as timed; fitted,
+  the table gives the shape and the engine's own timed steps its level.
 * ``roofline`` (GPU profiles from public figures): ``max(FLOPs / (peak * mfu), bytes /
   (bandwidth * bw_efficiency)) + overhead`` with FLOPs and bytes from the model's shape.
 """
@@ -143,11 +145,15 @@ class LinearStepModel:
     token_rows_s: RowTable = ()
     #: measured LM-head time for N sampled rows (H above)
     sample_rows_s: RowTable = ()
+    #: G's level against the engine's own steps: 1 takes the table as timed; a refit with
+    #: ``--fit-table-scale`` fits it with the linear terms (the table keeps the shape)
+    token_rows_scale: float = 1.0
 
     def tabled_time(self, chunks: Sequence[Chunk]) -> float:
         """The part of a step's time given by the measured matmul tables."""
         t, _, _, _, n = step_features(chunks)
-        return interp(self.token_rows_s, t) + interp(self.sample_rows_s, n)
+        return (self.token_rows_scale * interp(self.token_rows_s, t)
+                + interp(self.sample_rows_s, n))
 
     def step_time(self, chunks: Sequence[Chunk]) -> float:
         if not chunks:
@@ -156,7 +162,8 @@ class LinearStepModel:
         return (self.base_s + self.per_token_s * t + self.per_attn_s * a + self.per_seq_s * s
                 + self.per_ctx_s * c + self.per_sample_s * n
                 + self.per_fill_s * fill_tokens(chunks)
-                + interp(self.token_rows_s, t) + interp(self.sample_rows_s, n))
+                + self.token_rows_scale * interp(self.token_rows_s, t)
+                + interp(self.sample_rows_s, n))
 
 
 @dataclass(frozen=True)
