@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     sets = parse_sets(ap, args.set)
     if len(sets) < 2:
         ap.error("give at least two --set: each is held out against the others")
+    if len({folder for folder, _ in sets}) < len(sets):
+        ap.error("a --set folder is named twice: a set would be its own reference")
     rows = holdout(sets, args.replicas)
     short = " / ".join(t for _, t in sv.METRICS)
     body = ("Each set held out in turn. **sim**: the simulator on the set's own profile, "

@@ -10,7 +10,7 @@
 # so they rest on the same arrival draws (three per rate, four for the prefix-hit runs)
 # and differ mostly in the host's timing; a SEED at least 4 away from every earlier
 # SEED + 1000 x j (j = 0, 1, 2, ...) gives draws the simulator was never checked
-# against (v23: seed 23).
+# against (v23: seed 23; v24: 47).
 #
 # Repeats: 3 (4 for the short prefix-hit runs), pooled per cell: with 2, one slow step
 # (148 ms among 98-116) moved a p90 by 24% from one repeat to the other (v12). Each repeat
@@ -30,7 +30,7 @@
 # Then (as SIMULATION.md 1-v24): .venv/bin/python benchmarks/sim_validate.py \
 #         --replicas 256 --host-level --profile OUT_DIR/cpu-local-pooled.json \
 #         --workloads OUT/quiet_512,OUT/long_prompts,... (OUT relative to benchmarks/results),
-# and the same on OUT_DIR/cpu-local-pooled-scaled.json
+# and sim_validate.py --replicas 256 on OUT_DIR/cpu-local-pooled-scaled.json (no --host-level)
 # (the refit below keeps the decode percentile tables; v18-v22, made before they
 # existed, were refitted into cpu-local-pooled-quantiles.json, and so were v23 and v24,
 # by name)

@@ -368,6 +368,20 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
     capsys.readouterr()
     assert main(["simulate", "refit", str(a), str(b), "--out", str(out)]) == 2
     assert "different models" in capsys.readouterr().err and not out.exists()
+    # the tables of calibrations 10% apart pool quietly; one timed at half speed (v24's
+    # 2-thread table ran at 1-thread speed) draws a warning, and the mean still pools
+    a.write_text(json.dumps(calibration(1.0, 1.2, 1.0, 0.004)))
+    b.write_text(json.dumps(calibration(1.1, 1.2, 1.0, 0.004)))
+    assert main(["simulate", "refit", str(a), str(b), "--out", str(out)]) == 0
+    assert "tables differ" not in capsys.readouterr().out
+    slow = calibration(1.0, 1.2, 1.0, 0.004)
+    slow["step_models"]["s"]["token_rows_s"] = [[1, 0.002], [64, 0.008]]
+    b.write_text(json.dumps(slow))
+    assert main(["simulate", "refit", str(a), str(b), "--out", str(out)]) == 0
+    assert "warning: s: the calibrations' token_rows_s tables differ by up to 100%" in \
+        capsys.readouterr().out
+    assert [t for _, t in json.loads(out.read_text())["step_models"]["s"]["token_rows_s"]] \
+        == pytest.approx([0.0015, 0.006])
 
 
 def test_host_level_is_the_run_probe_over_the_calibration_probe():

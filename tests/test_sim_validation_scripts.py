@@ -388,3 +388,17 @@ def test_holdout_tables_count_only_the_cells_with_a_reference():
     assert len(misses) == 3 * 3  # the last row misses nothing
     assert all(line.endswith("| - |") for line in misses[6:])  # no reference: shown as -
     assert "+30% **x**" in misses[0] and "+5% |" in misses[0]
+
+
+def test_holdout_refuses_sets_it_cannot_hold_out(capsys):
+    """Fewer than two sets, or one folder twice, is a usage error (exit 2)."""
+    import sim_holdout
+
+    one = f"{SET}=sim/v19/cpu-local-pooled.json"
+    for argv in (["--set", one], ["--set", one, "--set", one],
+                 ["--set", "sim/v19=sim/v19/none.json", "--set", one]):
+        with pytest.raises(SystemExit) as e:
+            sim_holdout.main(argv + ["--no-write"])
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "at least two --set" in err and "named twice" in err and "FOLDER=PROFILE" in err

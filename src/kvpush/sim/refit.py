@@ -38,7 +38,19 @@ def _mean_numbers(dicts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def pool_calibrations(datas: list[dict[str, Any]]) -> dict[str, Any]:
+#: calibrations' matmul tables further apart than this at any row count draw a warning
+TABLE_SPREAD_WARN = 0.25
+
+
+def table_spread(tables: list[list[list[float]]]) -> float:
+    """The largest max / min - 1 over the row counts of several timings of one table."""
+    return max((max(t[i][1] for t in tables) / min(t[i][1] for t in tables) - 1
+                for i in range(len(tables[0])) if min(t[i][1] for t in tables) > 0),
+               default=0.0)
+
+
+def pool_calibrations(datas: list[dict[str, Any]], log: Callable[[str], None] = print
+                      ) -> dict[str, Any]:
     """One calibrated profile from several of the same host and model (e.g. the ones
     `benchmarks/sim_runs.sh` makes just before and just after its runs), ready for
     :func:`refit_profile`: the step samples and served probe traces of all, matmul
@@ -90,6 +102,13 @@ def pool_calibrations(datas: list[dict[str, Any]]) -> dict[str, Any]:
                                  "rows; pool calibrations of one plan only")
             sm[key] = [[r, sum(t[i][1] for t in tables) / len(tables)]
                        for i, (r, _) in enumerate(tables[0])]
+            if (spread := table_spread(tables)) > TABLE_SPREAD_WARN:
+                # v24: one calibration timed its 2-thread table at 1-thread speed
+                log(f"[refit] warning: {name}: the calibrations' {key} tables differ by up "
+                    f"to {spread:.0%}: one was timed while the host ran slower, and the "
+                    "pooled table carries it" + (" (refit --fit-table-scale fits its level "
+                                                 "to the steps)" if key == "token_rows_s"
+                                                 else ""))
     host = out.setdefault("host", {"corun_slowdown": 1.0})
     hosts = [d.get("host", {}) for d in datas]
     host["corun_slowdown"] = sum(float(h.get("corun_slowdown", 1.0)) for h in hosts) / len(hosts)
@@ -141,7 +160,12 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print,
         levels = pass_levels(pairs, model, passes)
         measured.setdefault("fits", {})[name] = {**quality, "pass_levels": levels}
         log(f"[refit] {name}: median rel. err {quality['median_rel_err']:.1%}, max "
-            f"{quality['max_rel_err']:.1%} over {len(rows)} samples")
+            f"{quality['max_rel_err']:.1%} over {len(rows)} samples"
+            + (f"; projections' table level {model.token_rows_scale:.2f}"
+               if fit_table_scale and tables.get("token_rows_s") else ""))
+        if fit_table_scale and tables.get("token_rows_s") and model.token_rows_scale == 0:
+            log(f"[refit] warning: {name}: the fit dropped the projections' table (level 0): "
+                "the model keeps no 1-row / 2-row matmul shape")
         if warning := pass_warning(name, levels):
             log(f"[refit] {warning}")
         trace = (served.get(name) or {}).get("trace")

@@ -58,14 +58,15 @@ def fit_linear(samples: Sequence[Sample], tables: Tables | None = None,
 
     Why the level: the tables are timed apart from the steps, and on a shared host a
     2-thread matmul timed a moment slower leaves a table above the steps themselves,
-    which non-negative linear terms cannot take back (SIMULATION.md 1-v24: a table 40-50%
-    above v22's, ``per_token_s`` at 0, and 128-token prefills priced 17% over the
-    calibration's own timings of them)."""
-    if len(samples) < len(FIT_FIELDS) + fit_table_scale:
-        raise ValueError(f"need at least {len(FIT_FIELDS) + fit_table_scale} samples to "
-                         f"fit, got {len(samples)}")
+    which non-negative linear terms cannot take back (SIMULATION.md 1-v24: one of the two
+    calibrations pooled timed its 2-thread table at 1-thread speed; the pooled table sat
+    40-50% above v22's, ``per_token_s`` fell to 0, and 128-token prefills were priced
+    12-19% over the calibration's own timings of them)."""
     tab = {k: tuple((float(r), float(v)) for r, v in pts) for k, pts in (tables or {}).items()}
     scaled = fit_table_scale and bool(tab.get("token_rows_s"))
+    if len(samples) < len(FIT_FIELDS) + scaled:
+        raise ValueError(f"need at least {len(FIT_FIELDS) + scaled} samples to fit, got "
+                         f"{len(samples)}")
     zero = LinearStepModel(0.0, 0.0, **tab, token_rows_scale=0.0 if scaled else 1.0)
     rows, ys, ws = [], [], []
     for chunks, dt in samples:
