@@ -44,9 +44,8 @@ TABLE_SPREAD_WARN = 0.25
 
 def table_spread(tables: list[list[list[float]]]) -> float:
     """The largest max / min - 1 over the row counts of several timings of one table."""
-    return max((max(t[i][1] for t in tables) / min(t[i][1] for t in tables) - 1
-                for i in range(len(tables[0])) if min(t[i][1] for t in tables) > 0),
-               default=0.0)
+    per_row = zip(*[[seconds for _, seconds in t] for t in tables])
+    return max((max(v) / min(v) - 1 for v in per_row if min(v) > 0), default=0.0)
 
 
 def pool_calibrations(datas: list[dict[str, Any]], log: Callable[[str], None] = print
@@ -154,16 +153,16 @@ def refit_profile(data: dict[str, Any], log: Callable[[str], None] = print,
         old = out["step_models"].get(name, {})
         tables = {k: old[k] for k in ("token_rows_s", "sample_rows_s") if k in old}
         pairs = [([tuple(c) for c in ch], dt) for ch, dt in rows]
-        model, quality = fit_linear(pairs, tables, fit_table_scale)
+        leveled = fit_table_scale and bool(tables.get("token_rows_s"))
+        model, quality = fit_linear(pairs, tables, leveled)
         out["step_models"][name] = {"kind": "linear", **{
             k: v for k, v in dataclasses.asdict(model).items() if v is not None}}
         levels = pass_levels(pairs, model, passes)
         measured.setdefault("fits", {})[name] = {**quality, "pass_levels": levels}
         log(f"[refit] {name}: median rel. err {quality['median_rel_err']:.1%}, max "
             f"{quality['max_rel_err']:.1%} over {len(rows)} samples"
-            + (f"; projections' table level {model.token_rows_scale:.2f}"
-               if fit_table_scale and tables.get("token_rows_s") else ""))
-        if fit_table_scale and tables.get("token_rows_s") and model.token_rows_scale == 0:
+            + (f"; projections' table level {model.token_rows_scale:.2f}" if leveled else ""))
+        if leveled and model.token_rows_scale == 0:
             log(f"[refit] warning: {name}: the fit dropped the projections' table (level 0): "
                 "the model keeps no 1-row / 2-row matmul shape")
         if warning := pass_warning(name, levels):

@@ -152,8 +152,11 @@ class LinearStepModel:
     def tabled_time(self, chunks: Sequence[Chunk]) -> float:
         """The part of a step's time given by the measured matmul tables."""
         t, _, _, _, n = step_features(chunks)
-        return (self.token_rows_scale * interp(self.token_rows_s, t)
-                + interp(self.sample_rows_s, n))
+        return self._tabled(t, n)
+
+    def _tabled(self, tokens: float, sampled: float) -> float:
+        return (self.token_rows_scale * interp(self.token_rows_s, tokens)
+                + interp(self.sample_rows_s, sampled))
 
     def step_time(self, chunks: Sequence[Chunk]) -> float:
         if not chunks:
@@ -161,9 +164,7 @@ class LinearStepModel:
         t, a, s, c, n = step_features(chunks)
         return (self.base_s + self.per_token_s * t + self.per_attn_s * a + self.per_seq_s * s
                 + self.per_ctx_s * c + self.per_sample_s * n
-                + self.per_fill_s * fill_tokens(chunks)
-                + self.token_rows_scale * interp(self.token_rows_s, t)
-                + interp(self.sample_rows_s, n))
+                + self.per_fill_s * fill_tokens(chunks) + self._tabled(t, n))
 
 
 @dataclass(frozen=True)
