@@ -399,7 +399,7 @@ def test_fit_recovers_the_step_model_it_was_sampled_from():
                                                      abs=1e-12), name
 
 
-def test_fit_table_scale_takes_back_a_table_timed_above_the_steps(tmp_path):
+def test_fit_table_scale_takes_back_a_table_timed_above_the_steps(tmp_path, capsys):
     """The projections' table timed 40% above what the engine's steps spend on those
     matmuls: the plain fit cannot take it back (its per-token term clamps at 0 and the
     prefills are priced high), the fit with the table's level recovers the steps exactly
@@ -442,6 +442,20 @@ def test_fit_table_scale_takes_back_a_table_timed_above_the_steps(tmp_path):
     got = load_profile(out).step_models["s"]
     for ch in ([(128, 0)], [(1, 512, True, True)] * 4):
         assert got.step_time(ch) == pytest.approx(truth.step_time(ch), rel=1e-4)
+    assert "dropped the projections' table" not in capsys.readouterr().out
+    # steps that take less the more the table prices them: the level clamps at 0 and
+    # refit says the model lost the table's 1-row / 2-row shape
+    linear = LinearStepModel(base_s=0.5, per_token_s=2e-5, per_seq_s=5e-4, per_ctx_s=3e-6)
+    shape_only = LinearStepModel(0.0, 0.0, token_rows_s=table)
+    d["measured"]["step_samples"]["s"] = [
+        [[list(c) for c in ch], linear.step_time(ch) - 0.5 * shape_only.tabled_time(ch)]
+        for ch in shapes]
+    src.write_text(json.dumps(d))
+    assert cli_main(["simulate", "refit", str(src), "--fit-table-scale", "--out",
+                     str(out)]) == 0
+    assert json.loads(out.read_text())["step_models"]["s"]["token_rows_scale"] == 0.0
+    assert "warning: s: the fit dropped the projections' table (level 0)" in \
+        capsys.readouterr().out
 
 
 def test_pass_levels_tell_a_host_that_slowed_between_passes():
@@ -521,6 +535,15 @@ def test_row_table_errors_name_the_field(bad):
     d = copy.deepcopy(BASE)
     d["step_models"]["s"]["token_rows_s"] = bad
     with pytest.raises(ProfileError, match="token_rows_s"):
+        profile_from_dict(d, "x.json")
+
+
+def test_negative_table_level_is_refused():
+    """A negative token_rows_scale (a hand-edited profile) would price steps below their
+    linear terms: the loader refuses it and names the field."""
+    d = copy.deepcopy(BASE)
+    d["step_models"]["s"]["token_rows_scale"] = -0.5
+    with pytest.raises(ProfileError, match=r"token_rows_scale: must be >= 0"):
         profile_from_dict(d, "x.json")
 
 
