@@ -710,8 +710,96 @@ def test_calibration_passes_repeat_the_plan(tiny_llama):
     assert [c for c, _ in twice[len(once):]] == [c for c, _ in once]
 
 
+def test_matmul_tables_median_drops_one_slow_timing():
+    """The tables timed at each pass boundary go in as their lower median per row, so one
+    timing the host ran at half speed through (v24) does not set the level; timings of
+    different tables or rows are refused."""
+    from kvpush.sim.matmul_tables import median_tables, table_spread
+
+    def timing(scale: float) -> dict:
+        return {"token_rows_s": [[1, 0.01 * scale], [128, 0.14 * scale]],
+                "sample_rows_s": [[1, 0.002 * scale]]}
+
+    timings = [timing(2.0), timing(1.0), timing(1.1)]
+    assert median_tables(timings) == timing(1.1)
+    assert table_spread([t["token_rows_s"] for t in timings]) == pytest.approx(1.0)
+    # two timings: the faster (contention only slows a best-of timing)
+    assert median_tables([timing(2.0), timing(1.0)]) == timing(1.0)
+    other = timing(1.0)
+    other["token_rows_s"][1][0] = 256
+    with pytest.raises(ValueError, match="token_rows_s timed different rows"):
+        median_tables([timing(1.0), other])
+    with pytest.raises(ValueError, match="no table timings"):
+        median_tables([])
+    with pytest.raises(ValueError, match="different tables"):
+        median_tables([timing(1.0), {"token_rows_s": timing(1.0)["token_rows_s"]}])
+
+
+def test_thread_warning_when_more_threads_are_not_faster():
+    """v24's calibration timed its 2-thread table at 1-thread speed (279 ms at 128 rows
+    against 273): that draws a warning, whichever thread count was calibrated first; a
+    2-thread table at half the time does not."""
+    from kvpush.sim.matmul_tables import settle_tables, thread_warning
+
+    one = {"token_rows_s": [[1, 0.009], [128, 0.273]]}
+    assert thread_warning(one, {"token_rows_s": [[1, 0.008], [128, 0.137]]}, 1, 2) is None
+    warning = thread_warning(one, {"token_rows_s": [[1, 0.008], [128, 0.279]]}, 1, 2)
+    assert warning is not None
+    assert "threads=2" in warning and "128 rows (279 ms)" in warning
+    assert "threads=1 (273 ms)" in warning
+    assert thread_warning(one, {}, 1, 2) is None  # calibrated without tables
+    slow = {"token_rows_s": [[1, 0.008], [128, 0.279]]}
+    for first, then, other in ((1, 2, one), (2, 1, slow)):
+        _, warnings = settle_tables([slow if then == 2 else one], then, {first: other})
+        assert len(warnings) == 1 and "threads=2: the projections' table" in warnings[0]
+    # the committed v24 calibrations: the one before the runs timed both tables at 2.02 s
+    # for 1024 rows, the one after timed the 2-thread one at 1.01 s
+    v24 = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sim" / "v24"
+    for name, warns in (("cpu-local.json", True), ("cpu-local-after.json", False)):
+        sm = json.loads((v24 / name).read_text())["step_models"]
+        assert (thread_warning(sm["threads=1"], sm["threads=2"], 1, 2) is not None) == warns
+
+
+def test_calibrate_keeps_the_median_table_and_warns_on_a_slow_timing(
+        tiny_llama, tmp_path, monkeypatch):
+    """One of the three timings of a calibration's table ran at half speed: the profile
+    gets the median (the level of the other two) and the log says how far apart the
+    timings were."""
+    from kvpush.sim import calibrate as cal
+
+    def calibrated(*speeds: float) -> tuple[dict, list[str]]:
+        left = iter(speeds)
+
+        def fake(model, clock="wall"):
+            k = next(left)
+            return {"token_rows_s": [[1, 0.001 * k], [64, 0.004 * k]],
+                    "sample_rows_s": [[1, 0.0005 * k]]}
+
+        monkeypatch.setattr(cal, "measure_matmuls", fake)
+        out, lines = tmp_path / "p.json", []
+        plan = dataclasses.replace(cal.CalibrationPlan.quick(), repeats=2)
+        cal.calibrate(str(tiny_llama), out, plan, transfer=False, log=lines.append)
+        assert next(left, None) is None  # timed before each of 2 passes and after the last
+        return json.loads(out.read_text()), lines
+
+    # slow first, as v24's was: neither the first nor the last nor the fastest is kept
+    data, lines = calibrated(2.0, 1.1, 1.0)
+    sm = data["step_models"]["threads=1"]
+    assert [t for _, t in sm["token_rows_s"]] == pytest.approx([0.0011, 0.0044])
+    assert len(data["measured"]["matmul_timings"]["threads=1"]) == 3
+    expected = ("warning: threads=1: the projections' table timings before each pass and "
+                "after the last differ by up to 100%")
+    assert any(expected in line for line in lines)
+    assert any(expected in w for w in data["measured"]["warnings"])
+    # timings within 10% of each other: quiet
+    data, lines = calibrated(1.0, 1.1, 1.05)
+    assert not any("table timings" in line for line in lines)
+    assert not any("table timings" in w for w in data["measured"]["warnings"])
+
+
 def test_calibrate_quick_on_tiny_model(tiny_llama, tmp_path):
     from kvpush.sim.calibrate import CalibrationPlan, calibrate
+    from kvpush.sim.matmul_tables import median_tables
 
     out = tmp_path / "local.json"
     plan = dataclasses.replace(CalibrationPlan.quick(), repeats=2, host_probe=0.1)
@@ -726,6 +814,10 @@ def test_calibrate_quick_on_tiny_model(tiny_llama, tmp_path):
     assert all(t > 0 for _, t in sm["token_rows_s"] + sm["sample_rows_s"])
     samples = data["measured"]["step_samples"]["threads=1"]
     assert len(data["measured"]["fits"]["threads=1"]["pass_levels"]) == 2  # repeats=2
+    # the tables timed before each pass and after the last; the profile has their median
+    timings = data["measured"]["matmul_timings"]["threads=1"]
+    assert len(timings) == 3
+    assert sm["token_rows_s"] == median_tables(timings)["token_rows_s"]
     # the idle host probe before each pass and after the last
     probes = data["measured"]["host_probe_ms"]["threads=1"]
     assert len(probes) == 3 and all(v > 0 for v in probes)

@@ -306,6 +306,7 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
         d["handoff"]["push_layers_per_write"] = 3  # a setting: kept, not averaged
         d["measured"] = {
             "started_utc": f"t{speed}", "host_probe_ms": {"s": [200 * speed, 210 * speed]},
+            "matmul_timings": {"s": [{"token_rows_s": [[1, 0.001 * speed]]}] * 3},
             "push_step": {"push_prefill_step_s": 0.002 * speed},
             "step_samples": {"s": [[[list(c) for c in ch], speed * truth.step_time(ch)]
                                    for ch in shapes]},
@@ -326,6 +327,9 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
     assert sum(new["measured"]["served"]["s"]["steps"].values()) == 8
     assert new["measured"]["pooled_from"] == ["t1.0", "t1.1"]
     assert new["measured"]["host_probe_ms"]["s"] == pytest.approx([200, 210, 220, 231])
+    # every calibration's per-pass table timings are kept, in order
+    assert [t["token_rows_s"][0][1] for t in new["measured"]["matmul_timings"]["s"]] == \
+        pytest.approx([0.001] * 3 + [0.0011] * 3)
     # one pass per calibration (no plan recorded): how fast each ran against the fit
     first, second = new["measured"]["fits"]["s"]["pass_levels"]
     assert second / first == pytest.approx(1.1, rel=0.01)
@@ -376,10 +380,12 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
     assert "tables differ" not in capsys.readouterr().out
     slow = calibration(1.0, 1.2, 1.0, 0.004)
     slow["step_models"]["s"]["token_rows_s"] = [[1, 0.002], [64, 0.008]]
+    del slow["measured"]["matmul_timings"]  # calibrated before they were recorded
     b.write_text(json.dumps(slow))
     assert main(["simulate", "refit", str(a), str(b), "--out", str(out)]) == 0
     assert "warning: s: the calibrations' token_rows_s tables differ by up to 100%" in \
         capsys.readouterr().out
+    assert "matmul_timings" not in json.loads(out.read_text())["measured"]
     assert [t for _, t in json.loads(out.read_text())["step_models"]["s"]["token_rows_s"]] \
         == pytest.approx([0.0015, 0.006])
 

@@ -8,11 +8,12 @@ decode samples run B requests of C prompt tokens each. A ``linear`` step model i
 per torch thread count by non-negative least squares on relative error. The transfer
 link comes from :mod:`kvpush.sim.transfer_probe` (real NIXL between two processes).
 
-Before the fit, the engine's own matmuls (its ``linear`` on one layer's real weights,
-times the number of layers, and the LM head) are timed for 1..1024 token rows: CPU
-torch runs a 1-row matmul as GEMV and 2+ rows as GEMM at about twice the cost, a step
-the linear terms cannot express. Those tables go into the step model (``token_rows_s``,
-``sample_rows_s``) and the linear terms are fitted to what remains.
+The engine's own matmuls (its ``linear`` on one layer's real weights, times the number
+of layers, and the LM head) are timed for 1..1024 token rows with the engine idle before
+each pass and after the last: CPU torch runs a 1-row matmul as GEMV and 2+ rows as GEMM
+at about twice the cost, a step the linear terms cannot express. The median of those
+timings per row goes into the step model (``token_rows_s``, ``sample_rows_s``) and the
+linear terms are fitted to what remains.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.sim.matmul_tables import measure_matmuls
+from kvpush.sim.matmul_tables import measure_matmuls, settle_tables
 from kvpush.sim.push_step import LIGHT, LOADED, ProbeLoad, probe_push_step
 from kvpush.sim.step_fit import Sample, Tables, fit_linear, pass_levels, pass_warning
 
@@ -66,9 +67,10 @@ class CalibrationPlan:
     #: (host.corun_by_kind, kvpush.sim.corun)
     served: bool = True
     #: seconds of the idle host probe (kvpush.bench.host_probe) before each pass and
-    #: after the last, per thread count (measured.host_probe_ms): the host's speed level
-    #: while the steps were timed, which benchmarks/sim_validate.py compares with the
-    #: level `kvpush bench compare --host-probe` saw beside each run; 0: none
+    #: after the last (just after the matmul tables' timing there), per thread count
+    #: (measured.host_probe_ms): the host's speed level while the steps were timed,
+    #: which benchmarks/sim_validate.py compares with the level `kvpush bench compare
+    #: --host-probe` saw beside each run; 0: none
     host_probe: float = 1.5
     #: loads of the short-prompt pull and push pairs served side by side, turns
     #: alternating: (req/s, prompts per turn, turns, output tokens) each
@@ -88,7 +90,7 @@ class CalibrationPlan:
 
 
 CLOCKS = ("auto", "wall", "cpu")
-#: token rows at which the projections and the LM head are timed
+#: handoff's figures from the pull / push pair probe (kvpush.sim.push_step)
 PUSH_STEP_KEYS = ("push_prefill_step_s", "push_prefill_corun_step_s",
                   "push_prefill_block_s", "push_prefill_corun_block_s")
 
@@ -108,13 +110,16 @@ def choose_clock(clock: str) -> str:
 def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
                   block_size: int = 32, clock: str = "wall",
                   log: Callable[[str], None] = print,
-                  tables: Tables | None = None,
+                  table_timings: list[Tables] | None = None,
                   between_passes: Callable[[], None] | None = None) -> list[Sample]:
     """Run ``plan`` through a fresh LLMEngine with ``threads`` torch threads. ``clock``:
     ``wall`` (time.perf_counter) or ``cpu`` (CPU time of the thread that steps: what the
     step would take on dedicated cores, as that thread is busy, or spinning at the
     parallel regions' barriers, for the whole step). ``between_passes``: called with the
-    engine idle before each pass over the plan and after the last (the host probe)."""
+    engine idle before each pass over the plan and after the last (the host probe);
+    ``table_timings``: the engine's own matmuls are timed at each of those points, just
+    before ``between_passes`` (:func:`kvpush.sim.matmul_tables.measure_matmuls`), and
+    each timing is appended there."""
     import torch
 
     from kvpush.config import EngineConfig
@@ -134,8 +139,6 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
                              max_num_batched_tokens=budget, max_num_seqs=64,
                              kv_cache_memory=1 << 30)
     eng = LLMEngine(cfg)
-    if tables is not None:  # the engine's own matmuls, timed before anything else runs
-        tables.update(measure_matmuls(eng.runner.model, clock=clock))
     vocab = cfg.model.vocab_size
     gen = torch.Generator().manual_seed(0)
     samples: list[Sample] = []
@@ -203,7 +206,12 @@ def measure_steps(model_dir: str | Path, threads: int, plan: CalibrationPlan,
                 run(*args)
             log(f"[calibrate] threads={threads}{tag} {what}: {time.perf_counter() - t0:.2f} s")
 
-        probe = between_passes or (lambda: None)
+        def probe() -> None:  # the engine idle: the matmul tables, then the host's level
+            if table_timings is not None:  # (the probe next to the pass it describes)
+                table_timings.append(measure_matmuls(eng.runner.model, clock=clock))
+            if between_passes is not None:
+                between_passes()
+
         for rep in range(plan.repeats):  # the whole plan again: a fit over all passes
             tag = f" pass {rep + 1}/{plan.repeats}" if plan.repeats > 1 else ""
             probe()
@@ -283,8 +291,16 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
     pair: dict[str, Any] = {}
     push_step: dict[str, Any] = {}
     probes: dict[str, list[float]] = {}
+    timed_tables: dict[int, Tables] = {}
+    matmul_timings: dict[str, list[Tables]] = {}
+    warnings: list[str] = []
+
+    def warn(message: str) -> None:  # logged now, and kept in the profile
+        warnings.append(message)
+        log(f"[calibrate] {message}")
+
     for th in plan.threads:
-        tables: Tables = {}
+        timings = matmul_timings[f"threads={th}"] = []
         levels_ms = probes[f"threads={th}"] = []
         with contextlib.ExitStack() as stack:
             between = None
@@ -298,8 +314,14 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                     log(f"[calibrate] threads={th} host probe: {levels_ms[-1]:.0f} ms")
 
             samples = measure_steps(model_dir, th, plan, clock=clock, log=log,
-                                    tables=tables if matmul_tables else None,
+                                    table_timings=timings if matmul_tables else None,
                                     between_passes=between)
+        tables: Tables = {}
+        if timings:
+            tables, table_warnings = settle_tables(timings, th, timed_tables)
+            timed_tables[th] = tables
+            for message in table_warnings:
+                warn(message)
         m, quality = fit_linear(samples, tables)
         levels = pass_levels(samples, m, plan.repeats)
         step_models[f"threads={th}"] = {"kind": "linear", **dataclasses.asdict(m)}
@@ -310,7 +332,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                                         for chunks, dt in samples]
         log(f"[calibrate] threads={th}: {m} (median rel. err {quality['median_rel_err']:.1%})")
         if warning := pass_warning(f"threads={th}", levels):
-            log(f"[calibrate] {warning}")
+            warn(warning)
         if plan.served:
             from kvpush.sim.served import probe_served
 
@@ -353,6 +375,8 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                      "load_avg_before": load_before, "load_avg_after": load_avg(),
                      "clock": clock,
                      "fits": fits, "transfer_samples": tr_rows,
+                     **({"matmul_timings": matmul_timings} if matmul_tables else {}),
+                     "warnings": warnings,
                      **({"host_probe_ms": probes} if plan.host_probe else {}),
                      "plan": dataclasses.asdict(plan),
                      "step_samples": samples_out, "corun": corun_info, "served": served,
@@ -362,8 +386,10 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
             "LLMEngine.step() (scheduling, forward, sampling, detokenization), one engine "
             "per thread count, fitted by non-negative least squares on relative error."
             + (" token_rows_s / sample_rows_s: the engine's own projections (all layers) "
-               "and LM head timed per number of rows (1-row GEMV vs 2+-row GEMM); the "
-               "linear terms are fitted to the rest." if matmul_tables else "")
+               "and LM head timed per number of rows (1-row GEMV vs 2+-row GEMM), with "
+               "the engine idle before each pass and after the last (the lower median per "
+               "row; every timing in measured.matmul_timings); the linear terms are "
+               "fitted to the rest." if matmul_tables else "")
             + (" CPU time was used because the machine was loaded: it estimates dedicated "
                "cores (the stepping thread is busy, or spins at barriers, for a whole step)."
                if clock == "cpu" else ""),

@@ -3,22 +3,40 @@
 
 CPU torch runs a 1-row matmul as GEMV and 2+ rows as GEMM at about twice the cost, a
 step the linear terms of the step model cannot express, so `kvpush simulate calibrate`
-times them before it fits: one layer's projections through the engine's ``linear`` on
-its real weights, times the number of layers, for 1..1024 token rows, and the LM head
-for 1..64 sampled rows.
+times them: one layer's projections through the engine's ``linear`` on its real
+weights, times the number of layers, for 1..1024 token rows, and the LM head for 1..64
+sampled rows. It times them with the engine idle before each pass over its plan and
+after the last (just before the host probe, where there is one), and keeps the lower
+median per row count (:func:`median_tables`): with three or more timings, one taken
+while the host gave the calibration less than its cores no longer sets the level; of
+two, the faster is kept (contention only slows a best-of timing). v24's calibration
+before its runs timed its 2-thread table once, at 1-thread speed (279 ms at 128 rows
+against 273 at 1 thread; 137 in the calibration after), and no linear term could take
+that back (benchmarks/SIMULATION.md 1-v24); :func:`settle_tables` says so at
+calibration time. Each timing costs about 17 s for smollm2-135m on one thread (1024
+rows take 2 s a run), 9 s on two.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvpush.sim.step_fit import Tables
 
+#: token rows at which the projections are timed, and sampled rows the LM head
 TOKEN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256, 512, 1024)
 SAMPLE_ROWS = (1, 2, 3, 4, 6, 8, 16, 32, 64)
-#: handoff's figures from the pull / push pair probe (kvpush.sim.push_step)
+#: several timings of one table (a calibration's passes, or pooled calibrations) more
+#: than this far apart at some row count: warn
+TABLE_SPREAD_WARN = 0.25
+#: a projections' table timed on more threads that takes at least this share of the
+#: time of one on fewer at their largest row count: warn (2 threads take about half on
+#: this host)
+THREAD_SPEEDUP_WARN = 0.8
+
 
 def measure_matmuls(model: Any, token_rows: Sequence[int] = TOKEN_ROWS,
                     sample_rows: Sequence[int] = SAMPLE_ROWS,
@@ -61,3 +79,66 @@ def measure_matmuls(model: Any, token_rows: Sequence[int] = TOKEN_ROWS,
             x = torch.randn(m, h, dtype=model.dtype)
             smp.append([m, best(lambda x=x: lin(x, model.lm_head))])
     return {"token_rows_s": tok, "sample_rows_s": smp}
+
+
+def table_spread(tables: Sequence[Sequence[Sequence[float]]]) -> float:
+    """The largest max / min - 1 over the row counts of several timings of one table."""
+    per_row = zip(*[[seconds for _, seconds in t] for t in tables])
+    return max((max(v) / min(v) - 1 for v in per_row if min(v) > 0), default=0.0)
+
+
+def median_tables(timings: Sequence[Tables]) -> Tables:
+    """Per table and row count, the lower median of several timings (one per calibration
+    pass boundary, or all of pooled calibrations'); all must have timed the same tables
+    and rows."""
+    if not timings:
+        raise ValueError("no table timings")
+    if any(set(t) != set(timings[0]) for t in timings):
+        raise ValueError("the timings hold different tables")
+    out: Tables = {}
+    for key, first in timings[0].items():
+        rows = [r for r, _ in first]
+        if any([r for r, _ in t[key]] != rows for t in timings):
+            raise ValueError(f"the timings of {key} timed different rows")
+        out[key] = [[r, statistics.median_low(t[key][i][1] for t in timings)]
+                    for i, r in enumerate(rows)]
+    return out
+
+
+def thread_warning(fewer: Tables, more: Tables, n_fewer: int, n_more: int) -> str | None:
+    """A warning when the projections' table timed on ``n_more`` threads is not clearly
+    faster at their largest row count than the one on ``n_fewer`` (it takes at least
+    :data:`THREAD_SPEEDUP_WARN` of its time): the host gave the calibration fewer cores
+    than it asked for while it timed them (v24), and the step model would price every
+    step of that thread count as slow."""
+    a, b = fewer.get("token_rows_s"), more.get("token_rows_s")
+    if not a or not b or n_more <= n_fewer or a[-1][0] != b[-1][0]:
+        return None
+    (rows, t_fewer), (_, t_more) = a[-1], b[-1]
+    if t_more < THREAD_SPEEDUP_WARN * t_fewer:
+        return None
+    return (f"warning: threads={n_more}: the projections' table at {rows:g} rows "
+            f"({t_more * 1e3:.0f} ms) is not clearly faster than at threads={n_fewer} "
+            f"({t_fewer * 1e3:.0f} ms): the host did not give this calibration "
+            f"{n_more} cores while it timed them; calibrate again on a quieter host, or "
+            "refit with --fit-table-scale")
+
+
+def settle_tables(timings: Sequence[Tables], threads: int, others: Mapping[int, Tables]
+                  ) -> tuple[Tables, list[str]]:
+    """The tables a calibration keeps from its timings on ``threads`` threads
+    (:func:`median_tables`), and the warnings they draw: timings far apart, or a table
+    not clearly faster than one timed on fewer threads (``others``: the tables already
+    kept, by thread count), or one on more threads not clearly faster than it."""
+    tables = median_tables(timings)
+    warnings: list[str] = []
+    spread = table_spread([t["token_rows_s"] for t in timings if "token_rows_s" in t])
+    if spread > TABLE_SPREAD_WARN:
+        warnings.append(f"warning: threads={threads}: the projections' table timings "
+                        f"before each pass and after the last differ by up to {spread:.0%};"
+                        " the lower median of each row is kept")
+    for n, other in sorted(others.items()):
+        pair = (other, tables, n, threads) if n < threads else (tables, other, threads, n)
+        if warning := thread_warning(*pair):
+            warnings.append(warning)
+    return tables, warnings

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvpush.sim.matmul_tables import TABLE_SPREAD_WARN, table_spread
 from kvpush.sim.step_fit import fit_linear, pass_levels, pass_warning
 
 
@@ -38,22 +39,14 @@ def _mean_numbers(dicts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-#: calibrations' matmul tables further apart than this at any row count draw a warning
-TABLE_SPREAD_WARN = 0.25
-
-
-def table_spread(tables: list[list[list[float]]]) -> float:
-    """The largest max / min - 1 over the row counts of several timings of one table."""
-    per_row = zip(*[[seconds for _, seconds in t] for t in tables])
-    return max((max(v) / min(v) - 1 for v in per_row if min(v) > 0), default=0.0)
-
-
 def pool_calibrations(datas: list[dict[str, Any]], log: Callable[[str], None] = print
                       ) -> dict[str, Any]:
     """One calibrated profile from several of the same host and model (e.g. the ones
     `benchmarks/sim_runs.sh` makes just before and just after its runs), ready for
     :func:`refit_profile`: the step samples and served probe traces of all, matmul
-    tables, co-run factors, hand-off and transfer figures averaged. Two calibrations 25
+    tables (each calibration's own already the lower median of its timings, which are
+    all kept in ``measured.matmul_timings``), co-run factors, hand-off and transfer
+    figures averaged. Two calibrations 25
     minutes apart differed by up to 11% on one-thread steps (SIMULATION.md 1-v12); runs
     between them see the host somewhere in between."""
     if not datas:
@@ -75,6 +68,12 @@ def pool_calibrations(datas: list[dict[str, Any]], log: Callable[[str], None] = 
                                        for row in d["measured"].get("step_samples", {})
                                        .get(name, [])]
                                 for name in out["step_models"]}
+    timings = [d["measured"].get("matmul_timings") for d in datas]
+    if all(timings):  # every calibration's per-pass table timings, kept as a record
+        measured["matmul_timings"] = {name: [t for m in timings for t in m.get(name, [])]
+                                      for name in out["step_models"]}
+    else:
+        measured.pop("matmul_timings", None)
     # the host probe's figures of every calibration (kvpush.sim.host_level): the pooled
     # fit's speed level is theirs together; without them in every profile, none
     probes = [d["measured"].get("host_probe_ms") for d in datas]
