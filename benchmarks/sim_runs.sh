@@ -10,7 +10,7 @@
 # so they rest on the same arrival draws (three per rate, four for the prefix-hit runs)
 # and differ mostly in the host's timing; a SEED at least 4 away from every earlier
 # SEED + 1000 x j (j = 0, 1, 2, ...) gives draws the simulator was never checked
-# against (v23: seed 23; v24: 47).
+# against (v23: seed 23; v24: 47; v25: 71).
 #
 # Repeats: 3 (4 for the short prefix-hit runs), pooled per cell: with 2, one slow step
 # (148 ms among 98-116) moved a p90 by 24% from one repeat to the other (v12). Each repeat
@@ -27,13 +27,14 @@
 # side at 2 and 4 req/s, ~9 min each: handoff.push_prefill_step_s, push_prefill_block_s
 # and their corun_ twins; kvpush.sim.push_step).
 #
-# Then (as SIMULATION.md 1-v24): .venv/bin/python benchmarks/sim_validate.py \
-#         --replicas 256 --host-level --profile OUT_DIR/cpu-local-pooled.json \
-#         --workloads OUT/quiet_512,OUT/long_prompts,... (OUT relative to benchmarks/results),
-# and sim_validate.py --replicas 256 on OUT_DIR/cpu-local-pooled-scaled.json (no --host-level)
-# (the refit below keeps the decode percentile tables; v18-v22, made before they
-# existed, were refitted into cpu-local-pooled-quantiles.json, and so were v23 and v24,
-# by name)
+# Then (as SIMULATION.md 1-v25): copy OUT_DIR/cpu-local-pooled.json to
+# OUT_DIR/cpu-local-pooled-quantiles.json, and .venv/bin/python
+# benchmarks/sim_validate_sets.py --replicas 256 --set OUT=OUT/cpu-local-pooled-quantiles.json
+# (OUT relative to benchmarks/results), alone and with the earlier sets' --set, the
+# same on OUT/cpu-local-pooled-scaled.json, and benchmarks/sim_holdout.py with every set's
+# --set (the refit below keeps the decode percentile
+# tables; v18-v22, made before they existed, were refitted into
+# cpu-local-pooled-quantiles.json, and v23-v25 named so)
 set -e
 [ $# -eq 1 ] || [ $# -eq 2 ] || { echo "usage: $0 OUT_DIR [SEED]" >&2; exit 2; }
 O=$1
@@ -64,6 +65,6 @@ $B --out "$O/prefix_hit" --label "decode-side prefix hit, tail on prefill (defau
 .venv/bin/kvpush simulate refit "$O/cpu-local.json" "$O/cpu-local-after.json" \
   --out "$O/cpu-local-pooled.json"
 # the same with the projections' table level fitted (refit --fit-table-scale, SIMULATION.md
-# 1-v24): judged beside the plain profile on the sets made after it
+# 1-v24): judged beside the plain profile on the sets made after it (v25: no cell gained)
 .venv/bin/kvpush simulate refit "$O/cpu-local.json" "$O/cpu-local-after.json" \
   --fit-table-scale --out "$O/cpu-local-pooled-scaled.json"

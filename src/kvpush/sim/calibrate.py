@@ -11,8 +11,8 @@ link comes from :mod:`kvpush.sim.transfer_probe` (real NIXL between two processe
 The engine's own matmuls (its ``linear`` on one layer's real weights, times the number
 of layers, and the LM head) are timed for 1..1024 token rows with the engine idle before
 each pass and after the last: CPU torch runs a 1-row matmul as GEMV and 2+ rows as GEMM
-at about twice the cost, a step the linear terms cannot express. The median of those
-timings per row goes into the step model (``token_rows_s``, ``sample_rows_s``) and the
+at about twice the cost, a step the linear terms cannot express. The lower median of
+those timings per row goes into the step model (``token_rows_s``, ``sample_rows_s``) and the
 linear terms are fitted to what remains.
 """
 
