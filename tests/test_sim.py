@@ -735,11 +735,11 @@ def test_matmul_tables_median_drops_one_slow_timing():
         median_tables([timing(1.0), {"token_rows_s": timing(1.0)["token_rows_s"]}])
 
 
-def test_thread_warning_when_more_threads_are_not_faster():
+def test_thread_warning_when_more_threads_are_not_faster(tmp_path, capsys):
     """v24's calibration timed its 2-thread table at 1-thread speed (279 ms at 128 rows
     against 273): that draws a warning, whichever thread count was calibrated first; a
     2-thread table at half the time does not."""
-    from kvpush.sim.matmul_tables import settle_tables, thread_warning
+    from kvpush.sim.matmul_tables import settle_tables, thread_warning, thread_warnings
 
     one = {"token_rows_s": [[1, 0.009], [128, 0.273]]}
     assert thread_warning(one, {"token_rows_s": [[1, 0.008], [128, 0.137]]}, 1, 2) is None
@@ -753,11 +753,20 @@ def test_thread_warning_when_more_threads_are_not_faster():
         _, warnings = settle_tables([slow if then == 2 else one], then, {first: other})
         assert len(warnings) == 1 and "threads=2: the projections' table" in warnings[0]
     # the committed v24 calibrations: the one before the runs timed both tables at 2.02 s
-    # for 1024 rows, the one after timed the 2-thread one at 1.01 s
+    # for 1024 rows, the one after timed the 2-thread one at 1.01 s; refit says which
     v24 = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sim" / "v24"
     for name, warns in (("cpu-local.json", True), ("cpu-local-after.json", False)):
         sm = json.loads((v24 / name).read_text())["step_models"]
         assert (thread_warning(sm["threads=1"], sm["threads=2"], 1, 2) is not None) == warns
+        assert len(thread_warnings(sm)) == warns
+    out = tmp_path / "pooled.json"
+    capsys.readouterr()
+    assert cli_main(["simulate", "refit", str(v24 / "cpu-local.json"),
+                     str(v24 / "cpu-local-after.json"), "--out", str(out)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "not clearly faster" in ln]
+    assert len(lines) == 1 and lines[0].startswith(
+        "[refit] calibration 1 of 2 (2026-12-01T05:37:36Z): warning: threads=2")
+    assert thread_warnings({"threads=1": one, "colocated": {}}) == []
 
 
 def test_calibrate_keeps_the_median_table_and_warns_on_a_slow_timing(

@@ -124,6 +124,16 @@ def thread_warning(fewer: Tables, more: Tables, n_fewer: int, n_more: int) -> st
             "refit with --fit-table-scale")
 
 
+def thread_warnings(step_models: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """:func:`thread_warning` for every pair of a profile's ``threads=N`` step models
+    (a profile calibrated before calibrate checked its own tables, as v24's were)."""
+    by_threads = {int(name.partition("=")[2]): dict(sm) for name, sm in step_models.items()
+                  if name.startswith("threads=") and name.partition("=")[2].isdigit()}
+    counts = sorted(by_threads)
+    return [warning for i, lo in enumerate(counts) for hi in counts[i + 1:]
+            if (warning := thread_warning(by_threads[lo], by_threads[hi], lo, hi))]
+
+
 def settle_tables(timings: Sequence[Tables], threads: int, others: Mapping[int, Tables]
                   ) -> tuple[Tables, list[str]]:
     """The tables a calibration keeps from its timings on ``threads`` threads

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvpush.sim.matmul_tables import TABLE_SPREAD_WARN, table_spread
+from kvpush.sim.matmul_tables import TABLE_SPREAD_WARN, table_spread, thread_warnings
 from kvpush.sim.step_fit import fit_linear, pass_levels, pass_warning
 
 
@@ -46,9 +46,10 @@ def pool_calibrations(datas: list[dict[str, Any]], log: Callable[[str], None] = 
     :func:`refit_profile`: the step samples and served probe traces of all, matmul
     tables (each calibration's own already the lower median of its timings, which are
     all kept in ``measured.matmul_timings``), co-run factors, hand-off and transfer
-    figures averaged. Two calibrations 25
-    minutes apart differed by up to 11% on one-thread steps (SIMULATION.md 1-v12); runs
-    between them see the host somewhere in between."""
+    figures averaged. Two calibrations 25 minutes apart differed by up to 11% on
+    one-thread steps (SIMULATION.md 1-v12); runs between them see the host somewhere in
+    between. Each calibration's tables are checked as calibrate checks them now
+    (:func:`kvpush.sim.matmul_tables.thread_warnings`)."""
     if not datas:
         raise ValueError("no profiles to pool")
     for d in datas:
@@ -59,6 +60,10 @@ def pool_calibrations(datas: list[dict[str, Any]], log: Callable[[str], None] = 
                              "one model only")
         if set(d.get("step_models", {})) != set(datas[0].get("step_models", {})):
             raise ValueError("the profiles have different step models")
+    for i, d in enumerate(datas):
+        for warning in thread_warnings(d.get("step_models", {})):
+            log(f"[refit] calibration {i + 1} of {len(datas)} "
+                f"({d['measured'].get('started_utc', '?')}): {warning}")
     out = copy.deepcopy(datas[0])
     if len(datas) == 1:
         return out
