@@ -739,7 +739,7 @@ def test_thread_warning_when_more_threads_are_not_faster(tmp_path, capsys):
     """v24's calibration timed its 2-thread table at 1-thread speed (279 ms at 128 rows
     against 273): that draws a warning, whichever thread count was calibrated first; a
     2-thread table at half the time does not."""
-    from kvpush.sim.matmul_tables import settle_tables, thread_warning, thread_warnings
+    from kvpush.sim.matmul_tables import thread_warning, thread_warnings
 
     one = {"token_rows_s": [[1, 0.009], [128, 0.273]]}
     assert thread_warning(one, {"token_rows_s": [[1, 0.008], [128, 0.137]]}, 1, 2) is None
@@ -749,8 +749,8 @@ def test_thread_warning_when_more_threads_are_not_faster(tmp_path, capsys):
     assert "threads=1 (273 ms)" in warning
     assert thread_warning(one, {}, 1, 2) is None  # calibrated without tables
     slow = {"token_rows_s": [[1, 0.008], [128, 0.279]]}
-    for first, then, other in ((1, 2, one), (2, 1, slow)):
-        _, warnings = settle_tables([slow if then == 2 else one], then, {first: other})
+    for models in ({"threads=1": one, "threads=2": slow}, {"threads=2": slow, "threads=1": one}):
+        warnings = thread_warnings(models)
         assert len(warnings) == 1 and "threads=2: the projections' table" in warnings[0]
     # the committed v24 calibrations: the one before the runs timed both tables at 2.02 s
     # for 1024 rows, the one after timed the 2-thread one at 1.01 s; refit says which

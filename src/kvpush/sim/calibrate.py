@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.sim.matmul_tables import measure_matmuls, settle_tables
+from kvpush.sim.matmul_tables import measure_matmuls, settle_tables, thread_warnings
 from kvpush.sim.push_step import LIGHT, LOADED, ProbeLoad, probe_push_step
 from kvpush.sim.step_fit import Sample, Tables, fit_linear, pass_levels, pass_warning
 
@@ -291,7 +291,6 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
     pair: dict[str, Any] = {}
     push_step: dict[str, Any] = {}
     probes: dict[str, list[float]] = {}
-    timed_tables: dict[int, Tables] = {}
     matmul_timings: dict[str, list[Tables]] = {}
     warnings: list[str] = []
 
@@ -318,8 +317,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                                     between_passes=between)
         tables: Tables = {}
         if timings:
-            tables, table_warnings = settle_tables(timings, th, timed_tables)
-            timed_tables[th] = tables
+            tables, table_warnings = settle_tables(timings, th)
             for message in table_warnings:
                 warn(message)
         m, quality = fit_linear(samples, tables)
@@ -345,6 +343,8 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                     push_step = probe_push_step(
                         str(model_dir), m, DEFAULT_BLOCK_SIZE,
                         plan.push_step_loads, log=log)
+    for warning in thread_warnings(step_models):  # e.g. 2 threads timed at 1-thread speed
+        warn(warning)
     corun_info: dict[str, float] = {}
     if plan.corun:
         try:

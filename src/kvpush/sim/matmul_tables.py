@@ -12,9 +12,10 @@ while the host gave the calibration less than its cores no longer sets the level
 two, the faster is kept (contention only slows a best-of timing). v24's calibration
 before its runs timed its 2-thread table once, at 1-thread speed (279 ms at 128 rows
 against 273 at 1 thread; 137 in the calibration after), and no linear term could take
-that back (benchmarks/SIMULATION.md 1-v24); :func:`settle_tables` says so at
-calibration time. Each timing costs about 17 s for smollm2-135m on one thread (1024
-rows take 2 s a run), 9 s on two.
+that back (benchmarks/SIMULATION.md 1-v24). At calibration time :func:`settle_tables`
+warns when one thread count's timings lie far apart, and :func:`thread_warnings` when a
+table on more threads is no faster than one on fewer (v24's case). Each timing costs
+about 17 s for smollm2-135m on one thread (1024 rows take 2 s a run), 9 s on two.
 """
 
 from __future__ import annotations
@@ -89,8 +90,7 @@ def table_spread(tables: Sequence[Sequence[Sequence[float]]]) -> float:
 
 def median_tables(timings: Sequence[Tables]) -> Tables:
     """Per table and row count, the lower median of several timings (one per calibration
-    pass boundary, or all of pooled calibrations'); all must have timed the same tables
-    and rows."""
+    pass boundary); all must have timed the same tables and rows."""
     if not timings:
         raise ValueError("no table timings")
     if any(set(t) != set(timings[0]) for t in timings):
@@ -125,8 +125,9 @@ def thread_warning(fewer: Tables, more: Tables, n_fewer: int, n_more: int) -> st
 
 
 def thread_warnings(step_models: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """:func:`thread_warning` for every pair of a profile's ``threads=N`` step models
-    (a profile calibrated before calibrate checked its own tables, as v24's were)."""
+    """:func:`thread_warning` for every pair of a profile's ``threads=N`` step models:
+    calibrate checks the profile it writes, refit each calibration it pools (v24's were
+    calibrated before the check)."""
     by_threads = {int(name.partition("=")[2]): dict(sm) for name, sm in step_models.items()
                   if name.startswith("threads=") and name.partition("=")[2].isdigit()}
     counts = sorted(by_threads)
@@ -134,12 +135,9 @@ def thread_warnings(step_models: Mapping[str, Mapping[str, Any]]) -> list[str]:
             if (warning := thread_warning(by_threads[lo], by_threads[hi], lo, hi))]
 
 
-def settle_tables(timings: Sequence[Tables], threads: int, others: Mapping[int, Tables]
-                  ) -> tuple[Tables, list[str]]:
+def settle_tables(timings: Sequence[Tables], threads: int) -> tuple[Tables, list[str]]:
     """The tables a calibration keeps from its timings on ``threads`` threads
-    (:func:`median_tables`), and the warnings they draw: timings far apart, or a table
-    not clearly faster than one timed on fewer threads (``others``: the tables already
-    kept, by thread count), or one on more threads not clearly faster than it."""
+    (:func:`median_tables`), and a warning when the timings lie far apart."""
     tables = median_tables(timings)
     warnings: list[str] = []
     spread = table_spread([t["token_rows_s"] for t in timings if "token_rows_s" in t])
@@ -147,8 +145,4 @@ def settle_tables(timings: Sequence[Tables], threads: int, others: Mapping[int, 
         warnings.append(f"warning: threads={threads}: the projections' table timings "
                         f"before each pass and after the last differ by up to {spread:.0%};"
                         " the lower median of each row is kept")
-    for n, other in sorted(others.items()):
-        pair = (other, tables, n, threads) if n < threads else (tables, other, threads, n)
-        if warning := thread_warning(*pair):
-            warnings.append(warning)
     return tables, warnings
