@@ -498,7 +498,8 @@ def test_refit_fits_again_and_reprices_the_probe_trace(tmp_path):
                      "served": {"s": {"trace": [
                          [[[300, 0, True]], 1.25 * truth.step_time([(300, 0)])],
                          [[[200, 0], [200, 0]], 1.5 * truth.step_time([(200, 0)] * 2)],
-                         [[[1, 50, True, True]] * 3, 0.9 * truth.step_time([(1, 50)] * 3)]]
+                         [[[1, 50, True, True]] * 3, 0.9 * truth.step_time([(1, 50)] * 3)],
+                         [[[128, 0]] * 8, 0.85 * truth.step_time([(128, 0)] * 8)]]
                          + [[[[n, 0, True]], f * truth.step_time([(n, 0)])]
                             for n, f in ((400, 1.1), (420, 1.1), (440, 1.1), (1000, 0.95),
                                          (1024, 0.95), (1050, 0.95))]}}}
@@ -508,7 +509,8 @@ def test_refit_fits_again_and_reprices_the_probe_trace(tmp_path):
     new = json.loads(out.read_text())
     assert new["step_models"]["s"]["per_ctx_s"] == pytest.approx(3e-6, rel=1e-3)
     assert new["host"]["served_factors"]["s"] == pytest.approx(
-        {"prefill": 1.1, "prefill_batched": 1.5, "decode": 0.9}, rel=1e-3)
+        {"prefill": 1.1, "prefill_batched": 1.5, "prefill_burst": 0.85, "decode": 0.9},
+        rel=1e-3)
     # the lone prefills span two lengths: short ones 1.1-1.25x, long ones 0.95x
     (t_short, f_short), (t_long, f_long) = new["host"]["served_factor_curves"]["s"]["prefill"]
     assert f_short == pytest.approx(1.1, rel=1e-3) and f_long == pytest.approx(0.95, rel=1e-3)

@@ -211,11 +211,16 @@ def test_served_probe_records_the_arrival_cost(tiny_llama):
     before = set(descendant_pids(os.getpid()))
     logged: list[str] = []
     probe = ServedProbe(input_len=24, output_len=16, num_prompts=6, rates=(20.0, math.inf),
-                        long_input_len=None)
+                        long_input_len=None, burst_input_len=64, burst_num_prompts=8,
+                        burst_output_len=2)
     out = probe_served(str(tiny_llama), 1, engine_step_model(BASE, "s"), probe,
                        log=logged.append)
     arrival = out["arrival_step"]
-    assert arrival["arrivals"] >= 12  # both phases' requests reached the engine
+    # both rates' requests and their two warm-ups each (bench compare), not the burst's
+    assert arrival["arrivals"] == 2 * (6 + 2)
+    # the burst's steps: prompts prefilled four or more to a step, kept in the trace
+    bursts = [ch for ch, _ in out["trace"] if sum(c[0] >= 64 for c in ch) >= 4]
+    assert bursts and out["steps"]["prefill_burst"] == len(bursts)
     assert arrival["steps"]["with"] + arrival["steps"]["without"] >= 12 * 15 // 2
     assert arrival["arrival_step_s"] is None or arrival["arrival_step_s"] >= 0
     assert "decode steps with / without arrivals" in logged[0]

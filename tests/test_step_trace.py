@@ -141,11 +141,23 @@ def test_served_factors_scale_step_times_per_kind():
     c = profile_from_dict(d).step_model("prefill")
     assert c.step_time(batched) == pytest.approx(1.4 * a.step_time(batched))
     assert c.step_time(tail) == pytest.approx(1.2 * a.step_time(tail))
+    # four or more prompts to a step: a burst, priced by its own factor, else batched's
+    burst = [(128, 0)] * 4 + [(1, 64)]
+    assert step_kind(burst) == "prefill_burst" and step_kind(burst[1:]) == "prefill_batched"
+    assert c.step_time(burst) == pytest.approx(1.4 * a.step_time(burst))
+    d["host"]["served_factors"]["s"]["prefill_burst"] = 0.9
+    e = profile_from_dict(d).step_model("prefill")
+    assert e.step_time(burst) == pytest.approx(0.9 * a.step_time(burst))
+    assert e.step_time(batched) == pytest.approx(1.4 * a.step_time(batched))
+    del d["host"]["served_factors"]["s"]["prefill_batched"]  # burst's own, batched prefill's
+    f = profile_from_dict(d).step_model("prefill")
+    assert f.step_time(burst) == pytest.approx(0.9 * a.step_time(burst))
+    assert f.step_time(batched) == pytest.approx(1.2 * a.step_time(batched))
 
 
 @pytest.mark.parametrize("bad, message", [
     ({"nope": {"prefill": 1.1}}, "no such step model"),
-    ({"s": {"prefil": 1.1}}, "keys among prefill, prefill_batched, decode"),
+    ({"s": {"prefil": 1.1}}, "keys among prefill, prefill_batched, prefill_burst, decode"),
     ({"s": {"decode": 0}}, "must be > 0"),
     ([1.2], "must be an object"),
 ])
@@ -168,10 +180,16 @@ def test_factors_are_median_measured_over_modelled_per_kind():
     factors, curves = served_model_from(step_pairs(steps, model))
     assert factors == {"prefill": pytest.approx(2.0),
                        "prefill_batched": pytest.approx(2.0),  # none: prefill's
+                       "prefill_burst": pytest.approx(2.0),  # none: batched's
                        "decode": pytest.approx(1.3)}
     assert curves == {}  # one prefill step: no curve
     assert served_model_from({}) == ({"prefill": 1.0, "prefill_batched": 1.0,
-                                      "decode": 1.0}, {})
+                                      "prefill_burst": 1.0, "decode": 1.0}, {})
+    # a burst measured, batched not: batched takes prefill's, the burst keeps its own
+    burst = [(1.0, 0.9), (1.0, 0.95), (1.0, 0.8)]
+    factors, _ = served_model_from({"prefill": [(1.0, 1.2)], "prefill_burst": burst})
+    assert factors["prefill_batched"] == pytest.approx(1.2)
+    assert factors["prefill_burst"] == pytest.approx(0.9)
 
 
 def test_prefill_steps_of_two_lengths_get_a_factor_curve():
@@ -192,7 +210,7 @@ def test_prefill_steps_of_two_lengths_get_a_factor_curve():
     assert served_curve(short[:1] + long) == ()
     assert served_curve([(p, 1.05 * p) for p in (0.5, 0.6, 1.7, 1.8)]) == ()
     factors, curves = served_model_from({"prefill": short + long})
-    assert curves == {"prefill": curve, "prefill_batched": curve}
+    assert curves == {"prefill": curve, "prefill_batched": curve, "prefill_burst": curve}
 
 
 def test_profile_factor_curves_price_steps_by_length():

@@ -10,8 +10,11 @@ it serves a short workload through a real instance and the router with the per-s
 trace on (kvpush.engine.step_trace), prices every traced step with the engine-alone step
 model, and relates measured to modelled per kind of step:
 
-* ``prefill_batched``: a step with the prefill of two or more prompts (two chunks of at
-  least :data:`BATCHED_MIN_TOKENS` tokens each): a burst's prompts prefilled together;
+* ``prefill_burst``: a step with the prefill of :data:`BURST_MIN_PROMPTS` or more prompts
+  (chunks of at least :data:`BATCHED_MIN_TOKENS` tokens each): a burst of short prompts
+  prefilled together, eight 128-token prompts to a 1024-token step;
+* ``prefill_batched``: a step with the prefill of two or three such prompts: longer
+  prompts prefilled together (two or three 384-token prompts to a step);
 * ``prefill``: any other step with a chunk of more than one token (with or without
   decodes): one prompt's chunk, perhaps with a few tokens of the next;
 * ``decode``: a step of one-token decode rows only.
@@ -21,7 +24,14 @@ lone ones: on one thread, the probe's and the benchmarks' batched prefill steps 
 1.10-1.12x the model where lone prompts ran 0.98-1.06x (the 2-thread fit has no such
 gap); one factor for both, measured mostly on the probe's batched steps, made every lone
 1024-token prefill 9% too slow. A profile without ``prefill_batched`` uses its
-``prefill`` factor for them.
+``prefill`` factor for them. Bursts of short prompts are a kind again: on two threads the
+benchmarks' eight-prompt steps ran a median 0.95x (0.83-1.11 per run; v18-v25 at 16
+req/s and all at once, SIMULATION.md 1-v25) of the served model that the probe's two-
+and three-prompt steps set at 1.01-1.14x the engine alone, which made the 2-thread
+colocated instance's short-prompt bursts ~16% slow; on one thread the pull and push
+prefill instances' eight-prompt steps ran 0.94-1.05x (v21, v23, v25). The probe serves
+such a burst of its own (:class:`ServedProbe`); a profile without ``prefill_burst`` uses
+``prefill_batched``'s factor (else prefill's).
 
 Decode steps get the median of measured / modelled. Prefill steps get a factor that
 depends on the step's length where the probe saw two lengths (:func:`served_curve`):
@@ -62,17 +72,33 @@ from typing import Any
 from kvpush.sim.profile import ProfileError, require_field, row_table
 from kvpush.sim.step_models import Chunk, RowTable, StepModel, decode_only, interp
 
-KINDS = ("prefill", "prefill_batched", "decode")
+KINDS = ("prefill", "prefill_batched", "prefill_burst", "decode")
+#: where a profile has no factor for a kind: the kind whose factor it uses instead
+FALLBACK = {"prefill_burst": "prefill_batched", "prefill_batched": "prefill"}
 #: the size from which a prefill chunk counts as a prompt's prefill in a batched step
 #: (smaller ones: the tail of a token budget that a step's main prompt left over)
 BATCHED_MIN_TOKENS = 64
+#: prompts' chunks in a step from which it is a burst (the engine's 1024-token budget
+#: holds at most two full 384-token prompts and eight 128-token ones)
+BURST_MIN_PROMPTS = 4
 
 
 def step_kind(chunks: Sequence[Sequence[Any]]) -> str:
     if decode_only(chunks):
         return "decode"
     big = sum(1 for c in chunks if c[0] >= BATCHED_MIN_TOKENS)
+    if big >= BURST_MIN_PROMPTS:
+        return "prefill_burst"
     return "prefill_batched" if big >= 2 else "prefill"
+
+
+def factor_key(kind: str, present: Iterable[str]) -> str:
+    """The kind whose figure prices ``kind``'s steps: itself if ``present``, else along
+    :data:`FALLBACK` (burst -> batched -> prefill)."""
+    present = set(present)
+    while kind not in present and kind in FALLBACK:
+        kind = FALLBACK[kind]
+    return kind
 
 
 @dataclass(frozen=True)
@@ -84,11 +110,8 @@ class ServedStepModel:
     factors: Mapping[str, float]
     curves: Mapping[str, RowTable] = field(default_factory=dict)
 
-    def _key(self, kind: str) -> str:
-        return "prefill" if kind == "prefill_batched" and kind not in self.factors else kind
-
     def factor(self, kind: str, t: float | None = None) -> float:
-        key = self._key(kind)
+        key = factor_key(kind, self.factors)
         curve = self.curves.get(key)
         if curve and t is not None:
             return curve_factor(curve, t)
@@ -192,7 +215,7 @@ def served_model_from(pairs: Mapping[str, Sequence[tuple[float, float]]]
     """(factors, curves) per kind from the probe's (modelled, measured) steps: every
     kind the median ratio, prefill kinds also a curve where their steps span two
     lengths (:func:`served_curve`); a kind without steps takes its fallback's
-    (prefill_batched -> prefill), else 1."""
+    (:data:`FALLBACK`: burst -> batched -> prefill), else 1."""
     factors: dict[str, float] = {}
     curves: dict[str, RowTable] = {}
     for k in KINDS:
@@ -202,10 +225,11 @@ def served_model_from(pairs: Mapping[str, Sequence[tuple[float, float]]]
         if k != "decode" and (curve := served_curve(pairs[k])):
             curves[k] = curve
     factors.setdefault("prefill", 1.0)
-    if "prefill_batched" not in factors:
-        factors["prefill_batched"] = factors["prefill"]
-        if "prefill" in curves:
-            curves["prefill_batched"] = curves["prefill"]
+    for kind in ("prefill_batched", "prefill_burst"):  # each after its fallback
+        if kind not in factors:
+            factors[kind] = factors[FALLBACK[kind]]
+            if FALLBACK[kind] in curves:
+                curves[kind] = curves[FALLBACK[kind]]
     factors.setdefault("decode", 1.0)
     return {k: factors[k] for k in KINDS}, curves
 
@@ -289,7 +313,8 @@ class ServedProbe:
     random prompts at a light rate (lone decodes, a prompt arriving now and then into
     them) and all at once (batched decodes, back-to-back prefills), because the two
     load levels slow the engine differently (a 1.0 req/s probe alone measured 1.21-1.25
-    on 2-thread decodes that stepped 0.8-0.9x of that in a busy server)."""
+    on 2-thread decodes that stepped 0.8-0.9x of that in a busy server); then longer
+    prompts at a light rate, and a burst of short prompts (``prefill_burst``)."""
 
     input_len: int = 384
     output_len: int = 24
@@ -306,6 +331,13 @@ class ServedProbe:
     long_input_len: int | None = 1024
     long_num_prompts: int = 6
     long_rate: float = 0.5
+    #: then a burst of short prompts all at once (None: not), eight to a step, for the
+    #: ``prefill_burst`` factor (twelve such steps); few output tokens, so that its
+    #: decodes barely add to the decode factor. Its runs give neither the front end's
+    #: gap, the lone paths nor the arrival cost: those stay measured on the phases above.
+    burst_input_len: int | None = 128
+    burst_num_prompts: int = 96
+    burst_output_len: int = 4
 
 
 def describe(factor: float, curve: RowTable | None) -> str:
@@ -348,12 +380,18 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
         for i, (input_len, num_prompts, rates) in enumerate(phases):
             serve_traced(Path(tmp) / f"phase{i}", model, "colocated", threads, rates,
                          input_len, probe.output_len, num_prompts, probe.seed)
-        files = sorted(Path(tmp).rglob("steps/**/*.jsonl"))
+        burst_steps = []
+        if probe.burst_input_len:
+            serve_traced(Path(tmp) / "burst", model, "colocated", threads, [math.inf],
+                         probe.burst_input_len, probe.burst_output_len,
+                         probe.burst_num_prompts, probe.seed)
+            burst_steps = traced_steps(sorted(Path(tmp).glob("burst/steps/**/*.jsonl")))
+        files = sorted(Path(tmp).glob("phase*/steps/**/*.jsonl"))
         steps = traced_steps(files)
         arrivals = [t for f in files for t in read_arrivals(f)]
         step_ends = [st["t"] + st["dur"] for st in steps]
         gaps, ways_in, ways_out = [], [], []
-        for path in sorted(Path(tmp).rglob("runs/*.json")):
+        for path in sorted(Path(tmp).glob("phase*/runs/*.json")):
             run = json.loads(path.read_text())
             if math.isinf(float(run["request_rate"])):
                 gap = front_end_gap([t for t in arrivals
@@ -364,7 +402,7 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
                 ins, outs = lone_paths(run, arrivals, step_ends)
                 ways_in += ins
                 ways_out += outs
-    fit = fit_served(steps, engine_model)
+    fit = fit_served(steps + burst_steps, engine_model)
     factors, curves, noise = fit.factors, fit.curves, fit.noise
     from kvpush.sim.arrival_cost import arrival_step_cost
 
@@ -392,5 +430,5 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
             "arrival_step": arrival,
             # every traced step ([chunks, seconds]): a refit prices them again
             # (kvpush.sim.refit) without serving the probe again
-            "trace": [[st["chunks"], round(st["dur"], 6)] for st in steps],
+            "trace": [[st["chunks"], round(st["dur"], 6)] for st in steps + burst_steps],
             "probe": {**probe.__dict__, "rates": [str(r) for r in probe.rates]}}
