@@ -10,7 +10,7 @@
 # so they rest on the same arrival draws (three per rate, four for the prefix-hit runs)
 # and differ mostly in the host's timing; a SEED at least 4 away from every earlier
 # SEED + 1000 x j (j = 0, 1, 2, ...) gives draws the simulator was never checked
-# against (v23: seed 23; v24: 47; v25: 71).
+# against (v23: seed 23; v24: 47; v25: 71; v26: 97).
 #
 # Repeats: 3 (4 for the short prefix-hit runs), pooled per cell: with 2, one slow step
 # (148 ms among 98-116) moved a p90 by 24% from one repeat to the other (v12). Each repeat
@@ -27,11 +27,12 @@
 # side at 2 and 4 req/s, ~9 min each: handoff.push_prefill_step_s, push_prefill_block_s
 # and their corun_ twins; kvpush.sim.push_step).
 #
-# Then (as SIMULATION.md 1-v25): copy OUT_DIR/cpu-local-pooled.json to
+# Then (as SIMULATION.md 1-v26): copy OUT_DIR/cpu-local-pooled.json to
 # OUT_DIR/cpu-local-pooled-quantiles.json, and .venv/bin/python
 # benchmarks/sim_validate_sets.py --replicas 256 --set OUT=OUT/cpu-local-pooled-quantiles.json
-# (OUT relative to benchmarks/results), alone and with the earlier sets' --set, the
-# same on OUT/cpu-local-pooled-scaled.json, and benchmarks/sim_holdout.py with every set's
+# (OUT relative to benchmarks/results), alone and with the earlier sets' --set (1-v25
+# also on OUT/cpu-local-pooled-scaled.json; 1-v26 also --without-served-kind
+# prefill_burst, alone), and benchmarks/sim_holdout.py with every set's
 # --set (the refit below keeps the decode percentile
 # tables; v18-v22, made before they existed, were refitted into
 # cpu-local-pooled-quantiles.json, and v23-v25 named so)

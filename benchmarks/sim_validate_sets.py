@@ -34,23 +34,32 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 import sim_validate as sv  # noqa: E402
 
+from kvpush.sim.served import FALLBACK  # noqa: E402
+
 NAMES = ("quiet_512", "long_prompts", "short_high_rate", "prefix_hit",
          "prefix_hit_tail_on_decode")
 
 
 def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS,
-                  arrival_step_s: float | None = None) -> list[dict]:
+                  arrival_step_s: float | None = None,
+                  without_kind: str | None = None) -> list[dict]:
     """One row per cell present in every set: measured (all sets' repeats pooled) and
-    simulated (each set on its profile, requests pooled) metrics. ``arrival_step_s``: a
-    what-if, every profile's host.arrival_step_s set to it for all its step models."""
+    simulated (each set on its profile, requests pooled) metrics. What-ifs:
+    ``arrival_step_s``, every profile's host.arrival_step_s set to it for all its step
+    models; ``without_kind``, that kind of step's own served factor dropped from every
+    step model, so its steps take their fallback kind's (kvpush.sim.served)."""
     from kvpush.bench.compare_report import pooled
     from kvpush.sim.cluster import summarize
     from kvpush.sim.profile import load_profile
+    from kvpush.sim.served import without_kind as drop
 
     profiles = [load_profile(p) for _, p in sets]
     if arrival_step_s is not None:
         profiles = [dataclasses.replace(p, arrival_step_s=dict.fromkeys(
             p.step_models, arrival_step_s)) for p in profiles]
+    if without_kind is not None:
+        profiles = [dataclasses.replace(p, step_models={
+            n: drop(m, without_kind) for n, m in p.step_models.items()}) for p in profiles]
     rows = []
     for name in NAMES:
         per_set = [{(rate, label): (w, cluster, reps)
@@ -91,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arrival-step-s", type=float, metavar="SECONDS",
                     help="a what-if, not a prediction: every profile's host.arrival_step_s "
                          "set to this for all step models")
+    ap.add_argument("--without-served-kind", choices=sorted(FALLBACK), metavar="KIND",
+                    help="a what-if, not a prediction: every profile's served factor of "
+                         "this kind of step dropped, its steps priced by the kind it "
+                         "falls back to (prefill_burst -> prefill_batched -> prefill)")
     ap.add_argument("--marker", default="sim_validate_sets",
                     help="the SIMULATION.md markers to write between")
     ap.add_argument("--no-write", action="store_true", help="print only")
@@ -103,10 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.results and not args.no_write and (why := check_results_markers(args.marker)):
         ap.error(why)
     sets = parse_sets(ap, args.set)
-    rows = validate_sets(sets, args.replicas, args.arrival_step_s)
+    rows = validate_sets(sets, args.replicas, args.arrival_step_s, args.without_served_kind)
     what_if = ("" if args.arrival_step_s is None else
                f"**What-if, not a prediction:** every profile's host.arrival_step_s set to "
                f"{1e3 * args.arrival_step_s:g} ms for all step models. ")
+    if args.without_served_kind:
+        what_if += (f"**What-if, not a prediction:** every profile's served factor for "
+                    f"{args.without_served_kind} steps dropped (priced by "
+                    f"{FALLBACK[args.without_served_kind]}'s). ")
     body = (what_if + "Each cell pools the repeats of the sets "
             + ", ".join(f"`{f}` (profile `{p.relative_to(sv.RESULTS)}`)" for f, p in sets)
             + f"; simulated: each set on its own profile, {args.replicas} noise seeds "
@@ -118,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             + " ".join(f"--set {t}" for t in args.set)
             + (f" --arrival-step-s {args.arrival_step_s:g}"
                if args.arrival_step_s is not None else "")
+            + (f" --without-served-kind {args.without_served_kind}"
+               if args.without_served_kind else "")
             + (f" --replicas {args.replicas}" if args.replicas != sv.REPLICAS else "")
             + (f" --marker {args.marker}" if args.marker != "sim_validate_sets" else "")
             + (" --results" if args.results else "")

@@ -118,6 +118,25 @@ def test_validate_sets_arrival_cost_what_if_lengthens_loaded_cells():
     assert row["meas_median_ttft_ms"] == base[key]["meas_median_ttft_ms"]
 
 
+def test_validate_sets_without_a_served_kind_prices_its_steps_by_the_fallback():
+    """v21's 2-thread profile prices batched prefills at 1.14x the engine alone, lone
+    ones at ~1.05x: without the batched factor, the colocated instance's short-prompt
+    bursts (eight prompts a step) simulate faster; the measurement is untouched."""
+    v21 = ("sim/v21", ROOT / "benchmarks/results/sim/v21/cpu-local-pooled.json")
+    key = ("short_high_rate", "colocated", "inf")
+
+    def cell(**what_if):
+        rows = svs.validate_sets([v21], replicas=1, **what_if)
+        return next(r for r in rows if (r["workload"], r["mode"], r["rate"]) == key)
+
+    base, dropped = cell(), cell(without_kind="prefill_batched")
+    assert dropped["sim_median_ttft_ms"] < 0.97 * base["sim_median_ttft_ms"]
+    assert dropped["meas_median_ttft_ms"] == base["meas_median_ttft_ms"]
+    # v21's profile has no burst factor: dropping it prices every step as before
+    assert cell(without_kind="prefill_burst")["sim_median_ttft_ms"] == pytest.approx(
+        base["sim_median_ttft_ms"])
+
+
 def test_arrival_fit_recovers_the_cost_per_arrival_beside_per_run_speeds():
     rows = []
     for run, k in enumerate((0.9, 1.0, 1.15)):  # each run at its own host speed

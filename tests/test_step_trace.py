@@ -117,7 +117,9 @@ from kvpush.sim.served import (  # noqa: E402
     served_model_from,
     step_kind,
     step_pairs,
+    without_kind,
 )
+from kvpush.sim.step_models import ScaledStepModel  # noqa: E402
 from test_sim import BASE  # noqa: E402
 
 
@@ -153,6 +155,29 @@ def test_served_factors_scale_step_times_per_kind():
     f = profile_from_dict(d).step_model("prefill")
     assert f.step_time(burst) == pytest.approx(0.9 * a.step_time(burst))
     assert f.step_time(batched) == pytest.approx(1.2 * a.step_time(batched))
+
+
+def test_a_served_kind_dropped_falls_back():
+    """The what-if of sim_validate_sets.py --without-served-kind: the kind's own factor
+    and curve go, its steps take the fallback's; other kinds and plain models stay."""
+    d = copy.deepcopy(BASE)
+    d["host"] = {"corun_slowdown": 1.0, "served_factors": {"s": {
+        "prefill": 1.2, "prefill_batched": 1.4, "prefill_burst": 0.9, "decode": 1.5}},
+        "served_factor_curves": {"s": {"prefill_burst": [[0.1, 0.8], [1.0, 0.9]]}}}
+    served = profile_from_dict(d).step_model("prefill")
+    plain = profile_from_dict(copy.deepcopy(BASE)).step_model("prefill")
+    burst, batched = [(128, 0)] * 8, [(128, 0)] * 2
+    dropped = without_kind(served, "prefill_burst")
+    assert dropped.step_time(burst) == pytest.approx(1.4 * plain.step_time(burst))
+    assert dropped.step_time(batched) == served.step_time(batched)
+    assert without_kind(dropped, "prefill_batched").step_time(burst) == pytest.approx(
+        1.2 * plain.step_time(burst))
+    assert without_kind(plain, "prefill_burst") is plain
+    scaled = ScaledStepModel(served, 2.0)  # a wrapper around a served model: reached
+    assert without_kind(scaled, "prefill_burst").step_time(burst) == pytest.approx(
+        2 * 1.4 * plain.step_time(burst))
+    with pytest.raises(ValueError, match="no fallback"):
+        without_kind(served, "decode")
 
 
 @pytest.mark.parametrize("bad, message", [

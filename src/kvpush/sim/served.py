@@ -65,7 +65,7 @@ import math
 import statistics
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,19 @@ class ServedStepModel:
     def step_time(self, chunks: Sequence[Chunk]) -> float:
         t = self.inner.step_time(chunks)
         return t * self.factor(step_kind(chunks), t)
+
+
+def without_kind(model: StepModel, kind: str) -> StepModel:
+    """``model`` with ``kind``'s own served factor and curve dropped, so that its steps
+    take their :data:`FALLBACK`'s (a what-if); inside a wrapper (a scaled model) too; a
+    model without served factors as is."""
+    if kind not in FALLBACK:
+        raise ValueError(f"{kind!r} has no fallback kind (one of {', '.join(FALLBACK)})")
+    if not isinstance(model, ServedStepModel):
+        inner = getattr(model, "inner", None)
+        return replace(model, inner=without_kind(inner, kind)) if inner else model
+    return replace(model, factors={k: v for k, v in model.factors.items() if k != kind},
+                   curves={k: v for k, v in model.curves.items() if k != kind})
 
 
 def curve_factor(curve: RowTable, t: float) -> float:
