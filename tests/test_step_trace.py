@@ -146,6 +146,10 @@ def test_served_factors_scale_step_times_per_kind():
     # four or more prompts to a step: a burst, priced by its own factor, else batched's
     burst = [(128, 0)] * 4 + [(1, 64)]
     assert step_kind(burst) == "prefill_burst" and step_kind(burst[1:]) == "prefill_batched"
+    # two full 384-token prompts and the ends of two more: four chunks, not short ones
+    assert step_kind([(130, 0), (384, 0), (384, 0), (122, 0)]) == "prefill_batched"
+    assert step_kind([(256, 0)] * 4) == "prefill_burst"
+    assert step_kind([(257, 0)] + [(256, 0)] * 3) == "prefill_batched"
     assert c.step_time(burst) == pytest.approx(1.4 * a.step_time(burst))
     d["host"]["served_factors"]["s"]["prefill_burst"] = 0.9
     e = profile_from_dict(d).step_model("prefill")

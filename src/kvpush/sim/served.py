@@ -10,11 +10,12 @@ it serves a short workload through a real instance and the router with the per-s
 trace on (kvpush.engine.step_trace), prices every traced step with the engine-alone step
 model, and relates measured to modelled per kind of step:
 
-* ``prefill_burst``: a step with the prefill of :data:`BURST_MIN_PROMPTS` or more prompts
-  (chunks of at least :data:`BATCHED_MIN_TOKENS` tokens each): a burst of short prompts
-  prefilled together, eight 128-token prompts to a 1024-token step;
-* ``prefill_batched``: a step with the prefill of two or three such prompts: longer
-  prompts prefilled together (two or three 384-token prompts to a step);
+* ``prefill_burst``: a step with the prefill of :data:`BURST_MIN_PROMPTS` or more short
+  prompts (chunks of :data:`BATCHED_MIN_TOKENS` to :data:`BURST_MAX_TOKENS` tokens): a
+  burst of short prompts prefilled together, eight 128-token prompts to a 1024-token step;
+* ``prefill_batched``: any other step with the prefill of two or more prompts (chunks of
+  at least :data:`BATCHED_MIN_TOKENS` tokens): longer prompts prefilled together (two
+  384-token prompts and the ends of their neighbours to a step);
 * ``prefill``: any other step with a chunk of more than one token (with or without
   decodes): one prompt's chunk, perhaps with a few tokens of the next;
 * ``decode``: a step of one-token decode rows only.
@@ -78,18 +79,21 @@ FALLBACK = {"prefill_burst": "prefill_batched", "prefill_batched": "prefill"}
 #: the size from which a prefill chunk counts as a prompt's prefill in a batched step
 #: (smaller ones: the tail of a token budget that a step's main prompt left over)
 BATCHED_MIN_TOKENS = 64
-#: prompts' chunks in a step from which it is a burst (the engine's 1024-token budget
-#: holds at most two full 384-token prompts and eight 128-token ones)
+#: short prompts' chunks in a step from which it is a burst (the engine's 1024-token
+#: budget holds eight 128-token prompts)
 BURST_MIN_PROMPTS = 4
+#: the largest chunk that counts as a short prompt's in a burst: a step of two full
+#: 384-token prompts and the ends of two more (130 + 384 + 384 + 122) is not a burst
+BURST_MAX_TOKENS = 256
 
 
 def step_kind(chunks: Sequence[Sequence[Any]]) -> str:
     if decode_only(chunks):
         return "decode"
-    big = sum(1 for c in chunks if c[0] >= BATCHED_MIN_TOKENS)
-    if big >= BURST_MIN_PROMPTS:
+    big = [c[0] for c in chunks if c[0] >= BATCHED_MIN_TOKENS]
+    if sum(n <= BURST_MAX_TOKENS for n in big) >= BURST_MIN_PROMPTS:
         return "prefill_burst"
-    return "prefill_batched" if big >= 2 else "prefill"
+    return "prefill_batched" if len(big) >= 2 else "prefill"
 
 
 def factor_key(kind: str, present: Iterable[str]) -> str:
