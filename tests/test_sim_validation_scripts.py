@@ -195,6 +195,21 @@ def test_noise_phrase_names_each_kinds_noise():
     assert sv.noise_phrase({}) == ""
 
 
+def test_burst_start_reads_the_first_step_and_replays_it():
+    """burst_start.py on v26's short-prompt burst: the measured first steps took 1, 1
+    and 2 prompts, the 2-prompt one where the first two arrivals came 0.1 ms apart; the
+    simulator's front end spaces arrivals evenly, so its first step takes one (the
+    lead of SIMULATION.md 1-v26: a change there shows here)."""
+    import burst_start
+
+    out = burst_start.burst_starts("sim/v26", "cpu-local-pooled-quantiles.json", seeds=2)
+    assert [n for n, _, _ in out["measured"]] == [1, 1, 2]
+    gaps = [gap for _, gap, _ in out["measured"]]
+    assert gaps[2] < 0.001 < min(gaps[:2])
+    assert all(0 <= wake < 0.01 for _, _, wake in out["measured"])
+    assert out["simulated"] == [1] * 6
+
+
 def test_bimodal_cells_counts_the_requests_that_waited_a_mixed_step():
     """bimodal_cells.py on v20's 512-token colocated cells at 0.5 req/s: 15 of the 30
     requests waited a mixed step (5 in each repeat), so the median lies in the gap
