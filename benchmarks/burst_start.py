@@ -20,7 +20,6 @@ on the set's profile over ``--seeds`` noise seeds per repeat (SIMULATION.md 1-v2
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,35 +36,31 @@ def prompts(chunks: list[Any]) -> int:
     return sum(1 for c in chunks if c[0] > 1)
 
 
-@dataclasses.dataclass(frozen=True)
-class FirstStep:
-    """A step model that notes the prompts of the first step it prices into ``seen``."""
+def first_step_prompts(result: Any) -> int:
+    """Prompts the simulated run's first prefill step took: the requests whose first
+    chunk was scheduled at the earliest time any was."""
+    from kvpush.sim.workload import Stage
 
-    inner: Any
-    seen: list[int]
-
-    def step_time(self, chunks: Any) -> float:
-        if not self.seen:
-            self.seen.append(prompts(chunks))
-        return self.inner.step_time(chunks)
+    starts = [r.stages[Stage.PREFILL_STARTED] for r in result.requests
+              if Stage.PREFILL_STARTED in r.stages]
+    return starts.count(min(starts))
 
 
 def burst_starts(folder: str, profile: str, workload: str = "short_high_rate",
                  rate: str = "inf", seeds: int = 8) -> dict[str, Any]:
     """``measured``: per repeat (first-step prompts, first arrival gap s, wake s);
-    ``simulated``: first-step prompts of every simulated run (``seeds`` per repeat)."""
+    ``simulated``: first-step prompts of every simulated run (``seeds`` per repeat, as
+    sim_validate.simulated_measurements replays them)."""
     from kvpush.engine.step_trace import read_arrivals
-    from kvpush.sim.cluster import simulate
     from kvpush.sim.profile import load_profile
     from kvpush.sim.served import traced_steps
 
-    base = load_profile(sv.RESULTS / folder / profile)
+    prof = load_profile(sv.RESULTS / folder / profile)
     measured, simulated = [], []
     for r, label, w, cluster, _cell, reps in sv.cells(f"{folder}/{workload}"):
         if label != "colocated" or r != rate:
             continue
-        own = sv.per_repeat_arrivals(w, reps)
-        for k, run in enumerate(reps):
+        for run in reps:
             steps_dir = (sv.RESULTS / folder / workload / "steps"
                          / f"{run['mode_label']}_rep{run['repeat']}")
             files = sorted(steps_dir.glob("*.jsonl"))
@@ -75,14 +70,9 @@ def burst_starts(folder: str, profile: str, workload: str = "short_high_rate",
                               if window[0] <= t <= window[1])
             measured.append((prompts(steps[0]["chunks"]), arrivals[1] - arrivals[0],
                              steps[0]["t"] - arrivals[0]))
-            wk = dataclasses.replace(w, seed=sv.run_arrival_seed(w, run)) if own else w
-            for s in range(seeds):
-                seen: list[int] = []
-                prof = dataclasses.replace(base, step_models={
-                    n: FirstStep(m, seen) for n, m in base.step_models.items()})
-                simulate(prof, wk, dataclasses.replace(cluster, seed=cluster.seed
-                                                       + s * len(reps) + k))
-                simulated.append(seen[0])
+        simulated += [first_step_prompts(res) for group in
+                      sv.simulated_measurements(prof, w, cluster, reps, seeds)
+                      for res in group]
     return {"measured": measured, "simulated": simulated}
 
 

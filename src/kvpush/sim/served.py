@@ -242,7 +242,7 @@ def served_model_from(pairs: Mapping[str, Sequence[tuple[float, float]]]
         if k != "decode" and (curve := served_curve(pairs[k])):
             curves[k] = curve
     factors.setdefault("prefill", 1.0)
-    for kind in ("prefill_batched", "prefill_burst"):  # each after its fallback
+    for kind in (k for k in KINDS if k in FALLBACK):  # KINDS lists a fallback first
         if kind not in factors:
             factors[kind] = factors[FALLBACK[kind]]
             if FALLBACK[kind] in curves:
