@@ -11,7 +11,8 @@ prints, per run set, for the colocated cell of ``--workload`` at ``--rate`` (def
 short_high_rate, inf): per measured repeat the prompts in the first prefill step, the
 gap between the first two arrivals (the trace's arrival lines) and the first step's
 start after the first arrival; and how many prompts the simulator's first step takes
-on the set's profile over ``--seeds`` noise seeds per repeat (SIMULATION.md 1-v26):
+on the set's profile over ``--seeds`` noise seeds per repeat (SIMULATION.md 1-v26;
+since 1-v27 the profile may draw the first gap from the measured ones):
 
     .venv/bin/python benchmarks/burst_start.py sim/v18 ... sim/v26 \
         --profile cpu-local-pooled-quantiles.json
@@ -47,15 +48,21 @@ def first_step_prompts(result: Any) -> int:
 
 
 def burst_starts(folder: str, profile: str, workload: str = "short_high_rate",
-                 rate: str = "inf", seeds: int = 8) -> dict[str, Any]:
+                 rate: str = "inf", seeds: int = 8,
+                 burst_start_from: Path | None = None) -> dict[str, Any]:
     """``measured``: per repeat (first-step prompts, first arrival gap s, wake s);
     ``simulated``: first-step prompts of every simulated run (``seeds`` per repeat, as
-    sim_validate.simulated_measurements replays them)."""
+    sim_validate.simulated_measurements replays them), on the set's profile, or where
+    it measured no burst start, with ``burst_start_from``'s (sim_validate_sets)."""
+    from sim_validate_sets import with_burst_start
+
     from kvpush.engine.step_trace import read_arrivals
     from kvpush.sim.profile import load_profile
     from kvpush.sim.served import traced_steps
 
     prof = load_profile(sv.RESULTS / folder / profile)
+    if burst_start_from is not None:
+        prof = with_burst_start(prof, load_profile(burst_start_from))
     measured, simulated = [], []
     for r, label, w, cluster, _cell, reps in sv.cells(f"{folder}/{workload}"):
         if label != "colocated" or r != rate:
@@ -84,11 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="short_high_rate")
     ap.add_argument("--rate", default="inf")
     ap.add_argument("--seeds", type=int, default=8, help="noise seeds per measured repeat")
+    ap.add_argument("--burst-start-from", metavar="PROFILE",
+                    help="sets whose profile measured no burst start take this one's "
+                         "(under benchmarks/results; as sim_validate_sets.py)")
     args = ap.parse_args(argv)
+    lender = sv.RESULTS / args.burst_start_from if args.burst_start_from else None
+    if lender is not None and not lender.is_file():
+        ap.error(f"--burst-start-from: no file {lender}")
     print("| set | measured: first-step prompts (first arrival gap, wake; ms) | "
           "simulated: first-step prompts (runs) |\n|---|---|---|")
     for folder in args.sets:
-        out = burst_starts(folder, args.profile, args.workload, args.rate, args.seeds)
+        out = burst_starts(folder, args.profile, args.workload, args.rate, args.seeds,
+                           lender)
         meas = "; ".join(f"{n} ({1e3 * gap:.1f}, {1e3 * wake:.1f})"
                          for n, gap, wake in out["measured"])
         sim = out["simulated"]

@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import sim_validate as sv  # noqa: E402
-from sim_validate_sets import NAMES, parse_sets  # noqa: E402
+from sim_validate_sets import NAMES, parse_sets, with_burst_start  # noqa: E402
 
 
 def err(value: float, ref: float) -> float:
@@ -50,15 +50,20 @@ def same_cell(a: tuple, b: tuple) -> bool:
             and a[1] == b[1])
 
 
-def holdout(sets: list[tuple[str, Path]], replicas: int) -> list[dict]:
+def holdout(sets: list[tuple[str, Path]], replicas: int,
+            burst_start_from: Path | None = None) -> list[dict]:
     """One row per (set, cell present in every set): the set's measured metrics, the
     simulation's on its own profile, and the pooled measurement of the other sets that
-    ran the cell alike (``others``: 0 when none did, and no errors for it)."""
+    ran the cell alike (``others``: 0 when none did, and no errors for it). Profiles that
+    measured no burst start take ``burst_start_from``'s (sim_validate_sets)."""
     from kvpush.bench.compare_report import pooled
     from kvpush.sim.cluster import summarize
     from kvpush.sim.profile import load_profile
 
     profiles = [load_profile(p) for _, p in sets]
+    if burst_start_from is not None:
+        lender = load_profile(burst_start_from)
+        profiles = [with_burst_start(p, lender) for p in profiles]
     per_set = [{(name, rate, label): (w, cluster, cell, reps)
                 for name in NAMES
                 for rate, label, w, cluster, cell, reps in sv.cells(f"{folder}/{name}")}
@@ -145,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(at least two)")
     ap.add_argument("--replicas", type=int, default=sv.REPLICAS,
                     help="noise seeds per cell of each set, shared out among its repeats")
+    ap.add_argument("--burst-start-from", metavar="PROFILE",
+                    help="profiles that measured no burst start take this one's "
+                         "(under benchmarks/results; as sim_validate_sets.py)")
     ap.add_argument("--marker", default="sim_holdout",
                     help="the SIMULATION.md markers to write between")
     ap.add_argument("--no-write", action="store_true", help="print only")
@@ -156,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give at least two --set: each is held out against the others")
     if len({folder for folder, _ in sets}) < len(sets):
         ap.error("a --set folder is named twice: a set would be its own reference")
-    rows = holdout(sets, args.replicas)
+    lender = sv.RESULTS / args.burst_start_from if args.burst_start_from else None
+    if lender is not None and not lender.is_file():
+        ap.error(f"--burst-start-from: no file {lender}")
+    rows = holdout(sets, args.replicas, lender)
     short = " / ".join(t for _, t in sv.METRICS)
     body = ("Each set held out in turn. **sim**: the simulator on the set's own profile, "
             f"{args.replicas} noise seeds per cell shared out among its repeats; "
@@ -166,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{sv.TOLERANCE:.0%} of the held-out set's measurement ({short}); err = "
             "(prediction - measured) / measured. Command: `.venv/bin/python "
             "benchmarks/sim_holdout.py " + " ".join(f"--set {t}" for t in args.set)
+            + (f" --burst-start-from {args.burst_start_from}" if lender else "")
             + (f" --replicas {args.replicas}" if args.replicas != sv.REPLICAS else "")
             + (f" --marker {args.marker}" if args.marker != "sim_holdout" else "")
             + "`.\n\n" + score_table(rows) + "\n\nEvery miss, by either:\n\n"

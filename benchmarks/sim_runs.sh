@@ -10,7 +10,7 @@
 # so they rest on the same arrival draws (three per rate, four for the prefix-hit runs)
 # and differ mostly in the host's timing; a SEED at least 4 away from every earlier
 # SEED + 1000 x j (j = 0, 1, 2, ...) gives draws the simulator was never checked
-# against (v23: seed 23; v24: 47; v25: 71; v26: 97).
+# against (v23: seed 23; v24: 47; v25: 71; v26: 97; v27: 121).
 #
 # Repeats: 3 (4 for the short prefix-hit runs), pooled per cell: with 2, one slow step
 # (148 ms among 98-116) moved a p90 by 24% from one repeat to the other (v12). Each repeat
@@ -32,7 +32,9 @@
 # benchmarks/sim_validate_sets.py --replicas 256 --set OUT=OUT/cpu-local-pooled-quantiles.json
 # (OUT relative to benchmarks/results), alone and with the earlier sets' --set (1-v25
 # also on OUT/cpu-local-pooled-scaled.json; 1-v26 also --without-served-kind
-# prefill_burst, alone), and benchmarks/sim_holdout.py with every set's
+# prefill_burst, alone; since 1-v27 --burst-start-from OUT/cpu-local-pooled-quantiles.json
+# with the earlier sets, whose calibrations measured no burst start, and
+# --without-burst-start alone), and benchmarks/sim_holdout.py with every set's
 # --set (the refit below keeps the decode percentile
 # tables; v18-v22, made before they existed, were refitted into
 # cpu-local-pooled-quantiles.json, and v23-v25 named so)

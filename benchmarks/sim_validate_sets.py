@@ -40,20 +40,45 @@ NAMES = ("quiet_512", "long_prompts", "short_high_rate", "prefix_hit",
          "prefix_hit_tail_on_decode")
 
 
+def with_burst_start(profile, source=None):
+    """``profile`` with the burst start of ``source`` (handoff.burst_first_gaps_s and
+    engine_wake_s) if it measured none itself, or with none at all (``source`` None)."""
+    ho = profile.handoff
+    if source is None:
+        ho = dataclasses.replace(ho, burst_first_gaps_s=(), engine_wake_s=0.0)
+    elif not ho.burst_first_gaps_s:
+        ho = dataclasses.replace(ho, burst_first_gaps_s=source.handoff.burst_first_gaps_s,
+                                 engine_wake_s=source.handoff.engine_wake_s)
+    return dataclasses.replace(profile, handoff=ho)
+
+
 def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS,
                   arrival_step_s: float | None = None,
-                  without_kind: str | None = None) -> list[dict]:
+                  without_kind: str | None = None,
+                  burst_start_from: Path | None = None,
+                  without_burst_start: bool = False) -> list[dict]:
     """One row per cell present in every set: measured (all sets' repeats pooled) and
     simulated (each set on its profile, requests pooled) metrics. What-ifs:
     ``arrival_step_s``, every profile's host.arrival_step_s set to it for all its step
     models; ``without_kind``, that kind of step's own served factor dropped from every
-    step model, so its steps take their fallback kind's (kvpush.sim.served)."""
+    step model, so its steps take their fallback kind's (kvpush.sim.served);
+    ``without_burst_start``, no profile's bursts start with a drawn first gap or its
+    engines wake at once. ``burst_start_from``: the profiles that measured no burst
+    start (calibrated before the probe did) take that profile's."""
     from kvpush.bench.compare_report import pooled
     from kvpush.sim.cluster import summarize
     from kvpush.sim.profile import load_profile
     from kvpush.sim.served import without_kind as drop
 
     profiles = [load_profile(p) for _, p in sets]
+    if burst_start_from is not None:
+        source = load_profile(burst_start_from)
+        if not source.handoff.burst_first_gaps_s:
+            raise ValueError(f"{burst_start_from}: the profile has no "
+                             "handoff.burst_first_gaps_s to lend")
+        profiles = [with_burst_start(p, source) for p in profiles]
+    if without_burst_start:
+        profiles = [with_burst_start(p) for p in profiles]
     if arrival_step_s is not None:
         profiles = [dataclasses.replace(p, arrival_step_s=dict.fromkeys(
             p.step_models, arrival_step_s)) for p in profiles]
@@ -104,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="a what-if, not a prediction: every profile's served factor of "
                          "this kind of step dropped, its steps priced by the kind it "
                          "falls back to (prefill_burst -> prefill_batched -> prefill)")
+    ap.add_argument("--burst-start-from", metavar="PROFILE",
+                    help="profiles calibrated before the served probe measured how a "
+                         "burst starts take this profile's (handoff.burst_first_gaps_s "
+                         "and engine_wake_s; a file under benchmarks/results)")
+    ap.add_argument("--without-burst-start", action="store_true",
+                    help="a what-if, not a prediction: no profile's bursts draw their "
+                         "first gap, and engines start a step as soon as work arrives")
     ap.add_argument("--marker", default="sim_validate_sets",
                     help="the SIMULATION.md markers to write between")
     ap.add_argument("--no-write", action="store_true", help="print only")
@@ -115,8 +147,21 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--arrival-step-s must be >= 0")
     if args.results and not args.no_write and (why := check_results_markers(args.marker)):
         ap.error(why)
+    if args.burst_start_from and args.without_burst_start:
+        ap.error("--burst-start-from and --without-burst-start exclude each other")
     sets = parse_sets(ap, args.set)
-    rows = validate_sets(sets, args.replicas, args.arrival_step_s, args.without_served_kind)
+    lender = None
+    if args.burst_start_from:
+        lender = sv.RESULTS / args.burst_start_from
+        if not lender.is_file():
+            ap.error(f"--burst-start-from: no file {lender}")
+        from kvpush.sim.profile import load_profile
+
+        if not load_profile(lender).handoff.burst_first_gaps_s:
+            ap.error(f"--burst-start-from: {args.burst_start_from} measured no burst start "
+                     "(no handoff.burst_first_gaps_s)")
+    rows = validate_sets(sets, args.replicas, args.arrival_step_s,
+                         args.without_served_kind, lender, args.without_burst_start)
     what_if = ("" if args.arrival_step_s is None else
                f"**What-if, not a prediction:** every profile's host.arrival_step_s set to "
                f"{1e3 * args.arrival_step_s:g} ms for all step models. ")
@@ -124,7 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         what_if += (f"**What-if, not a prediction:** every profile's served factor for "
                     f"{args.without_served_kind} steps dropped (priced by "
                     f"{FALLBACK[args.without_served_kind]}'s). ")
-    body = (what_if + "Each cell pools the repeats of the sets "
+    if args.without_burst_start:
+        what_if += ("**What-if, not a prediction:** no profile's bursts draw their first "
+                    "gap (every gap is handoff.front_end_s) and engines start a step as "
+                    "soon as work arrives. ")
+    lent = ("" if lender is None else
+            f"Profiles without a measured burst start take `{args.burst_start_from}`'s "
+            "(handoff.burst_first_gaps_s and engine_wake_s). ")
+    body = (what_if + lent + "Each cell pools the repeats of the sets "
             + ", ".join(f"`{f}` (profile `{p.relative_to(sv.RESULTS)}`)" for f, p in sets)
             + f"; simulated: each set on its own profile, {args.replicas} noise seeds "
             "shared out among all the sets' repeats (rounded up to a whole number per "
@@ -137,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                if args.arrival_step_s is not None else "")
             + (f" --without-served-kind {args.without_served_kind}"
                if args.without_served_kind else "")
+            + (f" --burst-start-from {args.burst_start_from}" if lender else "")
+            + (" --without-burst-start" if args.without_burst_start else "")
             + (f" --replicas {args.replicas}" if args.replicas != sv.REPLICAS else "")
             + (f" --marker {args.marker}" if args.marker != "sim_validate_sets" else "")
             + (" --results" if args.results else "")

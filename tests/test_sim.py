@@ -660,6 +660,56 @@ def test_front_end_spreads_a_burst_and_the_first_step_runs_the_first_arrival():
         prof(handoff__front_end_s=-1.0)
 
 
+def test_a_bursts_first_gap_is_drawn_from_the_measured_ones():
+    """Eight requests at once, front end 5 ms each, a measured first gap of 20 ms: the
+    second request reaches the instance 20 ms after the first, the rest 5 ms apart after
+    it; several gaps measured: each run draws one, the same for the same seed."""
+    fe, hop = 0.005, BASE["handoff"]["client_hop_s"] + BASE["handoff"]["http_hop_s"]
+    w = Workload(8, math.inf, 64, 2, seed=0)
+    res, _ = _colocated_steps(prof(handoff__front_end_s=fe,
+                                   handoff__burst_first_gaps_s=[0.02]), w)
+    got = sorted(r.stages[Stage.PREFILL_RECEIVED] for r in res.requests)
+    assert got == pytest.approx([hop, 0.02 + hop] + [0.02 + k * fe + hop
+                                                     for k in range(1, 7)], abs=1e-9)
+    p = prof(handoff__front_end_s=fe, handoff__burst_first_gaps_s=[0.001, 0.002, 0.03])
+
+    def second(seed: int) -> float:
+        r = simulate(p, w, ClusterConfig("colocated", 0, 1, seed=seed)).requests
+        s = sorted(q.stages[Stage.PREFILL_RECEIVED] for q in r)
+        return s[1] - s[0]
+
+    gaps = [second(seed) for seed in range(12)]
+    assert gaps == [second(seed) for seed in range(12)]  # deterministic per seed
+    assert set(round(g, 9) for g in gaps) == {0.001, 0.002, 0.03}
+    # requests arriving apart are not a burst: the first gap does not apply
+    spaced = Workload(8, 2.0, 64, 2, seed=0)
+    a = simulate(prof(handoff__front_end_s=fe), spaced, ClusterConfig("colocated", 0, 1))
+    b = simulate(p, spaced, ClusterConfig("colocated", 0, 1))
+    assert [r.token_times for r in a.requests] == [r.token_times for r in b.requests]
+    for bad in ([-0.001], "0.01", [True]):
+        with pytest.raises(ProfileError, match="burst_first_gaps_s"):
+            prof(handoff__burst_first_gaps_s=bad)
+
+
+def test_an_idle_engine_starts_its_step_after_the_wake_and_takes_what_came_meanwhile():
+    """A lone request's first token comes engine_wake_s later than without the wake. In a
+    burst whose first gap (1 ms) is shorter than the wake (2 ms), the first step takes
+    two prompts; with a first gap longer than the wake, one."""
+    w1 = Workload(1, 1.0, 64, 2, seed=0)
+    plain = simulate(prof(), w1, ClusterConfig("colocated", 0, 1)).requests[0]
+    woken = simulate(prof(handoff__engine_wake_s=0.002), w1,
+                     ClusterConfig("colocated", 0, 1)).requests[0]
+    assert woken.ttft - plain.ttft == pytest.approx(0.002, abs=1e-9)
+    w = Workload(8, math.inf, 64, 2, seed=0)
+    for first, rows in ((0.001, 2), (0.003, 1)):
+        _, steps = _colocated_steps(prof(handoff__front_end_s=0.005,
+                                         handoff__engine_wake_s=0.002,
+                                         handoff__burst_first_gaps_s=[first]), w)
+        assert sum(1 for c in steps[0][0] if c[0] > 1) == rows
+    with pytest.raises(ProfileError, match="engine_wake_s"):
+        prof(handoff__engine_wake_s=-1.0)
+
+
 # ---------------------------------------------------------------------------- CLI
 def test_cli_help(capsys):
     from kvpush.cli import main

@@ -226,4 +226,9 @@ def test_served_probe_records_the_arrival_cost(tiny_llama):
     assert "decode steps with / without arrivals" in logged[0]
     # ~100 decode steps: too few for a percentile table (MIN_QUANTILE_STEPS)
     assert out["noise_quantiles"] == {}
+    # the all-at-once run's and the burst's first gaps; light-rate arrivals that found
+    # the engine idle time its wake
+    assert len(out["burst_first_gaps_s"]) == 2
+    assert all(0 <= g < 1.0 for g in out["burst_first_gaps_s"])
+    assert 0 <= out["engine_wake_s"] < 0.05
     assert set(descendant_pids(os.getpid())) <= before

@@ -304,6 +304,8 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
         d["handoff"]["request_path_s"] = path_s
         d["handoff"]["push_prefill_step_s"] = 0.002 * speed
         d["handoff"]["push_layers_per_write"] = 3  # a setting: kept, not averaged
+        d["handoff"]["burst_first_gaps_s"] = [0.001 * speed, 0.01 * speed]
+        d["handoff"]["engine_wake_s"] = 0.0002 * speed
         d["measured"] = {
             "started_utc": f"t{speed}", "host_probe_ms": {"s": [200 * speed, 210 * speed]},
             "matmul_timings": {"s": [{"token_rows_s": [[1, 0.001 * speed]]}] * 3},
@@ -338,6 +340,9 @@ def test_refit_pools_calibrations_of_one_host(tmp_path, capsys):
     assert [t for _, t in rows] == pytest.approx([0.00105, 0.0042])
     assert new["host"]["corun_by_kind"]["prefill"] == pytest.approx(1.06)
     assert new["host"]["arrival_step_s"] == {"s": pytest.approx(0.0042)}
+    # the bursts' first gaps of both, together; the wake averaged
+    assert new["handoff"]["burst_first_gaps_s"] == pytest.approx([0.001, 0.01, 0.0011, 0.011])
+    assert new["handoff"]["engine_wake_s"] == pytest.approx(0.00021)
     assert new["handoff"]["request_path_s"] == pytest.approx(0.005)
     assert new["handoff"]["push_prefill_step_s"] == pytest.approx(0.0021)
     assert new["handoff"]["push_layers_per_write"] == 3
@@ -430,6 +435,7 @@ def test_calibrate_writes_the_served_probes_noise_into_host(tiny_llama, tmp_path
         return {"factors": {"prefill": 1.1, "prefill_batched": 1.2, "decode": 1.05},
                 "noise": {"prefill": 0.08, "decode": 0.04},
                 "noise_quantiles": {"decode": table},
+                "burst_first_gaps_s": [0.0001, 0.012], "engine_wake_s": 0.0002,
                 "arrival_step": {"arrival_step_s": 0.002, "steps": {}}}
 
     def fake_pair(model, engine_model, log=print):
@@ -447,6 +453,9 @@ def test_calibrate_writes_the_served_probes_noise_into_host(tiny_llama, tmp_path
     assert host["corun_by_kind"] == {"prefill": 1.03, "decode": 1.07}
     p = load_profile(out)
     assert p.has_noise and p.noise_quantiles("decode") == {"decode": tuple(table)}
+    # how the probe's bursts started, into the hand-off
+    assert p.handoff.burst_first_gaps_s == (0.0001, 0.012)
+    assert p.handoff.engine_wake_s == pytest.approx(0.0002)
     # the decode steps are drawn from the written table: without it (the log-normal of
     # the same sigmas) the same seed gives other token times
     w = Workload(4, 20.0, 32, 8)

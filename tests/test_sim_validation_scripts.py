@@ -137,6 +137,54 @@ def test_validate_sets_without_a_served_kind_prices_its_steps_by_the_fallback():
         base["sim_median_ttft_ms"])
 
 
+def test_validate_sets_lends_a_burst_start_and_drops_it(tmp_path):
+    """v26's profile measured no burst start. Lent one whose first gap (0) is shorter
+    than its engine wake (0.3 ms), every simulated burst's first step takes two prompts:
+    the 2-thread short-prompt burst's staircase moves up a step and its median TTFT falls
+    (the measurement is untouched); dropped again, the cell simulates as before. A lender
+    without first gaps is refused."""
+    import json
+
+    v26 = ("sim/v26", ROOT / "benchmarks/results/sim/v26/cpu-local-pooled-quantiles.json")
+    key = ("short_high_rate", "colocated", "inf")
+    data = json.loads(v26[1].read_text())
+    data["handoff"].update(burst_first_gaps_s=[0.0], engine_wake_s=0.0003)
+    lender = tmp_path / "lender.json"
+    lender.write_text(json.dumps(data))
+
+    def cell(sets, **what_if):
+        rows = svs.validate_sets(sets, replicas=3, **what_if)
+        return next(r for r in rows if (r["workload"], r["mode"], r["rate"]) == key)
+
+    base, lent = cell([v26]), cell([v26], burst_start_from=lender)
+    assert lent["sim_median_ttft_ms"] < 0.9 * base["sim_median_ttft_ms"]
+    assert lent["meas_median_ttft_ms"] == base["meas_median_ttft_ms"]
+    # the lender's own start, dropped: as the profile without it
+    dropped = cell([("sim/v26", lender)], without_burst_start=True)
+    assert dropped["sim_median_ttft_ms"] == pytest.approx(base["sim_median_ttft_ms"])
+    import burst_start
+
+    out = burst_start.burst_starts("sim/v26", "cpu-local-pooled-quantiles.json", seeds=2,
+                                   burst_start_from=lender)
+    assert out["simulated"] == [2] * 6
+    # the holdout lends it alike (v25 held out against v26 and back)
+    import sim_holdout
+
+    v25 = ("sim/v25", ROOT / "benchmarks/results/sim/v25/cpu-local-pooled-quantiles.json")
+
+    def held(**lend):
+        rows = sim_holdout.holdout([v25, v26], replicas=3, **lend)
+        return next(r for r in rows if (r["set"], r["workload"], r["rate"], r["mode"])
+                    == ("sim/v26", "short_high_rate", "inf", "colocated"))
+
+    assert held(burst_start_from=lender)["err_sim_median_ttft_ms"] < \
+        held()["err_sim_median_ttft_ms"] - 0.05
+    data["handoff"]["burst_first_gaps_s"] = []
+    lender.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="burst_first_gaps_s"):
+        svs.validate_sets([v26], replicas=1, burst_start_from=lender)
+
+
 def test_arrival_fit_recovers_the_cost_per_arrival_beside_per_run_speeds():
     rows = []
     for run, k in enumerate((0.9, 1.0, 1.15)):  # each run at its own host speed

@@ -112,7 +112,9 @@ pytest.importorskip("simpy")
 from kvpush.sim.profile import ProfileError, profile_from_dict  # noqa: E402
 from kvpush.sim.served import (  # noqa: E402
     curve_factor,
+    first_gap,
     front_end_gap,
+    idle_wakes,
     served_curve,
     served_model_from,
     step_kind,
@@ -266,3 +268,18 @@ def test_front_end_gap_is_the_mean_gap_of_a_burst():
     assert front_end_gap([10.0]) is None and front_end_gap([]) is None
     # order does not matter; 4 arrivals over 3 ms: 1 ms per request
     assert front_end_gap([10.003, 10.0, 10.001, 10.002]) == pytest.approx(0.001)
+
+
+def test_first_gap_is_the_gap_between_a_bursts_first_two_arrivals():
+    assert first_gap([10.0]) is None and first_gap([]) is None
+    assert first_gap([10.02, 10.0, 10.021, 10.0005]) == pytest.approx(0.0005)
+
+
+def test_idle_wakes_time_arrivals_that_found_the_engine_idle():
+    """Steps at 0-0.1 s and 1.0-1.1 s. An arrival at 0.5 s waits for the step at 1.0 s
+    (0.5 s); one at 0.05 s came mid-step and one at 2.0 s has no step after it: skipped."""
+    steps = [{"t": 1.0, "dur": 0.1}, {"t": 0.0, "dur": 0.1}]
+    assert idle_wakes([0.5, 0.05, 2.0], steps) == pytest.approx([0.5])
+    # an arrival right at a step's end found the engine idle
+    assert idle_wakes([0.1], steps) == pytest.approx([0.9])
+    assert idle_wakes([], steps) == [] and idle_wakes([0.5], []) == []

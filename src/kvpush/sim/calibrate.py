@@ -354,6 +354,9 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
         except (RuntimeError, OSError, ZeroDivisionError) as e:
             log(f"[calibrate] co-run probe failed ({e}); corun_slowdown 1")
     front_ends = [v["front_end_s"] for v in served.values() if v.get("front_end_s")]
+    first_gaps = [g for v in served.values() for g in v.get("burst_first_gaps_s", [])]
+    wakes = [v["engine_wake_s"] for v in served.values()
+             if v.get("engine_wake_s") is not None]
     paths = {k: [v[k] for v in served.values() if v.get(k) is not None]
              for k in ("request_path_s", "token_return_s")}
     one = f"threads={plan.threads[0]}"
@@ -444,8 +447,9 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                         else "PLATFORM.md figures (5-6 GB/s, ~2 us per descriptor)",
             "handoff": "estimates: localhost HTTP hop through uvicorn/httpx ~1 ms; side "
                        "channel one-way ~12 us (PLATFORM.md: 25 us round trip); "
-                       "front_end_s, request_path_s and token_return_s measured by the "
-                       "served probe, push_prefill_step_s by the pull / push pair probe "
+                       "front_end_s, burst_first_gaps_s, engine_wake_s, request_path_s "
+                       "and token_return_s measured by the served probe, "
+                       "push_prefill_step_s by the pull / push pair probe "
                        "(absent / 0 when they did not run)",
         },
         "model": shape,
@@ -466,6 +470,9 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
                     "side_channel_s": 1.2e-5, "handshake_s": 5e-3,
                     "front_end_s": round(statistics.median(front_ends), 6) if front_ends
                     else 0.0,
+                    **({"burst_first_gaps_s": first_gaps} if first_gaps else {}),
+                    **({"engine_wake_s": round(statistics.median(wakes), 6)} if wakes
+                       else {}),
                     **{k: round(statistics.median(v), 6) for k, v in paths.items() if v},
                     **{k: push_step[k] for k in PUSH_STEP_KEYS if k in push_step},
                     "pull_post_on_step_loop": False,

@@ -2,12 +2,14 @@
 
 The front end takes each request in turn (``front_end_s`` each: a burst of requests
 reaches the engines spread out, so the first step of a burst runs the first arrivals
-only, as on a real host); the router forwards it (client -> router -> instance:
-``request_path_s`` where measured, else ``client_hop_s`` + ``http_hop_s``), picks
-instances round-robin (kvpush's default policy) or by fewest outstanding requests, and
-in push mode dispatches both legs at once. Every token the client sees travels
-instance -> router -> client (``token_return_s`` where measured, else ``http_hop_s +
-client_hop_s``).
+only, as on a real host; the gap after a burst's first request is drawn from the
+measured ``burst_first_gaps_s`` where the profile has them, and an idle engine starts
+its step ``engine_wake_s`` after work reaches it); the router forwards it (client ->
+router -> instance: ``request_path_s`` where measured, else ``client_hop_s`` +
+``http_hop_s``), picks instances round-robin (kvpush's default policy) or by fewest
+outstanding requests, and in push mode dispatches both legs at once. Every token the
+client sees travels instance -> router -> client (``token_return_s`` where measured,
+else ``http_hop_s + client_hop_s``).
 """
 
 from __future__ import annotations
@@ -160,6 +162,13 @@ def simulate_pooled(profile: Profile, workload: Workload, config: ClusterConfig,
             for k in range(n)]
 
 
+def _opens_burst(reqs: list[SimRequest], i: int) -> bool:
+    """Whether request ``i`` is the first of several sent at the same instant."""
+    t = reqs[i].arrival
+    return (i + 1 < len(reqs) and reqs[i + 1].arrival == t
+            and (i == 0 or reqs[i - 1].arrival != t))
+
+
 def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> SimResult:
     """Replay ``workload`` through the cluster ``config`` on ``profile``; deterministic
     for a workload seed and ``config.seed``."""
@@ -197,6 +206,7 @@ def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> Sim
         for e in engines:  # one generator: SimPy's event order makes the draws repeatable
             e.noise = StepNoise(sigmas, noise_rng, quantiles) if sigmas or quantiles else None
             e.arrival_cost = profile.arrival_cost(role, overrides.get(role))
+            e.wake_s = ho.engine_wake_s
         return engines
 
     if config.mode == "colocated":
@@ -237,25 +247,30 @@ def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> Sim
         e.host, e.corun = engines, profile if profile.has_corun else None
 
     front_free = [0.0]  # when the front end is done with the requests before
+    # its own generator, so that a profile with first gaps draws the same step noise
+    gap_rng = random.Random(f"burst-first-gap/{config.seed}")
 
-    def through_front_end(req: SimRequest) -> None:
+    def through_front_end(req: SimRequest, gap: float) -> None:
         # the hops above are a lone request's path; a request queues only behind the
         # ones the front end is still passing on
         t = max(env.now, front_free[0])
-        front_free[0] = t + ho.front_end_s
+        front_free[0] = t + gap
         if t > env.now:
             env.timeout(t - env.now).callbacks.append(lambda _e: start(req))
         else:
             start(req)
 
     def arrivals():
-        for req in reqs:
+        for i, req in enumerate(reqs):
             if req.arrival > env.now:
                 yield env.timeout(req.arrival - env.now)
             req.mark(Stage.ARRIVED, env.now)
             for e in engines:
                 e.host_arrival()
-            through_front_end(req)
+            gap = ho.front_end_s
+            if ho.burst_first_gaps_s and _opens_burst(reqs, i):
+                gap = gap_rng.choice(ho.burst_first_gaps_s)
+            through_front_end(req, gap)
 
     env.process(arrivals())
     last = max((r.arrival for r in reqs), default=0.0)

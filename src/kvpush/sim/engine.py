@@ -100,6 +100,9 @@ class EngineSim:
         #: (Profile.arrival_cost), and what arrivals added to the one in flight so far
         self.arrival_cost = 0.0
         self._stolen = 0.0
+        #: from work reaching this engine while idle to its next step's start
+        #: (HandoffModel.engine_wake_s); whatever arrives meanwhile joins that step
+        self.wake_s = 0.0
         #: the jobs that decoded in the last step, by id; the dict holds the jobs
         #: themselves so that no id is reused by a new job while it is listed (an id set
         #: let a job created where a finished one lived skip its dense-cache fill, so
@@ -260,6 +263,8 @@ class EngineSim:
                     continue
                 self._wake = env.event()
                 yield self._wake
+                if self.wake_s > 0:
+                    yield env.timeout(self.wake_s)
                 continue
             dt = self.model.step_time(self.chunks(plan))
             decode_only = all(n == 1 for _, n in plan)

@@ -67,6 +67,17 @@ class HandoffModel:
     #: the front end (client, router, instance HTTP server) passes requests on one at a
     #: time, this long each: a burst reaches the engines spread out (0: all at once)
     front_end_s: float = 0.0
+    #: measured: how far apart the first two requests of a burst sent all at once
+    #: reached the engine, one figure per burst the served probe sent; the simulator draws
+    #: one per burst for its first gap (the rest keep ``front_end_s``). Empty: the first
+    #: gap is ``front_end_s`` too. The measured first gap is either a fraction of a
+    #: millisecond or 3-20 ms, and an engine whose first step starts after the second
+    #: request arrived prefills both in it (SIMULATION.md 1-v27).
+    burst_first_gaps_s: tuple[float, ...] = ()
+    #: measured: from a request reaching an idle engine's inbox to the start of the step
+    #: that takes it (the step loop waking and scheduling); what arrives meanwhile joins
+    #: that step
+    engine_wake_s: float = 0.0
     #: measured: a lone request from the client to its engine's inbox (None:
     #: client_hop_s + http_hop_s)
     request_path_s: float | None = None
@@ -304,9 +315,15 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
     ho = data.get("handoff")
     hn = _numbers(ho, f"{path}: handoff",
                   ("http_hop_s", "client_hop_s", "relay_s", "side_channel_s"),
-                  ("handshake_s", "front_end_s", "request_path_s", "token_return_s",
+                  ("handshake_s", "front_end_s", "engine_wake_s", "request_path_s",
+                   "token_return_s",
                    "push_prefill_step_s", "push_prefill_corun_step_s",
                    "push_prefill_block_s", "push_prefill_corun_block_s"))
+    gaps = ho.get("burst_first_gaps_s", [])
+    if not isinstance(gaps, Sequence) or isinstance(gaps, str) or any(
+            isinstance(g, bool) or not isinstance(g, (int, float)) or g < 0 for g in gaps):
+        raise ProfileError(f"{path}: handoff.burst_first_gaps_s must be a list of seconds "
+                           f">= 0, got {gaps!r}")
     group = ho.get("push_layers_per_write", 1)
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
         raise ProfileError(f"{path}: handoff.push_layers_per_write must be an integer >= 1, "
@@ -356,7 +373,8 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
         model=shape, step_models=models, roles={r: str(roles[r]) for r in ROLES},
         transfer=TransferModel(**tr),
         handoff=HandoffModel(**hn, pull_post_on_step_loop=bool(
-            ho.get("pull_post_on_step_loop", True)), push_layers_per_write=group),
+            ho.get("pull_post_on_step_loop", True)), push_layers_per_write=group,
+            burst_first_gaps_s=tuple(float(g) for g in gaps)),
         instance=limits, sources={str(k): str(v) for k, v in sources.items()},
         notes=tuple(str(n) for n in data.get("notes", ())), path=path,
         corun_slowdown=corun, corun_by_kind=by_kind, step_noise=noise,

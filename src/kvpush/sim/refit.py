@@ -124,10 +124,17 @@ def pool_calibrations(datas: list[dict[str, Any]], log: Callable[[str], None] = 
     for key in ("handoff", "transfer"):
         if all(isinstance(d.get(key), dict) for d in datas):
             out[key] = _mean_numbers([d[key] for d in datas])
+    # every calibration's bursts: their first gaps together, where all measured them
+    gaps = [d.get("handoff", {}).get("burst_first_gaps_s") for d in datas]
+    if isinstance(out.get("handoff"), dict):
+        out["handoff"].pop("burst_first_gaps_s", None)
+        if all(gaps):
+            out["handoff"]["burst_first_gaps_s"] = [g for gs in gaps for g in gs]
     out.setdefault("notes", []).append(
         f"Pooled from {len(datas)} calibrations ({', '.join(measured['pooled_from'])}): "
         "their step samples and served probe traces refitted together; matmul tables, "
-        "co-run factors, arrival costs, hand-off and transfer figures averaged.")
+        "co-run factors, arrival costs, hand-off and transfer figures averaged (the bursts' "
+        "first gaps, handoff.burst_first_gaps_s, put together).")
     return out
 
 

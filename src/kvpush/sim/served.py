@@ -292,6 +292,32 @@ def front_end_gap(arrivals: Sequence[float]) -> float | None:
     return (a[-1] - a[0]) / (len(a) - 1)
 
 
+def first_gap(arrivals: Sequence[float]) -> float | None:
+    """How far apart the first two arrivals of a burst sent all at once were (None for
+    fewer than two)."""
+    if len(arrivals) < 2:
+        return None
+    a = sorted(arrivals)
+    return a[1] - a[0]
+
+
+def idle_wakes(arrivals: Sequence[float], steps: Sequence[Mapping[str, Any]]
+               ) -> list[float]:
+    """For each arrival that found the engine idle (no traced step in flight), the time
+    to the start of the next step: the step loop waking up and scheduling it."""
+    from bisect import bisect_left
+
+    steps = sorted(steps, key=lambda st: st["t"])
+    starts = [st["t"] for st in steps]
+    out = []
+    for a in sorted(arrivals):
+        j = bisect_left(starts, a)
+        if j == len(steps) or (j and steps[j - 1]["t"] + steps[j - 1]["dur"] > a):
+            continue
+        out.append(starts[j] - a)
+    return out
+
+
 def lone_paths(run: Mapping[str, Any], arrivals: Sequence[float],
                step_ends: Sequence[float]) -> tuple[list[float], list[float]]:
     """(way in, first token's way out) of each request of a ``kvpush bench`` run, in
@@ -384,8 +410,11 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
                  log: Callable[[str], None] = print) -> dict[str, Any]:
     """Serve ``probe`` with ``threads`` torch threads; measured / modelled step times per
     kind (``factors``) and the number of steps behind each, the front end's gap
-    between the arrivals of the all-at-once burst (``front_end_s``, None without one)
-    and the traced steps themselves (``trace``)."""
+    between the arrivals of the all-at-once burst (``front_end_s``, None without one),
+    the gap between the first two arrivals of each all-at-once run
+    (``burst_first_gaps_s``), how soon an idle engine starts a step for a light-rate
+    arrival (``engine_wake_s``, median; None without one) and the traced steps
+    themselves (``trace``)."""
     import json
 
     from kvpush.engine.step_trace import read_arrivals
@@ -407,30 +436,47 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
         steps = traced_steps(files)
         arrivals = [t for f in files for t in read_arrivals(f)]
         step_ends = [st["t"] + st["dur"] for st in steps]
-        gaps, ways_in, ways_out = [], [], []
+        gaps, ways_in, ways_out, wakes = [], [], [], []
         for path in sorted(Path(tmp).glob("phase*/runs/*.json")):
             run = json.loads(path.read_text())
+            window = [t for t in arrivals if run["wall_start"] <= t <= run["wall_end"]]
             if math.isinf(float(run["request_rate"])):
-                gap = front_end_gap([t for t in arrivals
-                                     if run["wall_start"] <= t <= run["wall_end"]])
+                gap = front_end_gap(window)
                 if gap is not None:
                     gaps.append(gap)
             else:
                 ins, outs = lone_paths(run, arrivals, step_ends)
                 ways_in += ins
                 ways_out += outs
+                wakes += idle_wakes(window, steps)
+        # every all-at-once run's first gap, the burst phase's too
+        burst_files = sorted(Path(tmp).glob("burst/steps/**/*.jsonl"))
+        burst_arrivals = [t for f in burst_files for t in read_arrivals(f)]
+        first_gaps = []
+        for path in sorted(Path(tmp).glob("*/runs/*.json")):
+            run = json.loads(path.read_text())
+            if math.isinf(float(run["request_rate"])):
+                gap = first_gap([t for t in arrivals + burst_arrivals
+                                 if run["wall_start"] <= t <= run["wall_end"]])
+                if gap is not None:
+                    first_gaps.append(round(gap, 6))
     fit = fit_served(steps + burst_steps, engine_model)
     factors, curves, noise = fit.factors, fit.curves, fit.noise
     from kvpush.sim.arrival_cost import arrival_step_cost
 
     arrival = arrival_step_cost(steps, arrivals, engine_model)
     front_end = statistics.median(gaps) if gaps else None
+    wake = statistics.median(wakes) if wakes else None
     way_in = statistics.median(ways_in) if ways_in else None
     way_out = statistics.median(ways_out) if ways_out else None
     log(f"[calibrate] served probe, threads={threads}: steps in the server / engine alone "
         + ", ".join(f"{k} {describe(factors[k], curves.get(k))} ({fit.steps[k]} steps)"
                     for k in KINDS)
         + (f"; front end {1e3 * front_end:.2f} ms per request" if front_end else "")
+        + (" (first gaps of its bursts: "
+           + ", ".join(f"{1e3 * g:.2f}" for g in first_gaps) + " ms)" if first_gaps else "")
+        + (f"; an idle engine starts a step {1e3 * wake:.2f} ms after a request"
+           if wake is not None else "")
         + (f"; request in {1e3 * way_in:.1f} ms, token #1 out {1e3 * way_out:.1f} ms"
            if way_in is not None and way_out is not None else "")
         + ("; scatter " + ", ".join(f"{k} {v:.1%}" for k, v in noise.items()) if noise
@@ -442,6 +488,7 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
             "steps": fit.steps, "noise": noise,
             "noise_quantiles": {k: list(v) for k, v in fit.noise_quantiles.items()},
             "front_end_s": front_end,
+            "burst_first_gaps_s": first_gaps, "engine_wake_s": wake,
             "request_path_s": way_in, "token_return_s": way_out,
             # kvpush.sim.arrival_cost: host.arrival_step_s for this thread count
             "arrival_step": arrival,
