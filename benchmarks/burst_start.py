@@ -30,6 +30,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import sim_validate as sv  # noqa: E402
+from sim_validate_sets import load_lender, with_burst_start  # noqa: E402
 
 
 def prompts(chunks: list[Any]) -> int:
@@ -54,15 +55,13 @@ def burst_starts(folder: str, profile: str, workload: str = "short_high_rate",
     ``simulated``: first-step prompts of every simulated run (``seeds`` per repeat, as
     sim_validate.simulated_measurements replays them), on the set's profile, or where
     it measured no burst start, with ``burst_start_from``'s (sim_validate_sets)."""
-    from sim_validate_sets import with_burst_start
-
     from kvpush.engine.step_trace import read_arrivals
     from kvpush.sim.profile import load_profile
-    from kvpush.sim.served import traced_steps
+    from kvpush.sim.served import first_gap, traced_steps
 
     prof = load_profile(sv.RESULTS / folder / profile)
     if burst_start_from is not None:
-        prof = with_burst_start(prof, load_profile(burst_start_from))
+        prof = with_burst_start(prof, load_lender(burst_start_from))
     measured, simulated = [], []
     for r, label, w, cluster, _cell, reps in sv.cells(f"{folder}/{workload}"):
         if label != "colocated" or r != rate:
@@ -75,7 +74,7 @@ def burst_starts(folder: str, profile: str, workload: str = "short_high_rate",
             steps = traced_steps(files, *window)
             arrivals = sorted(t for f in files for t in read_arrivals(f)
                               if window[0] <= t <= window[1])
-            measured.append((prompts(steps[0]["chunks"]), arrivals[1] - arrivals[0],
+            measured.append((prompts(steps[0]["chunks"]), first_gap(arrivals),
                              steps[0]["t"] - arrivals[0]))
         simulated += [first_step_prompts(res) for group in
                       sv.simulated_measurements(prof, w, cluster, reps, seeds)
@@ -98,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     lender = sv.RESULTS / args.burst_start_from if args.burst_start_from else None
     if lender is not None and not lender.is_file():
         ap.error(f"--burst-start-from: no file {lender}")
+    if lender is not None:
+        try:
+            load_lender(lender)
+        except ValueError as e:
+            ap.error(f"--burst-start-from: {e}")
     print("| set | measured: first-step prompts (first arrival gap, wake; ms) | "
           "simulated: first-step prompts (runs) |\n|---|---|---|")
     for folder in args.sets:

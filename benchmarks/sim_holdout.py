@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import sim_validate as sv  # noqa: E402
-from sim_validate_sets import NAMES, parse_sets, with_burst_start  # noqa: E402
+from sim_validate_sets import NAMES, load_lender, parse_sets, with_burst_start  # noqa: E402
 
 
 def err(value: float, ref: float) -> float:
@@ -62,7 +62,7 @@ def holdout(sets: list[tuple[str, Path]], replicas: int,
 
     profiles = [load_profile(p) for _, p in sets]
     if burst_start_from is not None:
-        lender = load_profile(burst_start_from)
+        lender = load_lender(burst_start_from)
         profiles = [with_burst_start(p, lender) for p in profiles]
     per_set = [{(name, rate, label): (w, cluster, cell, reps)
                 for name in NAMES
@@ -167,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     lender = sv.RESULTS / args.burst_start_from if args.burst_start_from else None
     if lender is not None and not lender.is_file():
         ap.error(f"--burst-start-from: no file {lender}")
+    if lender is not None:
+        try:
+            load_lender(lender)
+        except ValueError as e:
+            ap.error(f"--burst-start-from: {e}")
     rows = holdout(sets, args.replicas, lender)
     short = " / ".join(t for _, t in sv.METRICS)
     body = ("Each set held out in turn. **sim**: the simulator on the set's own profile, "

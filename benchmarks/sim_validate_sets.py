@@ -52,6 +52,17 @@ def with_burst_start(profile, source=None):
     return dataclasses.replace(profile, handoff=ho)
 
 
+def load_lender(path: Path):
+    """The profile at ``path``, to lend its burst start (:func:`with_burst_start`); a
+    ValueError if it measured none."""
+    from kvpush.sim.profile import load_profile
+
+    lender = load_profile(path)
+    if not lender.handoff.burst_first_gaps_s:
+        raise ValueError(f"{path}: the profile has no handoff.burst_first_gaps_s to lend")
+    return lender
+
+
 def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS,
                   arrival_step_s: float | None = None,
                   without_kind: str | None = None,
@@ -72,10 +83,7 @@ def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS,
 
     profiles = [load_profile(p) for _, p in sets]
     if burst_start_from is not None:
-        source = load_profile(burst_start_from)
-        if not source.handoff.burst_first_gaps_s:
-            raise ValueError(f"{burst_start_from}: the profile has no "
-                             "handoff.burst_first_gaps_s to lend")
+        source = load_lender(burst_start_from)
         profiles = [with_burst_start(p, source) for p in profiles]
     if without_burst_start:
         profiles = [with_burst_start(p) for p in profiles]
@@ -155,11 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         lender = sv.RESULTS / args.burst_start_from
         if not lender.is_file():
             ap.error(f"--burst-start-from: no file {lender}")
-        from kvpush.sim.profile import load_profile
-
-        if not load_profile(lender).handoff.burst_first_gaps_s:
-            ap.error(f"--burst-start-from: {args.burst_start_from} measured no burst start "
-                     "(no handoff.burst_first_gaps_s)")
+        try:
+            load_lender(lender)
+        except ValueError as e:
+            ap.error(f"--burst-start-from: {e}")
     rows = validate_sets(sets, args.replicas, args.arrival_step_s,
                          args.without_served_kind, lender, args.without_burst_start)
     what_if = ("" if args.arrival_step_s is None else

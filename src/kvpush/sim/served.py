@@ -426,40 +426,40 @@ def probe_served(model: str, threads: int, engine_model: StepModel,
         for i, (input_len, num_prompts, rates) in enumerate(phases):
             serve_traced(Path(tmp) / f"phase{i}", model, "colocated", threads, rates,
                          input_len, probe.output_len, num_prompts, probe.seed)
-        burst_steps = []
+        def windows(pattern: str, arrivals: list[float]):
+            """Each run of ``pattern`` with the arrivals its wall-clock window holds."""
+            for path in sorted(Path(tmp).glob(pattern)):
+                run = json.loads(path.read_text())
+                yield run, [t for t in arrivals if run["wall_start"] <= t <= run["wall_end"]]
+
+        # every all-at-once run's first gap, the burst phase's first
+        burst_steps, first_gaps = [], []
         if probe.burst_input_len:
             serve_traced(Path(tmp) / "burst", model, "colocated", threads, [math.inf],
                          probe.burst_input_len, probe.burst_output_len,
                          probe.burst_num_prompts, probe.seed)
-            burst_steps = traced_steps(sorted(Path(tmp).glob("burst/steps/**/*.jsonl")))
+            burst_files = sorted(Path(tmp).glob("burst/steps/**/*.jsonl"))
+            burst_steps = traced_steps(burst_files)
+            for _run, window in windows("burst/runs/*.json",
+                                        [t for f in burst_files for t in read_arrivals(f)]):
+                if (first := first_gap(window)) is not None:
+                    first_gaps.append(round(first, 6))
         files = sorted(Path(tmp).glob("phase*/steps/**/*.jsonl"))
         steps = traced_steps(files)
         arrivals = [t for f in files for t in read_arrivals(f)]
         step_ends = [st["t"] + st["dur"] for st in steps]
         gaps, ways_in, ways_out, wakes = [], [], [], []
-        for path in sorted(Path(tmp).glob("phase*/runs/*.json")):
-            run = json.loads(path.read_text())
-            window = [t for t in arrivals if run["wall_start"] <= t <= run["wall_end"]]
+        for run, window in windows("phase*/runs/*.json", arrivals):
             if math.isinf(float(run["request_rate"])):
-                gap = front_end_gap(window)
-                if gap is not None:
+                if (gap := front_end_gap(window)) is not None:
                     gaps.append(gap)
+                if (first := first_gap(window)) is not None:
+                    first_gaps.append(round(first, 6))
             else:
                 ins, outs = lone_paths(run, arrivals, step_ends)
                 ways_in += ins
                 ways_out += outs
                 wakes += idle_wakes(window, steps)
-        # every all-at-once run's first gap, the burst phase's too
-        burst_files = sorted(Path(tmp).glob("burst/steps/**/*.jsonl"))
-        burst_arrivals = [t for f in burst_files for t in read_arrivals(f)]
-        first_gaps = []
-        for path in sorted(Path(tmp).glob("*/runs/*.json")):
-            run = json.loads(path.read_text())
-            if math.isinf(float(run["request_rate"])):
-                gap = first_gap([t for t in arrivals + burst_arrivals
-                                 if run["wall_start"] <= t <= run["wall_end"]])
-                if gap is not None:
-                    first_gaps.append(round(gap, 6))
     fit = fit_served(steps + burst_steps, engine_model)
     factors, curves, noise = fit.factors, fit.curves, fit.noise
     from kvpush.sim.arrival_cost import arrival_step_cost
