@@ -18,13 +18,16 @@ pools its repeats within a set.
         --set sim/v16=sim/v16/cpu-local-pooled.json
 
 (paths under benchmarks/results/). The table goes between the ``sim_validate_sets``
-markers of SIMULATION.md (``--no-write``: print only).
+markers of SIMULATION.md (``--no-write``: print only). ``--resamples N`` adds how far
+each cell's verdict rests on which repeats were measured: the share of N draws of its
+repeats, with replacement, whose pooled value the simulation is within 15% of.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 import sys
 from pathlib import Path
 
@@ -67,7 +70,7 @@ def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS,
                   arrival_step_s: float | None = None,
                   without_kind: str | None = None,
                   burst_start_from: Path | None = None,
-                  without_burst_start: bool = False) -> list[dict]:
+                  without_burst_start: bool = False, resamples: int = 0) -> list[dict]:
     """One row per cell present in every set: measured (all sets' repeats pooled) and
     simulated (each set on its profile, requests pooled) metrics. What-ifs:
     ``arrival_step_s``, every profile's host.arrival_step_s set to it for all its step
@@ -75,7 +78,9 @@ def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS,
     step model, so its steps take their fallback kind's (kvpush.sim.served);
     ``without_burst_start``, no profile's bursts start with a drawn first gap or its
     engines wake at once. ``burst_start_from``: the profiles that measured no burst
-    start (calibrated before the probe did) take that profile's."""
+    start (calibrated before the probe did) take that profile's. ``resamples``: also
+    each metric's ``share_`` of that many draws of the cell's measured repeats that the
+    simulation is within the tolerance of (resampled_shares)."""
     from kvpush.bench.compare_report import pooled
     from kvpush.sim.cluster import summarize
     from kvpush.sim.profile import load_profile
@@ -119,8 +124,54 @@ def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS,
                 row[f"meas_{metric}"], row[f"sim_{metric}"] = meas[metric], sim[metric]
                 row[f"err_{metric}"] = ((sim[metric] - meas[metric]) / meas[metric]
                                         if meas[metric] else 0.0)
+            if resamples:
+                rng = random.Random(f"resample/{name}/{key[1]}/{key[0]}")
+                row.update({f"share_{metric}": share for metric, share in
+                            resampled_shares(runs, sim, resamples, rng).items()})
             rows.append(row)
     return rows
+
+
+def resampled_shares(runs: list[dict], sim: dict, resamples: int,
+                     rng: random.Random) -> dict[str, float]:
+    """How far a cell's verdict rests on which repeats were measured: per metric, the
+    share of ``resamples`` draws of its measured repeats (as many as it has, with
+    replacement) whose pooled value ``sim`` is within the tolerance of. The repeat is
+    the unit drawn: its requests share one host state and one arrival draw."""
+    from kvpush.bench.compare_report import _tpots
+    from kvpush.bench.metrics import percentile
+
+    values = [([t for t, e in zip(r["ttfts"], r["errors"]) if not e], _tpots(r))
+              for r in runs]
+    quantile = {"median_ttft_ms": (0, 50), "p90_ttft_ms": (0, 90), "median_tpot_ms": (1, 50)}
+    hits = dict.fromkeys(quantile, 0)
+    for _ in range(resamples):
+        drawn = [values[rng.randrange(len(values))] for _ in values]
+        for metric, (which, q) in quantile.items():
+            meas = percentile([x for d in drawn for x in d[which]], q) * 1e3
+            hits[metric] += bool(meas) and abs(sim[metric] - meas) <= sv.TOLERANCE * meas
+    return {metric: n / resamples for metric, n in hits.items()}
+
+
+def resample_table(rows: list[dict], resamples: int, floor: float = 0.9) -> str:
+    """The cells whose verdict on some metric holds in fewer than ``floor`` of the
+    draws, and per metric how many cells hold it in at least ``floor``."""
+    shares = [[r[f"share_{m}"] for m, _ in sv.METRICS] for r in rows]
+    lines = [f"Resampled ({resamples} draws of each cell's measured repeats, with "
+             "replacement, as many as it has): the share of draws whose pooled value the "
+             f"simulation is within {sv.TOLERANCE:.0%} of. Cells below {floor:.0%} on "
+             "any metric:", "",
+             "| workload | mode | rate | repeats | " + " | ".join(h for _, h in sv.METRICS)
+             + " |", "|---|---|---:|---:|" + "---:|" * len(sv.METRICS)]
+    for r, s in zip(rows, shares):
+        if min(s) < floor:
+            lines.append(f"| {r['workload']} | {r['mode']} | {r['rate']} | {r['repeats']} | "
+                         + " | ".join(f"{x:.0%}" for x in s) + " |")
+    lines += ["", f"- within {sv.TOLERANCE:.0%} in at least {floor:.0%} of the draws: "
+              + " / ".join(str(sum(s[i] >= floor for s in shares))
+                           for i in range(len(sv.METRICS)))
+              + f" of {len(rows)} cells (" + " / ".join(h for _, h in sv.METRICS) + ")"]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--without-burst-start", action="store_true",
                     help="a what-if, not a prediction: no profile's bursts draw their "
                          "first gap, and engines start a step as soon as work arrives")
+    ap.add_argument("--resamples", type=int, default=0, metavar="N",
+                    help="also how often each cell's verdict holds over N draws of its "
+                         "measured repeats (with replacement; 0: not shown)")
     ap.add_argument("--marker", default="sim_validate_sets",
                     help="the SIMULATION.md markers to write between")
     ap.add_argument("--no-write", action="store_true", help="print only")
@@ -155,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--arrival-step-s must be >= 0")
     if args.results and not args.no_write and (why := check_results_markers(args.marker)):
         ap.error(why)
+    if args.resamples < 0:
+        ap.error("--resamples must be >= 0")
     if args.burst_start_from and args.without_burst_start:
         ap.error("--burst-start-from and --without-burst-start exclude each other")
     sets = parse_sets(ap, args.set)
@@ -168,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             ap.error(f"--burst-start-from: {e}")
     rows = validate_sets(sets, args.replicas, args.arrival_step_s,
-                         args.without_served_kind, lender, args.without_burst_start)
+                         args.without_served_kind, lender, args.without_burst_start,
+                         args.resamples)
     what_if = ("" if args.arrival_step_s is None else
                f"**What-if, not a prediction:** every profile's host.arrival_step_s set to "
                f"{1e3 * args.arrival_step_s:g} ms for all step models. ")
@@ -199,11 +256,13 @@ def main(argv: list[str] | None = None) -> int:
             + (f" --burst-start-from {args.burst_start_from}" if lender else "")
             + (" --without-burst-start" if args.without_burst_start else "")
             + (f" --replicas {args.replicas}" if args.replicas != sv.REPLICAS else "")
+            + (f" --resamples {args.resamples}" if args.resamples else "")
             + (f" --marker {args.marker}" if args.marker != "sim_validate_sets" else "")
             + (" --results" if args.results else "")
             + "`.\n\n"
             + sv.table(rows) + "\n\n"
-            + sv.scorecard(rows))
+            + sv.scorecard(rows)
+            + ("\n\n" + resample_table(rows, args.resamples) if args.resamples else ""))
     print(body)
     if not args.no_write:
         sv.write_section(sv.DOC, args.marker, body)

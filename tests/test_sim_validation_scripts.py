@@ -227,6 +227,53 @@ def test_validate_sets_writes_results_md_only_when_asked(tmp_path, monkeypatch, 
     capsys.readouterr()
 
 
+def _run(ttft_s: float, tpot_s: float, n: int = 4) -> dict:
+    """A measured repeat of n requests with one TTFT and one TPOT (3 output tokens)."""
+    return {"ttfts": [ttft_s] * n, "e2els": [ttft_s + 2 * tpot_s] * n,
+            "output_lens": [3] * n, "errors": [""] * n}
+
+
+def test_resampled_shares_count_the_draws_whose_pool_the_simulation_is_within():
+    import random
+
+    fast, slow = _run(1.0, 0.1), _run(2.0, 0.1)
+    sim = {"median_ttft_ms": 1000.0, "p90_ttft_ms": 1100.0, "median_tpot_ms": 100.0}
+    # every repeat alike: each draw pools the same requests
+    shares = svs.resampled_shares([fast, fast, fast], sim, 200, random.Random(0))
+    assert shares == {"median_ttft_ms": 1.0, "p90_ttft_ms": 1.0, "median_tpot_ms": 1.0}
+    shares = svs.resampled_shares([slow, slow], sim, 200, random.Random(0))
+    assert shares["median_ttft_ms"] == 0.0 and shares["median_tpot_ms"] == 1.0
+    # one fast and one slow repeat: only a draw of the fast one twice (1 in 4) pools a
+    # median of 1000 ms; any slow repeat drawn puts it at 1500 or 2000 ms
+    shares = svs.resampled_shares([fast, slow], sim, 2000, random.Random(0))
+    assert 0.2 < shares["median_ttft_ms"] < 0.3
+    # the same draws for the same generator: a table regenerates as it was
+    assert shares == svs.resampled_shares([fast, slow], sim, 2000, random.Random(0))
+
+
+def test_resample_table_lists_only_the_cells_below_the_floor():
+    rows = [{"workload": "w", "mode": m, "rate": "inf", "repeats": 3,
+             "share_median_ttft_ms": a, "share_p90_ttft_ms": 1.0, "share_median_tpot_ms": b}
+            for m, a, b in (("push", 1.0, 0.95), ("pull", 0.5, 1.0))]
+    text = svs.resample_table(rows, 100)
+    assert "| w | pull | inf | 3 | 50% | 100% | 100% |" in text
+    assert "| w | push |" not in text
+    assert "at least 90% of the draws: 1 / 2 / 2 of 2 cells" in text
+
+
+def test_validate_sets_resamples_show_in_the_table_and_its_command(capsys):
+    args = ["--set", f"{SET}=sim/v19/cpu-local-pooled.json", "--replicas", "1", "--no-write"]
+    assert svs.main(args + ["--resamples", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "--replicas 1 --resamples 5`" in out and "Resampled (5 draws" in out
+    assert "of the draws:" in out
+    assert svs.main(args) == 0
+    assert "Resampled" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        svs.main(args + ["--resamples", "-1"])
+    assert "--resamples must be >= 0" in capsys.readouterr().err
+
+
 def test_noise_phrase_names_each_kinds_noise():
     """The header says which kinds draw from percentiles (their draws' mean factor) and
     which keep a log-normal (its sigma); old profiles read as before."""
