@@ -37,7 +37,14 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _tpots(run: dict[str, Any]) -> list[float]:
+def request_ttfts(run: dict[str, Any]) -> list[float]:
+    """The times to first token (s) of a run's requests that did not fail."""
+    return [t for t, e in zip(run["ttfts"], run["errors"]) if not e]
+
+
+def request_tpots(run: dict[str, Any]) -> list[float]:
+    """The time per output token (s) of a run's requests that did not fail and produced
+    two or more tokens: (end-to-end - TTFT) / (tokens - 1)."""
     return [(e - t) / (n - 1) for e, t, n, err in
             zip(run["e2els"], run["ttfts"], run["output_lens"], run["errors"])
             if not err and n > 1]
@@ -45,8 +52,8 @@ def _tpots(run: dict[str, Any]) -> list[float]:
 
 def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Statistics over the requests of several runs (repeats) pooled together, in ms."""
-    ttfts = [t for r in runs for t, e in zip(r["ttfts"], r["errors"]) if not e]
-    tpots = [x for r in runs for x in _tpots(r)]
+    ttfts = [t for r in runs for t in request_ttfts(r)]
+    tpots = [x for r in runs for x in request_tpots(r)]
     itls = [g for r in runs for gaps, e in zip(r["itls"], r["errors"]) if not e for g in gaps]
     out: dict[str, Any] = {}
     for name, vals in (("ttft", ttfts), ("tpot", tpots), ("itl", itls)):
