@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import random
 import sys
 from pathlib import Path
@@ -137,7 +138,9 @@ def resampled_shares(runs: list[dict], sim: dict, resamples: int,
     """How far a cell's verdict rests on which repeats were measured: per metric, the
     share of ``resamples`` draws of its measured repeats (as many as it has, with
     replacement) whose pooled value ``sim`` is within the tolerance of. The repeat is
-    the unit drawn: its requests share one host state and one arrival draw."""
+    the unit drawn: its requests share one host state and one arrival draw. Repeats are
+    drawn from all the sets alike, while ``sim`` keeps the measured mix of sets, so
+    where a cell has one repeat per set the share also carries how the sets differ."""
     from kvpush.bench.compare_report import request_tpots, request_ttfts
     from kvpush.bench.metrics import percentile
 
@@ -166,7 +169,7 @@ def resample_table(rows: list[dict], resamples: int, floor: float = 0.9) -> str:
     for r, s in zip(rows, shares):
         if min(s) < floor:
             lines.append(f"| {r['workload']} | {r['mode']} | {r['rate']} | {r['repeats']} | "
-                         + " | ".join(f"{x:.0%}" for x in s) + " |")
+                         + " | ".join(f"{math.floor(1000 * x) / 10:.1f}%" for x in s) + " |")
     lines += ["", f"- within {sv.TOLERANCE:.0%} in at least {floor:.0%} of the draws: "
               + " / ".join(str(sum(s[i] >= floor for s in shares))
                            for i in range(len(sv.METRICS)))

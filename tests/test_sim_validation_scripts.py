@@ -251,12 +251,35 @@ def test_resampled_shares_count_the_draws_whose_pool_the_simulation_is_within():
     assert shares == svs.resampled_shares([fast, slow], sim, 2000, random.Random(0))
 
 
+def test_resampled_shares_pool_as_the_table_does():
+    """One repeat: every draw is that repeat, so each share says whether the table's
+    own verdict holds; its requests' TTFTs spread out (the p90 is not the median) and
+    failed requests are left out, as compare_report.pooled leaves them out."""
+    import random
+
+    from kvpush.bench.compare_report import pooled
+
+    run = {"ttfts": [0.1 * k for k in range(1, 11)] + [9.0] * 5,
+           "e2els": [0.1 * k + 0.05 * k for k in range(1, 11)] + [9.5] * 5,
+           "output_lens": [2] * 15, "errors": [""] * 10 + ["timeout"] * 5,
+           "itls": [[0.05]] * 15, "request_throughput": 1.0, "completed": 10, "failed": 5}
+    exact = {m: pooled([run])[m] for m in ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")}
+    assert exact["p90_ttft_ms"] == pytest.approx(910.0)
+    assert svs.resampled_shares([run], exact, 20, random.Random(1)) == dict.fromkeys(exact, 1.0)
+    off = dict(exact, p90_ttft_ms=exact["p90_ttft_ms"] * 1.2)
+    assert svs.resampled_shares([run], off, 20, random.Random(1))["p90_ttft_ms"] == 0.0
+    # a share just under the floor is not shown as the floor
+    row = {"workload": "w", "mode": "pull", "rate": "1", "repeats": 1,
+           "share_median_ttft_ms": 0.8999, "share_p90_ttft_ms": 1.0, "share_median_tpot_ms": 1.0}
+    assert "| w | pull | 1 | 1 | 89.9% | 100.0% | 100.0% |" in svs.resample_table([row], 10)
+
+
 def test_resample_table_lists_only_the_cells_below_the_floor():
     rows = [{"workload": "w", "mode": m, "rate": "inf", "repeats": 3,
              "share_median_ttft_ms": a, "share_p90_ttft_ms": 1.0, "share_median_tpot_ms": b}
             for m, a, b in (("push", 1.0, 0.95), ("pull", 0.5, 1.0))]
     text = svs.resample_table(rows, 100)
-    assert "| w | pull | inf | 3 | 50% | 100% | 100% |" in text
+    assert "| w | pull | inf | 3 | 50.0% | 100.0% | 100.0% |" in text
     assert "| w | push |" not in text
     assert "at least 90% of the draws: 1 / 2 / 2 of 2 cells" in text
 
