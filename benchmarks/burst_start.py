@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import sim_validate as sv  # noqa: E402
-from sim_validate_sets import load_lender, with_burst_start  # noqa: E402
+from sim_validate_sets import lender_arg, load_lender, with_burst_start  # noqa: E402
 
 
 def prompts(chunks: list[Any]) -> int:
@@ -94,14 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="sets whose profile measured no burst start take this one's "
                          "(under benchmarks/results; as sim_validate_sets.py)")
     args = ap.parse_args(argv)
-    lender = sv.RESULTS / args.burst_start_from if args.burst_start_from else None
-    if lender is not None and not lender.is_file():
-        ap.error(f"--burst-start-from: no file {lender}")
-    if lender is not None:
-        try:
-            load_lender(lender)
-        except ValueError as e:
-            ap.error(f"--burst-start-from: {e}")
+    lender = lender_arg(ap, args.burst_start_from)
     print("| set | measured: first-step prompts (first arrival gap, wake; ms) | "
           "simulated: first-step prompts (runs) |\n|---|---|---|")
     for folder in args.sets:

@@ -36,7 +36,13 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import sim_validate as sv  # noqa: E402
-from sim_validate_sets import NAMES, load_lender, parse_sets, with_burst_start  # noqa: E402
+from sim_validate_sets import (  # noqa: E402
+    NAMES,
+    lender_arg,
+    load_lender,
+    parse_sets,
+    with_burst_start,
+)
 
 
 def err(value: float, ref: float) -> float:
@@ -164,14 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give at least two --set: each is held out against the others")
     if len({folder for folder, _ in sets}) < len(sets):
         ap.error("a --set folder is named twice: a set would be its own reference")
-    lender = sv.RESULTS / args.burst_start_from if args.burst_start_from else None
-    if lender is not None and not lender.is_file():
-        ap.error(f"--burst-start-from: no file {lender}")
-    if lender is not None:
-        try:
-            load_lender(lender)
-        except ValueError as e:
-            ap.error(f"--burst-start-from: {e}")
+    lender = lender_arg(ap, args.burst_start_from)
     rows = holdout(sets, args.replicas, lender)
     short = " / ".join(t for _, t in sv.METRICS)
     body = ("Each set held out in turn. **sim**: the simulator on the set's own profile, "

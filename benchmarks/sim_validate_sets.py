@@ -67,6 +67,21 @@ def load_lender(path: Path):
     return lender
 
 
+def lender_arg(ap: argparse.ArgumentParser, text: str | None) -> Path | None:
+    """``--burst-start-from``'s profile under benchmarks/results (None without the
+    option); a usage error if it is no file or measured no burst start."""
+    if not text:
+        return None
+    path = sv.RESULTS / text
+    if not path.is_file():
+        ap.error(f"--burst-start-from: no file {path}")
+    try:
+        load_lender(path)
+    except ValueError as e:
+        ap.error(f"--burst-start-from: {e}")
+    return path
+
+
 def validate_sets(sets: list[tuple[str, Path]], replicas: int = sv.REPLICAS,
                   arrival_step_s: float | None = None,
                   without_kind: str | None = None,
@@ -217,15 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.burst_start_from and args.without_burst_start:
         ap.error("--burst-start-from and --without-burst-start exclude each other")
     sets = parse_sets(ap, args.set)
-    lender = None
-    if args.burst_start_from:
-        lender = sv.RESULTS / args.burst_start_from
-        if not lender.is_file():
-            ap.error(f"--burst-start-from: no file {lender}")
-        try:
-            load_lender(lender)
-        except ValueError as e:
-            ap.error(f"--burst-start-from: {e}")
+    lender = lender_arg(ap, args.burst_start_from)
     rows = validate_sets(sets, args.replicas, args.arrival_step_s,
                          args.without_served_kind, lender, args.without_burst_start,
                          args.resamples)

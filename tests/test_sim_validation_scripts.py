@@ -297,6 +297,23 @@ def test_validate_sets_resamples_show_in_the_table_and_its_command(capsys):
     assert "--resamples must be >= 0" in capsys.readouterr().err
 
 
+def test_lender_arg_refuses_a_missing_file_or_a_profile_without_a_burst_start(capsys):
+    """The three scripts' --burst-start-from: a usage error, not a traceback, for a
+    file that is not there or a profile calibrated before the probe measured a start."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="check")
+    assert svs.lender_arg(ap, None) is None
+    with pytest.raises(SystemExit):
+        svs.lender_arg(ap, "sim/no-such-profile.json")
+    assert "--burst-start-from: no file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        svs.lender_arg(ap, "sim/v26/cpu-local-pooled-quantiles.json")
+    assert "no handoff.burst_first_gaps_s to lend" in capsys.readouterr().err
+    assert svs.lender_arg(ap, "sim/v27/cpu-local-pooled-quantiles.json") == \
+        sv.RESULTS / "sim/v27/cpu-local-pooled-quantiles.json"
+
+
 def test_noise_phrase_names_each_kinds_noise():
     """The header says which kinds draw from percentiles (their draws' mean factor) and
     which keep a log-normal (its sigma); old profiles read as before."""
