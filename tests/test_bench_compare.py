@@ -79,8 +79,8 @@ def test_arrivals_per_repeat_give_each_repeat_its_own_poisson_draw():
 
 def test_each_run_sends_on_its_repeats_arrival_seed(tmp_path, monkeypatch):
     """run_compare's loop hands every run the arrival seed of its rate and repeat, and the
-    run's JSON records it beside the prompts' seed (sim_validate.py replays each repeat
-    at its arrival seed)."""
+    run's JSON records it beside the prompts' seed (so that a repeat can be replayed at
+    its arrival seed)."""
     from types import SimpleNamespace
 
     from kvpush.bench import client, compare

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -48,14 +47,6 @@ def _workload_args(p: argparse.ArgumentParser, rate_help: str) -> None:
     p.add_argument("--fragmentation", type=float, default=0.0, metavar="F",
                    help="0: block ids contiguous; 1: no two blocks adjacent (one descriptor "
                         "per layer per block)")
-    p.add_argument("--step-scale", type=float, default=1.0, metavar="F",
-                   help="multiply every step time, and what an arrival adds to a step "
-                        "(host.arrival_step_s), by F (a shared or slower host; default 1)")
-    p.add_argument("--replicas", type=int, default=1, metavar="N",
-                   help="for a profile with step noise (host.step_noise or "
-                        "step_noise_quantiles, calibrated profiles): simulate N noise "
-                        "seeds and pool their requests, as `kvpush bench compare "
-                        "--repeats` pools repeats (default 1)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
 
@@ -75,7 +66,8 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--decode", type=int, default=1, metavar="Y")
     r.set_defaults(func=_run)
 
-    c = sub.add_parser("calibrate", help="measure this machine's profile")
+    c = sub.add_parser("calibrate", help="measure this machine's profile: the engine's "
+                       "steps alone, fitted per thread count, and a NIXL transfer probe")
     c.add_argument("--model", metavar="NAME_OR_DIR",
                    help="a kvpush model name or folder (default: the default model)")
     c.add_argument("--out", required=True, metavar="PROFILE", help="JSON file to write")
@@ -83,34 +75,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="torch thread counts to fit a step model for (default: 1,2)")
     c.add_argument("--quick", action="store_true", help="very few samples (tests)")
     c.add_argument("--no-transfer", dest="transfer", action="store_false",
-                   help="skip the NIXL transfer probe (use PLATFORM.md's figures)")
+                   help="skip the NIXL transfer probe (assume a loopback link)")
     c.add_argument("--note", default="", help="a note stored in the profile (e.g. the load)")
-    c.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
-                   help="time steps by wall clock or by the stepping thread's CPU time "
-                        "(auto: CPU time when the load average exceeds the cores)")
-    c.add_argument("--corun", action="store_true",
-                   help="also measure host.corun_slowdown (a 1-thread engine's steps beside "
-                        "a busy neighbour engine process); off by default because on a "
-                        "shared VM it varies from run to run (docs/SIMULATOR.md)")
-    c.add_argument("--no-served", dest="served", action="store_false",
-                   help="skip the served probe (host.served_factors: a real instance, the "
-                        "router and a streaming client run a short workload per thread "
-                        "count, about a minute each, to measure how much longer steps take "
-                        "in the server than in the engine alone)")
     c.set_defaults(func=_calibrate)
-
-    rf = sub.add_parser("refit", help="fit a calibrated profile's step models again from "
-                        "the samples it recorded (no engine runs); several profiles of one "
-                        "host: fit their samples pooled")
-    rf.add_argument("profile", metavar="PROFILE", nargs="+",
-                    help="profiles written by calibrate (several: the same model and plan, "
-                         "e.g. calibrated before and after a set of runs)")
-    rf.add_argument("--out", required=True, metavar="PROFILE", help="JSON file to write")
-    rf.add_argument("--fit-table-scale", action="store_true",
-                    help="fit the level of the measured projection-matmul table with the "
-                         "linear terms (token_rows_scale) instead of taking it as timed: "
-                         "for a host whose matmul timing ran apart from its steps")
-    rf.set_defaults(func=_refit)
 
     pl = sub.add_parser("plan", help="smallest xPyD split and mode meeting latency targets")
     _workload_args(pl, "request rate per second")
@@ -127,17 +94,6 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _load(args: argparse.Namespace):
-    from kvpush.sim.profile import ProfileError, load_profile
-
-    try:
-        prof = load_profile(args.profile)
-        return prof.scaled(args.step_scale) if args.step_scale != 1.0 else prof
-    except ProfileError as e:
-        print(f"kvpush simulate: {e}", file=sys.stderr)
-        return None
-
-
 def _workload(args: argparse.Namespace, rate: float):
     from kvpush.sim.workload import Workload
 
@@ -145,26 +101,29 @@ def _workload(args: argparse.Namespace, rate: float):
                     args.prefix_len, tuple(args.prefix_cached_on))
 
 
+def _fail(e: Exception) -> int:
+    print(f"kvpush simulate: {e}", file=sys.stderr)
+    return 2
+
+
 def _run(args: argparse.Namespace) -> int:
-    from kvpush.sim.cluster import ClusterConfig, simulate_pooled, summarize
+    from kvpush.sim.cluster import ClusterConfig, simulate
+    from kvpush.sim.profile import load_profile
     from kvpush.sim.report import format_rows
 
-    prof = _load(args)
-    if prof is None:
-        return 2
     rows = []
-    try:
+    try:  # ProfileError is a ValueError
+        prof = load_profile(args.profile)
         for rate in args.rate:
             w = _workload(args, rate)
             for mode in args.modes:
                 cfg = ClusterConfig(mode, args.prefill, args.decode, args.fragmentation,
                                     prefill_prefix_cache=args.prefill_prefix_cache)
-                s = summarize(simulate_pooled(prof, w, cfg, args.replicas))
+                s = simulate(prof, w, cfg).summary()
                 s["rate"] = rate
                 rows.append(s)
     except ValueError as e:
-        print(f"kvpush simulate: {e}", file=sys.stderr)
-        return 2
+        return _fail(e)
     print(f"profile {prof.name}: {args.input_len} in / {args.output_len} out, "
           f"{args.num_prompts} prompts, fragmentation {args.fragmentation}")
     print(format_rows(rows))
@@ -177,52 +136,22 @@ def _run(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from kvpush.sim.calibrate import CalibrationPlan, calibrate
 
-    plan = CalibrationPlan.quick() if args.quick else CalibrationPlan()
-    if not args.quick:
-        plan = dataclasses.replace(plan, threads=tuple(args.threads), corun=args.corun,
-                                   served=args.served)
-    calibrate(args.model, args.out, plan, transfer=args.transfer, note=args.note,
-              clock=args.clock)
-    return 0
-
-
-def _refit(args: argparse.Namespace) -> int:
-    import json
-
-    from kvpush.sim.profile import ProfileError, profile_from_dict
-    from kvpush.sim.refit import pool_calibrations, refit_profile
-
-    try:
-        datas = []
-        for path in args.profile:
-            with open(path, encoding="utf-8") as f:
-                datas.append(json.load(f))
-        data = refit_profile(pool_calibrations(datas), fit_table_scale=args.fit_table_scale)
-        profile_from_dict(data, args.out)
-    except (OSError, ValueError, KeyError, TypeError) as e:  # ProfileError is a ValueError
-        kind = "bad profile" if isinstance(e, (ProfileError, KeyError, TypeError)) else "error"
-        print(f"kvpush simulate refit: {kind}: {e}", file=sys.stderr)
-        return 2
-    with open(args.out, "w", encoding="utf-8") as f:
-        f.write(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    plan = CalibrationPlan.quick() if args.quick else CalibrationPlan(
+        threads=tuple(args.threads))
+    calibrate(args.model, args.out, plan, transfer=args.transfer, note=args.note)
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
     from kvpush.sim.plan import PlanTargets, format_plan, plan_cluster, plot_frontier
+    from kvpush.sim.profile import load_profile
 
-    prof = _load(args)
-    if prof is None:
-        return 2
-    targets = PlanTargets(args.ttft_p90, args.tpot_p90)
     try:
-        w = _workload(args, args.rate[0])
-        result = plan_cluster(prof, w, targets, args.max_instances, tuple(args.modes),
-                              args.fragmentation, args.prefill_prefix_cache, args.replicas)
+        result = plan_cluster(load_profile(args.profile), _workload(args, args.rate[0]),
+                              PlanTargets(args.ttft_p90, args.tpot_p90), args.max_instances,
+                              tuple(args.modes), args.fragmentation, args.prefill_prefix_cache)
     except ValueError as e:
-        print(f"kvpush simulate: {e}", file=sys.stderr)
-        return 2
+        return _fail(e)
     print(format_plan(result))
     path = plot_frontier(result, args.plot)
     print(f"frontier plot: {path}")

@@ -6,39 +6,28 @@ schedules like :class:`kvpush.scheduler.scheduler.Scheduler`: running requests f
 (chunked prefill or one decode token each) under the token budget, then waiting ones in
 arrival order while budget, sequence slots and free blocks last, with the prefix cache
 consulted on admission (the last prompt token is always computed). A step lasts what the
-profile's step model says for its chunks (times the profile's co-run factor for its kind,
-``Profile.corun_factor``, when another instance of the same host is mid-step as it
-starts: CPU instances share cores, caches and memory bandwidth), times a draw of the
-profile's step noise where it has one (:mod:`kvpush.sim.noise`), plus any work posted
-onto the step loop (pull's READ post in vLLM), plus the profile's arrival cost for each
-request that arrives at the host while it runs (``Profile.arrival_cost``: on a CPU host
-the client, router and HTTP front end take a request in on the cores the step runs on).
+profile's step model says for its chunks, plus any work posted onto the step loop
+(pull's READ post in vLLM).
 """
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.sim.noise import StepNoise
-from kvpush.sim.profile import InstanceLimits, Profile
+from kvpush.sim.profile import InstanceLimits
 from kvpush.sim.step_models import StepModel
 from kvpush.sim.workload import SimRequest, Stage
 
 
-class JobKind(enum.Enum):
-    PREFILL_ONLY = "prefill_only"    # P's leg: prefill, sample token #1, finish
-    FULL = "full"                    # colocated (or D computing a full-hit tail)
-    REMOTE_DECODE = "remote_decode"  # D: KV arrives from P, then decode
-
-
 @dataclass(eq=False)
 class Job:
+    """A request on one engine: P's leg (prefill, sample token #1, finish), D's
+    (KV arrives from P, then decode) or a colocated one (prefill and decode)."""
+
     req: SimRequest
-    kind: JobKind
     max_outputs: int
     computed: int = 0
     outputs: int = 0
@@ -64,12 +53,11 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 class EngineSim:
-    def __init__(self, env: Any, name: str, role: str, step_model: StepModel,
+    def __init__(self, env: Any, name: str, step_model: StepModel,
                  limits: InstanceLimits, prefix_cache: dict[int, int] | None = None,
                  prefix_caching: bool = True) -> None:
         self.env = env
         self.name = name
-        self.role = role
         self.model = step_model
         self.limits = limits
         self.bs = limits.block_size
@@ -82,32 +70,8 @@ class EngineSim:
         self.prefix_cache: dict[int, int] = dict(prefix_cache or {}) if prefix_caching else {}
         self.stall = 0.0
         self.busy_time = 0.0
-        self.steps = 0
         self.preemptions = 0
         self.step_hook: Callable[[list[tuple[Job, int]], float, float], None] | None = None
-        #: seconds a step's plan adds on top of its modelled time, given whether another
-        #: instance of the host is mid-step (push on a prefill instance:
-        #: HandoffModel.push_prefill_step_s / push_prefill_corun_step_s); None: nothing
-        self.step_extra: Callable[[list[tuple[Job, int]], bool], float] | None = None
-        #: the instances sharing this one's host, and the profile whose corun_factor
-        #: prices a step that starts while one of them is mid-step (None: none does)
-        self.host: list[EngineSim] = [self]
-        self.corun: Profile | None = None
-        #: multiplies each step's time by a random draw (None: steps last their model)
-        self.noise: StepNoise | None = None
-        self.busy_until = 0.0
-        #: seconds each request arriving at the host adds to a step in flight
-        #: (Profile.arrival_cost), and what arrivals added to the one in flight so far
-        self.arrival_cost = 0.0
-        self._stolen = 0.0
-        #: from work reaching this engine while idle to its next step's start
-        #: (HandoffModel.engine_wake_s); whatever arrives meanwhile joins that step
-        self.wake_s = 0.0
-        #: the jobs that decoded in the last step, by id; the dict holds the jobs
-        #: themselves so that no id is reused by a new job while it is listed (an id set
-        #: let a job created where a finished one lived skip its dense-cache fill, so
-        #: results varied from one process to the next)
-        self._decoded: dict[int, Job] = {}
         self._wake = env.event()
         env.process(self._loop())
 
@@ -124,12 +88,6 @@ class EngineSim:
             return
         ev = self.env.timeout(t - self.env.now)
         ev.callbacks.append(lambda _e: self.submit(fn))
-
-    def host_arrival(self) -> None:
-        """A request arrived at the host: the step in flight (if any) runs
-        ``arrival_cost`` longer, the front end's work taking the cores from it."""
-        if self.arrival_cost > 0 and self.busy_until > self.env.now:
-            self._stolen += self.arrival_cost
 
     def add_stall(self, seconds: float) -> None:
         """Work done on the step loop itself (lengthens the next step)."""
@@ -175,17 +133,6 @@ class EngineSim:
         """A job whose blocks and KV are in place (remote KV landed) joins the batch."""
         self.running.append(job)
 
-    def abort_waiting(self, job: Job) -> bool:
-        try:
-            self.waiting.remove(job)
-        except ValueError:
-            return False
-        return True
-
-    @property
-    def outstanding(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ---- scheduling ----------------------------------------------------------------
     def _schedule(self) -> list[tuple[Job, int]]:
         plan: list[tuple[Job, int]] = []
@@ -228,17 +175,11 @@ class EngineSim:
             budget -= new
         return plan
 
-    def corun_busy(self) -> bool:
-        """Whether another instance on this host is mid-step now."""
-        return any(e is not self and e.busy_until > self.env.now for e in self.host)
-
-    def chunks(self, plan: list[tuple[Job, int]]) -> list[tuple[int, int, bool, bool]]:
-        """The step model's view of a plan: (new tokens, context, samples a token?, KV in
-        the dense decode cache?). A chunk samples when it reaches the end of what is known
-        (the prompt's last token, or a decode), as ``ScheduledChunk.sample`` does; a
-        decode row's KV is in ``DecodeKVCache`` only if it decoded in the step before."""
-        return [(n, j.computed, j.computed + n >= j.num_tokens,
-                 n == 1 and id(j) in self._decoded) for j, n in plan]
+    def chunks(self, plan: list[tuple[Job, int]]) -> list[tuple[int, int, bool]]:
+        """The step model's view of a plan: (new tokens, context, samples a token?). A
+        chunk samples when it reaches the end of what is known (the prompt's last token,
+        or a decode), as ``ScheduledChunk.sample`` does."""
+        return [(n, j.computed, j.computed + n >= j.num_tokens) for j, n in plan]
 
     def _preempt(self, job: Job) -> None:
         """Preemption by recompute: free its blocks, back to the head of the queue."""
@@ -263,35 +204,14 @@ class EngineSim:
                     continue
                 self._wake = env.event()
                 yield self._wake
-                if self.wake_s > 0:
-                    yield env.timeout(self.wake_s)
                 continue
-            dt = self.model.step_time(self.chunks(plan))
-            decode_only = all(n == 1 for _, n in plan)
-            beside = self.corun_busy()
-            if self.corun is not None and beside:
-                dt *= self.corun.corun_factor(decode_only)
-            if self.noise is not None:
-                dt *= self.noise.factor(decode_only)
-            if self.step_extra is not None:
-                dt += self.step_extra(plan, beside)
-            dt += self.stall
+            dt = self.model.step_time(self.chunks(plan)) + self.stall
             self.stall = 0.0
             t0 = env.now
-            self.busy_until = t0 + dt
-            # the hook sees the step's span as planned (push times its WRITEs over it);
-            # arrivals during the step lengthen it afterwards, the WRITEs stay as timed
-            if self.step_hook is not None:
+            if self.step_hook is not None:  # push times its WRITEs over the step
                 self.step_hook(plan, t0, t0 + dt)
-            self.steps += 1
             self.busy_time += dt
-            self._decoded = {id(j): j for j, n in plan if n == 1}
             yield env.timeout(dt)
-            while self._stolen > 0:  # arrivals during the step lengthened it
-                extra, self._stolen = self._stolen, 0.0
-                self.busy_until += extra
-                self.busy_time += extra
-                yield env.timeout(extra)
             self._complete(plan)
 
     def _complete(self, plan: list[tuple[Job, int]]) -> None:

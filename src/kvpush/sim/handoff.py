@@ -9,14 +9,11 @@ recomputes the last prompt token to sample token #1; PullDone lets P free.
 Push: both legs at once; D allocates on arrival and registers (one side-channel
 message); P WRITEs each newly completed block layer group by layer group
 (``handoff.push_layers_per_write``) as its forward pass completes the group (writer
-thread: post cost; link: bytes, serial), the last blocks when prefill
-ends, and sends PushDone with token #1 once every WRITE is done; D appends token #1 at
-its next step boundary. Decode-side prefix hits shrink the transfer. A full hit (D holds
-every block but the one the prompt's tail is in): with ``tail_on="prefill"`` (kvpush's
-default, ``--prefix-hit-tail prefill``) P computes the prompt (its own prefix cache
-permitting, only the tail) and pushes the uncached blocks like any other push; with
-``tail_on="decode"`` D computes the short tail itself and P drops its leg if it has not
-started it.
+thread: post cost; link: bytes, serial), the last blocks when prefill ends, and sends
+PushDone with token #1 once every WRITE is done; D appends token #1 at its next step
+boundary. Decode-side prefix hits shrink the transfer to the blocks D lacks; P computes
+the prompt (its own prefix cache permitting, only the tail), as kvpush's default
+``--prefix-hit-tail prefill`` does.
 
 Descriptors: one per layer per run of block ids consecutive on both sides; with
 ``fragmentation`` f in [0, 1], a run of n blocks splits into ``1 + f * (n - 1)`` runs.
@@ -27,28 +24,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.sim.engine import EngineSim, Job, JobKind, blocks_for
+from kvpush.sim.engine import EngineSim, Job, blocks_for
 from kvpush.sim.profile import Profile
-from kvpush.sim.step_models import completed_blocks
 from kvpush.sim.workload import SimRequest, Stage
 
 
 def runs(blocks: int, fragmentation: float) -> int:
-    if blocks <= 0:
-        return 0
-    return max(1, round(1 + fragmentation * (blocks - 1)))
+    """Runs of consecutive block ids a transfer of ``blocks`` blocks splits into."""
+    return max(1, round(1 + fragmentation * (blocks - 1))) if blocks > 0 else 0
 
 
-@dataclass
-class LinkState:
+class LinkState(dict):
     """Serial resources as 'free at' times: writer threads, transfer threads, links."""
 
-    free_at: dict[Any, float] = field(default_factory=dict)
-
     def take(self, key: Any, start: float, duration: float) -> float:
-        begin = max(start, self.free_at.get(key, 0.0))
-        self.free_at[key] = begin + duration
-        return begin + duration
+        self[key] = max(start, self.get(key, 0.0)) + duration
+        return self[key]
 
 
 @dataclass(eq=False)
@@ -58,7 +49,6 @@ class PushXfer:
     d: EngineSim
     skip_blocks: int = 0
     registered_at: float | None = None
-    full_hit: bool = False
     #: (step start, step end, first block, end block) of blocks P's steps completed
     pieces: list[tuple[float, float, int, int]] = field(default_factory=list)
     done: float = 0.0
@@ -71,11 +61,7 @@ class PushXfer:
 class Handoff:
     """Drives the pull and push protocols between engines (one per simulated cluster)."""
 
-    def __init__(self, env: Any, profile: Profile, fragmentation: float, emit,
-                 tail_on: str = "prefill") -> None:
-        if tail_on not in ("prefill", "decode"):
-            raise ValueError(f"tail_on must be prefill or decode, got {tail_on!r}")
-        self.tail_on = tail_on
+    def __init__(self, env: Any, profile: Profile, fragmentation: float, emit) -> None:
         self.env = env
         self.profile = profile
         self.frag = fragmentation
@@ -106,7 +92,7 @@ class Handoff:
             def alloc() -> bool:
                 if not d.try_allocate(need):
                     return False
-                d_job = Job(req, JobKind.REMOTE_DECODE, req.output_len, computed=req.prompt_len - 1,
+                d_job = Job(req, req.output_len, computed=req.prompt_len - 1,
                             blocks=total, owned=need, on_token=self.emit,
                             on_finish=lambda j, t: d.remember_prefix(req))
                 post_read(p_job, d_job, need)
@@ -137,7 +123,7 @@ class Handoff:
             d.submit_at(done, lambda: d.start_running(d_job))
             p.submit_at(done + ho.side_channel_s, lambda: self._free_p(p, p_job))
 
-        p.submit(lambda: p.add(Job(req, JobKind.PREFILL_ONLY, 1, hold=True, on_finish=p_done)))
+        p.submit(lambda: p.add(Job(req, 1, hold=True, on_finish=p_done)))
 
     def _free_p(self, p: EngineSim, job: Job) -> None:
         job.req.mark(Stage.NOTIFIED, self.env.now)  # PullDone reached P
@@ -154,9 +140,7 @@ class Handoff:
             self._push_finalize(xf)
 
         def arrive() -> None:
-            if xf.full_hit:
-                return  # D registered full_hit before the leg reached P: refused
-            job = Job(xf.req, JobKind.PREFILL_ONLY, 1, hold=True, on_finish=on_finish)
+            job = Job(xf.req, 1, hold=True, on_finish=on_finish)
             job.extra["push"] = xf
             xf.p_job = job
             p.add(job)
@@ -172,12 +156,6 @@ class Handoff:
             req.mark(Stage.DECODE_RECEIVED, self.env.now)
             hit = d.cached_tokens(req)
             total = blocks_for(req.prompt_len, self.bs)
-            if (self.tail_on == "decode" and hit
-                    and hit // self.bs == (req.prompt_len - 1) // self.bs):
-                req.full_hit = True  # D computes the short tail itself
-                d.add(Job(req, JobKind.FULL, req.output_len, on_token=self.emit))
-                xf.p.submit_at(self.env.now + ho.side_channel_s, lambda: self._full_hit_at_p(xf))
-                return
             need = total - hit // self.bs
 
             def alloc() -> bool:
@@ -186,7 +164,7 @@ class Handoff:
                 now = self.env.now
                 req.mark(Stage.DECODE_ALLOCATED, now)
                 xf.skip_blocks = hit // self.bs
-                xf.d_job = Job(req, JobKind.REMOTE_DECODE, req.output_len,
+                xf.d_job = Job(req, req.output_len,
                                computed=req.prompt_len, outputs=1, blocks=total, owned=need,
                                on_token=self.emit, on_finish=lambda j, t: d.remember_prefix(req))
                 reg = now + ho.side_channel_s
@@ -198,67 +176,31 @@ class Handoff:
 
         d.submit(arrive)
 
-    def _full_hit_at_p(self, xf: PushXfer) -> None:
-        xf.full_hit = True
-        xf.req.mark(Stage.REGISTERED, self.env.now)
-        if xf.p_job is not None and xf.p.abort_waiting(xf.p_job):
-            xf.p.release(xf.p_job.owned)  # never admitted: owns nothing, kept for symmetry
-
     def _registered(self, xf: PushXfer, t: float) -> None:
         xf.registered_at = t
         xf.req.mark(Stage.REGISTERED, t)
         self._pump(xf)
         self._push_finalize(xf)
 
-    def _completed_blocks(self, job: Job, n: int) -> tuple[int, int]:
-        """[first, end) of the KV blocks of ``job``'s prompt that a chunk of ``n`` tokens
-        completes (the last, partial block with the prompt's last token)."""
-        return completed_blocks(job.computed, n, job.computed + n >= job.req.prompt_len,
-                                self.bs)
-
-    def push_step_extra(self, plan: list[tuple[Job, int]], beside: bool) -> float:
-        """P's step extra when the step carries a chunk of a push request that P sends
-        (not a full hit): per step, ``handoff.push_prefill_corun_step_s`` if it starts
-        beside another instance's step (``beside``), else ``push_prefill_step_s``; plus,
-        per KV block the step completes for D (D's prefix hit excluded),
-        ``push_prefill_corun_block_s`` / ``push_prefill_block_s``; 0 otherwise. Priced
-        when the step starts: before D has allocated, its hit is what it holds then,
-        and blocks are charged even if D registers only after the step (their WRITEs
-        are then posted later, in :meth:`_pump`)."""
-        ho = self.profile.handoff
-        step = ho.push_prefill_corun_step_s if beside else ho.push_prefill_step_s
-        block = ho.push_prefill_corun_block_s if beside else ho.push_prefill_block_s
-        if not step and not block:
-            return 0.0
-        pushing, blocks = False, 0
-        for job, n in plan:
-            xf = job.extra.get("push")
-            if xf is None or xf.full_hit:
-                continue
-            pushing = True
-            first, end = self._completed_blocks(job, n)
-            # D's prefix hit is never written: as D allocated it, or what D holds now
-            skip = xf.skip_blocks if xf.d_job is not None else (
-                xf.d.cached_tokens(xf.req) // self.bs)
-            blocks += max(0, end - max(first, skip))
-        return step + block * blocks if pushing else 0.0
-
     def on_prefill_step(self, plan: list[tuple[Job, int]], t0: float, t1: float) -> None:
         """P's step hook: queue the per-layer WRITEs of blocks this step completes."""
         for job, n in plan:
             xf = job.extra.get("push")
-            if xf is None or xf.full_hit:
+            if xf is None:
                 continue
-            done_before, done_after = self._completed_blocks(job, n)
-            if done_after > done_before:  # blocks D holds already are dropped in _pump
-                xf.pieces.append((t0, t1, done_before, done_after))
+            # the whole blocks the chunk fills and, when it ends the prompt, the last
+            # partial one; those D holds already are dropped in _pump
+            after = job.computed + n
+            end = -(-after // self.bs) if after >= job.req.prompt_len else after // self.bs
+            if end > job.computed // self.bs:
+                xf.pieces.append((t0, t1, job.computed // self.bs, end))
         for job, _ in plan:
             xf = job.extra.get("push")
             if xf is not None:
                 self._pump(xf)
 
     def _pump(self, xf: PushXfer) -> None:
-        if xf.registered_at is None or xf.full_hit:
+        if xf.registered_at is None:
             return
         tr = self.profile.transfer
         pieces, xf.pieces = xf.pieces, []
@@ -285,10 +227,6 @@ class Handoff:
         if xf.finalized or xf.prefill_done is None:
             return
         p_job = xf.p_job
-        if xf.full_hit:
-            xf.finalized = True
-            xf.p.release(p_job.owned)
-            return
         if xf.registered_at is None:
             return  # P holds its blocks until D registers
         xf.finalized = True

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush.sim.cluster import ClusterConfig, simulate_pooled, summarize
+from kvpush.sim.cluster import ClusterConfig, simulate
 from kvpush.sim.profile import Profile
 from kvpush.sim.report import markdown_table
 from kvpush.sim.workload import Workload
@@ -43,9 +43,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        if self.mode == "colocated":
-            return f"{self.instances}x colocated"
-        return f"{self.num_prefill}P{self.num_decode}D {self.mode}"
+        return ClusterConfig(self.mode, self.num_prefill, self.num_decode).label
 
 
 @dataclass
@@ -61,19 +59,15 @@ class PlanResult:
         return min(ok, key=lambda c: (c.instances, c.ttft_p90_ms)) if ok else None
 
     def frontier(self) -> dict[str, list[Candidate]]:
-        """Per mode: for each instance count, the configuration with the lowest p90 TTFT."""
-        out: dict[str, list[Candidate]] = {}
+        """Per mode: for each instance count, the best configuration (one that meets the
+        targets before one that does not, then the lowest p90 TTFT)."""
+        best: dict[str, dict[int, Candidate]] = {}
         for c in self.candidates:
-            out.setdefault(c.mode, [])
-        for mode, lst in out.items():
-            by_n: dict[int, Candidate] = {}
-            for c in self.candidates:
-                if c.mode == mode and (c.instances not in by_n or
-                                       (c.meets, -c.ttft_p90_ms) >
-                                       (by_n[c.instances].meets, -by_n[c.instances].ttft_p90_ms)):
-                    by_n[c.instances] = c
-            lst.extend(by_n[n] for n in sorted(by_n))
-        return out
+            by_n = best.setdefault(c.mode, {})
+            old = by_n.get(c.instances)
+            if old is None or (c.meets, -c.ttft_p90_ms) > (old.meets, -old.ttft_p90_ms):
+                by_n[c.instances] = c
+        return {mode: [by_n[n] for n in sorted(by_n)] for mode, by_n in best.items()}
 
     def to_dict(self) -> dict[str, Any]:
         b = self.best
@@ -97,11 +91,10 @@ def configurations(max_instances: int, modes: tuple[str, ...]) -> list[tuple[str
 
 def plan_cluster(profile: Profile, workload: Workload, targets: PlanTargets,
                  max_instances: int = 8, modes: tuple[str, ...] = ("colocated", "pull", "push"),
-                 fragmentation: float = 0.0, prefill_prefix_cache: bool = True,
-                 replicas: int = 1) -> PlanResult:
-    """Every split up to ``max_instances`` in every mode, each simulated (``replicas``
-    noise seeds pooled where the profile has step noise) and checked against the
-    targets."""
+                 fragmentation: float = 0.0, prefill_prefix_cache: bool = True
+                 ) -> PlanResult:
+    """Every split up to ``max_instances`` in every mode, each simulated and checked
+    against the targets."""
     if max_instances < 1:
         raise ValueError("max_instances must be >= 1")
     bad = set(modes) - {"colocated", "pull", "push"}
@@ -111,7 +104,7 @@ def plan_cluster(profile: Profile, workload: Workload, targets: PlanTargets,
     for mode, x, y in configurations(max_instances, modes):
         cfg = ClusterConfig(mode, x, y, fragmentation,
                             prefill_prefix_cache=prefill_prefix_cache)
-        s = summarize(simulate_pooled(profile, workload, cfg, replicas))
+        s = simulate(profile, workload, cfg).summary()
         meets = (s["unfinished"] == 0 and s["p90_ttft_ms"] <= targets.ttft_p90_ms
                  and s["p90_tpot_ms"] <= targets.tpot_p90_ms)
         res.candidates.append(Candidate(mode, x, y, s["p90_ttft_ms"], s["p90_tpot_ms"],

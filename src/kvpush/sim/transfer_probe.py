@@ -1,9 +1,8 @@
-"""Transfer micro-benchmark for calibration: NIXL WRITEs between two local processes.
+"""Calibration's transfer probe: NIXL WRITEs between two local processes.
 
-The set-up of ``benchmarks/transfer_micro.py`` (:class:`kvpush.kv_transfer.loopback.
-LoopbackPair`: kvpush's region layout and descriptor builder, a peer in a spawned
-process), reduced to what a profile needs: a few sizes, contiguous and
-fragmented, WRITE only, and a fit ``time = latency + bytes / bandwidth + descs *
+:class:`kvpush.kv_transfer.loopback.LoopbackPair` (kvpush's region layout and descriptor
+builder, a peer in a spawned process, as ``benchmarks/transfer_micro.py`` uses it): a
+few sizes, contiguous and fragmented, fitted as ``latency + bytes / bandwidth + descs *
 per_desc``.
 """
 
@@ -24,7 +23,7 @@ def probe_transfer(shape: dict[str, Any], tokens: Sequence[int] = (256, 1024, 40
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from kvpush.kv_transfer.loopback import LoopbackPair
-    from kvpush.sim.step_fit import nnls_fit
+    from kvpush.sim.calibrate import nnls_fit
 
     blocks = max(tokens) // BLOCK * 2
     rows: list[dict] = []

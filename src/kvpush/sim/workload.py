@@ -74,7 +74,6 @@ class SimRequest:
     token_times: list[float] = field(default_factory=list)  # client-side, token #1 first
     descs: int = 0           # descriptors of its KV transfer(s)
     transfer_bytes: int = 0
-    full_hit: bool = False
 
     def mark(self, stage: Stage, t: float) -> None:
         self.stages.setdefault(stage, t)
