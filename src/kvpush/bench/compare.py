@@ -121,8 +121,6 @@ class CompareConfig:
     time_limit: float = 3600.0
     label: str | None = None
     progress: bool = False
-    #: write every kvpush engine's per-step trace under OUT/steps/ (KVPUSH_STEP_TRACE)
-    step_trace: bool = False
     #: seconds of an idle host probe (kvpush.bench.host_probe) right before and right
     #: after each run, at the run's threads per instance; 0: none
     host_probe: float = 0.0
@@ -190,7 +188,7 @@ class Cluster:
     """A cluster for one configuration (context manager: leaving it stops everything)."""
 
     def __init__(self, cfg: CompareConfig, spec: ModeSpec, model: str, log_dir: Path,
-                 model_dir: str | None = None, step_trace_dir: Path | None = None):
+                 model_dir: str | None = None):
         from kvpush.cluster.cli import child_env
         from kvpush.cluster.launcher import Supervisor
 
@@ -199,12 +197,7 @@ class Cluster:
         self.model, self.timeout = model, cfg.startup_timeout
         self.model_dir = model_dir or model
         log_dir.mkdir(parents=True, exist_ok=True)
-        env = child_env()
-        if step_trace_dir is not None:
-            from kvpush.engine.step_trace import ENV_VAR
-
-            env[ENV_VAR] = str(step_trace_dir.resolve())
-        self.sup = Supervisor(log_dir, env)
+        self.sup = Supervisor(log_dir, child_env())
         self.url = ""
 
     def _plan(self, port: int) -> tuple[list, Any]:
@@ -332,9 +325,8 @@ def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out:
                 continue
             log(f"[compare] repeat {rep} {spec.label}: starting the cluster")
             t0 = time.monotonic()
-            traces = out / "steps" / f"{spec.label}_rep{rep}" if cfg.step_trace else None
             with Cluster(cfg, spec, served, out / "logs" / f"{spec.label}_rep{rep}",
-                         tok_dir, traces) as cl:
+                         tok_dir) as cl:
                 cfg.threads[spec.label] = cl.args.threads
                 log(f"[compare]   healthy in {time.monotonic() - t0:.1f} s at {cl.url} "
                     f"({cl.args.threads} torch thread(s) per instance)")
@@ -456,9 +448,6 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     lim.add_argument("--time-limit", type=_seconds, default=3600.0, metavar="S",
                      help="the whole comparison; later runs are skipped (default: 3600)")
     p.add_argument("--progress", action="store_true", help="progress bars")
-    p.add_argument("--step-trace", action="store_true",
-                   help="kvpush instances write one JSON line per engine step under "
-                        "OUT/steps/ (for benchmarks/sim_steps.py)")
     p.add_argument("--host-probe", type=float, default=0.0, metavar="S",
                    help="time a fixed matmul job for S seconds right before and after each "
                         "run, on the run's threads per instance with the cluster idle, and "
@@ -487,7 +476,7 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         vllm_bin=args.vllm_bin,
         vllm_dtype=args.vllm_dtype, request_timeout=args.request_timeout,
         startup_timeout=args.startup_timeout,
-        step_trace=args.step_trace, host_probe=args.host_probe,
+        host_probe=args.host_probe,
         time_limit=args.time_limit, label=args.label, progress=args.progress)
     try:
         summary = run_compare(cfg)

@@ -124,8 +124,6 @@ class AsyncEngine:
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[internal] = (request_id, stream)
         self._internal[request_id] = internal
-        if self.engine.step_trace is not None:
-            self.engine.step_trace.arrival()  # before the step loop can see it
         self.engine.inbox.put(("add", internal, prompt_token_ids, params, kv_transfer_params))
         finished = False
         try:

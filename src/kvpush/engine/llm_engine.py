@@ -20,7 +20,6 @@ from kvpush.config import EngineConfig
 from kvpush.engine.detokenizer import IncrementalDetokenizer
 from kvpush.engine.model_runner import ModelRunner
 from kvpush.engine.outputs import EngineStats, FinishReason, RequestError, RequestOutput
-from kvpush.engine.step_trace import step_trace_from_env
 from kvpush.sampling_params import SamplingParams, TopLogprobs
 from kvpush.scheduler.request import Request, RequestState
 from kvpush.scheduler.scheduler import Scheduler, StepPlan
@@ -75,13 +74,10 @@ class LLMEngine:
             )
             self.scheduler.on_preempt = self.connector.on_preempt
             self.connector.start()
-        self.step_trace = step_trace_from_env(config.kv_transfer.role)
 
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
-        if self.step_trace is not None:
-            self.step_trace.close()
 
     # ---- the inbox -------------------------------------------------------------------
     def process_inbox(self, block: bool = False, timeout: float | None = None) -> list:
@@ -209,13 +205,7 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.step_trace is None:
-            return self._step()[0]
-        started = time.perf_counter()
-        outputs, plan = self._step()
-        if plan is not None:
-            self.step_trace.record(plan, started, time.perf_counter() - started)
-        return outputs
+        return self._step()[0]
 
     def _step(self) -> tuple[list[RequestOutput], StepPlan | None]:
         """One step: its outputs and the plan it ran (None when it ran nothing)."""
