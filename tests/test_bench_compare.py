@@ -159,8 +159,7 @@ def test_compare_two_modes_end_to_end(tiny_llama, tmp_path):
         cfg = CompareConfig(modes=[ModeSpec("colocated"), ModeSpec("push")], rates=[math.inf],
                             out_dir=tmp_path / "out", model=str(tiny_llama), input_len=24,
                             output_len=4, num_prompts=4, warmup=1, run_timeout=120,
-                            startup_timeout=120, time_limit=600, label="test",
-                            host_probe=0.2)
+                            startup_timeout=120, time_limit=600, label="test")
         summary = run_compare(cfg, log=lambda *_: None)
     finally:
         compare.Cluster.__enter__ = real_enter
@@ -172,10 +171,6 @@ def test_compare_two_modes_end_to_end(tiny_llama, tmp_path):
         "colocated_rinf_rep0.json", "push_rinf_rep0.json"]
     run = json.loads((out / "runs" / "push_rinf_rep0.json").read_text())
     assert run["completed"] == 4 and run["threads_per_instance"] >= 1
-    # the idle host probe beside the run, on the run's threads (its child is reaped below)
-    probe = run["host_probe_ms"]
-    assert probe["threads"] == run["threads_per_instance"]
-    assert probe["before"] > 0 and probe["after"] > 0
     assert "| push | inf |" in (out / "summary.md").read_text()
     assert json.loads((out / "summary.json").read_text())["reference"] == "push"
     try:
@@ -220,24 +215,3 @@ def test_vllm_modes_plan_pinned_instances_behind_the_router(tmp_path, monkeypatc
     with pytest.raises(CompareError, match="vLLM is not installed"), \
             Cluster(cfg, cfg.modes[0], "m", tmp_path / "logs"):
         pass
-
-
-def test_host_probe_times_the_job_and_reaps_its_child():
-    from kvpush.bench.host_probe import HostProbe
-
-    before = set(descendant_pids(os.getpid()))
-    with HostProbe() as probe:
-        child = probe._proc.pid
-        assert child in descendant_pids(os.getpid())
-        one = probe.measure(1, 0.1)
-        assert 0 < one < 60_000
-        with pytest.raises(ValueError):
-            probe.measure(0, 0.1)
-        with pytest.raises(ValueError):
-            probe.measure(1, 0)
-        assert probe.measure(1, 0.1) > 0  # still answering after refused requests
-    assert alive([child]) == []
-    assert set(descendant_pids(os.getpid())) <= before
-    with pytest.raises(CompareError, match="host_probe"):
-        CompareConfig(modes=[ModeSpec("push")], rates=[1.0], out_dir=".",
-                      host_probe=-1).validate()

@@ -35,7 +35,6 @@ installed, ``ttft_tpot_vs_rate.png`` and ``ttft_cdf.png`` (:mod:`kvpush.bench.pl
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import time
@@ -121,9 +120,6 @@ class CompareConfig:
     time_limit: float = 3600.0
     label: str | None = None
     progress: bool = False
-    #: seconds of an idle host probe (kvpush.bench.host_probe) right before and right
-    #: after each run, at the run's threads per instance; 0: none
-    host_probe: float = 0.0
     #: repeat k draws its own arrivals (:func:`arrival_seed`); False: all repeats alike
     arrivals_per_repeat: bool = False
     #: Filled in: threads each configuration ran with.
@@ -146,9 +142,6 @@ class CompareConfig:
         if self.arrivals_per_repeat and self.repeats > 1000:
             raise CompareError("--arrivals-per-repeat takes at most 1000 repeats (the "
                                "seeds of one rate must not reach the next rate's)")
-        if not 0 <= self.host_probe <= 60:
-            raise CompareError(f"host_probe must be 0 (off) to 60 seconds, got "
-                               f"{self.host_probe}")
 
 
 def prompt_seed(cfg: CompareConfig, rate_index: int) -> int:
@@ -287,14 +280,7 @@ def run_compare(cfg: CompareConfig, log=print) -> dict[str, Any]:
     prompts = [_prompts(cfg, tokenizer, i) for i in range(len(cfg.rates))]
     runs: list[dict[str, Any]] = []
     skipped: list[str] = []
-    with contextlib.ExitStack() as stack:
-        probe = None
-        if cfg.host_probe:
-            from kvpush.bench.host_probe import HostProbe
-
-            probe = stack.enter_context(HostProbe())
-        _run_all(cfg, served, tok_dir, tokenizer, out, prompts, probe, t_start, runs,
-                 skipped, log)
+    _run_all(cfg, served, tok_dir, tokenizer, out, prompts, t_start, runs, skipped, log)
     summary = summarize_runs(runs, cfg)
     summary["skipped"] = skipped
     summary["wall_s"] = time.monotonic() - t_start
@@ -311,7 +297,7 @@ def run_compare(cfg: CompareConfig, log=print) -> dict[str, Any]:
 
 
 def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out: Path,
-             prompts: list[tuple[list[Any], list[Any]]], probe: Any, t_start: float,
+             prompts: list[tuple[list[Any], list[Any]]], t_start: float,
              runs: list[dict[str, Any]], skipped: list[str], log) -> None:
     """Every configuration x rate x repeat: each run's result into ``runs`` (and its
     file), what the time limit cut into ``skipped``."""
@@ -350,14 +336,9 @@ def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out:
                                             "max_concurrency": 1, "request_rate": math.inf,
                                             "progress": False})
                         run_benchmark(wc, requests=warm, tokenizer=tokenizer)
-                    before = probe.measure(cl.args.threads, cfg.host_probe) if probe else None
                     wall_start = time.time()
                     res = run_benchmark(bc, requests=measured, tokenizer=tokenizer)
                     d = res.to_dict()
-                    if probe:
-                        d["host_probe_ms"] = {"threads": cl.args.threads, "before": before,
-                                              "after": probe.measure(cl.args.threads,
-                                                                     cfg.host_probe)}
                     d.update(mode=spec.mode, mode_label=spec.label, repeat=rep,
                              prompt_seed=prompt_seed(cfg, i), arrival_seed=bc.seed,
                              wall_start=wall_start, wall_end=time.time(),
@@ -448,11 +429,6 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     lim.add_argument("--time-limit", type=_seconds, default=3600.0, metavar="S",
                      help="the whole comparison; later runs are skipped (default: 3600)")
     p.add_argument("--progress", action="store_true", help="progress bars")
-    p.add_argument("--host-probe", type=float, default=0.0, metavar="S",
-                   help="time a fixed matmul job for S seconds right before and after each "
-                        "run, on the run's threads per instance with the cluster idle, and "
-                        "record it in the run's JSON (host_probe_ms): the host's speed "
-                        "level, for benchmarks/sim_validate.py (default: 0, off)")
     p.set_defaults(func=run_compare_cli)
     return p
 
@@ -476,7 +452,6 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         vllm_bin=args.vllm_bin,
         vllm_dtype=args.vllm_dtype, request_timeout=args.request_timeout,
         startup_timeout=args.startup_timeout,
-        host_probe=args.host_probe,
         time_limit=args.time_limit, label=args.label, progress=args.progress)
     try:
         summary = run_compare(cfg)
