@@ -133,7 +133,7 @@ class BenchResult:
     metrics: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
     #: the wall clock (time.time()) at the instant start_times count from, to set the
-    #: requests beside server-side logs and step traces
+    #: requests beside server-side logs
     start_wall: float = 0.0
 
     @property

@@ -58,12 +58,13 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "smallest split for latency targets. See docs/SIMULATOR.md.")
     sub = p.add_subparsers(dest="sim_command", metavar="ACTION", required=True)
 
-    r = sub.add_parser("run", help="simulate one workload on one or more configurations")
+    r = sub.add_parser("run", help="one workload on xPyD push / pull (or colocated)")
     _workload_args(r, "request rate(s) per second (inf: all at once)")
     r.add_argument("--modes", type=_words, default=["pull", "push"], metavar="M[,M]",
                    help="colocated, pull, push (default: pull,push)")
-    r.add_argument("--prefill", type=int, default=1, metavar="X")
-    r.add_argument("--decode", type=int, default=1, metavar="Y")
+    r.add_argument("--prefill", type=int, default=1, metavar="X",
+                   help="prefill instances (colocated runs X + Y instances)")
+    r.add_argument("--decode", type=int, default=1, metavar="Y", help="decode instances")
     r.set_defaults(func=_run)
 
     c = sub.add_parser("calibrate", help="measure this machine's profile: the engine's "

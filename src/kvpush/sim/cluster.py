@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,12 +81,6 @@ class SimResult:
         return out
 
 
-def _prefix_state(w: Workload, role: str) -> Mapping[int, int]:
-    if w.prefix_len and role in w.prefix_cached_on:
-        return {0: w.prefix_len}
-    return {}
-
-
 def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> SimResult:
     """Replay ``workload`` through the cluster ``config`` on ``profile``; deterministic
     for a workload seed."""
@@ -111,8 +104,10 @@ def simulate(profile: Profile, workload: Workload, config: ClusterConfig) -> Sim
 
     def make(role: str, n: int, cache_role: str) -> list[EngineSim]:
         caching = role != "prefill" or config.prefill_prefix_cache
+        warm = workload.prefix_len and cache_role in workload.prefix_cached_on
         return [EngineSim(env, f"{role}{i}", profile.step_model(role), profile.instance,
-                          _prefix_state(workload, cache_role), caching) for i in range(n)]
+                          {0: workload.prefix_len} if warm else {}, caching)
+                for i in range(n)]
 
     if config.mode == "colocated":
         engines = make("colocated", config.num_prefill + config.num_decode, "decode")
