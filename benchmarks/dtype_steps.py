@@ -10,8 +10,8 @@ HF transformers token for token).
 
     .venv/bin/python benchmarks/dtype_steps.py --threads 1 --rounds 3
 
-Alternating rounds, not one dtype after the other: this host's speed moves by 10-30%
-within minutes (SIMULATION.md 1-host).
+Alternating rounds, not one dtype after the other: a small VM's speed moves by 10-30%
+within minutes (docs/SIMULATOR.md, "What the simulator learned about CPU hosts").
 """
 
 from __future__ import annotations
