@@ -110,8 +110,8 @@ def _numbers(d: Any, where: str, required: Sequence[str],
              optional: Sequence[str] = ()) -> dict[str, float]:
     if not isinstance(d, Mapping):
         raise ProfileError(f"{where}: expected an object, got {type(d).__name__}")
-    return {k: float(_number(d, k, where)) for k in (*required, *(o for o in optional
-                                                                   if o in d))}
+    keys = [*required, *(k for k in optional if k in d)]
+    return {k: float(_number(d, k, where)) for k in keys}
 
 
 def _shape(d: Any, where: str) -> ModelShape:
@@ -139,10 +139,10 @@ def _step_model(d: Any, where: str, shape: ModelShape) -> StepModel:
     elif kind == "roofline":
         fields = ROOFLINE_FIELDS + ("per_layer_overhead_s",)
         c = _numbers(d, where, ROOFLINE_FIELDS, fields[-1:])
-        for k, top in (("mfu", 1), ("bw_efficiency", 1), ("peak_flops", None),
-                       ("mem_bandwidth", None)):
-            if not 0 < c[k] <= (top or c[k]):
-                raise ProfileError(f"{where}.{k}: must be in (0, {top or 'inf'}], got {c[k]}")
+        for k in ("peak_flops", "mem_bandwidth", "mfu", "bw_efficiency"):
+            if c[k] <= 0 or (k in ("mfu", "bw_efficiency") and c[k] > 1):
+                raise ProfileError(f"{where}.{k}: must be > 0 (mfu, bw_efficiency: at most "
+                                   f"1), got {c[k]}")
     else:
         raise ProfileError(f"{where}.kind: expected 'linear' or 'roofline', got {kind!r}")
     unknown = sorted(set(d) - set(fields) - {"kind"})
