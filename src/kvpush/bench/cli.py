@@ -116,8 +116,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="no progress bar")
     p.set_defaults(func=run_bench, _bench_parser=p)
     from kvpush.bench.compare import add_compare_parser
+    from kvpush.bench.handoff import add_handoff_parser
 
-    add_compare_parser(p.add_subparsers(title="sub-commands", metavar="{compare}"))
+    sub = p.add_subparsers(title="sub-commands", metavar="{compare,handoff}")
+    add_compare_parser(sub)
+    add_handoff_parser(sub)
     return p
 
 

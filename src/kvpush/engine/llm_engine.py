@@ -243,6 +243,8 @@ class LLMEngine:
         token = req.output_token_ids[-1]
         if req.first_token_time is None:
             req.first_token_time = now
+            if self.connector is not None:
+                self.connector.first_token_out(req.request_id)
         detok = self.detoks[req.request_id]
         detok.add(token)
         reason = self._stop_reason(req, token, detok)

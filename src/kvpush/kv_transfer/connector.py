@@ -53,6 +53,7 @@ from kvpush.kv_transfer.state import (
     TransferRecord,
     parse_kv_params,
 )
+from kvpush.kv_transfer.timeline import HandoffTimeline
 from kvpush.kv_transfer.transport import layer_block_descs
 from kvpush.kv_transfer.worker import TransferWorker
 from kvpush.sampling_params import SampledToken
@@ -128,6 +129,7 @@ class KVConnector(PrefillSide, DecodeSide):
             cfg.heartbeat_interval_s,
             fence_timeout_s=cfg.fence_timeout_s,
         )
+        self.timeline = self.worker.timeline = HandoffTimeline(self.role)
         self.peers: dict[str, m.Hello] = {}  # address -> the peer's Hello (ready peers)
         self.peer_layouts: dict[str, tuple[int, KVLayout]] = {}  # address -> (base, layout)
         self.refused: dict[str, str] = {}
@@ -212,6 +214,7 @@ class KVConnector(PrefillSide, DecodeSide):
                         "prefill", "kv_transfer_params", "prefill_not_needed")
                 self.sends[tid] = PushSend(tid, req.request_id)
             self.by_request[req.request_id] = tid
+            self.timeline.stamp(tid, "p_added")
             self.scheduler.add_request(req)  # before a registration may abort it
             if self.mode == "push":
                 if reg is not None:
@@ -242,6 +245,8 @@ class KVConnector(PrefillSide, DecodeSide):
                               list(p["remote_block_ids"] or []))
             self.recvs[tid] = recv
             self.by_request[req.request_id] = tid
+            self.timeline.stamp(tid, "d_added")
+            self.timeline.await_first(req.request_id, tid)
             self.scheduler.add_remote_request(req)
             self.pending.append(tid)
             self.worker.submit("ensure_peer", address)
@@ -264,8 +269,11 @@ class KVConnector(PrefillSide, DecodeSide):
         response)."""
         self._stalled = False  # blocks may come free
         tid = self.by_request.pop(req.request_id, None)
+        self.timeline.forget_request(req.request_id)  # (decode: token #1 never went out)
         if tid is None:
             return False, None
+        if self.role == "prefill":
+            self.timeline.stamp(tid, "p_first")
         if tid in self.sends:
             send = self.sends[tid]
             if not ok:
@@ -284,6 +292,7 @@ class KVConnector(PrefillSide, DecodeSide):
                 return False, None
             self.lent[tid] = list(req.block_ids)
             self.worker.submit("track", tid, None)
+            self.timeline.emit(tid)
             return True, {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
@@ -428,6 +437,10 @@ class KVConnector(PrefillSide, DecodeSide):
             self._recv_failed(recv, "the transfer thread died")
 
     # ---- visibility --------------------------------------------------------------------
+    def first_token_out(self, request_id: str) -> None:
+        """The engine emitted the request's token #1 (decode: the hand-off is over)."""
+        self.timeline.first_token(request_id)
+
     def _record(self, rec: TransferRecord) -> None:
         self.records.append(rec)
         if self.record_sink is not None:

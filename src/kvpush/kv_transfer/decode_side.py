@@ -90,6 +90,7 @@ class DecodeSide:
                 recv.tid, self.engine_id, self.address, list(req.block_ids), skip, n, full_hit)
             recv.registered_at = time.monotonic()
             self.worker.submit("send", recv.address, recv.register)
+            self.timeline.stamp(recv.tid, "d_registered")
             if full_hit:  # everything prefill could send is here already: compute the rest
                 self._end_recv(recv, ok=True, why="full prefix hit on decode")
                 self.scheduler.remote_kv_arrived(req.request_id, hit, None)
@@ -121,6 +122,7 @@ class DecodeSide:
             self._recv_failed(recv, f"READ failed to post: {e}")
             return
         post_s = time.perf_counter() - t0
+        self.timeline.stamp(recv.tid, "d_read_post")
         recv.posted = TransferRecord(recv.tid, "decode", "pull", True,
                                      sum(x[1] for x in local), len(local), post_s)
         recv.state = RecvState.AWAITING_KV

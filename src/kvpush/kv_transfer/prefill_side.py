@@ -102,7 +102,13 @@ class PrefillSide:
         """Per-layer WRITE of the blocks this step completes, for registered push sends
         and for those whose registration arrives while the step runs."""
         self._step_writes = []
-        if self.role != "prefill" or not self.sends:
+        if self.role != "prefill":
+            return None
+        for chunk in plan.chunks:
+            tid = self.by_request.get(chunk.request_id)
+            if tid is not None:
+                self.timeline.stamp(tid, "p_step", first=True)
+        if not self.sends:
             return None
         waiting: list[tuple[PushSend, ScheduledChunk]] = []
         for chunk in plan.chunks:
@@ -195,6 +201,7 @@ class PrefillSide:
     def _drop_send(self, send: PushSend, why: str, free: bool = True) -> None:
         """End a push send that has nothing in flight; frees what it holds."""
         self.sends.pop(send.tid, None)
+        self.timeline.emit(send.tid)
         self.worker.submit("untrack", send.tid)
         self._remember_ended(send.tid, why)
         if send.request_id in self.scheduler.requests:
@@ -232,6 +239,7 @@ class PrefillSide:
         self.counters["transfers_ok" if ok else "transfers_failed"] += 1
         self._record(TransferRecord(tid, "prefill", "push", ok, nbytes, ndesc,
                                            post_s, elapsed, failed))
+        self.timeline.emit(tid)
         self._remember_ended(tid, failed or "done")
         self.scheduler.pool.free(send.block_ids)
         for blocks in send.retired:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.fences import DEFAULT_FENCE_TIMEOUT_S, Fence, FenceKeeper
+from kvpush.kv_transfer.timeline import HandoffTimeline
 from kvpush.kv_transfer.transport import KVTransport, TransferPostError, XferState
 
 #: how many ended transfer ids (aborted by either side, or whose WRITEs are all done)
@@ -127,6 +128,8 @@ class TransferWorker(FenceKeeper):
         for reason in self._rejected:
             self.counters[f"side_channel_rejected_{reason}"] = 0
         self._next_heartbeat = 0.0
+        #: per-transfer stage stamps (the connector's, timeline.py); None: not kept
+        self.timeline: HandoffTimeline | None = None
         self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
         self._stopped = False
 
@@ -295,12 +298,18 @@ class TransferWorker(FenceKeeper):
             self.post_event(("awaiting_registration", msg.awaiting_registration))
 
     def _on_PushRegister(self, msg: m.PushRegister) -> None:
+        self._stamp(msg.transfer_id, "p_reg")
         self._renew(msg.transfer_id)
         if self._writer:  # for the layer hook of a step already under way (prefill_side)
             self.register_hints[msg.transfer_id] = msg
         self.post_event(("register", msg))
 
+    def _stamp(self, tid: str, stage: str) -> None:
+        if self.timeline is not None:
+            self.timeline.stamp(tid, stage)
+
     def _on_PushDone(self, msg: m.PushDone) -> None:
+        self._stamp(msg.transfer_id, "d_done")
         self.post_event(("push_done", msg))
 
     def _on_PullDone(self, msg: m.PullDone) -> None:
@@ -364,12 +373,13 @@ class TransferWorker(FenceKeeper):
             group.failed = f"WRITE failed to post: {e}"
             return
         group.post_s += time.perf_counter() - t0
+        self._stamp(tid, "p_last_post")
         group.first_post = group.first_post or t0
         group.pending.add(handle)
         group.num_descriptors += len(local)
         group.num_bytes += sum(length for _, length in local)
         self.handles[handle] = tid
-        self._maybe_finish(tid)
+        self._check_now(handle)  # ends the group at once if that was its last WRITE
 
     def _cmd_finalize(self, tid: str, address: str, done: m.PushDone) -> None:
         """Send ``done`` to decode once every WRITE of the transfer has completed."""
@@ -405,6 +415,7 @@ class TransferWorker(FenceKeeper):
 
     def _cmd_watch_read(self, tid: str, handle: int, address: str) -> None:
         self.reads[handle] = (tid, address)
+        self._check_now(handle)
 
     def _maybe_finish(self, tid: str) -> None:
         group = self.writes.get(tid)
@@ -422,6 +433,7 @@ class TransferWorker(FenceKeeper):
             done.num_descriptors = group.num_descriptors
             done.num_bytes = group.num_bytes
             self._send(group.address, done)
+            self._stamp(tid, "p_done_sent")
         elapsed = time.perf_counter() - group.first_post if group.first_post else 0.0
         self.post_event(
             ("writes_done", tid, group.failed, group.num_descriptors, group.num_bytes,
@@ -438,25 +450,37 @@ class TransferWorker(FenceKeeper):
         with self.transport_lock:
             states = {h: self.transport.state(h) for h in (*self.handles, *self.reads)}
         for h, st in states.items():
-            if st is XferState.PENDING:
-                continue
-            with self.transport_lock:
-                self.transport.release(h)
-            if h in self.handles:
-                tid = self.handles.pop(h)
-                group = self.writes.get(tid)
-                if group is not None:
-                    group.pending.discard(h)
-                    if st is XferState.FAILED and not group.failed:
-                        group.failed = "WRITE failed to complete"
-                    self._maybe_finish(tid)
-            else:
-                tid, address = self.reads.pop(h)
-                ok = st is XferState.DONE
-                if not ok:
-                    self.counters["transfers_failed"] += 1
-                self._send(address, m.PullDone(tid, ok=ok))
-                self.post_event(("read_done", tid, ok))
+            if st is not XferState.PENDING:
+                self._transfer_ended(h, st)
+
+    def _check_now(self, handle: int) -> None:
+        """A transfer just posted or handed over: over cma the copy happens inside the
+        post, so it is usually DONE already; its completion then goes out now, not at
+        the next poll of the transport."""
+        with self.transport_lock:
+            st = self.transport.state(handle)
+        if st is not XferState.PENDING:
+            self._transfer_ended(handle, st)
+
+    def _transfer_ended(self, h: int, st: XferState) -> None:
+        with self.transport_lock:
+            self.transport.release(h)
+        if h in self.handles:
+            tid = self.handles.pop(h)
+            group = self.writes.get(tid)
+            if group is not None:
+                group.pending.discard(h)
+                if st is XferState.FAILED and not group.failed:
+                    group.failed = "WRITE failed to complete"
+                self._maybe_finish(tid)
+        else:
+            tid, address = self.reads.pop(h)
+            ok = st is XferState.DONE
+            self._stamp(tid, "d_read_done")
+            if not ok:
+                self.counters["transfers_failed"] += 1
+            self._send(address, m.PullDone(tid, ok=ok))
+            self.post_event(("read_done", tid, ok))
 
     # ---- heartbeats and leases ----------------------------------------------------------
     def _heartbeat(self, now: float) -> None:

@@ -58,12 +58,15 @@ _GAINS = {"lm_head": LM_HEAD_GAIN, "o_proj": RESID_GAIN, "down_proj": RESID_GAIN
 #: tiny-gqa4      2       64      8      2 (GQA4)  32 (!=8)  128    2048     1000000
 #: small          4       256     8      4 (GQA2)  32        512    4096     500000
 #: qwen3-32b-kv   64      256     8      8 (MHA)   128       512    32768    1000000
+#: bench          3       128     4      2 (GQA2)  32        256    2048     1000000
 #: =============  ======  ======  =====  ========  ========  =====  =======  ==========
 #:
 #: All have vocab_size 1024 (the test tokenizer's size). ``qwen3-32b-kv`` has the KV
 #: footprint of Qwen3-32B: 64 layers x 8 KV heads x 128 x 2 (K and V) x 2 bytes =
 #: 256 KiB per token in bf16 (512 KiB in fp32), on a ~90M-parameter body that runs on a
-#: CPU; it is meant for transfer benchmarks, not unit tests (~360 MB of fp32 weights).
+#: CPU; it is meant for transfer benchmarks, not unit tests (~360 MB of fp32 weights). ``bench``
+#: is the serving-path benchmarks' model (`kvpush bench handoff`): compute is negligible,
+#: so what they measure is HTTP, routing, scheduling and the KV hand-off.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -79,6 +82,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_hidden_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
         head_dim=32, intermediate_size=512, max_position_embeddings=4096,
         rope_theta=500000.0, vocab_size=1024,
+    ),
+    "bench": dict(
+        num_hidden_layers=3, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, intermediate_size=256, max_position_embeddings=2048,
+        rope_theta=1000000.0, vocab_size=1024,
     ),
     "qwen3-32b-kv": dict(
         num_hidden_layers=64, hidden_size=256, num_attention_heads=8, num_key_value_heads=8,

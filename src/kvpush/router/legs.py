@@ -66,6 +66,7 @@ class Job:
     p_leg_s: float | None = None
     p_outcome: str = "-"
     p_task: asyncio.Task | None = None
+    legs_sent: float | None = None  # push: both legs; pull: the prefill leg
     d_sent: float | None = None
     d_first_byte_s: float | None = None
     first_byte: float | None = None
@@ -176,6 +177,7 @@ class Legs:
         while True:
             tid = job.new_transfer_id()
             job.prefill = p
+            job.legs_sent = time.perf_counter()
             try:
                 r = await self._prefill_leg(job, p, prefill_body(job.body, tid), tid)
             finally:
@@ -227,6 +229,7 @@ class Legs:
             tid = job.new_transfer_id()
             job.prefill = p
             d_body = {**job.body, "kv_transfer_params": push_decode_params(p, tid)}
+            job.legs_sent = time.perf_counter()
             p_task = asyncio.create_task(
                 self._prefill_leg(job, p, prefill_body(job.body, tid), tid))
             job.p_task = p_task
@@ -481,14 +484,22 @@ class Legs:
         total = None if job.ended is None else job.ended - job.arrival
         request_log.info(
             "request %s %s%s mode=%s P=%s D=%s transfer=%s p_leg=%s (%s) d_first_byte=%s "
-            "total=%s status=%s outcome=%s%s%s%s",
+            "total=%s status=%s outcome=%s%s%s%s%s",
             job.rid, job.kind, " stream" if job.stream else "", job.mode or "-",
             job.prefill.engine_id if job.prefill else "-",
             job.decode.engine_id if job.decode else "-", job.transfer_id or "-",
             ms(job.p_leg_s), job.p_outcome, ms(job.d_first_byte_s), ms(total), job.status,
             job.outcome, f" attempts={job.attempts}" if job.attempts > 1 else "",
             f" client_request_id={job.client_rid}" if job.client_rid else "",
-            f" error={job.error!r}" if job.error else "")
+            f" error={job.error!r}" if job.error else "", _stamps(job))
+
+
+def _stamps(job: Job) -> str:
+    """The job's stage times as ``t_r_*`` fields (perf_counter seconds: one clock with
+    the instances' ``handoff`` lines on this host, kvpush.kv_transfer.timeline)."""
+    stamps = {"r_in": job.arrival, "r_sent": job.legs_sent, "r_d_sent": job.d_sent,
+              "r_first": job.first_byte}
+    return "".join(f" t_{k}={v:.6f}" for k, v in stamps.items() if v is not None)
 
 
 async def _cancel(task: asyncio.Task) -> None:

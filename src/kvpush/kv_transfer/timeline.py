@@ -1,0 +1,74 @@
+"""Per-transfer stage timestamps: where the milliseconds of a hand-off go.
+
+Each instance stamps the stages of every transfer it takes part in (prefill: request in
+the engine, its step starting, token #1, each WRITE posted, the completion sent; decode:
+request in the engine, blocks registered, the completion or the READ done, token #1
+out) and, when its part is over, logs one ``handoff`` line (logger
+``kvpush.kv_transfer.handoff``, INFO)::
+
+    handoff transfer=T role=prefill t_p_added=812.004113 t_p_step=812.004398 ...
+
+Stamps are ``time.perf_counter()`` seconds: CLOCK_MONOTONIC on Linux, one clock for
+every process of a host, so the router's request line (``t_r_*``) and both instances'
+lines of one transfer id line up into one timeline (`kvpush bench handoff` does that;
+across hosts only each process's own differences are meaningful).
+
+Stamps come from the step-loop thread and the transfer thread; each is one dict store
+under the GIL. The table is bounded: the oldest transfer's stamps go first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+log = logging.getLogger("kvpush.kv_transfer.handoff")
+
+#: transfers whose stamps are kept at once (ended ones are logged and dropped)
+MAX_TRACKED = 4096
+
+
+class HandoffTimeline:
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self._stamps: OrderedDict[str, dict[str, float]] = OrderedDict()
+        self._first: OrderedDict[str, str] = OrderedDict()  # decode: request id -> tid
+
+    def stamp(self, tid: str, stage: str, t: float | None = None, first: bool = False) -> None:
+        """Record ``stage`` of ``tid`` now (or at ``t``); ``first``: keep an earlier one."""
+        stamps = self._stamps.get(tid)
+        if stamps is None:
+            stamps = self._stamps[tid] = {}
+            while len(self._stamps) > MAX_TRACKED:
+                self._stamps.popitem(last=False)
+        if first and stage in stamps:
+            return
+        stamps[stage] = time.perf_counter() if t is None else t
+
+    def await_first(self, request_id: str, tid: str) -> None:
+        """Decode: ``tid``'s line waits for the request's token #1 (see first_token)."""
+        self._first[request_id] = tid
+        while len(self._first) > MAX_TRACKED:
+            self._first.popitem(last=False)
+
+    def first_token(self, request_id: str) -> None:
+        """The request's token #1 went out: stamp ``d_first`` and log its line."""
+        tid = self._first.pop(request_id, None)
+        if tid is not None:
+            self.stamp(tid, "d_first")
+            self.emit(tid)
+
+    def forget_request(self, request_id: str) -> None:
+        tid = self._first.pop(request_id, None)
+        if tid is not None:
+            self._stamps.pop(tid, None)
+
+    def emit(self, tid: str) -> dict[str, float] | None:
+        """Log ``tid``'s line and forget it; returns its stamps (None: none taken)."""
+        stamps = self._stamps.pop(tid, None)
+        if stamps and log.isEnabledFor(logging.INFO):
+            fields = " ".join(f"t_{k}={v:.6f}" for k, v in sorted(stamps.items(),
+                                                                  key=lambda kv: kv[1]))
+            log.info("handoff transfer=%s role=%s %s", tid, self.role, fields)
+        return stamps

@@ -1,0 +1,178 @@
+"""The hand-off's stage stamps (kv_transfer/timeline.py), what `kvpush bench handoff`
+makes of them, and the completion that goes out the moment a transfer is done."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from engine_helpers import greedy, random_prompts
+from kvpush.bench.handoff import (
+    PULL_STAGES,
+    PUSH_STAGES,
+    markdown,
+    parse_log_lines,
+    rotation,
+    timeline,
+)
+from kvpush.bench.machine import cpu_flags
+from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.timeline import MAX_TRACKED, HandoffTimeline
+from kvpush.kv_transfer.transport import XferState
+from pd_helpers import PDDriver, make_instance
+from test_worker_fences import RANGES, D, P, kinds, worker
+
+
+# ---- HandoffTimeline ------------------------------------------------------------------
+def test_timeline_logs_one_line_per_transfer_in_time_order(caplog):
+    tl = HandoffTimeline("prefill")
+    tl.stamp("t", "p_first", 2.0)
+    tl.stamp("t", "p_added", 1.0)
+    tl.stamp("t", "p_step", 1.5, first=True)
+    tl.stamp("t", "p_step", 1.7, first=True)  # a later step keeps the first stamp
+    with caplog.at_level(logging.INFO, "kvpush.kv_transfer.handoff"):
+        stamps = tl.emit("t")
+        assert tl.emit("t") is None  # forgotten once logged
+    assert stamps == {"p_added": 1.0, "p_step": 1.5, "p_first": 2.0}
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line == ("handoff transfer=t role=prefill t_p_added=1.000000 t_p_step=1.500000 "
+                    "t_p_first=2.000000")
+
+
+def test_timeline_decode_line_waits_for_token1_and_is_bounded():
+    tl = HandoffTimeline("decode")
+    tl.stamp("t", "d_added", 1.0)
+    tl.await_first("r", "t")
+    tl.first_token("other")  # not a transfer's request: nothing happens
+    assert "t" in tl._stamps
+    tl.first_token("r")
+    assert "t" not in tl._stamps and not tl._first
+    tl.await_first("r2", "t2")
+    tl.stamp("t2", "d_added")
+    tl.forget_request("r2")  # ended without a token #1: dropped, not logged later
+    assert not tl._stamps and not tl._first
+    for i in range(MAX_TRACKED + 10):
+        tl.stamp(f"x{i}", "d_added", float(i))
+    assert len(tl._stamps) == MAX_TRACKED and "x0" not in tl._stamps
+
+
+# ---- the worker: a completion goes out when the transfer is done, not at a poll --------
+def test_write_done_inside_its_post_sends_push_done_at_finalize():
+    w, ch, tr, events = worker("prefill")
+    real_post = tr.post
+
+    def post_done(*a):  # over cma the copy happens inside the post
+        h = real_post(*a)
+        tr.states[h] = XferState.DONE
+        return h
+
+    tr.post = post_done
+    w._cmd_write("t", D, *RANGES)
+    assert not w.handles  # released at once
+    w._cmd_finalize("t", D, m.PushDone("t", ok=True, first_token=3))
+    assert [d.ok for d in ch.of(m.PushDone)] == [True]  # no _poll_transfers needed
+    assert kinds(events) == ["writes_done"]
+
+
+def test_pending_write_still_completes_at_the_poll():
+    w, ch, tr, _ = worker("prefill")
+    w._cmd_write("t", D, *RANGES)
+    w._cmd_finalize("t", D, m.PushDone("t", ok=True, first_token=3))
+    assert ch.of(m.PushDone) == []
+    tr.states[1] = XferState.DONE
+    w._poll_transfers()
+    assert [d.ok for d in ch.of(m.PushDone)] == [True]
+
+
+def test_read_done_before_it_is_watched_ends_at_once():
+    w, ch, tr, events = worker("decode")
+    tr.states[7] = XferState.DONE
+    w._cmd_watch_read("t", 7, P)
+    assert ch.of(m.PullDone) == [m.PullDone("t", ok=True)]
+    assert events == [("read_done", "t", True)] and not w.reads
+
+
+# ---- both instances stamp a real push and pull ------------------------------------------
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_pd_transfer_logs_its_stages_on_both_sides(tiny_qwen3, mode, caplog):
+    p = make_instance(tiny_qwen3, "prefill", mode)
+    d = make_instance(tiny_qwen3, "decode", mode)
+    drv = PDDriver(p, d)
+    try:
+        with caplog.at_level(logging.INFO, "kvpush.kv_transfer.handoff"):
+            drv.submit("r", random_prompts([40], seed=3)[0], greedy(3))
+            drv.run()
+            drv.settle()
+    finally:
+        drv.close()
+    lines = parse_log_lines([r.getMessage() for r in caplog.records], "handoff ")
+    assert len(lines) == 1
+    [fields] = lines.values()
+    stamps = {k[2:]: float(v) for k, v in fields.items() if k.startswith("t_")}
+    want = {"p_added", "p_step", "p_first", "d_added", "d_first"} | (
+        {"p_reg", "p_last_post", "p_done_sent", "d_registered", "d_done"} if mode == "push"
+        else {"d_read_post", "d_read_done"})
+    assert want <= set(stamps)
+    assert stamps["p_added"] <= stamps["p_step"] <= stamps["p_first"]
+    assert stamps["d_added"] <= stamps["d_first"]
+    if mode == "push":
+        assert stamps["p_first"] <= stamps["p_done_sent"] <= stamps["d_done"]
+        assert stamps["d_done"] <= stamps["d_first"]
+    else:
+        assert stamps["p_first"] <= stamps["d_read_post"] <= stamps["d_read_done"]
+        assert stamps["d_read_done"] <= stamps["d_first"]
+
+
+# ---- what the benchmark makes of the logs -------------------------------------------------
+def test_rotation_puts_each_mode_first_in_turn():
+    modes = ["colocated", "push", "pull"]
+    assert [rotation(modes, i)[0] for i in range(4)] == ["colocated", "push", "pull",
+                                                         "colocated"]
+    assert sorted(rotation(modes, 1)) == sorted(modes)
+
+
+def test_timeline_joins_router_and_instance_lines_by_transfer(tmp_path):
+    (tmp_path / "router.log").write_text(
+        "x INFO kvpush.router.requests: request r1 completion stream mode=push "
+        "transfer=T1 t_r_in=10.000 t_r_sent=10.001 t_r_first=10.020\n"
+        "x INFO kvpush.router.requests: request r2 completion stream mode=push "
+        "transfer=T2 t_r_in=20.000 t_r_sent=20.001 t_r_first=20.030\n")
+    (tmp_path / "prefill-0.log").write_text(
+        "x INFO kvpush.kv_transfer.handoff: handoff transfer=T1 role=prefill "
+        "t_p_added=10.003 t_p_first=10.010 t_p_done_sent=10.012\n"
+        "x INFO kvpush.kv_transfer.handoff: handoff transfer=T2 role=prefill "
+        "t_p_added=20.003 t_p_first=20.010 t_p_done_sent=20.014\n")
+    (tmp_path / "decode-0.log").write_text(
+        "x INFO kvpush.kv_transfer.handoff: handoff transfer=T1 role=decode "
+        "t_d_done=10.013 t_d_first=10.014\n")
+    rows = {r["stage"]: r for r in timeline(tmp_path, "push")}
+    assert rows["total: request in -> first byte at router"]["median_ms"] == pytest.approx(25)
+    p_done = rows["P: token #1 -> completion sent (last WRITEs done)"]
+    assert p_done["median_ms"] == pytest.approx(3) and p_done["n"] == 2
+    d_out = rows["D: completion received -> token #1 out"]
+    assert d_out["median_ms"] == pytest.approx(1) and d_out["n"] == 1
+    assert {label for label, *_ in PUSH_STAGES} >= set(rows)
+    assert timeline(tmp_path, "pull")[0]["stage"] == PULL_STAGES[0][0]
+
+
+def test_markdown_reports_push_adds_and_pull_over_push():
+    def cell(ms):
+        return {"median_ms": ms, "p90_ms": ms + 1, "min_ms": ms - 1, "n": 3}
+
+    summary = {"config": {"requests": 3}, "date": "d", "cpu_flags": "f",
+               "first_chunk": {"8": {"colocated": cell(10.0), "push": cell(11.5),
+                                     "pull": cell(23.0)}},
+               "timeline": {"push": [{"stage": "s", "median_ms": 0.5, "n": 3}]}}
+    text = markdown(summary)
+    assert "| 8 tokens | 10.0 (11.0) ms | 11.5 (12.5) ms | 23.0 (24.0) ms | +1.5 ms | 2.00x |" \
+        in text
+    assert "| s | 0.50 | 3 |" in text
+
+
+def test_cpu_flags_names_model_and_vector_extensions():
+    info = "model name\t: Some CPU\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n"
+    text = cpu_flags(info)
+    assert text.startswith("Some CPU (") and text.endswith("avx2 avx512f avx512_bf16")
+    assert cpu_flags("model name : Old\nflags : sse sse2\n").endswith("no AVX2")
+
