@@ -17,6 +17,7 @@ from kvpush.bench.handoff import (
     timeline,
 )
 from kvpush.bench.machine import cpu_flags
+from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.timeline import MAX_TRACKED, HandoffTimeline
 from kvpush.kv_transfer.transport import XferState
@@ -68,17 +69,17 @@ def test_write_done_inside_its_post_sends_push_done_at_finalize():
         return h
 
     tr.post = post_done
-    w._cmd_write("t", D, *RANGES)
+    w.handle(c.PostWrite("t", D, *RANGES))
     assert not w.handles  # released at once
-    w._cmd_finalize("t", D, m.PushDone("t", ok=True, first_token=3))
+    w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=3)))
     assert [d.ok for d in ch.of(m.PushDone)] == [True]  # no _poll_transfers needed
-    assert kinds(events) == ["writes_done"]
+    assert kinds(events) == ["WritesDone"]
 
 
 def test_pending_write_still_completes_at_the_poll():
     w, ch, tr, _ = worker("prefill")
-    w._cmd_write("t", D, *RANGES)
-    w._cmd_finalize("t", D, m.PushDone("t", ok=True, first_token=3))
+    w.handle(c.PostWrite("t", D, *RANGES))
+    w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=3)))
     assert ch.of(m.PushDone) == []
     tr.states[1] = XferState.DONE
     w._poll_transfers()
@@ -88,9 +89,9 @@ def test_pending_write_still_completes_at_the_poll():
 def test_read_done_before_it_is_watched_ends_at_once():
     w, ch, tr, events = worker("decode")
     tr.states[7] = XferState.DONE
-    w._cmd_watch_read("t", 7, P)
+    w.handle(c.WatchRead("t", 7, P))
     assert ch.of(m.PullDone) == [m.PullDone("t", ok=True)]
-    assert events == [("read_done", "t", True)] and not w.reads
+    assert events == [c.ReadDone("t", True)] and not w.reads
 
 
 # ---- both instances stamp a real push and pull ------------------------------------------

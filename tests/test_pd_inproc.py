@@ -12,6 +12,7 @@ from kvpush.config import KVTransferConfig
 from kvpush.engine.outputs import FinishReason
 from kvpush.errors import ConfigError
 from kvpush.kv_cache.block_pool import hash_prefix_blocks
+from kvpush.kv_transfer.commands import PostWrite
 from kvpush.kv_transfer.faults import FaultPlan
 from pd_helpers import PDDriver, make_instance
 
@@ -176,10 +177,10 @@ def _registration_mid_step(pd, model, during_forward: int) -> None:
     in_forward = [False]
     submit = pd.p.connector.worker.submit
 
-    def recording(*cmd):
-        if cmd[0] == "write":
+    def recording(cmd):
+        if isinstance(cmd, PostWrite):
             writes.append(in_forward[0])
-        submit(*cmd)
+        submit(cmd)
 
     pd.p.connector.worker.submit = recording
     execute = pd.p.runner.execute
@@ -236,11 +237,12 @@ def test_push_writes_layers_in_groups(model_factory, configured, expected_groups
         base = p.runner.kv_region.base_address
         submit, execute = p.connector.worker.submit, p.runner.execute
 
-        def recording(*cmd):
-            if cmd[0] == "write" and in_forward[0]:
-                local = cmd[3]  # (address, length) per descriptor, layer-major
-                groups.append(tuple(sorted({(a - base) // layer_bytes for a, _ in local})))
-            submit(*cmd)
+        def recording(cmd):
+            if isinstance(cmd, PostWrite) and in_forward[0]:
+                # (address, length) per descriptor, layer-major
+                groups.append(tuple(sorted({(a - base) // layer_bytes
+                                            for a, _ in cmd.local})))
+            submit(cmd)
 
         def watched(plan, hook=None):
             in_forward[0] = True

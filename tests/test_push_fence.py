@@ -18,6 +18,7 @@ import pytest
 
 from engine_helpers import greedy, make_engine, random_prompts, run_to_completion
 from kvpush.engine.outputs import FinishReason
+from kvpush.kv_transfer import commands as cmd
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.faults import FaultPlan
 from kvpush.kv_transfer.state import RecvState
@@ -40,8 +41,7 @@ class Pair(PDDriver):
             entered.set()
             self.gate.wait(60)
 
-        self.p.connector.worker._cmd_freeze = freeze
-        self.p.connector.worker.submit("freeze")
+        self.p.connector.worker.submit(cmd.Call(freeze))
         assert entered.wait(10), "prefill's transfer thread did not take the command"
 
     def thaw_prefill(self) -> None:
@@ -50,7 +50,7 @@ class Pair(PDDriver):
     def kill_prefill_transfer_thread(self) -> None:
         """Its thread ends when it next reads its queue; its sockets close, and the
         WRITEs it has posted never land (the transport is closed with it)."""
-        self.p.connector.worker.submit("stop")
+        self.p.connector.worker.submit(cmd.Stop())
         self.thaw_prefill()
         self.p.connector.worker._thread.join(10)
 
@@ -64,17 +64,20 @@ class Pair(PDDriver):
         s, c = self.d.stats(), self.d.connector
         return s.num_free_blocks == s.num_total_blocks and not c.recvs and not c.fenced_blocks
 
-    def watch(self, event: str) -> list[str]:
-        """Transfer ids of each ``event`` (abort_ack, push_done) decode handles."""
+    def watch(self, event: type) -> list[str]:
+        """Transfer ids of each ``event`` (AbortAckReceived, PushDoneReceived) decode
+        handles."""
         seen: list[str] = []
         conn = self.d.connector
-        orig = getattr(conn, "_ev_" + event)
+        orig = conn.handle_event
 
-        def spy(msg):
-            seen.append(msg.transfer_id)
-            orig(msg)
+        def spy(ev):
+            if isinstance(ev, event):
+                msg = ev.ack if isinstance(ev, cmd.AbortAckReceived) else ev.done
+                seen.append(msg.transfer_id)
+            orig(ev)
 
-        setattr(conn, "_ev_" + event, spy)
+        conn.handle_event = spy
         return seen
 
 
@@ -138,7 +141,7 @@ def test_lease_expiry_fences_until_prefill_acks_the_abort(make_pair):
     fails at the lease, its blocks stay fenced past the lease, prefill resumes, finishes
     its WRITEs into them, answers decode's Abort with AbortAck: then they are freed."""
     pair = make_pair()
-    acks = pair.watch("abort_ack")
+    acks = pair.watch(cmd.AbortAckReceived)
     writes_in_flight(pair)
     pair.freeze_prefill()
     lease_failed(pair)  # the client hears at the lease, as before
@@ -158,8 +161,8 @@ def test_lease_expiry_fence_ends_on_push_done(make_pair):
     """The same, decode's Aborts all lost: prefill's own lease on the transfer ends
     after it resumes, it drains its WRITEs and sends PushDone: the blocks are freed."""
     pair = make_pair(p_lease=1.0)
-    dones = pair.watch("push_done")
-    acks = pair.watch("abort_ack")
+    dones = pair.watch(cmd.PushDoneReceived)
+    acks = pair.watch(cmd.AbortAckReceived)
     writes_in_flight(pair)
     pair.faults.arm(drop_messages={"Abort": 10**6})
     pair.freeze_prefill()
@@ -215,7 +218,7 @@ def test_client_abort_quarantine_outlives_the_lease(make_pair):
     """Decode's client goes away while prefill (frozen) has WRITEs in flight: the
     blocks stay fenced past the lease, until prefill resumes and acks the Abort."""
     pair = make_pair()
-    acks = pair.watch("abort_ack")
+    acks = pair.watch(cmd.AbortAckReceived)
     writes_in_flight(pair)
     pair.freeze_prefill()
     out = pair.d.abort_request("d-r")
@@ -251,7 +254,7 @@ def test_lost_registrations_fence_until_prefill_acks(make_pair):
     """Every registration lost: decode gives up and fails the request, but a late one
     could still reach prefill, so the blocks wait for its AbortAck."""
     pair = make_pair(d_lease=0.6)
-    acks = pair.watch("abort_ack")
+    acks = pair.watch(cmd.AbortAckReceived)
     pair.faults.arm(drop_messages={"PushRegister": 1000})
     pair.submit("r", random_prompts([60])[0], greedy(5))
     pair.run(timeout=15)
@@ -266,14 +269,14 @@ def test_prefill_acks_an_abort_for_an_unknown_or_finished_transfer(make_pair):
     """Prefill answers an Abort for any id — one it never had, one long finished — so
     that decode, fencing until it hears, never waits for ever."""
     pair = make_pair()
-    acks = pair.watch("abort_ack")
+    acks = pair.watch(cmd.AbortAckReceived)
     pair.submit("done", random_prompts([40])[0], greedy(3))
     pair.run(timeout=15)
     assert pair.d_legs["done"].finish_reason is FinishReason.LENGTH
     pair.settle()
     for tid in ("never-was", "done"):
-        pair.d.connector.worker.submit("send", pair.p.connector.address,
-                                       m.Abort(tid, "test"))
+        pair.d.connector.worker.submit(cmd.Send(pair.p.connector.address,
+                                              m.Abort(tid, "test")))
     pair.run(until=lambda: set(acks) == {"done", "never-was"}, timeout=5)
     pair.settle()
 
@@ -283,7 +286,7 @@ def test_prefill_refuses_writes_for_an_id_decode_aborted(make_pair):
     and no WRITE for that id is posted afterwards, though its prefill step loop may
     still queue some (the layer hook of the step that was running)."""
     pair = make_pair()
-    acks = pair.watch("abort_ack")
+    acks = pair.watch(cmd.AbortAckReceived)
     writes_in_flight(pair)
     worker = pair.p.connector.worker
     pair.d.abort_request("d-r")
@@ -295,10 +298,9 @@ def test_prefill_refuses_writes_for_an_id_decode_aborted(make_pair):
     local = [(pair.p.connector.region.base_address, 64)]
     remote = [(pair.d.connector.region.base_address, 64)]
     refused = worker.counters["writes_refused"]
-    worker.submit("write", "r", pair.d.connector.address, local, remote)
+    worker.submit(cmd.PostWrite("r", pair.d.connector.address, local, remote))
     handled = threading.Event()
-    worker._cmd_mark = handled.set
-    worker.submit("mark")  # commands run in order: the WRITE has been handled then
+    worker.submit(cmd.Call(handled.set))  # commands run in order: the WRITE is handled then
     assert handled.wait(5)
     assert worker.counters["writes_refused"] > refused
     assert pair.p.connector.transport.stats.posts == posts

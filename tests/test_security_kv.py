@@ -14,6 +14,7 @@ from kvpush.config import EngineConfig, KVTransferConfig
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import FinishReason
 from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.commands import PushDoneReceived, Registered
 from kvpush.kv_transfer.side_channel import SideChannel
 from kvpush.kv_transfer.state import registration_problem
 from pd_helpers import PDDriver
@@ -221,7 +222,7 @@ def test_bad_registrations_write_nothing(tiny_qwen3):
             drv.send_prefill(tid, prompt, greedy(2))
             reg = m.PushRegister(tid, drv.d.connector.engine_id, drv.d.connector.address,
                                  blocks, skip, n)
-            drv.p.inbox.put(("kv", ("register", reg)))
+            drv.p.inbox.put(("kv", Registered(reg)))
             drv.run(until=lambda t=tid: drv.p_legs[t].finished, timeout=20)
             assert tid not in drv.p.connector.sends
             assert "invalid registration" in drv.p.connector.ended[tid]
@@ -301,7 +302,7 @@ def test_invalid_first_token_from_prefill_fails_the_request(tiny_qwen3, bad):
                 "top-logprob-positive": {"first_token": 1, "first_top_logprobs": [(1, 0.5)]},
                 "top-too-long": {"first_token": 1,
                                  "first_top_logprobs": [(1, -1.0)] * 21}}[bad]
-        drv.d.inbox.put(("kv", ("push_done", m.PushDone("t", ok=True, **done))))
+        drv.d.inbox.put(("kv", PushDoneReceived(m.PushDone("t", ok=True, **done))))
         drv.run(timeout=20)
         leg = drv.d_legs["t"]
         assert leg.finish_reason is FinishReason.ERROR and "invalid first token" in leg.error

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.transport import XferState
 from kvpush.kv_transfer.worker import Peer, TransferWorker
@@ -91,56 +92,56 @@ def abort_frame(tid: str) -> bytes:
     return m.encode(m.Abort(tid, "client gone"))
 
 
-def kinds(events: list[tuple]) -> list[str]:
-    return [ev[0] for ev in events]
+def kinds(events: list) -> list[str]:
+    return [type(ev).__name__ for ev in events]
 
 
 def test_prefill_acks_an_abort_for_an_unknown_id_at_once_and_refuses_its_writes():
     w, ch, tr, events = worker("prefill")
-    w._on_frame(abort_frame("never-seen"), D)
+    w.receive(abort_frame("never-seen"), D)
     assert ch.of(m.AbortAck) == [m.AbortAck("never-seen")]
     assert ch.sent[0][0] == D
-    assert kinds(events) == ["abort"]  # the step loop hears of it too
-    w._cmd_write("never-seen", D, *RANGES)
+    assert kinds(events) == ["AbortReceived"]  # the step loop hears of it too
+    w.handle(c.PostWrite("never-seen", D, *RANGES))
     assert tr.posts == 0 and w.counters["writes_refused"] == 1
     assert "never-seen" not in w.writes
 
 
 def test_prefill_acks_only_once_its_in_flight_writes_drained():
     w, ch, tr, events = worker("prefill")
-    w._cmd_write("t", D, *RANGES)
+    w.handle(c.PostWrite("t", D, *RANGES))
     assert tr.posts == 1
-    w._on_frame(abort_frame("t"), D)
+    w.receive(abort_frame("t"), D)
     assert ch.of(m.AbortAck) == []  # a WRITE may still land in decode's blocks
-    w._cmd_write("t", D, *RANGES)  # a layer-hook WRITE queued before the step loop heard
+    w.handle(c.PostWrite("t", D, *RANGES))  # a layer-hook WRITE queued before the step loop heard
     assert tr.posts == 1 and w.counters["writes_refused"] == 1
     tr.states[1] = XferState.DONE
     w._poll_transfers()
     assert ch.of(m.AbortAck) == [m.AbortAck("t")]
     assert ch.of(m.PushDone) == []
-    done = [ev for ev in events if ev[0] == "writes_done"]
-    assert len(done) == 1 and done[0][2] == "aborted by decode"
+    done = [ev for ev in events if isinstance(ev, c.WritesDone)]
+    assert len(done) == 1 and done[0].failed == "aborted by decode"
     # the group is gone, the id is remembered: a WRITE queued later is still refused
-    w._cmd_write("t", D, *RANGES)
+    w.handle(c.PostWrite("t", D, *RANGES))
     assert tr.posts == 1 and w.counters["writes_refused"] == 2
     # the step loop's own cancel (it heard of the Abort after the drain): it is told
     # the WRITEs are over, decode gets no second answer
-    w._cmd_cancel_writes("t", D)
+    w.handle(c.CancelWrites("t", D))
     assert len(ch.of(m.AbortAck)) == 1
-    assert kinds(events).count("writes_done") == 2 and "t" not in w.writes
+    assert kinds(events).count("WritesDone") == 2 and "t" not in w.writes
 
 
 def test_prefill_refuses_writes_once_a_transfer_finished():
     w, ch, tr, _ = worker("prefill")
-    w._cmd_write("t", D, *RANGES)
-    w._cmd_finalize("t", D, m.PushDone("t", ok=True, first_token=3))
+    w.handle(c.PostWrite("t", D, *RANGES))
+    w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=3)))
     tr.states[1] = XferState.DONE
     w._poll_transfers()
     assert [d.ok for d in ch.of(m.PushDone)] == [True]
-    w._cmd_write("t", D, *RANGES)
+    w.handle(c.PostWrite("t", D, *RANGES))
     assert tr.posts == 1 and w.counters["writes_refused"] == 1 and "t" not in w.writes
     # an Abort arriving after PushDone is answered too (nothing is in flight)
-    w._on_frame(abort_frame("t"), D)
+    w.receive(abort_frame("t"), D)
     assert ch.of(m.AbortAck) == [m.AbortAck("t")]
 
 
@@ -148,41 +149,41 @@ def test_prefill_finalize_after_its_own_lease_abort_sends_nothing_more():
     """Prefill's lease ended with no WRITE posted: it sent decode an Abort; the step
     loop's finalize for that id only releases prefill's blocks."""
     w, ch, tr, events = worker("prefill")
-    w._cmd_track("t", D)
+    w.handle(c.Track("t", D))
     w._expire(time.monotonic() + LEASE + 1)
     assert ch.of(m.Abort) == [m.Abort("t", "lease expired")]
-    w._cmd_write("t", D, *RANGES)
-    w._cmd_finalize("t", D, m.PushDone("t", ok=False, error="lease expired"))
+    w.handle(c.PostWrite("t", D, *RANGES))
+    w.handle(c.Finalize("t", D, m.PushDone("t", ok=False, error="lease expired")))
     assert tr.posts == 0 and ch.of(m.PushDone) == []
-    assert kinds(events) == ["lease_expired", "writes_done"]
+    assert kinds(events) == ["LeaseExpired", "WritesDone"]
 
 
 def test_decode_does_not_answer_aborts():
     w, ch, _, events = worker("decode")
-    w._on_frame(abort_frame("t"), P)
-    assert ch.sent == [] and kinds(events) == ["abort"]
+    w.receive(abort_frame("t"), P)
+    assert ch.sent == [] and kinds(events) == ["AbortReceived"]
 
 
 def test_decode_fence_repeats_its_abort_then_times_out():
     w, ch, _, events = worker("decode")
-    w._cmd_track("t", P)
+    w.handle(c.Track("t", P))
     t0 = time.monotonic()
-    w._cmd_fence("t", P)
+    w.handle(c.FenceTransfer("t", P))
     assert "t" not in w.leases and "t" in w.fences  # the lease ends, the fence holds
     w._expire(t0 + 1.5 * LEASE)
     assert ch.of(m.Abort) == [m.Abort("t", "lease expired")] and events == []
     w._expire(t0 + FENCE + 1)
-    assert events == [("fence_released", "t", "timeout")] and not w.fences
+    assert events == [c.FenceReleased("t", "timeout")] and not w.fences
 
 
 def test_decode_fence_released_when_prefill_connection_drops():
     w, ch, _, events = worker("decode")
-    w._cmd_fence("t", P)
-    w._cmd_fence("u", P)
-    w._cmd_fence("other", "10.0.0.9:1")
+    w.handle(c.FenceTransfer("t", P))
+    w.handle(c.FenceTransfer("u", P))
+    w.handle(c.FenceTransfer("other", "10.0.0.9:1"))
     w._peer_dropped(P)
-    assert sorted(events) == [("fence_released", "t", "peer_gone"),
-                              ("fence_released", "u", "peer_gone")]
+    assert sorted(events, key=lambda ev: ev.tid) == [c.FenceReleased("t", "peer_gone"),
+                                                     c.FenceReleased("u", "peer_gone")]
     assert list(w.fences) == ["other"]
     assert ch.forgotten == [P]  # nothing queued for it may reach it later
 
@@ -190,15 +191,15 @@ def test_decode_fence_released_when_prefill_connection_drops():
 def test_decode_fence_on_a_connection_already_down_ends_at_once():
     w, ch, _, events = worker("decode")
     ch.gone.add(P)
-    w._cmd_fence("t", P)
-    assert events == [("fence_released", "t", "peer_gone")] and not w.fences
+    w.handle(c.FenceTransfer("t", P))
+    assert events == [c.FenceReleased("t", "peer_gone")] and not w.fences
 
 
 def test_untrack_ends_a_fence():
     """Prefill answered (AbortAck / PushDone): the step loop frees and untracks."""
     w, _, _, events = worker("decode")
-    w._cmd_fence("t", P)
-    w._cmd_untrack("t")
+    w.handle(c.FenceTransfer("t", P))
+    w.handle(c.Untrack("t"))
     w._expire(time.monotonic() + FENCE + 1)
     assert not w.fences and events == []
 
@@ -209,15 +210,15 @@ def test_prefill_polls_fast_only_once_a_completion_is_waited_for():
     are checked every millisecond."""
     w, ch, tr, events = worker("prefill")
     w._next_heartbeat = time.monotonic() + 60
-    w._cmd_write("t", D, *RANGES)
+    w.handle(c.PostWrite("t", D, *RANGES))
     assert w.handles == {tr.posts: "t"}
     assert w._timeout(time.monotonic()) >= 0.02 - 1e-9  # nobody waits on it yet
-    w._cmd_finalize("t", D, m.PushDone("t", ok=True, first_token=5))
+    w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=5)))
     assert w._timeout(time.monotonic()) == w.busy_poll_s
     tr.states[tr.posts] = XferState.DONE
     w._poll_transfers()
     assert ch.of(m.PushDone) and w._timeout(time.monotonic()) >= 0.02 - 1e-9
 
-    w._cmd_write("u", D, *RANGES)  # decode aborts while a WRITE is in flight
-    w._on_frame(abort_frame("u"), D)
+    w.handle(c.PostWrite("u", D, *RANGES))  # decode aborts while a WRITE is in flight
+    w.receive(abort_frame("u"), D)
     assert w._timeout(time.monotonic()) == w.busy_poll_s  # the AbortAck waits on it

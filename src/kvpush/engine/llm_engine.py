@@ -20,6 +20,12 @@ from kvpush.config import EngineConfig
 from kvpush.engine.detokenizer import IncrementalDetokenizer
 from kvpush.engine.model_runner import ModelRunner
 from kvpush.engine.outputs import EngineStats, FinishReason, RequestError, RequestOutput
+from kvpush.kv_transfer.commands import (
+    AbortRequest,
+    EmitFirstToken,
+    FailRequest,
+    RejectRequest,
+)
 from kvpush.sampling_params import SamplingParams, TopLogprobs
 from kvpush.scheduler.request import Request, RequestState
 from kvpush.scheduler.scheduler import Scheduler, StepPlan
@@ -118,21 +124,21 @@ class LLMEngine:
     def _apply_connector_actions(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for action in self.connector.take_actions():
-            kind, rid = action[0], action[1]
-            req = self.scheduler.requests.get(rid)
+            req = self.scheduler.requests.get(action.request_id)
             if req is None:
                 continue
-            if kind == "first_token":
-                outputs.append(self._token_output(req, time.perf_counter()))
-            elif kind == "fail":
-                outputs.append(self._finish(req, FinishReason.ERROR, [], None, action[2]))
-            elif kind == "reject":  # the request's kv_transfer_params were wrong (a 400)
-                out = self._finish(req, FinishReason.ERROR, [], None, action[2])
-                out.extra = {**out.extra, "rejected": True, "param": "kv_transfer_params",
-                             "code": None}
-                outputs.append(out)
-            elif kind == "abort":
-                outputs.append(self._finish(req, FinishReason.ABORT, [], None, action[2]))
+            match action:
+                case EmitFirstToken():
+                    outputs.append(self._token_output(req, time.perf_counter()))
+                case FailRequest(_, why):
+                    outputs.append(self._finish(req, FinishReason.ERROR, [], None, why))
+                case RejectRequest(_, why):  # the request's kv_transfer_params were wrong
+                    out = self._finish(req, FinishReason.ERROR, [], None, why)
+                    out.extra = {**out.extra, "rejected": True,
+                                 "param": "kv_transfer_params", "code": None}
+                    outputs.append(out)
+                case AbortRequest(_, why):
+                    outputs.append(self._finish(req, FinishReason.ABORT, [], None, why))
         return outputs
 
     # ---- requests ------------------------------------------------------------------

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from kvpush.config import EngineConfig
 from kvpush.engine.outputs import RequestError
 from kvpush.kv_cache.kv_region import KVLayout, KVRegion
+from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.decode_side import DecodeSide
 from kvpush.kv_transfer.prefill_side import PrefillSide, layers_per_write
@@ -148,9 +149,8 @@ class KVConnector(PrefillSide, DecodeSide):
                          "fences_peer_gone": 0, "fence_timeouts": 0,
                          "registrations_mid_step": 0}
         self._step_writes: list[tuple[PushSend, list[int], list[int]]] = []
-        # what the engine must do next: ("abort"|"fail", request_id, why),
-        # ("first_token", request_id)
-        self.actions: list[tuple] = []
+        # what the engine must do next (commands.py: EngineAction)
+        self.actions: list[c.EngineAction] = []
         self._stalled = False
 
     def has_pending_work(self) -> bool:
@@ -158,7 +158,7 @@ class KVConnector(PrefillSide, DecodeSide):
         that could not, this stays False until an event or a finish changes things)."""
         return bool(self.pending) and not self._stalled
 
-    def take_actions(self) -> list[tuple]:
+    def take_actions(self) -> list[c.EngineAction]:
         actions, self.actions = self.actions, []
         return actions
 
@@ -207,7 +207,7 @@ class KVConnector(PrefillSide, DecodeSide):
                                        "kv_transfer_params")
                 reg = self.early_regs.pop(tid, None)
                 if reg is not None and reg.full_hit:  # nothing for prefill to do
-                    self.worker.submit("untrack", tid)
+                    self.worker.submit(c.Untrack(tid))
                     self._remember_ended(tid, "decode has the whole prompt cached")
                     raise RequestError(
                         "decode holds the whole prompt in its prefix cache: nothing to "
@@ -220,7 +220,7 @@ class KVConnector(PrefillSide, DecodeSide):
                 if reg is not None:
                     self._registered(self.sends[tid], reg)
                 else:
-                    self.worker.submit("track", tid, None)
+                    self.worker.submit(c.Track(tid, None))
             return True
         if self.role == "decode" and p["do_remote_prefill"]:
             if self.mode == "pull" and p["remote_block_ids"] is None:
@@ -249,8 +249,8 @@ class KVConnector(PrefillSide, DecodeSide):
             self.timeline.await_first(req.request_id, tid)
             self.scheduler.add_remote_request(req)
             self.pending.append(tid)
-            self.worker.submit("ensure_peer", address)
-            self.worker.submit("track", tid, address)
+            self.worker.submit(c.EnsurePeer(address))
+            self.worker.submit(c.Track(tid, address))
             return True
         return False
 
@@ -291,7 +291,7 @@ class KVConnector(PrefillSide, DecodeSide):
             if not ok:
                 return False, None
             self.lent[tid] = list(req.block_ids)
-            self.worker.submit("track", tid, None)
+            self.worker.submit(c.Track(tid, None))
             self.timeline.emit(tid)
             return True, {
                 "do_remote_prefill": True,
@@ -310,14 +310,14 @@ class KVConnector(PrefillSide, DecodeSide):
         if ok or recv.state is RecvState.PENDING_BLOCKS:
             self._end_recv(recv, ok=ok, why=error)
             if not ok:
-                self.worker.submit("send", recv.address, m.Abort(tid, error or "aborted"))
+                self.worker.submit(c.Send(recv.address, m.Abort(tid, error or "aborted")))
                 self.counters["aborts_sent"] += 1
             return False, None
         # aborted while KV may be landing in its blocks: hold them until the peer is done
         recv.state = RecvState.QUARANTINED
         self._hold(recv, list(req.block_ids))
         if recv.mode == "push":
-            self.worker.submit("send", recv.address, m.Abort(tid, error or "aborted"))
+            self.worker.submit(c.Send(recv.address, m.Abort(tid, error or "aborted")))
             self.counters["aborts_sent"] += 1
             self._fence(recv)
         return True, None
@@ -338,25 +338,54 @@ class KVConnector(PrefillSide, DecodeSide):
         send = self.sends.get(tid)
         if send is not None:
             if send.request_id in self.scheduler.requests:
-                self.actions.append(("abort", send.request_id, why))
+                self.actions.append(c.AbortRequest(send.request_id, why))
             elif send.state is SendState.AWAITING_REGISTRATION:
                 self._drop_send(send, why)
             return  # registered: decode is waiting for this KV and decides
         if tid in self.lent:
-            self.worker.submit("untrack", tid)
+            self.worker.submit(c.Untrack(tid))
             self.scheduler.pool.free(self.lent.pop(tid))
         elif tid in self.early_regs:
             reg = self.early_regs.pop(tid)
-            self.worker.submit("untrack", tid)
-            self.worker.submit("send", reg.address, m.Abort(tid, why))
+            self.worker.submit(c.Untrack(tid))
+            self.worker.submit(c.Send(reg.address, m.Abort(tid, why)))
         self._remember_ended(tid, why)  # a leg that arrives later is refused
 
     # ---- events from the transfer thread ----------------------------------------------
-    def handle_event(self, ev: tuple) -> None:
+    def handle_event(self, ev: c.TransferEvent) -> None:
+        """Apply one event of the transfer thread (on the step loop)."""
         self._stalled = False
-        getattr(self, "_ev_" + ev[0])(*ev[1:])
+        match ev:
+            case c.PeerReady(address, hello):
+                self._on_peer_ready(address, hello)
+            case c.PeerRefused(address, reason):
+                self._on_peer_refused(address, reason)
+            case c.Registered(reg):
+                self._on_register(reg)
+            case c.PushDoneReceived(done):
+                self._on_push_done(done)
+            case c.PullDoneReceived(done):
+                self._on_pull_done(done)
+            case c.AbortReceived(ab):
+                self._on_abort(ab)
+            case c.AbortAckReceived(ack):
+                self._on_abort_ack(ack)
+            case c.AwaitingRegistration(tids):
+                self._on_awaiting_registration(tids)
+            case c.WritesDone():
+                self._on_writes_done(ev)
+            case c.ReadDone(tid, ok):
+                self._on_read_done(tid, ok)
+            case c.LeaseExpired(tid):
+                self._on_lease_expired(tid)
+            case c.FenceReleased(tid, why):
+                self._on_fence_released(tid, why)
+            case c.WorkerDied():
+                self._on_worker_died()
+            case _:
+                raise TypeError(f"not a transfer event: {ev!r}")
 
-    def _ev_peer_ready(self, address: str, hello: m.Hello) -> None:
+    def _on_peer_ready(self, address: str, hello: m.Hello) -> None:
         self.peers[address] = hello
         self.peer_layouts[address] = (hello.base_address, KVLayout(
             layout=hello.layout, num_layers=hello.num_layers, num_blocks=hello.num_blocks,
@@ -364,7 +393,7 @@ class KVConnector(PrefillSide, DecodeSide):
             head_dim=hello.head_dim, dtype=hello.dtype, block_bytes=hello.block_bytes,
             layer_bytes=hello.layer_bytes))
 
-    def _ev_peer_refused(self, address: str, reason: str) -> None:
+    def _on_peer_refused(self, address: str, reason: str) -> None:
         self.refused[address] = reason
         for recv in [r for r in self.recvs.values() if r.address == address]:
             self._recv_gone(recv, reason)
@@ -384,33 +413,33 @@ class KVConnector(PrefillSide, DecodeSide):
             self._recv_failed(recv, why)
 
 
-    def _ev_abort(self, ab: m.Abort) -> None:
+    def _on_abort(self, ab: m.Abort) -> None:
         tid = ab.transfer_id
         self.counters["aborts_received"] += 1
         if tid in self.sends:  # decode gave up: stop, drain, acknowledge
             send = self.sends[tid]
             address = send.reg.address if send.reg else None
             if send.state in (SendState.SENDING, SendState.DRAINING) and address:
-                self.worker.submit("cancel_writes", tid, address)
+                self.worker.submit(c.CancelWrites(tid, address))
                 if send.request_id in self.scheduler.requests:
-                    self.actions.append(("abort", send.request_id, f"decode: {ab.reason}"))
+                    self.actions.append(c.AbortRequest(send.request_id, f"decode: {ab.reason}"))
                 return
             self._drop_send(send, f"aborted by decode: {ab.reason}")
             return
         if tid in self.early_regs:  # (the transfer thread has sent the AbortAck)
             self.early_regs.pop(tid)
-            self.worker.submit("untrack", tid)
+            self.worker.submit(c.Untrack(tid))
             self._remember_ended(tid, f"aborted by decode: {ab.reason}")
             return
         if tid in self.lent:
-            self._ev_pull_done(m.PullDone(tid, ok=False))
+            self._on_pull_done(m.PullDone(tid, ok=False))
             return
         recv = self.recvs.get(tid)
         if recv is not None:  # prefill gave up; nothing of its own is in flight any more
             self._recv_gone(recv, f"aborted by prefill: {ab.reason}")
 
 
-    def _ev_lease_expired(self, tid: str) -> None:
+    def _on_lease_expired(self, tid: str) -> None:
         self.counters["leases_expired"] += 1
         if tid in self.sends:
             send = self.sends[tid]
@@ -419,7 +448,7 @@ class KVConnector(PrefillSide, DecodeSide):
             if send.state is SendState.SENDING and send.request_id in self.scheduler.requests:
                 # per-layer WRITEs may be in flight: abort the prefill; on_finish drains
                 # them (DRAINING) before its blocks are freed
-                self.actions.append(("abort", send.request_id,
+                self.actions.append(c.AbortRequest(send.request_id,
                                      "lease expired: decode stopped answering"))
                 return
             self._drop_send(send, "lease expired: decode never registered")
@@ -432,7 +461,7 @@ class KVConnector(PrefillSide, DecodeSide):
             self._recv_gone(self.recvs[tid], "lease expired: prefill stopped answering",
                             silent=True)
 
-    def _ev_worker_died(self) -> None:
+    def _on_worker_died(self) -> None:
         for recv in list(self.recvs.values()):
             self._recv_failed(recv, "the transfer thread died")
 

@@ -18,6 +18,7 @@ import logging
 import math
 import time
 
+from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.state import (
     MAX_REGISTER_RESENDS,
@@ -89,7 +90,7 @@ class DecodeSide:
             recv.register = m.PushRegister(
                 recv.tid, self.engine_id, self.address, list(req.block_ids), skip, n, full_hit)
             recv.registered_at = time.monotonic()
-            self.worker.submit("send", recv.address, recv.register)
+            self.worker.submit(c.Send(recv.address, recv.register))
             self.timeline.stamp(recv.tid, "d_registered")
             if full_hit:  # everything prefill could send is here already: compute the rest
                 self._end_recv(recv, ok=True, why="full prefix hit on decode")
@@ -105,12 +106,12 @@ class DecodeSide:
                                         recv.remote_block_ids[skip:last], recv.address,
                                         range(self.layout.num_layers))
         except (IndexError, ValueError) as e:  # block ids outside prefill's region
-            self.worker.submit("send", recv.address, m.PullDone(recv.tid, ok=False))
+            self.worker.submit(c.Send(recv.address, m.PullDone(recv.tid, ok=False)))
             self._recv_failed(recv, f"bad remote_block_ids: {e}")
             return
         if not local:
             self._end_recv(recv, ok=True, why="nothing to read")
-            self.worker.submit("send", recv.address, m.PullDone(recv.tid))
+            self.worker.submit(c.Send(recv.address, m.PullDone(recv.tid)))
             self.scheduler.remote_kv_arrived(req.request_id, n - 1, None)
             return
         t0 = time.perf_counter()
@@ -118,7 +119,7 @@ class DecodeSide:
             with self.worker.transport_lock:
                 handle = self.transport.post("READ", peer.engine_id, local, remote)
         except TransferPostError as e:
-            self.worker.submit("send", recv.address, m.PullDone(recv.tid, ok=False))
+            self.worker.submit(c.Send(recv.address, m.PullDone(recv.tid, ok=False)))
             self._recv_failed(recv, f"READ failed to post: {e}")
             return
         post_s = time.perf_counter() - t0
@@ -126,12 +127,12 @@ class DecodeSide:
         recv.posted = TransferRecord(recv.tid, "decode", "pull", True,
                                      sum(x[1] for x in local), len(local), post_s)
         recv.state = RecvState.AWAITING_KV
-        self.worker.submit("watch_read", recv.tid, handle, recv.address)
+        self.worker.submit(c.WatchRead(recv.tid, handle, recv.address))
 
     def _end_recv(self, recv: DecodeRecv, ok: bool, why: str | None = None) -> None:
         self.recvs.pop(recv.tid, None)
         self.by_request.pop(recv.request_id, None)
-        self.worker.submit("untrack", recv.tid)
+        self.worker.submit(c.Untrack(recv.tid))
         if recv.held:
             self.scheduler.pool.free(recv.held)
             recv.held = []
@@ -150,11 +151,11 @@ class DecodeSide:
         if recv.request_id not in self.scheduler.requests:
             return
         if client_error:
-            self.actions.append(("reject", recv.request_id, msg))
+            self.actions.append(c.RejectRequest(recv.request_id, msg))
         elif self.cfg.load_failure_policy == "recompute":
             self.scheduler.remote_kv_failed(recv.request_id)
         else:
-            self.actions.append(("fail", recv.request_id, msg))
+            self.actions.append(c.FailRequest(recv.request_id, msg))
 
     def _reading(self, recv: DecodeRecv) -> bool:
         """Whether our READ for ``recv`` may still be in flight (pull, posted, not ended):
@@ -183,14 +184,14 @@ class DecodeSide:
         if recv.mode == "push":
             self._fence(recv)
         else:
-            self.worker.submit("untrack", recv.tid)  # counted failed when the READ ends
+            self.worker.submit(c.Untrack(recv.tid))  # counted failed when the READ ends
         self._record(TransferRecord(recv.tid, "decode", recv.mode, False, error=why))
         if req is None:
             return
         if self.cfg.load_failure_policy == "recompute":
             self.scheduler.remote_kv_failed(recv.request_id)
         else:
-            self.actions.append(("fail", recv.request_id, msg))
+            self.actions.append(c.FailRequest(recv.request_id, msg))
 
     def _hold(self, recv: DecodeRecv, blocks: list[int]) -> None:
         """Keep ``blocks`` out of the pool for ``recv`` (freed by ``_end_recv``)."""
@@ -205,9 +206,9 @@ class DecodeSide:
         """Push, QUARANTINED: its lease ends; the transfer thread watches prefill's
         connection and the fence timeout (fences.py) while prefill's answer is awaited."""
         self.counters["fences"] += 1
-        self.worker.submit("fence", recv.tid, recv.address)
+        self.worker.submit(c.FenceTransfer(recv.tid, recv.address))
 
-    def _ev_fence_released(self, tid: str, why: str) -> None:
+    def _on_fence_released(self, tid: str, why: str) -> None:
         """The transfer thread gave up waiting for prefill: its connection dropped
         (``peer_gone``: the process ended) or the fence timed out (``timeout``)."""
         recv = self.recvs.get(tid)
@@ -233,9 +234,9 @@ class DecodeSide:
         if recv.request_id in self.scheduler.remote_waiting:
             self.scheduler.remote_kv_arrived(recv.request_id, num_computed, first)
             if first is not None:
-                self.actions.append(("first_token", recv.request_id))
+                self.actions.append(c.EmitFirstToken(recv.request_id))
 
-    def _ev_push_done(self, done: m.PushDone) -> None:
+    def _on_push_done(self, done: m.PushDone) -> None:
         recv = self.recvs.get(done.transfer_id)
         if recv is None:
             return
@@ -270,7 +271,7 @@ class DecodeSide:
                             tuple((int(t), float(lp)) for t, lp in top)
                             if top is not None else None)
 
-    def _ev_read_done(self, tid: str, ok: bool) -> None:
+    def _on_read_done(self, tid: str, ok: bool) -> None:
         recv = self.recvs.get(tid)
         if recv is None:
             return
@@ -284,7 +285,7 @@ class DecodeSide:
         record = recv.posted or TransferRecord(tid, "decode", "pull", True)
         self._kv_arrived(recv, req.num_prompt_tokens - 1, None, record)
 
-    def _ev_awaiting_registration(self, tids: list[str]) -> None:
+    def _on_awaiting_registration(self, tids: list[str]) -> None:
         """Prefill has no registration for these: re-send ours (it was lost)."""
         for tid in tids:
             recv = self.recvs.get(tid)
@@ -298,12 +299,12 @@ class DecodeSide:
             recv.resends += 1
             if recv.resends > MAX_REGISTER_RESENDS:
                 why = f"registration lost {MAX_REGISTER_RESENDS + 1} times"
-                self.worker.submit("send", recv.address, m.Abort(tid, why))
+                self.worker.submit(c.Send(recv.address, m.Abort(tid, why)))
                 self._recv_failed_fenced(recv, why)  # one may yet arrive: wait for P
             else:
-                self.worker.submit("send", recv.address, recv.register)
+                self.worker.submit(c.Send(recv.address, recv.register))
 
-    def _ev_abort_ack(self, ack: m.AbortAck) -> None:
+    def _on_abort_ack(self, ack: m.AbortAck) -> None:
         recv = self.recvs.get(ack.transfer_id)
         if recv is not None and recv.state is RecvState.QUARANTINED:
             self._end_recv(recv, ok=False)

@@ -26,6 +26,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 
 log = logging.getLogger("kvpush.kv_transfer.worker")
@@ -48,7 +49,7 @@ class FenceKeeper:
     """The fence half of ``TransferWorker`` (mixed in; uses its channel, peers, leases,
     ``fences``, ``post_event``, ``lease_timeout_s`` and ``fence_timeout_s``)."""
 
-    def _cmd_fence(self, tid: str, address: str) -> None:
+    def fence(self, tid: str, address: str) -> None:
         """Fence push ``tid``: its lease ends here; its blocks (held by the step loop)
         are released by a ``fence_released`` event or by prefill's own answer."""
         self.leases.pop(tid, None)
@@ -70,7 +71,7 @@ class FenceKeeper:
             self.fences.pop(tid, None)
             log.info("transfer %s: the connection to prefill %s dropped (its process "
                      "ended): the blocks fenced for it are freed", tid, address)
-            self.post_event(("fence_released", tid, "peer_gone"))
+            self.post_event(c.FenceReleased(tid, "peer_gone"))
         # what is still queued for that peer (a registration, if the link went down
         # before it left) must not reach it should it come back: it could WRITE then
         self.channel.forget(address)
@@ -79,7 +80,7 @@ class FenceKeeper:
         for tid, fence in list(self.fences.items()):
             if fence.deadline <= now:
                 del self.fences[tid]
-                self.post_event(("fence_released", tid, "timeout"))
+                self.post_event(c.FenceReleased(tid, "timeout"))
             elif fence.next_abort <= now:  # the last Abort may have been lost: again
                 fence.next_abort = now + self.lease_timeout_s
                 peer = self.peers.get(fence.address)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.state import (
     PushSend,
@@ -59,13 +60,13 @@ class PrefillSide:
         if problem:  # nothing is written: every block id and length is checked first
             log.warning("transfer %s: refused decode %s's registration: %s", send.tid,
                         reg.address, problem)
-            self.worker.submit("send", reg.address, m.PushDone(
-                send.tid, ok=False, error=f"invalid registration: {problem}"))
+            self.worker.submit(c.Send(reg.address, m.PushDone(
+                send.tid, ok=False, error=f"invalid registration: {problem}")))
             self._drop_send(send, f"invalid registration: {problem}")
             return
         send.reg = reg
         send.state = SendState.SENDING
-        self.worker.submit("track", send.tid, reg.address)
+        self.worker.submit(c.Track(send.tid, reg.address))
         if reg.full_hit:
             self._drop_send(send, "decode has the whole prompt cached")
             return
@@ -84,7 +85,7 @@ class PrefillSide:
             return
         local, remote = self._descs(block_ids[start:upto], reg.block_ids[start:upto],
                                     reg.address, layers)
-        self.worker.submit("write", send.tid, reg.address, local, remote)
+        self.worker.submit(c.PostWrite(send.tid, reg.address, local, remote))
         send.written_blocks = upto
 
     def _flush(self, send: PushSend, final: bool) -> None:
@@ -94,9 +95,9 @@ class PrefillSide:
         send.state = SendState.DRAINING
         first = send.first
         top = [tuple(alt) for alt in first.top] if first.top is not None else None
-        self.worker.submit("finalize", send.tid, send.reg.address,
+        self.worker.submit(c.Finalize(send.tid, send.reg.address,
                            m.PushDone(send.tid, ok=True, first_token=first.token,
-                                      first_logprob=first.logprob, first_top_logprobs=top))
+                                      first_logprob=first.logprob, first_top_logprobs=top)))
 
     def layer_hook(self, plan: StepPlan) -> Callable[[int], None] | None:
         """Per-layer WRITE of the blocks this step completes, for registered push sends
@@ -137,7 +138,7 @@ class PrefillSide:
             for send, local_blocks, remote_blocks in self._step_writes:
                 address = send.reg.address
                 local, remote = self._descs(local_blocks, remote_blocks, address, layers)
-                self.worker.submit("write", send.tid, address, local, remote)
+                self.worker.submit(c.PostWrite(send.tid, address, local, remote))
             if waiting and hints:
                 for item in [w for w in waiting if w[0].tid in hints]:
                     waiting.remove(item)
@@ -175,7 +176,7 @@ class PrefillSide:
         item = self._add_step_write(send, chunk)
         if item is not None:
             local, remote = self._descs(item[1], item[2], reg.address, range(layer + 1))
-            self.worker.submit("write", send.tid, reg.address, local, remote)
+            self.worker.submit(c.PostWrite(send.tid, reg.address, local, remote))
 
     def on_preempt(self, req: Request) -> bool:
         """A push sender losing its blocks keeps them out of the pool while WRITEs from
@@ -192,8 +193,8 @@ class PrefillSide:
         if send.state is SendState.SENDING:  # WRITEs may be in flight: drain, then tell D
             send.block_ids = list(req.block_ids)
             send.state = SendState.DRAINING
-            self.worker.submit("finalize", send.tid, send.reg.address,
-                               m.PushDone(send.tid, ok=False, error=why))
+            self.worker.submit(c.Finalize(send.tid, send.reg.address,
+                               m.PushDone(send.tid, ok=False, error=why)))
             return True
         self._drop_send(send, why, free=False)
         return False
@@ -202,52 +203,52 @@ class PrefillSide:
         """End a push send that has nothing in flight; frees what it holds."""
         self.sends.pop(send.tid, None)
         self.timeline.emit(send.tid)
-        self.worker.submit("untrack", send.tid)
+        self.worker.submit(c.Untrack(send.tid))
         self._remember_ended(send.tid, why)
         if send.request_id in self.scheduler.requests:
-            self.actions.append(("abort", send.request_id, why))
+            self.actions.append(c.AbortRequest(send.request_id, why))
         elif free and send.finished:
             self.scheduler.pool.free(send.block_ids)
         for blocks in send.retired:
             self.scheduler.pool.free(blocks)
         send.retired.clear()
 
-    def _ev_register(self, reg: m.PushRegister) -> None:
+    def _on_register(self, reg: m.PushRegister) -> None:
         self.worker.register_hints.pop(reg.transfer_id, None)  # not applied mid-step
         send = self.sends.get(reg.transfer_id)
         if send is None:
             why = self.ended.get(reg.transfer_id)
             if why is not None:  # prefill already gave up on it: tell decode at once
-                self.worker.submit("send", reg.address,
-                                   m.PushDone(reg.transfer_id, ok=False, error=why))
+                self.worker.submit(c.Send(reg.address,
+                                   m.PushDone(reg.transfer_id, ok=False, error=why)))
                 return
             # the request has not arrived yet; it should come about when decode's did, so
             # this wait has a fixed deadline (decode's heartbeats do not extend it)
             self.early_regs[reg.transfer_id] = reg
-            self.worker.submit("track", reg.transfer_id, reg.address, False)
+            self.worker.submit(c.Track(reg.transfer_id, reg.address, False))
             return
         if send.reg is None:
             self._registered(send, reg)
 
-    def _ev_writes_done(self, tid: str, failed: str | None, ndesc: int, nbytes: int,
-                        post_s: float, elapsed: float) -> None:
+    def _on_writes_done(self, ev: c.WritesDone) -> None:
+        tid, failed = ev.tid, ev.failed
         send = self.sends.pop(tid, None)
         if send is None:
             return
-        self.worker.submit("untrack", tid)
+        self.worker.submit(c.Untrack(tid))
         ok = failed is None and send.finished
         self.counters["transfers_ok" if ok else "transfers_failed"] += 1
-        self._record(TransferRecord(tid, "prefill", "push", ok, nbytes, ndesc,
-                                           post_s, elapsed, failed))
+        self._record(TransferRecord(tid, "prefill", "push", ok, ev.num_bytes,
+                                    ev.num_descriptors, ev.post_s, ev.elapsed_s, failed))
         self.timeline.emit(tid)
         self._remember_ended(tid, failed or "done")
         self.scheduler.pool.free(send.block_ids)
         for blocks in send.retired:
             self.scheduler.pool.free(blocks)
 
-    def _ev_pull_done(self, done: m.PullDone) -> None:
+    def _on_pull_done(self, done: m.PullDone) -> None:
         blocks = self.lent.pop(done.transfer_id, None)
         if blocks is not None:
-            self.worker.submit("untrack", done.transfer_id)
+            self.worker.submit(c.Untrack(done.transfer_id))
             self.scheduler.pool.free(blocks)
             self.counters["transfers_ok" if done.ok else "transfers_failed"] += 1

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.fences import DEFAULT_FENCE_TIMEOUT_S, Fence, FenceKeeper
 from kvpush.kv_transfer.timeline import HandoffTimeline
@@ -42,9 +43,6 @@ from kvpush.kv_transfer.transport import KVTransport, TransferPostError, XferSta
 MAX_ABORTED_REMEMBERED = 4096
 
 log = logging.getLogger(__name__)
-
-Event = tuple  # ("kind", ...) posted to the engine inbox as ("kv", event)
-
 
 @dataclass
 class Peer:
@@ -89,7 +87,7 @@ class TransferWorker(FenceKeeper):
         hello: m.Hello,
         channel,  # kvpush.kv_transfer.side_channel.SideChannel
         transport: KVTransport,
-        post_event: Callable[[Event], None],
+        post_event: Callable[[c.TransferEvent], None],
         lease_timeout_s: float,
         heartbeat_interval_s: float,
         busy_poll_s: float = 0.001,
@@ -106,7 +104,7 @@ class TransferWorker(FenceKeeper):
         self.fence_timeout_s = fence_timeout_s
         # prefill of a push: decode's blocks are written by us, Aborts are answered
         self._writer = hello.role == "prefill" and hello.kv_transfer == "push"
-        self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.commands: queue.SimpleQueue[c.Command] = queue.SimpleQueue()
         self.peers: dict[str, Peer] = {}
         self.leases: dict[str, Lease] = {}
         self.writes: dict[str, WriteGroup] = {}
@@ -137,14 +135,14 @@ class TransferWorker(FenceKeeper):
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, *cmd) -> None:
+    def submit(self, cmd: c.Command) -> None:
         self.commands.put(cmd)
         self.channel.wake()
 
     def stop(self, timeout: float = 5.0) -> None:
         if self._stopped:
             return
-        self.submit("stop")
+        self.submit(c.Stop())
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._stopped = True
@@ -157,7 +155,7 @@ class TransferWorker(FenceKeeper):
                     break
                 timeout_ms = int(self._timeout(time.monotonic()) * 1000)
                 for sender, payload in self.channel.recv(timeout_ms):
-                    self._on_frame(payload, sender)
+                    self.receive(payload, sender)
                 for address in self.channel.take_dropped():
                     self._peer_dropped(address)
                 for reason, n in self._rejected.items():
@@ -169,7 +167,7 @@ class TransferWorker(FenceKeeper):
                 self._expire(now)
         except Exception:  # pragma: no cover - logged, the engine sees transfers fail
             log.exception("transfer thread died")
-            self.post_event(("worker_died",))
+            self.post_event(c.WorkerDied())
         finally:
             self.channel.close()
             with self.transport_lock:
@@ -195,12 +193,41 @@ class TransferWorker(FenceKeeper):
                 cmd = self.commands.get_nowait()
             except queue.Empty:
                 return True
-            if cmd[0] == "stop":
+            if isinstance(cmd, c.Stop):
                 return False
             try:
-                getattr(self, "_cmd_" + cmd[0])(*cmd[1:])
+                self.handle(cmd)
             except Exception:
-                log.exception("transfer command %s failed", cmd[0])
+                log.exception("transfer command %s failed", type(cmd).__name__)
+
+    def handle(self, cmd: c.Command) -> None:
+        """Carry out one command (on the transfer thread; tests call it directly)."""
+        match cmd:
+            case c.Send(address, msg):
+                self._send(address, msg)
+            case c.PostWrite(tid, address, local, remote):
+                self._post_write(tid, address, local, remote)
+            case c.Finalize(tid, address, done):
+                self._finalize(tid, address, done)
+            case c.Track(tid, address, renewable):
+                self.leases[tid] = Lease(time.monotonic() + self.lease_timeout_s, address,
+                                         renewable)
+            case c.Untrack(tid):
+                self.leases.pop(tid, None)
+                self.fences.pop(tid, None)
+            case c.EnsurePeer(address):
+                self._ensure_peer(address)
+            case c.CancelWrites(tid, address):
+                self._cancel_writes(tid, address)
+            case c.WatchRead(tid, handle, address):
+                self.reads[handle] = (tid, address)
+                self._check_now(handle)
+            case c.FenceTransfer(tid, address):
+                self.fence(tid, address)
+            case c.Call(fn):
+                fn()
+            case _:
+                raise TypeError(f"not a transfer command: {cmd!r}")
 
     # ---- peers and messages ----------------------------------------------------------
     def _peer(self, address: str) -> Peer:
@@ -215,20 +242,21 @@ class TransferWorker(FenceKeeper):
             if peer.refused:
                 return
             peer.queued.append(msg)
-            self._cmd_ensure_peer(address)
+            self._ensure_peer(address)
             return
         self.channel.send(address, m.encode(msg))
 
-    def _cmd_ensure_peer(self, address: str) -> None:
+    def _ensure_peer(self, address: str) -> None:
         peer = self._peer(address)
         if peer.ready or peer.sent_hello or peer.refused:
             if peer.refused:
-                self.post_event(("peer_refused", address, peer.refused))
+                self.post_event(c.PeerRefused(address, peer.refused))
             return
         peer.sent_hello = True
         self.channel.send(address, m.encode(self.hello))
 
-    def _on_frame(self, payload: bytes, sender: str = "") -> None:
+    def receive(self, payload: bytes, sender: str = "") -> None:
+        """Handle one side-channel frame from ``sender`` (a peer's message)."""
         try:
             msg = m.decode(payload)
         except Exception:
@@ -255,7 +283,7 @@ class TransferWorker(FenceKeeper):
             peer.refused = reason
             self.channel.send(msg.address, m.encode(m.HelloRefused(self.hello.engine_id, reason)))
             log.error(reason)
-            self.post_event(("peer_refused", msg.address, reason))
+            self.post_event(c.PeerRefused(msg.address, reason))
             return
         try:
             with self.transport_lock:
@@ -266,7 +294,7 @@ class TransferWorker(FenceKeeper):
             peer.refused = reason
             self.channel.send(msg.address, m.encode(m.HelloRefused(self.hello.engine_id, reason)))
             log.error(reason)
-            self.post_event(("peer_refused", msg.address, reason))
+            self.post_event(c.PeerRefused(msg.address, reason))
             return
         peer.hello = msg
         if not msg.reply:
@@ -276,7 +304,7 @@ class TransferWorker(FenceKeeper):
         queued, peer.queued = peer.queued, []
         for q in queued:
             self.channel.send(msg.address, m.encode(q))
-        self.post_event(("peer_ready", msg.address, msg))
+        self.post_event(c.PeerReady(msg.address, msg))
 
     def _on_HelloRefused(self, msg: m.HelloRefused) -> None:
         # which peer? the one(s) we said Hello to and have not heard from
@@ -284,7 +312,7 @@ class TransferWorker(FenceKeeper):
             if peer.sent_hello and not peer.ready and not peer.refused:
                 peer.refused = msg.reason
                 peer.queued.clear()
-                self.post_event(("peer_refused", peer.address, msg.reason))
+                self.post_event(c.PeerRefused(peer.address, msg.reason))
 
     def _renew(self, tid: str) -> None:
         lease = self.leases.get(tid)
@@ -295,14 +323,14 @@ class TransferWorker(FenceKeeper):
         for tid in msg.transfer_ids:
             self._renew(tid)
         if msg.awaiting_registration:
-            self.post_event(("awaiting_registration", msg.awaiting_registration))
+            self.post_event(c.AwaitingRegistration(list(msg.awaiting_registration)))
 
     def _on_PushRegister(self, msg: m.PushRegister) -> None:
         self._stamp(msg.transfer_id, "p_reg")
         self._renew(msg.transfer_id)
         if self._writer:  # for the layer hook of a step already under way (prefill_side)
             self.register_hints[msg.transfer_id] = msg
-        self.post_event(("register", msg))
+        self.post_event(c.Registered(msg))
 
     def _stamp(self, tid: str, stage: str) -> None:
         if self.timeline is not None:
@@ -310,15 +338,15 @@ class TransferWorker(FenceKeeper):
 
     def _on_PushDone(self, msg: m.PushDone) -> None:
         self._stamp(msg.transfer_id, "d_done")
-        self.post_event(("push_done", msg))
+        self.post_event(c.PushDoneReceived(msg))
 
     def _on_PullDone(self, msg: m.PullDone) -> None:
-        self.post_event(("pull_done", msg))
+        self.post_event(c.PullDoneReceived(msg))
 
     def _on_abort(self, msg: m.Abort, sender: str) -> None:
         if self._writer:  # decode gave up on a push: answer once nothing of ours can land
             self._writes_aborted(msg.transfer_id, sender)
-        self.post_event(("abort", msg))
+        self.post_event(c.AbortReceived(msg))
 
     def _writes_aborted(self, tid: str, address: str) -> None:
         """Decode aborted push ``tid``: post no more WRITEs for it, and answer AbortAck
@@ -337,20 +365,10 @@ class TransferWorker(FenceKeeper):
             self._send(address, m.AbortAck(tid))  # gets it after a handshake)
 
     def _on_AbortAck(self, msg: m.AbortAck) -> None:
-        self.post_event(("abort_ack", msg))
+        self.post_event(c.AbortAckReceived(msg))
 
     # ---- commands from the engine --------------------------------------------------------
-    def _cmd_send(self, address: str, msg: m.Message) -> None:
-        self._send(address, msg)
-
-    def _cmd_track(self, tid: str, address: str | None, renewable: bool = True) -> None:
-        self.leases[tid] = Lease(time.monotonic() + self.lease_timeout_s, address, renewable)
-
-    def _cmd_untrack(self, tid: str) -> None:
-        self.leases.pop(tid, None)
-        self.fences.pop(tid, None)
-
-    def _cmd_write(self, tid: str, address: str, local: list, remote: list) -> None:
+    def _post_write(self, tid: str, address: str, local: list, remote: list) -> None:
         group = self.writes.get(tid)
         if group is None:
             if tid in self.aborted:  # ended: the peer may have freed the blocks
@@ -381,7 +399,7 @@ class TransferWorker(FenceKeeper):
         self.handles[handle] = tid
         self._check_now(handle)  # ends the group at once if that was its last WRITE
 
-    def _cmd_finalize(self, tid: str, address: str, done: m.PushDone) -> None:
+    def _finalize(self, tid: str, address: str, done: m.PushDone) -> None:
         """Send ``done`` to decode once every WRITE of the transfer has completed."""
         if self._ended(tid):
             return
@@ -390,7 +408,7 @@ class TransferWorker(FenceKeeper):
         group.finish = done
         self._maybe_finish(tid)
 
-    def _cmd_cancel_writes(self, tid: str, address: str) -> None:
+    def _cancel_writes(self, tid: str, address: str) -> None:
         """Decode aborted: post nothing more; AbortAck once in-flight WRITEs drain."""
         if tid in self.writes:
             self._writes_aborted(tid, address)  # writes_done once they have drained
@@ -404,7 +422,7 @@ class TransferWorker(FenceKeeper):
         so that it frees what the transfer held."""
         if tid in self.writes or tid not in self.aborted:
             return False
-        self.post_event(("writes_done", tid, "aborted", 0, 0, 0.0, 0.0))
+        self.post_event(c.WritesDone(tid, "aborted"))
         return True
 
     def _remember_aborted(self, tid: str) -> None:
@@ -412,10 +430,6 @@ class TransferWorker(FenceKeeper):
         self.aborted.move_to_end(tid)
         while len(self.aborted) > MAX_ABORTED_REMEMBERED:
             self.aborted.popitem(last=False)
-
-    def _cmd_watch_read(self, tid: str, handle: int, address: str) -> None:
-        self.reads[handle] = (tid, address)
-        self._check_now(handle)
 
     def _maybe_finish(self, tid: str) -> None:
         group = self.writes.get(tid)
@@ -435,10 +449,8 @@ class TransferWorker(FenceKeeper):
             self._send(group.address, done)
             self._stamp(tid, "p_done_sent")
         elapsed = time.perf_counter() - group.first_post if group.first_post else 0.0
-        self.post_event(
-            ("writes_done", tid, group.failed, group.num_descriptors, group.num_bytes,
-             group.post_s, elapsed)
-        )
+        self.post_event(c.WritesDone(tid, group.failed, group.num_descriptors,
+                                     group.num_bytes, group.post_s, elapsed))
 
     # ---- transfers in flight ----------------------------------------------------------
     def _poll_transfers(self) -> None:
@@ -480,7 +492,7 @@ class TransferWorker(FenceKeeper):
             if not ok:
                 self.counters["transfers_failed"] += 1
             self._send(address, m.PullDone(tid, ok=ok))
-            self.post_event(("read_done", tid, ok))
+            self.post_event(c.ReadDone(tid, ok))
 
     # ---- heartbeats and leases ----------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
@@ -523,7 +535,7 @@ class TransferWorker(FenceKeeper):
                               "(unreachable, not a kvpush instance, or it refuses our "
                               "messages: a different side-channel secret?)", tid,
                               lease.address)
-            self.post_event(("lease_expired", tid))
+            self.post_event(c.LeaseExpired(tid))
         if self.fences:
             self._expire_fences(now)
 

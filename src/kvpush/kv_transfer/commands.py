@@ -1,0 +1,238 @@
+"""The typed contract between the step loop and the transfer thread.
+
+Three kinds of plain, frozen data cross between the two threads of an instance's KV
+transfer, each dispatched with ``match``:
+
+* **commands** (``Command``), step loop → transfer thread, through
+  ``TransferWorker.submit``: what to send, post, track or fence;
+* **events** (``TransferEvent``), transfer thread → step loop, through the engine's
+  inbox as ``("kv", event)``: what a peer said, which transfer ended, which lease ran
+  out;
+* **actions** (``EngineAction``), connector → engine, taken by the engine after each
+  event or schedule: which request to fail, reject, abort, or to emit token #1 for.
+
+Nothing here holds a reference to mutable state of either side; block ids and
+descriptors travel as the lists the sender built and does not touch again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpush.kv_transfer import messages as m
+
+#: (address, length) pairs: one NIXL descriptor each
+Ranges = list[tuple[int, int]]
+
+
+# ---- commands: step loop -> transfer thread ---------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send ``msg`` to the peer at ``address`` (after the handshake if it is new)."""
+
+    address: str
+    msg: m.Message
+
+
+@dataclass(frozen=True, slots=True)
+class EnsurePeer:
+    """Start the handshake with ``address`` unless it is done or under way."""
+
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class Track:
+    """Cover ``tid`` with a lease renewed by ``address``'s heartbeats (None: any peer's);
+    ``renewable=False``: a fixed deadline."""
+
+    tid: str
+    address: str | None
+    renewable: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Untrack:
+    """Drop ``tid``'s lease and fence: the step loop has ended it."""
+
+    tid: str
+
+
+@dataclass(frozen=True, slots=True)
+class PostWrite:
+    """Push: WRITE ``local`` into the peer's ``remote`` ranges for transfer ``tid``."""
+
+    tid: str
+    address: str
+    local: Ranges
+    remote: Ranges
+
+
+@dataclass(frozen=True, slots=True)
+class Finalize:
+    """Push: send ``done`` once every WRITE of ``tid`` has completed."""
+
+    tid: str
+    address: str
+    done: m.PushDone
+
+
+@dataclass(frozen=True, slots=True)
+class CancelWrites:
+    """Push: decode aborted ``tid``; post nothing more, AbortAck once WRITEs drain."""
+
+    tid: str
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class WatchRead:
+    """Pull: report the READ ``handle`` of ``tid`` when it ends (and tell prefill)."""
+
+    tid: str
+    handle: int
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class FenceTransfer:
+    """Decode: keep waiting for prefill's word on push ``tid`` (fences.py)."""
+
+    tid: str
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Run ``fn`` on the transfer thread, in command order (diagnostics and tests)."""
+
+    fn: Callable[[], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """End the transfer thread."""
+
+
+Command = (Send | EnsurePeer | Track | Untrack | PostWrite | Finalize | CancelWrites
+           | WatchRead | FenceTransfer | Call | Stop)
+
+
+# ---- events: transfer thread -> step loop -----------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PeerReady:
+    address: str
+    hello: m.Hello
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRefused:
+    address: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    """Decode's registration of its blocks for a push (prefill side)."""
+
+    reg: m.PushRegister
+
+
+@dataclass(frozen=True, slots=True)
+class PushDoneReceived:
+    done: m.PushDone
+
+
+@dataclass(frozen=True, slots=True)
+class PullDoneReceived:
+    done: m.PullDone
+
+
+@dataclass(frozen=True, slots=True)
+class AbortReceived:
+    abort: m.Abort
+
+
+@dataclass(frozen=True, slots=True)
+class AbortAckReceived:
+    ack: m.AbortAck
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitingRegistration:
+    """Prefill has no registration for these transfers (decode re-sends)."""
+
+    tids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class WritesDone:
+    """Push: every WRITE of ``tid`` is over; ``failed``: why not all landed."""
+
+    tid: str
+    failed: str | None
+    num_descriptors: int = 0
+    num_bytes: int = 0
+    post_s: float = 0.0
+    elapsed_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReadDone:
+    tid: str
+    ok: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseExpired:
+    tid: str
+
+
+@dataclass(frozen=True, slots=True)
+class FenceReleased:
+    """A fence ended without prefill's word: ``why`` is "peer_gone" or "timeout"."""
+
+    tid: str
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerDied:
+    """The transfer thread died: nothing it held will complete."""
+
+
+TransferEvent = (PeerReady | PeerRefused | Registered | PushDoneReceived | PullDoneReceived
+                 | AbortReceived | AbortAckReceived | AwaitingRegistration | WritesDone
+                 | ReadDone | LeaseExpired | FenceReleased | WorkerDied)
+
+
+# ---- actions: connector -> engine ---------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class EmitFirstToken:
+    """Token #1 arrived with the KV: hand it to the client now."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class FailRequest:
+    request_id: str
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class RejectRequest:
+    """The request's own kv_transfer_params were wrong: a 400, not a 5xx."""
+
+    request_id: str
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    request_id: str
+    why: str
+
+
+EngineAction = EmitFirstToken | FailRequest | RejectRequest | AbortRequest
