@@ -20,7 +20,7 @@ from kvpush.bench.machine import cpu_flags
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.timeline import MAX_TRACKED, HandoffTimeline
-from kvpush.kv_transfer.transport import XferState
+from kvpush.kv_transfer.transport import TransferPostError, XferState
 from pd_helpers import PDDriver, make_instance
 from test_worker_fences import RANGES, D, P, kinds, worker
 
@@ -86,12 +86,50 @@ def test_pending_write_still_completes_at_the_poll():
     assert [d.ok for d in ch.of(m.PushDone)] == [True]
 
 
-def test_read_done_before_it_is_watched_ends_at_once():
+def test_read_done_inside_its_post_ends_at_once():
     w, ch, tr, events = worker("decode")
-    tr.states[7] = XferState.DONE
-    w.handle(c.WatchRead("t", 7, P))
+    real_post = tr.post
+
+    def post_done(*a):
+        h = real_post(*a)
+        tr.states[h] = XferState.DONE
+        return h
+
+    tr.post = post_done
+    w.handle(c.PostRead("t", P, *RANGES))
     assert ch.of(m.PullDone) == [m.PullDone("t", ok=True)]
-    assert events == [c.ReadDone("t", True)] and not w.reads
+    [done] = events
+    assert done.tid == "t" and done.ok and done.error is None and not w.reads
+    assert (done.num_descriptors, done.num_bytes) == (1, 64)
+
+
+def test_read_posted_by_the_transfer_thread_reports_its_failure():
+    """A READ that cannot be posted (or reaches no ready peer) fails the transfer on
+    both sides: PullDone(ok=False) to prefill, ReadDone with the reason to the step loop."""
+    w, ch, tr, events = worker("decode")
+    w.handle(c.PostRead("t", "10.0.0.9:1", *RANGES))  # no such peer (yet)
+    assert tr.posts == 0  # its PullDone waits for the handshake the send starts
+    assert w.peers["10.0.0.9:1"].queued == [m.PullDone("t", ok=False)]
+    assert not events[0].ok and "no connection" in events[0].error
+
+    def refuse(*a):
+        raise TransferPostError("refused")
+
+    tr.post = refuse
+    w.handle(c.PostRead("u", P, *RANGES))
+    assert ch.of(m.PullDone) == [m.PullDone("u", ok=False)]
+    assert not events[1].ok and events[1].error == "READ failed to post: refused"
+    assert w.counters["transfers_failed"] == 2 and not w.reads
+
+
+def test_pending_read_ends_at_the_poll():
+    w, ch, tr, events = worker("decode")
+    w.handle(c.PostRead("t", P, *RANGES))
+    assert w.reads and events == []
+    tr.states[1] = XferState.FAILED
+    w._poll_transfers()
+    assert ch.of(m.PullDone) == [m.PullDone("t", ok=False)]
+    assert [(e.ok, e.error) for e in events] == [(False, "READ failed")]
 
 
 # ---- both instances stamp a real push and pull ------------------------------------------

@@ -87,12 +87,14 @@ class CancelWrites:
 
 
 @dataclass(frozen=True, slots=True)
-class WatchRead:
-    """Pull: report the READ ``handle`` of ``tid`` when it ends (and tell prefill)."""
+class PostRead:
+    """Pull: READ the peer's ``remote`` ranges into ``local`` for transfer ``tid``; tell
+    prefill (PullDone) and the step loop (ReadDone) when it ends."""
 
     tid: str
-    handle: int
     address: str
+    local: Ranges
+    remote: Ranges
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +118,7 @@ class Stop:
 
 
 Command = (Send | EnsurePeer | Track | Untrack | PostWrite | Finalize | CancelWrites
-           | WatchRead | FenceTransfer | Call | Stop)
+           | PostRead | FenceTransfer | Call | Stop)
 
 
 # ---- events: transfer thread -> step loop -----------------------------------------------
@@ -180,8 +182,14 @@ class WritesDone:
 
 @dataclass(frozen=True, slots=True)
 class ReadDone:
+    """Pull: the READ of ``tid`` ended (``error``: why it failed, posting included)."""
+
     tid: str
     ok: bool
+    error: str | None = None
+    num_descriptors: int = 0
+    num_bytes: int = 0
+    post_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

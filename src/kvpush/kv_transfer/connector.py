@@ -374,8 +374,8 @@ class KVConnector(PrefillSide, DecodeSide):
                 self._on_awaiting_registration(tids)
             case c.WritesDone():
                 self._on_writes_done(ev)
-            case c.ReadDone(tid, ok):
-                self._on_read_done(tid, ok)
+            case c.ReadDone():
+                self._on_read_done(ev)
             case c.LeaseExpired(tid):
                 self._on_lease_expired(tid)
             case c.FenceReleased(tid, why):

@@ -27,7 +27,6 @@ from kvpush.kv_transfer.state import (
     TransferRecord,
     block_ids_problem,
 )
-from kvpush.kv_transfer.transport import TransferPostError
 from kvpush.sampling_params import MAX_TOP_LOGPROBS, SampledToken
 from kvpush.scheduler.request import Request
 
@@ -100,7 +99,6 @@ class DecodeSide:
             return
         # pull: READ prefill's blocks for tokens [hit, n - 1); the last token is recomputed
         last = -(-(n - 1) // bs)
-        peer = self.peers[recv.address]
         try:
             local, remote = self._descs(req.block_ids[skip:last],
                                         recv.remote_block_ids[skip:last], recv.address,
@@ -114,20 +112,10 @@ class DecodeSide:
             self.worker.submit(c.Send(recv.address, m.PullDone(recv.tid)))
             self.scheduler.remote_kv_arrived(req.request_id, n - 1, None)
             return
-        t0 = time.perf_counter()
-        try:
-            with self.worker.transport_lock:
-                handle = self.transport.post("READ", peer.engine_id, local, remote)
-        except TransferPostError as e:
-            self.worker.submit(c.Send(recv.address, m.PullDone(recv.tid, ok=False)))
-            self._recv_failed(recv, f"READ failed to post: {e}")
-            return
-        post_s = time.perf_counter() - t0
-        self.timeline.stamp(recv.tid, "d_read_post")
-        recv.posted = TransferRecord(recv.tid, "decode", "pull", True,
-                                     sum(x[1] for x in local), len(local), post_s)
+        # posted by the transfer thread, which owns the transport (a failed post comes
+        # back as ReadDone(ok=False)); the blocks count as read into until it ends
         recv.state = RecvState.AWAITING_KV
-        self.worker.submit(c.WatchRead(recv.tid, handle, recv.address))
+        self.worker.submit(c.PostRead(recv.tid, recv.address, local, remote))
 
     def _end_recv(self, recv: DecodeRecv, ok: bool, why: str | None = None) -> None:
         self.recvs.pop(recv.tid, None)
@@ -271,18 +259,19 @@ class DecodeSide:
                             tuple((int(t), float(lp)) for t, lp in top)
                             if top is not None else None)
 
-    def _on_read_done(self, tid: str, ok: bool) -> None:
-        recv = self.recvs.get(tid)
+    def _on_read_done(self, done: c.ReadDone) -> None:
+        recv = self.recvs.get(done.tid)
         if recv is None:
             return
         if recv.state is RecvState.QUARANTINED:
             self._end_recv(recv, ok=False)
             return
-        if not ok:
-            self._recv_failed(recv, "READ failed")
+        if not done.ok:
+            self._recv_failed(recv, done.error or "READ failed")
             return
         req = self.scheduler.requests[recv.request_id]
-        record = recv.posted or TransferRecord(tid, "decode", "pull", True)
+        record = TransferRecord(done.tid, "decode", "pull", True, done.num_bytes,
+                                done.num_descriptors, done.post_s)
         self._kv_arrived(recv, req.num_prompt_tokens - 1, None, record)
 
     def _on_awaiting_registration(self, tids: list[str]) -> None:

@@ -58,7 +58,6 @@ class DecodeRecv:
     resends: int = 0
     registered_at: float = 0.0  # monotonic time of the last (re)send of ``register``
     t_start: float = field(default_factory=time.perf_counter)
-    posted: TransferRecord | None = None  # pull: what the READ moves, filled at its post
 
 
 @dataclass

@@ -66,6 +66,17 @@ class Lease:
 
 
 @dataclass
+class PostedRead:
+    """A pull's READ, posted by this thread."""
+
+    tid: str
+    address: str  # prefill's side channel: told PullDone when it ends
+    num_descriptors: int
+    num_bytes: int
+    post_s: float = 0.0
+
+
+@dataclass
 class WriteGroup:
     """The WRITEs of one push transfer and what to send once they are done."""
 
@@ -95,8 +106,8 @@ class TransferWorker(FenceKeeper):
     ):
         self.hello = hello
         self.channel = channel
+        #: used by this thread only once it runs (posts, states, progress, peers)
         self.transport = transport
-        self.transport_lock = threading.Lock()
         self.post_event = post_event
         self.lease_timeout_s = lease_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -115,7 +126,7 @@ class TransferWorker(FenceKeeper):
         #: its blocks on that message); bounded, oldest forgotten first
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.handles: dict[int, str] = {}  # transport handle -> transfer id (writes)
-        self.reads: dict[int, tuple[str, str]] = {}  # handle -> (transfer id, address)
+        self.reads: dict[int, PostedRead] = {}  # pull: transport handle -> its READ
         #: push prefill: transfer id -> decode's registration, set here as it arrives and
         #: taken (popped) by the step-loop thread, mid-step or with its inbox event
         self.register_hints: dict[str, m.PushRegister] = {}
@@ -170,8 +181,7 @@ class TransferWorker(FenceKeeper):
             self.post_event(c.WorkerDied())
         finally:
             self.channel.close()
-            with self.transport_lock:
-                self.transport.close()
+            self.transport.close()
 
     def _timeout(self, now: float) -> float:
         """How long the next wait for messages may last (commands wake it early)."""
@@ -219,9 +229,8 @@ class TransferWorker(FenceKeeper):
                 self._ensure_peer(address)
             case c.CancelWrites(tid, address):
                 self._cancel_writes(tid, address)
-            case c.WatchRead(tid, handle, address):
-                self.reads[handle] = (tid, address)
-                self._check_now(handle)
+            case c.PostRead(tid, address, local, remote):
+                self._post_read(tid, address, local, remote)
             case c.FenceTransfer(tid, address):
                 self.fence(tid, address)
             case c.Call(fn):
@@ -286,8 +295,7 @@ class TransferWorker(FenceKeeper):
             self.post_event(c.PeerRefused(msg.address, reason))
             return
         try:
-            with self.transport_lock:
-                peer.agent = self.transport.add_peer(msg.agent_metadata)
+            peer.agent = self.transport.add_peer(msg.agent_metadata)
         except Exception as e:  # noqa: BLE001 - the peer's metadata, not our state
             reason = f"peer {msg.engine_id} at {msg.address} sent unusable transport " \
                      f"metadata: {e}"
@@ -385,8 +393,7 @@ class TransferWorker(FenceKeeper):
             return
         t0 = time.perf_counter()
         try:
-            with self.transport_lock:
-                handle = self.transport.post("WRITE", peer.agent, local, remote)
+            handle = self.transport.post("WRITE", peer.agent, local, remote)
         except TransferPostError as e:
             group.failed = f"WRITE failed to post: {e}"
             return
@@ -456,11 +463,9 @@ class TransferWorker(FenceKeeper):
     def _poll_transfers(self) -> None:
         if not (self.handles or self.reads):
             if self.peers:
-                with self.transport_lock:
-                    self.transport.progress()
+                self.transport.progress()
             return
-        with self.transport_lock:
-            states = {h: self.transport.state(h) for h in (*self.handles, *self.reads)}
+        states = {h: self.transport.state(h) for h in (*self.handles, *self.reads)}
         for h, st in states.items():
             if st is not XferState.PENDING:
                 self._transfer_ended(h, st)
@@ -469,14 +474,12 @@ class TransferWorker(FenceKeeper):
         """A transfer just posted or handed over: over cma the copy happens inside the
         post, so it is usually DONE already; its completion then goes out now, not at
         the next poll of the transport."""
-        with self.transport_lock:
-            st = self.transport.state(handle)
+        st = self.transport.state(handle)
         if st is not XferState.PENDING:
             self._transfer_ended(handle, st)
 
     def _transfer_ended(self, h: int, st: XferState) -> None:
-        with self.transport_lock:
-            self.transport.release(h)
+        self.transport.release(h)
         if h in self.handles:
             tid = self.handles.pop(h)
             group = self.writes.get(tid)
@@ -486,13 +489,34 @@ class TransferWorker(FenceKeeper):
                     group.failed = "WRITE failed to complete"
                 self._maybe_finish(tid)
         else:
-            tid, address = self.reads.pop(h)
+            read = self.reads.pop(h)
             ok = st is XferState.DONE
-            self._stamp(tid, "d_read_done")
-            if not ok:
-                self.counters["transfers_failed"] += 1
-            self._send(address, m.PullDone(tid, ok=ok))
-            self.post_event(c.ReadDone(tid, ok))
+            self._stamp(read.tid, "d_read_done")
+            self._read_ended(read, ok, None if ok else "READ failed")
+
+    def _post_read(self, tid: str, address: str, local: c.Ranges, remote: c.Ranges) -> None:
+        peer = self.peers.get(address)
+        read = PostedRead(tid, address, len(local), sum(n for _, n in local))
+        if peer is None or not peer.ready:
+            self._read_ended(read, False, f"no connection to prefill instance at {address}")
+            return
+        t0 = time.perf_counter()
+        try:
+            handle = self.transport.post("READ", peer.agent, local, remote)
+        except TransferPostError as e:
+            self._read_ended(read, False, f"READ failed to post: {e}")
+            return
+        read.post_s = time.perf_counter() - t0
+        self._stamp(tid, "d_read_post")
+        self.reads[handle] = read
+        self._check_now(handle)
+
+    def _read_ended(self, read: PostedRead, ok: bool, error: str | None) -> None:
+        if not ok:
+            self.counters["transfers_failed"] += 1
+        self._send(read.address, m.PullDone(read.tid, ok=ok))
+        self.post_event(c.ReadDone(read.tid, ok, error, read.num_descriptors,
+                                   read.num_bytes, read.post_s))
 
     # ---- heartbeats and leases ----------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
