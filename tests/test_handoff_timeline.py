@@ -215,3 +215,17 @@ def test_cpu_flags_names_model_and_vector_extensions():
     assert text.startswith("Some CPU (") and text.endswith("avx2 avx512f avx512_bf16")
     assert cpu_flags("model name : Old\nflags : sse sse2\n").endswith("no AVX2")
 
+
+
+def test_write_waits_for_its_ready_event_before_posting():
+    """CUDA: the layer hook records an event instead of synchronizing the stream; the
+    transfer thread waits on it, then posts."""
+    w, _, tr, _ = worker("prefill")
+    order: list[str] = []
+
+    class Event:
+        def synchronize(self) -> None:
+            order.append(f"synchronized at {tr.posts} posts")
+
+    w.handle(c.PostWrite("t", D, *RANGES, Event()))
+    assert order == ["synchronized at 0 posts"] and tr.posts == 1

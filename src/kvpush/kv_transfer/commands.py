@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvpush.kv_transfer import messages as m
 
@@ -61,12 +62,15 @@ class Untrack:
 
 @dataclass(frozen=True, slots=True)
 class PostWrite:
-    """Push: WRITE ``local`` into the peer's ``remote`` ranges for transfer ``tid``."""
+    """Push: WRITE ``local`` into the peer's ``remote`` ranges for transfer ``tid``.
+    ``ready``: on CUDA, the event recorded after the layers' KV was computed; the
+    transfer thread waits on it (``synchronize()``) before it posts."""
 
     tid: str
     address: str
     local: Ranges
     remote: Ranges
+    ready: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,16 +133,19 @@ class PrefillSide:
             if (layer + 1) % group and layer != last:
                 return  # mid-group: handed over with the group's last layer
             layers, first = range(first, layer + 1), layer + 1
-            if cuda:  # the WRITE must not read the layer before the GPU wrote it
-                torch.cuda.current_stream().synchronize()
+            ready = None
+            if cuda:  # the WRITE must not read the layers before the GPU wrote them: the
+                # transfer thread waits on this event, the forward pass goes on queueing
+                ready = torch.cuda.Event()
+                ready.record()
             for send, local_blocks, remote_blocks in self._step_writes:
                 address = send.reg.address
                 local, remote = self._descs(local_blocks, remote_blocks, address, layers)
-                self.worker.submit(c.PostWrite(send.tid, address, local, remote))
+                self.worker.submit(c.PostWrite(send.tid, address, local, remote, ready))
             if waiting and hints:
                 for item in [w for w in waiting if w[0].tid in hints]:
                     waiting.remove(item)
-                    self._register_mid_step(*item, hints.pop(item[0].tid), layer)
+                    self._register_mid_step(*item, hints.pop(item[0].tid), layer, ready)
 
         return on_layer
 
@@ -160,7 +163,7 @@ class PrefillSide:
         return item
 
     def _register_mid_step(self, send: PushSend, chunk: ScheduledChunk,
-                           reg: m.PushRegister, layer: int) -> None:
+                           reg: m.PushRegister, layer: int, ready=None) -> None:
         """Apply a registration that arrived during this step, after ``layer``: blocks of
         earlier steps go now (every layer), this step's blocks now for layers up to
         ``layer`` and from the hook for the rest. A registration that needs more than
@@ -176,7 +179,7 @@ class PrefillSide:
         item = self._add_step_write(send, chunk)
         if item is not None:
             local, remote = self._descs(item[1], item[2], reg.address, range(layer + 1))
-            self.worker.submit(c.PostWrite(send.tid, reg.address, local, remote))
+            self.worker.submit(c.PostWrite(send.tid, reg.address, local, remote, ready))
 
     def on_preempt(self, req: Request) -> bool:
         """A push sender losing its blocks keeps them out of the pool while WRITEs from

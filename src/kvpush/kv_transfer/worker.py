@@ -215,8 +215,8 @@ class TransferWorker(FenceKeeper):
         match cmd:
             case c.Send(address, msg):
                 self._send(address, msg)
-            case c.PostWrite(tid, address, local, remote):
-                self._post_write(tid, address, local, remote)
+            case c.PostWrite(tid, address, local, remote, ready):
+                self._post_write(tid, address, local, remote, ready)
             case c.Finalize(tid, address, done):
                 self._finalize(tid, address, done)
             case c.Track(tid, address, renewable):
@@ -376,7 +376,8 @@ class TransferWorker(FenceKeeper):
         self.post_event(c.AbortAckReceived(msg))
 
     # ---- commands from the engine --------------------------------------------------------
-    def _post_write(self, tid: str, address: str, local: list, remote: list) -> None:
+    def _post_write(self, tid: str, address: str, local: list, remote: list,
+                    ready=None) -> None:
         group = self.writes.get(tid)
         if group is None:
             if tid in self.aborted:  # ended: the peer may have freed the blocks
@@ -391,6 +392,8 @@ class TransferWorker(FenceKeeper):
         if peer is None or not peer.ready:
             group.failed = f"no connection to decode instance at {address}"
             return
+        if ready is not None:  # CUDA: the layers' KV is in memory once this fires
+            ready.synchronize()
         t0 = time.perf_counter()
         try:
             handle = self.transport.post("WRITE", peer.agent, local, remote)
