@@ -19,8 +19,8 @@ from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.side_channel import ChannelAuth, SideChannel
 from kvpush.kv_transfer.state import (
     MAX_ID_CHARS,
+    KVTransferParams,
     block_ids_problem,
-    parse_kv_params,
     registration_problem,
 )
 from kvpush.kv_transfer.transport import RegionInfo, TransferPostError, validate_post
@@ -119,7 +119,7 @@ kv_values = (scalars | st.lists(st.integers(-5, 2**64) | st.booleans() | st.none
        | json_values, role=st.sampled_from(["prefill", "decode", "both"]))
 def test_parse_kv_params_valid_or_request_error(params, role):
     try:
-        out = parse_kv_params(params, role)
+        out = vars(KVTransferParams.parse(params, role))
     except RequestError as e:
         assert e.param == "kv_transfer_params"
         return

@@ -229,3 +229,23 @@ def test_write_waits_for_its_ready_event_before_posting():
 
     w.handle(c.PostWrite("t", D, *RANGES, Event()))
     assert order == ["synchronized at 0 posts"] and tr.posts == 1
+
+
+# ---- kv_transfer_params: checked once, typed ------------------------------------------------
+def test_kv_params_are_parsed_once_into_a_typed_object(tiny_qwen3):
+    from kvpush.kv_transfer.state import KVTransferParams
+    from kvpush.sampling_params import SamplingParams
+
+    p = make_instance(tiny_qwen3, "prefill", "push", max_model_len=256)
+    try:
+        raw = {"do_remote_decode": True, "transfer_id": "t1"}
+        kv = p.validate([5] * 200, SamplingParams(max_tokens=200), raw)
+        assert kv == KVTransferParams(do_remote_decode=True, transfer_id="t1")
+        assert p.kv_params(kv) is kv  # typed params are not parsed again
+        # a prefill leg ends with token #1 whatever the client asked: its context check
+        # counts one token, so 200 + 200 > 256 is no reason to refuse it
+        req = p.add_request("r", [5] * 200, SamplingParams(max_tokens=200), kv)
+        assert req.params.max_tokens == 1 and req.params.logprobs
+        assert p.connector.by_request["r"] == "t1"
+    finally:
+        p.shutdown()

@@ -117,7 +117,9 @@ class AsyncEngine:
             raise RuntimeError("the engine's step loop is not running")
         if kv_transfer_params is None:
             kv_transfer_params = params.extra.get("kv_transfer_params")
-        self.engine.validate(prompt_token_ids, params, kv_transfer_params)
+        # checked and typed here, once, before anything is queued (a 400 if malformed)
+        kv_transfer_params = self.engine.validate(prompt_token_ids, params,
+                                                  kv_transfer_params)
         if request_id in self._internal:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         internal = f"{request_id}#{next(self._seq)}"

@@ -10,6 +10,7 @@ token ids, stop strings, max_tokens, the model's context) are checked here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -26,6 +27,7 @@ from kvpush.kv_transfer.commands import (
     FailRequest,
     RejectRequest,
 )
+from kvpush.kv_transfer.state import KVTransferParams
 from kvpush.sampling_params import SamplingParams, TopLogprobs
 from kvpush.scheduler.request import Request, RequestState
 from kvpush.scheduler.scheduler import Scheduler, StepPlan
@@ -142,22 +144,38 @@ class LLMEngine:
         return outputs
 
     # ---- requests ------------------------------------------------------------------
+    def kv_params(self, raw: dict | KVTransferParams | None) -> KVTransferParams | None:
+        """A request's ``kv_transfer_params`` checked once, typed (RequestError: a 400).
+        Thread-safe: the front end calls it before the request is queued."""
+        if raw is None or isinstance(raw, KVTransferParams):
+            return raw
+        if self.connector is None:
+            raise RequestError(
+                "kv_transfer_params given, but this instance runs with --role both",
+                "kv_transfer_params",
+            )
+        return KVTransferParams.parse(raw, self.connector.role)
+
+    def leg_params(self, params: SamplingParams,
+                   kv: KVTransferParams | None) -> SamplingParams:
+        """The sampling parameters the request runs with: a push or pull prefill leg
+        ends with token #1, whose logprob travels with the KV (the one place that says
+        so; the router sends max_tokens=1 too, as vLLM's proxies do)."""
+        if kv is not None and kv.do_remote_decode and self.connector is not None \
+                and self.connector.role == "prefill":
+            return dataclasses.replace(params, max_tokens=1, logprobs=True)
+        return params
+
     def validate(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict | None = None,
-    ) -> None:
-        """Raise RequestError for a request this engine can never serve. Thread-safe."""
-        if kv_transfer_params is not None:
-            if self.connector is None:
-                raise RequestError(
-                    "kv_transfer_params given, but this instance runs with --role both",
-                    "kv_transfer_params",
-                )
-            from kvpush.kv_transfer.connector import parse_kv_params
-
-            parse_kv_params(kv_transfer_params, self.connector.role)
+        kv_transfer_params: dict | KVTransferParams | None = None,
+    ) -> KVTransferParams | None:
+        """Raise RequestError for a request this engine can never serve; returns its
+        typed kv_transfer_params. Thread-safe."""
+        kv = self.kv_params(kv_transfer_params)
+        params = self.leg_params(params, kv)
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty", "prompt")
@@ -174,15 +192,17 @@ class LLMEngine:
                 "max_tokens" if n < self.max_model_len else "prompt",
                 "context_length_exceeded",
             )
+        return kv
 
     def add_request(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: dict | KVTransferParams | None = None,
     ) -> Request:
-        self.validate(prompt_token_ids, params, kv_transfer_params)
+        kv = self.validate(prompt_token_ids, params, kv_transfer_params)
+        params = self.leg_params(params, kv)
         if request_id in self.scheduler.requests:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         req = Request(
@@ -191,7 +211,7 @@ class LLMEngine:
             params=params,
             max_total_tokens=self.max_model_len,
         )
-        if self.connector is None or not self.connector.add_request(req, kv_transfer_params):
+        if self.connector is None or not self.connector.add_request(req, kv):
             self.scheduler.add_request(req)
         self.detoks[request_id] = IncrementalDetokenizer(
             self.tokenizer, req.params.stop, req.params.include_stop_str_in_output
@@ -320,8 +340,6 @@ class LLMEngine:
         )
 
     def kv_info(self) -> dict:
-        import dataclasses
-
         s = self.stats()
         info = {
             "engine_id": "",

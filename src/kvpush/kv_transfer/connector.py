@@ -34,7 +34,6 @@ the last prompt token itself to get token #1.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -48,11 +47,11 @@ from kvpush.kv_transfer.decode_side import DecodeSide
 from kvpush.kv_transfer.prefill_side import PrefillSide, layers_per_write
 from kvpush.kv_transfer.state import (
     DecodeRecv,
+    KVTransferParams,
     PushSend,
     RecvState,
     SendState,
     TransferRecord,
-    parse_kv_params,
 )
 from kvpush.kv_transfer.timeline import HandoffTimeline
 from kvpush.kv_transfer.transport import layer_block_descs
@@ -63,7 +62,7 @@ from kvpush.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KVConnector", "TransferRecord", "parse_kv_params"]
+__all__ = ["KVConnector", "KVTransferParams", "TransferRecord"]
 
 
 class KVConnector(PrefillSide, DecodeSide):
@@ -188,17 +187,15 @@ class KVConnector(PrefillSide, DecodeSide):
         }
 
     # ---- requests -------------------------------------------------------------------
-    def add_request(self, req: Request, raw_params: dict | None) -> bool:
-        """Take charge of a request that sends or receives KV; False: a local request."""
-        if raw_params is None:
+    def add_request(self, req: Request, p: KVTransferParams | None) -> bool:
+        """Take charge of a request that sends or receives KV; False: a local request.
+        A prefill leg's params arrive already set for it (``prefill_leg_params``)."""
+        if p is None:
             return False
-        p = parse_kv_params(raw_params, self.role)
-        tid = p["transfer_id"] or req.request_id
-        if self.role == "prefill" and p["do_remote_decode"]:
+        tid = p.transfer_id or req.request_id
+        if self.role == "prefill" and p.do_remote_decode:
             if tid in self.sends or tid in self.lent:
                 raise RequestError(f"transfer id {tid!r} is already in use", "kv_transfer_params")
-            # prefill's leg ends with token #1; its logprob travels with the KV
-            req.params = dataclasses.replace(req.params, max_tokens=1, logprobs=True)
             reg = None
             if self.mode == "push":
                 reason = self.ended.pop(tid, None)
@@ -222,27 +219,27 @@ class KVConnector(PrefillSide, DecodeSide):
                 else:
                     self.worker.submit(c.Track(tid, None))
             return True
-        if self.role == "decode" and p["do_remote_prefill"]:
-            if self.mode == "pull" and p["remote_block_ids"] is None:
+        if self.role == "decode" and p.do_remote_prefill:
+            if self.mode == "pull" and p.remote_block_ids is None:
                 raise RequestError("pull needs kv_transfer_params.remote_block_ids",
                                    "kv_transfer_params")
             if self.mode == "pull":
-                tid = p["transfer_id"] or p["remote_request_id"] or tid
+                tid = p.transfer_id or p.remote_request_id or tid
                 n_needed = -(-(req.num_prompt_tokens - 1) // self.block_size)
-                if len(p["remote_block_ids"]) < n_needed:
+                if len(p.remote_block_ids) < n_needed:
                     raise RequestError(
-                        f"kv_transfer_params.remote_block_ids has {len(p['remote_block_ids'])}"
+                        f"kv_transfer_params.remote_block_ids has {len(p.remote_block_ids)}"
                         f" blocks; the prompt needs {n_needed}", "kv_transfer_params")
             if tid in self.recvs:
                 raise RequestError(f"transfer id {tid!r} is already in use", "kv_transfer_params")
-            address = f"{p['remote_host']}:{p['remote_port']}"
+            address = p.remote_address
             if address in self.peers:  # known peer: check the params against it now (400)
-                problem = self._peer_problem(address, p["remote_engine_id"],
-                                             p["remote_block_ids"] or [])
+                problem = self._peer_problem(address, p.remote_engine_id,
+                                             p.remote_block_ids or [])
                 if problem:
                     raise RequestError(f"kv_transfer_params: {problem}", "kv_transfer_params")
-            recv = DecodeRecv(tid, req.request_id, self.mode, address, p["remote_engine_id"],
-                              list(p["remote_block_ids"] or []))
+            recv = DecodeRecv(tid, req.request_id, self.mode, address, p.remote_engine_id,
+                              list(p.remote_block_ids or []))
             self.recvs[tid] = recv
             self.by_request[req.request_id] = tid
             self.timeline.stamp(tid, "d_added")

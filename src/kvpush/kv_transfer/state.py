@@ -118,47 +118,66 @@ def registration_problem(reg: m.PushRegister, num_blocks: int, block_size: int,
     return None
 
 
-def parse_kv_params(params: dict, role: str) -> dict:
-    """Check the wire fields (vLLM's names) a request brings; RequestError if malformed."""
-    if not isinstance(params, dict):
-        raise RequestError("kv_transfer_params must be an object", "kv_transfer_params")
+@dataclass(frozen=True)
+class KVTransferParams:
+    """A request's ``kv_transfer_params`` (vLLM's field names), checked once where the
+    request enters the instance (``KVTransferParams.parse``) and handed on typed."""
 
-    def get(name, typ, required=True, default=None):
-        v = params.get(name, default)
-        if v is None:
-            if required:
-                raise RequestError(f"kv_transfer_params.{name} is required",
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    transfer_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_engine_id: str = ""
+    remote_request_id: str | None = None
+    remote_block_ids: list[int] | None = None
+
+    @property
+    def remote_address(self) -> str:
+        """Prefill's side channel (decode of a remote prefill)."""
+        return f"{self.remote_host}:{self.remote_port}"
+
+    @classmethod
+    def parse(cls, params: object, role: str) -> KVTransferParams:
+        """Check the wire fields a request brings for an instance of ``role``;
+        RequestError (a 400) if malformed. Fields another role would read are ignored."""
+        if not isinstance(params, dict):
+            raise RequestError("kv_transfer_params must be an object", "kv_transfer_params")
+
+        def get(name, typ, required=True, default=None):
+            v = params.get(name, default)
+            if v is None:
+                if required:
+                    raise RequestError(f"kv_transfer_params.{name} is required",
+                                       "kv_transfer_params")
+                return default
+            if typ is int and isinstance(v, bool) or not isinstance(v, typ):
+                raise RequestError(
+                    f"kv_transfer_params.{name} must be {typ.__name__}", "kv_transfer_params"
+                )
+            return v
+
+        def ident(name, required=False):
+            v = get(name, str, required)
+            if v is not None and (len(v) > MAX_ID_CHARS or not v.isprintable()):
+                raise RequestError(f"kv_transfer_params.{name} must be at most "
+                                   f"{MAX_ID_CHARS} printable characters",
                                    "kv_transfer_params")
-            return default
-        if typ is int and isinstance(v, bool) or not isinstance(v, typ):
-            raise RequestError(
-                f"kv_transfer_params.{name} must be {typ.__name__}", "kv_transfer_params"
-            )
-        return v
+            return v
 
-    def ident(name, required=False):
-        v = get(name, str, required)
-        if v is not None and (len(v) > MAX_ID_CHARS or not v.isprintable()):
-            raise RequestError(f"kv_transfer_params.{name} must be at most {MAX_ID_CHARS} "
-                               "printable characters", "kv_transfer_params")
-        return v
-
-    out = {
-        "do_remote_decode": get("do_remote_decode", bool, False, False),
-        "do_remote_prefill": get("do_remote_prefill", bool, False, False),
-        "transfer_id": ident("transfer_id"),
-    }
-    if role == "decode" and out["do_remote_prefill"]:
-        out["remote_host"] = get("remote_host", str)
-        if not _HOST_RE.fullmatch(out["remote_host"]):
+        common = dict(do_remote_decode=get("do_remote_decode", bool, False, False),
+                      do_remote_prefill=get("do_remote_prefill", bool, False, False),
+                      transfer_id=ident("transfer_id"))
+        if not (role == "decode" and common["do_remote_prefill"]):
+            return cls(**common)
+        host = get("remote_host", str)
+        if not _HOST_RE.fullmatch(host):
             raise RequestError("kv_transfer_params.remote_host must be a host name or an "
                                "IP address", "kv_transfer_params")
-        out["remote_port"] = get("remote_port", int)
-        if not 0 < out["remote_port"] < 65536:
+        port = get("remote_port", int)
+        if not 0 < port < 65536:
             raise RequestError("kv_transfer_params.remote_port out of range",
                                "kv_transfer_params")
-        out["remote_engine_id"] = ident("remote_engine_id") or ""
-        out["remote_request_id"] = ident("remote_request_id")
         blocks = get("remote_block_ids", list, False, None)
         if blocks is not None and (len(blocks) > MAX_REMOTE_BLOCKS or not all(
             isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2**63 for b in blocks
@@ -168,5 +187,7 @@ def parse_kv_params(params: dict, role: str) -> dict:
         if blocks is not None and len(set(blocks)) != len(blocks):
             raise RequestError("kv_transfer_params.remote_block_ids lists a block twice",
                                "kv_transfer_params")
-        out["remote_block_ids"] = blocks
-    return out
+        return cls(**common, remote_host=host, remote_port=port,
+                   remote_engine_id=ident("remote_engine_id") or "",
+                   remote_request_id=ident("remote_request_id"),
+                   remote_block_ids=list(blocks) if blocks is not None else None)
