@@ -607,8 +607,8 @@ def test_push_sender_preempted_mid_prefill(tiny_qwen3):
     drv = PDDriver(p, d)
     kept: list[bool] = []
 
-    def spy(req):
-        kept.append(p.connector.on_preempt(req))
+    def spy(req, blocks):
+        kept.append(p.connector.on_preempt(req, blocks))
         return kept[-1]
 
     p.scheduler.on_preempt = spy

@@ -341,7 +341,7 @@ class KVConnector(PrefillSide, DecodeSide):
             return  # registered: decode is waiting for this KV and decides
         if tid in self.lent:
             self.worker.submit(c.Untrack(tid))
-            self.scheduler.pool.free(self.lent.pop(tid))
+            self.scheduler.release_blocks(self.lent.pop(tid))
         elif tid in self.early_regs:
             reg = self.early_regs.pop(tid)
             self.worker.submit(c.Untrack(tid))
@@ -453,7 +453,7 @@ class KVConnector(PrefillSide, DecodeSide):
             del self.early_regs[tid]
             self._remember_ended(tid, "lease expired: the request never reached prefill")
         elif tid in self.lent:
-            self.scheduler.pool.free(self.lent.pop(tid))
+            self.scheduler.release_blocks(self.lent.pop(tid))
         elif tid in self.recvs:
             self._recv_gone(self.recvs[tid], "lease expired: prefill stopped answering",
                             silent=True)

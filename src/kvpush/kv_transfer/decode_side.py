@@ -122,7 +122,7 @@ class DecodeSide:
         self.by_request.pop(recv.request_id, None)
         self.worker.submit(c.Untrack(recv.tid))
         if recv.held:
-            self.scheduler.pool.free(recv.held)
+            self.scheduler.release_blocks(recv.held)
             recv.held = []
         if not ok:
             self.counters["transfers_failed"] += 1
@@ -165,8 +165,7 @@ class DecodeSide:
         log.warning(msg)
         req = self.scheduler.requests.get(recv.request_id)
         if req is not None and recv.state is RecvState.AWAITING_KV:
-            self._hold(recv, list(req.block_ids))
-            req.block_ids = []
+            self._hold(recv, self.scheduler.detach_blocks(req))
         recv.state = RecvState.QUARANTINED
         self.by_request.pop(recv.request_id, None)
         if recv.mode == "push":

@@ -181,14 +181,15 @@ class PrefillSide:
             local, remote = self._descs(item[1], item[2], reg.address, range(layer + 1))
             self.worker.submit(c.PostWrite(send.tid, reg.address, local, remote, ready))
 
-    def on_preempt(self, req: Request) -> bool:
+    def on_preempt(self, req: Request, blocks: list[int]) -> bool:
         """A push sender losing its blocks keeps them out of the pool while WRITEs from
-        them may be in flight; its blocks are written again after the recompute."""
+        them may be in flight (True: they are the connector's now); its blocks are
+        written again after the recompute."""
         tid = self.by_request.get(req.request_id)
         send = self.sends.get(tid) if tid else None
         if send is None or send.written_blocks == 0:
             return False
-        send.retired.append(list(req.block_ids))
+        send.retired.append(blocks)
         send.written_blocks = 0
         return True
 
@@ -211,9 +212,9 @@ class PrefillSide:
         if send.request_id in self.scheduler.requests:
             self.actions.append(c.AbortRequest(send.request_id, why))
         elif free and send.finished:
-            self.scheduler.pool.free(send.block_ids)
+            self.scheduler.release_blocks(send.block_ids)
         for blocks in send.retired:
-            self.scheduler.pool.free(blocks)
+            self.scheduler.release_blocks(blocks)
         send.retired.clear()
 
     def _on_register(self, reg: m.PushRegister) -> None:
@@ -245,13 +246,13 @@ class PrefillSide:
                                     ev.num_descriptors, ev.post_s, ev.elapsed_s, failed))
         self.timeline.emit(tid)
         self._remember_ended(tid, failed or "done")
-        self.scheduler.pool.free(send.block_ids)
+        self.scheduler.release_blocks(send.block_ids)
         for blocks in send.retired:
-            self.scheduler.pool.free(blocks)
+            self.scheduler.release_blocks(blocks)
 
     def _on_pull_done(self, done: m.PullDone) -> None:
         blocks = self.lent.pop(done.transfer_id, None)
         if blocks is not None:
             self.worker.submit(c.Untrack(done.transfer_id))
-            self.scheduler.pool.free(blocks)
+            self.scheduler.release_blocks(blocks)
             self.counters["transfers_ok" if done.ok else "transfers_failed"] += 1

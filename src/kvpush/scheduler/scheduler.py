@@ -83,7 +83,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # set by the KV connector: returns True when it takes over a preempted request's
         # blocks (KV being sent from them must not be overwritten)
-        self.on_preempt: Callable[[Request], bool] | None = None
+        #: called with a request being preempted and its blocks; True: the callee (the
+        #: KV connector) takes the blocks and gives them back with release_blocks
+        self.on_preempt: Callable[[Request, list[int]], bool] | None = None
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
@@ -254,11 +256,10 @@ class Scheduler:
             )
 
     def _preempt(self, req: Request) -> None:
-        if self.on_preempt is None or not self.on_preempt(req):
-            self.pool.free(req.block_ids)
-        req.block_ids = []
+        blocks = self.detach_blocks(req)
+        if self.on_preempt is None or not self.on_preempt(req, blocks):
+            self.pool.free(blocks)
         req.num_computed_tokens = 0
-        req.num_registered_blocks = 0
         req.state = RequestState.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -291,13 +292,28 @@ class Scheduler:
             self.pool.cache_full_block(req.block_ids[j], req.block_hashes[j])
         req.num_registered_blocks = max(req.num_registered_blocks, n_full)
 
+    # ---- block ownership (the KV connector's side of it) ------------------------------
+    def detach_blocks(self, req: Request) -> list[int]:
+        """Hand ``req``'s blocks to the caller — the KV connector, for a transfer that
+        may still write or read them — and leave the request none. The caller gives
+        them back with :meth:`release_blocks`."""
+        blocks, req.block_ids = req.block_ids, []
+        req.num_registered_blocks = 0
+        return blocks
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        """Give back blocks handed over by :meth:`detach_blocks`, ``finish(...,
+        keep_blocks=True)`` or ``on_preempt``."""
+        self.pool.free(blocks)
+
     # ---- ending ------------------------------------------------------------------
     def finish(
         self, request_id: str, state: RequestState, keep_blocks: bool = False
     ) -> Request | None:
         """End a request in any state (finished, aborted, failed) and free its blocks —
-        unless ``keep_blocks``: then the caller (the KV connector, lending them to a
-        transfer) owns ``req.block_ids`` and frees them with ``pool.free`` later."""
+        unless ``keep_blocks``: then they go to the caller (the KV connector, lending
+        them to a transfer), which took their ids before and gives them back with
+        :meth:`release_blocks`. Either way the request holds none after."""
         assert state.finished
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -307,8 +323,8 @@ class Scheduler:
         elif self.remote_waiting.pop(request_id, None) is None:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
-        if req.block_ids and not keep_blocks:
-            self.pool.free(req.block_ids)
-            req.block_ids = []
+        blocks = self.detach_blocks(req)
+        if blocks and not keep_blocks:
+            self.pool.free(blocks)
         req.state = state
         return req

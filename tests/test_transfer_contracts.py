@@ -1,5 +1,8 @@
-"""The hand-off's stage stamps (kv_transfer/timeline.py), what `kvpush bench handoff`
-makes of them, and the completion that goes out the moment a transfer is done."""
+"""The push/pull hand-off's contracts: its stage stamps (kv_transfer/timeline.py) and
+what `kvpush bench handoff` makes of them, completions that go out the moment a transfer
+is done, the transfer thread as the transport's one user (READs too), the typed
+kv_transfer_params, and the scheduler's block-ownership API the connector goes
+through."""
 
 from __future__ import annotations
 
@@ -249,3 +252,33 @@ def test_kv_params_are_parsed_once_into_a_typed_object(tiny_qwen3):
         assert p.connector.by_request["r"] == "t1"
     finally:
         p.shutdown()
+
+
+# ---- block ownership: the connector goes through the scheduler ---------------------------
+def test_scheduler_hands_blocks_over_and_takes_them_back(tiny_qwen3):
+    from engine_helpers import make_engine
+
+    eng = make_engine(tiny_qwen3, num_blocks=80)
+    free0 = eng.scheduler.pool.num_free
+    req = eng.add_request("r", random_prompts([40], seed=1)[0], greedy(2))
+    eng.step()
+    assert len(req.block_ids) == 3  # 40 tokens of 16-token blocks
+    blocks = eng.scheduler.detach_blocks(req)
+    assert req.block_ids == [] and len(blocks) == 3
+    assert eng.scheduler.pool.num_free == free0 - 3  # the caller holds them
+    eng.scheduler.release_blocks(blocks)
+    assert eng.scheduler.pool.num_free == free0
+
+
+def test_connector_never_frees_blocks_or_edits_a_request_s_block_list():
+    """Every block the connector holds comes and goes through the scheduler's API
+    (detach_blocks, finish(keep_blocks=True), on_preempt, release_blocks)."""
+    import inspect
+    import re
+
+    from kvpush.kv_transfer import connector, decode_side, prefill_side
+
+    for mod in (connector, decode_side, prefill_side):
+        src = inspect.getsource(mod)
+        assert not re.search(r"\.pool\b", src), mod.__name__
+        assert not re.search(r"\breq\.block_ids\s*=[^=]", src), mod.__name__
