@@ -90,7 +90,7 @@ class PDDriver:
         waiting on prefill, so prefill writes each block as it computes it."""
         self.send_decode(rid, prompt, params)
         deadline = time.monotonic() + timeout
-        while rid not in self.p.connector.early_regs:
+        while rid not in self.p.connector.sender.early_regs:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"decode's registration of {rid} did not reach prefill")
             outs = self.d.process_inbox()
@@ -151,7 +151,8 @@ class PDDriver:
             s = e.stats()
             c = e.connector
             return (s.num_free_blocks == s.num_total_blocks and not e.scheduler.requests
-                    and not c.sends and not c.recvs and not c.lent and not c.early_regs)
+                    and not c.sender.sends and not c.receiver.recvs and not c.sender.lent
+                    and not c.sender.early_regs)
         self.run(until=lambda: idle(self.p) and idle(self.d), timeout=timeout)
 
     def close(self) -> None:

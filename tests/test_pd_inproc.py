@@ -398,8 +398,8 @@ def test_prefill_abort_fails_decode(pd):
     # registered before prefill starts: one block written per 16-token step, so prefill
     # is still running (19 steps) when the second block goes out
     pd.submit_registered("r", random_prompts([300])[0], greedy(5))
-    pd.run(until=lambda: pd.p.connector.sends.get("r") is not None
-           and pd.p.connector.sends["r"].written_blocks >= 2, timeout=10)
+    pd.run(until=lambda: pd.p.connector.sender.sends.get("r") is not None
+           and pd.p.connector.sender.sends["r"].written_blocks >= 2, timeout=10)
     assert "p-r" in pd.p.scheduler.requests  # still prefilling
     pd.p.abort_request("p-r")
     pd.run(timeout=10)
@@ -423,14 +423,14 @@ def test_prefill_lease_expiry_mid_prefill_drains_writes_before_freeing(pd):
     # far longer than the 0.5 s lease, so they are surely in flight when it ends (at
     # 0.4 s they sometimes completed first, and the send was gone before the check)
     pd.faults.arm(transfer_delay_s=2.0, drop_messages={"Heartbeat": 10**6, "Abort": 10**6})
-    pd.run(until=lambda: pd.p.connector.sends.get("r") is not None
-           and pd.p.connector.sends["r"].written_blocks >= 2, timeout=10)
+    pd.run(until=lambda: pd.p.connector.sender.sends.get("r") is not None
+           and pd.p.connector.sender.sends["r"].written_blocks >= 2, timeout=10)
     deadline = time.monotonic() + 10
     while "p-r" in pd.p.scheduler.requests:  # prefill is held: handle events, no steps
         assert time.monotonic() < deadline, "prefill's lease did not expire"
         pd.p.process_inbox()
         time.sleep(0.005)
-    send = pd.p.connector.sends["r"]
+    send = pd.p.connector.sender.sends["r"]
     assert send.state is SendState.DRAINING  # aborted, its WRITEs still draining
     s = pd.p.stats()
     assert s.num_free_blocks < s.num_total_blocks  # the blocks they read are still held
@@ -456,8 +456,8 @@ def test_prefill_lease_expiry_tells_decode_only_after_its_writes_drain(tiny_qwen
     try:
         pd.submit_registered("r", random_prompts([300])[0], greedy(5))
         faults.arm(transfer_delay_s=2.0, drop_messages={"Heartbeat": 10**6})
-        pd.run(until=lambda: "r" in p.connector.sends
-               and p.connector.sends["r"].written_blocks >= 2, timeout=10)
+        pd.run(until=lambda: "r" in p.connector.sender.sends
+               and p.connector.sender.sends["r"].written_blocks >= 2, timeout=10)
         deadline = time.monotonic() + 10
         while "p-r" in p.scheduler.requests:  # prefill held: events only, no steps
             assert time.monotonic() < deadline, "prefill's lease did not expire"
@@ -466,7 +466,7 @@ def test_prefill_lease_expiry_tells_decode_only_after_its_writes_drain(tiny_qwen
         group = p.connector.worker.writes.get("r")
         assert group is not None and group.pending  # WRITEs still in flight
         d.process_inbox()
-        assert "r" in d.connector.recvs  # no Abort reached decode: its blocks are held
+        assert "r" in d.connector.receiver.recvs  # no Abort reached decode: its blocks are held
         faults.clear()
         pd.run(timeout=10)
         assert pd.d_legs["r"].finish_reason is FinishReason.ERROR
@@ -507,7 +507,7 @@ def test_decode_prefix_hit_trims_the_write(pd, tiny_qwen3):
     from kvpush.engine.outputs import RequestError
 
     pd.send_decode("e", list(first), greedy(3))
-    pd.run(until=lambda: "e" in pd.p.connector.early_regs, timeout=10)
+    pd.run(until=lambda: "e" in pd.p.connector.sender.early_regs, timeout=10)
     with pytest.raises(RequestError, match="nothing to prefill"):
         pd.send_prefill("e", list(first), greedy(3))
     pd.run()
@@ -588,7 +588,7 @@ def test_registration_after_prefill_finished(pd, tiny_qwen3):
     pd.faults.arm(message_delay_s=0.3)
     pd.submit("r", prompt, greedy(5))
     pd.run(until=lambda: pd.p_legs["r"].finished, timeout=10)
-    assert pd.p.connector.sends["r"].reg is None  # finished, not registered yet
+    assert pd.p.connector.sender.sends["r"].reg is None  # finished, not registered yet
     pd.run(timeout=15)
     assert pd.d_legs["r"].tokens == single_outputs(tiny_qwen3, [prompt], 5)["r0"]
     assert pd.faults.count("message_delays") > 0
@@ -618,7 +618,7 @@ def test_push_sender_preempted_mid_prefill(tiny_qwen3):
         # registrations first, so every sender writes from its first chunk on
         for i, prompt in enumerate(prompts):
             drv.send_decode(f"r{i}", prompt, greedy(4))
-        drv.run(until=lambda: len(p.connector.early_regs) == 3, timeout=10)
+        drv.run(until=lambda: len(p.connector.sender.early_regs) == 3, timeout=10)
         for i, prompt in enumerate(prompts):
             drv.send_prefill(f"r{i}", prompt, greedy(4))
         drv.run(timeout=30)

@@ -62,7 +62,8 @@ class Pair(PDDriver):
 
     def d_clean(self) -> bool:
         s, c = self.d.stats(), self.d.connector
-        return s.num_free_blocks == s.num_total_blocks and not c.recvs and not c.fenced_blocks
+        return (s.num_free_blocks == s.num_total_blocks and not c.receiver.recvs
+                and not c.fenced_blocks)
 
     def watch(self, event: type) -> list[str]:
         """Transfer ids of each ``event`` (AbortAckReceived, PushDoneReceived) decode
@@ -110,14 +111,14 @@ def writes_in_flight(pair: Pair, rid: str = "r", prompt_len: int = 300) -> None:
     blocks' WRITEs are posted and prefill is still computing."""
     pair.submit_registered(rid, random_prompts([prompt_len], seed=21)[0], greedy(5))
     pair.faults.arm(transfer_delay_s=WRITE_S)
-    pair.run(until=lambda: rid in pair.p.connector.sends
-             and pair.p.connector.sends[rid].written_blocks >= 2, timeout=10)
+    pair.run(until=lambda: rid in pair.p.connector.sender.sends
+             and pair.p.connector.sender.sends[rid].written_blocks >= 2, timeout=10)
     assert f"p-{rid}" in pair.p.scheduler.requests
 
 
 def assert_fenced(pair: Pair, rid: str = "r") -> list[int]:
     """Decode's request has ended but its blocks are held out of the pool."""
-    recv = pair.d.connector.recvs[rid]
+    recv = pair.d.connector.receiver.recvs[rid]
     assert recv.state is RecvState.QUARANTINED and recv.held
     held = recv.held
     s = pair.d.stats()
@@ -240,12 +241,12 @@ def test_recompute_policy_recomputes_in_fresh_blocks_while_fenced(make_pair, tin
     writes_in_flight(pair)
     pair.freeze_prefill()
     pair.run(until=lambda: pair.d.connector.fenced_blocks > 0, timeout=10)
-    held = set(pair.d.connector.recvs["r"].held)
+    held = set(pair.d.connector.receiver.recvs["r"].held)
     pair.run(until=lambda: pair.d_legs["r"].finished, timeout=30)
     prompt = random_prompts([300], seed=21)[0]
     ref = run_to_completion(make_engine(tiny_qwen3), {"r0": prompt}, greedy(5))["r0"]
     assert pair.d_legs["r"].tokens == ref
-    assert set(pair.d.connector.recvs["r"].held) == held  # still fenced
+    assert set(pair.d.connector.receiver.recvs["r"].held) == held  # still fenced
     pair.thaw_prefill()
     pair.settle()
 

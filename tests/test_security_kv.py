@@ -132,7 +132,7 @@ def test_forged_registration_is_never_acted_on(tiny_qwen3):
             assert time.monotonic() < deadline
             drv.pump()
             time.sleep(0.005)
-        assert drv.p.connector.sends["t"].reg is None  # still waiting for a real one
+        assert drv.p.connector.sender.sends["t"].reg is None  # still waiting for a real one
         drv.p.abort_request("p-t")
         assert_clean(drv)
     finally:
@@ -224,7 +224,7 @@ def test_bad_registrations_write_nothing(tiny_qwen3):
                                  blocks, skip, n)
             drv.p.inbox.put(("kv", Registered(reg)))
             drv.run(until=lambda t=tid: drv.p_legs[t].finished, timeout=20)
-            assert tid not in drv.p.connector.sends
+            assert tid not in drv.p.connector.sender.sends
             assert "invalid registration" in drv.p.connector.ended[tid]
         assert drv.p.connector.transport.stats.posts == posts  # not one WRITE
         assert_clean(drv)
@@ -291,11 +291,11 @@ def test_invalid_first_token_from_prefill_fails_the_request(tiny_qwen3, bad):
         prompt = random_prompts([40], seed=4)[0]
         drv.send_decode("t", prompt, greedy(3))
         deadline = time.monotonic() + 10
-        while "t" not in drv.d.connector.recvs or \
-                drv.d.connector.recvs["t"].register is None:
+        while "t" not in drv.d.connector.receiver.recvs or \
+                drv.d.connector.receiver.recvs["t"].register is None:
             assert time.monotonic() < deadline
             drv.pump()
-        vocab = drv.d.connector.vocab_size
+        vocab = drv.d.connector.ctx.vocab_size
         done = {"token-out-of-vocab": {"first_token": vocab},
                 "top-id-out-of-vocab": {"first_token": 1,
                                         "first_top_logprobs": [(1, -0.5), (vocab, -1.0)]},

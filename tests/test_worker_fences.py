@@ -181,10 +181,10 @@ def test_decode_fence_released_when_prefill_connection_drops():
     w.handle(c.FenceTransfer("t", P))
     w.handle(c.FenceTransfer("u", P))
     w.handle(c.FenceTransfer("other", "10.0.0.9:1"))
-    w._peer_dropped(P)
+    w.fences.peer_dropped(P)
     assert sorted(events, key=lambda ev: ev.tid) == [c.FenceReleased("t", "peer_gone"),
                                                      c.FenceReleased("u", "peer_gone")]
-    assert list(w.fences) == ["other"]
+    assert list(w.fences.fences) == ["other"]
     assert ch.forgotten == [P]  # nothing queued for it may reach it later
 
 

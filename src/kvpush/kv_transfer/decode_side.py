@@ -1,4 +1,6 @@
-"""Decode side of KV transfer, mixed into KVConnector (it uses the connector's state).
+"""DecodeReceiver: the decode side of KV transfer, owned by KVConnector (shared state in
+context.py). It owns the transfers into this instance's blocks and the peers that
+refused us.
 
 A ``DecodeRecv`` per request: blocks are allocated when the scheduler can (prefix cache
 first); push then registers them with prefill, pull posts the READ on the step loop.
@@ -17,12 +19,16 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 
+from kvpush.engine.outputs import RequestError
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.context import TransferContext
 from kvpush.kv_transfer.state import (
     MAX_REGISTER_RESENDS,
     DecodeRecv,
+    KVTransferParams,
     RecvState,
     TransferRecord,
     block_ids_problem,
@@ -33,7 +39,111 @@ from kvpush.scheduler.request import Request
 log = logging.getLogger("kvpush.kv_transfer.connector")
 
 
-class DecodeSide:
+class DecodeReceiver:
+    def __init__(self, ctx: TransferContext) -> None:
+        self.ctx = ctx
+        self.recvs: dict[str, DecodeRecv] = {}  # tid -> transfer into our blocks
+        self.pending: deque[str] = deque()  # tids waiting for blocks
+        self.refused: dict[str, str] = {}  # peer address -> why it refused us
+        self._stalled = False
+
+    def has_pending_work(self) -> bool:
+        """Whether before_schedule() could make progress now (no spinning: after a pass
+        that could not, this stays False until an event or a finish changes things)."""
+        return bool(self.pending) and not self._stalled
+
+    def unstall(self) -> None:
+        """Something changed (an event, a finish): blocks may be had now."""
+        self._stalled = False
+
+    # ---- requests ---------------------------------------------------------------------
+    def add(self, req: Request, p: KVTransferParams, tid: str) -> None:
+        """A decode leg whose KV comes from prefill (push: registered; pull: READ)."""
+        ctx = self.ctx
+        if ctx.mode == "pull":
+            if p.remote_block_ids is None:
+                raise RequestError("pull needs kv_transfer_params.remote_block_ids",
+                                   "kv_transfer_params")
+            tid = p.transfer_id or p.remote_request_id or tid
+            n_needed = -(-(req.num_prompt_tokens - 1) // ctx.block_size)
+            if len(p.remote_block_ids) < n_needed:
+                raise RequestError(
+                    f"kv_transfer_params.remote_block_ids has {len(p.remote_block_ids)}"
+                    f" blocks; the prompt needs {n_needed}", "kv_transfer_params")
+        if tid in self.recvs:
+            raise RequestError(f"transfer id {tid!r} is already in use", "kv_transfer_params")
+        address = p.remote_address
+        if address in ctx.peers:  # known peer: check the params against it now (400)
+            problem = self._peer_problem(address, p.remote_engine_id,
+                                         p.remote_block_ids or [])
+            if problem:
+                raise RequestError(f"kv_transfer_params: {problem}", "kv_transfer_params")
+        recv = DecodeRecv(tid, req.request_id, ctx.mode, address, p.remote_engine_id,
+                          list(p.remote_block_ids or []))
+        self.recvs[tid] = recv
+        ctx.by_request[req.request_id] = tid
+        ctx.timeline.stamp(tid, "d_added")
+        ctx.timeline.await_first(req.request_id, tid)
+        ctx.scheduler.add_remote_request(req)
+        self.pending.append(tid)
+        ctx.submit(c.EnsurePeer(address))
+        ctx.submit(c.Track(tid, address))
+
+    def finish(self, req: Request, tid: str, ok: bool, error: str | None) -> bool:
+        """The decode leg ends; True: its blocks stay here, fenced."""
+        ctx = self.ctx
+        recv = self.recvs.get(tid)
+        if recv is None or recv.state is RecvState.QUARANTINED:
+            return False
+        if ok or recv.state is RecvState.PENDING_BLOCKS:
+            self._end_recv(recv, ok=ok, why=error)
+            if not ok:
+                ctx.submit(c.Send(recv.address, m.Abort(tid, error or "aborted")))
+                ctx.counters["aborts_sent"] += 1
+            return False
+        # aborted while KV may be landing in its blocks: hold them until the peer is done
+        recv.state = RecvState.QUARANTINED
+        self._hold(recv, list(req.block_ids))
+        if recv.mode == "push":
+            ctx.submit(c.Send(recv.address, m.Abort(tid, error or "aborted")))
+            ctx.counters["aborts_sent"] += 1
+            self._fence(recv)
+        return True
+
+    def on_peer_refused(self, address: str, reason: str) -> None:
+        self.refused[address] = reason
+        for recv in [r for r in self.recvs.values() if r.address == address]:
+            self._recv_gone(recv, reason)
+
+    def on_abort(self, ab: m.Abort) -> None:
+        recv = self.recvs.get(ab.transfer_id)
+        if recv is not None:  # prefill gave up; nothing of its own is in flight any more
+            self._recv_gone(recv, f"aborted by prefill: {ab.reason}")
+
+    def on_lease_expired(self, tid: str) -> None:
+        if tid in self.recvs:
+            self._recv_gone(self.recvs[tid], "lease expired: prefill stopped answering",
+                            silent=True)
+
+    def on_worker_died(self) -> None:
+        for recv in list(self.recvs.values()):
+            self._recv_failed(recv, "the transfer thread died")
+
+    def _recv_gone(self, recv: DecodeRecv, why: str, silent: bool = False) -> None:
+        """Prefill will send nothing more for ``recv``: end it. A READ of ours that may
+        still land keeps the blocks fenced until it ends. ``silent``: prefill only
+        stopped answering (lease), it has not said it is done: its push WRITEs may still
+        land, so the blocks stay fenced too; otherwise a quarantined push is done."""
+        if self._reading(recv) or (silent and recv.mode == "push" and recv.state in (
+                RecvState.AWAITING_KV, RecvState.QUARANTINED)):
+            if recv.state is not RecvState.QUARANTINED:
+                self._recv_failed_fenced(recv, why)
+        elif recv.state is RecvState.QUARANTINED:
+            self._end_recv(recv, ok=False)
+        else:
+            self._recv_failed(recv, why)
+
+    # ---- blocks, then the transfer ------------------------------------------------------
     def before_schedule(self) -> None:
         """Give pending decode-side transfers blocks, register them (push) or post their
         READ (pull, on this thread as the baseline does)."""
@@ -48,7 +158,7 @@ class DecodeSide:
                 self.pending.popleft()
                 self._recv_failed(recv, self.refused[recv.address])
                 continue
-            if recv.address not in self.peers:
+            if recv.address not in self.ctx.peers:
                 skipped.append(self.pending.popleft())  # handshake still going
                 continue
             problem = self._peer_problem(recv.address, recv.remote_engine_id,
@@ -57,8 +167,8 @@ class DecodeSide:
                 self.pending.popleft()
                 self._recv_failed(recv, problem, client_error=True)
                 continue
-            req = self.scheduler.requests[recv.request_id]
-            if not self.scheduler.allocate_remote(req):
+            req = self.ctx.scheduler.requests[recv.request_id]
+            if not self.ctx.scheduler.allocate_remote(req):
                 break
             self.pending.popleft()
             self._allocated(recv, req)
@@ -68,7 +178,7 @@ class DecodeSide:
     def _peer_problem(self, address: str, engine_id: str, block_ids: list[int]) -> str | None:
         """Why the request's kv_transfer_params do not fit the prefill instance that
         answered at ``address`` (its engine id, role, region), or None."""
-        peer = self.peers[address]
+        peer = self.ctx.peers[address]
         if engine_id and peer.engine_id != engine_id:
             return (f"the instance at {address} is engine {peer.engine_id!r}, not "
                     f"remote_engine_id {engine_id!r}")
@@ -77,55 +187,56 @@ class DecodeSide:
         return block_ids_problem(block_ids, peer.num_blocks, "bad remote_block_ids")
 
     def _allocated(self, recv: DecodeRecv, req: Request) -> None:
-        bs = self.block_size
+        bs = self.ctx.block_size
         n = req.num_prompt_tokens
         hit = req.num_computed_tokens
         skip = hit // bs
         if recv.mode == "push":
             # decode holds every full block prefill could send: compute the tail here
             # only when configured to (else prefill writes just the tail block)
-            full_hit = (self.cfg.prefix_hit_tail == "decode" and skip > 0
+            full_hit = (self.ctx.cfg.prefix_hit_tail == "decode" and skip > 0
                         and skip == (n - 1) // bs)
             recv.register = m.PushRegister(
-                recv.tid, self.engine_id, self.address, list(req.block_ids), skip, n, full_hit)
+                recv.tid, self.ctx.engine_id, self.ctx.address, list(req.block_ids), skip, n,
+                full_hit)
             recv.registered_at = time.monotonic()
-            self.worker.submit(c.Send(recv.address, recv.register))
-            self.timeline.stamp(recv.tid, "d_registered")
+            self.ctx.submit(c.Send(recv.address, recv.register))
+            self.ctx.timeline.stamp(recv.tid, "d_registered")
             if full_hit:  # everything prefill could send is here already: compute the rest
                 self._end_recv(recv, ok=True, why="full prefix hit on decode")
-                self.scheduler.remote_kv_arrived(req.request_id, hit, None)
+                self.ctx.scheduler.remote_kv_arrived(req.request_id, hit, None)
                 return
             recv.state = RecvState.AWAITING_KV
             return
         # pull: READ prefill's blocks for tokens [hit, n - 1); the last token is recomputed
         last = -(-(n - 1) // bs)
         try:
-            local, remote = self._descs(req.block_ids[skip:last],
+            local, remote = self.ctx.descs(req.block_ids[skip:last],
                                         recv.remote_block_ids[skip:last], recv.address,
-                                        range(self.layout.num_layers))
+                                        range(self.ctx.layout.num_layers))
         except (IndexError, ValueError) as e:  # block ids outside prefill's region
-            self.worker.submit(c.Send(recv.address, m.PullDone(recv.tid, ok=False)))
+            self.ctx.submit(c.Send(recv.address, m.PullDone(recv.tid, ok=False)))
             self._recv_failed(recv, f"bad remote_block_ids: {e}")
             return
         if not local:
             self._end_recv(recv, ok=True, why="nothing to read")
-            self.worker.submit(c.Send(recv.address, m.PullDone(recv.tid)))
-            self.scheduler.remote_kv_arrived(req.request_id, n - 1, None)
+            self.ctx.submit(c.Send(recv.address, m.PullDone(recv.tid)))
+            self.ctx.scheduler.remote_kv_arrived(req.request_id, n - 1, None)
             return
         # posted by the transfer thread, which owns the transport (a failed post comes
         # back as ReadDone(ok=False)); the blocks count as read into until it ends
         recv.state = RecvState.AWAITING_KV
-        self.worker.submit(c.PostRead(recv.tid, recv.address, local, remote))
+        self.ctx.submit(c.PostRead(recv.tid, recv.address, local, remote))
 
     def _end_recv(self, recv: DecodeRecv, ok: bool, why: str | None = None) -> None:
         self.recvs.pop(recv.tid, None)
-        self.by_request.pop(recv.request_id, None)
-        self.worker.submit(c.Untrack(recv.tid))
+        self.ctx.by_request.pop(recv.request_id, None)
+        self.ctx.submit(c.Untrack(recv.tid))
         if recv.held:
-            self.scheduler.release_blocks(recv.held)
+            self.ctx.scheduler.release_blocks(recv.held)
             recv.held = []
         if not ok:
-            self.counters["transfers_failed"] += 1
+            self.ctx.counters["transfers_failed"] += 1
 
     def _recv_failed(self, recv: DecodeRecv, why: str, client_error: bool = False) -> None:
         """Remote KV will not come: fail the request or prefill it here (policy).
@@ -135,15 +246,15 @@ class DecodeSide:
         msg = f"KV transfer {recv.tid} from prefill {source} failed: {why}"
         log.warning(msg)
         self._end_recv(recv, ok=False)
-        self._record(TransferRecord(recv.tid, "decode", recv.mode, False, error=why))
-        if recv.request_id not in self.scheduler.requests:
+        self.ctx.record(TransferRecord(recv.tid, "decode", recv.mode, False, error=why))
+        if recv.request_id not in self.ctx.scheduler.requests:
             return
         if client_error:
-            self.actions.append(c.RejectRequest(recv.request_id, msg))
-        elif self.cfg.load_failure_policy == "recompute":
-            self.scheduler.remote_kv_failed(recv.request_id)
+            self.ctx.actions.append(c.RejectRequest(recv.request_id, msg))
+        elif self.ctx.cfg.load_failure_policy == "recompute":
+            self.ctx.scheduler.remote_kv_failed(recv.request_id)
         else:
-            self.actions.append(c.FailRequest(recv.request_id, msg))
+            self.ctx.actions.append(c.FailRequest(recv.request_id, msg))
 
     def _reading(self, recv: DecodeRecv) -> bool:
         """Whether our READ for ``recv`` may still be in flight (pull, posted, not ended):
@@ -163,22 +274,22 @@ class DecodeSide:
         source = recv.remote_engine_id or recv.address
         msg = f"KV transfer {recv.tid} from prefill {source} failed: {why}"
         log.warning(msg)
-        req = self.scheduler.requests.get(recv.request_id)
+        req = self.ctx.scheduler.requests.get(recv.request_id)
         if req is not None and recv.state is RecvState.AWAITING_KV:
-            self._hold(recv, self.scheduler.detach_blocks(req))
+            self._hold(recv, self.ctx.scheduler.detach_blocks(req))
         recv.state = RecvState.QUARANTINED
-        self.by_request.pop(recv.request_id, None)
+        self.ctx.by_request.pop(recv.request_id, None)
         if recv.mode == "push":
             self._fence(recv)
         else:
-            self.worker.submit(c.Untrack(recv.tid))  # counted failed when the READ ends
-        self._record(TransferRecord(recv.tid, "decode", recv.mode, False, error=why))
+            self.ctx.submit(c.Untrack(recv.tid))  # counted failed when the READ ends
+        self.ctx.record(TransferRecord(recv.tid, "decode", recv.mode, False, error=why))
         if req is None:
             return
-        if self.cfg.load_failure_policy == "recompute":
-            self.scheduler.remote_kv_failed(recv.request_id)
+        if self.ctx.cfg.load_failure_policy == "recompute":
+            self.ctx.scheduler.remote_kv_failed(recv.request_id)
         else:
-            self.actions.append(c.FailRequest(recv.request_id, msg))
+            self.ctx.actions.append(c.FailRequest(recv.request_id, msg))
 
     def _hold(self, recv: DecodeRecv, blocks: list[int]) -> None:
         """Keep ``blocks`` out of the pool for ``recv`` (freed by ``_end_recv``)."""
@@ -192,38 +303,38 @@ class DecodeSide:
     def _fence(self, recv: DecodeRecv) -> None:
         """Push, QUARANTINED: its lease ends; the transfer thread watches prefill's
         connection and the fence timeout (fences.py) while prefill's answer is awaited."""
-        self.counters["fences"] += 1
-        self.worker.submit(c.FenceTransfer(recv.tid, recv.address))
+        self.ctx.counters["fences"] += 1
+        self.ctx.submit(c.FenceTransfer(recv.tid, recv.address))
 
-    def _on_fence_released(self, tid: str, why: str) -> None:
+    def on_fence_released(self, tid: str, why: str) -> None:
         """The transfer thread gave up waiting for prefill: its connection dropped
         (``peer_gone``: the process ended) or the fence timed out (``timeout``)."""
         recv = self.recvs.get(tid)
         if recv is None or recv.state is not RecvState.QUARANTINED or recv.mode != "push":
             return
         if why == "timeout":
-            self.counters["fence_timeouts"] += 1
+            self.ctx.counters["fence_timeouts"] += 1
             log.warning("transfer %s: prefill %s neither answered nor dropped its connection "
                         "within --fence-timeout (%s s): its %d fenced blocks go back to the "
                         "pool (should it still WRITE into them, later answers are wrong)",
-                        tid, recv.remote_engine_id or recv.address, self.cfg.fence_timeout_s,
+                        tid, recv.remote_engine_id or recv.address, self.ctx.cfg.fence_timeout_s,
                         len(recv.held))
         else:
-            self.counters["fences_peer_gone"] += 1
+            self.ctx.counters["fences_peer_gone"] += 1
         self._end_recv(recv, ok=False)
 
     def _kv_arrived(self, recv: DecodeRecv, num_computed: int,
                     first: SampledToken | None, record: TransferRecord) -> None:
         self._end_recv(recv, ok=True)
-        self.counters["transfers_ok"] += 1
+        self.ctx.counters["transfers_ok"] += 1
         record.transfer_s = time.perf_counter() - recv.t_start
-        self._record(record)
-        if recv.request_id in self.scheduler.remote_waiting:
-            self.scheduler.remote_kv_arrived(recv.request_id, num_computed, first)
+        self.ctx.record(record)
+        if recv.request_id in self.ctx.scheduler.remote_waiting:
+            self.ctx.scheduler.remote_kv_arrived(recv.request_id, num_computed, first)
             if first is not None:
-                self.actions.append(c.EmitFirstToken(recv.request_id))
+                self.ctx.actions.append(c.EmitFirstToken(recv.request_id))
 
-    def _on_push_done(self, done: m.PushDone) -> None:
+    def on_push_done(self, done: m.PushDone) -> None:
         recv = self.recvs.get(done.transfer_id)
         if recv is None:
             return
@@ -239,7 +350,7 @@ class DecodeSide:
                                     f"{done.first_token} (logprob {done.first_logprob}, top "
                                     f"{done.first_top_logprobs})")
             return
-        req = self.scheduler.requests.get(recv.request_id)
+        req = self.ctx.scheduler.requests.get(recv.request_id)
         record = TransferRecord(recv.tid, "decode", "push", True, done.num_bytes,
                                 done.num_descriptors)
         self._kv_arrived(recv, req.num_prompt_tokens, first, record)
@@ -247,7 +358,7 @@ class DecodeSide:
     def _first_token(self, done: m.PushDone) -> SampledToken | None:
         """Token #1 as prefill sent it, None if any part of it is out of range."""
         def valid(token: int, lp: float | None) -> bool:
-            return 0 <= token < self.vocab_size and (
+            return 0 <= token < self.ctx.vocab_size and (
                 lp is None or (math.isfinite(lp) and lp <= 0))
 
         top = done.first_top_logprobs
@@ -258,7 +369,7 @@ class DecodeSide:
                             tuple((int(t), float(lp)) for t, lp in top)
                             if top is not None else None)
 
-    def _on_read_done(self, done: c.ReadDone) -> None:
+    def on_read_done(self, done: c.ReadDone) -> None:
         recv = self.recvs.get(done.tid)
         if recv is None:
             return
@@ -268,12 +379,12 @@ class DecodeSide:
         if not done.ok:
             self._recv_failed(recv, done.error or "READ failed")
             return
-        req = self.scheduler.requests[recv.request_id]
+        req = self.ctx.scheduler.requests[recv.request_id]
         record = TransferRecord(done.tid, "decode", "pull", True, done.num_bytes,
                                 done.num_descriptors, done.post_s)
         self._kv_arrived(recv, req.num_prompt_tokens - 1, None, record)
 
-    def _on_awaiting_registration(self, tids: list[str]) -> None:
+    def on_awaiting_registration(self, tids: list[str]) -> None:
         """Prefill has no registration for these: re-send ours (it was lost)."""
         for tid in tids:
             recv = self.recvs.get(tid)
@@ -281,18 +392,18 @@ class DecodeSide:
                 continue
             # a registration may just be slow: re-send at most every quarter lease
             now = time.monotonic()
-            if now - recv.registered_at < self.cfg.lease_timeout_s / 4:
+            if now - recv.registered_at < self.ctx.cfg.lease_timeout_s / 4:
                 continue
             recv.registered_at = now
             recv.resends += 1
             if recv.resends > MAX_REGISTER_RESENDS:
                 why = f"registration lost {MAX_REGISTER_RESENDS + 1} times"
-                self.worker.submit(c.Send(recv.address, m.Abort(tid, why)))
+                self.ctx.submit(c.Send(recv.address, m.Abort(tid, why)))
                 self._recv_failed_fenced(recv, why)  # one may yet arrive: wait for P
             else:
-                self.worker.submit(c.Send(recv.address, recv.register))
+                self.ctx.submit(c.Send(recv.address, recv.register))
 
-    def _on_abort_ack(self, ack: m.AbortAck) -> None:
+    def on_abort_ack(self, ack: m.AbortAck) -> None:
         recv = self.recvs.get(ack.transfer_id)
         if recv is not None and recv.state is RecvState.QUARANTINED:
             self._end_recv(recv, ok=False)

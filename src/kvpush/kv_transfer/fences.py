@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpush.kv_transfer import commands as c
@@ -46,27 +47,52 @@ class Fence:
 
 
 class FenceKeeper:
-    """The fence half of ``TransferWorker`` (mixed in; uses its channel, peers, leases,
-    ``fences``, ``post_event``, ``lease_timeout_s`` and ``fence_timeout_s``)."""
+    """The decode side's fences, owned by the transfer thread's ``TransferWorker``.
+    ``peer_ready(address)`` says whether an Abort can be sent to that peer now."""
+
+    def __init__(self, channel, post_event: Callable[[c.TransferEvent], None],
+                 peer_ready: Callable[[str], bool], lease_timeout_s: float,
+                 fence_timeout_s: float) -> None:
+        self.channel = channel
+        self.post_event = post_event
+        self.peer_ready = peer_ready
+        self.lease_timeout_s = lease_timeout_s
+        self.fence_timeout_s = fence_timeout_s
+        self.fences: dict[str, Fence] = {}  # tid -> fence
+
+    def __bool__(self) -> bool:
+        return bool(self.fences)
+
+    def __contains__(self, tid: str) -> bool:
+        return tid in self.fences
 
     def fence(self, tid: str, address: str) -> None:
-        """Fence push ``tid``: its lease ends here; its blocks (held by the step loop)
-        are released by a ``fence_released`` event or by prefill's own answer."""
-        self.leases.pop(tid, None)
+        """Fence push ``tid`` (its lease has ended: the caller dropped it); its blocks
+        (held by the step loop) are released by a ``FenceReleased`` event or by
+        prefill's own answer."""
         if self.channel.peer_gone(address):  # prefill's process has ended already
-            self._release_fences(address, [tid])
+            self._release(address, [tid])
             return
         now = time.monotonic()
         self.fences[tid] = Fence(address, now + self.fence_timeout_s,
                                  now + self.lease_timeout_s)
 
-    def _peer_dropped(self, address: str) -> None:
+    def drop(self, tid: str) -> None:
+        """The step loop ended the transfer (prefill answered)."""
+        self.fences.pop(tid, None)
+
+    def next_deadline(self) -> float | None:
+        """When the next fence times out or repeats its Abort (monotonic), if any."""
+        return min((min(f.deadline, f.next_abort) for f in self.fences.values()),
+                   default=None)
+
+    def peer_dropped(self, address: str) -> None:
         """Our connection to ``address`` dropped: a process that ends closes it."""
         tids = [tid for tid, fence in self.fences.items() if fence.address == address]
         if tids:
-            self._release_fences(address, tids)
+            self._release(address, tids)
 
-    def _release_fences(self, address: str, tids: list[str]) -> None:
+    def _release(self, address: str, tids: list[str]) -> None:
         for tid in tids:
             self.fences.pop(tid, None)
             log.info("transfer %s: the connection to prefill %s dropped (its process "
@@ -76,13 +102,12 @@ class FenceKeeper:
         # before it left) must not reach it should it come back: it could WRITE then
         self.channel.forget(address)
 
-    def _expire_fences(self, now: float) -> None:
+    def expire(self, now: float) -> None:
         for tid, fence in list(self.fences.items()):
             if fence.deadline <= now:
                 del self.fences[tid]
                 self.post_event(c.FenceReleased(tid, "timeout"))
             elif fence.next_abort <= now:  # the last Abort may have been lost: again
                 fence.next_abort = now + self.lease_timeout_s
-                peer = self.peers.get(fence.address)
-                if peer is not None and peer.ready:
+                if self.peer_ready(fence.address):
                     self.channel.send(fence.address, m.encode(m.Abort(tid, "lease expired")))

@@ -1,4 +1,6 @@
-"""Prefill side of KV transfer, mixed into KVConnector (it uses the connector's state).
+"""PrefillSender: the prefill side of KV transfer, owned by KVConnector (shared state in
+context.py). It owns the push sends, the pull lends and the registrations that came
+before their request.
 
 Push: a ``PushSend`` per request waits for decode's registration, then WRITEs each
 layer's newly completed full blocks from the runner's layer hook while the forward pass
@@ -25,14 +27,17 @@ from collections.abc import Callable
 
 import torch
 
+from kvpush.engine.outputs import RequestError
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.context import TransferContext
 from kvpush.kv_transfer.state import (
     PushSend,
     SendState,
     TransferRecord,
     registration_problem,
 )
+from kvpush.sampling_params import SampledToken
 from kvpush.scheduler.request import Request
 from kvpush.scheduler.scheduler import ScheduledChunk, StepPlan
 
@@ -47,26 +52,156 @@ def layers_per_write(configured: int, num_layers: int, cuda: bool) -> int:
     return max(1, min(configured, num_layers))
 
 
-class PrefillSide:
+class PrefillSender:
+    def __init__(self, ctx: TransferContext, layers_per_write: int) -> None:
+        self.ctx = ctx
+        self.layers_per_write = layers_per_write
+        self.sends: dict[str, PushSend] = {}  # tid -> push transfer
+        self.lent: dict[str, list[int]] = {}  # pull: tid -> blocks lent to decode
+        self.early_regs: dict[str, m.PushRegister] = {}  # registrations before the request
+        self._step_writes: list[tuple[PushSend, list[int], list[int]]] = []
+
+    def owns(self, tid: str) -> bool:
+        return tid in self.sends or tid in self.lent or tid in self.early_regs
+
+    # ---- requests ---------------------------------------------------------------------
+    def add(self, req: Request, tid: str) -> None:
+        """A prefill leg (push or pull): prefill it, then send or lend its KV."""
+        ctx = self.ctx
+        if tid in self.sends or tid in self.lent:
+            raise RequestError(f"transfer id {tid!r} is already in use", "kv_transfer_params")
+        reg = None
+        if ctx.mode == "push":
+            reason = ctx.ended.pop(tid, None)
+            if reason is not None:
+                raise RequestError(f"transfer {tid} already ended: {reason}",
+                                   "kv_transfer_params")
+            reg = self.early_regs.pop(tid, None)
+            if reg is not None and reg.full_hit:  # nothing for prefill to do
+                ctx.submit(c.Untrack(tid))
+                ctx.remember_ended(tid, "decode has the whole prompt cached")
+                raise RequestError(
+                    "decode holds the whole prompt in its prefix cache: nothing to "
+                    "prefill", "kv_transfer_params", "prefill_not_needed")
+            self.sends[tid] = PushSend(tid, req.request_id)
+        ctx.by_request[req.request_id] = tid
+        ctx.timeline.stamp(tid, "p_added")
+        ctx.scheduler.add_request(req)  # before a registration may abort it
+        if ctx.mode == "push":
+            if reg is not None:
+                self._registered(self.sends[tid], reg)
+            else:
+                ctx.submit(c.Track(tid, None))
+
+    def finish(self, req: Request, tid: str, ok: bool,
+               error: str | None) -> tuple[bool, dict | None]:
+        """The prefill leg ends: (keep its blocks, kv_transfer_params for the answer)."""
+        ctx = self.ctx
+        ctx.timeline.stamp(tid, "p_first")
+        send = self.sends.get(tid)
+        if send is not None:
+            if not ok:
+                return self._send_aborted(send, req, error or "prefill request aborted"), None
+            send.finished = True
+            send.block_ids = list(req.block_ids)
+            send.num_prompt_tokens = req.num_prompt_tokens
+            send.first = SampledToken(
+                req.output_token_ids[0], req.output_logprobs[0] if req.output_logprobs else None,
+                req.output_top_logprobs[0] if req.output_top_logprobs else None)
+            if send.state is SendState.SENDING:
+                self._flush(send, final=True)
+            return True, None
+        if ctx.mode != "pull" or not ok:
+            return False, None
+        self.lent[tid] = list(req.block_ids)
+        ctx.submit(c.Track(tid, None))
+        ctx.timeline.emit(tid)
+        host, port = ctx.address.rsplit(":", 1)
+        return True, {
+            "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
+            "remote_block_ids": list(req.block_ids), "remote_engine_id": ctx.engine_id,
+            "remote_host": host, "remote_port": int(port),
+            "remote_request_id": req.request_id, "tp_size": 1,
+        }
+
+    def abort_transfer(self, tid: str, why: str) -> None:
+        """The router gave up on ``tid``: release what is held for it now."""
+        ctx = self.ctx
+        send = self.sends.get(tid)
+        if send is not None:
+            if send.request_id in ctx.scheduler.requests:
+                ctx.actions.append(c.AbortRequest(send.request_id, why))
+            elif send.state is SendState.AWAITING_REGISTRATION:
+                self._drop_send(send, why)
+            return  # registered: decode is waiting for this KV and decides
+        if tid in self.lent:
+            ctx.submit(c.Untrack(tid))
+            ctx.scheduler.release_blocks(self.lent.pop(tid))
+        elif tid in self.early_regs:
+            reg = self.early_regs.pop(tid)
+            ctx.submit(c.Untrack(tid))
+            ctx.submit(c.Send(reg.address, m.Abort(tid, why)))
+        ctx.remember_ended(tid, why)  # a leg that arrives later is refused
+
+    def on_abort(self, ab: m.Abort) -> None:
+        """Decode gave up on one of ours: stop, drain, acknowledge."""
+        ctx, tid = self.ctx, ab.transfer_id
+        if tid in self.sends:
+            send = self.sends[tid]
+            address = send.reg.address if send.reg else None
+            if send.state in (SendState.SENDING, SendState.DRAINING) and address:
+                ctx.submit(c.CancelWrites(tid, address))
+                if send.request_id in ctx.scheduler.requests:
+                    ctx.actions.append(c.AbortRequest(send.request_id,
+                                                      f"decode: {ab.reason}"))
+                return
+            self._drop_send(send, f"aborted by decode: {ab.reason}")
+        elif tid in self.early_regs:  # (the transfer thread has sent the AbortAck)
+            self.early_regs.pop(tid)
+            ctx.submit(c.Untrack(tid))
+            ctx.remember_ended(tid, f"aborted by decode: {ab.reason}")
+        elif tid in self.lent:
+            self.on_pull_done(m.PullDone(tid, ok=False))
+
+    def on_lease_expired(self, tid: str) -> None:
+        ctx = self.ctx
+        if tid in self.sends:
+            send = self.sends[tid]
+            if send.state is SendState.DRAINING:
+                return  # the WRITEs' own completion (or failure) ends it
+            if send.state is SendState.SENDING and send.request_id in ctx.scheduler.requests:
+                # per-layer WRITEs may be in flight: abort the prefill; finish() drains
+                # them (DRAINING) before its blocks are freed
+                ctx.actions.append(c.AbortRequest(send.request_id,
+                                                  "lease expired: decode stopped answering"))
+                return
+            self._drop_send(send, "lease expired: decode never registered")
+        elif tid in self.early_regs:
+            del self.early_regs[tid]
+            ctx.remember_ended(tid, "lease expired: the request never reached prefill")
+        elif tid in self.lent:
+            ctx.scheduler.release_blocks(self.lent.pop(tid))
+
+    # ---- push -------------------------------------------------------------------------
     def _registered(self, send: PushSend, reg: m.PushRegister) -> None:
-        peer = self.peers.get(reg.address)
+        peer = self.ctx.peers.get(reg.address)
         if peer is None:  # the Hello always precedes the registration on one socket
             self._drop_send(send, f"registration from unknown decode {reg.address}")
             return
-        req = self.scheduler.requests.get(send.request_id)
+        req = self.ctx.scheduler.requests.get(send.request_id)
         own = send.num_prompt_tokens if send.finished else (
             req.num_prompt_tokens if req is not None else None)
-        problem = registration_problem(reg, peer.num_blocks, self.block_size, own)
+        problem = registration_problem(reg, peer.num_blocks, self.ctx.block_size, own)
         if problem:  # nothing is written: every block id and length is checked first
             log.warning("transfer %s: refused decode %s's registration: %s", send.tid,
                         reg.address, problem)
-            self.worker.submit(c.Send(reg.address, m.PushDone(
+            self.ctx.submit(c.Send(reg.address, m.PushDone(
                 send.tid, ok=False, error=f"invalid registration: {problem}")))
             self._drop_send(send, f"invalid registration: {problem}")
             return
         send.reg = reg
         send.state = SendState.SENDING
-        self.worker.submit(c.Track(send.tid, reg.address))
+        self.ctx.submit(c.Track(send.tid, reg.address))
         if reg.full_hit:
             self._drop_send(send, "decode has the whole prompt cached")
             return
@@ -74,8 +209,8 @@ class PrefillSide:
             self._flush(send, final=True)
         elif req is not None:
             # blocks computed before the registration arrived go now, every layer
-            self._post_blocks(send, req.block_ids, req.num_computed_tokens // self.block_size,
-                              range(self.layout.num_layers))
+            self._post_blocks(send, req.block_ids, req.num_computed_tokens // self.ctx.block_size,
+                              range(self.ctx.layout.num_layers))
 
     def _post_blocks(self, send: PushSend, block_ids: list[int], upto: int, layers) -> None:
         reg = send.reg
@@ -83,19 +218,19 @@ class PrefillSide:
         upto = min(upto, len(reg.block_ids), len(block_ids))
         if upto <= start:
             return
-        local, remote = self._descs(block_ids[start:upto], reg.block_ids[start:upto],
+        local, remote = self.ctx.descs(block_ids[start:upto], reg.block_ids[start:upto],
                                     reg.address, layers)
-        self.worker.submit(c.PostWrite(send.tid, reg.address, local, remote))
+        self.ctx.submit(c.PostWrite(send.tid, reg.address, local, remote))
         send.written_blocks = upto
 
     def _flush(self, send: PushSend, final: bool) -> None:
         """Prefill done: WRITE what is left (partial last block included), then PushDone."""
-        n_blocks = -(-send.num_prompt_tokens // self.block_size)
-        self._post_blocks(send, send.block_ids, n_blocks, range(self.layout.num_layers))
+        n_blocks = -(-send.num_prompt_tokens // self.ctx.block_size)
+        self._post_blocks(send, send.block_ids, n_blocks, range(self.ctx.layout.num_layers))
         send.state = SendState.DRAINING
         first = send.first
         top = [tuple(alt) for alt in first.top] if first.top is not None else None
-        self.worker.submit(c.Finalize(send.tid, send.reg.address,
+        self.ctx.submit(c.Finalize(send.tid, send.reg.address,
                            m.PushDone(send.tid, ok=True, first_token=first.token,
                                       first_logprob=first.logprob, first_top_logprobs=top)))
 
@@ -103,17 +238,17 @@ class PrefillSide:
         """Per-layer WRITE of the blocks this step completes, for registered push sends
         and for those whose registration arrives while the step runs."""
         self._step_writes = []
-        if self.role != "prefill":
+        if self.ctx.role != "prefill":
             return None
         for chunk in plan.chunks:
-            tid = self.by_request.get(chunk.request_id)
+            tid = self.ctx.by_request.get(chunk.request_id)
             if tid is not None:
-                self.timeline.stamp(tid, "p_step", first=True)
+                self.ctx.timeline.stamp(tid, "p_step", first=True)
         if not self.sends:
             return None
         waiting: list[tuple[PushSend, ScheduledChunk]] = []
         for chunk in plan.chunks:
-            tid = self.by_request.get(chunk.request_id)
+            tid = self.ctx.by_request.get(chunk.request_id)
             send = self.sends.get(tid) if tid else None
             if send is None:
                 continue
@@ -123,9 +258,9 @@ class PrefillSide:
                 waiting.append((send, chunk))
         if not self._step_writes and not waiting:
             return None
-        cuda = self.region.kv.is_cuda
-        hints = self.worker.register_hints
-        group, last = self.layers_per_write, self.layout.num_layers - 1
+        cuda = self.ctx.region.kv.is_cuda
+        hints = self.ctx.worker.register_hints
+        group, last = self.layers_per_write, self.ctx.layout.num_layers - 1
         first = 0  # the first layer of the group being computed
 
         def on_layer(layer: int) -> None:
@@ -140,8 +275,8 @@ class PrefillSide:
                 ready.record()
             for send, local_blocks, remote_blocks in self._step_writes:
                 address = send.reg.address
-                local, remote = self._descs(local_blocks, remote_blocks, address, layers)
-                self.worker.submit(c.PostWrite(send.tid, address, local, remote, ready))
+                local, remote = self.ctx.descs(local_blocks, remote_blocks, address, layers)
+                self.ctx.submit(c.PostWrite(send.tid, address, local, remote, ready))
             if waiting and hints:
                 for item in [w for w in waiting if w[0].tid in hints]:
                     waiting.remove(item)
@@ -153,7 +288,7 @@ class PrefillSide:
         """Note the blocks ``chunk`` completes for the layer hook to WRITE, layer by layer."""
         reg = send.reg
         start = max(send.written_blocks, reg.skip_blocks)
-        upto = min((chunk.start_pos + len(chunk.token_ids)) // self.block_size,
+        upto = min((chunk.start_pos + len(chunk.token_ids)) // self.ctx.block_size,
                    len(reg.block_ids))
         if upto <= start:
             return None
@@ -168,24 +303,24 @@ class PrefillSide:
         earlier steps go now (every layer), this step's blocks now for layers up to
         ``layer`` and from the hook for the rest. A registration that needs more than
         that (a full hit, an unknown peer, a problem) waits for the step loop."""
-        peer = self.peers.get(reg.address)
-        req = self.scheduler.requests.get(send.request_id)
+        peer = self.ctx.peers.get(reg.address)
+        req = self.ctx.scheduler.requests.get(send.request_id)
         if (reg.full_hit or peer is None or req is None or send.reg is not None
-                or registration_problem(reg, peer.num_blocks, self.block_size,
+                or registration_problem(reg, peer.num_blocks, self.ctx.block_size,
                                         req.num_prompt_tokens)):
             return  # its inbox event applies it between steps
-        self.counters["registrations_mid_step"] += 1
+        self.ctx.counters["registrations_mid_step"] += 1
         self._registered(send, reg)  # posts the blocks of earlier steps
         item = self._add_step_write(send, chunk)
         if item is not None:
-            local, remote = self._descs(item[1], item[2], reg.address, range(layer + 1))
-            self.worker.submit(c.PostWrite(send.tid, reg.address, local, remote, ready))
+            local, remote = self.ctx.descs(item[1], item[2], reg.address, range(layer + 1))
+            self.ctx.submit(c.PostWrite(send.tid, reg.address, local, remote, ready))
 
     def on_preempt(self, req: Request, blocks: list[int]) -> bool:
         """A push sender losing its blocks keeps them out of the pool while WRITEs from
         them may be in flight (True: they are the connector's now); its blocks are
         written again after the recompute."""
-        tid = self.by_request.get(req.request_id)
+        tid = self.ctx.by_request.get(req.request_id)
         send = self.sends.get(tid) if tid else None
         if send is None or send.written_blocks == 0:
             return False
@@ -197,7 +332,7 @@ class PrefillSide:
         if send.state is SendState.SENDING:  # WRITEs may be in flight: drain, then tell D
             send.block_ids = list(req.block_ids)
             send.state = SendState.DRAINING
-            self.worker.submit(c.Finalize(send.tid, send.reg.address,
+            self.ctx.submit(c.Finalize(send.tid, send.reg.address,
                                m.PushDone(send.tid, ok=False, error=why)))
             return True
         self._drop_send(send, why, free=False)
@@ -206,53 +341,53 @@ class PrefillSide:
     def _drop_send(self, send: PushSend, why: str, free: bool = True) -> None:
         """End a push send that has nothing in flight; frees what it holds."""
         self.sends.pop(send.tid, None)
-        self.timeline.emit(send.tid)
-        self.worker.submit(c.Untrack(send.tid))
-        self._remember_ended(send.tid, why)
-        if send.request_id in self.scheduler.requests:
-            self.actions.append(c.AbortRequest(send.request_id, why))
+        self.ctx.timeline.emit(send.tid)
+        self.ctx.submit(c.Untrack(send.tid))
+        self.ctx.remember_ended(send.tid, why)
+        if send.request_id in self.ctx.scheduler.requests:
+            self.ctx.actions.append(c.AbortRequest(send.request_id, why))
         elif free and send.finished:
-            self.scheduler.release_blocks(send.block_ids)
+            self.ctx.scheduler.release_blocks(send.block_ids)
         for blocks in send.retired:
-            self.scheduler.release_blocks(blocks)
+            self.ctx.scheduler.release_blocks(blocks)
         send.retired.clear()
 
-    def _on_register(self, reg: m.PushRegister) -> None:
-        self.worker.register_hints.pop(reg.transfer_id, None)  # not applied mid-step
+    def on_register(self, reg: m.PushRegister) -> None:
+        self.ctx.worker.register_hints.pop(reg.transfer_id, None)  # not applied mid-step
         send = self.sends.get(reg.transfer_id)
         if send is None:
-            why = self.ended.get(reg.transfer_id)
+            why = self.ctx.ended.get(reg.transfer_id)
             if why is not None:  # prefill already gave up on it: tell decode at once
-                self.worker.submit(c.Send(reg.address,
+                self.ctx.submit(c.Send(reg.address,
                                    m.PushDone(reg.transfer_id, ok=False, error=why)))
                 return
             # the request has not arrived yet; it should come about when decode's did, so
             # this wait has a fixed deadline (decode's heartbeats do not extend it)
             self.early_regs[reg.transfer_id] = reg
-            self.worker.submit(c.Track(reg.transfer_id, reg.address, False))
+            self.ctx.submit(c.Track(reg.transfer_id, reg.address, False))
             return
         if send.reg is None:
             self._registered(send, reg)
 
-    def _on_writes_done(self, ev: c.WritesDone) -> None:
+    def on_writes_done(self, ev: c.WritesDone) -> None:
         tid, failed = ev.tid, ev.failed
         send = self.sends.pop(tid, None)
         if send is None:
             return
-        self.worker.submit(c.Untrack(tid))
+        self.ctx.submit(c.Untrack(tid))
         ok = failed is None and send.finished
-        self.counters["transfers_ok" if ok else "transfers_failed"] += 1
-        self._record(TransferRecord(tid, "prefill", "push", ok, ev.num_bytes,
+        self.ctx.counters["transfers_ok" if ok else "transfers_failed"] += 1
+        self.ctx.record(TransferRecord(tid, "prefill", "push", ok, ev.num_bytes,
                                     ev.num_descriptors, ev.post_s, ev.elapsed_s, failed))
-        self.timeline.emit(tid)
-        self._remember_ended(tid, failed or "done")
-        self.scheduler.release_blocks(send.block_ids)
+        self.ctx.timeline.emit(tid)
+        self.ctx.remember_ended(tid, failed or "done")
+        self.ctx.scheduler.release_blocks(send.block_ids)
         for blocks in send.retired:
-            self.scheduler.release_blocks(blocks)
+            self.ctx.scheduler.release_blocks(blocks)
 
-    def _on_pull_done(self, done: m.PullDone) -> None:
+    def on_pull_done(self, done: m.PullDone) -> None:
         blocks = self.lent.pop(done.transfer_id, None)
         if blocks is not None:
-            self.worker.submit(c.Untrack(done.transfer_id))
-            self.scheduler.release_blocks(blocks)
-            self.counters["transfers_ok" if done.ok else "transfers_failed"] += 1
+            self.ctx.submit(c.Untrack(done.transfer_id))
+            self.ctx.scheduler.release_blocks(blocks)
+            self.ctx.counters["transfers_ok" if done.ok else "transfers_failed"] += 1

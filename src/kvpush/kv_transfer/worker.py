@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.fences import DEFAULT_FENCE_TIMEOUT_S, Fence, FenceKeeper
+from kvpush.kv_transfer.fences import DEFAULT_FENCE_TIMEOUT_S, FenceKeeper
 from kvpush.kv_transfer.timeline import HandoffTimeline
 from kvpush.kv_transfer.transport import KVTransport, TransferPostError, XferState
 
@@ -92,7 +92,7 @@ class WriteGroup:
     cancelled: bool = False
 
 
-class TransferWorker(FenceKeeper):
+class TransferWorker:
     def __init__(
         self,
         hello: m.Hello,
@@ -119,7 +119,9 @@ class TransferWorker(FenceKeeper):
         self.peers: dict[str, Peer] = {}
         self.leases: dict[str, Lease] = {}
         self.writes: dict[str, WriteGroup] = {}
-        self.fences: dict[str, Fence] = {}  # decode: tid -> fence (fences.py)
+        #: decode: pushes whose blocks wait for prefill's word (fences.py)
+        self.fences = FenceKeeper(channel, post_event, self._peer_is_ready,
+                                  lease_timeout_s, fence_timeout_s)
         #: transfers whose WRITEs are over: aborted (a lease-expiry Abort sent to the
         #: peer, or decode's Abort received) or finished (PushDone/AbortAck sent). A
         #: WRITE the step loop queues for one of them later is refused (the peer frees
@@ -168,7 +170,7 @@ class TransferWorker(FenceKeeper):
                 for sender, payload in self.channel.recv(timeout_ms):
                     self.receive(payload, sender)
                 for address in self.channel.take_dropped():
-                    self._peer_dropped(address)
+                    self.fences.peer_dropped(address)
                 for reason, n in self._rejected.items():
                     self.counters[f"side_channel_rejected_{reason}"] = n
                 self._poll_transfers()
@@ -192,8 +194,9 @@ class TransferWorker(FenceKeeper):
         t = self._next_heartbeat - now
         if self.leases:
             t = min(t, min(lease.deadline for lease in self.leases.values()) - now)
-        if self.fences:
-            t = min(t, min(min(f.deadline, f.next_abort) for f in self.fences.values()) - now)
+        fence_due = self.fences.next_deadline()
+        if fence_due is not None:
+            t = min(t, fence_due - now)
         # keep the transport progressing while peers may be setting up connections
         return max(0.0, min(t, 0.02 if self.peers else 0.2))
 
@@ -224,7 +227,7 @@ class TransferWorker(FenceKeeper):
                                          renewable)
             case c.Untrack(tid):
                 self.leases.pop(tid, None)
-                self.fences.pop(tid, None)
+                self.fences.drop(tid)
             case c.EnsurePeer(address):
                 self._ensure_peer(address)
             case c.CancelWrites(tid, address):
@@ -232,13 +235,18 @@ class TransferWorker(FenceKeeper):
             case c.PostRead(tid, address, local, remote):
                 self._post_read(tid, address, local, remote)
             case c.FenceTransfer(tid, address):
-                self.fence(tid, address)
+                self.leases.pop(tid, None)  # the fence, not the lease, holds it now
+                self.fences.fence(tid, address)
             case c.Call(fn):
                 fn()
             case _:
                 raise TypeError(f"not a transfer command: {cmd!r}")
 
     # ---- peers and messages ----------------------------------------------------------
+    def _peer_is_ready(self, address: str) -> bool:
+        peer = self.peers.get(address)
+        return peer is not None and peer.ready
+
     def _peer(self, address: str) -> Peer:
         peer = self.peers.get(address)
         if peer is None:
@@ -563,8 +571,7 @@ class TransferWorker(FenceKeeper):
                               "messages: a different side-channel secret?)", tid,
                               lease.address)
             self.post_event(c.LeaseExpired(tid))
-        if self.fences:
-            self._expire_fences(now)
+        self.fences.expire(now)
 
 
 def _fields(s) -> dict:

@@ -1,0 +1,93 @@
+"""TransferContext: what the connector's two halves share (all on the step loop).
+
+``KVConnector`` composes a ``PushSender``-and-lender (prefill_side.py) and a
+``RemoteReceiver`` (decode_side.py). Each owns its own transfers; this object holds
+the rest, one instance per connector: the scheduler (every block goes through its
+ownership API), the transfer thread's handle, the peers met so far, the request ->
+transfer map, the counters, the actions for the engine, the ended-transfer memory and
+the finished-transfer records.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpush.config import KVTransferConfig
+from kvpush.kv_cache.kv_region import KVLayout, KVRegion
+from kvpush.kv_transfer import commands as c
+from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.state import TransferRecord
+from kvpush.kv_transfer.timeline import HandoffTimeline
+from kvpush.kv_transfer.transport import layer_block_descs
+from kvpush.kv_transfer.worker import TransferWorker
+from kvpush.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("kvpush.kv_transfer.connector")
+
+#: ended transfer ids remembered (a leg arriving after its transfer ended is refused)
+MAX_ENDED_REMEMBERED = 4096
+
+
+@dataclass
+class TransferContext:
+    cfg: KVTransferConfig
+    engine_id: str
+    address: str  # our side channel
+    scheduler: Scheduler
+    worker: TransferWorker
+    region: KVRegion
+    block_size: int
+    vocab_size: int  # bounds token #1 from a peer
+    timeline: HandoffTimeline
+    #: address -> the peer's Hello, for ready peers
+    peers: dict[str, m.Hello] = field(default_factory=dict)
+    #: address -> (region base, layout) of ready peers
+    peer_layouts: dict[str, tuple[int, KVLayout]] = field(default_factory=dict)
+    by_request: dict[str, str] = field(default_factory=dict)  # request id -> tid
+    counters: dict[str, int] = field(default_factory=lambda: {
+        "transfers_ok": 0, "transfers_failed": 0, "leases_expired": 0, "aborts_sent": 0,
+        "aborts_received": 0, "fences": 0, "fences_peer_gone": 0, "fence_timeouts": 0,
+        "registrations_mid_step": 0})
+    actions: list[c.EngineAction] = field(default_factory=list)
+    ended: OrderedDict[str, str] = field(default_factory=OrderedDict)  # tid -> why
+    records: deque[TransferRecord] = field(default_factory=lambda: deque(maxlen=1024))
+    #: called (on the step loop) with each finished transfer, e.g. by /metrics
+    record_sink: Callable[[TransferRecord], None] | None = None
+
+    @property
+    def role(self) -> str:
+        return self.cfg.role
+
+    @property
+    def mode(self) -> str:
+        return self.cfg.mode
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.region.layout
+
+    def submit(self, cmd: c.Command) -> None:
+        self.worker.submit(cmd)
+
+    def descs(self, local_blocks: list[int], remote_blocks: list[int], address: str,
+              layers) -> tuple[list, list]:
+        """Descriptors for the given layers of paired block lists (ours, the peer's)."""
+        base, layout = self.peer_layouts[address]
+        return layer_block_descs(self.region.base_address, self.layout, local_blocks,
+                                 base, layout, remote_blocks, layers)
+
+    def remember_ended(self, tid: str, why: str) -> None:
+        self.ended[tid] = why
+        while len(self.ended) > MAX_ENDED_REMEMBERED:
+            self.ended.popitem(last=False)
+
+    def record(self, rec: TransferRecord) -> None:
+        self.records.append(rec)
+        if self.record_sink is not None:
+            try:
+                self.record_sink(rec)
+            except Exception:  # metrics must never break a transfer
+                log.exception("transfer record sink failed")
