@@ -203,9 +203,9 @@ class KVTransferConfig:
     #: pass runs (the step loop hands each group to the transfer thread as the pass
     #: completes its last layer). 0: per layer on CUDA, where the WRITEs overlap the
     #: kernels still to run; a third of the layers per WRITE on CPU, where each hand-off
-    #: wakes the transfer thread on the cores the forward pass runs on (per layer, a
-    #: 128-token prefill step took 5-18 ms longer than pull's on 2 vCPUs; in thirds,
-    #: 1-4 ms: benchmarks/results/push-layer-groups.md)
+    #: wakes the transfer thread on the cores the forward pass runs on (per layer, the
+    #: hand-offs made push's prefill steps longer than pull's; in thirds, much less:
+    #: docs/MEASURED.md)
     push_layers_per_write: int = 0
     #: shared secret that signs every side-channel message (None: unsigned, for trusted
     #: networks only); never shown in reprs or logs

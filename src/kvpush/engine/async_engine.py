@@ -15,8 +15,8 @@ Torch threads: only the step-loop thread runs multi-threaded torch ops. The engi
 built (model loaded) with one thread and the step loop sets ``config.threads`` for
 itself: OpenMP keeps a worker pool per thread that ever ran a parallel region, and with
 a second pool left on the main thread, libgomp (more managed threads than cores)
-switched every barrier to sleep-and-wake, so on 2 vCPUs a 2-thread lone 128-token
-prefill took 132-171 ms in the server against 101-103 ms for the same engine alone.
+switched every barrier to sleep-and-wake, so a multi-threaded step ran markedly slower
+in the server than the same engine alone (docs/MEASURED.md).
 """
 
 from __future__ import annotations

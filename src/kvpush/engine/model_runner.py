@@ -56,8 +56,8 @@ class ModelRunner:
     def _reserves_decode_cache(self) -> bool:
         """CPU instances that decode touch the dense decode cache's whole cap at start-up
         (DecodeKVCache.reserve): growing it mid-serving faulted its pages in inside a
-        step (a burst of first decodes ran 2.8x slower). A prefill instance never
-        decodes; CUDA's caching allocator already reuses freed memory."""
+        step, which slowed a burst of first decodes (docs/MEASURED.md). A prefill
+        instance never decodes; CUDA's caching allocator already reuses freed memory."""
         return torch.device(self.device).type == "cpu" and (
             self.config.kv_transfer.role != "prefill")
 

@@ -16,20 +16,18 @@ driven by the owner instead:
 So the owning transfer thread calls ``progress()`` between its waits on the side
 channel (e.g. every few ms while it has peers); nothing spins.
 
-Measured here (2 cores shared with other work, two processes, loopback, UCX over cma,
-host memory, this class end to end; a quick check, not a benchmark):
+How it behaves between two processes on one host (UCX over cma, host memory; the
+figures are in docs/MEASURED.md):
 
-* 64 MiB WRITE, 1 descriptor: ``post()`` 8-10 ms and it returns with the transfer
-  already DONE: cma copies inside ``transfer()`` → 7-8 GB/s (an in-process torch copy
-  of 64 MiB: 3.5-4 ms, 16-19 GB/s). The GIL is released during the copy, but the
-  posting thread is blocked for all of it: post from the transfer thread, never
-  from the engine step loop.
-* descriptor count, the same 64 MiB in N equal pieces: N=64 → 9.5 ms, N=1024 →
-  11.5 ms, N=4096 → 17 ms, N=32768 (2 KiB each) → 71 ms, i.e. ~2 µs per descriptor
-  (of which our validation + arrays ~0.1 µs, ``initialize_xfer`` ~0.06 µs; the rest
-  is UCX's per-descriptor copy). Coalescing matters once pieces get small.
-* ``add_peer`` (``add_remote_agent`` + ``make_connection``) ≈ 8-9 ms; ``progress()``
-  ≈ 1.3 µs per call (idle).
+* over cma the copy happens inside ``transfer()``, so ``post()`` returns with the
+  transfer already DONE. The GIL is released during the copy, but the posting thread
+  is blocked for all of it: post from the transfer thread, never from the engine step
+  loop.
+* every descriptor has a fixed cost, nearly all of it UCX's per-descriptor work (our
+  validation and ``initialize_xfer`` are a small part): coalescing matters once pieces
+  get small.
+* ``add_peer`` (``add_remote_agent`` + ``make_connection``) sets up a connection, done
+  once per peer; an idle ``progress()`` call is cheap enough to make every few ms.
 
 Library facts relied on (nixl 1.5.1): ``add_remote_agent`` returns the name as
 *bytes*; adding the same metadata twice is fine; the target of a WRITE does not need
@@ -205,8 +203,8 @@ class NixlTransport(KVTransport):
     ) -> int:
         """Validate, create and start a transfer (see KVTransport.post).
 
-        Over cma the copy happens inside this call: it blocks for about
-        bytes / 5 GB/s.
+        Over cma the copy happens inside this call: it blocks for as long as the
+        copy of those bytes takes (docs/MEASURED.md).
         """
         t0 = time.perf_counter()
         with self._lock:

@@ -11,7 +11,8 @@ to progress the transport and check completions; otherwise, WRITEs of a prefill 
 under way included, it wakes for heartbeats, lease deadlines and (while peers exist)
 every 20 ms to progress the transport. Waking every millisecond through a prefill's
 forward pass, as it once did whenever WRITEs were in flight, made a 1-thread prefill
-step 5-7% slower on 2 vCPUs (the GIL and the shared core). It never spins.
+step slower where the thread shares the cores with the forward pass (each wake takes the
+GIL and a core from it; docs/MEASURED.md). It never spins.
 
 Per transfer it keeps a lease: a deadline renewed by the peer's heartbeats (or any
 message about the transfer). An expired lease becomes an ``lease_expired`` event for the

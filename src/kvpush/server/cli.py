@@ -172,8 +172,8 @@ def bind_listener(host: str, port: int) -> socket.socket:
     Its protocol is named (IPPROTO_TCP) and it has TCP_NODELAY, which accepted
     connections inherit: asyncio turns Nagle's algorithm off only on sockets whose
     ``proto`` says TCP, and with it on, a streamed chunk written after the response
-    headers waited for the client's delayed ACK, about 40 ms (the router's first token
-    reached clients 40 ms late on loopback)."""
+    headers waited for the client's delayed ACK (the router's first token reached
+    clients late by that delay on loopback: docs/MEASURED.md)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
