@@ -31,6 +31,8 @@ from test_worker_fences import RANGES, D, P, kinds, worker
 # ---- HandoffTimeline ------------------------------------------------------------------
 def test_timeline_logs_one_line_per_transfer_in_time_order(caplog):
     tl = HandoffTimeline("prefill")
+    tl.stamp("t", "p_first", 0.5)  # before the transfer began here: not kept
+    tl.begin("t", "p_added")
     tl.stamp("t", "p_first", 2.0)
     tl.stamp("t", "p_added", 1.0)
     tl.stamp("t", "p_step", 1.5, first=True)
@@ -39,6 +41,8 @@ def test_timeline_logs_one_line_per_transfer_in_time_order(caplog):
         stamps = tl.emit("t")
         assert tl.emit("t") is None  # forgotten once logged
     assert stamps == {"p_added": 1.0, "p_step": 1.5, "p_first": 2.0}
+    tl.stamp("t", "p_done_sent")  # after the end: no new line is opened
+    assert not tl._stamps
     [line] = [r.getMessage() for r in caplog.records]
     assert line == ("handoff transfer=t role=prefill t_p_added=1.000000 t_p_step=1.500000 "
                     "t_p_first=2.000000")
@@ -46,18 +50,18 @@ def test_timeline_logs_one_line_per_transfer_in_time_order(caplog):
 
 def test_timeline_decode_line_waits_for_token1_and_is_bounded():
     tl = HandoffTimeline("decode")
-    tl.stamp("t", "d_added", 1.0)
+    tl.begin("t", "d_added")
     tl.await_first("r", "t")
     tl.first_token("other")  # not a transfer's request: nothing happens
     assert "t" in tl._stamps
     tl.first_token("r")
     assert "t" not in tl._stamps and not tl._first
     tl.await_first("r2", "t2")
-    tl.stamp("t2", "d_added")
+    tl.begin("t2", "d_added")
     tl.forget_request("r2")  # ended without a token #1: dropped, not logged later
     assert not tl._stamps and not tl._first
     for i in range(MAX_TRACKED + 10):
-        tl.stamp(f"x{i}", "d_added", float(i))
+        tl.begin(f"x{i}", "d_added")
     assert len(tl._stamps) == MAX_TRACKED and "x0" not in tl._stamps
 
 

@@ -169,11 +169,11 @@ def test_decode_fence_repeats_its_abort_then_times_out():
     w.handle(c.Track("t", P))
     t0 = time.monotonic()
     w.handle(c.FenceTransfer("t", P))
-    assert "t" not in w.leases and "t" in w.fences  # the lease ends, the fence holds
+    assert "t" not in w.leases and "t" in w.fences.fences  # the lease ends, the fence holds
     w._expire(t0 + 1.5 * LEASE)
     assert ch.of(m.Abort) == [m.Abort("t", "lease expired")] and events == []
     w._expire(t0 + FENCE + 1)
-    assert events == [c.FenceReleased("t", "timeout")] and not w.fences
+    assert events == [c.FenceReleased("t", "timeout")] and not w.fences.fences
 
 
 def test_decode_fence_released_when_prefill_connection_drops():
@@ -192,7 +192,7 @@ def test_decode_fence_on_a_connection_already_down_ends_at_once():
     w, ch, _, events = worker("decode")
     ch.gone.add(P)
     w.handle(c.FenceTransfer("t", P))
-    assert events == [c.FenceReleased("t", "peer_gone")] and not w.fences
+    assert events == [c.FenceReleased("t", "peer_gone")] and not w.fences.fences
 
 
 def test_untrack_ends_a_fence():
@@ -201,7 +201,7 @@ def test_untrack_ends_a_fence():
     w.handle(c.FenceTransfer("t", P))
     w.handle(c.Untrack("t"))
     w._expire(time.monotonic() + FENCE + 1)
-    assert not w.fences and events == []
+    assert not w.fences.fences and events == []
 
 
 def test_prefill_polls_fast_only_once_a_completion_is_waited_for():

@@ -28,8 +28,8 @@ Push, decode side (``DecodeRecv``)::
            since a frozen prefill that resumes still finishes its WRITEs
 
 Pull: prefill finishes with max_tokens=1 and lends its blocks (``LENT``) under a lease
-until PullDone; decode allocates, posts a READ *on its step loop*, waits, then computes
-the last prompt token itself to get token #1.
+until PullDone; decode allocates, its transfer thread posts a READ (vLLM's connector posts
+it on the step loop), it waits, then computes the last prompt token itself for token #1.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class KVConnector:
         return self.receiver.has_pending_work()
 
     def take_actions(self) -> list[c.EngineAction]:
-        actions, self.ctx.actions[:] = list(self.ctx.actions), []
+        actions, self.ctx.actions = self.ctx.actions, []
         return actions
 
     # ---- life cycle -------------------------------------------------------------------
@@ -234,15 +234,15 @@ class KVConnector:
                 self._peer_ready(address, hello)
             case c.PeerRefused(address, reason):
                 receiver.on_peer_refused(address, reason)
-            case c.Registered(reg):
+            case c.Registered(reg) if self.role == "prefill":
                 sender.on_register(reg)
             case c.PushDoneReceived(done):
                 receiver.on_push_done(done)
-            case c.PullDoneReceived(done):
+            case c.PullDoneReceived(done) if self.role == "prefill":
                 sender.on_pull_done(done)
             case c.AbortReceived(ab):
                 self.counters["aborts_received"] += 1
-                if sender.owns(ab.transfer_id):
+                if self.role == "prefill":
                     sender.on_abort(ab)
                 else:
                     receiver.on_abort(ab)
@@ -256,12 +256,16 @@ class KVConnector:
                 receiver.on_read_done(ev)
             case c.LeaseExpired(tid):
                 self.counters["leases_expired"] += 1
-                sender.on_lease_expired(tid)
-                receiver.on_lease_expired(tid)
+                if self.role == "prefill":
+                    sender.on_lease_expired(tid)
+                else:
+                    receiver.on_lease_expired(tid)
             case c.FenceReleased(tid, why):
                 receiver.on_fence_released(tid, why)
             case c.WorkerDied():
                 receiver.on_worker_died()
+            case c.Registered() | c.PullDoneReceived():
+                pass  # a prefill instance's messages, sent to this decode: ignored
             case _:
                 raise TypeError(f"not a transfer event: {ev!r}")
 

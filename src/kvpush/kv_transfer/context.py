@@ -1,7 +1,7 @@
 """TransferContext: what the connector's two halves share (all on the step loop).
 
-``KVConnector`` composes a ``PushSender``-and-lender (prefill_side.py) and a
-``RemoteReceiver`` (decode_side.py). Each owns its own transfers; this object holds
+``KVConnector`` composes a ``PrefillSender`` (prefill_side.py: push sends, pull lends)
+and a ``DecodeReceiver`` (decode_side.py). Each owns its own transfers; this object holds
 the rest, one instance per connector: the scheduler (every block goes through its
 ownership API), the transfer thread's handle, the peers met so far, the request ->
 transfer map, the counters, the actions for the engine, the ended-transfer memory and

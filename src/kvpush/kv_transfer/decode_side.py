@@ -3,7 +3,8 @@ context.py). It owns the transfers into this instance's blocks and the peers tha
 refused us.
 
 A ``DecodeRecv`` per request: blocks are allocated when the scheduler can (prefix cache
-first); push then registers them with prefill, pull posts the READ on the step loop.
+first); push then registers them with prefill, pull has the transfer thread post the
+READ.
 When the KV is in, the request joins the running batch — with token #1 from prefill in
 push mode, or recomputing the last prompt token in pull mode.
 
@@ -82,7 +83,7 @@ class DecodeReceiver:
                           list(p.remote_block_ids or []))
         self.recvs[tid] = recv
         ctx.by_request[req.request_id] = tid
-        ctx.timeline.stamp(tid, "d_added")
+        ctx.timeline.begin(tid, "d_added")
         ctx.timeline.await_first(req.request_id, tid)
         ctx.scheduler.add_remote_request(req)
         self.pending.append(tid)
@@ -145,8 +146,8 @@ class DecodeReceiver:
 
     # ---- blocks, then the transfer ------------------------------------------------------
     def before_schedule(self) -> None:
-        """Give pending decode-side transfers blocks, register them (push) or post their
-        READ (pull, on this thread as the baseline does)."""
+        """Give pending decode-side transfers blocks, then register them (push) or have
+        the transfer thread post their READ (pull)."""
         skipped: list[str] = []
         while self.pending:
             tid = self.pending[0]

@@ -60,12 +60,6 @@ class FenceKeeper:
         self.fence_timeout_s = fence_timeout_s
         self.fences: dict[str, Fence] = {}  # tid -> fence
 
-    def __bool__(self) -> bool:
-        return bool(self.fences)
-
-    def __contains__(self, tid: str) -> bool:
-        return tid in self.fences
-
     def fence(self, tid: str, address: str) -> None:
         """Fence push ``tid`` (its lease has ended: the caller dropped it); its blocks
         (held by the step loop) are released by a ``FenceReleased`` event or by

@@ -61,9 +61,6 @@ class PrefillSender:
         self.early_regs: dict[str, m.PushRegister] = {}  # registrations before the request
         self._step_writes: list[tuple[PushSend, list[int], list[int]]] = []
 
-    def owns(self, tid: str) -> bool:
-        return tid in self.sends or tid in self.lent or tid in self.early_regs
-
     # ---- requests ---------------------------------------------------------------------
     def add(self, req: Request, tid: str) -> None:
         """A prefill leg (push or pull): prefill it, then send or lend its KV."""
@@ -85,7 +82,7 @@ class PrefillSender:
                     "prefill", "kv_transfer_params", "prefill_not_needed")
             self.sends[tid] = PushSend(tid, req.request_id)
         ctx.by_request[req.request_id] = tid
-        ctx.timeline.stamp(tid, "p_added")
+        ctx.timeline.begin(tid, "p_added")
         ctx.scheduler.add_request(req)  # before a registration may abort it
         if ctx.mode == "push":
             if reg is not None:
@@ -220,8 +217,18 @@ class PrefillSender:
             return
         local, remote = self.ctx.descs(block_ids[start:upto], reg.block_ids[start:upto],
                                     reg.address, layers)
-        self.ctx.submit(c.PostWrite(send.tid, reg.address, local, remote))
+        self.ctx.submit(c.PostWrite(send.tid, reg.address, local, remote, self._ready()))
         send.written_blocks = upto
+
+    def _ready(self):
+        """On CUDA, an event recorded now: the transfer thread waits on it, so a WRITE
+        never reads KV whose kernels are still queued (earlier steps included: a step
+        that samples nothing never synchronized). None on CPU."""
+        if not self.ctx.region.kv.is_cuda:
+            return None
+        ready = torch.cuda.Event(blocking=True)  # the waiting thread sleeps, not spins
+        ready.record()
+        return ready
 
     def _flush(self, send: PushSend, final: bool) -> None:
         """Prefill done: WRITE what is left (partial last block included), then PushDone."""
@@ -268,11 +275,9 @@ class PrefillSender:
             if (layer + 1) % group and layer != last:
                 return  # mid-group: handed over with the group's last layer
             layers, first = range(first, layer + 1), layer + 1
-            ready = None
-            if cuda:  # the WRITE must not read the layers before the GPU wrote them: the
-                # transfer thread waits on this event, the forward pass goes on queueing
-                ready = torch.cuda.Event()
-                ready.record()
+            # the WRITE must not read the layers before the GPU wrote them: the transfer
+            # thread waits on this event (CUDA), the forward pass goes on queueing
+            ready = self._ready() if cuda else None
             for send, local_blocks, remote_blocks in self._step_writes:
                 address = send.reg.address
                 local, remote = self.ctx.descs(local_blocks, remote_blocks, address, layers)

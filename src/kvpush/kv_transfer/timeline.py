@@ -35,14 +35,18 @@ class HandoffTimeline:
         self._stamps: OrderedDict[str, dict[str, float]] = OrderedDict()
         self._first: OrderedDict[str, str] = OrderedDict()  # decode: request id -> tid
 
+    def begin(self, tid: str, stage: str) -> None:
+        """The transfer's first stage on this instance (its request is in the engine)."""
+        self._stamps.setdefault(tid, {})[stage] = time.perf_counter()
+        while len(self._stamps) > MAX_TRACKED:
+            self._stamps.popitem(last=False)
+
     def stamp(self, tid: str, stage: str, t: float | None = None, first: bool = False) -> None:
-        """Record ``stage`` of ``tid`` now (or at ``t``); ``first``: keep an earlier one."""
+        """Record a later ``stage`` of ``tid`` now (or at ``t``), if its line is still
+        open (a stage after the end, or of a transfer never begun, is not kept);
+        ``first``: keep an earlier stamp of the stage."""
         stamps = self._stamps.get(tid)
-        if stamps is None:
-            stamps = self._stamps[tid] = {}
-            while len(self._stamps) > MAX_TRACKED:
-                self._stamps.popitem(last=False)
-        if first and stage in stamps:
+        if stamps is None or first and stage in stamps:
             return
         stamps[stage] = time.perf_counter() if t is None else t
 

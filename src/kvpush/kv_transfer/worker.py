@@ -12,11 +12,13 @@ under way included, it wakes for heartbeats, lease deadlines and (while peers ex
 every 20 ms to progress the transport. Waking every millisecond through a prefill's
 forward pass, as it once did whenever WRITEs were in flight, made a 1-thread prefill
 step slower where the thread shares the cores with the forward pass (each wake takes the
-GIL and a core from it; docs/MEASURED.md). It never spins.
+GIL and a core from it; docs/MEASURED.md). It never spins (on CUDA it sleeps on a
+blocking CUDA event until a layer group's KV is written).
 
 Per transfer it keeps a lease: a deadline renewed by the peer's heartbeats (or any
-message about the transfer). An expired lease becomes an ``lease_expired`` event for the
-engine and an ``Abort`` for the peer.
+message about the transfer). An expired lease becomes a ``LeaseExpired`` event for the
+engine and an ``Abort`` for the peer. Commands and events are the typed ones of
+commands.py.
 
 Decode side, it keeps the fences of pushes whose blocks wait for prefill (fences.py).
 Prefill side, it answers an ``Abort`` with ``AbortAck`` for any transfer id once none of
