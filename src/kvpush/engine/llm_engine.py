@@ -30,7 +30,7 @@ from kvpush.kv_transfer.commands import (
 from kvpush.kv_transfer.state import KVTransferParams
 from kvpush.sampling_params import SamplingParams, TopLogprobs
 from kvpush.scheduler.request import Request, RequestState
-from kvpush.scheduler.scheduler import Scheduler, StepPlan
+from kvpush.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,16 @@ class LLMEngine:
     ) -> KVTransferParams | None:
         """Raise RequestError for a request this engine can never serve; returns its
         typed kv_transfer_params. Thread-safe."""
+        return self._checked(prompt_token_ids, params, kv_transfer_params)[0]
+
+    def _checked(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | KVTransferParams | None,
+    ) -> tuple[KVTransferParams | None, SamplingParams]:
+        """``validate``'s checks; returns the typed params and the sampling parameters
+        the request runs with (``leg_params``)."""
         kv = self.kv_params(kv_transfer_params)
         params = self.leg_params(params, kv)
         n = len(prompt_token_ids)
@@ -192,7 +202,7 @@ class LLMEngine:
                 "max_tokens" if n < self.max_model_len else "prompt",
                 "context_length_exceeded",
             )
-        return kv
+        return kv, params
 
     def add_request(
         self,
@@ -201,8 +211,7 @@ class LLMEngine:
         params: SamplingParams,
         kv_transfer_params: dict | KVTransferParams | None = None,
     ) -> Request:
-        kv = self.validate(prompt_token_ids, params, kv_transfer_params)
-        params = self.leg_params(params, kv)
+        kv, params = self._checked(prompt_token_ids, params, kv_transfer_params)
         if request_id in self.scheduler.requests:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         req = Request(
@@ -231,10 +240,7 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        return self._step()[0]
-
-    def _step(self) -> tuple[list[RequestOutput], StepPlan | None]:
-        """One step: its outputs and the plan it ran (None when it ran nothing)."""
+        """One step: schedule, run the batch, and return its outputs."""
         outputs: list[RequestOutput] = []
         layer_hook = None
         if self.connector is not None:
@@ -243,10 +249,10 @@ class LLMEngine:
             if outputs:
                 # token #1 of a pushed request (or a failure) goes out now, not after a
                 # forward pass it has no part in; the caller steps again at once
-                return outputs, None
+                return outputs
         plan = self.scheduler.schedule()
         if plan.empty:
-            return outputs, None
+            return outputs
         if self.connector is not None:
             layer_hook = self.connector.layer_hook(plan)
         try:
@@ -258,11 +264,11 @@ class LLMEngine:
                 req = self.scheduler.requests.get(c.request_id)
                 if req is not None:
                     outs.append(self._finish(req, FinishReason.ERROR, [], None, str(e)))
-            return outputs + outs, None
+            return outputs + outs
         now = time.perf_counter()
         for req in self.scheduler.update_after_step(plan, sampled):
             outputs.append(self._token_output(req, now))
-        return outputs, plan
+        return outputs
 
     def _token_output(self, req: Request, now: float) -> RequestOutput:
         """Output for the request's newest token, finishing it if a stop condition hit."""

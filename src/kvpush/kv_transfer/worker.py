@@ -115,7 +115,6 @@ class TransferWorker:
         self.lease_timeout_s = lease_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.busy_poll_s = busy_poll_s
-        self.fence_timeout_s = fence_timeout_s
         # prefill of a push: decode's blocks are written by us, Aborts are answered
         self._writer = hello.role == "prefill" and hello.kv_transfer == "push"
         self.commands: queue.SimpleQueue[c.Command] = queue.SimpleQueue()
