@@ -75,8 +75,6 @@ class KVConnector:
         self.mode = cfg.mode
         self.engine_id = cfg.engine_id
         self.region = region
-        self.layout = region.layout
-        self.scheduler = scheduler
         if faults is None:
             faults = faults_from_env()
         self.transport = _make_transport(cfg.transport, cfg.engine_id, faults)
@@ -88,7 +86,7 @@ class KVConnector:
             secret=cfg.side_channel_secret,
         )
         self.address = self.channel.address
-        lay = self.layout
+        lay = region.layout
         self.hello = m.Hello(
             version=m.PROTOCOL_VERSION,
             engine_id=cfg.engine_id,
