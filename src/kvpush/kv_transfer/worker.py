@@ -466,8 +466,8 @@ class TransferWorker:
                 self.counters["transfers_failed"] += 1
             done.num_descriptors = group.num_descriptors
             done.num_bytes = group.num_bytes
+            self._stamp(tid, "p_done_sent")  # before: the peer may read it at once
             self._send(group.address, done)
-            self._stamp(tid, "p_done_sent")
         elapsed = time.perf_counter() - group.first_post if group.first_post else 0.0
         self.post_event(c.WritesDone(tid, group.failed, group.num_descriptors,
                                      group.num_bytes, group.post_s, elapsed))
