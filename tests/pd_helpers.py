@@ -62,15 +62,26 @@ class PDDriver:
         return {"do_remote_prefill": True, "transfer_id": tid, "remote_host": host,
                 "remote_port": int(port), "remote_engine_id": self.p.connector.engine_id}
 
+    @staticmethod
+    def signed(to: LLMEngine, params: dict, peer: LLMEngine | None) -> dict:
+        """``params`` as the router sends them to ``to``: signed when it checks
+        signatures (it has the cluster secret), with its own signer."""
+        signer = to.connector.params_signer
+        if signer is None:
+            return params
+        return signer.sign(params, role=to.connector.role, engine_id=to.connector.engine_id,
+                           peer_engine_id=peer.connector.engine_id if peer else None)
+
     def send_prefill(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
         self.p_legs[rid] = Leg()
-        self.p.add_request(f"p-{rid}", prompt, params,
-                           {"do_remote_decode": True, "transfer_id": rid})
+        self.p.add_request(f"p-{rid}", prompt, params, self.signed(
+            self.p, {"do_remote_decode": True, "transfer_id": rid}, None))
 
     def send_decode(self, rid: str, prompt: list[int], params: SamplingParams,
                     kv_params: dict | None = None) -> None:
         self.d_legs[rid] = Leg()
-        self.d.add_request(f"d-{rid}", prompt, params, kv_params or self.d_params(rid))
+        self.d.add_request(f"d-{rid}", prompt, params,
+                           self.signed(self.d, kv_params or self.d_params(rid), self.p))
 
     def submit(self, rid: str, prompt: list[int], params: SamplingParams,
                decode_first: bool = False) -> None:

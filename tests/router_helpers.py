@@ -5,6 +5,7 @@ Every wait here is bounded."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import threading
@@ -123,6 +124,8 @@ class RouterThread:
         kw.setdefault("health_timeout_s", 1.0)
         kw.setdefault("startup_timeout_s", 20.0)
         kw.setdefault("request_timeout_s", 60.0)
+        kw.setdefault("kv_secret", os.environ.get("KVPUSH_KV_SECRET",
+                                                  server_helpers.TEST_KV_SECRET).encode())
         self.cfg = RouterConfig(mode=mode, prefill=tuple(parse_instance(u) for u in prefill),
                                 decode=tuple(parse_instance(u) for u in decode), **kw)
         self.router = Router(self.cfg)

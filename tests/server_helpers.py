@@ -16,6 +16,20 @@ from typing import Any
 import httpx
 
 from kvpush.cluster.launcher import free_port  # noqa: F401 (router_helpers patches it)
+from kvpush.kv_transfer.grants import ParamsSigner
+
+#: The cluster secret of the test session: every `kvpush serve` a test starts gets it
+#: (unless the test gives its own, or --insecure-kv-params), and so does every in-process
+#: router, which signs the legs' kv_transfer_params with it as `kvpush up` does.
+TEST_KV_SECRET = os.urandom(16).hex()
+
+
+def sign_kv(params: dict, to: dict, role: str, peer: dict | None = None) -> dict:
+    """``params`` signed as the router signs them, for the instance whose /kv/info is
+    ``to`` (``peer``: the other side's /kv/info)."""
+    return ParamsSigner(TEST_KV_SECRET.encode()).sign(
+        params, role=role, engine_id=to["engine_id"],
+        peer_engine_id=peer["engine_id"] if peer else None)
 
 
 class ServerProcess:
@@ -26,6 +40,8 @@ class ServerProcess:
         self.log_path = log_dir / f"{name}-{self.port}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "UCX_NET_DEVICES": "lo",
                "NIXL_LOG_LEVEL": "WARN"}
+        if "--kv-secret-file" not in args and "--insecure-kv-params" not in args:
+            env.setdefault("KVPUSH_KV_SECRET", TEST_KV_SECRET)
         cmd = [sys.executable, "-m", "kvpush", "serve", str(model_dir), "--host", "127.0.0.1",
                "--port", str(self.port), "--threads", "1", "--log-level", "warning", *args]
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()

@@ -271,8 +271,11 @@ def test_fuzz_kv_transfer_params_real_decode(tiny_llama, tmp_path):
     serving and frees every block."""
     from hypothesis import strategies as st
 
+    # unsigned params reach the parser only with --insecure-kv-params (signed, only the
+    # router's would): this fuzzes the parser, tests/test_trust.py the signature check
     srv = ServerProcess(tiny_llama, "--role", "decode", "--kv-transfer", "push",
-                        "--lease-timeout", "1", "--heartbeat-interval", "0.2",
+                        "--insecure-kv-params", "--lease-timeout", "1",
+                        "--heartbeat-interval", "0.2",
                         "--max-model-len", "256", "--num-blocks", "64", "--block-size", "16",
                         log_dir=tmp_path, name="decode")
     values = st.one_of(

@@ -10,7 +10,7 @@ import uuid
 import httpx
 import pytest
 
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, sign_kv
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog " * 3,
@@ -54,19 +54,21 @@ async def _complete(client: httpx.AsyncClient, url: str, body: dict, rid: str) -
     return {"choices": [{"text": text, "finish_reason": last["choices"][0]["finish_reason"]}]}
 
 
-async def _two_legs(p_url, d_url, p_info, prompt, mode, stream, **extra) -> dict:
+async def _two_legs(p_url, d_url, p_info, d_info, prompt, mode, stream, **extra) -> dict:
+    """Both legs as the router sends them (params signed with the test secret)."""
     tid = uuid.uuid4().hex
     async with httpx.AsyncClient(timeout=60) as client:
-        p_body = _body(prompt, False, {"do_remote_decode": True, "transfer_id": tid},
-                       max_tokens=1, **extra)
+        p_kv = sign_kv({"do_remote_decode": True, "transfer_id": tid}, p_info, "prefill")
+        p_body = _body(prompt, False, p_kv, max_tokens=1, **extra)
         if mode == "pull":
             p_out = await _complete(client, p_url, p_body, tid)
-            kv = p_out["kv_transfer_params"]
+            kv = sign_kv(p_out["kv_transfer_params"], d_info, "decode", p_info)
             return await _complete(client, d_url, _body(prompt, stream, kv, **extra), tid)
-        d_kv = {"do_remote_prefill": True, "transfer_id": tid,
-                "remote_host": p_info["side_channel_host"],
-                "remote_port": p_info["side_channel_port"],
-                "remote_engine_id": p_info["engine_id"], "remote_request_id": tid}
+        d_kv = sign_kv({"do_remote_prefill": True, "transfer_id": tid,
+                        "remote_host": p_info["side_channel_host"],
+                        "remote_port": p_info["side_channel_port"],
+                        "remote_engine_id": p_info["engine_id"], "remote_request_id": tid},
+                       d_info, "decode", p_info)
         p_task = asyncio.create_task(_complete(client, p_url, p_body, tid))
         d_out = await _complete(client, d_url, _body(prompt, stream, d_kv, **extra), tid)
         await p_task
@@ -85,7 +87,7 @@ def test_pd_over_http_equals_single(tiny_llama, single, tmp_path, mode):
         assert p_info["layout"]["block_bytes"] > 0 and p_info["side_channel_port"] > 0
 
         async def run_all():
-            jobs = [_two_legs(p.url, d.url, p_info, pr, mode, stream)
+            jobs = [_two_legs(p.url, d.url, p_info, d_info, pr, mode, stream)
                     for pr in PROMPTS for stream in (False, True)]
             return await asyncio.gather(*jobs)
 
@@ -104,7 +106,7 @@ def test_pd_over_http_equals_single(tiny_llama, single, tmp_path, mode):
         # logprobs with 3 alternatives per token: token #1's from prefill (push) or
         # decode's recompute (pull), the rest from decode; all equal the single instance's
         # (pull's recompute batches token #1 differently: logprobs agree to ~2e-5)
-        got = asyncio.run(_two_legs(p.url, d.url, p_info, PROMPTS[0], mode, False,
+        got = asyncio.run(_two_legs(p.url, d.url, p_info, d_info, PROMPTS[0], mode, False,
                                     logprobs=3))["choices"][0]["logprobs"]
         ref = httpx.post(single.url + "/v1/completions", timeout=60,
                          json=_body(PROMPTS[0], False, logprobs=3)).json()["choices"][0]

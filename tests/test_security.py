@@ -16,6 +16,7 @@ import pytest
 from fake_engine import FakeEngine, make_test_model
 from kvpush.cluster import cli as up_cli
 from kvpush.config import KVTransferConfig
+from kvpush.kv_transfer.grants import ParamsSigner
 from kvpush.router import cli as router_cli
 from kvpush.router.app import Router
 from kvpush.router.app import build_app as build_router_app
@@ -282,8 +283,11 @@ def test_push_cluster_with_api_key_and_signed_side_channel(tiny_llama, tmp_path,
             assert f"127.0.0.1:{inst.port}" in addrs
             assert f"127.0.0.1:{info['side_channel_port']}" in addrs
             assert all(a.startswith(("127.", "::1:")) for a in addrs), addrs
-        # malformed kv_transfer_params sent straight to the instances: 400, nothing held
+        # malformed kv_transfer_params sent straight to the instances, signed as the
+        # router signs (so they pass the signature check): 400, nothing held
         p_info = httpx.get(p.url + "/kv/info", headers=good, timeout=5).json()
+        d_info = httpx.get(d.url + "/kv/info", headers=good, timeout=5).json()
+        signer = ParamsSigner(SECRET.encode())
         peer = {"do_remote_prefill": True, "transfer_id": "t-bad",
                 "remote_host": "127.0.0.1", "remote_port": p_info["side_channel_port"]}
         for inst, kv in [
@@ -299,6 +303,10 @@ def test_push_cluster_with_api_key_and_signed_side_channel(tiny_llama, tmp_path,
             (p, {"do_remote_decode": 1}),
             (p, {"do_remote_decode": True, "transfer_id": 5}),
         ]:
+            if isinstance(kv, dict):
+                to, role = (d_info, "decode") if inst is d else (p_info, "prefill")
+                kv = signer.sign(kv, role=role, engine_id=to["engine_id"],
+                                 peer_engine_id=p_info["engine_id"] if inst is d else None)
             r = httpx.post(inst.url + "/v1/completions", headers=good, timeout=30,
                            json={**body, "kv_transfer_params": kv})
             assert r.status_code == 400, (kv, r.text)

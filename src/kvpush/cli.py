@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvpush.router.cli import add_router_parser; add_router_parser(sub)  # noqa: E702, I001
     from kvpush.bench.cli import add_bench_parser; add_bench_parser(sub)  # noqa: E702, I001
     from kvpush.sim.cli import add_simulate_parser; add_simulate_parser(sub)  # noqa: E702, I001
+    from kvpush.server.auth import add_make_secret_parser; add_make_secret_parser(sub)  # noqa: E702, I001
     return parser
 
 

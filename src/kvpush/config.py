@@ -210,10 +210,20 @@ class KVTransferConfig:
     #: shared secret that signs every side-channel message (None: unsigned, for trusted
     #: networks only); never shown in reprs or logs
     side_channel_secret: bytes | None = field(default=None, repr=False)
+    #: act on kv_transfer_params that the router did not sign (with a secret they must
+    #: be signed by default): only where every client is trusted, or behind a proxy
+    #: that does not sign (vLLM's). ``kvpush serve --insecure-kv-params``
+    accept_unsigned_params: bool = False
 
     @property
     def enabled(self) -> bool:
         return self.role != "both"
+
+    @property
+    def params_signed(self) -> bool:
+        """Whether requests' kv_transfer_params must carry the router's signature."""
+        return self.enabled and self.side_channel_secret is not None \
+            and not self.accept_unsigned_params
 
     def validate(self) -> None:
         if self.role not in ("both", "prefill", "decode"):

@@ -26,6 +26,8 @@ HEARTBEAT_S = 0.3
 ENGINE = ("--block-size", "16", "--num-blocks", "256", "--max-model-len", "2048",
           "--threads", "1", "--log-level", "warning")
 START_TIMEOUT = 120.0
+#: the cluster secret of the instances and the router (they sign and check it)
+CLUSTER_SECRET = os.urandom(16).hex()
 
 
 def wait_until(cond, timeout: float, what: str, interval: float = 0.05) -> None:
@@ -138,6 +140,7 @@ class Cluster:
                 policy or self.policy, *ENGINE]
         env = {k: v for k, v in os.environ.items() if k != "KVPUSH_FAULTS"}
         env.update({"PYTHONUNBUFFERED": "1", "NIXL_LOG_LEVEL": "WARN", "UCX_TLS": "tcp",
+                    "KVPUSH_KV_SECRET": CLUSTER_SECRET,
                     "UCX_NET_DEVICES": self.net.veth[host], **(env_extra or {})})
         self.starts += 1
         log = self.log_dir / f"{self.mode}-{host}-{self.starts}.log"
@@ -150,10 +153,19 @@ class Cluster:
                 "--port", str(HTTP_PORT), "--health-interval", "0.5", "--health-timeout",
                 "1", "--connect-timeout", "2", "--request-timeout", "30",
                 "--startup-timeout", "60", "--log-level", "warning"]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVPUSH_KV_SECRET": CLUSTER_SECRET}
         self.starts += 1
         return NsProcess(self.net, "R", argv, env, self.log_dir / f"{self.mode}-router.log",
                          f"http://{ip}:{HTTP_PORT}/health")
+
+    def signed(self, params: dict, host: str, peer: str | None = None) -> dict:
+        """kv_transfer_params as the router would sign them for instance ``host``."""
+        from kvpush.kv_transfer.grants import ParamsSigner
+
+        role = "prefill" if host == "P" else "decode"
+        return ParamsSigner(CLUSTER_SECRET.encode()).sign(
+            params, role=role, engine_id=self.info(host)["engine_id"],
+            peer_engine_id=self.info(peer)["engine_id"] if peer else None)
 
     @property
     def router_url(self) -> str:

@@ -392,8 +392,8 @@ def test_lease_expiry(cl, note):
     decode leg whose prefill leg never comes fails with a clear error within
     BOUND_PEER_DEAD (prefill's wait for the request has a fixed deadline)."""
     tid = uuid.uuid4().hex
-    b = {**body(200, 1), "kv_transfer_params": {"do_remote_decode": True,
-                                                 "transfer_id": tid}}
+    b = {**body(200, 1), "kv_transfer_params": cl.signed(
+        {"do_remote_decode": True, "transfer_id": tid}, "P")}
     r = httpx.post(cl.url("P") + "/v1/completions", json=b, timeout=30)
     assert r.status_code == 200, r.text
     t0 = time.monotonic()
@@ -405,10 +405,10 @@ def test_lease_expiry(cl, note):
     if cl.mode == "push":
         info = cl.info("P")
         tid = uuid.uuid4().hex
-        b = {**body(200, 4), "kv_transfer_params": {
+        b = {**body(200, 4), "kv_transfer_params": cl.signed({
             "do_remote_prefill": True, "transfer_id": tid, "remote_request_id": tid,
             "remote_engine_id": info["engine_id"], "remote_host": info["side_channel_host"],
-            "remote_port": info["side_channel_port"]}}
+            "remote_port": info["side_channel_port"]}, "D", "P")}
         c = Call(cl.url("D"), b)
         c.wait(BOUND_PEER_DEAD)
         note(**seen(c))

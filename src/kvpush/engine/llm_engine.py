@@ -21,13 +21,14 @@ from kvpush.config import EngineConfig
 from kvpush.engine.detokenizer import IncrementalDetokenizer
 from kvpush.engine.model_runner import ModelRunner
 from kvpush.engine.outputs import EngineStats, FinishReason, RequestError, RequestOutput
+from kvpush.kv_cache.block_pool import hash_prompt_chain
 from kvpush.kv_transfer.commands import (
     AbortRequest,
     EmitFirstToken,
     FailRequest,
     RejectRequest,
 )
-from kvpush.kv_transfer.state import KVTransferParams
+from kvpush.kv_transfer.state import KVTransferParams, chain_problem
 from kvpush.sampling_params import SamplingParams, TopLogprobs
 from kvpush.scheduler.request import Request, RequestState
 from kvpush.scheduler.scheduler import Scheduler
@@ -154,7 +155,8 @@ class LLMEngine:
                 "kv_transfer_params given, but this instance runs with --role both",
                 "kv_transfer_params",
             )
-        return KVTransferParams.parse(raw, self.connector.role)
+        return KVTransferParams.parse(raw, self.connector.role, self.connector.params_signer,
+                                      self.connector.engine_id)
 
     def leg_params(self, params: SamplingParams,
                    kv: KVTransferParams | None) -> SamplingParams:
@@ -189,6 +191,15 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty", "prompt")
+        if kv is not None and kv.prompt_hashes is not None:
+            # pull: the blocks prefill lent hold its prompt's KV; READ them only for it
+            problem = chain_problem(
+                kv.prompt_hashes,
+                hash_prompt_chain(prompt_token_ids, self.config.cache.block_size),
+                "the lent KV's", "this request's")
+            if problem:
+                raise RequestError(f"kv_transfer_params: {problem}", "kv_transfer_params",
+                                   "kv_prompt_mismatch")
         if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in prompt_token_ids):
             raise RequestError(
                 f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt"

@@ -14,7 +14,10 @@ class FinishReason(str, enum.Enum):
 
 
 class RequestError(ValueError):
-    """A request the engine refuses up front (bad length, bad ids); maps to HTTP 400."""
+    """A request the engine refuses up front (bad length, bad ids); maps to HTTP 400
+    (``status_code``; a subclass may say 403)."""
+
+    status_code = 400
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)

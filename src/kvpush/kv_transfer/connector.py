@@ -43,6 +43,7 @@ from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.context import TransferContext
 from kvpush.kv_transfer.decode_side import DecodeReceiver
+from kvpush.kv_transfer.grants import ParamsSigner
 from kvpush.kv_transfer.prefill_side import PrefillSender, layers_per_write
 from kvpush.kv_transfer.state import (
     KVTransferParams,
@@ -86,6 +87,9 @@ class KVConnector:
             secret=cfg.side_channel_secret,
         )
         self.address = self.channel.address
+        #: checks that requests' kv_transfer_params are the router's (None: trusted)
+        self.params_signer = (ParamsSigner(cfg.side_channel_secret)
+                              if cfg.params_signed else None)
         lay = region.layout
         self.hello = m.Hello(
             version=m.PROTOCOL_VERSION,
@@ -174,6 +178,8 @@ class KVConnector:
             "fence_timeout_s": self.cfg.fence_timeout_s,
             "num_fenced_blocks": self.fenced_blocks,
             "push_layers_per_write": self.sender.layers_per_write,
+            # the router signs kv_transfer_params for this instance (it needs the secret)
+            "kv_params_signed": self.params_signer is not None,
         }
 
     # ---- the step loop's hooks ------------------------------------------------------------

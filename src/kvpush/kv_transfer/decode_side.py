@@ -23,6 +23,7 @@ import time
 from collections import deque
 
 from kvpush.engine.outputs import RequestError
+from kvpush.kv_cache.block_pool import hash_prompt_chain
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.context import TransferContext
@@ -199,7 +200,7 @@ class DecodeReceiver:
                         and skip == (n - 1) // bs)
             recv.register = m.PushRegister(
                 recv.tid, self.ctx.engine_id, self.ctx.address, list(req.block_ids), skip, n,
-                full_hit)
+                full_hit, hash_prompt_chain(req.prompt_token_ids, bs, req.block_hashes))
             recv.registered_at = time.monotonic()
             self.ctx.submit(c.Send(recv.address, recv.register))
             self.ctx.timeline.stamp(recv.tid, "d_registered")

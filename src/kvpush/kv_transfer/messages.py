@@ -67,6 +67,9 @@ class PushRegister(msgspec.Struct, tag=True):
     skip_blocks: int  # leading blocks decode already holds (its prefix cache)
     num_prompt_tokens: int
     full_hit: bool = False  # decode computes the rest itself: prefill may stop
+    #: the hash chain of decode's prompt (hash_prompt_chain): prefill writes only when
+    #: its own prompt hashes the same
+    prompt_hashes: list[bytes] = []
 
 
 class PushDone(msgspec.Struct, tag=True):

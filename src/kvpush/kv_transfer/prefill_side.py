@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from kvpush.engine.outputs import RequestError
+from kvpush.kv_cache.block_pool import hash_prompt_chain
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.context import TransferContext
@@ -80,7 +81,9 @@ class PrefillSender:
                 raise RequestError(
                     "decode holds the whole prompt in its prefix cache: nothing to "
                     "prefill", "kv_transfer_params", "prefill_not_needed")
-            self.sends[tid] = PushSend(tid, req.request_id)
+            self.sends[tid] = PushSend(
+                tid, req.request_id,
+                prompt_hashes=hash_prompt_chain(req.prompt_token_ids, ctx.block_size))
         ctx.by_request[req.request_id] = tid
         ctx.timeline.begin(tid, "p_added")
         ctx.scheduler.add_request(req)  # before a registration may abort it
@@ -114,11 +117,14 @@ class PrefillSender:
         ctx.submit(c.Track(tid, None))
         ctx.timeline.emit(tid)
         host, port = ctx.address.rsplit(":", 1)
+        # the hash chain binds the lent KV to this prompt: decode READs only for the same
+        hashes = hash_prompt_chain(req.prompt_token_ids, ctx.block_size, req.block_hashes)
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
             "remote_block_ids": list(req.block_ids), "remote_engine_id": ctx.engine_id,
             "remote_host": host, "remote_port": int(port),
             "remote_request_id": req.request_id, "tp_size": 1,
+            "prompt_hashes": [h.hex() for h in hashes],
         }
 
     def abort_transfer(self, tid: str, why: str) -> None:
@@ -188,7 +194,8 @@ class PrefillSender:
         req = self.ctx.scheduler.requests.get(send.request_id)
         own = send.num_prompt_tokens if send.finished else (
             req.num_prompt_tokens if req is not None else None)
-        problem = registration_problem(reg, peer.num_blocks, self.ctx.block_size, own)
+        problem = registration_problem(reg, peer.num_blocks, self.ctx.block_size, own,
+                                       send.prompt_hashes)
         if problem:  # nothing is written: every block id and length is checked first
             log.warning("transfer %s: refused decode %s's registration: %s", send.tid,
                         reg.address, problem)
@@ -312,7 +319,7 @@ class PrefillSender:
         req = self.ctx.scheduler.requests.get(send.request_id)
         if (reg.full_hit or peer is None or req is None or send.reg is not None
                 or registration_problem(reg, peer.num_blocks, self.ctx.block_size,
-                                        req.num_prompt_tokens)):
+                                        req.num_prompt_tokens, send.prompt_hashes)):
             return  # its inbox event applies it between steps
         self.ctx.counters["registrations_mid_step"] += 1
         self._registered(send, reg)  # posts the blocks of earlier steps

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvpush.engine.outputs import RequestError
 from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.grants import Grant, ParamsSigner
 from kvpush.sampling_params import SampledToken
 
 #: Re-sends of a registration that prefill says it never got, before decode gives up.
@@ -42,6 +43,8 @@ class PushSend:
     num_prompt_tokens: int = 0
     first: SampledToken = SampledToken(-1)
     retired: list[list[int]] = field(default_factory=list)  # blocks of a preempted run
+    #: the hash chain of prefill's prompt; a registration must carry the same
+    prompt_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -94,11 +97,14 @@ def block_ids_problem(ids: Sequence[int], num_blocks: int, what: str) -> str | N
 
 
 def registration_problem(reg: m.PushRegister, num_blocks: int, block_size: int,
-                         own_prompt_tokens: int | None) -> str | None:
+                         own_prompt_tokens: int | None,
+                         own_hashes: Sequence[bytes] | None = None) -> str | None:
     """Why prefill must not act on decode's registration, or None.
 
     ``num_blocks``: decode's region as its Hello announced it; ``own_prompt_tokens``:
-    the prompt length prefill has for the request (None while unknown).
+    the prompt length prefill has for the request (None while unknown); ``own_hashes``:
+    the hash chain of prefill's prompt (``hash_prompt_chain``), compared with the one
+    decode registered so that prefill writes KV only into blocks meant for its prompt.
     """
     problem = block_ids_problem(reg.block_ids, num_blocks, "registration")
     if problem:
@@ -115,7 +121,22 @@ def registration_problem(reg: m.PushRegister, num_blocks: int, block_size: int,
     if not reg.full_hit and len(reg.block_ids) < needed:
         return (f"registration has {len(reg.block_ids)} blocks; "
                 f"{reg.num_prompt_tokens} prompt tokens need {needed}")
+    if own_hashes is not None:
+        return chain_problem(reg.prompt_hashes, own_hashes, "decode's", "prefill's")
     return None
+
+
+def chain_problem(theirs: Sequence[bytes], ours: Sequence[bytes], who: str,
+                  we: str) -> str | None:
+    """Why two prompts' hash chains say the prompts differ, or None."""
+    if list(theirs) == list(ours):
+        return None
+    if not theirs:
+        return f"{who} side sent no hash chain of its prompt"
+    first = next((i for i, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b),
+                 min(len(theirs), len(ours)))
+    return (f"{who} prompt differs from {we} from block {first} on: the KV is not for "
+            "this prompt")
 
 
 @dataclass(frozen=True)
@@ -131,6 +152,10 @@ class KVTransferParams:
     remote_engine_id: str = ""
     remote_request_id: str | None = None
     remote_block_ids: list[int] | None = None
+    #: pull: the hash chain of the prompt whose KV prefill lent (from its answer)
+    prompt_hashes: list[bytes] | None = None
+    #: what the router vouched for, when the instance checks signatures
+    grant: Grant | None = None
 
     @property
     def remote_address(self) -> str:
@@ -138,11 +163,15 @@ class KVTransferParams:
         return f"{self.remote_host}:{self.remote_port}"
 
     @classmethod
-    def parse(cls, params: object, role: str) -> KVTransferParams:
+    def parse(cls, params: object, role: str, signer: ParamsSigner | None = None,
+              engine_id: str = "") -> KVTransferParams:
         """Check the wire fields a request brings for an instance of ``role``;
-        RequestError (a 400) if malformed. Fields another role would read are ignored."""
+        RequestError (a 400) if malformed. Fields another role would read are ignored.
+        With a ``signer`` (the instance has the cluster secret) the params must be the
+        router's, signed for this instance ``engine_id``: ParamsForbidden (403) if not."""
         if not isinstance(params, dict):
             raise RequestError("kv_transfer_params must be an object", "kv_transfer_params")
+        grant = signer.verify(params, role=role, engine_id=engine_id) if signer else None
 
         def get(name, typ, required=True, default=None):
             v = params.get(name, default)
@@ -167,7 +196,7 @@ class KVTransferParams:
 
         common = dict(do_remote_decode=get("do_remote_decode", bool, False, False),
                       do_remote_prefill=get("do_remote_prefill", bool, False, False),
-                      transfer_id=ident("transfer_id"))
+                      transfer_id=ident("transfer_id"), grant=grant)
         if not (role == "decode" and common["do_remote_prefill"]):
             return cls(**common)
         host = get("remote_host", str)
@@ -187,7 +216,35 @@ class KVTransferParams:
         if blocks is not None and len(set(blocks)) != len(blocks):
             raise RequestError("kv_transfer_params.remote_block_ids lists a block twice",
                                "kv_transfer_params")
-        return cls(**common, remote_host=host, remote_port=port,
-                   remote_engine_id=ident("remote_engine_id") or "",
+        engine = ident("remote_engine_id") or ""
+        if grant is not None and grant.peer_engine_id != engine:
+            raise RequestError("kv_transfer_params.remote_engine_id is not the prefill "
+                               "instance the router named", "kv_transfer_params")
+        hashes = get("prompt_hashes", list, False, None)
+        if hashes is not None:
+            hashes = _hash_chain(hashes)
+        elif grant is not None and blocks is not None:
+            raise RequestError("kv_transfer_params.prompt_hashes is required with "
+                               "remote_block_ids", "kv_transfer_params")
+        return cls(**common, remote_host=host, remote_port=port, remote_engine_id=engine,
                    remote_request_id=ident("remote_request_id"),
-                   remote_block_ids=list(blocks) if blocks is not None else None)
+                   remote_block_ids=list(blocks) if blocks is not None else None,
+                   prompt_hashes=hashes)
+
+
+
+#: Hex digits of one hash of a prompt's chain (``hash_block_tokens``: 16 bytes).
+HASH_HEX_CHARS = 32
+
+
+def _hash_chain(items: list) -> list[bytes]:
+    """A prompt's hash chain as prefill's answer writes it (hex strings)."""
+    if len(items) > MAX_REMOTE_BLOCKS or not all(
+            isinstance(h, str) and len(h) == HASH_HEX_CHARS for h in items):
+        raise RequestError("kv_transfer_params.prompt_hashes must be hex block hashes",
+                           "kv_transfer_params")
+    try:
+        return [bytes.fromhex(h) for h in items]
+    except ValueError:
+        raise RequestError("kv_transfer_params.prompt_hashes must be hex block hashes",
+                           "kv_transfer_params") from None

@@ -26,7 +26,7 @@ from kvpush.router.config import RouterConfig
 from kvpush.router.legs import Job, Legs, new_request_id, outcome_for
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Pool, describe_error
-from kvpush.router.wire import relay_error
+from kvpush.router.wire import client_kv_params_problem, relay_error
 from kvpush.server.app import MAX_BODY_BYTES, EventStreamResponse, unless_disconnected
 from kvpush.server.auth import APIKeyMiddleware, auth_header
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
@@ -131,6 +131,10 @@ async def _handle(router: Router, request: Request,
             raise APIError(f"could not parse the request body as JSON: {e}") from None
         if not isinstance(body, dict):
             raise APIError("the request body must be a JSON object")
+        refused = client_kv_params_problem(body)
+        if refused:
+            raise APIError(refused, status_code=403, param="kv_transfer_params",
+                           code="kv_transfer_params_not_allowed")
         job.body, job.stream = body, body.get("stream") is True
         gone, result = await unless_disconnected(legs.dispatch(job), request.receive)
     except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI body

@@ -71,6 +71,11 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="require 'Authorization: Bearer KEY' from clients on every path "
                           "but /health, and send it to the instances (default: "
                           "$KVPUSH_API_KEY; unset: no key). Prefer the environment variable")
+    net.add_argument("--kv-secret-file", metavar="PATH",
+                     help="the cluster secret (the instances' --kv-secret-file): the router "
+                          "signs every leg's kv_transfer_params with it, and instances with "
+                          "a secret act only on signed ones (default: $KVPUSH_KV_SECRET; "
+                          "unset: unsigned, for instances run with --insecure-kv-params)")
     t = p.add_argument_group("health and timeouts")
     t.add_argument("--health-interval", type=cli_types.seconds, default=2.0, metavar="SECONDS",
                    help="seconds between health checks (/health + /kv/info) of every "
@@ -96,15 +101,22 @@ def _fail(message: str, code: int = 2) -> int:
 
 def build_config(args: argparse.Namespace) -> Any:
     """The RouterConfig for parsed arguments (raises RouterConfigError)."""
-    from kvpush.router.config import RouterConfig
-    from kvpush.server.auth import resolve_api_key
+    from kvpush.router.config import RouterConfig, RouterConfigError
+    from kvpush.server.auth import SecretError, resolve_api_key, resolve_kv_secret
 
+    try:
+        secret, warning = resolve_kv_secret(args.kv_secret_file)
+    except SecretError as e:
+        raise RouterConfigError(str(e)) from None
+    if warning:
+        print(f"kvpush router: warning: {warning}", file=sys.stderr)
     return RouterConfig(
         mode=args.mode, prefill=tuple(args.prefill), decode=tuple(args.decode),
         policy=args.policy, fallback_local_prefill=args.fallback_local_prefill,
         health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
         startup_timeout_s=args.startup_timeout, connect_timeout_s=args.connect_timeout,
-        request_timeout_s=args.request_timeout, api_key=resolve_api_key(args.api_key))
+        request_timeout_s=args.request_timeout, api_key=resolve_api_key(args.api_key),
+        kv_secret=secret)
 
 
 def run_router(args: argparse.Namespace) -> int:

@@ -103,6 +103,10 @@ class RouterConfig:
     #: clients must send ``Authorization: Bearer <api_key>``, and the router sends it to
     #: every instance (None: no key); never shown in reprs or logs
     api_key: str | None = field(default=None, repr=False)
+    #: the cluster secret (the instances' side-channel secret): the router signs the
+    #: kv_transfer_params of every leg with it (None: unsigned, for instances started
+    #: with --insecure-kv-params); never shown in reprs or logs
+    kv_secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -132,6 +136,9 @@ class RouterConfig:
                 raise RouterConfigError(f"{name} must be positive")
         if self.max_connections < 1:
             raise RouterConfigError("max_connections must be at least 1")
+        if self.kv_secret is not None and len(self.kv_secret) < 16:
+            raise RouterConfigError("the cluster secret must be at least 16 bytes "
+                                    "(--kv-secret-file / KVPUSH_KV_SECRET)")
 
     @property
     def needs_prefill(self) -> bool:

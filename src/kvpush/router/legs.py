@@ -34,7 +34,7 @@ from fastapi.responses import Response
 from kvpush.router.config import RouterConfig
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, describe_error
-from kvpush.router.wire import prefill_body, push_decode_params, relay_error
+from kvpush.router.wire import LegSigner, prefill_body, push_decode_params, relay_error
 from kvpush.server.errors import APIError
 
 logger = logging.getLogger("kvpush.router")
@@ -124,6 +124,7 @@ class Legs:
         self.pool = pool
         self.metrics = metrics
         self.client = client
+        self.signer = LegSigner(cfg.kv_secret)
         self._background: set[asyncio.Task] = set()  # fire-and-forget aborts
 
     # ------------------------------------------------------------------ entry point
@@ -179,7 +180,8 @@ class Legs:
             job.prefill = p
             job.legs_sent = time.perf_counter()
             try:
-                r = await self._prefill_leg(job, p, prefill_body(job.body, tid), tid)
+                r = await self._prefill_leg(
+                    job, p, self._signed_prefill_body(job, p, tid), tid)
             finally:
                 self.pool.release(p)
             if r.never_sent or r.lost:
@@ -231,7 +233,7 @@ class Legs:
             d_body = {**job.body, "kv_transfer_params": push_decode_params(p, tid)}
             job.legs_sent = time.perf_counter()
             p_task = asyncio.create_task(
-                self._prefill_leg(job, p, prefill_body(job.body, tid), tid))
+                self._prefill_leg(job, p, self._signed_prefill_body(job, p, tid), tid))
             job.p_task = p_task
             job.parts += 1
             p_task.add_done_callback(lambda _t, j=job, i=p: self._prefill_done(j, i))
@@ -274,6 +276,15 @@ class Legs:
                 await _cancel(d_task)
                 await self.close_upstream(job)
                 raise
+
+    def _signed_prefill_body(self, job: Job, p: Instance, tid: str) -> dict[str, Any]:
+        """The prefill leg's body, its params signed for ``p``. They name no decode
+        instance: in push a decode leg that cannot connect is sent to another decode
+        under the same transfer id while this leg runs."""
+        body = prefill_body(job.body, tid)
+        body["kv_transfer_params"] = self.signer.sign(body["kv_transfer_params"], p,
+                                                      "prefill")
+        return body
 
     def _abort_transfer(self, p: Instance, tid: str) -> None:
         """Tell prefill to release what it holds for ``tid`` now (fire and forget; its
@@ -353,7 +364,12 @@ class Legs:
 
     async def _send_decode(self, job: Job, d: Instance, body: dict[str, Any],
                            tid: str) -> Response | httpx.Response:
-        """One decode leg on ``d`` (held by the job: Legs.close releases it)."""
+        """One decode leg on ``d`` (held by the job: Legs.close releases it), its
+        ``kv_transfer_params`` signed for ``d`` (a retry elsewhere signs them anew)."""
+        kv = body.get("kv_transfer_params")
+        if kv is not None:
+            body = {**body, "kv_transfer_params": self.signer.sign(kv, d, "decode",
+                                                                   job.prefill)}
         req = self.client.build_request("POST", d.url + job.path, json=body,
                                         headers={"X-Request-Id": tid})
         job.d_sent = time.perf_counter()

@@ -182,6 +182,10 @@ class Pool:
                     f"--mode {mode} (kvpush serve --kv-transfer {mode})")
         if inst.role == "prefill" and mode == "push" and identity_from_info(info) is None:
             return "its /kv/info has no side_channel_host/side_channel_port"
+        if mode != "colocated" and info.get("kv_params_signed") and not self.cfg.kv_secret:
+            return ("it acts only on kv_transfer_params signed with the cluster secret, and "
+                    "the router has none: give the router the instances' secret "
+                    "(kvpush router --kv-secret-file PATH, or KVPUSH_KV_SECRET)")
         return None
 
     async def check(self, client: httpx.AsyncClient, inst: Instance) -> None:

@@ -26,6 +26,33 @@ def relay_error(status: int, content: bytes, role: str, inst: Instance) -> Respo
                     status_code=502 if status >= 500 else status).response()
 
 
+class LegSigner:
+    """Signs each leg's ``kv_transfer_params`` for the kvpush instance it goes to
+    (kvpush.kv_transfer.grants); vLLM instances (no /kv/info) get them unsigned, as
+    their own proxies send them. Without the cluster secret nothing is signed."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        from kvpush.kv_transfer.grants import ParamsSigner
+
+        self._signer = ParamsSigner(secret) if secret else None
+
+    def sign(self, params: dict[str, Any], to: Instance, role: str,
+             peer: Instance | None = None) -> dict[str, Any]:
+        if self._signer is None or to.info is None:
+            return params
+        return self._signer.sign(params, role=role, engine_id=to.engine_id,
+                                 peer_engine_id=peer.engine_id if peer else None)
+
+
+def client_kv_params_problem(body: dict[str, Any]) -> str | None:
+    """Why the router refuses a client's body: ``kv_transfer_params`` are cluster-
+    internal (the router makes its own for every leg), so a client may not send any."""
+    if body.get("kv_transfer_params") is None:
+        return None
+    return ("kv_transfer_params are cluster-internal: the router sets them for each leg, "
+            "and a client may not send its own")
+
+
 def prefill_body(body: dict[str, Any], tid: str) -> dict[str, Any]:
     """The prefill leg: the client's body, one token, no stream, and the KV instructions
     (vLLM's field names; the None fields are what vLLM's own proxies send)."""

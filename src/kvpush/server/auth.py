@@ -137,3 +137,45 @@ def resolve_kv_secret(path: str | None, env: dict[str, str] | None = None
         return secret, warning
     value = env.get(KV_SECRET_ENV, "").strip()
     return (value.encode() if value else None), None
+
+
+def write_kv_secret(path: str, force: bool = False) -> None:
+    """Write a fresh random cluster secret (256 bits, hex) to ``path``, readable by its
+    owner only (``kvpush make-secret``). OSError if it exists (unless ``force``)."""
+    import secrets
+
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL)
+    fd = os.open(path, flags, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(secrets.token_hex(32) + "\n")
+
+
+def add_make_secret_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "make-secret", help="write a random cluster secret to a file",
+        description="Write a fresh random cluster secret (256 bits) to PATH, mode 600. "
+                    "Give the same file to every `kvpush serve --role prefill/decode` and "
+                    "to `kvpush router` (--kv-secret-file PATH): it signs side-channel "
+                    "messages and the router's kv_transfer_params. Copy it to other hosts "
+                    "over a channel you trust (scp, a secrets manager).")
+    p.add_argument("path", metavar="PATH", help="file to create")
+    p.add_argument("--force", action="store_true", help="overwrite PATH if it exists")
+    p.set_defaults(func=_run_make_secret)
+
+
+def _run_make_secret(args) -> int:
+    import sys
+
+    try:
+        write_kv_secret(args.path, args.force)
+    except FileExistsError:
+        print(f"kvpush make-secret: error: {args.path} exists (--force overwrites it)",
+              file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"kvpush make-secret: error: cannot write {args.path}: {e.strerror}",
+              file=sys.stderr)
+        return 2
+    print(f"wrote a new cluster secret to {args.path} (mode 600)")
+    return 0

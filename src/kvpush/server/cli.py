@@ -126,6 +126,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "decode instance: each side-channel message is signed with it and "
                          "unsigned or wrongly signed ones are refused (default: "
                          "$KVPUSH_KV_SECRET; unset: unsigned, for trusted networks only)")
+    pd.add_argument("--insecure-kv-params", action="store_true",
+                    help="act on kv_transfer_params that the router did not sign, and allow "
+                         "--role prefill/decode without a cluster secret: only on a network "
+                         "where every client and host is trusted, or behind a proxy that "
+                         "does not sign (vLLM's). Without it a prefill/decode instance needs "
+                         "the secret (--kv-secret-file; `kvpush make-secret PATH` writes one) "
+                         "and answers 403 to kv_transfer_params not signed by the router")
     pd.add_argument("--kv-transport", choices=("nixl", "inproc"), default="nixl",
                     help=argparse.SUPPRESS)  # inproc only works within one process (tests)
     pd.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"),
@@ -225,6 +232,7 @@ def build_config(args: argparse.Namespace) -> Any:
         prefix_hit_tail=args.prefix_hit_tail,
         push_layers_per_write=args.push_layers_per_write,
         side_channel_secret=secret,
+        accept_unsigned_params=args.insecure_kv_params,
     )
     kwargs: dict[str, Any] = {}
     if args.block_size is not None:  # else EngineConfig's DEFAULT_BLOCK_SIZE
@@ -265,6 +273,13 @@ def run_serve(args: argparse.Namespace) -> int:
         return _fail(str(e))
     if warning:
         log.warning(warning)
+    if args.role != "both" and args.kv_secret is None and not args.insecure_kv_params:
+        return _fail(
+            f"--role {args.role} needs the cluster secret that signs kv_transfer_params "
+            "and side-channel messages: write one with `kvpush make-secret PATH` and give "
+            "every instance and the router --kv-secret-file PATH (or KVPUSH_KV_SECRET); on "
+            "a network where every client and host is trusted, --insecure-kv-params runs "
+            "without it")
     try:
         config = build_config(args)
     except ConfigError as e:
@@ -304,6 +319,10 @@ def run_serve(args: argparse.Namespace) -> int:
         log.info("role %s, %s mode, engine id %s, side channel %s (%s)", kvt.role, kvt.mode,
                  kvt.engine_id, engine.kv_info()["side_channel"],
                  "messages signed" if kvt.side_channel_secret else "unsigned")
+        if not kvt.params_signed:
+            log.warning("acting on unsigned kv_transfer_params (--insecure-kv-params or no "
+                        "secret): any client that reaches this instance can name blocks "
+                        "and peers; use it on a trusted network only")
     log.info("serving %r on http://%s:%d/v1%s", config.served_model_name, args.host,
              port, " (API key required)" if api_key else "")
     server.run(sockets=[listener])
