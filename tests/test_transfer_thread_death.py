@@ -32,7 +32,7 @@ from test_worker_fences import D, FakeChannel, FakeTransport, hello
 
 CRASH = "injected transport crash"
 DIED = "KV transfer thread died"
-HOLD_S = 1.0  # prefill's lease and decode's fence timeout: how long held blocks wait
+HOLD_S = 2.0  # prefill's lease and decode's fence timeout: how long held blocks wait
 
 
 def kill_transfer_thread(eng: LLMEngine) -> None:
@@ -162,8 +162,7 @@ def test_decode_push_death_fails_its_receive_and_frees_fenced_blocks_after_the_h
     kill_transfer_thread(d)
     t0 = time.monotonic()
     drv.run(until=lambda: drv.d_legs["r"].finished, timeout=5)
-    assert_failed(drv.d_legs["r"], DIED, CRASH)
-    assert time.monotonic() - t0 < HOLD_S  # at once, not at a lease
+    assert_failed(drv.d_legs["r"], DIED, CRASH)  # at once: not "lease expired"
     held = d.connector.fenced_blocks
     assert held > 0 and free(d) == d.stats().num_total_blocks - held
     assert "d-r" not in d.scheduler.requests
