@@ -33,6 +33,7 @@ import torch
 from kvpush.config import EngineConfig
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import EngineStats, RequestError, RequestOutput
+from kvpush.kv_transfer.thread_death import died_message
 from kvpush.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,19 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
         self._thread = None
 
+    def health_problem(self) -> str | None:
+        """Why this instance cannot serve (what /health answers with its 503), or None:
+        its step loop is not running, or (P/D roles) its KV transfer thread died."""
+        if self._fatal is not None or self._thread is None or not self._thread.is_alive():
+            return "the engine step loop is not running"
+        connector = self.engine.connector
+        death = connector.failure if connector is not None else None
+        if death is not None:
+            return died_message(death)
+        return None
+
     def is_healthy(self) -> bool:
-        return self._fatal is None and self._thread is not None and self._thread.is_alive()
+        return self.health_problem() is None
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -113,8 +125,10 @@ class AsyncEngine:
         """Stream a request's outputs. ``request_id`` is the caller's (X-Request-Id); the
         engine runs it under a unique internal id, so an id reused right after an abort
         never receives the old request's last output."""
-        if not self.is_healthy():
-            raise RuntimeError("the engine's step loop is not running")
+        problem = self.health_problem()
+        if problem is not None:
+            raise RequestError(f"this instance cannot serve requests: {problem}",
+                               code="unavailable", status_code=503)
         if kv_transfer_params is None:
             kv_transfer_params = params.extra.get("kv_transfer_params")
         # checked and typed here, once, before anything is queued (a 400 if malformed)
@@ -135,7 +149,8 @@ class AsyncEngine:
                     finished = True
                     if out.extra.get("rejected"):
                         raise RequestError(out.error or "request refused",
-                                           out.extra.get("param"), out.extra.get("code"))
+                                           out.extra.get("param"), out.extra.get("code"),
+                                           out.extra.get("status_code", 400))
                 yield out
                 if finished:
                     return

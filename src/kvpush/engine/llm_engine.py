@@ -107,7 +107,8 @@ class LLMEngine:
                     self.add_request(*cmd[1:])
                 except RequestError as e:
                     out = _error_output(cmd[1], str(e))
-                    out.extra = {"rejected": True, "param": e.param, "code": e.code}
+                    out.extra = {"rejected": True, "param": e.param, "code": e.code,
+                                 "status_code": e.status_code}
                     outputs.append(out)
             elif kind == "abort":
                 out = self.abort_request(cmd[1])

@@ -14,15 +14,16 @@ class FinishReason(str, enum.Enum):
 
 
 class RequestError(ValueError):
-    """A request the engine refuses up front (bad length, bad ids); maps to HTTP 400
-    (``status_code``; a subclass may say 403)."""
+    """A request the engine refuses up front (bad length, bad ids); maps to HTTP 400, or
+    to ``status_code`` when the refusal is the instance's state, not the client's
+    mistake (503: its KV transfer thread died)."""
 
-    status_code = 400
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 status_code: int = 400):
         super().__init__(message)
         self.param = param
         self.code = code
+        self.status_code = status_code
 
 
 @dataclass

@@ -211,12 +211,25 @@ class FenceReleased:
 
 @dataclass(frozen=True, slots=True)
 class WorkerDied:
-    """The transfer thread died: nothing it held will complete."""
+    """The transfer thread ended without being stopped (its last event): nothing it held
+    will complete. ``why``: the exception (or how it ended). ``transport_closed``: its
+    transport closed cleanly, so no transfer this instance posted touches its memory
+    any more (thread_death.py)."""
+
+    why: str = "the transfer thread died"
+    transport_closed: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class DeadHoldExpired:
+    """After a ``WorkerDied``: the blocks kept from the pool because a peer may still
+    reach them one-sidedly (pull: lent; push on decode: fenced) can go back now. Posted
+    by thread_death.py's timer, not by the transfer thread."""
 
 
 TransferEvent = (PeerReady | PeerRefused | Registered | PushDoneReceived | PullDoneReceived
                  | AbortReceived | AbortAckReceived | AwaitingRegistration | WritesDone
-                 | ReadDone | LeaseExpired | FenceReleased | WorkerDied)
+                 | ReadDone | LeaseExpired | FenceReleased | WorkerDied | DeadHoldExpired)
 
 
 # ---- actions: connector -> engine ---------------------------------------------------------

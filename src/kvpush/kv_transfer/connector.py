@@ -30,6 +30,10 @@ Push, decode side (``DecodeRecv``)::
 Pull: prefill finishes with max_tokens=1 and lends its blocks (``LENT``) under a lease
 until PullDone; decode allocates, its transfer thread posts a READ (vLLM's connector posts
 it on the step loop), it waits, then computes the last prompt token itself for token #1.
+
+If the transfer thread dies (``WorkerDied``), every transfer ends at once and the
+requests they were for fail; blocks a peer may still reach wait for a hold
+(thread_death.py), and new P/D requests are refused with a 503.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from kvpush.kv_transfer.state import (
     KVTransferParams,
     TransferRecord,
 )
+from kvpush.kv_transfer.thread_death import DeadHold, died_message, hold_seconds, unavailable
 from kvpush.kv_transfer.timeline import HandoffTimeline
 from kvpush.kv_transfer.worker import TransferWorker
 from kvpush.scheduler.request import Request
@@ -130,6 +135,8 @@ class KVConnector:
         self.sender = PrefillSender(ctx=self.ctx, layers_per_write=layers_per_write(
             cfg.push_layers_per_write, region.layout.num_layers, region.kv.is_cuda))
         self.receiver = DecodeReceiver(self.ctx)
+        #: after a death: frees the blocks a peer may still reach, later (thread_death.py)
+        self.dead_hold = DeadHold(post_event)
         # the shared tables, by their names (tests and /metrics read them)
         self.peers, self.counters, self.records = (self.ctx.peers, self.ctx.counters,
                                                    self.ctx.records)
@@ -161,6 +168,13 @@ class KVConnector:
 
     def shutdown(self) -> None:
         self.worker.stop()
+        self.dead_hold.cancel()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the transfer thread is gone without being stopped, or None. Read from any
+        thread (/health), before the step loop has handled the death too."""
+        return self.worker.death
 
     def info(self) -> dict:
         host, port = self.address.rsplit(":", 1)
@@ -188,6 +202,8 @@ class KVConnector:
         A prefill leg's params arrive already set for it (``LLMEngine.leg_params``)."""
         if p is None:
             return False
+        if self.ctx.dead is not None and (p.do_remote_decode or p.do_remote_prefill):
+            raise unavailable(self.ctx.dead)  # queued before the death was known: a 503
         tid = p.transfer_id or req.request_id
         if self.role == "prefill" and p.do_remote_decode:
             self.sender.add(req, tid)
@@ -266,12 +282,30 @@ class KVConnector:
                     receiver.on_lease_expired(tid)
             case c.FenceReleased(tid, why):
                 receiver.on_fence_released(tid, why)
-            case c.WorkerDied():
-                receiver.on_worker_died()
+            case c.WorkerDied(why, transport_closed):
+                self._worker_died(why, transport_closed)
+            case c.DeadHoldExpired():
+                sender.release_dead_hold()
+                receiver.release_dead_hold()
             case c.Registered() | c.PullDoneReceived():
                 pass  # a prefill instance's messages, sent to this decode: ignored
             case _:
                 raise TypeError(f"not a transfer event: {ev!r}")
+
+    def _worker_died(self, why: str, transport_closed: bool) -> None:
+        """The transfer thread is gone: end every transfer now, fail the requests they
+        were for, free their blocks, or hold those a peer may still reach
+        (thread_death.py)."""
+        if self.ctx.dead is not None:
+            return
+        msg = self.ctx.dead = died_message(why)
+        log.error("%s: failing %d sends, %d receives; %d lent blocks", msg,
+                  len(self.sender.sends), len(self.receiver.recvs),
+                  sum(len(b) for b in self.sender.lent.values()))
+        held = self.sender.on_worker_died(msg)
+        held = self.receiver.on_worker_died(msg, transport_closed) or held
+        if held:
+            self.dead_hold.start(hold_seconds(self.cfg))
 
     def _peer_ready(self, address: str, hello: m.Hello) -> None:
         self.ctx.peers[address] = hello

@@ -56,6 +56,8 @@ class TransferContext:
     records: deque[TransferRecord] = field(default_factory=lambda: deque(maxlen=1024))
     #: called (on the step loop) with each finished transfer, e.g. by /metrics
     record_sink: Callable[[TransferRecord], None] | None = None
+    #: set once the transfer thread died (thread_death.py): why, as requests are told
+    dead: str | None = None
 
     @property
     def role(self) -> str:
@@ -70,7 +72,8 @@ class TransferContext:
         return self.region.layout
 
     def submit(self, cmd: c.Command) -> None:
-        self.worker.submit(cmd)
+        if self.dead is None:  # a dead thread reads no commands
+            self.worker.submit(cmd)
 
     def descs(self, local_blocks: list[int], remote_blocks: list[int], address: str,
               layers) -> tuple[list, list]:

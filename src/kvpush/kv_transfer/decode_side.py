@@ -127,9 +127,30 @@ class DecodeReceiver:
             self._recv_gone(self.recvs[tid], "lease expired: prefill stopped answering",
                             silent=True)
 
-    def on_worker_died(self) -> None:
+    def on_worker_died(self, why: str, transport_closed: bool) -> bool:
+        """The transfer thread died (thread_death.py): every receive fails now. Its
+        blocks go back at once unless KV may still land in them: a push's (prefill
+        WRITEs one-sidedly) or, if the transport did not close cleanly, a posted READ's;
+        those stay fenced until ``release_dead_hold``. True: blocks are held."""
+        self.pending.clear()
         for recv in list(self.recvs.values()):
-            self._recv_failed(recv, "the transfer thread died")
+            may_land = recv.mode == "push" or not transport_closed
+            if recv.state is RecvState.QUARANTINED:
+                if not may_land:  # our READ ended with the transport
+                    self._end_recv(recv, ok=False)
+            elif recv.state is RecvState.AWAITING_KV and may_land:
+                self._recv_failed_fenced(recv, why)
+            else:
+                self._recv_failed(recv, why)
+        return bool(self.recvs)
+
+    def release_dead_hold(self) -> None:
+        """After the death, once the fence timeout has passed: free the fenced blocks."""
+        for recv in list(self.recvs.values()):
+            if recv.state is RecvState.QUARANTINED:
+                log.warning("transfer %s: %d blocks fenced when the transfer thread died "
+                            "go back to the pool", recv.tid, len(recv.held))
+                self._end_recv(recv, ok=False)
 
     def _recv_gone(self, recv: DecodeRecv, why: str, silent: bool = False) -> None:
         """Prefill will send nothing more for ``recv``: end it. A READ of ours that may

@@ -48,7 +48,8 @@ _KEY_LABEL = b"kvpush kv_transfer_params v1"
 class ParamsForbidden(RequestError):
     """``kv_transfer_params`` the instance must not act on: HTTP 403."""
 
-    status_code = 403
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message, param, code, status_code=403)
 
 
 @dataclass(frozen=True)

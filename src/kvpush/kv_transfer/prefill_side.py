@@ -97,6 +97,8 @@ class PrefillSender:
                error: str | None) -> tuple[bool, dict | None]:
         """The prefill leg ends: (keep its blocks, kv_transfer_params for the answer)."""
         ctx = self.ctx
+        if ctx.dead is not None:  # nothing can be sent or lent: the scheduler frees
+            return False, None
         ctx.timeline.stamp(tid, "p_first")
         send = self.sends.get(tid)
         if send is not None:
@@ -184,6 +186,41 @@ class PrefillSender:
             ctx.remember_ended(tid, "lease expired: the request never reached prefill")
         elif tid in self.lent:
             ctx.scheduler.release_blocks(self.lent.pop(tid))
+
+    def on_worker_died(self, why: str) -> bool:
+        """The transfer thread died (thread_death.py): end every push send and free its
+        blocks (our WRITEs, the only reader, ended with the transport), fail each leg
+        still in the engine, drop the early registrations; lent blocks stay lent until
+        ``release_dead_hold``. True: blocks are held."""
+        ctx = self.ctx
+        for send in list(self.sends.values()):
+            del self.sends[send.tid]
+            ctx.counters["transfers_failed"] += 1
+            ctx.record(TransferRecord(send.tid, "prefill", "push", False, error=why))
+            ctx.timeline.emit(send.tid)
+            ctx.remember_ended(send.tid, why)
+            if send.request_id not in ctx.scheduler.requests and (
+                    send.finished or send.state is SendState.DRAINING):
+                ctx.scheduler.release_blocks(send.block_ids)  # kept past its finish
+            for blocks in send.retired:
+                ctx.scheduler.release_blocks(blocks)
+            send.retired.clear()
+        for request_id in list(ctx.by_request):  # push and pull legs still prefilling
+            if request_id in ctx.scheduler.requests:
+                ctx.actions.append(c.FailRequest(request_id, why))
+        for tid in self.early_regs:
+            ctx.remember_ended(tid, why)
+        self.early_regs.clear()
+        ctx.worker.register_hints.clear()
+        return bool(self.lent)
+
+    def release_dead_hold(self) -> None:
+        """After the death, once no lease could still cover them: free the lent blocks."""
+        for tid, blocks in self.lent.items():
+            self.ctx.scheduler.release_blocks(blocks)
+            self.ctx.counters["transfers_failed"] += 1
+            log.info("transfer %s: its lent blocks go back to the pool", tid)
+        self.lent.clear()
 
     # ---- push -------------------------------------------------------------------------
     def _registered(self, send: PushSend, reg: m.PushRegister) -> None:

@@ -23,6 +23,11 @@ commands.py.
 Decode side, it keeps the fences of pushes whose blocks wait for prefill (fences.py).
 Prefill side, it answers an ``Abort`` with ``AbortAck`` for any transfer id once none of
 its WRITEs is in flight, and posts no WRITE for that id again.
+
+If the thread ends other than by ``stop()`` (an exception escaping its loop, or a Stop
+the engine did not send), it closes the side channel and the transport and then posts
+``WorkerDied`` to the step loop, its last event; ``death`` says why from then on (for
+/health). What the step loop frees then, and what must wait, is thread_death.py's.
 """
 
 from __future__ import annotations
@@ -145,6 +150,9 @@ class TransferWorker:
         self.timeline: HandoffTimeline | None = None
         self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
         self._stopped = False
+        self._stop_requested = False
+        #: why the thread ended without ``stop()`` (set by the thread as it ends)
+        self._death: str | None = None
 
     # ---- called from other threads --------------------------------------------------
     def start(self) -> None:
@@ -157,13 +165,26 @@ class TransferWorker:
     def stop(self, timeout: float = 5.0) -> None:
         if self._stopped:
             return
+        self._stop_requested = True  # the thread's end is no death
         self.submit(c.Stop())
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._stopped = True
 
     # ---- the thread ---------------------------------------------------------------------
+    @property
+    def death(self) -> str | None:
+        """Why the thread is gone although ``stop()`` was never called, or None (it runs,
+        was not started yet, or was stopped). Safe from any thread (/health reads it)."""
+        if self._death is not None:
+            return self._death
+        if (self._thread.ident is not None and not self._thread.is_alive()
+                and not self._stop_requested):
+            return "the transfer thread is not running"
+        return None
+
     def _run(self) -> None:
+        why = None
         try:
             while True:
                 if not self._drain_commands():
@@ -180,12 +201,33 @@ class TransferWorker:
                 if now >= self._next_heartbeat:
                     self._heartbeat(now)
                 self._expire(now)
-        except Exception:  # pragma: no cover - logged, the engine sees transfers fail
+            if not self._stop_requested:  # a Stop the engine did not send
+                why = "the transfer thread ended without being asked to stop"
+        except BaseException as e:  # noqa: BLE001 - any end of the loop is a death
             log.exception("transfer thread died")
-            self.post_event(c.WorkerDied())
+            why = f"{type(e).__name__}: {e}"
         finally:
+            self._teardown(why)
+
+    def _teardown(self, why: str | None) -> None:
+        """Close the side channel and the transport; on a death (``why``), tell the step
+        loop only once the transport is closed: from then on no transfer this instance
+        posted touches its memory, which is what lets the step loop free blocks
+        (thread_death.py says which, and which must wait)."""
+        if why is not None:
+            self._death = why  # /health fails from now on
+        try:
             self.channel.close()
+        except Exception:  # noqa: BLE001 - going down anyway
+            log.exception("closing the side channel failed")
+        transport_closed = True
+        try:
             self.transport.close()
+        except Exception:  # noqa: BLE001 - the event says so: its transfers may live on
+            log.exception("closing the KV transport failed")
+            transport_closed = False
+        if why is not None:
+            self.post_event(c.WorkerDied(why, transport_closed))
 
     def _timeout(self, now: float) -> float:
         """How long the next wait for messages may last (commands wake it early)."""

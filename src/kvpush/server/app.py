@@ -68,6 +68,15 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
 
+def health_problem(engine: EngineClient) -> str | None:
+    """Why ``engine`` cannot serve (its step loop stopped; in a P/D role, its KV transfer
+    thread died), or None when it is healthy."""
+    problem = getattr(engine, "health_problem", None)
+    if problem is not None:
+        return problem()
+    return None if engine.is_healthy() else "the engine step loop is not running"
+
+
 async def _wait_for_disconnect(receive: Receive) -> None:
     """Return when the client goes away (call only after the body has been read)."""
     while True:
@@ -194,9 +203,10 @@ class _Server:
                 cmpl_req = CompletionRequest.model_validate_json(body)
                 rid = self._request_id(request, "cmpl")
                 job = await self.prompts.completion(cmpl_req, rid, arrival)
-            if not self.engine.is_healthy():
-                raise APIError("the engine is not running; the server cannot serve requests",
-                               status_code=503)
+            problem = health_problem(self.engine)
+            if problem is not None:
+                raise APIError(f"this instance cannot serve requests: {problem}",
+                               status_code=503, code="unavailable")
             fmt: Format
             if kind == "chat":
                 fmt = ChatFormat(job, self.model_name, self.token_texts)
@@ -369,9 +379,10 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.is_healthy():
+        problem = health_problem(engine)
+        if problem is None:
             return JSONResponse({"status": "ok"})
-        return APIError("the engine step loop is not running", status_code=503).response()
+        return APIError(problem, status_code=503, code="unhealthy").response()
 
     @app.get("/kv/info", summary="KV identity: engine id, role, transfer mode, layout, blocks")
     async def kv_info() -> Response:

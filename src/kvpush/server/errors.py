@@ -117,8 +117,8 @@ def to_api_error(exc: BaseException) -> APIError | None:
         return exc
     if isinstance(exc, (SamplingParamsError, RequestError)):
         return APIError(
-            str(exc), status_code=getattr(exc, "status_code", 400),
-            param=getattr(exc, "param", None), code=getattr(exc, "code", None)
+            str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", None),
+            status_code=getattr(exc, "status_code", 400),
         )
     if isinstance(exc, (ValidationError, RequestValidationError)):
         return from_validation_errors(list(exc.errors()))

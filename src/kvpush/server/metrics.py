@@ -53,8 +53,9 @@ class _EngineCollector(Collector):
             healthy = bool(self._healthy())
         except Exception:  # noqa: BLE001 - a scrape must never fail
             healthy = False
-        yield GaugeMetricFamily("kvpush_engine_healthy", "1 while the engine step loop runs",
-                                value=1.0 if healthy else 0.0)
+        yield GaugeMetricFamily("kvpush_engine_healthy",
+                                "1 while /health is 200 (the step loop runs; P/D roles: "
+                                "the transfer thread too)", value=1.0 if healthy else 0.0)
         try:
             s = self._stats()
         except Exception:  # noqa: BLE001
