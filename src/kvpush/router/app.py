@@ -23,7 +23,8 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from kvpush.router.config import RouterConfig
-from kvpush.router.legs import Job, Legs, new_request_id, outcome_for
+from kvpush.router.job import Job, new_request_id, outcome_for
+from kvpush.router.legs import Legs
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Pool, describe_error
 from kvpush.router.wire import relay_error

@@ -24,14 +24,13 @@ import asyncio
 import json
 import logging
 import time
-import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from fastapi.responses import Response
 
 from kvpush.router.config import RouterConfig
+from kvpush.router.job import Job, PrefillResult
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, describe_error
 from kvpush.router.wire import prefill_body, push_decode_params, relay_error
@@ -47,57 +46,6 @@ CONNECTION_LOST = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError,
                    httpx.WriteError, httpx.RemoteProtocolError)
 
 
-@dataclass(eq=False)
-class Job:
-    """One client request and what happened to it (the request log line)."""
-
-    rid: str
-    kind: str  # "completion" | "chat"
-    path: str
-    body: dict[str, Any]
-    stream: bool
-    arrival: float
-    client_rid: str | None = None
-    mode: str = ""  # the path taken: push, pull, colocated, fallback
-    prefill: Instance | None = None
-    decode: Instance | None = None
-    transfer_id: str = ""
-    attempts: int = 0
-    p_leg_s: float | None = None
-    p_outcome: str = "-"
-    p_task: asyncio.Task | None = None
-    legs_sent: float | None = None  # push: both legs; pull: the prefill leg
-    d_sent: float | None = None
-    d_first_byte_s: float | None = None
-    first_byte: float | None = None
-    status: int = 0
-    outcome: str = ""
-    error: str | None = None
-    #: decode's open streaming answer and the instance it holds (closed by Legs.close)
-    upstream: httpx.Response | None = None
-    d_held: Instance | None = None
-    #: parts still running: the client's answer, plus a prefill leg draining after it
-    parts: int = 1
-    closed: bool = False
-    ended: float | None = None
-
-    def new_transfer_id(self) -> str:
-        self.attempts += 1
-        self.transfer_id = self.rid if self.attempts == 1 else f"{self.rid}-{self.attempts}"
-        return self.transfer_id
-
-
-@dataclass
-class PrefillResult:
-    status: int | None = None  # None: no HTTP answer
-    content: bytes = b""
-    content_type: str | None = None
-    error: str | None = None
-    never_sent: bool = False
-    lost: bool = False
-    timed_out: bool = False
-
-
 def _error_code(resp: httpx.Response) -> str | None:
     """The ``error.code`` of an OpenAI-style error body, if there is one."""
     try:
@@ -105,16 +53,6 @@ def _error_code(resp: httpx.Response) -> str | None:
     except (ValueError, AttributeError):
         return None
     return err.get("code") if isinstance(err, dict) else None
-
-
-def outcome_for(status: int) -> str:
-    if status == 200:
-        return "ok"
-    if status == 499:
-        return "abort"
-    if status == 503:
-        return "unavailable"
-    return "client_error" if status < 500 else "error"
 
 
 class Legs:
@@ -507,7 +445,3 @@ async def _cancel(task: asyncio.Task) -> None:
     caller's cancellation still propagates)."""
     task.cancel()
     await asyncio.wait({task})
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
