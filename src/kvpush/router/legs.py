@@ -16,6 +16,9 @@ decode answered (decode's leg is cancelled and the pair starts again with a new 
 id). Every wait is bounded by the client's timeouts; a client that goes away cancels
 everything still running, which closes the connections, which makes the instances abort
 the request and free its blocks.
+
+Client-facing errors say "the decode instance" and name no host, port or engine id; the
+router's log names them, with the request id the client has as ``X-Request-Id``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from kvpush.router.config import RouterConfig
 from kvpush.router.job import Job, PrefillResult
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, describe_error
-from kvpush.router.wire import prefill_body, push_decode_params, relay_error
+from kvpush.router.redact import scrub
+from kvpush.router.wire import ErrorFrames, prefill_body, push_decode_params, relay_error
 from kvpush.server.errors import APIError
 
 logger = logging.getLogger("kvpush.router")
@@ -72,21 +76,28 @@ class Legs:
             job.mode = "colocated"
             return await self._single(job, job.body)
         if not self.pool.has_healthy("decode"):
-            raise APIError("no healthy decode instance: " + self._why_down("decode"),
-                           status_code=503)
+            raise self._unavailable(job, "decode")
         p = self.pool.pick("prefill")
         if p is None:
             if not self.cfg.fallback_local_prefill:
-                raise APIError("no healthy prefill instance: " + self._why_down("prefill"),
-                               status_code=503)
+                raise self._unavailable(job, "prefill")
             return await self._fallback(job)
         job.mode = self.cfg.mode
         if self.cfg.mode == "pull":
             return await self._pull(job, p)
         return await self._push(job, p)
 
-    def _why_down(self, role: str) -> str:
-        return "; ".join(f"{i.url}: {i.last_error}" for i in self.pool.by_role[role])
+    def _unavailable(self, job: Job, role: str) -> APIError:
+        why = "; ".join(f"{i.url}: {i.last_error}" for i in self.pool.by_role[role])
+        return self._fail(job, 503, f"no healthy {role} instance; try again shortly",
+                          f"no healthy {role} instance: {why}")
+
+    @staticmethod
+    def _fail(job: Job, status: int, message: str, detail: str) -> APIError:
+        """The client's error (``message``: no internal names), with ``detail`` (which
+        may name them) logged under the request id."""
+        logger.warning("request %s: %s", job.rid, detail)
+        return APIError(message, status_code=status)
 
     # ------------------------------------------------------------------ paths
 
@@ -95,8 +106,7 @@ class Legs:
         self._release_decode(job)
         d = self.pool.pick("decode")
         if d is None:
-            raise APIError("no healthy decode instance: " + self._why_down("decode"),
-                           status_code=503)
+            raise self._unavailable(job, "decode")
         job.decode = job.d_held = d
         return d
 
@@ -129,22 +139,25 @@ class Legs:
                     continue
                 if self.cfg.fallback_local_prefill:
                     return await self._fallback(job)
-                raise APIError(f"prefill instance {p.url} failed: {r.error}; no other "
-                               "healthy prefill instance", status_code=502)
+                raise self._fail(job, 502, f"the prefill instance failed ({r.error}) and no "
+                                 "other prefill instance is healthy",
+                                 f"prefill instance {p.url} failed: {r.error}")
             if r.timed_out:
-                raise APIError(f"prefill instance {p.url} timed out: {r.error}",
-                               status_code=504)
+                raise self._fail(job, 504, f"the prefill instance did not answer ({r.error})",
+                                 f"prefill instance {p.url} timed out: {r.error}")
             assert r.status is not None
             if r.status != 200:
-                return relay_error(r.status, r.content, "prefill", p)
+                return relay_error(r.status, r.content, "prefill", p, job.rid,
+                                   self.pool.engine_ids())
             try:
                 kv = json.loads(r.content).get("kv_transfer_params")
             except (ValueError, AttributeError):
                 kv = None
             if not isinstance(kv, dict):
-                raise APIError(f"prefill instance {p.url} answered without "
-                               "kv_transfer_params (is it a prefill instance in pull mode?)",
-                               status_code=502)
+                raise self._fail(job, 502, "the prefill instance answered without "
+                                 "kv_transfer_params (is it a prefill instance in pull "
+                                 "mode?)", f"prefill instance {p.url} answered without "
+                                 "kv_transfer_params")
             d = self._pick_decode(job)
             try:
                 result = await self._decode_leg(
@@ -284,8 +297,9 @@ class Legs:
                 self._release_decode(job)
                 other = self.pool.pick("decode", tried)
                 if other is None:
-                    raise APIError(f"decode instance {d.url} unreachable ({why}) and no other "
-                                   "healthy decode instance", status_code=502) from None
+                    raise self._fail(job, 502, f"the decode instance could not be reached "
+                                     f"({why}) and no other decode instance is healthy",
+                                     f"decode instance {d.url} unreachable: {why}") from None
                 self.metrics.retries.labels("decode").inc()
                 job.decode = job.d_held = d = other
 
@@ -300,7 +314,7 @@ class Legs:
         except NEVER_SENT:
             raise
         except BaseException as e:
-            err = self._decode_failure(d, e)
+            err = self._decode_failure(job, d, e)
             if err is e:
                 raise
             raise err from e
@@ -311,52 +325,69 @@ class Legs:
         try:
             content = await resp.aread()
         except BaseException as e:
-            err = self._decode_failure(d, e)
+            err = self._decode_failure(job, d, e)
             if err is e:
                 raise
             raise err from e
         finally:
             await self.close_upstream(job)
         if resp.status_code != 200:
-            return relay_error(resp.status_code, content, "decode", d)
+            return relay_error(resp.status_code, content, "decode", d, job.rid,
+                               self.pool.engine_ids())
         return Response(content, status_code=200,
                         media_type=resp.headers.get("content-type", "application/json"))
 
-    def _decode_failure(self, d: Instance, e: BaseException) -> BaseException:
+    def _decode_failure(self, job: Job, d: Instance, e: BaseException) -> BaseException:
+        """The client's error for a decode leg that failed with ``e`` (cancellation and
+        the like go through as they are)."""
+        where = f"decode instance {d.url} ({d.engine_id})"
         if isinstance(e, CONNECTION_LOST):
             why = describe_error(e)
             self.pool.mark_failed(d, f"decode leg: {why}")
-            return APIError(f"decode instance {d.url} failed during the request: {why}",
-                            status_code=502)
+            return self._fail(job, 502, f"the decode instance failed during the request: "
+                              f"{why}", f"{where} failed during the request: {why}")
         if isinstance(e, httpx.TimeoutException):
-            return APIError(f"decode instance {d.url} timed out: {describe_error(e)}",
-                            status_code=504)
+            return self._fail(job, 504, f"the decode instance did not answer in time: "
+                              f"{describe_error(e)}", f"{where} timed out: {describe_error(e)}")
         if isinstance(e, httpx.HTTPError):
-            return APIError(f"decode instance {d.url} failed: {describe_error(e)}",
-                            status_code=502)
-        return e  # cancellation and the like go through as they are
+            return self._fail(job, 502, f"the decode instance failed: {describe_error(e)}",
+                              f"{where} failed: {describe_error(e)}")
+        return e
 
     # ------------------------------------------------------------------ streaming relay
 
     async def relay(self, job: Job, resp: httpx.Response):  # -> AsyncGenerator[bytes]
-        """Decode's SSE answer, chunk by chunk, as it comes."""
+        """Decode's SSE answer, frame by frame as it comes (error frames scrubbed)."""
+        d = job.decode
+        assert d is not None
+        frames = ErrorFrames(self.pool.engine_ids())
+        chunks = resp.aiter_bytes()
         try:
-            async for chunk in resp.aiter_bytes():
+            async for chunk in chunks:
                 if job.first_byte is None:
                     self._first_byte(job)
-                if b'data: {"error"' in chunk:
-                    job.error = job.error or "decode reported an error in its stream"
-                yield chunk
+                out = frames.feed(chunk)
+                if out:
+                    yield out
+            out = frames.flush()
+            if out:
+                yield out
+            if frames.errors:
+                job.error = job.error or f"decode reported an error in its stream: " \
+                                         f"{frames.errors[0]}"
             job.outcome = "error" if job.error else "ok"
         except (httpx.HTTPError, OSError) as e:
-            d = job.decode
-            assert d is not None
-            err = self._decode_failure(d, e)
+            err = self._decode_failure(job, d, e)
             job.outcome, job.error = "error", str(err)
             if isinstance(err, APIError):
+                err.message = scrub(err.message, self.pool.engine_ids())
                 yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
                 yield b"data: [DONE]\n\n"
         finally:
+            try:
+                await chunks.aclose()
+            except Exception:  # noqa: BLE001 - closing a broken stream
+                logger.debug("closing decode's stream of %s failed", job.rid, exc_info=True)
             await self.close(job, job.outcome or "abort")
 
     def _first_byte(self, job: Job) -> None:

@@ -251,6 +251,13 @@ class Pool:
                 logger.warning("%s instance %s (%s) out of rotation: %s", inst.role, inst.url,
                                inst.engine_id, why)
 
+    def engine_ids(self) -> list[str]:
+        """Every engine id the pool knows (to keep them out of client-facing errors)."""
+        ids = {i.spec.explicit.engine_id for i in self.instances if i.spec.explicit}
+        ids.update(str(i.info["engine_id"]) for i in self.instances
+                   if i.info is not None and i.info.get("engine_id"))
+        return sorted(ids)
+
     async def check_all(self, client: httpx.AsyncClient) -> None:
         await asyncio.gather(*(self.check(client, i) for i in self.instances))
 
