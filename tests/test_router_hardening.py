@@ -1,17 +1,25 @@
-"""The router at its trust boundary (issue 30, finding 7): a client's mistake is a 4xx
-in OpenAI's shape, never a 5xx; client-facing errors name no internal host, port or
-engine id (the router's log does, with the request id).
+"""The router at its trust boundary (issue 30, findings 7 and 8): a client's mistake is a
+4xx in OpenAI's shape, never a 5xx; client-facing errors name no internal host, port or
+engine id (the router's log does, with the request id); a frozen decode's legs end within
+seconds of the health check that notices it; the router holds a bounded number of
+requests and answers 429 beyond it.
 
-Instances are the fake engine behind the real instance app, and small scripted instances
-(for answers a real one gives only under faults). Every wait is bounded; everything
-started here is stopped here.
+Instances are the fake engine behind the real instance app, small scripted instances
+(for answers a real one gives only under faults), and one real `kvpush serve` for the
+frozen decode (SIGSTOP needs a process). Every wait is bounded; everything started here is
+stopped here.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import signal
+import sys
+import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from fake_engine import FakeEngine, make_test_model
 from kvpush.server.app import MAX_BODY_BYTES, build_app
 from router_helpers import RouterThread, metric_value, wait_until
-from server_helpers import free_port, uvicorn_server
+from server_helpers import ServerProcess, free_port, uvicorn_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -227,3 +235,158 @@ def test_client_errors_name_no_internal_host_port_or_engine(caplog):
         _assert_no_internals(text, secrets)
     logged = [rec.getMessage() for rec in caplog.records]
     assert any(rid in m and p_url in m for m in logged), logged  # the operator's view
+
+
+# ------------------------------------------------------------------ finding 8: frozen decode
+
+
+def test_frozen_decode_ends_its_legs_within_seconds(tiny_llama, tmp_path):
+    """A decode instance SIGSTOPped while it streams one answer and computes another:
+    both requests end within seconds of the freeze (the health check that takes it out
+    of rotation ends its legs), the stream with an error frame and [DONE], the other
+    with a 502, both saying what happened; after SIGCONT the instance frees every
+    block."""
+    srv = ServerProcess(tiny_llama, "--block-size", "16", "--num-blocks", "256",
+                        log_dir=tmp_path, name="frozen")
+    rt = None
+    stopped = False
+    try:
+        rt = RouterThread("colocated", [], [srv.url], health_interval_s=0.3,
+                          health_timeout_s=1.0)
+        long = {"prompt": "hello world " * 20, "max_tokens": 1900, "ignore_eos": True,
+                "temperature": 0}
+        plain: dict[str, Any] = {}
+
+        def non_streaming() -> None:
+            t0 = time.monotonic()
+            try:
+                r = httpx.post(rt.url + "/v1/completions", json=long, timeout=40)
+                plain.update(status=r.status_code, body=r.json())
+            except Exception as e:  # noqa: BLE001 - recorded, asserted below
+                plain["exception"] = repr(e)
+            plain["end"] = time.monotonic()
+            plain["start"] = t0
+
+        worker = threading.Thread(target=non_streaming, daemon=True)
+        worker.start()
+        frames: list[str] = []
+        with httpx.Client(timeout=httpx.Timeout(20, connect=5)) as c, c.stream(
+                "POST", rt.url + "/v1/completions", json={**long, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert '"text"' in first
+            wait_until(lambda: metric_value(rt.metrics(), "kvpush_router_instance_in_flight")
+                       == 2, 10, "both legs on decode")
+            os.killpg(srv.proc.pid, signal.SIGSTOP)
+            stopped = True
+            t_stop = time.monotonic()
+            frames = [line for line in lines if line.startswith("data: ")]
+            t_end = time.monotonic()
+        print(f"stream ended {t_end - t_stop:.1f} s after SIGSTOP")
+        assert t_end - t_stop < 10, t_end - t_stop
+        assert frames[-1] == "data: [DONE]", frames[-3:]
+        err = json.loads(frames[-2].removeprefix("data: "))["error"]
+        assert "stopped answering" in err["message"], err
+        worker.join(20)
+        assert not worker.is_alive()
+        assert plain.get("status") == 502, plain
+        assert "stopped answering" in plain["body"]["error"]["message"], plain
+        assert plain["end"] - t_stop < 10, plain["end"] - t_stop
+        assert not rt.instances()[0]["healthy"]
+        os.killpg(srv.proc.pid, signal.SIGCONT)
+        stopped = False
+        srv.wait_all_free(timeout=20)  # the instance saw both legs go and freed them
+        wait_until(lambda: rt.instances()[0]["healthy"], 10, "back in rotation")
+        assert metric_value(rt.metrics(), "kvpush_router_instance_in_flight") == 0
+        assert metric_value(rt.metrics(), "kvpush_router_requests_total",
+                            'outcome="error"') == 2
+    finally:
+        if stopped:
+            os.killpg(srv.proc.pid, signal.SIGCONT)
+        if rt is not None:
+            rt.stop()
+        srv.stop()
+
+
+# ------------------------------------------------------------------ finding 8: bounded
+
+
+def test_requests_beyond_the_bound_get_429(model):
+    """With --max-outstanding-requests 2 and two streams open, a third request is a 429
+    with Retry-After in OpenAI's shape, at once and without reaching the instance;
+    counted in /metrics; once the streams are over the router takes requests again."""
+    engine = FakeEngine(*model, token_delay=0.05)
+    body = {"prompt": "one two three", "max_tokens": 60, "ignore_eos": True, "stream": True}
+    with uvicorn_server(build_app(engine)) as inst_url:
+        rt = RouterThread("colocated", [], [inst_url], max_outstanding_requests=2)
+        try:
+            with httpx.Client(timeout=30) as c1, httpx.Client(timeout=30) as c2, \
+                    c1.stream("POST", rt.url + "/v1/completions", json=body) as s1, \
+                    c2.stream("POST", rt.url + "/v1/completions", json=body) as s2:
+                assert s1.status_code == 200 and s2.status_code == 200
+                chunks = [s1.iter_raw(), s2.iter_raw()]  # kept: a dropped one hangs up
+                for it in chunks:
+                    next(it)
+                m = rt.metrics()
+                assert metric_value(m, "kvpush_router_outstanding_requests") == 2
+                assert metric_value(m, "kvpush_router_max_outstanding_requests") == 2
+                t0 = time.monotonic()
+                r = httpx.post(rt.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+                assert time.monotonic() - t0 < 2
+                assert r.status_code == 429, r.text
+                assert r.headers["retry-after"] == "1"
+                err = _openai_error(r)
+                assert err["type"] == "rate_limit_error" and err["code"] == "too_many_requests"
+                assert len(engine.requests) == 2
+            assert metric_value(rt.metrics(), "kvpush_router_requests_total",
+                                'outcome="overloaded"') == 1
+            wait_until(lambda: metric_value(rt.metrics(),
+                                            "kvpush_router_outstanding_requests") == 0,
+                       10, "both places given back")
+            r = httpx.post(rt.url + "/v1/completions", json={**body, "stream": False},
+                           timeout=30)
+            assert r.status_code == 200, r.text
+        finally:
+            rt.stop()
+        _wait_engine_idle(engine)
+
+
+def test_leg_watch_ends_only_its_own_wait():
+    """A LegWatch turns its own cancellation into LegLost (ended, or timed out), leaves
+    a wait that finishes alone untouched, and lets a cancellation by someone else
+    through as a cancellation."""
+    import asyncio
+
+    from kvpush.router.watch import LegLost, LegWatch, end_all
+
+    async def main() -> None:
+        watches: set[LegWatch] = set()
+        never = asyncio.Event()
+
+        async def wait(timeout: float | None = None) -> None:
+            with LegWatch(watches, "test", timeout):
+                await never.wait()
+
+        task = asyncio.create_task(wait())
+        await asyncio.sleep(0)
+        assert end_all(watches, "instance marked dead") == 1
+        with pytest.raises(LegLost, match="marked dead") as lost:
+            await task
+        assert not lost.value.timed_out and not watches
+        with pytest.raises(LegLost, match="for 0.01 s") as lost:
+            await asyncio.wait_for(wait(0.01), 5)
+        assert lost.value.timed_out
+        with LegWatch(watches, "quick", 5):
+            await asyncio.sleep(0)
+        assert not watches
+        if sys.version_info < (3, 11):  # no Task.uncancel: cannot tell the two apart
+            return
+        task = asyncio.create_task(wait())
+        await asyncio.sleep(0)
+        task.cancel()  # the client went away ...
+        end_all(watches, "instance marked dead")  # ... as the instance died
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())

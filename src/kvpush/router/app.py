@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from kvpush.router.config import RouterConfig
-from kvpush.router.intake import parse_body, read_body
+from kvpush.router.intake import RETRY_AFTER_S, Admission, full_error, parse_body, read_body
 from kvpush.router.job import Job, new_request_id, outcome_for
 from kvpush.router.legs import Legs
 from kvpush.router.metrics import RouterMetrics
@@ -52,6 +52,9 @@ class Router:
         self.metrics = RouterMetrics(self.pool)
         self.auth_rejected = auth_rejected_counter(self.metrics.registry,
                                                    "kvpush_router_auth_rejected")
+        self.admission = Admission(cfg.max_outstanding_requests)
+        self.metrics.track_outstanding(lambda: self.admission.outstanding,
+                                       cfg.max_outstanding_requests)
         self.client: httpx.AsyncClient | None = None
         self.legs: Legs | None = None
         self._health: asyncio.Task | None = None
@@ -59,7 +62,9 @@ class Router:
     def make_client(self) -> httpx.AsyncClient:
         c = self.cfg
         return httpx.AsyncClient(
-            timeout=httpx.Timeout(c.request_timeout_s, connect=c.connect_timeout_s),
+            # every wait but connecting: the bound of an answer's start (each later read
+            # of a stream has its own, shorter bound: Legs.relay)
+            timeout=httpx.Timeout(c.first_byte_timeout_s, connect=c.connect_timeout_s),
             limits=httpx.Limits(max_connections=c.max_connections,
                                 max_keepalive_connections=min(256, c.max_connections),
                                 keepalive_expiry=KEEPALIVE_EXPIRY_S),
@@ -119,9 +124,14 @@ async def _handle(router: Router, request: Request,
     arrival = time.perf_counter()
     legs = router.legs
     assert legs is not None
+    if not router.admission.enter():
+        router.metrics.requests.labels(router.cfg.mode, "overloaded").inc()
+        return full_error(router.admission.limit).response(
+            headers={"Retry-After": str(RETRY_AFTER_S)})
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     job = Job(rid=new_request_id(), kind=kind, path=path, body={}, stream=False,
-              arrival=arrival, client_rid=request.headers.get("x-request-id"))
+              arrival=arrival, client_rid=request.headers.get("x-request-id"),
+              on_done=router.admission.leave)
     headers = {"X-Request-Id": job.rid}
     try:
         try:

@@ -1,5 +1,5 @@
-"""What the router accepts from a client, at the door: the body size, and JSON that the
-router can send on.
+"""What the router accepts from a client, at the door: the body size, JSON that the router
+can send on, and a bound on the requests it holds at once.
 
 * **Body size.** Bodies over ``MAX_BODY_BYTES`` (the instances' own limit) are a 413 in
   OpenAI's error shape. Starlette's ``max_body_size`` is not used: it swaps any answer
@@ -9,18 +9,31 @@ router can send on.
   The instances answer 400 to both; the router, which re-encodes the body for each leg,
   used to fail with a 500. :func:`parse_body` parses once and checks the body encodes,
   naming the first field that does not.
+* **Outstanding requests.** :class:`Admission` counts requests from arrival until
+  everything they started is over (a push prefill leg may drain after the client's
+  answer); above ``--max-outstanding-requests`` a request is a 429 with ``Retry-After``
+  at once, before its body is read.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import time
 from typing import Any
 
 from fastapi import Request
 
 from kvpush.server.app import MAX_BODY_BYTES
 from kvpush.server.errors import APIError
+
+logger = logging.getLogger("kvpush.router")
+
+#: seconds a client is told to wait (``Retry-After``) when the router is full
+RETRY_AFTER_S = 1
+#: at most one "router full" warning per this many seconds (a flood must not fill the log)
+FULL_LOG_INTERVAL_S = 10.0
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
@@ -104,3 +117,36 @@ def _is_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+class Admission:
+    """A bound on the requests the router holds at once (``--max-outstanding-requests``).
+
+    ``enter`` takes a place or returns False (the caller answers :func:`full_error`);
+    ``leave`` gives it back once everything the request started is over. Event loop
+    only: no lock."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.outstanding = 0
+        self._warned_at = -math.inf
+
+    def enter(self) -> bool:
+        if self.outstanding >= self.limit:
+            now = time.monotonic()
+            if now - self._warned_at >= FULL_LOG_INTERVAL_S:
+                self._warned_at = now
+                logger.warning("router full: %d requests outstanding "
+                               "(--max-outstanding-requests %d); answering 429",
+                               self.outstanding, self.limit)
+            return False
+        self.outstanding += 1
+        return True
+
+    def leave(self) -> None:
+        self.outstanding = max(0, self.outstanding - 1)
+
+
+def full_error(limit: int) -> APIError:
+    return APIError(f"the router is serving its limit of {limit} requests; try again shortly",
+                    status_code=429, code="too_many_requests")

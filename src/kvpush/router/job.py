@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,8 @@ class Job:
     parts: int = 1
     closed: bool = False
     ended: float | None = None
+    #: called once everything the request started is over (frees its admission place)
+    on_done: Callable[[], None] | None = None
 
     def new_transfer_id(self) -> str:
         self.attempts += 1
@@ -71,6 +74,8 @@ def outcome_for(status: int) -> str:
         return "abort"
     if status == 503:
         return "unavailable"
+    if status == 429:
+        return "overloaded"
     return "client_error" if status < 500 else "error"
 
 

@@ -13,9 +13,11 @@ leg that hits a connection error takes the instance out of rotation at once, and
 again elsewhere where that is safe: a decode leg that could not connect (any mode); a
 prefill leg that failed in pull mode; in push mode, a prefill leg that failed before
 decode answered (decode's leg is cancelled and the pair starts again with a new transfer
-id). Every wait is bounded by the client's timeouts; a client that goes away cancels
-everything still running, which closes the connections, which makes the instances abort
-the request and free its blocks.
+id). Every wait on an instance is bounded (kvpush.router.config: the wait for an answer
+to start, then each read of a stream) and ends at once when a health check fails on that
+instance (kvpush.router.watch); a client that goes away cancels everything still
+running, which closes the connections, which makes the instances abort the request and
+free its blocks.
 
 Client-facing errors say "the decode instance" and name no host, port or engine id; the
 router's log names them, with the request id the client has as ``X-Request-Id``.
@@ -37,6 +39,7 @@ from kvpush.router.job import Job, PrefillResult
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, describe_error
 from kvpush.router.redact import scrub
+from kvpush.router.watch import LegLost, LegWatch
 from kvpush.router.wire import ErrorFrames, prefill_body, push_decode_params, relay_error
 from kvpush.server.errors import APIError
 
@@ -250,8 +253,9 @@ class Legs:
         r = PrefillResult()
         outcome = "cancelled"
         try:
-            resp = await self.client.post(p.url + job.path, json=body,
-                                          headers={"X-Request-Id": tid})
+            with LegWatch(p.watches, "prefill leg"):  # nothing comes before prefill ends
+                resp = await self.client.post(p.url + job.path, json=body,
+                                              headers={"X-Request-Id": tid})
             r.status, r.content = resp.status_code, resp.content
             r.content_type = resp.headers.get("content-type")
             outcome = "ok" if resp.status_code == 200 else "http_error"
@@ -272,6 +276,8 @@ class Legs:
             r.error, r.timed_out, outcome = describe_error(e), True, "timeout"
         except httpx.HTTPError as e:  # e.g. a malformed answer
             r.error, r.lost, outcome = describe_error(e), True, "connection_error"
+        except LegLost as e:  # a health check failed on it meanwhile: out of rotation
+            r.error, r.lost, outcome = e.reason, True, "connection_error"
         finally:
             elapsed = time.perf_counter() - t0
             if job.prefill is p:
@@ -310,7 +316,8 @@ class Legs:
                                         headers={"X-Request-Id": tid})
         job.d_sent = time.perf_counter()
         try:
-            resp = await self.client.send(req, stream=True)
+            with LegWatch(d.watches, "decode's answer"):
+                resp = await self.client.send(req, stream=True)
         except NEVER_SENT:
             raise
         except BaseException as e:
@@ -323,7 +330,8 @@ class Legs:
             return resp  # the relay owns it now; Legs.close() closes it
         self._first_byte(job)
         try:
-            content = await resp.aread()
+            with LegWatch(d.watches, "decode's answer", self.cfg.request_timeout_s):
+                content = await resp.aread()
         except BaseException as e:
             err = self._decode_failure(job, d, e)
             if err is e:
@@ -341,6 +349,8 @@ class Legs:
         """The client's error for a decode leg that failed with ``e`` (cancellation and
         the like go through as they are)."""
         where = f"decode instance {d.url} ({d.engine_id})"
+        if isinstance(e, LegLost):
+            return self._fail(job, 504 if e.timed_out else 502, e.reason, f"{where}: {e.reason}")
         if isinstance(e, CONNECTION_LOST):
             why = describe_error(e)
             self.pool.mark_failed(d, f"decode leg: {why}")
@@ -357,13 +367,21 @@ class Legs:
     # ------------------------------------------------------------------ streaming relay
 
     async def relay(self, job: Job, resp: httpx.Response):  # -> AsyncGenerator[bytes]
-        """Decode's SSE answer, frame by frame as it comes (error frames scrubbed)."""
+        """Decode's SSE answer, frame by frame as it comes (error frames scrubbed). Each
+        read is bounded: the first by ``first_byte_timeout_s``, the others by
+        ``request_timeout_s``; a failed health check of decode ends it at once."""
         d = job.decode
         assert d is not None
         frames = ErrorFrames(self.pool.engine_ids())
         chunks = resp.aiter_bytes()
         try:
-            async for chunk in chunks:
+            while True:
+                wait = (self.cfg.first_byte_timeout_s if job.first_byte is None
+                        else self.cfg.request_timeout_s)
+                with LegWatch(d.watches, "decode's stream", wait):
+                    chunk = await anext(chunks, None)
+                if chunk is None:
+                    break
                 if job.first_byte is None:
                     self._first_byte(job)
                 out = frames.feed(chunk)
@@ -376,7 +394,7 @@ class Legs:
                 job.error = job.error or f"decode reported an error in its stream: " \
                                          f"{frames.errors[0]}"
             job.outcome = "error" if job.error else "ok"
-        except (httpx.HTTPError, OSError) as e:
+        except (httpx.HTTPError, OSError, LegLost) as e:
             err = self._decode_failure(job, d, e)
             job.outcome, job.error = "error", str(err)
             if isinstance(err, APIError):
@@ -444,6 +462,8 @@ class Legs:
         job.parts -= 1
         if job.parts == 0:
             self.log(job)
+            if job.on_done is not None:
+                job.on_done()
 
     @staticmethod
     def log(job: Job) -> None:
