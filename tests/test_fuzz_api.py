@@ -128,6 +128,16 @@ def test_fuzz_instance_fake_engine_big(model):
 
 # ---- router (colocated) over a fake-engine instance served by uvicorn ---------------------
 
+#: found by the sampling property test: extreme but valid sampling values
+EXTREME_VALID = ({"temperature": 1e-300}, {"temperature": 5e-324},
+                 {"temperature": 1.0, "top_p": 5e-324}, {"temperature": 1e308},
+                 {"temperature": 1.0, "top_k": 10**20, "seed": -(2**63)})
+#: JSON that Python parses but cannot encode again (each a 400 from the instances)
+UNENCODABLE = (b'{"prompt": "x", "max_tokens": 2, "temperature": 1e999}',
+               b'{"prompt": "x", "max_tokens": 1e999}',
+               b'{"prompt": "\\ud800", "max_tokens": 2}',
+               b'{"prompt": "x", "max_tokens": 2, "stop": "\\udfff"}',
+               b'{"prompt": "x", "max_tokens": 2, "logit_bias": {"\\ud800": 1}}')
 
 
 def _fuzz_router(model, examples: int) -> None:
@@ -143,6 +153,17 @@ def _fuzz_router(model, examples: int) -> None:
                 check_answer(r.status_code, r.headers, r.content, what)
 
             fuzz(schema, send, examples)
+            # the instance's own extreme cases, through the router: valid ones are
+            # served, the ones JSON cannot carry on are a 400 (they were a 500)
+            for extra in EXTREME_VALID:
+                r = client.post("/v1/completions", headers=AUTH,
+                                json={"prompt": "x", "max_tokens": 2, **extra})
+                assert r.status_code == 200, (extra, r.text)
+            for raw in UNENCODABLE:
+                r = client.post("/v1/completions", data=raw,
+                                headers={**AUTH, "content-type": "application/json"})
+                check_answer(r.status_code, r.headers, r.content, repr(raw))
+                assert r.status_code == 400, (raw, r.text)
             r = client.post("/v1/chat/completions", headers=AUTH, json={
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
             assert r.status_code == 200, r.text
@@ -175,10 +196,7 @@ def _fuzz_real(model_dir, tmp_path, examples: int) -> None:
 
             fuzz(schema, send, examples, skip=("/kv/abort",))
             assert srv.proc.poll() is None, srv.log_tail()
-            # found by the sampling property test: extreme but valid sampling values
-            for extra in ({"temperature": 1e-300}, {"temperature": 5e-324},
-                          {"temperature": 1.0, "top_p": 5e-324}, {"temperature": 1e308},
-                          {"temperature": 1.0, "top_k": 10**20, "seed": -(2**63)}):
+            for extra in EXTREME_VALID:
                 r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2,
                                                          **extra})
                 assert r.status_code == 200, (extra, r.text)

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -23,11 +22,14 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from kvpush.router.config import RouterConfig
-from kvpush.router.legs import Job, Legs, new_request_id, outcome_for
+from kvpush.router.intake import RETRY_AFTER_S, Admission, full_error, parse_body, read_body
+from kvpush.router.job import Job, new_request_id, outcome_for
+from kvpush.router.legs import Legs
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Pool, describe_error
+from kvpush.router.redact import scrub
 from kvpush.router.wire import client_kv_params_problem, relay_error
-from kvpush.server.app import MAX_BODY_BYTES, EventStreamResponse, unless_disconnected
+from kvpush.server.app import EventStreamResponse, unless_disconnected
 from kvpush.server.auth import APIKeyMiddleware, auth_header
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
 from kvpush.server.metrics import auth_rejected_counter
@@ -50,6 +52,9 @@ class Router:
         self.metrics = RouterMetrics(self.pool)
         self.auth_rejected = auth_rejected_counter(self.metrics.registry,
                                                    "kvpush_router_auth_rejected")
+        self.admission = Admission(cfg.max_outstanding_requests)
+        self.metrics.track_outstanding(lambda: self.admission.outstanding,
+                                       cfg.max_outstanding_requests)
         self.client: httpx.AsyncClient | None = None
         self.legs: Legs | None = None
         self._health: asyncio.Task | None = None
@@ -57,7 +62,9 @@ class Router:
     def make_client(self) -> httpx.AsyncClient:
         c = self.cfg
         return httpx.AsyncClient(
-            timeout=httpx.Timeout(c.request_timeout_s, connect=c.connect_timeout_s),
+            # every wait but connecting: the bound of an answer's start (each later read
+            # of a stream has its own, shorter bound: Legs.relay)
+            timeout=httpx.Timeout(c.first_byte_timeout_s, connect=c.connect_timeout_s),
             limits=httpx.Limits(max_connections=c.max_connections,
                                 max_keepalive_connections=min(256, c.max_connections),
                                 keepalive_expiry=KEEPALIVE_EXPIRY_S),
@@ -80,6 +87,12 @@ class Router:
             await self.client.aclose()
             raise
         self._health = asyncio.create_task(self.pool.health_loop(self.client))
+
+    def for_client(self, err: APIError) -> APIError:
+        """``err`` as a client may see it: no internal address or engine id (the log has
+        them)."""
+        err.message = scrub(err.message, self.pool.engine_ids())
+        return err
 
     async def close(self) -> None:
         if self._health is not None:
@@ -106,31 +119,27 @@ class RelayStream(EventStreamResponse):
             await self.on_close()
 
 
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 async def _handle(router: Router, request: Request,
                   kind: Literal["completion", "chat"]) -> Response:
     arrival = time.perf_counter()
     legs = router.legs
     assert legs is not None
+    if not router.admission.enter():
+        router.metrics.requests.labels(router.cfg.mode, "overloaded").inc()
+        return full_error(router.admission.limit).response(
+            headers={"Retry-After": str(RETRY_AFTER_S)})
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     job = Job(rid=new_request_id(), kind=kind, path=path, body={}, stream=False,
-              arrival=arrival, client_rid=request.headers.get("x-request-id"))
+              arrival=arrival, client_rid=request.headers.get("x-request-id"),
+              on_done=router.admission.leave)
     headers = {"X-Request-Id": job.rid}
     try:
         try:
-            raw = await request.body()
+            raw = await read_body(request)
         except ClientDisconnect:
             await legs.close(job, "abort", 499)
             return Response(status_code=499)
-        try:
-            body = json.loads(raw, parse_constant=_no_constant)
-        except ValueError as e:
-            raise APIError(f"could not parse the request body as JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError("the request body must be a JSON object")
+        body = parse_body(raw)
         refused = client_kv_params_problem(body)
         if refused:
             raise APIError(refused, status_code=403, param="kv_transfer_params",
@@ -144,7 +153,7 @@ async def _handle(router: Router, request: Request,
             err = internal_error()
         job.error = err.message
         await legs.close(job, outcome_for(err.status_code), err.status_code)
-        return err.response(headers=headers)
+        return router.for_client(err).response(headers=headers)
     if gone:
         await legs.close(job, "abort", 499)
         return Response(status_code=499)
@@ -174,8 +183,11 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
         finally:
             await router.close()
 
+    # no max_body_size: Starlette's limit answers text/plain; the handlers read bodies
+    # through kvpush.router.intake.read_body (an OpenAI-style 413) and no other route
+    # reads one
     app = FastAPI(title="kvpush router", summary="OpenAI-compatible P/D router",
-                  lifespan=lifespan, max_body_size=MAX_BODY_BYTES)
+                  lifespan=lifespan)
     app.state.router = router
     install_error_handlers(app)
     if router.cfg.api_key:
@@ -207,8 +219,11 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
                 continue
             if r.status_code == 200:
                 return Response(r.content, media_type="application/json")
-            return relay_error(r.status_code, r.content, "decode", inst)
-        why = "; ".join(tried) or "no healthy decode instance"
+            return relay_error(r.status_code, r.content, "decode", inst, "/v1/models",
+                               router.pool.engine_ids())
+        if tried:
+            logger.warning("/v1/models: no decode instance answered: %s", "; ".join(tried))
+        why = "no decode instance answered" if tried else "no healthy decode instance"
         return APIError(f"cannot list models: {why}", status_code=503).response()
 
     @app.get("/health")

@@ -25,8 +25,6 @@ def _instance(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-
-
 def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the `router` sub-command on ``subparsers`` (from add_subparsers)."""
     p = subparsers.add_parser(
@@ -87,9 +85,19 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "instance before giving up (default: 60)")
     t.add_argument("--connect-timeout", type=cli_types.seconds, default=5.0, metavar="SECONDS",
                    help="bound of connecting to an instance (default: 5)")
-    t.add_argument("--request-timeout", type=cli_types.seconds, default=600.0, metavar="SECONDS",
-                   help="bound of each wait on an instance's answer: headers, each chunk "
-                        "of a stream (default: 600)")
+    t.add_argument("--request-timeout", type=cli_types.seconds, default=60.0, metavar="SECONDS",
+                   help="bound of each read of an answer once it has started (a stream's "
+                        "chunks): a stream silent this long ends with an error (default: 60)")
+    t.add_argument("--first-byte-timeout", type=cli_types.seconds, default=600.0,
+                   metavar="SECONDS",
+                   help="bound of the wait for an instance's answer to start: a prefill leg "
+                        "(nothing comes before prefill is done), decode's first token, a "
+                        "whole non-streaming answer; a frozen or dead instance ends its "
+                        "legs sooner, at its first failed health check (default: 600)")
+    t.add_argument("--max-outstanding-requests", type=cli_types.positive_int, default=512,
+                   metavar="N",
+                   help="requests held at once; more are answered 429 with Retry-After "
+                        "(default: 512)")
     p.set_defaults(func=run_router, _router_parser=p)
     return p
 
@@ -115,8 +123,9 @@ def build_config(args: argparse.Namespace) -> Any:
         policy=args.policy, fallback_local_prefill=args.fallback_local_prefill,
         health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
         startup_timeout_s=args.startup_timeout, connect_timeout_s=args.connect_timeout,
-        request_timeout_s=args.request_timeout, api_key=resolve_api_key(args.api_key),
-        kv_secret=secret)
+        request_timeout_s=args.request_timeout, first_byte_timeout_s=args.first_byte_timeout,
+        max_outstanding_requests=args.max_outstanding_requests,
+        api_key=resolve_api_key(args.api_key), kv_secret=secret)
 
 
 def run_router(args: argparse.Namespace) -> int:

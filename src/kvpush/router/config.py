@@ -95,9 +95,20 @@ class RouterConfig:
     health_timeout_s: float = 2.0
     #: how long start-up waits for the instances to answer
     startup_timeout_s: float = 60.0
-    #: bound of each wait on an instance (connect, each read, write)
+    #: bound of connecting to an instance
     connect_timeout_s: float = 5.0
-    request_timeout_s: float = 600.0
+    #: bound of each read of an answer that has started (a stream's chunks): a stream
+    #: silent for this long is ended with an error
+    request_timeout_s: float = 60.0
+    #: bound of the wait for an answer to start: nothing comes before prefill is done
+    #: (a prefill leg; decode's headers, after its token #1) or before the whole answer
+    #: is ready (not streaming), which under load can take minutes on CPUs. Instances
+    #: that die or freeze meanwhile are noticed by the health checks, which end their
+    #: legs at once (kvpush.router.watch): this is a last resort only
+    first_byte_timeout_s: float = 600.0
+    #: requests held at once (arrival to the end of every leg); more get a 429. 512
+    #: requests of two legs each fit the 1024 connections without waiting for one
+    max_outstanding_requests: int = 512
     #: connections to all instances together (HTTP/1.1 keep-alive pool)
     max_connections: int = 1024
     #: clients must send ``Authorization: Bearer <api_key>``, and the router sends it to
@@ -131,7 +142,7 @@ class RouterConfig:
         if dup:
             raise RouterConfigError(f"instance listed twice: {', '.join(dup)}")
         for name in ("health_interval_s", "health_timeout_s", "startup_timeout_s",
-                     "connect_timeout_s", "request_timeout_s"):
+                     "connect_timeout_s", "request_timeout_s", "first_byte_timeout_s"):
             if not getattr(self, name) > 0:
                 raise RouterConfigError(f"{name} must be positive")
         if self.max_connections < 1:
@@ -139,6 +150,8 @@ class RouterConfig:
         if self.kv_secret is not None and len(self.kv_secret) < 16:
             raise RouterConfigError("the cluster secret must be at least 16 bytes "
                                     "(--kv-secret-file / KVPUSH_KV_SECRET)")
+        if self.max_outstanding_requests < 1:
+            raise RouterConfigError("max_outstanding_requests must be at least 1")
 
     @property
     def needs_prefill(self) -> bool:

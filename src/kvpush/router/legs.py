@@ -13,9 +13,14 @@ leg that hits a connection error takes the instance out of rotation at once, and
 again elsewhere where that is safe: a decode leg that could not connect (any mode); a
 prefill leg that failed in pull mode; in push mode, a prefill leg that failed before
 decode answered (decode's leg is cancelled and the pair starts again with a new transfer
-id). Every wait is bounded by the client's timeouts; a client that goes away cancels
-everything still running, which closes the connections, which makes the instances abort
-the request and free its blocks.
+id). Every wait on an instance is bounded (kvpush.router.config: the wait for an answer
+to start, then each read of a stream) and ends at once when a health check fails on that
+instance (kvpush.router.watch); a client that goes away cancels everything still
+running, which closes the connections, which makes the instances abort the request and
+free its blocks.
+
+Client-facing errors say "the decode instance" and name no host, port or engine id; the
+router's log names them, with the request id the client has as ``X-Request-Id``.
 """
 
 from __future__ import annotations
@@ -24,17 +29,24 @@ import asyncio
 import json
 import logging
 import time
-import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from fastapi.responses import Response
 
 from kvpush.router.config import RouterConfig
+from kvpush.router.job import Job, PrefillResult
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, describe_error
-from kvpush.router.wire import LegSigner, prefill_body, push_decode_params, relay_error
+from kvpush.router.redact import scrub
+from kvpush.router.watch import LegLost, LegWatch
+from kvpush.router.wire import (
+    ErrorFrames,
+    LegSigner,
+    prefill_body,
+    push_decode_params,
+    relay_error,
+)
 from kvpush.server.errors import APIError
 
 logger = logging.getLogger("kvpush.router")
@@ -47,57 +59,6 @@ CONNECTION_LOST = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError,
                    httpx.WriteError, httpx.RemoteProtocolError)
 
 
-@dataclass(eq=False)
-class Job:
-    """One client request and what happened to it (the request log line)."""
-
-    rid: str
-    kind: str  # "completion" | "chat"
-    path: str
-    body: dict[str, Any]
-    stream: bool
-    arrival: float
-    client_rid: str | None = None
-    mode: str = ""  # the path taken: push, pull, colocated, fallback
-    prefill: Instance | None = None
-    decode: Instance | None = None
-    transfer_id: str = ""
-    attempts: int = 0
-    p_leg_s: float | None = None
-    p_outcome: str = "-"
-    p_task: asyncio.Task | None = None
-    legs_sent: float | None = None  # push: both legs; pull: the prefill leg
-    d_sent: float | None = None
-    d_first_byte_s: float | None = None
-    first_byte: float | None = None
-    status: int = 0
-    outcome: str = ""
-    error: str | None = None
-    #: decode's open streaming answer and the instance it holds (closed by Legs.close)
-    upstream: httpx.Response | None = None
-    d_held: Instance | None = None
-    #: parts still running: the client's answer, plus a prefill leg draining after it
-    parts: int = 1
-    closed: bool = False
-    ended: float | None = None
-
-    def new_transfer_id(self) -> str:
-        self.attempts += 1
-        self.transfer_id = self.rid if self.attempts == 1 else f"{self.rid}-{self.attempts}"
-        return self.transfer_id
-
-
-@dataclass
-class PrefillResult:
-    status: int | None = None  # None: no HTTP answer
-    content: bytes = b""
-    content_type: str | None = None
-    error: str | None = None
-    never_sent: bool = False
-    lost: bool = False
-    timed_out: bool = False
-
-
 def _error_code(resp: httpx.Response) -> str | None:
     """The ``error.code`` of an OpenAI-style error body, if there is one."""
     try:
@@ -105,16 +66,6 @@ def _error_code(resp: httpx.Response) -> str | None:
     except (ValueError, AttributeError):
         return None
     return err.get("code") if isinstance(err, dict) else None
-
-
-def outcome_for(status: int) -> str:
-    if status == 200:
-        return "ok"
-    if status == 499:
-        return "abort"
-    if status == 503:
-        return "unavailable"
-    return "client_error" if status < 500 else "error"
 
 
 class Legs:
@@ -135,21 +86,28 @@ class Legs:
             job.mode = "colocated"
             return await self._single(job, job.body)
         if not self.pool.has_healthy("decode"):
-            raise APIError("no healthy decode instance: " + self._why_down("decode"),
-                           status_code=503)
+            raise self._unavailable(job, "decode")
         p = self.pool.pick("prefill")
         if p is None:
             if not self.cfg.fallback_local_prefill:
-                raise APIError("no healthy prefill instance: " + self._why_down("prefill"),
-                               status_code=503)
+                raise self._unavailable(job, "prefill")
             return await self._fallback(job)
         job.mode = self.cfg.mode
         if self.cfg.mode == "pull":
             return await self._pull(job, p)
         return await self._push(job, p)
 
-    def _why_down(self, role: str) -> str:
-        return "; ".join(f"{i.url}: {i.last_error}" for i in self.pool.by_role[role])
+    def _unavailable(self, job: Job, role: str) -> APIError:
+        why = "; ".join(f"{i.url}: {i.last_error}" for i in self.pool.by_role[role])
+        return self._fail(job, 503, f"no healthy {role} instance; try again shortly",
+                          f"no healthy {role} instance: {why}")
+
+    @staticmethod
+    def _fail(job: Job, status: int, message: str, detail: str) -> APIError:
+        """The client's error (``message``: no internal names), with ``detail`` (which
+        may name them) logged under the request id."""
+        logger.warning("request %s: %s", job.rid, detail)
+        return APIError(message, status_code=status)
 
     # ------------------------------------------------------------------ paths
 
@@ -158,8 +116,7 @@ class Legs:
         self._release_decode(job)
         d = self.pool.pick("decode")
         if d is None:
-            raise APIError("no healthy decode instance: " + self._why_down("decode"),
-                           status_code=503)
+            raise self._unavailable(job, "decode")
         job.decode = job.d_held = d
         return d
 
@@ -193,22 +150,25 @@ class Legs:
                     continue
                 if self.cfg.fallback_local_prefill:
                     return await self._fallback(job)
-                raise APIError(f"prefill instance {p.url} failed: {r.error}; no other "
-                               "healthy prefill instance", status_code=502)
+                raise self._fail(job, 502, f"the prefill instance failed ({r.error}) and no "
+                                 "other prefill instance is healthy",
+                                 f"prefill instance {p.url} failed: {r.error}")
             if r.timed_out:
-                raise APIError(f"prefill instance {p.url} timed out: {r.error}",
-                               status_code=504)
+                raise self._fail(job, 504, f"the prefill instance did not answer ({r.error})",
+                                 f"prefill instance {p.url} timed out: {r.error}")
             assert r.status is not None
             if r.status != 200:
-                return relay_error(r.status, r.content, "prefill", p)
+                return relay_error(r.status, r.content, "prefill", p, job.rid,
+                                   self.pool.engine_ids())
             try:
                 kv = json.loads(r.content).get("kv_transfer_params")
             except (ValueError, AttributeError):
                 kv = None
             if not isinstance(kv, dict):
-                raise APIError(f"prefill instance {p.url} answered without "
-                               "kv_transfer_params (is it a prefill instance in pull mode?)",
-                               status_code=502)
+                raise self._fail(job, 502, "the prefill instance answered without "
+                                 "kv_transfer_params (is it a prefill instance in pull "
+                                 "mode?)", f"prefill instance {p.url} answered without "
+                                 "kv_transfer_params")
             d = self._pick_decode(job)
             try:
                 result = await self._decode_leg(
@@ -310,8 +270,9 @@ class Legs:
         r = PrefillResult()
         outcome = "cancelled"
         try:
-            resp = await self.client.post(p.url + job.path, json=body,
-                                          headers={"X-Request-Id": tid})
+            with LegWatch(p.watches, "prefill leg"):  # nothing comes before prefill ends
+                resp = await self.client.post(p.url + job.path, json=body,
+                                              headers={"X-Request-Id": tid})
             r.status, r.content = resp.status_code, resp.content
             r.content_type = resp.headers.get("content-type")
             outcome = "ok" if resp.status_code == 200 else "http_error"
@@ -332,6 +293,8 @@ class Legs:
             r.error, r.timed_out, outcome = describe_error(e), True, "timeout"
         except httpx.HTTPError as e:  # e.g. a malformed answer
             r.error, r.lost, outcome = describe_error(e), True, "connection_error"
+        except LegLost as e:  # a health check failed on it meanwhile: out of rotation
+            r.error, r.lost, outcome = e.reason, True, "connection_error"
         finally:
             elapsed = time.perf_counter() - t0
             if job.prefill is p:
@@ -357,8 +320,9 @@ class Legs:
                 self._release_decode(job)
                 other = self.pool.pick("decode", tried)
                 if other is None:
-                    raise APIError(f"decode instance {d.url} unreachable ({why}) and no other "
-                                   "healthy decode instance", status_code=502) from None
+                    raise self._fail(job, 502, f"the decode instance could not be reached "
+                                     f"({why}) and no other decode instance is healthy",
+                                     f"decode instance {d.url} unreachable: {why}") from None
                 self.metrics.retries.labels("decode").inc()
                 job.decode = job.d_held = d = other
 
@@ -374,11 +338,12 @@ class Legs:
                                         headers={"X-Request-Id": tid})
         job.d_sent = time.perf_counter()
         try:
-            resp = await self.client.send(req, stream=True)
+            with LegWatch(d.watches, "decode's answer"):
+                resp = await self.client.send(req, stream=True)
         except NEVER_SENT:
             raise
         except BaseException as e:
-            err = self._decode_failure(d, e)
+            err = self._decode_failure(job, d, e)
             if err is e:
                 raise
             raise err from e
@@ -387,54 +352,82 @@ class Legs:
             return resp  # the relay owns it now; Legs.close() closes it
         self._first_byte(job)
         try:
-            content = await resp.aread()
+            with LegWatch(d.watches, "decode's answer", self.cfg.request_timeout_s):
+                content = await resp.aread()
         except BaseException as e:
-            err = self._decode_failure(d, e)
+            err = self._decode_failure(job, d, e)
             if err is e:
                 raise
             raise err from e
         finally:
             await self.close_upstream(job)
         if resp.status_code != 200:
-            return relay_error(resp.status_code, content, "decode", d)
+            return relay_error(resp.status_code, content, "decode", d, job.rid,
+                               self.pool.engine_ids())
         return Response(content, status_code=200,
                         media_type=resp.headers.get("content-type", "application/json"))
 
-    def _decode_failure(self, d: Instance, e: BaseException) -> BaseException:
+    def _decode_failure(self, job: Job, d: Instance, e: BaseException) -> BaseException:
+        """The client's error for a decode leg that failed with ``e`` (cancellation and
+        the like go through as they are)."""
+        where = f"decode instance {d.url} ({d.engine_id})"
+        if isinstance(e, LegLost):
+            return self._fail(job, 504 if e.timed_out else 502, e.reason, f"{where}: {e.reason}")
         if isinstance(e, CONNECTION_LOST):
             why = describe_error(e)
             self.pool.mark_failed(d, f"decode leg: {why}")
-            return APIError(f"decode instance {d.url} failed during the request: {why}",
-                            status_code=502)
+            return self._fail(job, 502, f"the decode instance failed during the request: "
+                              f"{why}", f"{where} failed during the request: {why}")
         if isinstance(e, httpx.TimeoutException):
-            return APIError(f"decode instance {d.url} timed out: {describe_error(e)}",
-                            status_code=504)
+            return self._fail(job, 504, f"the decode instance did not answer in time: "
+                              f"{describe_error(e)}", f"{where} timed out: {describe_error(e)}")
         if isinstance(e, httpx.HTTPError):
-            return APIError(f"decode instance {d.url} failed: {describe_error(e)}",
-                            status_code=502)
-        return e  # cancellation and the like go through as they are
+            return self._fail(job, 502, f"the decode instance failed: {describe_error(e)}",
+                              f"{where} failed: {describe_error(e)}")
+        return e
 
     # ------------------------------------------------------------------ streaming relay
 
     async def relay(self, job: Job, resp: httpx.Response):  # -> AsyncGenerator[bytes]
-        """Decode's SSE answer, chunk by chunk, as it comes."""
+        """Decode's SSE answer, frame by frame as it comes (error frames scrubbed). Each
+        read is bounded: the first by ``first_byte_timeout_s``, the others by
+        ``request_timeout_s``; a failed health check of decode ends it at once."""
+        d = job.decode
+        assert d is not None
+        frames = ErrorFrames(self.pool.engine_ids())
+        chunks = resp.aiter_bytes()
         try:
-            async for chunk in resp.aiter_bytes():
+            while True:
+                wait = (self.cfg.first_byte_timeout_s if job.first_byte is None
+                        else self.cfg.request_timeout_s)
+                with LegWatch(d.watches, "decode's stream", wait):
+                    chunk = await anext(chunks, None)
+                if chunk is None:
+                    break
                 if job.first_byte is None:
                     self._first_byte(job)
-                if b'data: {"error"' in chunk:
-                    job.error = job.error or "decode reported an error in its stream"
-                yield chunk
+                out = frames.feed(chunk)
+                if out:
+                    yield out
+            out = frames.flush()
+            if out:
+                yield out
+            if frames.errors:
+                job.error = job.error or f"decode reported an error in its stream: " \
+                                         f"{frames.errors[0]}"
             job.outcome = "error" if job.error else "ok"
-        except (httpx.HTTPError, OSError) as e:
-            d = job.decode
-            assert d is not None
-            err = self._decode_failure(d, e)
+        except (httpx.HTTPError, OSError, LegLost) as e:
+            err = self._decode_failure(job, d, e)
             job.outcome, job.error = "error", str(err)
             if isinstance(err, APIError):
+                err.message = scrub(err.message, self.pool.engine_ids())
                 yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
                 yield b"data: [DONE]\n\n"
         finally:
+            try:
+                await chunks.aclose()
+            except Exception:  # noqa: BLE001 - closing a broken stream
+                logger.debug("closing decode's stream of %s failed", job.rid, exc_info=True)
             await self.close(job, job.outcome or "abort")
 
     def _first_byte(self, job: Job) -> None:
@@ -491,6 +484,8 @@ class Legs:
         job.parts -= 1
         if job.parts == 0:
             self.log(job)
+            if job.on_done is not None:
+                job.on_done()
 
     @staticmethod
     def log(job: Job) -> None:
@@ -523,7 +518,3 @@ async def _cancel(task: asyncio.Task) -> None:
     caller's cancellation still propagates)."""
     task.cancel()
     await asyncio.wait({task})
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex

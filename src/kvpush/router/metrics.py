@@ -7,11 +7,12 @@ prefill instance, ``--fallback-local-prefill``: decode prefilled locally).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -25,8 +26,9 @@ from kvpush.server.metrics import E2E_BUCKETS, TTFT_BUCKETS
 
 #: client-facing outcomes: ok (200, whole answer relayed), client_error (4xx relayed),
 #: unavailable (503: no healthy instance, or an instance's own 503), error (5xx, a leg
-#: lost, an in-band stream error), abort (the client went away)
-OUTCOMES = ("ok", "client_error", "unavailable", "error", "abort")
+#: lost, an in-band stream error), abort (the client went away), overloaded (429: the
+#: router held --max-outstanding-requests already)
+OUTCOMES = ("ok", "client_error", "unavailable", "error", "abort", "overloaded")
 PATHS = ("push", "pull", "colocated", "fallback")
 #: how a prefill leg ended
 PREFILL_OUTCOMES = ("ok", "http_error", "connection_error", "timeout", "cancelled")
@@ -86,7 +88,17 @@ class RouterMetrics:
             "comes whole)", ["mode"], buckets=TTFT_BUCKETS, registry=r)
         self.retries = Counter("kvpush_router_retries", "Legs sent again to another "
                                "instance after a connection error", ["role"], registry=r)
+        self.outstanding = Gauge("kvpush_router_outstanding_requests",
+                                 "Requests held now: arrival to the end of every leg "
+                                 "(bounded by --max-outstanding-requests)", registry=r)
+        self.outstanding_limit = Gauge("kvpush_router_max_outstanding_requests",
+                                       "--max-outstanding-requests", registry=r)
         r.register(_PoolCollector(pool))
+
+    def track_outstanding(self, current: Callable[[], float], limit: int) -> None:
+        """Read the outstanding count from ``current`` at scrape time."""
+        self.outstanding.set_function(current)
+        self.outstanding_limit.set(limit)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

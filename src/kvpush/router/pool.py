@@ -8,7 +8,10 @@ the router uses it for (kvpush instances); an instance whose ``/kv/info`` answer
 instance that fails a check, or on which a request hits a connection error, leaves the
 rotation at once (but for one check in a row that only timed out: a busy instance, not
 a dead one); the next check that passes brings it back, with its identity read
-again (a restarted instance has a new engine id and side-channel port).
+again (a restarted instance has a new engine id and side-channel port). A failed check
+also ends every leg still waiting on the instance (kvpush.router.watch): a frozen
+instance keeps its connections open, and its legs would otherwise wait for their whole
+read timeout.
 
 All state is touched from the event loop only, so picks need no lock.
 """
@@ -25,6 +28,7 @@ from typing import Any
 import httpx
 
 from kvpush.router.config import Identity, InstanceSpec, RouterConfig, RouterConfigError
+from kvpush.router.watch import LegWatch, end_all
 
 logger = logging.getLogger("kvpush.router")
 
@@ -58,6 +62,8 @@ class Instance:
     checked_at: float = field(default=0.0)
     #: health checks in a row that timed out while the instance was in rotation
     slow_checks: int = 0
+    #: the legs waiting on it now (ended when a health check fails)
+    watches: set[LegWatch] = field(default_factory=set)
 
     @property
     def url(self) -> str:
@@ -209,18 +215,22 @@ class Pool:
                     self._down(inst, "/kv/info did not answer a JSON object")
                     return
         except (httpx.HTTPError, ValueError) as e:
-            if (isinstance(e, httpx.TimeoutException) and inst.healthy
-                    and inst.epoch == epoch and inst.slow_checks < SLOW_CHECKS_TOLERATED):
+            why = f"not answering: {describe_error(e)}"
+            if (isinstance(e, httpx.TimeoutException) and inst.epoch == epoch
+                    and inst.slow_checks < SLOW_CHECKS_TOLERATED):
                 # A busy instance may answer a check late (its event loop shares the
                 # CPU with the engine); one such check alone does not take it out of
-                # rotation. A refused connection, a bad answer or a failed request
-                # still does, at once.
+                # rotation, nor end its legs. A refused connection, a bad answer or a
+                # failed request still does, at once.
                 inst.slow_checks += 1
-                logger.warning("%s instance %s (%s) slow to answer a health check (%s); "
-                               "kept in rotation", inst.role, inst.url, inst.engine_id,
-                               describe_error(e))
+                if inst.healthy:
+                    logger.warning("%s instance %s (%s) slow to answer a health check "
+                                   "(%s); kept in rotation", inst.role, inst.url,
+                                   inst.engine_id, describe_error(e))
+                else:  # out already (a leg failed on it): it stays out
+                    inst.checked_at, inst.last_error = time.monotonic(), why
                 return
-            self._down(inst, f"not answering: {describe_error(e)}")
+            self._down(inst, why)
             return
         inst.slow_checks = 0
         inst.checked_at = time.monotonic()
@@ -254,6 +264,18 @@ class Pool:
             if not quiet:
                 logger.warning("%s instance %s (%s) out of rotation: %s", inst.role, inst.url,
                                inst.engine_id, why)
+        ended = end_all(inst.watches, f"the {inst.role} instance stopped answering "
+                                      f"(a health check failed: {why})")
+        if ended:
+            logger.warning("%s instance %s (%s): ended %d leg(s) in flight on it", inst.role,
+                           inst.url, inst.engine_id, ended)
+
+    def engine_ids(self) -> list[str]:
+        """Every engine id the pool knows (to keep them out of client-facing errors)."""
+        ids = {i.spec.explicit.engine_id for i in self.instances if i.spec.explicit}
+        ids.update(str(i.info["engine_id"]) for i in self.instances
+                   if i.info is not None and i.info.get("engine_id"))
+        return sorted(ids)
 
     async def check_all(self, client: httpx.AsyncClient) -> None:
         await asyncio.gather(*(self.check(client, i) for i in self.instances))

@@ -1,28 +1,42 @@
 """What the router puts on the wire: the prefill leg's body, push decode's
-``kv_transfer_params``, and an instance's error answer relayed to the client."""
+``kv_transfer_params``, and what of an instance's errors reaches the client (its error
+answer, the error frames of its stream), scrubbed of internal names."""
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
 from kvpush.router.pool import Instance
+from kvpush.router.redact import scrub, scrub_error
 from kvpush.server.errors import APIError
 
+logger = logging.getLogger("kvpush.router")
 
-def relay_error(status: int, content: bytes, role: str, inst: Instance) -> Response:
-    """An instance's non-200 answer for the client: its own JSON body and status (OpenAI
-    error shape from kvpush, vLLM's own shape from vLLM), or a 502 naming the instance."""
+
+def relay_error(status: int, content: bytes, role: str, inst: Instance, rid: str,
+                engine_ids: Sequence[str] = ()) -> Response:
+    """An instance's non-200 answer for the client: its status and its error in OpenAI's
+    shape (kvpush's own, or vLLM's converted) with internal addresses and engine ids
+    scrubbed (kvpush.router.redact), or a 502 when the body is no JSON error; the
+    router's log keeps the answer as it came, with the request id."""
+    snippet = content[:300].decode("utf-8", "replace").strip() or "(empty body)"
+    if status >= 500:
+        logger.warning("request %s: %s instance %s (%s) answered HTTP %d: %s", rid, role,
+                       inst.url, inst.engine_id, status, snippet)
     try:
         obj = json.loads(content)
     except ValueError:
         obj = None
-    if isinstance(obj, dict):
-        return JSONResponse(obj, status_code=status)
-    snippet = content[:200].decode("utf-8", "replace").strip() or "(empty body)"
-    return APIError(f"{role} instance {inst.url} answered HTTP {status}: {snippet}",
+    body = scrub_error(obj, status, engine_ids)
+    if body is not None:
+        return JSONResponse(body, status_code=status)
+    text = scrub(snippet[:200], engine_ids)
+    return APIError(f"the {role} instance answered HTTP {status}: {text}",
                     status_code=502 if status >= 500 else status).response()
 
 
@@ -51,6 +65,50 @@ def client_kv_params_problem(body: dict[str, Any]) -> str | None:
         return None
     return ("kv_transfer_params are cluster-internal: the router sets them for each leg, "
             "and a client may not send its own")
+
+
+class ErrorFrames:
+    """Decode's SSE stream on its way to the client, cut at frame ends (a frame split
+    over two chunks goes out whole, with the second), with each in-band error frame
+    (``data: {"error": ...}``) scrubbed. ``errors`` keeps their messages as they came,
+    for the router's log."""
+
+    def __init__(self, engine_ids: Sequence[str] = ()) -> None:
+        self.engine_ids = engine_ids
+        self.errors: list[str] = []
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of the stream so far can go to the client now."""
+        data = self._pending + chunk if self._pending else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._pending = data
+            return b""
+        self._pending = data[end + 2:]
+        return self._clean(data[:end + 2])
+
+    def flush(self) -> bytes:
+        """The rest, once the stream has ended."""
+        data, self._pending = self._pending, b""
+        return self._clean(data)
+
+    def _clean(self, data: bytes) -> bytes:
+        if b'data: {"error"' not in data:
+            return data
+        frames = data.split(b"\n\n")
+        for i, frame in enumerate(frames):
+            if not frame.startswith(b'data: {"error"'):
+                continue
+            try:
+                obj = json.loads(frame[6:])
+                self.errors.append(str(obj["error"].get("message")))
+            except (ValueError, AttributeError, TypeError, KeyError):
+                obj = None
+            body = scrub_error(obj, 500, self.engine_ids) or APIError(
+                "decode reported an error in its stream", status_code=500).body()
+            frames[i] = b"data: " + json.dumps(body).encode()
+        return b"\n\n".join(frames)
 
 
 def prefill_body(body: dict[str, Any], tid: str) -> dict[str, Any]:

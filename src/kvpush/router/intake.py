@@ -1,0 +1,152 @@
+"""What the router accepts from a client, at the door: the body size, JSON that the router
+can send on, and a bound on the requests it holds at once.
+
+* **Body size.** Bodies over ``MAX_BODY_BYTES`` (the instances' own limit) are a 413 in
+  OpenAI's error shape. Starlette's ``max_body_size`` is not used: it swaps any answer
+  to a request whose ``Content-Length`` is over the limit for a ``text/plain`` 413.
+* **JSON the legs can carry.** Python's parser accepts what its encoder refuses: numbers
+  that overflow a float (``1e999`` is ``inf``) and lone UTF-16 surrogates (``"\\ud800"``).
+  The instances answer 400 to both; the router, which re-encodes the body for each leg,
+  used to fail with a 500. :func:`parse_body` parses once and checks the body encodes,
+  naming the first field that does not.
+* **Outstanding requests.** :class:`Admission` counts requests from arrival until
+  everything they started is over (a push prefill leg may drain after the client's
+  answer); above ``--max-outstanding-requests`` a request is a 429 with ``Retry-After``
+  at once, before its body is read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import Any
+
+from fastapi import Request
+
+from kvpush.server.app import MAX_BODY_BYTES
+from kvpush.server.errors import APIError
+
+logger = logging.getLogger("kvpush.router")
+
+#: seconds a client is told to wait (``Retry-After``) when the router is full
+RETRY_AFTER_S = 1
+#: at most one "router full" warning per this many seconds (a flood must not fill the log)
+FULL_LOG_INTERVAL_S = 10.0
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, or a 413 as soon as it is known to exceed ``limit`` bytes (by its
+    ``Content-Length``, before reading; else while reading a chunked body). Raises
+    ``ClientDisconnect`` when the client goes away meanwhile."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(f"the request body is larger than {limit >> 20} MiB", status_code=413,
+                    code="request_too_large")
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The client's JSON object, which the router can encode again for its legs; a 400
+    (``param``: the first field at fault) otherwise."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise APIError("could not parse the request body as JSON: nested too deeply") from None
+    except ValueError as e:  # UnicodeDecodeError included
+        raise APIError(f"could not parse the request body as JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    try:
+        encode_json(body)
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+        path, why = _first_unencodable(body, "", 0) or ("", "cannot be encoded as JSON")
+        raise APIError(f"{path}: {why}" if path else why, param=path or None) from None
+    return body
+
+
+def encode_json(obj: Any) -> bytes:
+    """The JSON a leg carries: what httpx's ``json=`` makes (compact, UTF-8, no NaN)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"),
+                      allow_nan=False).encode("utf-8")
+
+
+def _first_unencodable(obj: Any, path: str, depth: int) -> tuple[str, str] | None:
+    """(field path, reason) of the first value JSON cannot carry, or None (on the error
+    path only: it walks the whole body)."""
+    if depth > 500:
+        return path, "nested too deeply"
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return path, "the number is out of range (not a finite number)"
+    if isinstance(obj, str) and not _is_unicode(obj):
+        return path, "a lone surrogate (such as \\ud800) is not valid Unicode text"
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if not _is_unicode(key):
+                return path, "a key holds a lone surrogate (not valid Unicode text)"
+            found = _first_unencodable(value, f"{path}.{key}" if path else key, depth + 1)
+            if found is not None:
+                return found
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            found = _first_unencodable(value, f"{path}[{i}]", depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class Admission:
+    """A bound on the requests the router holds at once (``--max-outstanding-requests``).
+
+    ``enter`` takes a place or returns False (the caller answers :func:`full_error`);
+    ``leave`` gives it back once everything the request started is over. Event loop
+    only: no lock."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.outstanding = 0
+        self._warned_at = -math.inf
+
+    def enter(self) -> bool:
+        if self.outstanding >= self.limit:
+            now = time.monotonic()
+            if now - self._warned_at >= FULL_LOG_INTERVAL_S:
+                self._warned_at = now
+                logger.warning("router full: %d requests outstanding "
+                               "(--max-outstanding-requests %d); answering 429",
+                               self.outstanding, self.limit)
+            return False
+        self.outstanding += 1
+        return True
+
+    def leave(self) -> None:
+        self.outstanding = max(0, self.outstanding - 1)
+
+
+def full_error(limit: int) -> APIError:
+    return APIError(f"the router is serving its limit of {limit} requests; try again shortly",
+                    status_code=429, code="too_many_requests")

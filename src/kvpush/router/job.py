@@ -1,0 +1,83 @@
+"""One client request through the router and what happened to it (the fields of its
+request log line), a prefill leg's result, and the outcome a status counts as."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvpush.router.pool import Instance
+
+
+@dataclass(eq=False)
+class Job:
+    """One client request and what happened to it (the request log line)."""
+
+    rid: str
+    kind: str  # "completion" | "chat"
+    path: str
+    body: dict[str, Any]
+    stream: bool
+    arrival: float
+    client_rid: str | None = None
+    mode: str = ""  # the path taken: push, pull, colocated, fallback
+    prefill: Instance | None = None
+    decode: Instance | None = None
+    transfer_id: str = ""
+    attempts: int = 0
+    p_leg_s: float | None = None
+    p_outcome: str = "-"
+    p_task: asyncio.Task | None = None
+    legs_sent: float | None = None  # push: both legs; pull: the prefill leg
+    d_sent: float | None = None
+    d_first_byte_s: float | None = None
+    first_byte: float | None = None
+    status: int = 0
+    outcome: str = ""
+    error: str | None = None
+    #: decode's open streaming answer and the instance it holds (closed by Legs.close)
+    upstream: httpx.Response | None = None
+    d_held: Instance | None = None
+    #: parts still running: the client's answer, plus a prefill leg draining after it
+    parts: int = 1
+    closed: bool = False
+    ended: float | None = None
+    #: called once everything the request started is over (frees its admission place)
+    on_done: Callable[[], None] | None = None
+
+    def new_transfer_id(self) -> str:
+        self.attempts += 1
+        self.transfer_id = self.rid if self.attempts == 1 else f"{self.rid}-{self.attempts}"
+        return self.transfer_id
+
+
+@dataclass
+class PrefillResult:
+    status: int | None = None  # None: no HTTP answer
+    content: bytes = b""
+    content_type: str | None = None
+    error: str | None = None
+    never_sent: bool = False
+    lost: bool = False
+    timed_out: bool = False
+
+
+def outcome_for(status: int) -> str:
+    if status == 200:
+        return "ok"
+    if status == 499:
+        return "abort"
+    if status == 503:
+        return "unavailable"
+    if status == 429:
+        return "overloaded"
+    return "client_error" if status < 500 else "error"
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
