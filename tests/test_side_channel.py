@@ -13,7 +13,7 @@ import zmq
 
 from kvpush.cluster.launcher import free_port as launcher_free_port
 from kvpush.kv_transfer.faults import FaultPlan
-from kvpush.kv_transfer.side_channel import ChannelAuth, SideChannel
+from kvpush.kv_transfer.side_channel import ChannelAuth, SideChannel, SideChannelError
 
 HOST = "127.0.0.1"
 
@@ -128,6 +128,28 @@ def test_send_to_missing_peer_never_blocks(channels):
     a.forget(nowhere)  # discard what was queued; sending again is bounded too
     assert a.send(nowhere, b"again")
     assert a.send("not-an-address", b"x") is False
+
+
+def test_dropped_sends_are_counted_by_reason_and_connect_errors_raise(channels):
+    """A full queue, a connection ZMQ cannot open and a closed channel each count under
+    their reason; ``connect`` raises with ZMQ's reason instead of dropping silently."""
+    a = channels(sndhwm=5)
+    nowhere = f"{HOST}:{free_port()}"
+    sent = [a.send(nowhere, b"x") for _ in range(50)]
+    assert sent.count(False) == a.stats.send_dropped_by_reason["queue_full"] >= 40
+    with pytest.raises(SideChannelError, match="Invalid argument"):
+        a.connect("-bogus:5000")  # passes kv_transfer_params' host check, not ZMQ's
+    with pytest.raises(SideChannelError, match="host:port"):
+        a.connect("not-an-address")
+    assert a.send("-bogus:5000", b"x") is False
+    assert a.stats.send_dropped_by_reason["connect_failed"] == 1
+    assert a.num_destinations == 1  # nowhere's; nothing left open by the failures
+    a.connect(nowhere)  # open already: a no-op
+    a.forget(nowhere)
+    assert a.num_destinations == 0 and not a._links.links
+    a.close()
+    assert a.send(nowhere, b"x") is False and a.stats.send_dropped_by_reason["closed"] == 1
+    assert a.stats.send_dropped == sum(a.stats.send_dropped_by_reason.values())
 
 
 SECRET = b"a shared secret of 32 bytes....."

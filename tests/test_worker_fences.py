@@ -33,6 +33,9 @@ class FakeChannel:
     def wake(self) -> None:
         pass
 
+    def connect(self, address: str) -> None:
+        pass
+
     def peer_gone(self, address: str) -> bool:
         return address in self.gone
 

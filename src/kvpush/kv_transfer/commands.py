@@ -134,8 +134,19 @@ class PeerReady:
 
 @dataclass(frozen=True, slots=True)
 class PeerRefused:
+    """The handshake with ``address`` failed or cannot be had now (either side refused,
+    no answer, no connection, the peer table full): ``reason`` says which."""
+
     address: str
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerEvicted:
+    """The transfer thread dropped ``address`` from its peer table (idle, or its place
+    was needed): a transfer with it handshakes again first (peers.py)."""
+
+    address: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,9 +238,10 @@ class DeadHoldExpired:
     by thread_death.py's timer, not by the transfer thread."""
 
 
-TransferEvent = (PeerReady | PeerRefused | Registered | PushDoneReceived | PullDoneReceived
-                 | AbortReceived | AbortAckReceived | AwaitingRegistration | WritesDone
-                 | ReadDone | LeaseExpired | FenceReleased | WorkerDied | DeadHoldExpired)
+TransferEvent = (PeerReady | PeerRefused | PeerEvicted | Registered | PushDoneReceived
+                 | PullDoneReceived | AbortReceived | AbortAckReceived | AwaitingRegistration
+                 | WritesDone | ReadDone | LeaseExpired | FenceReleased | WorkerDied
+                 | DeadHoldExpired)
 
 
 # ---- actions: connector -> engine ---------------------------------------------------------

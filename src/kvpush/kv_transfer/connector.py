@@ -253,7 +253,11 @@ class KVConnector:
             case c.PeerReady(address, hello):
                 self._peer_ready(address, hello)
             case c.PeerRefused(address, reason):
+                self.ctx.peers.pop(address, None)  # new requests wait for a handshake
                 receiver.on_peer_refused(address, reason)
+            case c.PeerEvicted(address):
+                self.ctx.peers.pop(address, None)
+                self.ctx.peer_layouts.pop(address, None)
             case c.Registered(reg) if self.role == "prefill":
                 sender.on_register(reg)
             case c.PushDoneReceived(done):

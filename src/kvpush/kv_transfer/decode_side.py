@@ -1,6 +1,8 @@
 """DecodeReceiver: the decode side of KV transfer, owned by KVConnector (shared state in
-context.py). It owns the transfers into this instance's blocks and the peers that
-refused us.
+context.py). It owns the transfers into this instance's blocks. Refusals are the
+transfer thread's (peers.py: matched to the peer that sent them, they expire): each
+``PeerRefused`` fails the transfers waiting on that peer, and a request for a peer still
+refused gets its own ``PeerRefused`` at once.
 
 A ``DecodeRecv`` per request: blocks are allocated when the scheduler can (prefix cache
 first); push then registers them with prefill, pull has the transfer thread post the
@@ -46,7 +48,6 @@ class DecodeReceiver:
         self.ctx = ctx
         self.recvs: dict[str, DecodeRecv] = {}  # tid -> transfer into our blocks
         self.pending: deque[str] = deque()  # tids waiting for blocks
-        self.refused: dict[str, str] = {}  # peer address -> why it refused us
         self._stalled = False
 
     def has_pending_work(self) -> bool:
@@ -113,7 +114,6 @@ class DecodeReceiver:
         return True
 
     def on_peer_refused(self, address: str, reason: str) -> None:
-        self.refused[address] = reason
         for recv in [r for r in self.recvs.values() if r.address == address]:
             self._recv_gone(recv, reason)
 
@@ -176,10 +176,6 @@ class DecodeReceiver:
             recv = self.recvs.get(tid)
             if recv is None:
                 self.pending.popleft()
-                continue
-            if recv.address in self.refused:
-                self.pending.popleft()
-                self._recv_failed(recv, self.refused[recv.address])
                 continue
             if recv.address not in self.ctx.peers:
                 skipped.append(self.pending.popleft())  # handshake still going

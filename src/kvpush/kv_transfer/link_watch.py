@@ -10,6 +10,9 @@ by the channel) makes a path that breaks drop too, eventually.
 
 What a link did is kept per address, also after the channel forgets the DEALER while
 the link is down: a peer seen gone stays gone until a connection to it is up again.
+Forgetting a link that never came up (an address nobody answered at) keeps nothing, and
+at most ``MAX_LINKS`` links no longer watched are remembered (oldest forgotten first), so
+that addresses tried once cannot grow this table without bound.
 Same thread as the channel (ZMQ sockets are not thread-safe).
 """
 
@@ -24,6 +27,9 @@ import zmq
 
 _EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 _ids = itertools.count()
+
+#: links remembered once their DEALER is closed (peers seen gone), oldest dropped first
+MAX_LINKS = 4096
 
 
 @dataclass
@@ -65,8 +71,12 @@ class LinkWatch:
                     sock.disable_monitor()
             mon.close(linger=0)
         link = self.links.get(address)
-        if forget and link is not None and link.up:
-            del self.links[address]
+        if forget and link is not None and (link.up or not link.ever_up):
+            del self.links[address]  # says nothing of the peer: it was never seen gone
+        if len(self.links) > MAX_LINKS:
+            for old in [a for a in self.links if a not in self._monitor_of][
+                    : len(self.links) - MAX_LINKS]:
+                del self.links[old]
 
     def owns(self, sock: object) -> bool:
         return sock in self._monitors

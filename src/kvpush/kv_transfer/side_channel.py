@@ -9,8 +9,14 @@ pairs, and a reply is ``send(sender, ...)``.
 Sending never blocks: DEALERs use ``linger=0``, a send high-water mark
 (``sndhwm`` messages queued per destination, including while it is still connecting)
 and ``zmq.NOBLOCK``. To a peer that is gone (or never existed) at most ``sndhwm``
-messages queue up; the rest are dropped and counted in ``stats.send_dropped``.
-:meth:`SideChannel.forget` closes a destination and discards what was queued for it.
+messages queue up; the rest are dropped and counted in ``stats.send_dropped`` (and by
+reason in ``stats.send_dropped_by_reason``: ``queue_full``, ``connect_failed``,
+``send_failed``, ``closed``). :meth:`SideChannel.connect` opens a destination's DEALER up front and
+raises :class:`SideChannelError` with ZMQ's reason when it cannot (a bad address, out
+of sockets); :meth:`SideChannel.forget` closes a destination and discards what was
+queued for it. Each destination costs three ZMQ sockets (the DEALER and its link
+monitor's pair) and their file descriptors until it is forgotten: the owner bounds
+them (the transfer thread's ``PeerTable``, peers.py).
 
 Receiving waits in ``zmq.Poller`` (in the kernel, no CPU) for at most ``timeout_ms``;
 :meth:`SideChannel.wake` (thread-safe, a byte on a pipe) makes a waiting ``recv``
@@ -68,6 +74,16 @@ MAX_BATCH = 4096  # messages returned by one recv at most
 #: Why an authenticating channel refused a message (``stats.rejected_by_reason`` keys).
 REJECT_REASONS = ("unsigned", "bad_signature", "replayed", "stale", "malformed")
 
+#: Why ``send`` dropped a message (``stats.send_dropped_by_reason`` keys): the
+#: destination's queue was full (peer gone or slow), its DEALER could not be opened
+#: (bad address, out of sockets), ZMQ refused the send otherwise, the channel was closed.
+SEND_DROP_REASONS = ("queue_full", "connect_failed", "send_failed", "closed")
+
+#: Longest wait (ms) between ZMQ's reconnection attempts to a destination that does not
+#: answer (it starts at ZMQ's 100 ms and doubles): an address nobody listens on costs a
+#: connection attempt per second at most, not ten.
+RECONNECT_IVL_MAX_MS = 1000
+
 _REJECT_HINTS = {
     "unsigned": "the peer has no side-channel secret configured while this instance has "
                 "one (--kv-secret-file / KVPUSH_KV_SECRET must be set on both)",
@@ -81,6 +97,10 @@ _REJECT_HINTS = {
 }
 
 _warned_unsigned_bind = False
+
+
+class SideChannelError(Exception):
+    """A destination's connection could not be opened (the message names ZMQ's reason)."""
 
 
 class ChannelAuth:
@@ -169,6 +189,12 @@ class SideChannelStats:
     link_drops: int = 0  # connections of ours to a peer seen to drop
     rejected_by_reason: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
+    send_dropped_by_reason: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(SEND_DROP_REASONS, 0))
+
+    def dropped(self, reason: str) -> None:
+        self.send_dropped += 1
+        self.send_dropped_by_reason[reason] += 1
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -252,6 +278,7 @@ class SideChannel:
         Never blocks. A fault-dropped message returns True (it is lost "on the wire").
         """
         if self._closed:
+            self.stats.dropped("closed")
             return False
         frames = [payload]
         if self.faults is not None:
@@ -271,6 +298,23 @@ class SideChannel:
             return True
         return False
 
+    def connect(self, address: str) -> None:
+        """Open the DEALER to ``address`` now (a no-op if it is open): raises
+        :class:`SideChannelError` naming the reason when it cannot be (a malformed
+        address, ZMQ out of sockets, the channel closed), where ``send`` would only
+        count the message dropped."""
+        if self._closed:
+            raise SideChannelError("the side channel is closed")
+        try:
+            self._dealer(address)
+        except (zmq.ZMQError, ValueError) as e:
+            raise SideChannelError(f"{type(e).__name__}: {e}") from e
+
+    @property
+    def num_destinations(self) -> int:
+        """Destinations with an open DEALER (three ZMQ sockets each)."""
+        return len(self._dealers)
+
     def forget(self, address: str) -> None:
         """Close the DEALER to ``address``, discarding messages still queued for it."""
         self._streams.pop(address, None)
@@ -289,6 +333,7 @@ class SideChannel:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, self._sndhwm)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
             sock.setsockopt(zmq.ROUTING_ID, self._identity)
             if self._keepalive is not None:
                 idle, interval, count = self._keepalive
@@ -301,7 +346,12 @@ class SideChannel:
             except zmq.ZMQError:
                 sock.close(linger=0)
                 raise
-            sock.connect(f"tcp://{host}:{port}")
+            try:
+                sock.connect(f"tcp://{host}:{port}")
+            except zmq.ZMQError:
+                self._links.detach(sock, address, forget=True)
+                sock.close(linger=0)
+                raise
             self._dealers[address] = sock
         return sock
 
@@ -322,6 +372,13 @@ class SideChannel:
     def _send_now(self, address: str, frames: list[bytes]) -> bool:
         try:
             sock = self._dealer(address)
+        except (zmq.ZMQError, ValueError) as e:
+            self.stats.dropped("connect_failed")
+            self._log_limited("connect_failed", "side channel %s cannot open a connection to "
+                              "%r (%s so far): %s", self.address, address[:80],
+                              self.stats.send_dropped_by_reason["connect_failed"], e)
+            return False
+        try:
             if self.auth is not None:  # signed as it goes out: counters follow wire order
                 stream = self._streams.get(address)
                 if stream is None:
@@ -329,13 +386,23 @@ class SideChannel:
                 frames = [frames[0], self.auth.seal(self._identity, stream[0],
                                                     next(stream[1]), frames[0])]
             sock.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            self.stats.send_dropped += 1
+        except zmq.Again:  # the destination's queue (sndhwm) is full
+            self.stats.dropped("queue_full")
             return False
-        except (zmq.ZMQError, ValueError):
-            self.stats.send_dropped += 1
+        except zmq.ZMQError as e:
+            self.stats.dropped("send_failed")
+            self._log_limited("send_failed", "side channel %s could not send to %r: %s",
+                              self.address, address[:80], e)
             return False
         return True
+
+    def _log_limited(self, key: str, msg: str, *args: object) -> None:
+        """log.error at most once per ``key`` per 10 s: a flood must not fill the log."""
+        now = time.monotonic()
+        if now - self._last_log.get(key, -1e9) < 10.0:
+            return
+        self._last_log[key] = now
+        log.error(msg, *args)
 
     def _flush_outbox(self) -> None:
         now = time.monotonic()

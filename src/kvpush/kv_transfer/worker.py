@@ -15,6 +15,9 @@ step slower where the thread shares the cores with the forward pass (each wake t
 GIL and a core from it; docs/MEASURED.md). It never spins (on CUDA it sleeps on a
 blocking CUDA event until a layer group's KV is written).
 
+Its peers and their handshakes are a ``PeerTable`` (peers.py), bounded in size, swept
+for unanswered handshakes, expired refusals and idle peers on the heartbeat period.
+
 Per transfer it keeps a lease: a deadline renewed by the peer's heartbeats (or any
 message about the transfer). An expired lease becomes a ``LeaseExpired`` event for the
 engine and an ``Abort`` for the peer. Commands and events are the typed ones of
@@ -43,6 +46,15 @@ from dataclasses import dataclass, field
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.fences import DEFAULT_FENCE_TIMEOUT_S, FenceKeeper
+from kvpush.kv_transfer.peers import (  # Peer re-exported: tests place peers
+    DROP_REASONS,
+    EVICT_REASONS,
+    MAX_PEERS,
+    STATES,
+    Peer,
+    PeerTable,
+)
+from kvpush.kv_transfer.side_channel import SEND_DROP_REASONS
 from kvpush.kv_transfer.timeline import HandoffTimeline
 from kvpush.kv_transfer.transport import KVTransport, TransferPostError, XferState
 
@@ -52,19 +64,10 @@ MAX_ABORTED_REMEMBERED = 4096
 
 log = logging.getLogger(__name__)
 
-@dataclass
-class Peer:
-    address: str
-    hello: m.Hello | None = None  # the peer's Hello once received
-    agent: str | None = None
-    sent_hello: bool = False
-    refused: str | None = None
-    queued: list[m.Message] = field(default_factory=list)
+__all__ = ["Peer", "TransferWorker"]
 
-    @property
-    def ready(self) -> bool:
-        return self.agent is not None and self.refused is None
-
+#: ``side_channel_send_dropped_<reason>`` counters: the channel's reasons and the table's
+SEND_DROPPED = tuple(dict.fromkeys((*SEND_DROP_REASONS, *DROP_REASONS)))
 
 @dataclass
 class Lease:
@@ -111,7 +114,13 @@ class TransferWorker:
         heartbeat_interval_s: float,
         busy_poll_s: float = 0.001,
         fence_timeout_s: float = DEFAULT_FENCE_TIMEOUT_S,
+        *,
+        max_peers: int = MAX_PEERS,
+        peer_idle_timeout_s: float | None = None,
     ):
+        """Peers (peers.py): a handshake is given up and a refusal expires after a lease
+        period; a ready peer no transfer uses is dropped after ``peer_idle_timeout_s``
+        (default: four lease periods); at most ``max_peers``."""
         self.hello = hello
         self.channel = channel
         #: used by this thread only once it runs (posts, states, progress, peers)
@@ -123,11 +132,16 @@ class TransferWorker:
         # prefill of a push: decode's blocks are written by us, Aborts are answered
         self._writer = hello.role == "prefill" and hello.kv_transfer == "push"
         self.commands: queue.SimpleQueue[c.Command] = queue.SimpleQueue()
-        self.peers: dict[str, Peer] = {}
+        self.peers = PeerTable(
+            hello, channel, transport, post_event, self._dispatch,
+            handshake_timeout_s=lease_timeout_s, refusal_ttl_s=lease_timeout_s,
+            idle_timeout_s=(peer_idle_timeout_s if peer_idle_timeout_s is not None
+                            else 4 * lease_timeout_s),
+            busy=self._busy_addresses, max_peers=max_peers)
         self.leases: dict[str, Lease] = {}
         self.writes: dict[str, WriteGroup] = {}
         #: decode: pushes whose blocks wait for prefill's word (fences.py)
-        self.fences = FenceKeeper(channel, post_event, self._peer_is_ready,
+        self.fences = FenceKeeper(channel, post_event, self.peers.is_ready,
                                   lease_timeout_s, fence_timeout_s)
         #: transfers whose WRITEs are over: aborted (a lease-expiry Abort sent to the
         #: peer, or decode's Abort received) or finished (PushDone/AbortAck sent). A
@@ -142,9 +156,12 @@ class TransferWorker:
         # every key exists from the start: other threads read this dict (metrics)
         self.counters = {"leases_expired": 0, "transfers_failed": 0, "messages_bad": 0,
                          "writes_refused": 0}
-        self._rejected = getattr(getattr(channel, "stats", None), "rejected_by_reason", {})
+        stats = getattr(channel, "stats", None)
+        self._rejected = getattr(stats, "rejected_by_reason", {})
+        self._send_dropped = getattr(stats, "send_dropped_by_reason", {})
         for reason in self._rejected:
             self.counters[f"side_channel_rejected_{reason}"] = 0
+        self._sync_peer_counters()
         self._next_heartbeat = 0.0
         #: per-transfer stage stamps (the connector's, timeline.py); None: not kept
         self.timeline: HandoffTimeline | None = None
@@ -198,9 +215,13 @@ class TransferWorker:
                     self.counters[f"side_channel_rejected_{reason}"] = n
                 self._poll_transfers()
                 now = time.monotonic()
-                if now >= self._next_heartbeat:
+                beat = now >= self._next_heartbeat
+                if beat:
                     self._heartbeat(now)
                 self._expire(now)
+                if beat:  # after the leases: a request ends on its lease first
+                    self.peers.sweep(now)
+                    self._sync_peer_counters()  # (metrics: a heartbeat period late at most)
             if not self._stop_requested:  # a Stop the engine did not send
                 why = "the transfer thread ended without being asked to stop"
         except BaseException as e:  # noqa: BLE001 - any end of the loop is a death
@@ -242,7 +263,7 @@ class TransferWorker:
         if fence_due is not None:
             t = min(t, fence_due - now)
         # keep the transport progressing while peers may be setting up connections
-        return max(0.0, min(t, 0.02 if self.peers else 0.2))
+        return max(0.0, min(t, 0.02 if self.peers.has_ready() else 0.2))
 
     def _drain_commands(self) -> bool:
         while True:
@@ -287,34 +308,30 @@ class TransferWorker:
                 raise TypeError(f"not a transfer command: {cmd!r}")
 
     # ---- peers and messages ----------------------------------------------------------
-    def _peer_is_ready(self, address: str) -> bool:
-        peer = self.peers.get(address)
-        return peer is not None and peer.ready
+    def _busy_addresses(self) -> set[str]:
+        """Peers that transfers still use (leases, WRITEs, READs, fences): never idle."""
+        busy = {lease.address for lease in self.leases.values() if lease.address}
+        busy.update(group.address for group in self.writes.values())
+        busy.update(read.address for read in self.reads.values())
+        busy.update(fence.address for fence in self.fences.fences.values())
+        return busy
 
-    def _peer(self, address: str) -> Peer:
-        peer = self.peers.get(address)
-        if peer is None:
-            peer = self.peers[address] = Peer(address)
-        return peer
+    def _sync_peer_counters(self) -> None:
+        """The peer table's and the channel's figures into ``counters`` (metrics)."""
+        table = self.peers
+        for reason in SEND_DROPPED:
+            self.counters[f"side_channel_send_dropped_{reason}"] = (
+                self._send_dropped.get(reason, 0) + table.dropped.get(reason, 0))
+        for reason in EVICT_REASONS:
+            self.counters[f"side_channel_peers_evicted_{reason}"] = table.evicted[reason]
+        for state, n in (table.counts() if table else dict.fromkeys(STATES, 0)).items():
+            self.counters[f"side_channel_peers_{state}"] = n
 
     def _send(self, address: str, msg: m.Message) -> None:
-        peer = self._peer(address)
-        if not isinstance(msg, m.Hello | m.HelloRefused) and not peer.ready:
-            if peer.refused:
-                return
-            peer.queued.append(msg)
-            self._ensure_peer(address)
-            return
-        self.channel.send(address, m.encode(msg))
+        self.peers.send(address, msg)
 
     def _ensure_peer(self, address: str) -> None:
-        peer = self._peer(address)
-        if peer.ready or peer.sent_hello or peer.refused:
-            if peer.refused:
-                self.post_event(c.PeerRefused(address, peer.refused))
-            return
-        peer.sent_hello = True
-        self.channel.send(address, m.encode(self.hello))
+        self.peers.ensure(address)
 
     def receive(self, payload: bytes, sender: str = "") -> None:
         """Handle one side-channel frame from ``sender`` (a peer's message)."""
@@ -325,54 +342,26 @@ class TransferWorker:
             log.warning("dropped a malformed side-channel frame (%d bytes)", len(payload))
             return
         try:
-            if isinstance(msg, m.Abort):
-                self._on_abort(msg, sender)
-            else:
-                getattr(self, "_on_" + type(msg).__name__)(msg)
+            if sender:
+                self.peers.touch(sender)
+            if isinstance(msg, m.PushRegister) and sender and self.peers.hold(sender, msg):
+                return  # delivered once the sender's Hello is in (it was evicted here)
+            self._dispatch(msg, sender)
         except Exception:  # a peer's message must never kill the transfer thread
             self.counters["messages_bad"] += 1
             log.exception("dropped a side-channel %s that could not be handled",
                           type(msg).__name__)
 
-    def _on_Hello(self, msg: m.Hello) -> None:
-        peer = self._peer(msg.address)
-        problems = m.compatibility_problems(self.hello, msg)
-        if problems:
-            reason = f"peer {msg.engine_id} at {msg.address} is incompatible: " + "; ".join(
-                problems
-            )
-            peer.refused = reason
-            self.channel.send(msg.address, m.encode(m.HelloRefused(self.hello.engine_id, reason)))
-            log.error(reason)
-            self.post_event(c.PeerRefused(msg.address, reason))
-            return
-        try:
-            peer.agent = self.transport.add_peer(msg.agent_metadata)
-        except Exception as e:  # noqa: BLE001 - the peer's metadata, not our state
-            reason = f"peer {msg.engine_id} at {msg.address} sent unusable transport " \
-                     f"metadata: {e}"
-            peer.refused = reason
-            self.channel.send(msg.address, m.encode(m.HelloRefused(self.hello.engine_id, reason)))
-            log.error(reason)
-            self.post_event(c.PeerRefused(msg.address, reason))
-            return
-        peer.hello = msg
-        if not msg.reply:
-            reply = m.Hello(**{**_fields(self.hello), "reply": True})
-            self.channel.send(msg.address, m.encode(reply))
-            peer.sent_hello = True
-        queued, peer.queued = peer.queued, []
-        for q in queued:
-            self.channel.send(msg.address, m.encode(q))
-        self.post_event(c.PeerReady(msg.address, msg))
-
-    def _on_HelloRefused(self, msg: m.HelloRefused) -> None:
-        # which peer? the one(s) we said Hello to and have not heard from
-        for peer in self.peers.values():
-            if peer.sent_hello and not peer.ready and not peer.refused:
-                peer.refused = msg.reason
-                peer.queued.clear()
-                self.post_event(c.PeerRefused(peer.address, msg.reason))
+    def _dispatch(self, msg: m.Message, sender: str) -> None:
+        if isinstance(msg, m.Abort):
+            self._on_abort(msg, sender)
+        elif isinstance(msg, m.Hello):
+            if not self.peers.on_hello(msg, sender):
+                self.counters["messages_bad"] += 1
+        elif isinstance(msg, m.HelloRefused):
+            self.peers.on_refused(msg, sender)
+        else:
+            getattr(self, "_on_" + type(msg).__name__)(msg)
 
     def _renew(self, tid: str) -> None:
         lease = self.leases.get(tid)
@@ -552,6 +541,15 @@ class TransferWorker:
     def _post_read(self, tid: str, address: str, local: c.Ranges, remote: c.Ranges) -> None:
         peer = self.peers.get(address)
         read = PostedRead(tid, address, len(local), sum(n for _, n in local))
+
+        def when_ready(why: str | None) -> None:  # its handshake (again, after eviction)
+            if why is None:
+                self._post_read(tid, address, local, remote)
+            else:
+                self._read_ended(read, False, why, notify=False)
+
+        if peer is not None and not peer.ready and self.peers.defer(address, when_ready):
+            return
         if peer is None or not peer.ready:
             self._read_ended(read, False, f"no connection to prefill instance at {address}")
             return
@@ -566,10 +564,13 @@ class TransferWorker:
         self.reads[handle] = read
         self._check_now(handle)
 
-    def _read_ended(self, read: PostedRead, ok: bool, error: str | None) -> None:
+    def _read_ended(self, read: PostedRead, ok: bool, error: str | None,
+                    notify: bool = True) -> None:
+        """``notify``: tell prefill (PullDone); not when no handshake with it came off."""
         if not ok:
             self.counters["transfers_failed"] += 1
-        self._send(read.address, m.PullDone(read.tid, ok=ok))
+        if notify:
+            self._send(read.address, m.PullDone(read.tid, ok=ok))
         self.post_event(c.ReadDone(read.tid, ok, error, read.num_descriptors,
                                    read.num_bytes, read.post_s))
 
@@ -617,6 +618,3 @@ class TransferWorker:
             self.post_event(c.LeaseExpired(tid))
         self.fences.expire(now)
 
-
-def _fields(s) -> dict:
-    return {f: getattr(s, f) for f in s.__struct_fields__}

@@ -125,15 +125,29 @@ class _TransferCollector(Collector):
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(st.get(key, 0)))
-        rejected = CounterMetricFamily(
-            "kvpush_kv_side_channel_rejected", "Side-channel messages refused by the "
-            "shared-secret check (unsigned, bad_signature, replayed, stale, malformed)",
-            labels=["reason"])
-        prefix = "worker_side_channel_rejected_"
-        for key, value in st.items():
-            if key.startswith(prefix):
-                rejected.add_metric([key[len(prefix):]], float(value))
-        yield rejected
+        yield _labelled(CounterMetricFamily, st, "worker_side_channel_rejected_",
+                        "kvpush_kv_side_channel_rejected", "Side-channel messages refused by "
+                        "the shared-secret check (unsigned, bad_signature, replayed, stale, "
+                        "malformed)", "reason")
+        yield _labelled(CounterMetricFamily, st, "worker_side_channel_send_dropped_",
+                        "kvpush_kv_side_channel_send_dropped",
+                        "Side-channel messages not sent: the peer's queue was full "
+                        "(queue_full), its connection could not be opened "
+                        "(connect_failed), ZMQ refused it (send_failed), the channel was "
+                        "closed (closed), the peer refused us or we it (peer_refused), the "
+                        "peer table was full (peer_table_full), its handshake was given up "
+                        "(handshake_timeout) or its handshake queue was full "
+                        "(handshake_queue_full)", "reason")
+        yield _labelled(CounterMetricFamily, st, "worker_side_channel_peers_evicted_",
+                        "kvpush_kv_side_channel_peers_evicted",
+                        "Side-channel peers dropped from the peer table (their sockets "
+                        "closed): handshake never answered (handshake_timeout), idle, "
+                        "refusal expired, or their place needed for a new peer (room)",
+                        "reason")
+        yield _labelled(GaugeMetricFamily, st, "worker_side_channel_peers_",
+                        "kvpush_kv_side_channel_peers",
+                        "Side-channel peers in the peer table, by state", "state",
+                        only=("handshake", "ready", "refused"))
         gauges = {
             "kvpush_kv_sends_in_flight": ("Prefill-side transfers in flight", "sends_in_flight"),
             "kvpush_kv_recvs_in_flight": ("Decode-side transfers in flight", "recvs_in_flight"),
@@ -144,6 +158,16 @@ class _TransferCollector(Collector):
         }
         for name, (doc, key) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=float(st.get(key, 0)))
+
+
+def _labelled(kind, st: dict, prefix: str, name: str, doc: str, label: str,
+              only: tuple[str, ...] | None = None) -> Metric:
+    """One labelled family from the ``<prefix><label value>`` keys of ``st``."""
+    family = kind(name, doc, labels=[label])
+    for key, value in st.items():
+        if key.startswith(prefix) and (only is None or key[len(prefix):] in only):
+            family.add_metric([key[len(prefix):]], float(value))
+    return family
 
 
 # Per-transfer figures: sub-ms on RDMA/loopback to seconds under load.
