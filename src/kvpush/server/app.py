@@ -2,7 +2,9 @@
 
 The engine is injected, so tests run the real app on a fake engine. Request handling:
 parse (strictly, OpenAI error shapes) -> tokenize -> validate against the context ->
-``engine.generate`` -> JSON body or SSE stream. Whatever way a request ends (finished,
+``engine.generate`` -> JSON body or SSE stream. A large body (or a chat with many
+messages) is parsed and tokenized on a worker thread, never on the event loop
+(kvpush.server.chat.INLINE_BODY_BYTES). Whatever way a request ends (finished,
 client gone, server error), its engine generator is closed, which makes the engine abort
 the request and free its KV blocks.
 """
@@ -33,10 +35,8 @@ from kvpush.server.errors import APIError, install_error_handlers, internal_erro
 from kvpush.server.metrics import RequestTimer, ServerMetrics
 from kvpush.server.openapi import install_openapi, request_body
 from kvpush.server.protocol import (
-    ChatCompletionRequest,
     ChatFormat,
     CompletionFormat,
-    CompletionRequest,
     Format,
     Job,
     ModelCard,
@@ -186,14 +186,9 @@ class _Server:
                 body = await request.body()
             except ClientDisconnect:
                 return Response(status_code=499)
-            if kind == "chat":
-                chat_req = ChatCompletionRequest.model_validate_json(body)
-                rid = self._request_id(request, "chatcmpl")
-                job = await self.prompts.chat(chat_req, rid, arrival)
-            else:
-                cmpl_req = CompletionRequest.model_validate_json(body)
-                rid = self._request_id(request, "cmpl")
-                job = await self.prompts.completion(cmpl_req, rid, arrival)
+            req = await self.prompts.parse(kind, body)
+            rid = self._request_id(request, "chatcmpl" if kind == "chat" else "cmpl")
+            job = await self.prompts.job(req, rid, arrival, len(body))
             if not self.engine.is_healthy():
                 raise APIError("the engine is not running; the server cannot serve requests",
                                status_code=503)
