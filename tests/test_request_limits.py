@@ -1,23 +1,29 @@
-"""Limits that keep one request from holding up the others (issue 30, finding 5):
+"""Limits that keep one request from holding up the others (issue 30, findings 5 and 8):
 a body's size and message count decide off-loop parsing and tokenizing, and both are
 capped; stop_token_ids, stop strings and logit_bias are capped, stop_token_ids kept as a
-frozenset.
+frozenset; a bound on waiting requests answers 429, and a P/D pair refused that way
+leaves every block free on both instances.
 
 The server runs on the fake engine (tests/fake_engine.py) in a real uvicorn on
-127.0.0.1. Every wait is bounded and everything started here is stopped here.
+127.0.0.1; one test runs a real push pair behind the router. Every wait is bounded and
+everything started here is stopped here.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from fake_engine import FakeEngine, make_test_model
+from kvpush.config import KVTransferConfig
 from kvpush.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_STR_CHARS,
@@ -26,8 +32,11 @@ from kvpush.sampling_params import (
     SamplingParams,
     SamplingParamsError,
 )
+from kvpush.server import admission
 from kvpush.server.app import build_app
+from kvpush.server.cli import DEFAULT_MAX_WAITING_REQUESTS
 from kvpush.server.protocol import MAX_CHAT_MESSAGES
+from router_helpers import RouterThread, metric_value, start_instances
 from server_helpers import uvicorn_server
 
 pytestmark = pytest.mark.timeout(120)
@@ -176,3 +185,153 @@ def test_stop_token_ids_capped_and_kept_as_a_frozenset(model: tuple[Any, Any]) -
     assert SamplingParams(stop_token_ids=(5, 5, 7)).stop_token_ids == frozenset({5, 7})
     with pytest.raises(SamplingParamsError):
         SamplingParams(stop_token_ids=(-1,))
+
+
+# ---- finding 8 (the instance's half): a bound on waiting requests ----------------------
+
+def _engine_for(model: tuple[Any, Any], role: str = "both", mode: str = "push"
+                ) -> FakeEngine:
+    config, tokenizer = model
+    config = dataclasses.replace(config, kv_transfer=KVTransferConfig(role=role, mode=mode))
+    # no first token for 60 s unless aborted: requests stay "waiting" until the test ends
+    return FakeEngine(config, tokenizer, token_delay=60.0)
+
+
+def test_waiting_bound_answers_429(model: tuple[Any, Any]) -> None:
+    """With --max-waiting-requests 2 and two requests waiting for their first token, a
+    third is refused at once with a 429 in OpenAI's shape (Retry-After, counted in
+    /metrics); once the two are gone every block is free and requests are admitted."""
+    assert admission.DEFAULT_MAX_WAITING_REQUESTS == DEFAULT_MAX_WAITING_REQUESTS
+    engine = _engine_for(model)
+    body = {"prompt": "hello world", "max_tokens": 4}
+
+    async def run(url: str) -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def wait_for_first_token(i: int) -> int:
+                async with client.stream("POST", url + C, json={**body, "stream": True},
+                                         headers={"X-Request-Id": f"wait-{i}"}) as r:
+                    return r.status_code
+
+            waiting = [asyncio.create_task(wait_for_first_token(i)) for i in range(2)]
+            deadline = time.monotonic() + 20
+            while len(engine.active) < 2:
+                assert time.monotonic() < deadline, "the two requests did not start"
+                assert not any(t.done() for t in waiting)
+                await asyncio.sleep(0.01)
+            t0 = time.perf_counter()
+            r = await client.post(url + C, json=body)
+            err = assert_error(r, 429, code="queue_full")
+            assert err["type"] == "rate_limit_error"
+            assert r.headers["retry-after"] == "1"
+            assert time.perf_counter() - t0 < 10
+            metrics = (await client.get(url + "/metrics")).text
+            assert metric_value(metrics, "kvpush_http_queue_full_total") == 1
+            assert metric_value(metrics, "kvpush_http_requests_waiting") == 2
+            assert metric_value(metrics, "kvpush_http_max_waiting_requests") == 2
+            assert 'kvpush_requests_total{outcome="rejected"} 1.0' in metrics
+            assert len(engine.requests) == 2  # the refused one never reached the engine
+            for t in waiting:  # the clients go away: their requests are aborted
+                t.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+            deadline = time.monotonic() + 20
+            while engine.active or engine.free_blocks != engine.num_blocks:
+                assert time.monotonic() < deadline, "blocks not freed"
+                await asyncio.sleep(0.01)
+            metrics = (await client.get(url + "/metrics")).text
+            assert metric_value(metrics, "kvpush_http_requests_waiting") == 0
+            engine.token_delay = 0.001
+            r = await client.post(url + C, json=body)
+            assert r.status_code == 200, r.text
+
+    with uvicorn_server(build_app(engine, max_waiting_requests=2)) as url:
+        asyncio.run(run(url))
+    assert engine.free_blocks == engine.num_blocks and not engine.active
+
+
+@pytest.mark.parametrize(("role", "mode", "kv"), [
+    ("prefill", "push", {"do_remote_decode": True, "transfer_id": "t"}),
+    ("decode", "pull", {"do_remote_prefill": True, "transfer_id": "t",
+                        "remote_host": "127.0.0.1", "remote_port": 9,
+                        "remote_block_ids": [0]}),
+])
+def test_second_leg_of_a_pair_is_admitted_over_the_bound(model: tuple[Any, Any], role: str,
+                                                         mode: str, kv: dict) -> None:
+    """A push prefill leg (decode holds blocks for it) and a pull decode leg (prefill
+    lent it blocks) are admitted over the bound; a plain request is refused."""
+    engine = _engine_for(model, role, mode)
+    body = {"prompt": "hello world", "max_tokens": 1}
+
+    async def run(url: str) -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def first_leg() -> int:
+                async with client.stream("POST", url + C, json={**body, "stream": True}) as r:
+                    return r.status_code
+
+            waiting = asyncio.create_task(first_leg())
+            deadline = time.monotonic() + 20
+            while len(engine.active) < 1:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert_error(await client.post(url + C, json=body), 429, code="queue_full")
+            second = asyncio.create_task(client.post(
+                url + C, json={**body, "kv_transfer_params": kv}))
+            while len(engine.active) < 2:
+                assert time.monotonic() < deadline, "the second leg was not admitted"
+                assert not second.done(), second.result().text
+                await asyncio.sleep(0.01)
+            for t in (waiting, second):
+                t.cancel()
+            await asyncio.gather(waiting, second, return_exceptions=True)
+            while engine.active or engine.free_blocks != engine.num_blocks:
+                assert time.monotonic() < deadline, "blocks not freed"
+                await asyncio.sleep(0.01)
+
+    with uvicorn_server(build_app(engine, max_waiting_requests=1)) as url:
+        asyncio.run(run(url))
+    assert engine.free_blocks == engine.num_blocks
+
+
+def test_push_pair_refused_by_decode_frees_every_block(tiny_llama: Path,
+                                                        tmp_path: Path) -> None:
+    """A real push pair behind the router, both instances bounded at one waiting
+    request: a burst gets 200s and 429s (decode refuses its leg; prefill's legs are
+    second legs and are never refused), the router relays decode's 429, and afterwards
+    every block is free on both instances."""
+    flags = ("--kv-transfer", "push", "--num-blocks", "64", "--block-size", "16",
+             "--max-model-len", "512", "--max-waiting-requests", "1")
+    p, d = start_instances(tiny_llama, [("prefill", ("--role", "prefill", *flags)),
+                                        ("decode", ("--role", "decode", *flags))], tmp_path)
+    router = None
+    try:
+        start = {inst.name: inst.get("/kv/info")["num_free_blocks"] for inst in (p, d)}
+        router = RouterThread("push", [p.url], [d.url])
+        prompt = "the quick brown fox jumps over the lazy dog " * 20
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await asyncio.gather(*[
+                    client.post(router.url + C, json={"prompt": prompt + str(i),
+                                                      "max_tokens": 4, "temperature": 0})
+                    for i in range(8)])
+
+        rs = asyncio.run(burst())
+        statuses = sorted(r.status_code for r in rs)
+        assert set(statuses) <= {200, 429}, [(r.status_code, r.text) for r in rs]
+        assert 200 in statuses and 429 in statuses, statuses
+        for r in rs:
+            if r.status_code == 429:
+                assert_error(r, 429, code="queue_full")
+        for inst in (p, d):
+            info = inst.wait_all_free()
+            assert info["num_free_blocks"] == start[inst.name]
+        d_metrics = httpx.get(d.url + "/metrics", timeout=5).text
+        p_metrics = httpx.get(p.url + "/metrics", timeout=5).text
+        assert metric_value(d_metrics, "kvpush_http_queue_full_total") == statuses.count(429)
+        assert metric_value(p_metrics, "kvpush_http_queue_full_total") == 0
+        assert metric_value(d_metrics, "kvpush_http_requests_waiting") == 0
+        assert metric_value(p_metrics, "kvpush_http_requests_waiting") == 0
+    finally:
+        if router is not None:
+            router.stop()
+        for inst in (p, d):
+            inst.stop()

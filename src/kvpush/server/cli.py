@@ -21,7 +21,19 @@ GRACEFUL_SHUTDOWN_S = 10
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
+#: kvpush.server.admission.DEFAULT_MAX_WAITING_REQUESTS, repeated so that building this
+#: parser imports nothing heavy (a test checks that they agree)
+DEFAULT_MAX_WAITING_REQUESTS = 1024
 
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -91,6 +103,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     sch.add_argument("--max-num-batched-tokens", type=int, default=1024, metavar="TOKENS",
                      help="most tokens (prefill chunks + decodes) in one engine step "
                           "(default: 1024)")
+    sch.add_argument("--max-waiting-requests", type=_non_negative_int,
+                     default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
+                     help="most requests waiting for their first token (queued, being "
+                          "prefilled, or awaiting their KV); more are refused at once with "
+                          "HTTP 429 (a P/D pair's second leg is admitted anyway: its peer "
+                          "holds blocks for it). 0: no bound (default: "
+                          f"{DEFAULT_MAX_WAITING_REQUESTS})")
     sch.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
                      action="store_false",
                      help="prefill each prompt in one step (then --max-num-batched-tokens "
@@ -291,7 +310,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kvpush.server.app import build_app
 
-    app = build_app(engine, api_key=api_key)
+    app = build_app(engine, api_key=api_key, max_waiting_requests=args.max_waiting_requests)
     if api_key is None and not cli_types.is_loopback(args.host):
         log.warning("listening on %s without an API key: anyone who reaches this address "
                     "can use the server (--api-key or KVPUSH_API_KEY)", args.host)
