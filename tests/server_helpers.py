@@ -20,12 +20,16 @@ from kvpush.cluster.launcher import free_port  # noqa: F401 (router_helpers patc
 
 class ServerProcess:
     def __init__(self, model_dir: Path, *args: str, log_dir: Path, name: str = "server",
-                 timeout: float = 90.0):
+                 timeout: float = 90.0, unset_env: tuple[str, ...] = ()):
+        """``unset_env``: variables the server starts without (UCX_NET_DEVICES is set
+        to lo otherwise)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}-{self.port}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "UCX_NET_DEVICES": "lo",
                "NIXL_LOG_LEVEL": "WARN"}
+        for var in unset_env:
+            env.pop(var, None)
         cmd = [sys.executable, "-m", "kvpush", "serve", str(model_dir), "--host", "127.0.0.1",
                "--port", str(self.port), "--threads", "1", "--log-level", "warning", *args]
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()

@@ -137,7 +137,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="this instance's id in transfers (default: ROLE-<random>)")
     pd.add_argument("--side-channel-host", default="127.0.0.1", metavar="HOST",
                     help="address peers reach this instance's side channel at "
-                         "(default: 127.0.0.1)")
+                         "(default: 127.0.0.1). UCX (the KV data path) listens on the "
+                         "same interface: UCX_NET_DEVICES is set to it unless set "
+                         "already (0.0.0.0: left unset, all interfaces)")
     pd.add_argument("--side-channel-port", type=cli_types.port, default=0, metavar="PORT",
                     help="side-channel port (default: 0, a free port; /kv/info shows it)")
     pd.add_argument("--kv-secret-file", metavar="PATH",
@@ -293,6 +295,15 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         return _fail(cannot_listen(args.host, args.port, e))
     port = listener.getsockname()[1]
+    kvt = config.kv_transfer
+    if kvt.enabled and kvt.transport == "nixl":
+        # before NIXL is imported and its UCX agent created (in AsyncEngine)
+        import os
+
+        from kvpush.server import ucx_devices
+
+        choice = ucx_devices.apply(kvt.side_channel_host, os.environ)
+        log.log(choice.level, "%s", choice.message)
     # torch threads: AsyncEngine loads the model with one and gives the step loop
     # config.threads (one OpenMP pool per process; see kvpush.engine.async_engine)
     from kvpush.engine.async_engine import AsyncEngine
@@ -318,7 +329,6 @@ def run_serve(args: argparse.Namespace) -> int:
         app, host=args.host, port=port, log_level=args.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     ))
-    kvt = config.kv_transfer
     if kvt.enabled:
         log.info("role %s, %s mode, engine id %s, side channel %s (%s)", kvt.role, kvt.mode,
                  kvt.engine_id, engine.kv_info()["side_channel"],
