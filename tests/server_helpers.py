@@ -34,7 +34,9 @@ def sign_kv(params: dict, to: dict, role: str, peer: dict | None = None) -> dict
 
 class ServerProcess:
     def __init__(self, model_dir: Path, *args: str, log_dir: Path, name: str = "server",
-                 timeout: float = 90.0):
+                 timeout: float = 90.0, unset_env: tuple[str, ...] = ()):
+        """``unset_env``: variables the server starts without (UCX_NET_DEVICES is set
+        to lo otherwise)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}-{self.port}.log"
@@ -42,6 +44,8 @@ class ServerProcess:
                "NIXL_LOG_LEVEL": "WARN"}
         if "--kv-secret-file" not in args and "--insecure-kv-params" not in args:
             env.setdefault("KVPUSH_KV_SECRET", TEST_KV_SECRET)
+        for var in unset_env:
+            env.pop(var, None)
         cmd = [sys.executable, "-m", "kvpush", "serve", str(model_dir), "--host", "127.0.0.1",
                "--port", str(self.port), "--threads", "1", "--log-level", "warning", *args]
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()

@@ -31,7 +31,7 @@ from fake_engine import (
 from kvpush.config import DEFAULT_BLOCK_SIZE
 from kvpush.engine.outputs import RequestError
 from kvpush.server.app import build_app
-from kvpush.server.chat import INLINE_TOKENIZE_CHARS
+from kvpush.server.chat import INLINE_BODY_BYTES
 from kvpush.server.cli import add_serve_parser, build_config
 from server_helpers import uvicorn_server
 
@@ -175,7 +175,7 @@ async def test_sampling_fields_pass_through(client: httpx.AsyncClient,
     assert r.status_code == 200, r.text
     p = engine.requests[-1][2]
     assert (p.temperature, p.top_p, p.top_k, p.seed) == (0.0, 0.5, 7, 11)
-    assert p.stop == ("zzz",) and p.stop_token_ids == (3,) and p.ignore_eos
+    assert p.stop == ("zzz",) and p.stop_token_ids == frozenset({3}) and p.ignore_eos
     assert p.extra["kv_transfer_params"] == {"do_remote_decode": True, "peer": [1, 2]}
     assert r.json()["kv_transfer_params"] == {"echo": p.extra["kv_transfer_params"]}
     r = await client.post(C, json={"prompt": "hello", "max_tokens": 2, "stop": ["a", "b"]})
@@ -612,15 +612,15 @@ async def test_long_prompt_tokenized_off_the_event_loop(client: httpx.AsyncClien
         return real_submit(fn, *args)
 
     server.executor.submit = spy
-    text = "hello " * (INLINE_TOKENIZE_CHARS // 6 + 1)
+    text = "hello " * (INLINE_BODY_BYTES // 6 + 1)
     r = await client.post(C, json={"prompt": text, "max_tokens": 1})
     assert_error(r, 400, "prompt", "context_length_exceeded")  # longer than the context
-    assert len(submitted) == 1
+    assert len(submitted) == 2  # a large body: parsed, then tokenized, on a worker
     r = await client.post(C, json={"prompt": "hello", "max_tokens": 1})
-    assert r.status_code == 200 and len(submitted) == 1  # short: inline
-    messages = [{"role": "user", "content": "x" * (INLINE_TOKENIZE_CHARS + 1)}]
+    assert r.status_code == 200 and len(submitted) == 2  # short: inline
+    messages = [{"role": "user", "content": "x" * (INLINE_BODY_BYTES + 1)}]
     r = await client.post(CHAT, json={"messages": messages})
-    assert r.status_code == 400 and len(submitted) == 2
+    assert r.status_code == 400 and len(submitted) == 4
 
 
 def test_token_texts_metaspace() -> None:

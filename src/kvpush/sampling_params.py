@@ -22,6 +22,13 @@ MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 #: logit_bias entries a request may carry (each is a scatter into the logits per step)
 MAX_LOGIT_BIAS_ENTRIES = 1024
+#: stop_token_ids a request may carry (vLLM sets no cap; a model's vocabulary has tens of
+#: thousands of tokens, and a real stop list names a handful: EOS variants, turn ends)
+MAX_STOP_TOKEN_IDS = 1024
+#: stop strings a request may carry (OpenAI allows 4), and the length of each: while a
+#: request runs, the detokenizer holds back the longest one's length - 1 characters
+MAX_STOP_STRINGS = 16
+MAX_STOP_STR_CHARS = 1024
 
 
 #: (token id, logprob) of the most likely tokens at one position, most likely first
@@ -61,7 +68,9 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: disabled
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    #: any iterable of ids on construction, kept as a frozenset: the engine checks every
+    #: sampled token against it (O(1) per token, however many ids the request named)
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: bool = False
     #: also the logprobs of this many most likely tokens at each position (needs logprobs)
@@ -118,6 +127,9 @@ class SamplingParams:
         if not _is_real(rp) or not (math.isfinite(rp) and rp > 0):
             raise SamplingParamsError(f"repetition_penalty must be > 0, got {rp!r}",
                                       "repetition_penalty")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise SamplingParamsError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens, "
+                                      f"got {len(self.logit_bias)}", "logit_bias")
         for tid, bias in self.logit_bias:
             if not _is_int(tid) or tid < 0:
                 raise SamplingParamsError(f"logit_bias: {tid!r} is not a token id",
@@ -126,10 +138,29 @@ class SamplingParams:
                 raise SamplingParamsError(
                     f"logit_bias: the bias of token {tid} must be between "
                     f"-{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, got {bias!r}", "logit_bias")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got "
+                                      f"{len(self.stop)}", "stop")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop must be non-empty strings", "stop")
-        if len(self.stop) > 16:
-            raise SamplingParamsError("at most 16 stop strings", "stop")
+        if any(len(s) > MAX_STOP_STR_CHARS for s in self.stop):
+            raise SamplingParamsError(f"stop: each stop string must be at most "
+                                      f"{MAX_STOP_STR_CHARS} characters", "stop")
+        self._check_stop_token_ids()
+
+    def _check_stop_token_ids(self) -> None:
+        """Cap the ids (counted before anything looks at them one by one) and keep them
+        as a frozenset."""
+        ids = self.stop_token_ids
+        if not isinstance(ids, (frozenset, tuple, list)):
+            ids = tuple(ids)
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token "
+                                      f"ids, got {len(ids)}", "stop_token_ids")
+        if any(not _is_int(t) or t < 0 for t in ids):
+            raise SamplingParamsError("stop_token_ids must be non-negative token ids",
+                                      "stop_token_ids")
+        object.__setattr__(self, "stop_token_ids", frozenset(ids))
 
     @property
     def greedy(self) -> bool:

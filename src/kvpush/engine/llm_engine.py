@@ -318,7 +318,7 @@ class LLMEngine:
             return FinishReason.STOP
         if not p.ignore_eos and token in self.eos_token_ids:
             return FinishReason.STOP
-        if token in p.stop_token_ids:
+        if token in p.stop_token_ids:  # a frozenset: O(1) per token (SamplingParams)
             return FinishReason.STOP
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
             return FinishReason.LENGTH

@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP server: ``build_app(engine) -> FastAPI``.
 
 The engine is injected, so tests run the real app on a fake engine. Request handling:
-parse (strictly, OpenAI error shapes) -> tokenize -> validate against the context ->
-``engine.generate`` -> JSON body or SSE stream. Whatever way a request ends (finished,
+parse (strictly, OpenAI error shapes) -> admit (a 429 past ``--max-waiting-requests``,
+kvpush.server.admission) -> tokenize -> validate against the context ->
+``engine.generate`` -> JSON body or SSE stream. A large body (or a chat with many
+messages) is parsed and tokenized on a worker thread, never on the event loop
+(kvpush.server.chat.INLINE_BODY_BYTES). Whatever way a request ends (finished,
 client gone, server error), its engine generator is closed, which makes the engine abort
 the request and free its KV blocks.
 """
@@ -28,15 +31,19 @@ from starlette.types import Receive, Scope, Send
 from kvpush.engine.outputs import EngineStats, FinishReason, RequestOutput
 from kvpush.sampling_params import SamplingParams
 from kvpush.server import chat
+from kvpush.server.admission import (
+    DEFAULT_MAX_WAITING_REQUESTS,
+    WaitingBound,
+    WaitingSlot,
+    is_second_leg,
+)
 from kvpush.server.auth import APIKeyMiddleware
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
 from kvpush.server.metrics import RequestTimer, ServerMetrics
 from kvpush.server.openapi import install_openapi, request_body
 from kvpush.server.protocol import (
-    ChatCompletionRequest,
     ChatFormat,
     CompletionFormat,
-    CompletionRequest,
     Format,
     Job,
     ModelCard,
@@ -155,13 +162,19 @@ def _outcome(out: RequestOutput) -> str:
 class _Server:
     """Per-app state and the request handlers (closures would hide them from tests)."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient,
+                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> None:
         self.engine = engine
         cfg = engine.config
+        kvt = getattr(cfg, "kv_transfer", None)
+        self.kv_role: str = getattr(kvt, "role", "both")
+        self.kv_mode: str = getattr(kvt, "mode", "push")
+        self.waiting = WaitingBound(max_waiting_requests)
         self.model_name: str = cfg.served_model_name or Path(cfg.model.path).name
         self.max_model_len: int = cfg.scheduler.max_model_len
         self.token_texts = chat.TokenTexts(engine.tokenizer)
         self.metrics = ServerMetrics(engine.stats, engine.is_healthy)
+        self.metrics.register_waiting(self.waiting)
         self.created = int(time.time())
         self.executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                            thread_name_prefix="kvpush-tokenize")
@@ -189,20 +202,19 @@ class _Server:
         job: Job | None = None
         gen: AsyncIterator[RequestOutput] | None = None
         timer: RequestTimer | None = None
+        slot: WaitingSlot | None = None
         handed_over = False
         try:
             try:
                 body = await request.body()
             except ClientDisconnect:
                 return Response(status_code=499)
-            if kind == "chat":
-                chat_req = ChatCompletionRequest.model_validate_json(body)
-                rid = self._request_id(request, "chatcmpl")
-                job = await self.prompts.chat(chat_req, rid, arrival)
-            else:
-                cmpl_req = CompletionRequest.model_validate_json(body)
-                rid = self._request_id(request, "cmpl")
-                job = await self.prompts.completion(cmpl_req, rid, arrival)
+            req = await self.prompts.parse(kind, body)
+            rid = self._request_id(request, "chatcmpl" if kind == "chat" else "cmpl")
+            # admitted (or refused with a 429) before any tokenizing or allocating
+            slot = self.waiting.admit(exempt=is_second_leg(
+                self.kv_role, self.kv_mode, req.kv_transfer_params))
+            job = await self.prompts.job(req, rid, arrival, len(body))
             problem = health_problem(self.engine)
             if problem is not None:
                 raise APIError(f"this instance cannot serve requests: {problem}",
@@ -222,6 +234,7 @@ class _Server:
                 return await anext(gen, None)  # type: ignore[arg-type]
 
             gone, first = await unless_disconnected(first_output(), request.receive)
+            slot.release()  # no longer waiting: generating (or ended)
             if gone:
                 timer.finish("abort", time.perf_counter())
                 return Response(status_code=499)
@@ -247,9 +260,13 @@ class _Server:
                 timer.finish(outcome, time.perf_counter())  # no-op if already counted
             else:
                 self.metrics.count(outcome)
-            headers = {"X-Request-Id": job.request_id} if job else None
-            return err.response(headers=headers)
+            headers = {"X-Request-Id": job.request_id} if job else {}
+            if err.status_code == 429:
+                headers["Retry-After"] = "1"
+            return err.response(headers=headers or None)
         finally:
+            if slot is not None:
+                slot.release()
             if gen is not None and not handed_over:
                 await self._close(gen, job.request_id if job else "")
 
@@ -332,12 +349,15 @@ class _Server:
 
 
 def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None,
+              max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> FastAPI:
     """The FastAPI app serving ``engine``; its lifespan starts and shuts down the engine.
 
     With ``api_key`` every path but ``/health`` needs ``Authorization: Bearer <key>``
-    (see kvpush.server.auth)."""
-    server = _Server(engine)
+    (see kvpush.server.auth). More than ``max_waiting_requests`` requests without a
+    first output yet are refused with a 429 (0: no bound; see kvpush.server.admission).
+    """
+    server = _Server(engine, max_waiting_requests)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -11,7 +11,7 @@ import asyncio
 import re
 from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from kvpush.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_LOGPROBS, SamplingParams
 from kvpush.server.errors import APIError
@@ -110,14 +110,20 @@ def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-#: Prompts longer than this many characters are tokenized on a worker thread. Below it
-#: encoding costs less than the thread hop; above it encoding on the event loop would
-#: hold up token delivery of every other stream for as long as it takes, which grows
-#: with the prompt (docs/MEASURED.md). transformers encodes through the Rust
+#: Request bodies larger than this many bytes are parsed, checked, rendered and tokenized
+#: on a worker thread. Below it all of that costs less than the thread hop; above it,
+#: doing it on the event loop would hold up /health and the token delivery of every
+#: other stream for as long as it takes, which grows with the body (docs/MEASURED.md).
+#: The body's size, not its prompt's, decides: 200,000 empty chat messages (6.6 MB, no
+#: content at all) once held the loop for 7.6 s. transformers encodes through the Rust
 #: ``encode_batch``, which releases the GIL, so the worker stalls neither the event loop
-#: nor the engine's step-loop thread; chat-template rendering (Jinja, Python) shares the
-#: GIL in the interpreter's switch-interval slices (``sys.getswitchinterval()``, 5 ms).
-INLINE_TOKENIZE_CHARS = 4096
+#: nor the engine's step-loop thread; JSON parsing (pydantic) and chat-template
+#: rendering (Jinja, Python) share the GIL in the interpreter's switch-interval slices
+#: (``sys.getswitchinterval()``, 5 ms).
+INLINE_BODY_BYTES = 4096
+#: Chats with more messages than this are rendered and tokenized on a worker thread
+#: however small their body (the template's work grows with the message count).
+INLINE_MESSAGES = 32
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -134,10 +140,31 @@ class PromptBuilder:
         self.vocab_size = vocab_size
         self.executor = executor
 
-    async def _offload(self, size: int, fn: Callable[[], T]) -> T:
-        if size <= INLINE_TOKENIZE_CHARS:
-            return fn()
+    async def _in_worker(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+
+    async def parse(self, kind: Literal["completion", "chat"], body: bytes) -> SamplingRequest:
+        """The parsed request (pydantic ValidationError: a 400); a large body is parsed
+        on a worker thread (see :data:`INLINE_BODY_BYTES`)."""
+        model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        if len(body) <= INLINE_BODY_BYTES:
+            return model.model_validate_json(body)
+        return await self._in_worker(lambda: model.model_validate_json(body))
+
+    async def job(self, req: SamplingRequest, request_id: str, arrival: float,
+                  body_bytes: int) -> Job:
+        """Validate and tokenize a parsed request; on a worker thread when its body was
+        large or, for a chat, when it has many messages."""
+        heavy = body_bytes > INLINE_BODY_BYTES
+        make: Callable[[Any, str, float], Job]
+        if isinstance(req, ChatCompletionRequest):
+            heavy = heavy or len(req.messages) > INLINE_MESSAGES
+            make = self.chat_job
+        else:
+            make = self.completion_job
+        if not heavy:
+            return make(req, request_id, arrival)
+        return await self._in_worker(lambda: make(req, request_id, arrival))
 
     def _check_common(self, req: SamplingRequest) -> None:
         if req.model is not None and req.model != self.model_name:
@@ -214,7 +241,7 @@ class PromptBuilder:
             extra=extra,
         )
 
-    async def completion(self, req: CompletionRequest, request_id: str, arrival: float) -> Job:
+    def completion_job(self, req: CompletionRequest, request_id: str, arrival: float) -> Job:
         """Validate a completion request and tokenize its prompt."""
         self._check_common(req)
         if req.echo:
@@ -230,12 +257,11 @@ class PromptBuilder:
         if not prompt:
             raise APIError("prompt must not be empty", param="prompt")
         if isinstance(prompt, str):
-            text = prompt
-            ids = await self._offload(len(text), lambda: encode_text(
-                self.tokenizer, text, add_special_tokens=True))
+            ids = encode_text(self.tokenizer, prompt, add_special_tokens=True)
             if not ids:
                 raise APIError("prompt encodes to no tokens", param="prompt")
         else:
+            self._check_context(len(prompt), 1, "prompt")  # before looking at each id
             self._check_token_ids(prompt, "prompt")
             ids = list(prompt)
         max_tokens = req.max_tokens
@@ -248,7 +274,7 @@ class PromptBuilder:
         return Job(request_id, ids, params, arrival, bool(req.stream),
                    bool(req.stream_options and req.stream_options.include_usage))
 
-    async def chat(self, req: ChatCompletionRequest, request_id: str, arrival: float) -> Job:
+    def chat_job(self, req: ChatCompletionRequest, request_id: str, arrival: float) -> Job:
         """Validate a chat request, render its messages and tokenize them."""
         self._check_common(req)
         mct = req.max_completion_tokens
@@ -266,9 +292,7 @@ class PromptBuilder:
                            param="top_logprobs")
         if top and not req.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
-        messages = normalize_messages(req.messages)
-        size = sum(len(m["content"]) for m in messages)
-        ids = await self._offload(size, lambda: encode_chat(self.tokenizer, messages))
+        ids = encode_chat(self.tokenizer, normalize_messages(req.messages))
         self._check_context(len(ids), 1, "messages")
         max_tokens = mct if mct is not None else req.max_tokens
         if max_tokens is None:

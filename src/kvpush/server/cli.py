@@ -21,7 +21,19 @@ GRACEFUL_SHUTDOWN_S = 10
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
+#: kvpush.server.admission.DEFAULT_MAX_WAITING_REQUESTS, repeated so that building this
+#: parser imports nothing heavy (a test checks that they agree)
+DEFAULT_MAX_WAITING_REQUESTS = 1024
 
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -91,6 +103,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     sch.add_argument("--max-num-batched-tokens", type=int, default=1024, metavar="TOKENS",
                      help="most tokens (prefill chunks + decodes) in one engine step "
                           "(default: 1024)")
+    sch.add_argument("--max-waiting-requests", type=_non_negative_int,
+                     default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
+                     help="most requests waiting for their first token (queued, being "
+                          "prefilled, or awaiting their KV); more are refused at once with "
+                          "HTTP 429 (a P/D pair's second leg is admitted anyway: its peer "
+                          "holds blocks for it). 0: no bound (default: "
+                          f"{DEFAULT_MAX_WAITING_REQUESTS})")
     sch.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
                      action="store_false",
                      help="prefill each prompt in one step (then --max-num-batched-tokens "
@@ -118,7 +137,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="this instance's id in transfers (default: ROLE-<random>)")
     pd.add_argument("--side-channel-host", default="127.0.0.1", metavar="HOST",
                     help="address peers reach this instance's side channel at "
-                         "(default: 127.0.0.1)")
+                         "(default: 127.0.0.1). UCX (the KV data path) listens on the "
+                         "same interface: UCX_NET_DEVICES is set to it unless set "
+                         "already (0.0.0.0: left unset, all interfaces)")
     pd.add_argument("--side-channel-port", type=cli_types.port, default=0, metavar="PORT",
                     help="side-channel port (default: 0, a free port; /kv/info shows it)")
     pd.add_argument("--kv-secret-file", metavar="PATH",
@@ -289,6 +310,15 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         return _fail(cannot_listen(args.host, args.port, e))
     port = listener.getsockname()[1]
+    kvt = config.kv_transfer
+    if kvt.enabled and kvt.transport == "nixl":
+        # before NIXL is imported and its UCX agent created (in AsyncEngine)
+        import os
+
+        from kvpush.server import ucx_devices
+
+        choice = ucx_devices.apply(kvt.side_channel_host, os.environ)
+        log.log(choice.level, "%s", choice.message)
     # torch threads: AsyncEngine loads the model with one and gives the step loop
     # config.threads (one OpenMP pool per process; see kvpush.engine.async_engine)
     from kvpush.engine.async_engine import AsyncEngine
@@ -306,7 +336,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kvpush.server.app import build_app
 
-    app = build_app(engine, api_key=api_key)
+    app = build_app(engine, api_key=api_key, max_waiting_requests=args.max_waiting_requests)
     if api_key is None and not cli_types.is_loopback(args.host):
         log.warning("listening on %s without an API key: anyone who reaches this address "
                     "can use the server (--api-key or KVPUSH_API_KEY)", args.host)
@@ -314,7 +344,6 @@ def run_serve(args: argparse.Namespace) -> int:
         app, host=args.host, port=port, log_level=args.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     ))
-    kvt = config.kv_transfer
     if kvt.enabled:
         log.info("role %s, %s mode, engine id %s, side channel %s (%s)", kvt.role, kvt.mode,
                  kvt.engine_id, engine.kv_info()["side_channel"],

@@ -22,6 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from kvpush.engine.outputs import EngineStats
+from kvpush.server.admission import WaitingBound
 
 logger = logging.getLogger("kvpush.server")
 
@@ -170,6 +171,26 @@ def _labelled(kind, st: dict, prefix: str, name: str, doc: str, label: str,
     return family
 
 
+class _WaitingCollector(Collector):
+    """The HTTP server's bound on waiting requests (kvpush.server.admission)."""
+
+    def __init__(self, bound: WaitingBound) -> None:
+        self._bound = bound
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        b = self._bound
+        yield GaugeMetricFamily("kvpush_http_requests_waiting", "Requests admitted by the "
+                                "HTTP server that have no first output yet", value=b.waiting)
+        yield GaugeMetricFamily("kvpush_http_max_waiting_requests", "The bound on waiting "
+                                "requests (--max-waiting-requests; 0: none)", value=b.limit)
+        yield CounterMetricFamily("kvpush_http_queue_full", "Requests refused with 429 "
+                                  "because the waiting-request bound was reached",
+                                  value=b.refused)
+
+
 # Per-transfer figures: sub-ms on RDMA/loopback to seconds under load.
 TRANSFER_S_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                       0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -231,6 +252,10 @@ class ServerMetrics:
         self.kv_descs = Histogram("kvpush_kv_transfer_descriptors",
                                   "Descriptors (memory ranges) of one KV transfer", labels,
                                   buckets=TRANSFER_DESC_BUCKETS, registry=r)
+
+    def register_waiting(self, bound: WaitingBound) -> None:
+        """Export the waiting-request bound: how many wait, the cap, and the 429s."""
+        self.registry.register(_WaitingCollector(bound))
 
     def register_kv_stats(self, kv_stats: Callable[[], dict]) -> None:
         self.registry.register(_TransferCollector(kv_stats))

@@ -20,11 +20,30 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 
 from kvpush.engine.outputs import FinishReason, RequestOutput
-from kvpush.sampling_params import SamplingParams
+from kvpush.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # strict float still takes JSON integers
 Bool = Annotated[bool, Strict()]
+
+#: Messages one chat request may carry. Rendering the chat template is Python (Jinja) and
+#: costs per message, so a cap bounds the work one request can ask for: 200,000 empty
+#: messages (6.6 MB) once held the event loop for 7.6 s. Long agent conversations reach a
+#: few hundred messages; the context length bounds the rest.
+MAX_CHAT_MESSAGES = 4096
+#: Content parts one message may carry (each is checked in Python while parsing)
+MAX_CONTENT_PARTS = 256
+
+# Lists and maps a request may carry, capped while the body is parsed (pydantic-core
+# stops at the first item over the cap; the 400 names the field and both counts).
+StopList = Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]
+StopTokenIds = Annotated[list[Int], Field(max_length=MAX_STOP_TOKEN_IDS)]
+LogitBias = Annotated[dict[str, Float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]
 
 
 class _Model(BaseModel):
@@ -44,8 +63,8 @@ class SamplingRequest(_Model):
     top_p: Float | None = None
     top_k: Int | None = None  # extension (vLLM): 0 or -1 disables
     seed: Int | None = None
-    stop: list[str] | None = None
-    stop_token_ids: list[Int] | None = None  # extension (vLLM)
+    stop: StopList | None = None
+    stop_token_ids: StopTokenIds | None = None  # extension (vLLM)
     ignore_eos: Bool = False  # extension (vLLM)
     include_stop_str_in_output: Bool = False  # extension (vLLM)
     n: Int | None = 1
@@ -54,7 +73,7 @@ class SamplingRequest(_Model):
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     repetition_penalty: Float | None = None  # extension (vLLM): 1 is off
-    logit_bias: dict[str, Float] | None = None
+    logit_bias: LogitBias | None = None
     #: Opaque KV-transfer instructions from the disaggregation router; passed through to
     #: SamplingParams.extra["kv_transfer_params"].
     kv_transfer_params: dict[str, Any] | None = None
@@ -116,6 +135,9 @@ class ChatMessage(_Model):
             return v
         if not isinstance(v, list):
             raise ValueError("content must be a string or a list of content parts")
+        if len(v) > MAX_CONTENT_PARTS:
+            raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts per message, got "
+                             f"{len(v)}")
         parts = []
         for i, part in enumerate(v):
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
@@ -127,7 +149,7 @@ class ChatMessage(_Model):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_CHAT_MESSAGES)]
     max_completion_tokens: Int | None = None
     logprobs: Bool | None = False
     top_logprobs: Int | None = None
