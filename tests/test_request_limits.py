@@ -321,6 +321,7 @@ def test_push_pair_refused_by_decode_frees_every_block(tiny_llama: Path,
         for r in rs:
             if r.status_code == 429:
                 assert_error(r, 429, code="queue_full")
+                assert r.headers.get("retry-after") == "1"  # decode's, passed on
         for inst in (p, d):
             info = inst.wait_all_free()
             assert info["num_free_blocks"] == start[inst.name]

@@ -363,7 +363,7 @@ class Legs:
             await self.close_upstream(job)
         if resp.status_code != 200:
             return relay_error(resp.status_code, content, "decode", d, job.rid,
-                               self.pool.engine_ids())
+                               self.pool.engine_ids(), resp.headers.get("retry-after"))
         return Response(content, status_code=200,
                         media_type=resp.headers.get("content-type", "application/json"))
 
