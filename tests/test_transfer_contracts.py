@@ -79,7 +79,7 @@ def test_write_done_inside_its_post_sends_push_done_at_finalize():
     w.handle(c.PostWrite("t", D, *RANGES))
     assert not w.handles  # released at once
     w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=3)))
-    assert [d.ok for d in ch.of(m.PushDone)] == [True]  # no _poll_transfers needed
+    assert [d.ok for d in ch.of(m.PushDone)] == [True]  # no inflight.poll() needed
     assert kinds(events) == ["WritesDone"]
 
 
@@ -89,7 +89,7 @@ def test_pending_write_still_completes_at_the_poll():
     w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=3)))
     assert ch.of(m.PushDone) == []
     tr.states[1] = XferState.DONE
-    w._poll_transfers()
+    w.inflight.poll()
     assert [d.ok for d in ch.of(m.PushDone)] == [True]
 
 
@@ -134,7 +134,7 @@ def test_pending_read_ends_at_the_poll():
     w.handle(c.PostRead("t", P, *RANGES))
     assert w.reads and events == []
     tr.states[1] = XferState.FAILED
-    w._poll_transfers()
+    w.inflight.poll()
     assert ch.of(m.PullDone) == [m.PullDone("t", ok=False)]
     assert [(e.ok, e.error) for e in events] == [(False, "READ failed")]
 

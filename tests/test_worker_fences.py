@@ -119,7 +119,7 @@ def test_prefill_acks_only_once_its_in_flight_writes_drained():
     w.handle(c.PostWrite("t", D, *RANGES))  # a layer-hook WRITE queued before the step loop heard
     assert tr.posts == 1 and w.counters["writes_refused"] == 1
     tr.states[1] = XferState.DONE
-    w._poll_transfers()
+    w.inflight.poll()
     assert ch.of(m.AbortAck) == [m.AbortAck("t")]
     assert ch.of(m.PushDone) == []
     done = [ev for ev in events if isinstance(ev, c.WritesDone)]
@@ -139,7 +139,7 @@ def test_prefill_refuses_writes_once_a_transfer_finished():
     w.handle(c.PostWrite("t", D, *RANGES))
     w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=3)))
     tr.states[1] = XferState.DONE
-    w._poll_transfers()
+    w.inflight.poll()
     assert [d.ok for d in ch.of(m.PushDone)] == [True]
     w.handle(c.PostWrite("t", D, *RANGES))
     assert tr.posts == 1 and w.counters["writes_refused"] == 1 and "t" not in w.writes
@@ -219,7 +219,7 @@ def test_prefill_polls_fast_only_once_a_completion_is_waited_for():
     w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=5)))
     assert w._timeout(time.monotonic()) == w.busy_poll_s
     tr.states[tr.posts] = XferState.DONE
-    w._poll_transfers()
+    w.inflight.poll()
     assert ch.of(m.PushDone) and w._timeout(time.monotonic()) >= 0.02 - 1e-9
 
     w.handle(c.PostWrite("u", D, *RANGES))  # decode aborts while a WRITE is in flight

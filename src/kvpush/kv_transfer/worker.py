@@ -16,7 +16,10 @@ GIL and a core from it; docs/MEASURED.md). It never spins (on CUDA it sleeps on 
 blocking CUDA event until a layer group's KV is written).
 
 Its peers and their handshakes are a ``PeerTable`` (peers.py), bounded in size, swept
-for unanswered handshakes, expired refusals and idle peers on the heartbeat period.
+for unanswered handshakes, expired refusals and idle peers on the heartbeat period. The
+WRITEs and READs it has posted, with their transport handles, are a ``TransfersInFlight``
+(inflight.py): posts, completions, cancels, and the PushDone / AbortAck / PullDone that
+end them.
 
 Per transfer it keeps a lease: a deadline renewed by the peer's heartbeats (or any
 message about the transfer). An expired lease becomes a ``LeaseExpired`` event for the
@@ -25,7 +28,7 @@ commands.py.
 
 Decode side, it keeps the fences of pushes whose blocks wait for prefill (fences.py).
 Prefill side, it answers an ``Abort`` with ``AbortAck`` for any transfer id once none of
-its WRITEs is in flight, and posts no WRITE for that id again.
+its WRITEs is in flight, and posts no WRITE for that id again (inflight.py).
 
 If the thread ends other than by ``stop()`` (an exception escaping its loop, or a Stop
 the engine did not send), it closes the side channel and the transport and then posts
@@ -41,11 +44,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.fences import DEFAULT_FENCE_TIMEOUT_S, FenceKeeper
+from kvpush.kv_transfer.inflight import PostedRead, TransfersInFlight, WriteGroup
 from kvpush.kv_transfer.peers import (  # Peer re-exported: tests place peers
     DROP_REASONS,
     EVICT_REASONS,
@@ -56,11 +60,7 @@ from kvpush.kv_transfer.peers import (  # Peer re-exported: tests place peers
 )
 from kvpush.kv_transfer.side_channel import SEND_DROP_REASONS
 from kvpush.kv_transfer.timeline import HandoffTimeline
-from kvpush.kv_transfer.transport import KVTransport, TransferPostError, XferState
-
-#: how many ended transfer ids (aborted by either side, or whose WRITEs are all done)
-#: the worker remembers, to refuse a WRITE queued for one of them too late
-MAX_ABORTED_REMEMBERED = 4096
+from kvpush.kv_transfer.transport import KVTransport
 
 log = logging.getLogger(__name__)
 
@@ -74,33 +74,6 @@ class Lease:
     deadline: float
     address: str | None  # peer that renews it; None: any peer
     renewable: bool = True  # False: a fixed deadline, heartbeats do not extend it
-
-
-@dataclass
-class PostedRead:
-    """A pull's READ, posted by this thread."""
-
-    tid: str
-    address: str  # prefill's side channel: told PullDone when it ends
-    num_descriptors: int
-    num_bytes: int
-    post_s: float = 0.0
-
-
-@dataclass
-class WriteGroup:
-    """The WRITEs of one push transfer and what to send once they are done."""
-
-    address: str
-    pending: set[int] = field(default_factory=set)
-    failed: str | None = None
-    num_descriptors: int = 0
-    num_bytes: int = 0
-    post_s: float = 0.0
-    first_post: float | None = None
-    finish: m.PushDone | None = None  # set by finalize
-    abort_ack: bool = False  # answer AbortAck instead of PushDone
-    cancelled: bool = False
 
 
 class TransferWorker:
@@ -139,17 +112,9 @@ class TransferWorker:
                             else 4 * lease_timeout_s),
             busy=self._busy_addresses, max_peers=max_peers)
         self.leases: dict[str, Lease] = {}
-        self.writes: dict[str, WriteGroup] = {}
         #: decode: pushes whose blocks wait for prefill's word (fences.py)
         self.fences = FenceKeeper(channel, post_event, self.peers.is_ready,
                                   lease_timeout_s, fence_timeout_s)
-        #: transfers whose WRITEs are over: aborted (a lease-expiry Abort sent to the
-        #: peer, or decode's Abort received) or finished (PushDone/AbortAck sent). A
-        #: WRITE the step loop queues for one of them later is refused (the peer frees
-        #: its blocks on that message); bounded, oldest forgotten first
-        self.aborted: OrderedDict[str, None] = OrderedDict()
-        self.handles: dict[int, str] = {}  # transport handle -> transfer id (writes)
-        self.reads: dict[int, PostedRead] = {}  # pull: transport handle -> its READ
         #: push prefill: transfer id -> decode's registration, set here as it arrives and
         #: taken (popped) by the step-loop thread, mid-step or with its inbox event
         self.register_hints: dict[str, m.PushRegister] = {}
@@ -165,6 +130,9 @@ class TransferWorker:
         self._next_heartbeat = 0.0
         #: per-transfer stage stamps (the connector's, timeline.py); None: not kept
         self.timeline: HandoffTimeline | None = None
+        #: the WRITEs and READs posted, with their transport handles (inflight.py)
+        self.inflight = TransfersInFlight(transport, self.peers, self.peers.send,
+                                          post_event, self._stamp, self.counters)
         self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
         self._stopped = False
         self._stop_requested = False
@@ -187,6 +155,27 @@ class TransferWorker:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._stopped = True
+
+    # ---- views of the transfers in flight (tests, the heartbeat) ----------------------
+    @property
+    def writes(self) -> dict[str, WriteGroup]:
+        """Push: transfer id -> its WRITEs (``TransfersInFlight.writes``)."""
+        return self.inflight.writes
+
+    @property
+    def reads(self) -> dict[int, PostedRead]:
+        """Pull: transport handle -> its READ (``TransfersInFlight.reads``)."""
+        return self.inflight.reads
+
+    @property
+    def handles(self) -> dict[int, str]:
+        """Transport handle -> transfer id of each WRITE in flight."""
+        return self.inflight.handles
+
+    @property
+    def aborted(self) -> OrderedDict[str, None]:
+        """Transfer ids whose WRITEs are over (a WRITE queued for one is refused)."""
+        return self.inflight.aborted
 
     # ---- the thread ---------------------------------------------------------------------
     @property
@@ -213,7 +202,7 @@ class TransferWorker:
                     self.fences.peer_dropped(address)
                 for reason, n in self._rejected.items():
                     self.counters[f"side_channel_rejected_{reason}"] = n
-                self._poll_transfers()
+                self.inflight.poll()
                 now = time.monotonic()
                 beat = now >= self._next_heartbeat
                 if beat:
@@ -254,7 +243,7 @@ class TransferWorker:
         """How long the next wait for messages may last (commands wake it early)."""
         if not self.commands.empty():
             return 0.0
-        if self.reads or any(g.finish is not None and g.pending for g in self.writes.values()):
+        if self.inflight.awaited():
             return self.busy_poll_s  # a completion is waited for
         t = self._next_heartbeat - now
         if self.leases:
@@ -284,9 +273,9 @@ class TransferWorker:
             case c.Send(address, msg):
                 self._send(address, msg)
             case c.PostWrite(tid, address, local, remote, ready):
-                self._post_write(tid, address, local, remote, ready)
+                self.inflight.post_write(tid, address, local, remote, ready)
             case c.Finalize(tid, address, done):
-                self._finalize(tid, address, done)
+                self.inflight.finalize(tid, address, done)
             case c.Track(tid, address, renewable):
                 self.leases[tid] = Lease(time.monotonic() + self.lease_timeout_s, address,
                                          renewable)
@@ -296,9 +285,9 @@ class TransferWorker:
             case c.EnsurePeer(address):
                 self._ensure_peer(address)
             case c.CancelWrites(tid, address):
-                self._cancel_writes(tid, address)
+                self.inflight.cancel_writes(tid, address)
             case c.PostRead(tid, address, local, remote):
-                self._post_read(tid, address, local, remote)
+                self.inflight.post_read(tid, address, local, remote)
             case c.FenceTransfer(tid, address):
                 self.leases.pop(tid, None)  # the fence, not the lease, holds it now
                 self.fences.fence(tid, address)
@@ -311,8 +300,7 @@ class TransferWorker:
     def _busy_addresses(self) -> set[str]:
         """Peers that transfers still use (leases, WRITEs, READs, fences): never idle."""
         busy = {lease.address for lease in self.leases.values() if lease.address}
-        busy.update(group.address for group in self.writes.values())
-        busy.update(read.address for read in self.reads.values())
+        busy.update(self.inflight.addresses())
         busy.update(fence.address for fence in self.fences.fences.values())
         return busy
 
@@ -394,185 +382,11 @@ class TransferWorker:
 
     def _on_abort(self, msg: m.Abort, sender: str) -> None:
         if self._writer:  # decode gave up on a push: answer once nothing of ours can land
-            self._writes_aborted(msg.transfer_id, sender)
+            self.inflight.writes_aborted(msg.transfer_id, sender)
         self.post_event(c.AbortReceived(msg))
-
-    def _writes_aborted(self, tid: str, address: str) -> None:
-        """Decode aborted push ``tid``: post no more WRITEs for it, and answer AbortAck
-        once those in flight have drained (at once when none are). Any id gets its
-        answer, one this instance never had or has finished with too: decode keeps the
-        transfer's blocks fenced until it hears."""
-        self._remember_aborted(tid)
-        group = self.writes.get(tid)
-        if group is not None:
-            group.cancelled = group.abort_ack = True
-            group.failed = group.failed or "aborted by decode"
-            group.finish = group.finish or m.PushDone(tid, ok=False, error="aborted")
-            self._maybe_finish(tid)
-            return
-        if address:  # (a peer not met yet, e.g. restarted on decode's old address,
-            self._send(address, m.AbortAck(tid))  # gets it after a handshake)
 
     def _on_AbortAck(self, msg: m.AbortAck) -> None:
         self.post_event(c.AbortAckReceived(msg))
-
-    # ---- commands from the engine --------------------------------------------------------
-    def _post_write(self, tid: str, address: str, local: list, remote: list,
-                    ready=None) -> None:
-        group = self.writes.get(tid)
-        if group is None:
-            if tid in self.aborted:  # ended: the peer may have freed the blocks
-                self.counters["writes_refused"] += 1
-                return
-            group = self.writes[tid] = WriteGroup(address)
-        if group.cancelled or group.failed or not local:
-            if local and group.cancelled:
-                self.counters["writes_refused"] += 1
-            return
-        peer = self.peers.get(address)
-        if peer is None or not peer.ready:
-            group.failed = f"no connection to decode instance at {address}"
-            return
-        if ready is not None:  # CUDA: the layers' KV is in memory once this fires
-            ready.synchronize()
-        t0 = time.perf_counter()
-        try:
-            handle = self.transport.post("WRITE", peer.agent, local, remote)
-        except TransferPostError as e:
-            group.failed = f"WRITE failed to post: {e}"
-            return
-        group.post_s += time.perf_counter() - t0
-        self._stamp(tid, "p_last_post")
-        group.first_post = group.first_post or t0
-        group.pending.add(handle)
-        group.num_descriptors += len(local)
-        group.num_bytes += sum(length for _, length in local)
-        self.handles[handle] = tid
-        self._check_now(handle)  # ends the group at once if that was its last WRITE
-
-    def _finalize(self, tid: str, address: str, done: m.PushDone) -> None:
-        """Send ``done`` to decode once every WRITE of the transfer has completed."""
-        if self._ended(tid):
-            return
-        group = self.writes.setdefault(tid, WriteGroup(address))
-        group.address = address
-        group.finish = done
-        self._maybe_finish(tid)
-
-    def _cancel_writes(self, tid: str, address: str) -> None:
-        """Decode aborted: post nothing more; AbortAck once in-flight WRITEs drain."""
-        if tid in self.writes:
-            self._writes_aborted(tid, address)  # writes_done once they have drained
-        elif not self._ended(tid):  # its Abort forgotten already (bounded memory)
-            self._writes_aborted(tid, address)
-            self._ended(tid)
-
-    def _ended(self, tid: str) -> bool:
-        """Whether ``tid``'s WRITEs are over with none in flight (the peer has had its
-        answer: AbortAck, PushDone, or our Abort). Then the step loop is told at once,
-        so that it frees what the transfer held."""
-        if tid in self.writes or tid not in self.aborted:
-            return False
-        self.post_event(c.WritesDone(tid, "aborted"))
-        return True
-
-    def _remember_aborted(self, tid: str) -> None:
-        self.aborted[tid] = None
-        self.aborted.move_to_end(tid)
-        while len(self.aborted) > MAX_ABORTED_REMEMBERED:
-            self.aborted.popitem(last=False)
-
-    def _maybe_finish(self, tid: str) -> None:
-        group = self.writes.get(tid)
-        if group is None or group.finish is None or group.pending:
-            return
-        del self.writes[tid]
-        self._remember_aborted(tid)  # a WRITE queued later is refused
-        if group.abort_ack:
-            self._send(group.address, m.AbortAck(tid))
-        else:
-            done = group.finish
-            if group.failed:
-                done = m.PushDone(tid, ok=False, error=group.failed)
-                self.counters["transfers_failed"] += 1
-            done.num_descriptors = group.num_descriptors
-            done.num_bytes = group.num_bytes
-            self._stamp(tid, "p_done_sent")  # before: the peer may read it at once
-            self._send(group.address, done)
-        elapsed = time.perf_counter() - group.first_post if group.first_post else 0.0
-        self.post_event(c.WritesDone(tid, group.failed, group.num_descriptors,
-                                     group.num_bytes, group.post_s, elapsed))
-
-    # ---- transfers in flight ----------------------------------------------------------
-    def _poll_transfers(self) -> None:
-        if not (self.handles or self.reads):
-            if self.peers:
-                self.transport.progress()
-            return
-        states = {h: self.transport.state(h) for h in (*self.handles, *self.reads)}
-        for h, st in states.items():
-            if st is not XferState.PENDING:
-                self._transfer_ended(h, st)
-
-    def _check_now(self, handle: int) -> None:
-        """A transfer just posted or handed over: over cma the copy happens inside the
-        post, so it is usually DONE already; its completion then goes out now, not at
-        the next poll of the transport."""
-        st = self.transport.state(handle)
-        if st is not XferState.PENDING:
-            self._transfer_ended(handle, st)
-
-    def _transfer_ended(self, h: int, st: XferState) -> None:
-        self.transport.release(h)
-        if h in self.handles:
-            tid = self.handles.pop(h)
-            group = self.writes.get(tid)
-            if group is not None:
-                group.pending.discard(h)
-                if st is XferState.FAILED and not group.failed:
-                    group.failed = "WRITE failed to complete"
-                self._maybe_finish(tid)
-        else:
-            read = self.reads.pop(h)
-            ok = st is XferState.DONE
-            self._stamp(read.tid, "d_read_done")
-            self._read_ended(read, ok, None if ok else "READ failed")
-
-    def _post_read(self, tid: str, address: str, local: c.Ranges, remote: c.Ranges) -> None:
-        peer = self.peers.get(address)
-        read = PostedRead(tid, address, len(local), sum(n for _, n in local))
-
-        def when_ready(why: str | None) -> None:  # its handshake (again, after eviction)
-            if why is None:
-                self._post_read(tid, address, local, remote)
-            else:
-                self._read_ended(read, False, why, notify=False)
-
-        if peer is not None and not peer.ready and self.peers.defer(address, when_ready):
-            return
-        if peer is None or not peer.ready:
-            self._read_ended(read, False, f"no connection to prefill instance at {address}")
-            return
-        t0 = time.perf_counter()
-        try:
-            handle = self.transport.post("READ", peer.agent, local, remote)
-        except TransferPostError as e:
-            self._read_ended(read, False, f"READ failed to post: {e}")
-            return
-        read.post_s = time.perf_counter() - t0
-        self._stamp(tid, "d_read_post")
-        self.reads[handle] = read
-        self._check_now(handle)
-
-    def _read_ended(self, read: PostedRead, ok: bool, error: str | None,
-                    notify: bool = True) -> None:
-        """``notify``: tell prefill (PullDone); not when no handshake with it came off."""
-        if not ok:
-            self.counters["transfers_failed"] += 1
-        if notify:
-            self._send(read.address, m.PullDone(read.tid, ok=ok))
-        self.post_event(c.ReadDone(read.tid, ok, error, read.num_descriptors,
-                                   read.num_bytes, read.post_s))
 
     # ---- heartbeats and leases ----------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
@@ -597,19 +411,16 @@ class TransferWorker:
         for tid in expired:
             lease = self.leases.pop(tid)
             self.counters["leases_expired"] += 1
-            group = self.writes.get(tid)
-            if group is not None and lease.address is not None:
-                # our WRITEs may still be landing in the peer's blocks: post no more and
-                # let the drain's PushDone (sent once they complete) tell the peer; an
-                # Abort now would let it free blocks those WRITEs still reach. Failed, so
-                # that PushDone says ok=False even if some WRITEs were never posted
-                group.cancelled = True
-                group.failed = group.failed or "lease expired: decode stopped answering"
-            elif lease.address is not None:
+            # with WRITEs, they may still be landing in the peer's blocks: post no more
+            # and let the drain's PushDone (sent once they complete) tell the peer; an
+            # Abort now would let it free blocks those WRITEs still reach. Failed, so
+            # that PushDone says ok=False even if some WRITEs were never posted
+            if lease.address is not None and not self.inflight.lease_expired(
+                    tid, "lease expired: decode stopped answering"):
                 peer = self.peers.get(lease.address)
                 if peer is not None and peer.ready:
                     self.channel.send(lease.address, m.encode(m.Abort(tid, "lease expired")))
-                    self._remember_aborted(tid)
+                    self.inflight.remember_aborted(tid)
                 elif peer is not None and peer.sent_hello and not peer.refused:
                     log.error("transfer %s: no answer to the side-channel handshake from %s "
                               "(unreachable, not a kvpush instance, or it refuses our "

@@ -1,0 +1,306 @@
+"""TransfersInFlight: the WRITEs and READs the transfer thread has posted (transfer thread).
+
+The transfer thread's ``TransferWorker`` owns one and hands it the engine's transfer
+commands (``PostWrite``, ``Finalize``, ``CancelWrites``, ``PostRead``) and decode's
+``Abort``; this object owns the transport handles of what it posts, from the post to the
+completion it polls for and the release of the handle. Nothing here touches the block
+pool, and nothing here runs on another thread.
+
+Push, prefill side: the WRITEs of one transfer are a ``WriteGroup``. The step loop's
+``Finalize`` gives the ``PushDone`` to send; it goes to decode once every WRITE of the
+group has completed (then the step loop gets ``WritesDone``). A failed post or
+completion, or no ready peer, makes the group fail: its ``PushDone`` says ok=False.
+Decode's ``Abort`` (or the step loop's ``CancelWrites``) cancels the group: no more
+WRITEs are posted for it, and once those in flight have drained decode gets ``AbortAck``
+instead; an id with no group gets its ``AbortAck`` at once, whether this instance never
+had it or has finished with it. Ended ids (finished, or aborted by either side) are
+remembered, boundedly, so that a WRITE the step loop queues for one too late is refused
+and counted (``writes_refused``): the peer may have freed those blocks.
+
+Pull, decode side: one ``PostedRead`` per transfer. Prefill is told ``PullDone`` when it
+ends, and the step loop ``ReadDone``; a READ for a peer whose handshake is under way
+waits for it (``PeerTable.defer``).
+
+Over cma the copy happens inside the post, so a transfer is checked at once after it is
+posted: its completion goes out then, not at the next poll.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.kv_transfer import commands as c
+from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.peers import PeerTable
+from kvpush.kv_transfer.transport import KVTransport, TransferPostError, XferState
+
+#: how many ended transfer ids (aborted by either side, or whose WRITEs are all done)
+#: are remembered, to refuse a WRITE queued for one of them too late
+MAX_ABORTED_REMEMBERED = 4096
+
+__all__ = ["MAX_ABORTED_REMEMBERED", "PostedRead", "TransfersInFlight", "WriteGroup"]
+
+
+@dataclass
+class PostedRead:
+    """A pull's READ, posted by this thread."""
+
+    tid: str
+    address: str  # prefill's side channel: told PullDone when it ends
+    num_descriptors: int
+    num_bytes: int
+    post_s: float = 0.0
+
+
+@dataclass
+class WriteGroup:
+    """The WRITEs of one push transfer and what to send once they are done."""
+
+    address: str
+    pending: set[int] = field(default_factory=set)
+    failed: str | None = None
+    num_descriptors: int = 0
+    num_bytes: int = 0
+    post_s: float = 0.0
+    first_post: float | None = None
+    finish: m.PushDone | None = None  # set by finalize
+    abort_ack: bool = False  # answer AbortAck instead of PushDone
+    cancelled: bool = False
+
+
+class TransfersInFlight:
+    """The posted WRITEs and READs of one transfer thread, and their transport handles.
+
+    ``send(address, msg)`` sends a side-channel message to a peer (the peer table's);
+    ``post_event`` hands an event to the step loop; ``stamp(tid, stage)`` records a
+    hand-off stage (timeline.py); ``counters`` is the worker's metrics dict, of which
+    this object adds to ``writes_refused`` and ``transfers_failed``."""
+
+    def __init__(
+        self,
+        transport: KVTransport,
+        peers: PeerTable,
+        send: Callable[[str, m.Message], None],
+        post_event: Callable[[c.TransferEvent], None],
+        stamp: Callable[[str, str], None],
+        counters: dict[str, int],
+    ) -> None:
+        self.transport = transport
+        self.peers = peers
+        self.send = send
+        self.post_event = post_event
+        self.stamp = stamp
+        self.counters = counters
+        self.writes: dict[str, WriteGroup] = {}
+        #: transfers whose WRITEs are over: aborted (a lease-expiry Abort sent to the
+        #: peer, or decode's Abort received) or finished (PushDone/AbortAck sent). A
+        #: WRITE the step loop queues for one of them later is refused (the peer frees
+        #: its blocks on that message); bounded, oldest forgotten first
+        self.aborted: OrderedDict[str, None] = OrderedDict()
+        self.handles: dict[int, str] = {}  # transport handle -> transfer id (writes)
+        self.reads: dict[int, PostedRead] = {}  # pull: transport handle -> its READ
+
+    # ---- what the worker asks about them ------------------------------------------------
+    def awaited(self) -> bool:
+        """Whether a completion is waited for: a READ, or the last WRITEs of a push whose
+        PushDone (or AbortAck) is ready to go."""
+        return bool(self.reads) or any(g.finish is not None and g.pending
+                                       for g in self.writes.values())
+
+    def addresses(self) -> set[str]:
+        """The peers that posted or finishing transfers use."""
+        busy = {group.address for group in self.writes.values()}
+        busy.update(read.address for read in self.reads.values())
+        return busy
+
+    # ---- push: WRITEs --------------------------------------------------------------------
+    def post_write(self, tid: str, address: str, local: c.Ranges, remote: c.Ranges,
+                   ready: Any = None) -> None:
+        group = self.writes.get(tid)
+        if group is None:
+            if tid in self.aborted:  # ended: the peer may have freed the blocks
+                self.counters["writes_refused"] += 1
+                return
+            group = self.writes[tid] = WriteGroup(address)
+        if group.cancelled or group.failed or not local:
+            if local and group.cancelled:
+                self.counters["writes_refused"] += 1
+            return
+        peer = self.peers.get(address)
+        if peer is None or not peer.ready:
+            group.failed = f"no connection to decode instance at {address}"
+            return
+        if ready is not None:  # CUDA: the layers' KV is in memory once this fires
+            ready.synchronize()
+        t0 = time.perf_counter()
+        try:
+            handle = self.transport.post("WRITE", peer.agent, local, remote)
+        except TransferPostError as e:
+            group.failed = f"WRITE failed to post: {e}"
+            return
+        group.post_s += time.perf_counter() - t0
+        self.stamp(tid, "p_last_post")
+        group.first_post = group.first_post or t0
+        group.pending.add(handle)
+        group.num_descriptors += len(local)
+        group.num_bytes += sum(length for _, length in local)
+        self.handles[handle] = tid
+        self._check_now(handle)  # ends the group at once if that was its last WRITE
+
+    def finalize(self, tid: str, address: str, done: m.PushDone) -> None:
+        """Send ``done`` to decode once every WRITE of the transfer has completed."""
+        if self._ended(tid):
+            return
+        group = self.writes.setdefault(tid, WriteGroup(address))
+        group.address = address
+        group.finish = done
+        self._maybe_finish(tid)
+
+    def cancel_writes(self, tid: str, address: str) -> None:
+        """Decode aborted: post nothing more; AbortAck once in-flight WRITEs drain."""
+        if tid in self.writes:
+            self.writes_aborted(tid, address)  # writes_done once they have drained
+        elif not self._ended(tid):  # its Abort forgotten already (bounded memory)
+            self.writes_aborted(tid, address)
+            self._ended(tid)
+
+    def writes_aborted(self, tid: str, address: str) -> None:
+        """Decode aborted push ``tid``: post no more WRITEs for it, and answer AbortAck
+        once those in flight have drained (at once when none are). Any id gets its
+        answer, one this instance never had or has finished with too: decode keeps the
+        transfer's blocks fenced until it hears."""
+        self.remember_aborted(tid)
+        group = self.writes.get(tid)
+        if group is not None:
+            group.cancelled = group.abort_ack = True
+            group.failed = group.failed or "aborted by decode"
+            group.finish = group.finish or m.PushDone(tid, ok=False, error="aborted")
+            self._maybe_finish(tid)
+            return
+        if address:  # (a peer not met yet, e.g. restarted on decode's old address,
+            self.send(address, m.AbortAck(tid))  # gets it after a handshake)
+
+    def lease_expired(self, tid: str, why: str) -> bool:
+        """``tid``'s lease ran out: if it has WRITEs, post no more and fail it with
+        ``why`` (its PushDone, sent once those in flight complete, says ok=False).
+        False: it has none."""
+        group = self.writes.get(tid)
+        if group is None:
+            return False
+        group.cancelled = True
+        group.failed = group.failed or why
+        return True
+
+    def remember_aborted(self, tid: str) -> None:
+        self.aborted[tid] = None
+        self.aborted.move_to_end(tid)
+        while len(self.aborted) > MAX_ABORTED_REMEMBERED:
+            self.aborted.popitem(last=False)
+
+    def _ended(self, tid: str) -> bool:
+        """Whether ``tid``'s WRITEs are over with none in flight (the peer has had its
+        answer: AbortAck, PushDone, or our Abort). Then the step loop is told at once,
+        so that it frees what the transfer held."""
+        if tid in self.writes or tid not in self.aborted:
+            return False
+        self.post_event(c.WritesDone(tid, "aborted"))
+        return True
+
+    def _maybe_finish(self, tid: str) -> None:
+        group = self.writes.get(tid)
+        if group is None or group.finish is None or group.pending:
+            return
+        del self.writes[tid]
+        self.remember_aborted(tid)  # a WRITE queued later is refused
+        if group.abort_ack:
+            self.send(group.address, m.AbortAck(tid))
+        else:
+            done = group.finish
+            if group.failed:
+                done = m.PushDone(tid, ok=False, error=group.failed)
+                self.counters["transfers_failed"] += 1
+            done.num_descriptors = group.num_descriptors
+            done.num_bytes = group.num_bytes
+            self.stamp(tid, "p_done_sent")  # before: the peer may read it at once
+            self.send(group.address, done)
+        elapsed = time.perf_counter() - group.first_post if group.first_post else 0.0
+        self.post_event(c.WritesDone(tid, group.failed, group.num_descriptors,
+                                     group.num_bytes, group.post_s, elapsed))
+
+    # ---- completions ----------------------------------------------------------------------
+    def poll(self) -> None:
+        """Check every posted transfer's state and end those that are over; with none
+        posted, progress the transport while peers exist (their connections)."""
+        if not (self.handles or self.reads):
+            if self.peers:
+                self.transport.progress()
+            return
+        states = {h: self.transport.state(h) for h in (*self.handles, *self.reads)}
+        for h, st in states.items():
+            if st is not XferState.PENDING:
+                self._transfer_ended(h, st)
+
+    def _check_now(self, handle: int) -> None:
+        """A transfer just posted or handed over: over cma the copy happens inside the
+        post, so it is usually DONE already; its completion then goes out now, not at
+        the next poll of the transport."""
+        st = self.transport.state(handle)
+        if st is not XferState.PENDING:
+            self._transfer_ended(handle, st)
+
+    def _transfer_ended(self, h: int, st: XferState) -> None:
+        self.transport.release(h)
+        if h in self.handles:
+            tid = self.handles.pop(h)
+            group = self.writes.get(tid)
+            if group is not None:
+                group.pending.discard(h)
+                if st is XferState.FAILED and not group.failed:
+                    group.failed = "WRITE failed to complete"
+                self._maybe_finish(tid)
+        else:
+            read = self.reads.pop(h)
+            ok = st is XferState.DONE
+            self.stamp(read.tid, "d_read_done")
+            self._read_ended(read, ok, None if ok else "READ failed")
+
+    # ---- pull: READs ---------------------------------------------------------------------
+    def post_read(self, tid: str, address: str, local: c.Ranges, remote: c.Ranges) -> None:
+        peer = self.peers.get(address)
+        read = PostedRead(tid, address, len(local), sum(n for _, n in local))
+
+        def when_ready(why: str | None) -> None:  # its handshake (again, after eviction)
+            if why is None:
+                self.post_read(tid, address, local, remote)
+            else:
+                self._read_ended(read, False, why, notify=False)
+
+        if peer is not None and not peer.ready and self.peers.defer(address, when_ready):
+            return
+        if peer is None or not peer.ready:
+            self._read_ended(read, False, f"no connection to prefill instance at {address}")
+            return
+        t0 = time.perf_counter()
+        try:
+            handle = self.transport.post("READ", peer.agent, local, remote)
+        except TransferPostError as e:
+            self._read_ended(read, False, f"READ failed to post: {e}")
+            return
+        read.post_s = time.perf_counter() - t0
+        self.stamp(tid, "d_read_post")
+        self.reads[handle] = read
+        self._check_now(handle)
+
+    def _read_ended(self, read: PostedRead, ok: bool, error: str | None,
+                    notify: bool = True) -> None:
+        """``notify``: tell prefill (PullDone); not when no handshake with it came off."""
+        if not ok:
+            self.counters["transfers_failed"] += 1
+        if notify:
+            self.send(read.address, m.PullDone(read.tid, ok=ok))
+        self.post_event(c.ReadDone(read.tid, ok, error, read.num_descriptors,
+                                   read.num_bytes, read.post_s))
