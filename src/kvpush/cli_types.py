@@ -17,6 +17,17 @@ def port(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An integer ≥ 0 (bounds where 0 means none)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An integer ≥ 1 (counts, lengths)."""
     try:

@@ -26,16 +26,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the `serve` sub-command on ``subparsers`` (from add_subparsers)."""
     p = subparsers.add_parser(
@@ -103,7 +93,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     sch.add_argument("--max-num-batched-tokens", type=int, default=1024, metavar="TOKENS",
                      help="most tokens (prefill chunks + decodes) in one engine step "
                           "(default: 1024)")
-    sch.add_argument("--max-waiting-requests", type=_non_negative_int,
+    sch.add_argument("--max-waiting-requests", type=cli_types.non_negative_int,
                      default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
                      help="most requests waiting for their first token (queued, being "
                           "prefilled, or awaiting their KV); more are refused at once with "
