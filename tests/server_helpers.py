@@ -15,8 +15,26 @@ from typing import Any
 
 import httpx
 
-from kvpush.cluster.launcher import free_port  # noqa: F401 (router_helpers patches it)
+from kvpush.cluster import launcher
 from kvpush.kv_transfer.grants import ParamsSigner
+
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def free_port() -> int:
+    """A free port on 127.0.0.1 that this test process has not handed out before: several
+    instances started at once (start_instances) can otherwise get the same one, and the
+    loser's health check may then see the winner answer (router_helpers patches this to
+    restart an instance on its old port)."""
+    with _handed_out_lock:
+        for _ in range(100):
+            port = launcher.free_port()
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    raise RuntimeError("no fresh free port in 100 tries")
+
 
 #: The cluster secret of the test session: every `kvpush serve` a test starts gets it
 #: (unless the test gives its own, or --insecure-kv-params), and so does every in-process
