@@ -33,9 +33,9 @@ def add_multi_turn_args(parser: Any) -> None:
     """The multi-turn data set's flags, on ``parser`` (an argument group): the same for
     `kvpush bench` and `kvpush bench compare`."""
     g = parser.add_argument_group(
-        "multi-turn data set (--dataset multi-turn; chat endpoint; --output-len is each "
-        "answer's length, --max-concurrency bounds conversations in progress and "
-        "--request-rate is conversations started per second)")
+        "multi-turn data set (--dataset multi-turn, on the chat endpoint; --output-len is "
+        "each answer's length, --request-rate conversations started per second, and "
+        "kvpush bench's --max-concurrency bounds the conversations in progress)")
     g.add_argument("--num-conversations", type=cli_types.positive_int, default=6,
                    metavar="N", help="conversations (default: 6)")
     g.add_argument("--turns", type=cli_types.positive_int, default=4, metavar="N",

@@ -27,6 +27,12 @@ shares them, so modes still compare on equal arrivals, and pooled repeats sample
 arrival process rather than one draw of it. Each run's JSON records both seeds
 (``prompt_seed``, ``arrival_seed``; its ``seed`` is the arrival seed).
 
+Multi-turn: ``num_conversations + warmup`` conversations per rate (one system prompt
+per rate); the warm-up ones first, one at a time, no think time (the system prompt is
+then cached, as on a server already up). Cells get ``per_turn`` and ``turns_2plus``,
+ratios a ``turns`` entry (turn 1 and 2+ median TTFT, 2+ mean TPOT, TTFT by turn).
+``prefill`` / ``decode`` set every P/D mode's shape (xPyD), e.g. 1 and 2.
+
 Outputs in ``out_dir``: ``runs/<mode>_r<rate>_rep<k>.json`` (vLLM's result JSON plus
 kvpush's extras), ``summary.json``, ``summary.md`` (the tables) and, if matplotlib is
 installed, ``ttft_tpot_vs_rate.png`` and ``ttft_cdf.png`` (:mod:`kvpush.bench.plots`).
