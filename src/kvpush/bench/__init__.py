@@ -18,6 +18,8 @@ _EXPORTS = {
     "arun_benchmark": "kvpush.bench.client",
     "prepare_requests": "kvpush.bench.client",
     "resolve_tokenizer": "kvpush.bench.client",
+    "Conversation": "kvpush.bench.conversations",
+    "multi_turn_conversations": "kvpush.bench.conversations",
     "DatasetError": "kvpush.bench.datasets",
     "PromptCodec": "kvpush.bench.datasets",
     "SampleRequest": "kvpush.bench.datasets",

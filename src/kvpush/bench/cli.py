@@ -15,8 +15,51 @@ from typing import Any
 from kvpush import cli_types
 
 PROG = "kvpush bench"
+#: every --dataset (conversations.MULTI_TURN last; not imported: this module stays light)
+DATASET_CHOICES = ("random", "sonnet", "shared-prefix", "multi-turn")
 
 
+def _think_time(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return v
+
+
+def add_multi_turn_args(parser: Any) -> None:
+    """The multi-turn data set's flags, on ``parser`` (an argument group): the same for
+    `kvpush bench` and `kvpush bench compare`."""
+    g = parser.add_argument_group(
+        "multi-turn data set (--dataset multi-turn, on the chat endpoint; --output-len is "
+        "each answer's length, --request-rate conversations started per second, and "
+        "kvpush bench's --max-concurrency bounds the conversations in progress)")
+    g.add_argument("--num-conversations", type=cli_types.positive_int, default=6,
+                   metavar="N", help="conversations (default: 6)")
+    g.add_argument("--turns", type=cli_types.positive_int, default=4, metavar="N",
+                   help="questions per conversation; each turn resends the history with "
+                        "the server's answers (default: 4)")
+    g.add_argument("--system-prompt-len", type=cli_types.non_negative_int, default=120,
+                   metavar="TOKENS",
+                   help="tokens of the system prompt every conversation shares; 0: none "
+                        "(default: 120)")
+    g.add_argument("--question-len", type=cli_types.positive_int, default=40,
+                   metavar="TOKENS", help="tokens of each question (default: 40)")
+    g.add_argument("--think-time", type=_think_time, default=0.0, metavar="SECONDS",
+                   help="pause between an answer's end and the next question (default: 0)")
+    g.add_argument("--think-time-dist", choices=("exponential", "fixed"),
+                   default="exponential",
+                   help="exponential: each pause drawn with mean --think-time (from "
+                        "--seed); fixed: exactly --think-time (default: exponential)")
+
+
+def multi_turn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The multi-turn flags as BenchConfig / CompareConfig keyword arguments."""
+    return {name: getattr(args, name) for name in (
+        "num_conversations", "turns", "system_prompt_len", "question_len", "think_time",
+        "think_time_dist")}
 
 
 def _rate(text: str) -> float:
@@ -76,14 +119,16 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the server, e.g. http://127.0.0.1:8000 (required)")
     p.add_argument("--model", metavar="NAME",
                    help="served model name (default: the first one in GET /v1/models)")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="/v1/completions or /v1/chat/completions (default: completions)")
+    p.add_argument("--endpoint", choices=("completions", "chat"),
+                   help="/v1/completions or /v1/chat/completions (default: completions; "
+                        "chat for --dataset multi-turn)")
     p.add_argument("--tokenizer", metavar="DIR_OR_MODEL",
                    help="tokenizer folder or kvpush model name (default: --model if it is "
                         "local, else the model root the server lists, if it is local)")
     d = p.add_argument_group("workload")
-    d.add_argument("--dataset", choices=("random", "sonnet", "shared-prefix"),
-                   default="random", help="prompt source (default: random)")
+    d.add_argument("--dataset", choices=DATASET_CHOICES, default="random",
+                   help="prompt source; multi-turn: conversations (see below) (default: "
+                        "random)")
     d.add_argument("--input-len", type=cli_types.positive_int, default=1024, metavar="TOKENS",
                    help="prompt tokens per request, exactly (default: 1024)")
     d.add_argument("--output-len", type=cli_types.positive_int, default=128, metavar="TOKENS",
@@ -107,6 +152,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="whole-run limit; requests still out then fail (default: 3600)")
     load.add_argument("--request-timeout", type=cli_types.seconds, default=600.0, metavar="SECONDS",
                       help="per-request limit (default: 600)")
+    add_multi_turn_args(p)
     out = p.add_argument_group("output")
     out.add_argument("--out", metavar="FILE", help="write the result JSON here")
     out.add_argument("--label", help="a name for this run, stored in the JSON")
@@ -143,11 +189,12 @@ def run_bench(args: argparse.Namespace) -> int:
     from kvpush.bench.client import BenchConfig, BenchError, run_benchmark
     from kvpush.bench.datasets import DatasetError
 
+    endpoint = args.endpoint or ("chat" if args.dataset == "multi-turn" else "completions")
     config = BenchConfig(
         url=args.url, model=args.model, dataset=args.dataset, input_len=args.input_len,
         output_len=args.output_len, num_prompts=args.num_prompts,
         request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-        seed=args.seed, endpoint=args.endpoint,
+        seed=args.seed, endpoint=endpoint, **multi_turn_kwargs(args),
         prefix_len=args.prefix_len,
         tokenizer=args.tokenizer, prompt_type=args.prompt_type, timeout=args.timeout,
         request_timeout=args.request_timeout, percentiles=args.percentiles,

@@ -9,9 +9,13 @@ Library use::
     result.save("result.json"); print(result.table())
 
 Every request streams (SSE) with ``max_tokens = output_len``, ``ignore_eos`` and
-temperature 0, asking for the final usage chunk. A run is bounded in count
-(``num_prompts``) and time (``timeout`` for the whole run, ``request_timeout`` per
-request); requests that fail, time out or are never sent are counted with their errors.
+temperature 0, asking for the final usage chunk (:mod:`kvpush.bench.stream`). The
+``multi-turn`` data set sends conversations instead of independent prompts
+(:mod:`kvpush.bench.multiturn`): each turn resends the history with the server's
+answers, and the result adds per-turn figures. A run is bounded in count
+(``num_prompts``, or conversations x turns) and time (``timeout`` for the whole run,
+``request_timeout`` per request); requests that fail, time out or are never sent are
+counted with their errors.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import random
 import time
 from collections.abc import Sequence
@@ -28,6 +31,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvpush.bench.conversations import (
+    MULTI_TURN,
+    Conversation,
+    ThinkTime,
+    multi_turn_conversations,
+)
 from kvpush.bench.datasets import (
     DATASETS,
     DEFAULT_SONNET_PREFIX_LEN,
@@ -39,13 +48,17 @@ from kvpush.bench.datasets import (
     local_tokenizer_dir,
     sample_requests,
 )
-from kvpush.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_metrics, format_table
+from kvpush.bench.metrics import (
+    DEFAULT_PERCENTILES,
+    RequestResult,
+    compute_metrics,
+    format_table,
+)
+from kvpush.bench.stream import auth_headers, send_one
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 #: vLLM's ``backend`` name for each endpoint.
 BACKENDS = {"completions": "openai", "chat": "openai-chat"}
-#: How much of an error body is kept.
-MAX_ERROR_CHARS = 2000
 
 
 class BenchError(ValueError):
@@ -81,14 +94,32 @@ class BenchConfig:
     progress: bool = False
     #: Extra JSON fields merged into every request body.
     extra_body: dict[str, Any] = field(default_factory=dict)
+    #: multi-turn (:mod:`kvpush.bench.conversations`): conversations, turns each, the
+    #: shared system prompt's tokens (0: none), each question's tokens; ``output_len``
+    #: is each answer's, ``max_concurrency`` bounds conversations, ``request_rate`` is
+    #: conversations started per second
+    num_conversations: int = 6
+    turns: int = 4
+    system_prompt_len: int = 120
+    question_len: int = 40
+    #: seconds between an answer's end and the next question: the mean (exponential)
+    #: or exactly (fixed)
+    think_time: float = 0.0
+    think_time_dist: str = ThinkTime.EXPONENTIAL.value
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.dataset == MULTI_TURN
 
     def validate(self) -> None:
         """Raise :class:`BenchError` naming the first bad setting."""
         if not self.url.startswith(("http://", "https://")):
             raise BenchError(f"--url must start with http:// or https://, got {self.url!r}")
-        if self.dataset not in DATASETS:
+        if self.dataset not in DATASETS + (MULTI_TURN,):
             raise BenchError(f"unknown dataset {self.dataset!r}; choose one of "
-                             f"{', '.join(DATASETS)}")
+                             f"{', '.join(DATASETS + (MULTI_TURN,))}")
+        if self.multi_turn:
+            self._validate_multi_turn()
         if self.endpoint not in ENDPOINTS:
             raise BenchError(f"unknown endpoint {self.endpoint!r}; choose one of "
                              f"{', '.join(ENDPOINTS)}")
@@ -105,13 +136,31 @@ class BenchConfig:
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
                 raise BenchError(f"{name} must be a positive number of seconds, got {v}")
-        if self.prefix_len is not None and not 0 < self.prefix_len < self.input_len:
+        if (self.prefix_len is not None and not self.multi_turn
+                and not 0 < self.prefix_len < self.input_len):
             raise BenchError(f"prefix_len must be in 1..{self.input_len - 1} (below "
                              f"input_len), got {self.prefix_len}")
         if any(not 0 <= q <= 100 for q in self.percentiles):
             raise BenchError(f"percentiles must be in 0..100, got {list(self.percentiles)}")
 
+    def _validate_multi_turn(self) -> None:
+        if self.endpoint != "chat":
+            raise BenchError("the multi-turn data set runs on the chat endpoint: "
+                             "--endpoint chat")
+        for name in ("num_conversations", "turns", "question_len"):
+            if getattr(self, name) < 1:
+                raise BenchError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.system_prompt_len < 0:
+            raise BenchError(f"system_prompt_len must be >= 0, got {self.system_prompt_len}")
+        if not (self.think_time >= 0 and math.isfinite(self.think_time)):
+            raise BenchError(f"think_time must be >= 0 seconds, got {self.think_time}")
+        if self.think_time_dist not in {t.value for t in ThinkTime}:
+            raise BenchError(f"unknown think time distribution {self.think_time_dist!r}; "
+                             f"choose one of {', '.join(t.value for t in ThinkTime)}")
+
     def effective_prefix_len(self) -> int | None:
+        if self.multi_turn:
+            return None
         if self.prefix_len is not None or self.dataset == "random":
             return self.prefix_len
         if self.dataset == "sonnet":
@@ -183,6 +232,10 @@ class BenchResult:
             "request_timeout": c.request_timeout,
             "warnings": self.warnings,
         })
+        if c.multi_turn:
+            from kvpush.bench.multiturn import result_fields
+
+            out.update(result_fields(c, self.outputs))
         return out
 
     def save(self, path: str | Path) -> Path:
@@ -205,7 +258,7 @@ def list_models(url: str, timeout: float = 10.0) -> list[dict[str, Any]]:
 
     try:
         r = httpx.get(url.rstrip("/") + "/v1/models", timeout=timeout, trust_env=False,
-                      headers=_auth_headers())
+                      headers=auth_headers())
         r.raise_for_status()
         data = r.json().get("data") or []
     except (httpx.HTTPError, ValueError, AttributeError) as e:
@@ -232,9 +285,15 @@ def resolve_tokenizer(config: BenchConfig, model_id: str,
         raise BenchError(f"{e}; pass --tokenizer DIR") from None
 
 
-def prepare_requests(config: BenchConfig, tokenizer: Any) -> list[SampleRequest]:
-    """The run's prompts (deterministic for the seed and tokenizer)."""
+def prepare_requests(config: BenchConfig,
+                     tokenizer: Any) -> list[SampleRequest] | list[Conversation]:
+    """The run's prompts, or for multi-turn its conversations (deterministic for the
+    seed and tokenizer)."""
     codec = PromptCodec(tokenizer, config.endpoint)  # type: ignore[arg-type]
+    if config.multi_turn:
+        return multi_turn_conversations(codec, config.num_conversations, config.turns,
+                                        config.system_prompt_len, config.question_len,
+                                        config.output_len, config.seed)
     return sample_requests(codec, config.dataset, config.num_prompts, config.input_len,
                            config.output_len, config.seed, config.effective_prefix_len(),
                            config.prompt_type)
@@ -256,21 +315,24 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
 # ------------------------------------------------------------------------ the requests
 
 
-def _auth_headers() -> dict[str, str]:
-    """The bearer key for a keyed endpoint: $OPENAI_API_KEY (as `vllm bench serve`), else
-    $KVPUSH_API_KEY (what kvpush serve/router/up read)."""
-    key = os.environ.get("OPENAI_API_KEY") or os.environ.get("KVPUSH_API_KEY")
-    return {"Authorization": f"Bearer {key.strip()}"} if key and key.strip() else {}
-
-
-def request_body(config: BenchConfig, model_id: str, req: SampleRequest) -> dict[str, Any]:
+def request_body(config: BenchConfig, model_id: str, req: SampleRequest | None, *,
+                 messages: list[dict[str, str]] | None = None,
+                 max_tokens: int | None = None) -> dict[str, Any]:
+    """The JSON body of one request: ``req``'s prompt, or (chat) ``messages`` as given
+    with ``max_tokens`` (a multi-turn turn)."""
     body: dict[str, Any] = {"model": model_id}
-    if config.endpoint == "chat":
+    if messages is not None:
+        body["messages"] = messages
+    elif req is not None and config.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": req.prompt}]
-    else:
+    elif req is not None:
         body["prompt"] = req.prompt
+    if max_tokens is None:
+        if req is None:
+            raise ValueError("request_body needs a request or max_tokens")
+        max_tokens = req.expected_output_len
     body.update({
-        "max_tokens": req.expected_output_len,
+        "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
@@ -280,114 +342,24 @@ def request_body(config: BenchConfig, model_id: str, req: SampleRequest) -> dict
     return body
 
 
-def _chunk_text(choice: dict[str, Any], chat: bool) -> str | None:
-    """The text a streamed choice carries; None when it carries none (a chat stream's
-    role announcement or a finish-only delta). "" is a token whose text the server holds
-    back (part of a UTF-8 character, a possible stop string): as in vLLM's benchmark, it
-    counts as the first token / an inter-token gap, so TTFT is the first token's time,
-    not the first visible character's."""
-    if chat:
-        delta = choice.get("delta")
-        if not isinstance(delta, dict) or "role" in delta:
-            return None
-        text = delta.get("content")
-    else:
-        text = choice.get("text")
-    return text if isinstance(text, str) else None
-
-
-async def _stream(client: Any, url: str, body: dict[str, Any], res: RequestResult,
-                  chat: bool) -> None:
-    """Send one request and read its SSE stream into ``res`` (success or error)."""
-    st = time.perf_counter()
-    last: float | None = None
-    parts: list[str] = []
-    done, finish = False, None
-    async with client.stream("POST", url, json=body) as resp:
-        if resp.status_code != 200:
-            text = (await resp.aread()).decode("utf-8", errors="replace")
-            res.error = f"HTTP {resp.status_code}: {text.strip()[:MAX_ERROR_CHARS]}"
-            return
-        async for line in resp.aiter_lines():
-            now = time.perf_counter()
-            if not line.startswith("data:"):
-                continue  # blank separators, comments, event:/id: fields
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            try:
-                obj = json.loads(data)
-            except ValueError:
-                res.error = f"malformed SSE data: {data[:200]!r}"
-                return
-            if not isinstance(obj, dict):
-                continue
-            if obj.get("error"):
-                res.error = f"error in stream: {json.dumps(obj['error'])[:MAX_ERROR_CHARS]}"
-                return
-            for choice in obj.get("choices") or []:
-                text = _chunk_text(choice, chat)
-                # an empty choice that ends the stream is no token gap (vLLM sends the
-                # finish apart); still the first token if nothing came before it
-                bare_finish = not text and choice.get("finish_reason") and last is not None
-                if text is not None and not bare_finish:
-                    if last is None:
-                        res.ttft = now - st
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    parts.append(text)
-                finish = choice.get("finish_reason") or finish
-            usage = obj.get("usage")
-            if isinstance(usage, dict):
-                res.output_tokens = int(usage.get("completion_tokens") or 0)
-                if isinstance(usage.get("prompt_tokens"), int):
-                    res.server_prompt_tokens = usage["prompt_tokens"]
-    res.latency = time.perf_counter() - st
-    res.generated_text = "".join(parts)
-    if last is None:
-        res.error = "the stream carried no content"
-    elif not done and finish is None:
-        res.error = "the stream ended before [DONE] or a finish_reason"
-    elif finish in ("abort", "error"):
-        res.error = f"the request finished with finish_reason={finish!r}"
-    else:
-        res.success = True
-
-
-async def _send(client: Any, url: str, body: dict[str, Any], res: RequestResult,
-                chat: bool, t0: float, timeout: float) -> None:
-    import httpx
-
-    res.start_time = time.perf_counter() - t0
-    try:
-        await asyncio.wait_for(_stream(client, url, body, res, chat), timeout)
-    except asyncio.TimeoutError:
-        res.error = f"timed out after {timeout:g} s (request timeout)"
-    except httpx.HTTPError as e:
-        res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    except Exception as e:  # noqa: BLE001 - a client bug must not lose the whole run
-        res.error = f"client error: {type(e).__name__}: {e}"
-    if res.error:
-        res.success = False
-
-
-async def _drive(config: BenchConfig, model_id: str, requests: Sequence[SampleRequest],
+async def _drive(config: BenchConfig, model_id: str,
+                 requests: Sequence[SampleRequest] | Sequence[Conversation],
                  results: list[RequestResult]) -> tuple[float, float]:
-    """Send every request on schedule; fill ``results``; return the run's duration and
-    the wall clock at its start."""
+    """Send every request (or conversation) on schedule; fill ``results``; return the
+    run's duration and the wall clock at its start."""
     import httpx
+
+    from kvpush.bench.multiturn import conversation_tasks
 
     chat = config.endpoint == "chat"
     url = config.url.rstrip("/") + ENDPOINTS[config.endpoint]
     offsets = arrival_offsets(len(requests), config.request_rate, config.seed)
     sem = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
-    bar = _progress_bar(len(requests), config.progress)
+    bar = _progress_bar(len(results), config.progress)
     timeout = httpx.Timeout(config.request_timeout, connect=min(30.0, config.request_timeout))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False,
-                                 headers=_auth_headers()) as client:
+                                 headers=auth_headers()) as client:
         t0 = time.perf_counter()
         t0_wall = time.time()
 
@@ -395,20 +367,24 @@ async def _drive(config: BenchConfig, model_id: str, requests: Sequence[SampleRe
             delay = t0 + offsets[i] - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            body = request_body(config, model_id, requests[i])
+            body = request_body(config, model_id, requests[i])  # type: ignore[arg-type]
             try:
                 if sem is None:
-                    await _send(client, url, body, results[i], chat, t0,
+                    await send_one(client, url, body, results[i], chat, t0,
                                 config.request_timeout)
                 else:
                     async with sem:
-                        await _send(client, url, body, results[i], chat, t0,
+                        await send_one(client, url, body, results[i], chat, t0,
                                     config.request_timeout)
             finally:
                 if bar is not None:
                     bar.update(1)
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(len(requests))]
+        if config.multi_turn:
+            tasks = conversation_tasks(config, model_id, requests,  # type: ignore[arg-type]
+                                       results, client, url, t0, bar)
+        else:
+            tasks = [asyncio.ensure_future(one(i)) for i in range(len(requests))]
         _, pending = await asyncio.wait(tasks, timeout=config.timeout)
         for t in pending:
             t.cancel()
@@ -448,8 +424,9 @@ def _warnings(config: BenchConfig, outputs: Sequence[RequestResult]) -> list[str
     return out
 
 
-def _prepare(config: BenchConfig, requests: Sequence[SampleRequest] | None,
-             tokenizer: Any | None) -> tuple[str, str, Any, Sequence[SampleRequest]]:
+def _prepare(config: BenchConfig, requests: Sequence[SampleRequest] | Sequence[Conversation] | None,
+             tokenizer: Any | None
+             ) -> tuple[str, str, Any, Sequence[SampleRequest] | Sequence[Conversation]]:
     """(model id, tokenizer id, tokenizer or None, prompts) for a run (blocking)."""
     config.validate()
     cards = None
@@ -466,19 +443,31 @@ def _prepare(config: BenchConfig, requests: Sequence[SampleRequest] | None,
         requests = prepare_requests(config, tokenizer)
     if not requests:
         raise BenchError("no requests to send")
+    if config.multi_turn != isinstance(requests[0], Conversation):
+        raise BenchError("the multi-turn data set takes conversations, the others prompts")
     return model_id, tok_id, tokenizer, requests
 
 
 async def arun_benchmark(config: BenchConfig, *,
-                         requests: Sequence[SampleRequest] | None = None,
-                         tokenizer: Any | None = None) -> BenchResult:
+                         requests: Sequence[SampleRequest] | Sequence[Conversation] | None
+                         = None, tokenizer: Any | None = None) -> BenchResult:
     """:func:`run_benchmark` for callers already inside an event loop (the set-up runs in
     a worker thread)."""
+    from kvpush.bench import multiturn
+
     model_id, tok_id, tokenizer, requests = await asyncio.to_thread(
         _prepare, config, requests, tokenizer)
-    results = [RequestResult(prompt_len=r.prompt_len) for r in requests]
+    codec = None
+    if config.multi_turn:
+        codec = PromptCodec(tokenizer, "chat") if tokenizer is not None else None
+        results = multiturn.new_results(requests, codec)  # type: ignore[arg-type]
+    else:
+        results = [RequestResult(prompt_len=r.prompt_len)  # type: ignore[union-attr]
+                   for r in requests]
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
     duration, start_wall = await _drive(config, model_id, requests, results)
+    if config.multi_turn:  # now that the answers are known
+        await asyncio.to_thread(multiturn.fill_prompt_lens, requests, results, codec)
     for r in results:  # a server that sent no usage: count the text's tokens (or chunks)
         if r.success and r.output_tokens == 0:
             r.output_tokens = (len(tokenizer.encode(r.generated_text, add_special_tokens=False))
@@ -489,12 +478,14 @@ async def arun_benchmark(config: BenchConfig, *,
                        warnings=_warnings(config, results), start_wall=start_wall)
 
 
-def run_benchmark(config: BenchConfig, *, requests: Sequence[SampleRequest] | None = None,
+def run_benchmark(config: BenchConfig, *,
+                  requests: Sequence[SampleRequest] | Sequence[Conversation] | None = None,
                   tokenizer: Any | None = None) -> BenchResult:
     """Run one benchmark and return its result (nothing is written or printed).
 
-    ``requests``: prompts to send instead of building them from the config's data set
-    (e.g. the same prompts against several servers); ``tokenizer``: an already loaded
+    ``requests``: prompts (multi-turn: conversations) to send instead of building them
+    from the config's data set (e.g. the same prompts against several servers);
+    ``tokenizer``: an already loaded
     tokenizer. Raises :class:`BenchError` (or DatasetError) if the run cannot start;
     failed requests do not raise, they are counted in the result. Not for use inside a
     running event loop: await :func:`arun_benchmark` there.

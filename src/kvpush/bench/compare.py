@@ -27,6 +27,12 @@ shares them, so modes still compare on equal arrivals, and pooled repeats sample
 arrival process rather than one draw of it. Each run's JSON records both seeds
 (``prompt_seed``, ``arrival_seed``; its ``seed`` is the arrival seed).
 
+Multi-turn: ``num_conversations + warmup`` conversations per rate (one system prompt
+per rate); the warm-up ones first, one at a time, no think time (the system prompt is
+then cached, as on a server already up). Cells get ``per_turn`` and ``turns_2plus``,
+ratios a ``turns`` entry (turn 1 and 2+ median TTFT, 2+ mean TPOT, TTFT by turn).
+``prefill`` / ``decode`` set every P/D mode's shape (xPyD), e.g. 1 and 2.
+
 Outputs in ``out_dir``: ``runs/<mode>_r<rate>_rep<k>.json`` (vLLM's result JSON plus
 kvpush's extras), ``summary.json``, ``summary.md`` (the tables) and, if matplotlib is
 installed, ``ttft_tpot_vs_rate.png`` and ``ttft_cdf.png`` (:mod:`kvpush.bench.plots`).
@@ -122,6 +128,13 @@ class CompareConfig:
     progress: bool = False
     #: repeat k draws its own arrivals (:func:`arrival_seed`); False: all repeats alike
     arrivals_per_repeat: bool = False
+    #: multi-turn data set (see kvpush.bench.conversations); num_prompts is unused then
+    num_conversations: int = 6
+    turns: int = 4
+    system_prompt_len: int = 120
+    question_len: int = 40
+    think_time: float = 0.0
+    think_time_dist: str = "exponential"
     #: Filled in: threads each configuration ran with.
     threads: dict[str, int] = field(default_factory=dict)
 
@@ -142,6 +155,23 @@ class CompareConfig:
         if self.arrivals_per_repeat and self.repeats > 1000:
             raise CompareError("--arrivals-per-repeat takes at most 1000 repeats (the "
                                "seeds of one rate must not reach the next rate's)")
+
+
+def dataset_fields(cfg: CompareConfig) -> dict[str, Any]:
+    """The BenchConfig fields that make a run's prompts (or conversations): the same for
+    building them and for sending them."""
+    multi = cfg.dataset == "multi-turn"
+    return {"dataset": cfg.dataset, "endpoint": "chat" if multi else "completions",
+            "input_len": cfg.input_len, "output_len": cfg.output_len,
+            "prefix_len": cfg.prefix_len, "num_conversations": cfg.num_conversations,
+            "turns": cfg.turns, "system_prompt_len": cfg.system_prompt_len,
+            "question_len": cfg.question_len, "think_time": cfg.think_time,
+            "think_time_dist": cfg.think_time_dist}
+
+
+def measured_count(cfg: CompareConfig) -> int:
+    """Prompts (multi-turn: conversations) measured per run."""
+    return cfg.num_conversations if cfg.dataset == "multi-turn" else cfg.num_prompts
 
 
 def prompt_seed(cfg: CompareConfig, rate_index: int) -> int:
@@ -259,12 +289,13 @@ def _prompts(cfg: CompareConfig, tokenizer: Any, rate_index: int) -> tuple[list,
     """(measured prompts, warm-up prompts) for one rate; the same for every mode."""
     from kvpush.bench.client import BenchConfig, prepare_requests
 
-    bc = BenchConfig(url="http://x", dataset=cfg.dataset, input_len=cfg.input_len,
-                     output_len=cfg.output_len, prefix_len=cfg.prefix_len,
-                     num_prompts=cfg.num_prompts + cfg.warmup,
-                     seed=prompt_seed(cfg, rate_index))
+    n = measured_count(cfg)
+    bc = BenchConfig(url="http://x", **{**dataset_fields(cfg),
+                                        "num_conversations": n + cfg.warmup},
+                     num_prompts=n + cfg.warmup, seed=prompt_seed(cfg, rate_index))
+    bc.validate()  # before any cluster starts
     reqs = prepare_requests(bc, tokenizer)
-    return reqs[:cfg.num_prompts], reqs[cfg.num_prompts:]
+    return reqs[:n], reqs[n:]
 
 
 def run_compare(cfg: CompareConfig, log=print) -> dict[str, Any]:
@@ -322,9 +353,7 @@ def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out:
                         skipped.append(f"{spec.label} rate {rate_text(rate)} repeat {rep}")
                         continue
                     measured, warm = prompts[i]
-                    bc = BenchConfig(url=cl.url, tokenizer=tok_dir, dataset=cfg.dataset,
-                                     input_len=cfg.input_len, output_len=cfg.output_len,
-                                     prefix_len=cfg.prefix_len,
+                    bc = BenchConfig(url=cl.url, tokenizer=tok_dir, **dataset_fields(cfg),
                                      num_prompts=cfg.num_prompts, request_rate=rate,
                                      seed=arrival_seed(cfg, i, rep),
                                      timeout=min(cfg.run_timeout, left),
@@ -333,8 +362,9 @@ def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out:
                                      progress=cfg.progress)
                     if warm:
                         wc = BenchConfig(**{**asdict(bc), "num_prompts": len(warm),
+                                            "num_conversations": len(warm),
                                             "max_concurrency": 1, "request_rate": math.inf,
-                                            "progress": False})
+                                            "think_time": 0.0, "progress": False})
                         run_benchmark(wc, requests=warm, tokenizer=tokenizer)
                     wall_start = time.time()
                     res = run_benchmark(bc, requests=measured, tokenizer=tokenizer)
@@ -348,9 +378,12 @@ def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out:
                     name = f"{spec.label}_r{rate_text(rate)}_rep{rep}.json"
                     (out / "runs" / name).write_text(json.dumps(d, indent=1) + "\n")
                     runs.append(d)
+                    later = (f" (turns 2+: {d['turns_2plus']['median_ttft_ms']:.0f} ms)"
+                             if "turns_2plus" in d else "")
                     log(f"[compare]   rate {rate_text(rate)}: median TTFT "
-                        f"{d['median_ttft_ms']:.0f} ms, mean TPOT {d['mean_tpot_ms']:.1f} ms,"
-                        f" {d['completed']} ok / {d['failed']} failed")
+                        f"{d['median_ttft_ms']:.0f} ms{later}, mean TPOT "
+                        f"{d['mean_tpot_ms']:.1f} ms, {d['completed']} ok / {d['failed']} "
+                        "failed")
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -366,6 +399,7 @@ def comma_list(conv: Any) -> Any:
 
 def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     """`kvpush bench compare` (registered on the bench parser's sub-commands)."""
+    from kvpush.bench.cli import DATASET_CHOICES, add_multi_turn_args
     from kvpush.cli_types import positive_int as _positive_int
     from kvpush.cli_types import seconds as _seconds
 
@@ -385,8 +419,9 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--rates", type=comma_list(float), default=[1.0, math.inf], metavar="LIST",
                    help="request rates (req/s; inf: all at once) (default: 1,inf)")
     p.add_argument("--model", metavar="NAME_OR_DIR", help="default: smollm2-135m")
-    p.add_argument("--dataset", choices=("random", "sonnet", "shared-prefix"),
-                   default="random")
+    p.add_argument("--dataset", choices=DATASET_CHOICES, default="random",
+                   help="multi-turn: conversations on the chat endpoint, with per-turn "
+                        "figures and ratios (default: random)")
     p.add_argument("--input-len", type=_positive_int, default=1024, metavar="TOKENS")
     p.add_argument("--output-len", type=_positive_int, default=128, metavar="TOKENS")
     p.add_argument("--prefix-len", type=_positive_int, metavar="TOKENS")
@@ -429,6 +464,7 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     lim.add_argument("--startup-timeout", type=_seconds, default=300.0, metavar="S")
     lim.add_argument("--time-limit", type=_seconds, default=3600.0, metavar="S",
                      help="the whole comparison; later runs are skipped (default: 3600)")
+    add_multi_turn_args(p)
     p.add_argument("--progress", action="store_true", help="progress bars")
     p.set_defaults(func=run_compare_cli)
     return p
@@ -437,6 +473,7 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_compare_cli(args: argparse.Namespace) -> int:
     import sys
 
+    from kvpush.bench.cli import multi_turn_kwargs
     from kvpush.bench.client import BenchError
     from kvpush.bench.datasets import DatasetError
 
@@ -453,7 +490,8 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         vllm_bin=args.vllm_bin,
         vllm_dtype=args.vllm_dtype, request_timeout=args.request_timeout,
         startup_timeout=args.startup_timeout,
-        time_limit=args.time_limit, label=args.label, progress=args.progress)
+        time_limit=args.time_limit, label=args.label, progress=args.progress,
+        **multi_turn_kwargs(args))
     try:
         summary = run_compare(cfg)
     except (CompareError, BenchError, DatasetError) as e:

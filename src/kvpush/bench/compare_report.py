@@ -64,7 +64,52 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["completed"] = sum(r["completed"] for r in runs)
     out["failed"] = sum(r["failed"] for r in runs)
     out["repeats"] = len(runs)
+    if all("turns" in r for r in runs):  # multi-turn
+        turns = sorted({t for r in runs for t in r["turns"]})
+        out["per_turn"] = [{"turn": t, **turn_stats(runs, lambda x, t=t: x == t)}
+                           for t in turns]
+        out["turns_2plus"] = turn_stats(runs, lambda x: x > 1)
     return out
+
+
+def turn_stats(runs: list[dict[str, Any]], keep: Any) -> dict[str, Any]:
+    """TTFT and TPOT (ms) of the requests of ``runs`` (pooled) whose turn ``keep``
+    accepts, completed ones only; ``n`` is how many."""
+    ttfts, tpots = [], []
+    for r in runs:
+        for turn, t, e, n, err in zip(r["turns"], r["ttfts"], r["e2els"], r["output_lens"],
+                                      r["errors"]):
+            if keep(turn) and not err:
+                ttfts.append(t)
+                if n > 1:
+                    tpots.append((e - t) / (n - 1))
+    return {"n": len(ttfts), "median_ttft_ms": percentile(ttfts, 50) * 1e3,
+            "p90_ttft_ms": percentile(ttfts, 90) * 1e3, "mean_ttft_ms": mean(ttfts) * 1e3,
+            "mean_tpot_ms": mean(tpots) * 1e3, "median_tpot_ms": percentile(tpots, 50) * 1e3}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def turn_ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Per-turn ratios of cell ``a`` to the reference cell ``b`` (multi-turn): median
+    TTFT of turn 1 and of turns 2+, mean TPOT of turns 2+, median TTFT of each turn."""
+    first = lambda c: next((t for t in c["per_turn"] if t["turn"] == 1), None)  # noqa: E731
+    fa, fb = first(a), first(b)
+    by_turn = {t["turn"]: t for t in b["per_turn"]}
+    return {
+        "turn1_median_ttft_ms": (_ratio(fa["median_ttft_ms"], fb["median_ttft_ms"])
+                                 if fa and fb else None),
+        "turns_2plus_median_ttft_ms": _ratio(a["turns_2plus"]["median_ttft_ms"],
+                                             b["turns_2plus"]["median_ttft_ms"]),
+        "turns_2plus_mean_tpot_ms": _ratio(a["turns_2plus"]["mean_tpot_ms"],
+                                           b["turns_2plus"]["mean_tpot_ms"]),
+        "per_turn_median_ttft_ms": [
+            {"turn": t["turn"], "ratio": _ratio(t["median_ttft_ms"],
+                                                by_turn[t["turn"]]["median_ttft_ms"])}
+            for t in a["per_turn"] if t["turn"] in by_turn],
+    }
 
 
 def summarize_runs(runs: list[dict[str, Any]], cfg: CompareConfig) -> dict[str, Any]:
@@ -96,6 +141,8 @@ def summarize_runs(runs: list[dict[str, Any]], cfg: CompareConfig) -> dict[str, 
                 if ra and rb and rb[0]["median_ttft_ms"]:
                     per_rep.append(ra[0]["median_ttft_ms"] / rb[0]["median_ttft_ms"])
             entry["median_ttft_ratio_per_repeat"] = per_rep
+            if "per_turn" in a and "per_turn" in b:
+                entry["turns"] = turn_ratios(a, b)
             ratios[f"{label}/{ref}@{rate}"] = entry
     conf = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     conf["modes"] = labels
@@ -124,14 +171,23 @@ def _fmt(v: Any, digits: int = 1) -> str:
 def markdown_report(summary: dict[str, Any]) -> str:
     c = summary["config"]
     threads = ", ".join(f"{k}: {v}" for k, v in (c.get("threads") or {}).items())
+    if c["dataset"] == "multi-turn":
+        think = (f", think time {c.get('think_time', 0):g} s {c.get('think_time_dist')}"
+                 if c.get("think_time") else "")
+        workload = (f"dataset multi-turn: {c['num_conversations']} conversations of "
+                    f"{c['turns']} turns per run (+{c['warmup']} warm-up), system prompt "
+                    f"{c['system_prompt_len']}, questions {c['question_len']}, answers "
+                    f"{c['output_len']} tokens{think}, seed ")
+    else:
+        workload = (f"dataset {c['dataset']} {c['input_len']} in / {c['output_len']} out"
+                    + (f" (prefix {c['prefix_len']})" if c.get("prefix_len") else "")
+                    + f", {c['num_prompts']} prompts per run (+{c['warmup']} warm-up), "
+                    "seed ")
     lines = [
         f"### {c.get('label') or 'kvpush bench compare'}",
         "",
-        f"Model `{c.get('model') or 'smollm2-135m'}`, dataset {c['dataset']} "
-        f"{c['input_len']} in / {c['output_len']} out"
-        + (f" (prefix {c['prefix_len']})" if c.get("prefix_len") else "")
-        + f", {c['num_prompts']} prompts per run (+{c['warmup']} warm-up), seed "
-        f"{c['seed']}, {c['repeats']} repeat(s) in alternating order"
+        f"Model `{c.get('model') or 'smollm2-135m'}`, " + workload
+        + f"{c['seed']}, {c['repeats']} repeat(s) in alternating order"
         + (", each repeat with its own arrivals" if c.get("arrivals_per_repeat") else "")
         + f"; P/D "
         f"{c['prefill']} prefill + {c['decode']} decode. Torch threads per instance: "
@@ -165,6 +221,38 @@ def markdown_report(summary: dict[str, Any]) -> str:
             lines.append(f"| {pair} | {rate} | "
                          + " | ".join(_fmt(r[f], 2) for f in RATIO_FIELDS)
                          + f" | {per or '-'} |")
+    lines += _turn_lines(summary)
     if summary.get("skipped"):
         lines += ["", "Skipped (time limit): " + "; ".join(summary["skipped"])]
     return "\n".join(lines)
+
+
+def _turn_lines(summary: dict[str, Any]) -> list[str]:
+    """The multi-turn tables: each cell per turn, and the per-turn ratios."""
+    cells = {k: v for k, v in summary["cells"].items() if "per_turn" in v}
+    if not cells:
+        return []
+    lines = ["", "Per turn (ms; 2+: every turn after the first):", "",
+             "| mode | rate | turn | n | TTFT med | TTFT p90 | TPOT mean |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for key, cell in cells.items():
+        mode, rate = key.rsplit("@", 1)
+        for name, t in [(str(t["turn"]), t) for t in cell["per_turn"]] + [
+                ("2+", cell["turns_2plus"])]:
+            lines.append(f"| {mode} | {rate} | {name} | {t['n']} | "
+                         f"{_fmt(t['median_ttft_ms'])} | {_fmt(t['p90_ttft_ms'])} | "
+                         f"{_fmt(t['mean_tpot_ms'])} |")
+    turns = {k: r["turns"] for k, r in summary["ratios"].items() if "turns" in r}
+    if turns:
+        ref = summary["reference"]
+        lines += ["", f"Per-turn ratios against {ref} (> 1: {ref} is better):", "",
+                  "| ratio | rate | turn 1 TTFT med | turns 2+ TTFT med | turns 2+ TPOT mean "
+                  "| TTFT med by turn |", "|---|---|---:|---:|---:|---|"]
+        for key, r in turns.items():
+            pair, rate = key.rsplit("@", 1)
+            by_turn = ", ".join(f"{t['turn']}: {_fmt(t['ratio'], 2)}"
+                                for t in r["per_turn_median_ttft_ms"])
+            lines.append(f"| {pair} | {rate} | {_fmt(r['turn1_median_ttft_ms'], 2)} | "
+                         f"{_fmt(r['turns_2plus_median_ttft_ms'], 2)} | "
+                         f"{_fmt(r['turns_2plus_mean_tpot_ms'], 2)} | {by_turn or '-'} |")
+    return lines

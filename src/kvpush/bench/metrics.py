@@ -47,6 +47,16 @@ class RequestResult:
     #: ``usage.prompt_tokens`` as the server reported it, if it did.
     server_prompt_tokens: int | None = None
     generated_text: str = ""
+    #: multi-turn data set: the conversation (0-based) and turn (1-based); 0 otherwise
+    conversation: int = 0
+    turn: int = 0
+
+    @property
+    def tpot(self) -> float | None:
+        """(e2e - TTFT) / (output tokens - 1); None with fewer than two output tokens."""
+        if self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -106,7 +116,7 @@ def compute_metrics(results: Sequence[RequestResult], duration: float,
     done = [r for r in results if r.success]
     ttfts = [r.ttft for r in done]
     e2els = [r.latency for r in done]
-    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    tpots = [t for t in (r.tpot for r in done) if t is not None]
     itls = [gap for r in done for gap in r.itl]
     total_in = sum(r.prompt_len for r in done)
     total_out = sum(r.output_tokens for r in done)
@@ -124,6 +134,49 @@ def compute_metrics(results: Sequence[RequestResult], duration: float,
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         out.update(summarize(values, name, pcts))
     return out
+
+
+def turn_metrics(results: Sequence[RequestResult],
+                 percentiles: Iterable[float] = DEFAULT_PERCENTILES) -> dict[str, Any]:
+    """TTFT and TPOT (ms) of some requests (one turn, or several): ``n`` is how many
+    completed (what the statistics are over), ``failed`` how many did not, and
+    ``mean_input_len`` their mean prompt length."""
+    done = [r for r in results if r.success]
+    out: dict[str, Any] = {"n": len(done), "failed": len(results) - len(done),
+                           "mean_input_len": mean([r.prompt_len for r in done])}
+    pcts = list(percentiles)
+    out.update(summarize([r.ttft for r in done], "ttft", pcts))
+    out.update(summarize([t for t in (r.tpot for r in done) if t is not None], "tpot", pcts))
+    return out
+
+
+def per_turn_metrics(results: Sequence[RequestResult],
+                     percentiles: Iterable[float] = DEFAULT_PERCENTILES
+                     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(one :func:`turn_metrics` per turn, with its ``turn``, in turn order; the same
+    over every turn after the first, ``turns_2plus``) of a multi-turn run."""
+    pcts = list(percentiles)
+    turns = sorted({r.turn for r in results if r.turn > 0})
+    per_turn = [{"turn": t, **turn_metrics([r for r in results if r.turn == t], pcts)}
+                for t in turns]
+    return per_turn, turn_metrics([r for r in results if r.turn > 1], pcts)
+
+
+def format_turn_table(per_turn: Sequence[dict[str, Any]],
+                      turns_2plus: dict[str, Any] | None = None) -> str:
+    """The per-turn figures of a multi-turn run, as lines under vLLM's table."""
+    head = f"{'turn':<6}{'n':>4}{'failed':>7}{'input':>8}{'TTFT med':>10}{'TTFT p90':>10}" \
+           f"{'TPOT mean':>11}"
+    lines = ["{:-^56}".format("Per turn (ms; input: mean prompt tokens)"), head]
+    rows = [(str(t["turn"]), t) for t in per_turn]
+    if turns_2plus is not None and len(per_turn) > 1:
+        rows.append(("2+", turns_2plus))
+    for name, t in rows:
+        lines.append(f"{name:<6}{t['n']:>4}{t['failed']:>7}{t['mean_input_len']:>8.0f}"
+                     f"{t['median_ttft_ms']:>10.2f}{t.get('p90_ttft_ms', 0.0):>10.2f}"
+                     f"{t['mean_tpot_ms']:>11.2f}")
+    lines.append("=" * 56)
+    return "\n".join(lines)
 
 
 def _line(label: str, value: Any) -> str:
@@ -161,4 +214,6 @@ def format_table(result: dict[str, Any],
             if value is not None:
                 lines.append(_line(f"P{key[1:]} {short} (ms):", float(value)))
     lines.append("=" * 50)
+    if result.get("per_turn"):
+        lines.append(format_turn_table(result["per_turn"], result.get("turns_2plus")))
     return "\n".join(lines)
