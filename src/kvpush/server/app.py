@@ -411,6 +411,17 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
             return APIError("this engine has no KV info", status_code=404).response()
         return JSONResponse(info())
 
+    @app.get("/kv/cache_blocks",
+             summary="Every block hash in the prefix cache, as of KV event batch seq")
+    async def kv_cache_blocks() -> Response:
+        snapshot = getattr(engine, "kv_cache_blocks", None)
+        snap = snapshot() if snapshot is not None else None
+        if snap is None:
+            return APIError("this instance publishes no KV cache events (prefix caching "
+                            "is off)", status_code=404).response()
+        # hex of every cached hash: one pass over up to num_blocks hashes
+        return JSONResponse(snap.to_json())
+
     @app.post("/kv/abort", summary="Release what a prefill instance holds for a transfer",
               openapi_extra=request_body("KVAbortRequest"))
     async def kv_abort(request: Request) -> Response:
