@@ -239,7 +239,7 @@ def test_publisher_numbers_batches_and_snapshots_match():
         pub.publish([AllBlocksCleared()])
         mirror.drain()
         assert mirror.cached == set() and pub.snapshot().hashes == []
-        assert pub.snapshot().seq == mirror.seq
+        assert pub.snapshot().seq == mirror.seq == pub.num_batches_sent
     finally:
         mirror.close()
         pub.close()
@@ -353,8 +353,8 @@ def test_serve_eviction_publishes_removals(tiny_llama, tmp_path):
 
 def test_no_prefix_caching_no_events(tiny_llama, tmp_path):
     srv = ServerProcess(tiny_llama, "--block-size", str(BS), "--num-blocks", "64",
-                        "--max-model-len", "128", "--no-prefix-caching", "--api-key", "k3y", log_dir=tmp_path,
-                        name="nocache")
+                        "--max-model-len", "128", "--no-prefix-caching", "--api-key", "k3y",
+                        log_dir=tmp_path, name="nocache")
     try:
         auth = {"Authorization": "Bearer k3y"}
         assert httpx.get(srv.url + "/kv/cache_blocks", timeout=10).status_code == 401
