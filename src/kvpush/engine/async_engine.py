@@ -17,6 +17,11 @@ itself: OpenMP keeps a worker pool per thread that ever ran a parallel region, a
 a second pool left on the main thread, libgomp (more managed threads than cores)
 switched every barrier to sleep-and-wake, so a multi-threaded step ran markedly slower
 in the server than the same engine alone (docs/MEASURED.md).
+
+KV cache events (prefix caching on): the block pool records what its cache gains and
+loses; after every turn of the step loop its pending events go, as one list, to the
+KVEventPublisher's queue (kvpush.kv_cache.event_publisher), whose thread numbers,
+snapshots and publishes them. The step loop never waits on it.
 """
 
 from __future__ import annotations
@@ -26,13 +31,16 @@ import contextlib
 import itertools
 import logging
 import threading
+import uuid
 from collections.abc import AsyncIterator
 
 import torch
+import zmq
 
-from kvpush.config import EngineConfig
+from kvpush.config import ConfigError, EngineConfig
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import EngineStats, RequestError, RequestOutput
+from kvpush.kv_cache.event_publisher import CacheSnapshot, KVEventPublisher
 from kvpush.kv_transfer.thread_death import died_message
 from kvpush.sampling_params import SamplingParams
 
@@ -63,21 +71,46 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._fatal: BaseException | None = None
+        connector = getattr(self.engine, "connector", None)
+        #: this instance's id: its connector's (P/D roles) or a fresh ``both-<hex>``
+        self.engine_id = (connector.engine_id if connector is not None
+                          else f"both-{uuid.uuid4().hex[:8]}")
+        self.kv_events = self._make_publisher(config)
+
+    def _make_publisher(self, config: EngineConfig) -> KVEventPublisher | None:
+        """The KV event publisher when prefix caching is on (None otherwise): bound on
+        the side-channel host in a P/D role, on 127.0.0.1 for role both."""
+        cache = getattr(config, "cache", None)  # (tests drive stub engines without one)
+        if cache is None or not cache.enable_prefix_caching:
+            return None
+        kvt = config.kv_transfer
+        host = kvt.side_channel_host if kvt.enabled else "127.0.0.1"
+        try:
+            publisher = KVEventPublisher(self.engine_id, config.cache.block_size, host)
+        except zmq.ZMQError as e:
+            self.engine.shutdown()
+            raise ConfigError(f"cannot bind the KV event socket on {host}: {e}") from e
+        self.engine.scheduler.pool.record_events = True
+        return publisher
 
     # ---- life cycle --------------------------------------------------------------
     def start(self) -> None:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        if self.kv_events is not None:
+            self.kv_events.start()
         self._thread = threading.Thread(target=self._run, name="kvpush-step-loop", daemon=True)
         self._thread.start()
 
     async def shutdown(self) -> None:
-        if self._thread is None:
-            return
-        self.engine.inbox.put(_STOP)
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
-        self._thread = None
+        loop = asyncio.get_running_loop()
+        if self._thread is not None:
+            self.engine.inbox.put(_STOP)
+            await loop.run_in_executor(None, self._thread.join, 30)
+            self._thread = None
+        if self.kv_events is not None:  # after the step loop: its last events go out
+            await loop.run_in_executor(None, self.kv_events.close)
 
     def health_problem(self) -> str | None:
         """Why this instance cannot serve (what /health answers with its 503), or None:
@@ -97,8 +130,17 @@ class AsyncEngine:
         return self.engine.stats()
 
     def kv_info(self) -> dict:
-        """What /kv/info shows: identity, role, transfer mode, layout, blocks."""
-        return self.engine.kv_info()
+        """What /kv/info shows: identity, role, transfer mode, layout, blocks, and where
+        the KV cache events are published (``kv_events``; null without prefix caching)."""
+        info = self.engine.kv_info()
+        info["engine_id"] = info.get("engine_id") or self.engine_id
+        info["kv_events"] = self.kv_events.info() if self.kv_events is not None else None
+        return info
+
+    def kv_cache_blocks(self) -> CacheSnapshot | None:
+        """Every block hash cached now, as of the last published batch (None without
+        prefix caching): what ``GET /kv/cache_blocks`` answers."""
+        return self.kv_events.snapshot() if self.kv_events is not None else None
 
     def kv_stats(self) -> dict:
         """Transfer counters (empty for a plain instance)."""
@@ -182,12 +224,21 @@ class AsyncEngine:
                 outputs = engine.step()
                 if outputs:
                     self._post(outputs)
+                self._publish_events()
         except BaseException as e:  # pragma: no cover - reported through is_healthy
             log.exception("step loop died")
             self._fatal = e
         finally:
             self._abort_all()
+            self._publish_events()
             engine.shutdown()
+
+    def _publish_events(self) -> None:
+        """Hand the pool's cache changes of this turn to the publisher (a queue put)."""
+        if self.kv_events is not None:
+            events = self.engine.scheduler.pool.take_events()
+            if events:
+                self.kv_events.publish(events)
 
     def _post(self, outputs: list[RequestOutput]) -> None:
         loop = self._loop

@@ -18,6 +18,12 @@ Lifecycle of one block::
 
 Free blocks therefore include cached-but-unused blocks: ``num_free`` counts every block
 with ref_count 0, which is the invariant tests check ("free count back at its start").
+
+KV cache events (kvpush.kv_cache.events): with ``record_events`` on, every change of the
+hash map is recorded — a hash newly registered (BlockStored), a hash leaving it because
+its block was reused (BlockRemoved), a reset (AllBlocksCleared) — into a pending list
+that the step loop takes once per step with :meth:`take_events` and hands to the
+publisher. Recording is an append to a list: nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from kvpush.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 BlockHash = bytes
 
@@ -90,6 +98,10 @@ class BlockPool:
             random.Random(shuffle_seed).shuffle(order)
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in order)
         self._cached: dict[BlockHash, int] = {}
+        #: record cache changes for take_events() (off: nothing is kept, for engines
+        #: whose events nobody takes)
+        self.record_events = False
+        self._events: list[KVEvent] = []
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -154,6 +166,8 @@ class BlockPool:
             return  # an identical block is already cached; keep the first one
         self.block_hash[block_id] = block_hash
         self._cached[block_hash] = block_id
+        if self.record_events:
+            self._record(BlockStored, block_hash)
 
     def _evict(self, bid: int) -> None:
         h = self.block_hash[bid]
@@ -161,7 +175,35 @@ class BlockPool:
             self.block_hash[bid] = None
             if self._cached.get(h) == bid:
                 del self._cached[h]
+                if self.record_events:
+                    self._record(BlockRemoved, h)
 
     def reset_prefix_cache(self) -> None:
+        """Forget the hashes of every free block. Blocks in use keep theirs (their
+        requests still hold them), so the events say: all cleared, then those stored."""
         for bid in list(self._free):
-            self._evict(bid)
+            h = self.block_hash[bid]
+            self.block_hash[bid] = None
+            if h is not None and self._cached.get(h) == bid:
+                del self._cached[h]
+        if self.record_events:
+            self._events.append(AllBlocksCleared())
+            if self._cached:
+                self._events.append(BlockStored(list(self._cached)))
+
+    # ---- events --------------------------------------------------------------------
+    def _record(self, kind: type[BlockStored] | type[BlockRemoved], h: BlockHash) -> None:
+        """Append ``h`` to the last pending event when it is of the same kind (one
+        event per run of stores or removals, order kept), else start a new one."""
+        events = self._events
+        if events and type(events[-1]) is kind:
+            events[-1].hashes.append(h)  # type: ignore[union-attr]
+        else:
+            events.append(kind([h]))
+
+    def take_events(self) -> list[KVEvent]:
+        """The cache changes since the last call, in order (empty when none)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events

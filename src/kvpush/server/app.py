@@ -13,6 +13,7 @@ the request and free its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -410,6 +411,21 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
         if info is None:
             return APIError("this engine has no KV info", status_code=404).response()
         return JSONResponse(info())
+
+    @app.get("/kv/cache_blocks",
+             summary="Every block hash in the prefix cache, as of KV event batch seq")
+    async def kv_cache_blocks() -> Response:
+        snapshot = getattr(engine, "kv_cache_blocks", None)
+
+        def body() -> bytes | None:  # up to num_blocks hashes: off the event loop
+            snap = snapshot() if snapshot is not None else None
+            return None if snap is None else json.dumps(snap.to_json()).encode()
+
+        data = await asyncio.to_thread(body)
+        if data is None:
+            return APIError("this instance publishes no KV cache events (prefix caching "
+                            "is off)", status_code=404).response()
+        return Response(data, media_type="application/json")
 
     @app.post("/kv/abort", summary="Release what a prefill instance holds for a transfer",
               openapi_extra=request_body("KVAbortRequest"))
