@@ -118,8 +118,9 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(default: $KVPUSH_API_KEY; unset: no key)")
 
     rt = p.add_argument_group("router (passed to `kvpush router`)")
-    rt.add_argument("--policy", choices=("round-robin", "least-outstanding"),
-                    help="how the router picks an instance (default: the router's)")
+    rt.add_argument("--policy", choices=("round-robin", "least-outstanding", "cache-aware"),
+                    help="how the router picks an instance (default: the router's: "
+                         "cache-aware with --mode push)")
     rt.add_argument("--health-interval", type=cli_types.seconds, metavar="SECONDS",
                     help="how often the router checks its instances (default: the router's)")
     p.set_defaults(func=run_up)

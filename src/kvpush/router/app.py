@@ -21,12 +21,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from kvpush.router.cache_policy import CachePolicy
 from kvpush.router.config import RouterConfig
 from kvpush.router.intake import RETRY_AFTER_S, Admission, full_error, parse_body, read_body
 from kvpush.router.job import Job, new_request_id, outcome_for
 from kvpush.router.legs import Legs
 from kvpush.router.metrics import RouterMetrics
-from kvpush.router.pool import Pool, describe_error
+from kvpush.router.pool import Instance, Pool, describe_error
 from kvpush.router.redact import scrub
 from kvpush.router.wire import client_kv_params_problem, relay_error
 from kvpush.server.app import EventStreamResponse, unless_disconnected
@@ -57,6 +58,8 @@ class Router:
                                        cfg.max_outstanding_requests)
         self.client: httpx.AsyncClient | None = None
         self.legs: Legs | None = None
+        #: the cache-aware policy's tokenizer and KV index (--policy cache-aware)
+        self.cache: CachePolicy | None = None
         self._health: asyncio.Task | None = None
 
     def make_client(self) -> httpx.AsyncClient:
@@ -86,6 +89,10 @@ class Router:
         except BaseException:
             await self.client.aclose()
             raise
+        if self.cfg.policy == "cache-aware":
+            self.cache = self.legs.policy = CachePolicy(self.cfg, self.pool, self.metrics,
+                                                        self.client)
+            self.cache.start()
         self._health = asyncio.create_task(self.pool.health_loop(self.client))
 
     def for_client(self, err: APIError) -> APIError:
@@ -98,6 +105,9 @@ class Router:
         if self._health is not None:
             self._health.cancel()
             await asyncio.wait({self._health})
+        if self.cache is not None:
+            await self.cache.close()
+            self.cache = None
         if self.client is not None:
             await self.client.aclose()
         self._health = None
@@ -145,6 +155,8 @@ async def _handle(router: Router, request: Request,
             raise APIError(refused, status_code=403, param="kv_transfer_params",
                            code="kv_transfer_params_not_allowed")
         job.body, job.stream = body, body.get("stream") is True
+        if legs.policy is not None:
+            await legs.policy.plan(job, len(raw))
         gone, result = await unless_disconnected(legs.dispatch(job), request.receive)
     except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI body
         err = to_api_error(exc)
@@ -239,7 +251,8 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
     @app.get("/router/instances", summary="The instances, their identity and health")
     async def instances() -> Response:
         return JSONResponse({"mode": router.cfg.mode, "policy": router.cfg.policy,
-                             "instances": [i.state() for i in router.pool.instances]})
+                             "instances": [_instance_state(router, i)
+                                           for i in router.pool.instances]})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -247,6 +260,13 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
 
     install_openapi(app)
     return app
+
+
+def _instance_state(router: Router, inst: Instance) -> dict:
+    state = inst.state()
+    if router.cache is not None:
+        state["kv_index"] = router.cache.state(inst)
+    return state
 
 
 async def serve_forever(router: Router, host: str, port: int, log_level: str,

@@ -52,13 +52,29 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("push", "pull", "colocated"), default="push",
                    help="push: both legs at once (default); pull: prefill then decode; "
                         "colocated: one leg to a role=both instance, request unchanged")
-    p.add_argument("--policy", choices=("round-robin", "least-outstanding"),
-                   default="round-robin",
-                   help="how an instance is picked for each leg (default: round-robin; "
-                        "least-outstanding: fewest legs in flight, ties round-robin)")
+    p.add_argument("--policy", choices=("round-robin", "least-outstanding", "cache-aware"),
+                   default=None,
+                   help="how an instance is picked for each leg (default: cache-aware with "
+                        "--mode push, else round-robin). least-outstanding: fewest legs in "
+                        "flight, ties round-robin; cache-aware: the longest cached prefix "
+                        "weighed against load, and no prefill leg when decode lacks at most "
+                        "--local-prefill-max-tokens of the prompt (docs/ROUTER.md)")
     p.add_argument("--fallback-local-prefill", action="store_true",
                    help="with no healthy prefill instance, send requests to decode without "
                         "kv_transfer_params (decode prefills locally) instead of a 503")
+    ca = p.add_argument_group("cache-aware policy")
+    ca.add_argument("--tokenizer", metavar="PATH_OR_NAME",
+                    help="the model's tokenizer (default: the model the decode instances "
+                         "serve, from their /v1/models); it must be the instances' own. "
+                         "Without one the router routes round-robin with a prefill leg")
+    ca.add_argument("--local-prefill-max-tokens", type=cli_types.non_negative_int,
+                    default=256, metavar="N",
+                    help="decode computes the prompt itself, without a prefill leg, when "
+                         "its prefix cache lacks at most N of its tokens (default: 256)")
+    ca.add_argument("--load-cost-tokens", type=cli_types.non_negative_int, default=64,
+                    metavar="N",
+                    help="what one leg in flight on an instance weighs against prompt "
+                         "tokens it has cached (default: 64)")
     net = p.add_argument_group("HTTP")
     net.add_argument("--host", default="127.0.0.1",
                      help="address to listen on (default: 127.0.0.1)")
@@ -120,7 +136,9 @@ def build_config(args: argparse.Namespace) -> Any:
         print(f"kvpush router: warning: {warning}", file=sys.stderr)
     return RouterConfig(
         mode=args.mode, prefill=tuple(args.prefill), decode=tuple(args.decode),
-        policy=args.policy, fallback_local_prefill=args.fallback_local_prefill,
+        policy=args.policy or ("cache-aware" if args.mode == "push" else "round-robin"),
+        tokenizer=args.tokenizer, local_prefill_max_tokens=args.local_prefill_max_tokens,
+        load_cost_tokens=args.load_cost_tokens, fallback_local_prefill=args.fallback_local_prefill,
         health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
         startup_timeout_s=args.startup_timeout, connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout, first_byte_timeout_s=args.first_byte_timeout,

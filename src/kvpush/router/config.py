@@ -13,11 +13,11 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 Mode = Literal["push", "pull", "colocated"]
-Policy = Literal["round-robin", "least-outstanding"]
+Policy = Literal["round-robin", "least-outstanding", "cache-aware"]
 Role = Literal["prefill", "decode", "both"]
 
 MODES: tuple[str, ...] = ("push", "pull", "colocated")
-POLICIES: tuple[str, ...] = ("round-robin", "least-outstanding")
+POLICIES: tuple[str, ...] = ("round-robin", "least-outstanding", "cache-aware")
 
 
 class RouterConfigError(ValueError):
@@ -118,6 +118,14 @@ class RouterConfig:
     #: kv_transfer_params of every leg with it (None: unsigned, for instances started
     #: with --insecure-kv-params); never shown in reprs or logs
     kv_secret: bytes | None = field(default=None, repr=False)
+    #: cache-aware: the tokenizer to load (None: the one of the instances' model, from
+    #: their /v1/models)
+    tokenizer: str | None = None
+    #: cache-aware: decode computes the prompt itself (no prefill leg) when it lacks at
+    #: most this many of its tokens (kvpush.router.decide)
+    local_prefill_max_tokens: int = 256
+    #: cache-aware: what one leg in flight on an instance weighs, in prompt tokens
+    load_cost_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -150,6 +158,9 @@ class RouterConfig:
         if self.kv_secret is not None and len(self.kv_secret) < 16:
             raise RouterConfigError("the cluster secret must be at least 16 bytes "
                                     "(--kv-secret-file / KVPUSH_KV_SECRET)")
+        if self.local_prefill_max_tokens < 0 or self.load_cost_tokens < 0:
+            raise RouterConfigError("local_prefill_max_tokens and load_cost_tokens must be "
+                                    "0 or more")
         if self.max_outstanding_requests < 1:
             raise RouterConfigError("max_outstanding_requests must be at least 1")
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from kvpush.router.decide import Route
 from kvpush.router.pool import Instance
 
 
@@ -25,7 +26,9 @@ class Job:
     stream: bool
     arrival: float
     client_rid: str | None = None
-    mode: str = ""  # the path taken: push, pull, colocated, fallback
+    mode: str = ""  # the path taken: push, pull, colocated, fallback, local
+    #: the cache-aware policy's facts (None: not tokenized, routed blind)
+    route: Route | None = None
     prefill: Instance | None = None
     decode: Instance | None = None
     transfer_id: str = ""

@@ -29,12 +29,14 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi.responses import Response
 
 from kvpush.router.config import RouterConfig
+from kvpush.router.decide import Decision
 from kvpush.router.job import Job, PrefillResult
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, describe_error
@@ -48,6 +50,9 @@ from kvpush.router.wire import (
     relay_error,
 )
 from kvpush.server.errors import APIError
+
+if TYPE_CHECKING:
+    from kvpush.router.cache_policy import CachePolicy
 
 logger = logging.getLogger("kvpush.router")
 request_log = logging.getLogger("kvpush.router.requests")
@@ -76,6 +81,8 @@ class Legs:
         self.metrics = metrics
         self.client = client
         self.signer = LegSigner(cfg.kv_secret)
+        #: the cache-aware policy (None: the configured order, a prefill leg for each)
+        self.policy: CachePolicy | None = None
         self._background: set[asyncio.Task] = set()  # fire-and-forget aborts
 
     # ------------------------------------------------------------------ entry point
@@ -84,10 +91,16 @@ class Legs:
         """A ready answer, or decode's open streaming answer (200) to relay."""
         if self.cfg.mode == "colocated":
             job.mode = "colocated"
+            if job.route is not None:
+                job.route.decision = Decision.LOCAL  # there is no other way here
             return await self._single(job, job.body)
         if not self.pool.has_healthy("decode"):
             raise self._unavailable(job, "decode")
-        p = self.pool.pick("prefill")
+        if self.policy is not None and self.policy.decide(job) is Decision.LOCAL:
+            local = await self._local(job)
+            if local is not None:
+                return local
+        p = self.pool.pick("prefill", cost=self._cost(job))
         if p is None:
             if not self.cfg.fallback_local_prefill:
                 raise self._unavailable(job, "prefill")
@@ -111,14 +124,39 @@ class Legs:
 
     # ------------------------------------------------------------------ paths
 
+    def _cost(self, job: Job) -> Callable[[Instance], float] | None:
+        return self.policy.cost(job) if self.policy is not None else None
+
+    def _picked(self, job: Job, inst: Instance) -> None:
+        if self.policy is not None:
+            self.policy.picked(job, inst)
+
     def _pick_decode(self, job: Job) -> Instance:
         """A decode instance for the job (held until Legs.close), or 503."""
         self._release_decode(job)
-        d = self.pool.pick("decode")
+        d = self.pool.pick("decode", cost=self._cost(job))
         if d is None:
             raise self._unavailable(job, "decode")
         job.decode = job.d_held = d
+        self._picked(job, d)
         return d
+
+    async def _local(self, job: Job) -> Response | httpx.Response | None:
+        """Decode alone computes what its prefix cache lacks (the cache-aware policy's
+        ``local``). None when decode refused it (429/503: full) and a prefill instance
+        is healthy: the caller sends it with a prefill leg instead."""
+        job.mode = "local"
+        body = {k: v for k, v in job.body.items() if k != "kv_transfer_params"}
+        result = await self._single(job, body)
+        if (isinstance(result, Response) and result.status_code in (429, 503)
+                and self.pool.has_healthy("prefill") and job.route is not None):
+            logger.info("request %s: decode refused the local prefill (HTTP %d); sending "
+                        "it with a prefill leg", job.rid, result.status_code)
+            job.route.local_refused = True
+            job.route.decision = Decision.REMOTE
+            job.mode = self.cfg.mode
+            return None
+        return result
 
     async def _single(self, job: Job, body: dict[str, Any]) -> Response | httpx.Response:
         d = self._pick_decode(job)
@@ -135,6 +173,7 @@ class Legs:
         while True:
             tid = job.new_transfer_id()
             job.prefill = p
+            self._picked(job, p)
             job.legs_sent = time.perf_counter()
             try:
                 r = await self._prefill_leg(
@@ -143,7 +182,7 @@ class Legs:
                 self.pool.release(p)
             if r.never_sent or r.lost:
                 tried.add(p)
-                other = self.pool.pick("prefill", tried)
+                other = self.pool.pick("prefill", tried, cost=self._cost(job))
                 if other is not None:
                     self.metrics.retries.labels("prefill").inc()
                     p = other
@@ -190,6 +229,7 @@ class Legs:
                 raise
             tid = job.new_transfer_id()
             job.prefill = p
+            self._picked(job, p)
             d_body = {**job.body, "kv_transfer_params": push_decode_params(p, tid)}
             job.legs_sent = time.perf_counter()
             p_task = asyncio.create_task(
@@ -207,7 +247,7 @@ class Legs:
                     # for it until its lease ends. Start again with another prefill
                     # instance, or let decode prefill locally.
                     tried.add(p)
-                    other = self.pool.pick("prefill", tried)
+                    other = self.pool.pick("prefill", tried, cost=self._cost(job))
                     if other is not None or self.cfg.fallback_local_prefill:
                         logger.info("request %s: prefill leg on %s failed before decode "
                                     "answered; starting again %s", job.rid, p.url,
@@ -318,13 +358,14 @@ class Legs:
                 why = describe_error(e)
                 self.pool.mark_failed(d, f"decode leg: {why}")
                 self._release_decode(job)
-                other = self.pool.pick("decode", tried)
+                other = self.pool.pick("decode", tried, cost=self._cost(job))
                 if other is None:
                     raise self._fail(job, 502, f"the decode instance could not be reached "
                                      f"({why}) and no other decode instance is healthy",
                                      f"decode instance {d.url} unreachable: {why}") from None
                 self.metrics.retries.labels("decode").inc()
                 job.decode = job.d_held = d = other
+                self._picked(job, d)
 
     async def _send_decode(self, job: Job, d: Instance, body: dict[str, Any],
                            tid: str) -> Response | httpx.Response:
@@ -471,6 +512,8 @@ class Legs:
         if outcome == "abort" and job.p_task is not None and not job.p_task.done():
             job.p_task.cancel()  # the client is gone: so is the reason to prefill
         job.ended = time.perf_counter()
+        if self.policy is not None:
+            self.policy.count(job)
         mode = job.mode or self.cfg.mode
         self.metrics.requests.labels(mode, job.outcome).inc()
         self.metrics.request_s.labels(mode, job.outcome).observe(job.ended - job.arrival)
@@ -495,14 +538,28 @@ class Legs:
         total = None if job.ended is None else job.ended - job.arrival
         request_log.info(
             "request %s %s%s mode=%s P=%s D=%s transfer=%s p_leg=%s (%s) d_first_byte=%s "
-            "total=%s status=%s outcome=%s%s%s%s%s",
+            "total=%s status=%s outcome=%s%s%s%s%s%s",
             job.rid, job.kind, " stream" if job.stream else "", job.mode or "-",
             job.prefill.engine_id if job.prefill else "-",
             job.decode.engine_id if job.decode else "-", job.transfer_id or "-",
             ms(job.p_leg_s), job.p_outcome, ms(job.d_first_byte_s), ms(total), job.status,
             job.outcome, f" attempts={job.attempts}" if job.attempts > 1 else "",
             f" client_request_id={job.client_rid}" if job.client_rid else "",
-            f" error={job.error!r}" if job.error else "", _stamps(job))
+            f" error={job.error!r}" if job.error else "", _route(job), _stamps(job))
+
+
+def _route(job: Job) -> str:
+    """The cache-aware policy's fields: decision, prompt and cached token counts."""
+    r = job.route
+    if r is None:
+        return ""
+
+    def n(v: int | None) -> str:
+        return "-" if v is None else str(v)
+
+    return (f" decision={r.decision.value}{'(local refused)' if r.local_refused else ''}"
+            f" prompt_tokens={r.prompt_tokens} d_cached={n(r.d_cached_tokens)}"
+            f" p_cached={n(r.p_cached_tokens)}")
 
 
 def _stamps(job: Job) -> str:

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from kvpush.router.decide import DECISIONS
 from kvpush.router.pool import Pool
 from kvpush.server.metrics import E2E_BUCKETS, TTFT_BUCKETS
 
@@ -29,7 +30,10 @@ from kvpush.server.metrics import E2E_BUCKETS, TTFT_BUCKETS
 #: lost, an in-band stream error), abort (the client went away), overloaded (429: the
 #: router held --max-outstanding-requests already)
 OUTCOMES = ("ok", "client_error", "unavailable", "error", "abort", "overloaded")
-PATHS = ("push", "pull", "colocated", "fallback")
+#: local: the cache-aware policy sent the request to decode alone (kvpush.router.decide)
+PATHS = ("push", "pull", "colocated", "fallback", "local")
+#: prompt tokens (buckets of the cached-token histograms)
+TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 #: how a prefill leg ended
 PREFILL_OUTCOMES = ("ok", "http_error", "connection_error", "timeout", "cancelled")
 
@@ -93,6 +97,19 @@ class RouterMetrics:
                                  "(bounded by --max-outstanding-requests)", registry=r)
         self.outstanding_limit = Gauge("kvpush_router_max_outstanding_requests",
                                        "--max-outstanding-requests", registry=r)
+        self.decisions = Counter("kvpush_router_route_decisions",
+                                 "Cache-aware decisions: local (decode alone), remote (a "
+                                 "prefill leg too), blind (not tokenized: the fallback "
+                                 "order)", ["decision"], registry=r)
+        for d in DECISIONS:
+            self.decisions.labels(d)
+        self.cached_tokens = Histogram("kvpush_router_cached_prompt_tokens",
+                                       "Prompt tokens the chosen instance had cached, as "
+                                       "the router's KV index saw it", ["role"],
+                                       buckets=TOKEN_BUCKETS, registry=r)
+        self.prompt_tokens = Histogram("kvpush_router_prompt_tokens",
+                                       "Prompt tokens of requests the router tokenized",
+                                       buckets=TOKEN_BUCKETS, registry=r)
         r.register(_PoolCollector(pool))
 
     def track_outstanding(self, current: Callable[[], float], limit: int) -> None:

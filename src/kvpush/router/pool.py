@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +118,9 @@ class Pool:
         self._cursor = {"prefill": 0, "decode": 0}
         #: set once start-up is over (from then on, problems are logged, not raised)
         self.running = False
+        #: called with each instance whose check passed, its /kv/info just read (the
+        #: router's KV index follows the instance's event source from it)
+        self.on_info: Callable[[Instance], None] | None = None
 
     @property
     def instances(self) -> list[Instance]:
@@ -128,11 +131,13 @@ class Pool:
     def has_healthy(self, role: str) -> bool:
         return any(i.healthy for i in self.by_role[role])
 
-    def pick(self, role: str, exclude: Iterable[Instance] = ()) -> Instance | None:
-        """A healthy instance for one leg, its in-flight count taken (``release`` it).
+    def choose(self, role: str, exclude: Iterable[Instance] = (),
+               cost: Callable[[Instance], float] | None = None) -> Instance | None:
+        """The healthy instance ``pick`` would take now, without taking it.
 
-        round-robin: the next healthy one after the last pick; least-outstanding: the
-        fewest legs in flight, ties broken by the same round-robin order."""
+        With ``cost`` (the cache-aware policy, kvpush.router.decide): the lowest cost,
+        ties broken in round-robin order. Else round-robin: the next healthy one after
+        the last pick; least-outstanding: the fewest legs in flight, ties round-robin."""
         group = self.by_role[role]
         skip = set(exclude)
         n = len(group)
@@ -141,11 +146,22 @@ class Pool:
         cands = [i for i in order if i.healthy and i not in skip]
         if not cands:
             return None
-        chosen = cands[0]
+        if cost is not None:
+            costs = [cost(i) for i in cands]
+            return cands[costs.index(min(costs))]
         if self.cfg.policy == "least-outstanding":
             least = min(i.in_flight for i in cands)
-            chosen = next(i for i in cands if i.in_flight == least)
-        self._cursor[role] = (chosen.index + 1) % n
+            return next(i for i in cands if i.in_flight == least)
+        return cands[0]
+
+    def pick(self, role: str, exclude: Iterable[Instance] = (),
+             cost: Callable[[Instance], float] | None = None) -> Instance | None:
+        """A healthy instance for one leg (see ``choose``), its in-flight count taken
+        (``release`` it)."""
+        chosen = self.choose(role, exclude, cost)
+        if chosen is None:
+            return None
+        self._cursor[role] = (chosen.index + 1) % len(self.by_role[role])
         chosen.in_flight += 1
         chosen.requests += 1
         return chosen
@@ -246,6 +262,8 @@ class Pool:
             return
         old = inst.engine_id if inst.info is not None else None
         inst.info = info
+        if self.on_info is not None:
+            self.on_info(inst)
         if not inst.healthy:
             inst.healthy = True
             inst.last_error = None

@@ -1,0 +1,140 @@
+"""The cache-aware policy's state in a running router: the tokenizer, the KV index of
+every instance, and the per-request plan that :class:`kvpush.router.legs.Legs` follows
+(kvpush.router.decide has the rules).
+
+Started by the router after its instances are usable: the index follows each instance's
+KV events as the health checks read its ``/kv/info`` (a restart, a new engine id, drops
+its index), and the tokenizer loads in the background. Until it has loaded, or when it
+cannot, requests are routed ``blind`` (round-robin, a prefill leg for each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from kvpush.router.config import RouterConfig
+from kvpush.router.decide import Decision, Route, cost_fn, decide
+from kvpush.router.job import Job
+from kvpush.router.kv_index import KVIndex, Snapshot, parse_snapshot
+from kvpush.router.metrics import RouterMetrics
+from kvpush.router.pool import Instance, Pool, describe_error
+from kvpush.router.prompts import PromptTokenizer, model_source
+
+logger = logging.getLogger("kvpush.router")
+
+
+class CachePolicy:
+    def __init__(self, cfg: RouterConfig, pool: Pool, metrics: RouterMetrics,
+                 client: httpx.AsyncClient) -> None:
+        self.cfg, self.pool, self.metrics, self.client = cfg, pool, metrics, client
+        self.tokenizer = PromptTokenizer(cfg.tokenizer)
+        self.index = KVIndex(self._fetch_snapshot, retry_s=cfg.health_interval_s)
+        self._load: asyncio.Task | None = None
+        pool.on_info = self._on_info
+        for inst in pool.instances:  # checked once already (start-up)
+            if inst.healthy:
+                self._on_info(inst)
+
+    # ------------------------------------------------------------------ background
+
+    def _on_info(self, inst: Instance) -> None:
+        self.index.update(inst, inst.url, inst.info)
+
+    async def _fetch_snapshot(self, url: str) -> Snapshot:
+        r = await self.client.get(url + "/kv/cache_blocks", timeout=self.cfg.health_timeout_s)
+        if r.status_code != 200:
+            raise RuntimeError(f"/kv/cache_blocks answered HTTP {r.status_code}")
+        return parse_snapshot(r.content)
+
+    def start(self) -> None:
+        """Load the tokenizer in the background (the model's, from a decode's
+        /v1/models, unless --tokenizer names one)."""
+        self._load = asyncio.create_task(self._load_tokenizer())
+
+    async def _load_tokenizer(self) -> None:
+        source = None
+        if self.cfg.tokenizer is None:
+            for inst in self.pool.by_role["decode"]:
+                try:
+                    r = await self.client.get(inst.url + "/v1/models",
+                                              timeout=self.cfg.health_timeout_s)
+                    source = model_source(r.json()) if r.status_code == 200 else None
+                except (httpx.HTTPError, ValueError) as e:
+                    logger.info("/v1/models of %s: %s", inst.url, describe_error(e))
+                if source is not None:
+                    break
+        await self.tokenizer.load(source)
+
+    async def close(self) -> None:
+        if self._load is not None:
+            self._load.cancel()
+            await asyncio.wait({self._load})
+        await self.index.close()
+
+    # ------------------------------------------------------------------ per request
+
+    async def plan(self, job: Job, body_bytes: int) -> None:
+        """Tokenize the job's prompt and attach its :class:`Route` (None: blind). A
+        completion's string prompt is replaced by its ids for both legs."""
+        ids = await self.tokenizer.prompt_ids(job.kind, job.body, body_bytes)
+        if ids is None:
+            return
+        job.route = Route(ids)
+        if job.kind == "completion" and not isinstance(job.body.get("prompt"), list):
+            job.body = {**job.body, "prompt": ids}
+
+    def cached_tokens(self, inst: object, route: Route) -> int:
+        blocks = self.index.longest_prefix(inst, route.chain)
+        bs = self.index.block_size(inst)
+        return route.cached_tokens(blocks, bs) if bs else 0
+
+    def cost(self, job: Job) -> Callable[[Instance], float] | None:
+        """``Pool.pick``'s cost for the job (None: blind, the configured order)."""
+        if job.route is None:
+            return None
+        return cost_fn(job.route, self.cached_tokens, self.cfg.load_cost_tokens)
+
+    def decide(self, job: Job) -> Decision:
+        """``local`` or ``remote`` for the decode instance the job would get now."""
+        r = job.route
+        if r is None:
+            return Decision.BLIND
+        d = self.pool.choose("decode", cost=self.cost(job))
+        if d is None:
+            return Decision.REMOTE  # the caller answers 503
+        r.d_cached_tokens = self.cached_tokens(d, r)
+        r.decision = decide(r.prompt_tokens, r.d_cached_tokens,
+                            self.cfg.local_prefill_max_tokens)
+        return r.decision
+
+    def picked(self, job: Job, inst: Instance) -> None:
+        """Note the cached tokens of the instance a leg went to."""
+        r = job.route
+        if r is None:
+            return
+        n = self.cached_tokens(inst, r)
+        if inst.role == "prefill":
+            r.p_cached_tokens = n
+        else:
+            r.d_cached_tokens = n
+
+    def count(self, job: Job) -> None:
+        """The decision and the cached token counts, into /metrics (once per request)."""
+        r = job.route
+        if r is None:
+            self.metrics.decisions.labels(Decision.BLIND.value).inc()
+            return
+        self.metrics.decisions.labels(r.decision.value).inc()
+        if r.d_cached_tokens is not None:
+            self.metrics.cached_tokens.labels("decode").observe(r.d_cached_tokens)
+        if r.p_cached_tokens is not None:
+            self.metrics.cached_tokens.labels("prefill").observe(r.p_cached_tokens)
+        self.metrics.prompt_tokens.observe(r.prompt_tokens)
+
+    def state(self, inst: Instance) -> dict[str, Any] | None:
+        return self.index.state(inst)

@@ -1,0 +1,91 @@
+"""The cache-aware policy: which decode, which prefill, and whether a prefill leg is
+worth sending at all (docs/ROUTER.md, "Cache-aware routing").
+
+For a request whose prompt the router has tokenized, each instance's cost is the
+prompt tokens it would still have to compute, plus ``load_cost_tokens`` for each leg
+it has in flight::
+
+    cost(i) = (prompt_tokens - cached_tokens(i)) + load_cost_tokens * in_flight(i)
+
+Decode is the healthy decode instance of lowest cost (ties in round-robin order); if
+what it still lacks is at most ``local_prefill_max_tokens``, it gets the request alone,
+without ``kv_transfer_params``, and computes the rest itself from its prefix cache
+(decision ``local``). Otherwise a prefill leg goes too, to the prefill instance of
+lowest cost by its own cache (decision ``remote``), and decode skips the blocks it has.
+A request the router could not tokenize is routed as before (decision ``blind``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpush.kv_cache.block_pool import BlockHash, hash_prefix_blocks
+
+#: default of --local-prefill-max-tokens (docs/ROUTER.md: how it was chosen)
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256
+#: default of --load-cost-tokens: what one leg in flight on an instance weighs against
+#: prompt tokens it holds
+DEFAULT_LOAD_COST_TOKENS = 64
+
+
+class Decision(str, enum.Enum):
+    LOCAL = "local"  # decode alone, computing the uncached part itself
+    REMOTE = "remote"  # a prefill leg as well (push or pull)
+    BLIND = "blind"  # no token ids: the configured fallback policy
+
+
+DECISIONS = tuple(d.value for d in Decision)
+
+
+@dataclass(eq=False)
+class Route:
+    """A tokenized request's routing facts (the request log line's ``decision``,
+    ``prompt_tokens``, ``d_cached``, ``p_cached``)."""
+
+    token_ids: list[int]
+    decision: Decision = Decision.REMOTE
+    d_cached_tokens: int | None = None
+    p_cached_tokens: int | None = None
+    #: the local leg was refused (decode full) and the request went remote instead
+    local_refused: bool = False
+    _chains: dict[int, list[BlockHash]] = field(default_factory=dict, repr=False)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def chain(self, block_size: int) -> list[BlockHash]:
+        """The prompt's full-block hashes for ``block_size`` (computed once per size)."""
+        c = self._chains.get(block_size)
+        if c is None:
+            c = self._chains[block_size] = hash_prefix_blocks(self.token_ids, block_size)
+        return c
+
+    def cached_tokens(self, blocks: int, block_size: int) -> int:
+        return min(self.prompt_tokens, blocks * block_size)
+
+
+def cost(prompt_tokens: int, cached_tokens: int, in_flight: int,
+         load_cost_tokens: int) -> float:
+    """Tokens left to compute, plus the load, in tokens."""
+    return float(prompt_tokens - cached_tokens + load_cost_tokens * in_flight)
+
+
+def decide(prompt_tokens: int, d_cached_tokens: int, local_prefill_max_tokens: int
+           ) -> Decision:
+    """``local`` when decode lacks at most ``local_prefill_max_tokens`` of the prompt."""
+    if prompt_tokens - d_cached_tokens <= local_prefill_max_tokens:
+        return Decision.LOCAL
+    return Decision.REMOTE
+
+
+def cost_fn(route: Route, cached_tokens: Callable[[object, Route], int],
+            load_cost_tokens: int) -> Callable[[object], float]:
+    """``Pool.choose``'s cost for ``route``: ``cached_tokens(instance, route)`` from the
+    KV index, ``in_flight`` from the instance."""
+    def f(inst: object) -> float:
+        return cost(route.prompt_tokens, cached_tokens(inst, route),
+                    getattr(inst, "in_flight", 0), load_cost_tokens)
+    return f
