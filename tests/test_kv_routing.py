@@ -317,6 +317,13 @@ def cluster(tiny_llama):
             i.stop()
 
 
+def _prefill_legs(p: FakeInstance, n: int) -> None:
+    """Prefill has received ``n`` legs: in push the router answers with decode's answer
+    while prefill's leg may still be on its way, so wait for it (bounded)."""
+    wait_until(lambda: len(p.bodies) >= n, 10, f"{n} prefill legs")
+    assert len(p.bodies) == n, len(p.bodies)
+
+
 def _index_of(router: Any, inst: FakeInstance) -> dict | None:
     for i in router.instances():
         if i["url"] == inst.url:
@@ -349,7 +356,8 @@ def test_router_sends_a_cached_prompt_to_its_decode_alone(cluster, tiny_llama, c
         # turn 1: nothing cached anywhere -> a prefill leg, and ids on both legs
         r = c.post(router.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4})
         assert r.status_code == 200, r.text
-        assert len(p.bodies) == 1 and p.bodies[0]["prompt"] == ids
+        _prefill_legs(p, 1)
+        assert p.bodies[0]["prompt"] == ids
         first = d1 if d1.bodies else d2
         other = d2 if first is d1 else d1
         assert first.bodies[-1]["kv_transfer_params"]["do_remote_prefill"] is True
@@ -369,7 +377,8 @@ def test_router_sends_a_cached_prompt_to_its_decode_alone(cluster, tiny_llama, c
         long_ids = ids + list(range(10, 60))
         r = c.post(router.url + "/v1/completions", json={"prompt": long_ids})
         assert r.status_code == 200
-        assert len(p.bodies) == 2 and first.bodies[-1]["kv_transfer_params"]
+        _prefill_legs(p, 2)
+        assert first.bodies[-1]["kv_transfer_params"]
     m = router.metrics()
     assert metric_value(m, "kvpush_router_route_decisions_total", 'decision="local"') == 1
     assert metric_value(m, "kvpush_router_route_decisions_total", 'decision="remote"') == 2
@@ -401,14 +410,15 @@ def test_router_faults_restart_gap_and_full_decode(cluster, tiny_llama):
         wait_until(lambda: _synced(router, d1), 10, "resynced after the gap")
         assert _index_of(router, d1)["blocks"] == 0 and _index_of(router, d1)["gaps"] >= 1
         send()
-        assert len(p.bodies) == 1  # nothing cached anywhere now: a prefill leg
+        _prefill_legs(p, 1)  # nothing cached anywhere now: a prefill leg
         # a decode that cannot take it locally (503): sent again with a prefill leg
         d2.cache_prompt(ids)
         wait_until(lambda: _synced(router, d2), 10, "d2 synced")
         d2.refuse_local = True
         r = send()
         assert r.json()["choices"][0]["text"] == "from decode-2"
-        assert len(p.bodies) == 2 and d2.bodies[-1]["kv_transfer_params"]
+        _prefill_legs(p, 2)
+        assert d2.bodies[-1]["kv_transfer_params"]
         # d2 restarts: a new engine id, an empty cache; the router drops its index
         d2.refuse_local = False
         d2.pub.restart("decode-2b")
@@ -417,4 +427,4 @@ def test_router_faults_restart_gap_and_full_decode(cluster, tiny_llama):
         wait_until(lambda: _synced(router, d2), 10, "d2 synced again")
         assert _index_of(router, d2)["blocks"] == 0
         send()
-        assert len(p.bodies) == 3  # no decode holds the prompt: remote
+        _prefill_legs(p, 3)  # no decode holds the prompt: remote
