@@ -51,6 +51,17 @@ def test_mode_spec_and_order():
     assert mode_order(modes, 2) == modes
 
 
+def test_policy_reaches_the_router_of_pd_modes_only(tmp_path):
+    from kvpush.bench.compare import _up_args
+
+    cfg = CompareConfig(modes=[ModeSpec("push")], rates=[1.0], out_dir=tmp_path,
+                        policy="round-robin")
+    assert _up_args(cfg, ModeSpec("push")).policy == "round-robin"
+    assert _up_args(cfg, ModeSpec("colocated")).policy is None
+    default = CompareConfig(modes=[ModeSpec("push")], rates=[1.0], out_dir=tmp_path)
+    assert _up_args(default, ModeSpec("push")).policy is None  # the router's default
+
+
 def test_arrivals_per_repeat_give_each_repeat_its_own_poisson_draw():
     from kvpush.bench.client import arrival_offsets
 

@@ -114,6 +114,8 @@ class CompareConfig:
     shuffle_free_blocks: int | None = None
     prefix_hit_tail: str | None = None
     push_layers_per_write: int | None = None
+    #: the router's --policy for P/D modes (None: its default, cache-aware for push)
+    policy: str | None = None
     dtype: str | None = None
     #: the vllm executable for vllm-* modes (default: $VLLM_BIN, PATH, this Python)
     vllm_bin: str | None = None
@@ -202,7 +204,8 @@ def _up_args(cfg: CompareConfig, spec: ModeSpec) -> argparse.Namespace:
         decode=None if colocated else cfg.decode, threads=threads,
         max_model_len=cfg.max_model_len, kv_cache_memory=cfg.kv_cache_memory,
         decode_cache_memory=None,
-        block_size=cfg.block_size, dtype=cfg.dtype, policy=None, health_interval=None,
+        block_size=cfg.block_size, dtype=cfg.dtype,
+        policy=None if colocated else cfg.policy, health_interval=None,
         shuffle_free_blocks=cfg.shuffle_free_blocks, prefix_hit_tail=cfg.prefix_hit_tail,
         push_layers_per_write=cfg.push_layers_per_write)
 
@@ -446,6 +449,10 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--dtype", metavar="DTYPE")
     eng.add_argument("--shuffle-free-blocks", type=int, nargs="?", const=0, metavar="SEED",
                      help="scatter block ids on every instance (fragmented-KV workload)")
+    eng.add_argument("--policy", choices=("cache-aware", "round-robin", "least-outstanding"),
+                     help="the router's policy in P/D modes (default: the router's own, "
+                          "cache-aware for push, which serves short or cached prompts on "
+                          "decode alone; round-robin always sends a prefill leg)")
     eng.add_argument("--prefix-hit-tail", choices=("prefill", "decode"),
                      help="push: who computes a prefix-hit tail (see kvpush serve --help)")
     eng.add_argument("--push-layers-per-write", type=int, metavar="N",
@@ -486,6 +493,7 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size, dtype=args.dtype, run_timeout=args.run_timeout,
         shuffle_free_blocks=args.shuffle_free_blocks, prefix_hit_tail=args.prefix_hit_tail,
+        policy=args.policy,
         push_layers_per_write=args.push_layers_per_write,
         vllm_bin=args.vllm_bin,
         vllm_dtype=args.vllm_dtype, request_timeout=args.request_timeout,

@@ -184,9 +184,11 @@ def run_handoff(cfg: HandoffConfig, log=print) -> dict[str, Any]:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpush-handoff-")))
         logs = cfg.log_dir or tmp / "logs"
         model = cfg.model or str(tiny_model(tmp / "model"))
+        # round-robin: every request through the P/D path being measured (the
+        # cache-aware default would serve these short prompts on decode alone)
         ccfg = CompareConfig(modes=[ModeSpec(m, cfg.threads) for m in cfg.modes],
                              rates=[1.0], out_dir=tmp, model=model,
-                             startup_timeout=cfg.startup_timeout)
+                             startup_timeout=cfg.startup_timeout, policy="round-robin")
         clusters = {}
         for mode in cfg.modes:
             log(f"[handoff] starting {mode} cluster")
