@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -95,6 +96,19 @@ def ask(client: httpx.Client, base: str, question: str) -> tuple[float, float, i
     return ttft, total, tokens
 
 
+def decisions(client: httpx.Client, base: str) -> str:
+    """What the cache-aware router did with the requests (from its /metrics): `remote`
+    sent a prefill leg (push), `local` let decode compute a short or cached prompt."""
+    text = client.get(base + "/metrics").text
+    found = re.findall(r'^kvpush_router_route_decisions_total\{decision="(\w+)"\} (\S+)',
+                       text, re.M)
+    counts = [f"{name} {float(n):.0f}" for name, n in found if float(n) > 0]
+    return (", ".join(counts) or "none counted") + (
+        " (local: decode computed the prompt itself, too short or too well cached for a "
+        "prefill leg to pay; remote: prefill computed it and pushed the KV; blind: the "
+        "router's tokenizer was still loading, so it pushed as a plain router does)")
+
+
 def stop_cluster(up: subprocess.Popen, children: set[int]) -> bool:
     """SIGTERM `kvpush up`; True if it exited 0 in time and left no process behind."""
     if up.poll() is None:
@@ -134,9 +148,11 @@ def main() -> int:
         with httpx.Client(timeout=120) as client:
             for question in QUESTIONS:
                 ttfts.append(ask(client, base, question)[0])
+            decided = decisions(client, base)
         print("\ndemo: time to first token (push mode, through the router): "
               + ", ".join(f"{t * 1000:.0f} ms" for t in ttfts)
               + " (the first includes the prefill/decode handshake and warm-up)", flush=True)
+        print("demo: the router's decisions: " + decided, flush=True)
         ok = True
     except (RuntimeError, httpx.HTTPError) as e:
         print(f"\ndemo: FAILED: {e}", file=sys.stderr, flush=True)
