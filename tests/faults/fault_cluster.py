@@ -148,7 +148,10 @@ class Cluster:
 
     def _start_router(self) -> NsProcess:
         ip = self.net.ip("R")
+        # round-robin: every request takes the P/D path whose faults are injected (the
+        # cache-aware default would serve these short prompts on decode alone)
         argv = [sys.executable, "-m", "kvpush", "router", "--mode", self.mode,
+                "--policy", "round-robin",
                 "--prefill", self.url("P"), "--decode", self.url("D"), "--host", ip,
                 "--port", str(HTTP_PORT), "--health-interval", "0.5", "--health-timeout",
                 "1", "--connect-timeout", "2", "--request-timeout", "30",
