@@ -88,8 +88,10 @@ class Up:
     def __init__(self, model: str, mode: str, log_dir: Path, extra: list[str],
                  timeout: float) -> None:
         self.log = open(log_dir / f"up-{mode}.out", "w")  # noqa: SIM115 - closed in stop()
+        # round-robin: every request through the transfer path whose blocks the soak
+        # counts (the cache-aware default serves short or cached prompts on decode alone)
         argv = [*KVPUSH, "up", "--model", model, "--mode", mode, "--port", "0",
-                "--log-dir", str(log_dir / mode), *extra]
+                "--policy", "round-robin", "--log-dir", str(log_dir / mode), *extra]
         self.argv = argv
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
