@@ -8,7 +8,6 @@ import asyncio
 import json
 import math
 import os
-import socket
 import threading
 import time
 
@@ -175,23 +174,11 @@ def _fake_app(rec: Recorder):
 
 @pytest.fixture(scope="module")
 def fake(chat):
-    import uvicorn
+    from server_helpers import uvicorn_server
 
     rec = Recorder(chat)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(_fake_app(rec), log_level="warning",
-                                           access_log=False, timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "fake server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", rec
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with uvicorn_server(_fake_app(rec)) as url:
+        yield url, rec
 
 
 def _config(url: str, tiny_llama, **kw) -> BenchConfig:
