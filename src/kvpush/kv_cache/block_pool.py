@@ -64,10 +64,10 @@ def hash_prompt_chain(token_ids: Sequence[int], block_size: int,
     """The hash chain of every block of a prompt, its partial last block included:
     what prefill and decode compare before KV moves between them (equal chains, equal
     prompts). ``full``: the full blocks' hashes when already known."""
-    chain = list(full) if full is not None else hash_prefix_blocks(token_ids, block_size)
     n_full = len(token_ids) // block_size
-    del chain[n_full:]
-    if len(chain) < n_full:
+    if full is not None and len(full) >= n_full:
+        chain = list(full[:n_full])
+    else:
         chain = hash_prefix_blocks(token_ids, block_size)
     if len(token_ids) % block_size:
         chain.append(hash_block_tokens(chain[-1] if chain else None,
