@@ -25,6 +25,7 @@ import pytest
 
 from kvpush.router.config import RouterConfig, RouterConfigError, parse_instance
 from kvpush.router.pool import Pool
+from kvpush.router.wire import ErrorFrames
 from router_helpers import (
     Instance,
     RouterThread,
@@ -321,6 +322,14 @@ def test_client_disconnect_aborts_both_legs(cluster):
         assert metric_value(rt.metrics(), "kvpush_router_instance_in_flight") == 0
     finally:
         rt.stop()
+
+
+def test_error_frames_notice_done():
+    f = ErrorFrames()
+    assert f.feed(b'data: {"choices": []}\n\ndata: [DO') == b'data: {"choices": []}\n\n'
+    assert not f.done
+    assert f.feed(b"NE]\n\n") == b"data: [DONE]\n\n"
+    assert f.done
 
 
 # ------------------------------------------------------------------ instances killed

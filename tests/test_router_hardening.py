@@ -12,6 +12,7 @@ stopped here.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -156,10 +157,45 @@ def scripted_instance(role: str, kv_transfer: str, engine_id: str, side_port: in
                 yield text[:25]  # one frame over two chunks
                 yield text[25:]
             return StreamingResponse(frames(), media_type="text/event-stream")
+        if answer == "done-then-hold":  # the whole answer, then the stream stays open
+            async def held() -> AsyncIterator[bytes]:
+                yield b'data: {"choices": [{"index": 0, "text": "a"}]}\n\ndata: [DONE]\n\n'
+                await asyncio.sleep(5)
+            return StreamingResponse(held(), media_type="text/event-stream")
         # "no-kv": a pull prefill answer without kv_transfer_params
         return JSONResponse({"id": "x", "object": "text_completion", "choices": []})
 
     return app
+
+
+def test_client_hanging_up_after_done_counts_ok():
+    """A client that closes the connection as soon as ``[DONE]`` arrives (kvpush bench
+    and most SDKs do) got its whole answer: the router counts it ok, not abort, even
+    while the instance's stream is still open behind the ``[DONE]``."""
+    inst = scripted_instance("both", "none", "both-1234abcd", free_port(),
+                             {"answer": "done-then-hold"})
+    with uvicorn_server(inst) as url:
+        rt = RouterThread("colocated", [], [url])
+        try:
+            with httpx.Client(timeout=30) as c:
+                for _ in range(2):
+                    with c.stream("POST", rt.url + "/v1/completions",
+                                  json={"prompt": "hi", "max_tokens": 2,
+                                        "stream": True}) as r:
+                        assert r.status_code == 200
+                        for line in r.iter_lines():
+                            if line == "data: [DONE]":
+                                break  # hang up at once
+            deadline = time.monotonic() + 10
+            while (metric_value(rt.metrics(), "kvpush_router_requests_total",
+                                'outcome="ok"') < 2 and time.monotonic() < deadline):
+                time.sleep(0.05)
+            assert metric_value(rt.metrics(), "kvpush_router_requests_total",
+                                'outcome="ok"') == 2
+            assert metric_value(rt.metrics(), "kvpush_router_requests_total",
+                                'outcome="abort"') == 0
+        finally:
+            rt.stop()
 
 
 def _assert_no_internals(text: str, secrets: list[str]) -> None:

@@ -469,7 +469,9 @@ class Legs:
                 await chunks.aclose()
             except Exception:  # noqa: BLE001 - closing a broken stream
                 logger.debug("closing decode's stream of %s failed", job.rid, exc_info=True)
-            await self.close(job, job.outcome or "abort")
+            # a client that hangs up once [DONE] reached it got the whole answer
+            done = frames.done and not frames.errors and not job.error
+            await self.close(job, job.outcome or ("ok" if done else "abort"))
 
     def _first_byte(self, job: Job) -> None:
         now = time.perf_counter()

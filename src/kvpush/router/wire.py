@@ -73,11 +73,13 @@ class ErrorFrames:
     """Decode's SSE stream on its way to the client, cut at frame ends (a frame split
     over two chunks goes out whole, with the second), with each in-band error frame
     (``data: {"error": ...}``) scrubbed. ``errors`` keeps their messages as they came,
-    for the router's log."""
+    for the router's log; ``done`` says the ``data: [DONE]`` frame has gone out (a client
+    that hangs up after it received the whole answer)."""
 
     def __init__(self, engine_ids: Sequence[str] = ()) -> None:
         self.engine_ids = engine_ids
         self.errors: list[str] = []
+        self.done = False
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -96,6 +98,8 @@ class ErrorFrames:
         return self._clean(data)
 
     def _clean(self, data: bytes) -> bytes:
+        if data.endswith(b"data: [DONE]\n\n") or data.endswith(b"data: [DONE]"):
+            self.done = True
         if b'data: {"error"' not in data:
             return data
         frames = data.split(b"\n\n")
