@@ -28,8 +28,9 @@ from kvpush.kv_cache.events import (
     KVEventBatch,
     encode_batch,
 )
+from kvpush.router.cache_policy import CachePolicy
 from kvpush.router.config import RouterConfig, parse_instance
-from kvpush.router.decide import Decision, Route, cost, decide
+from kvpush.router.decide import Decision, Route, cost, cost_fn, decide, lacks_room
 from kvpush.router.kv_index import BatchResult, InstanceIndex, KVIndex, Snapshot
 from kvpush.router.pool import Pool
 from router_helpers import metric_value, wait_until
@@ -115,6 +116,29 @@ def test_choice_longest_prefix_weighed_against_load():
     d2.in_flight = 0  # equal costs: round-robin order
     assert pool.pick("decode", cost=f) is d1
     assert pool.pick("decode", cost=lambda i: 0.0) is d2
+
+
+def test_an_instance_without_room_comes_after_those_with_room():
+    assert not lacks_room(52, 13, 4) and lacks_room(53, 13, 4)  # every block, cached too
+    cfg = RouterConfig(mode="push", prefill=(parse_instance("127.0.0.1:1"),),
+                       decode=tuple(parse_instance(f"127.0.0.1:{p}") for p in (2, 3)),
+                       policy="cache-aware")
+    pool = Pool(cfg)
+    d1, d2 = pool.by_role["decode"]
+    d1.healthy = d2.healthy = True
+    d1.info = {"num_free_blocks": 2, "block_size": 4}  # their last /kv/info
+    d2.info = {"num_free_blocks": 40, "block_size": 4}
+    route = Route(list(range(52)))  # 13 blocks
+    cached = {d1: 40, d2: 0}
+    f = cost_fn(route, lambda i, _r: cached[i], 4, CachePolicy.no_room)
+    assert pool.choose("decode", cost=f) is d2  # d1 holds the prefix but has no room
+    d2.info["num_free_blocks"] = 12  # both full: the cache decides among them
+    assert pool.choose("decode", cost=f) is d1
+    d2.info["num_free_blocks"] = 13
+    assert pool.choose("decode", cost=f) is d2
+    d1.info = None  # no /kv/info (vLLM): room assumed, and d1's cache wins
+    assert not CachePolicy.no_room(d1, route)
+    assert pool.choose("decode", cost=f) is d1
 
 
 def test_route_chain_matches_the_instances_hashes():
