@@ -435,14 +435,17 @@ def test_router_faults_restart_gap_and_full_decode(cluster, tiny_llama):
         assert _index_of(router, d1)["blocks"] == 0 and _index_of(router, d1)["gaps"] >= 1
         send()
         _prefill_legs(p, 1)  # nothing cached anywhere now: a prefill leg
-        # a decode that cannot take it locally (503): sent again with a prefill leg
+        # a decode that cannot take it locally (503): sent again with a prefill leg, to
+        # the other decode (the one that refused would likely refuse that leg too)
         d2.cache_prompt(ids)
         wait_until(lambda: _synced(router, d2), 10, "d2 synced")
         d2.refuse_local = True
+        n1, n2 = len(d1.bodies), len(d2.bodies)
         r = send()
-        assert r.json()["choices"][0]["text"] == "from decode-2"
+        assert r.json()["choices"][0]["text"] == "from decode-1"
         _prefill_legs(p, 2)
-        assert d2.bodies[-1]["kv_transfer_params"]
+        assert len(d2.bodies) == n2 + 1 and "kv_transfer_params" not in d2.bodies[-1]
+        assert len(d1.bodies) == n1 + 1 and d1.bodies[-1]["kv_transfer_params"]
         # d2 restarts: a new engine id, an empty cache; the router drops its index
         d2.refuse_local = False
         d2.pub.restart("decode-2b")
