@@ -3,6 +3,8 @@ behind an in-process router (tests/test_kv_routing.py has them over fake instanc
 
 * a decode whose KV blocks are all held (push legs waiting for their KV pin them) while
   it caches the prompt: the router passes it over for the decode with room;
+* a decode that refuses the local leg (429: its waiting-request bound): the request goes
+  again with a prefill leg, to the other decode;
 * a batch of KV events lost on the router's SUB socket: the next batch shows the gap,
   the snapshot repairs the index;
 * the prefix cache evicting a prompt: the router's index shrinks with it;
@@ -37,6 +39,7 @@ pytestmark = pytest.mark.timeout(180)
 BS = 4
 D_BLOCKS = 40
 MAX_LEN = 128
+D1_MAX_WAITING = 3  # D1 answers 429 past 3 requests waiting for their first token
 LOCAL_MAX = 16  # --local-prefill-max-tokens: a 4-token turn is local, a fresh prompt not
 COMMON = ("--block-size", str(BS), "--max-model-len", str(MAX_LEN))
 PUSH = ("--kv-transfer", "push", "--lease-timeout", "20", *COMMON)
@@ -60,7 +63,8 @@ def cluster(tiny_llama, tmp_path_factory) -> Iterator[Cluster]:
     insts = start_instances(tiny_llama, [
         ("ref", (*COMMON, "--num-blocks", "256")),
         ("P", ("--role", "prefill", *PUSH, "--num-blocks", "256")),
-        ("D1", dec), ("D2", dec)], log_dir)
+        ("D1", (*dec, "--max-waiting-requests", str(D1_MAX_WAITING))), ("D2", dec)],
+        log_dir)
     c = Cluster(*insts)
     yield c
     for inst in c.all():
@@ -195,6 +199,31 @@ def test_full_decode_is_passed_over_for_one_with_room(cluster, router):
     d1_before = _requests(router, c.d1)
     _check(router, c, prefix + _prompt(400, 4))
     assert _requests(router, c.d1) == d1_before + 1 and _decisions(router, "local") == 1
+
+
+def test_decode_refusing_the_local_leg_sends_it_remote_elsewhere(cluster, router):
+    """D1 caches the prompt and has room, but three push legs waiting for their KV fill
+    its waiting-request bound: it answers the local leg 429. The router sends the
+    request again with a prefill leg, to D2: D1 would refuse that leg too."""
+    c = cluster
+    prefix = _prompt(460)
+    _complete(c.d1.url, prefix, max_tokens=1)
+    wait_until(lambda: _cached_blocks(router, c.d1, prefix) == 10, 10, "D1 holds it")
+    holds = [_hold(c.d1, c.p, _prompt(470 + 10 * k, 8)) for k in range(D1_MAX_WAITING)]
+    try:
+        wait_until(lambda: metric_value(httpx.get(c.d1.url + "/metrics").text,
+                                        "kvpush_http_requests_waiting") == D1_MAX_WAITING,
+                   10, "D1's waiting-request bound reached")
+        d1_before, d2_before = _requests(router, c.d1), _requests(router, c.d2)
+        _check(router, c, prefix + _prompt(480, 4))
+        assert _requests(router, c.d1) == d1_before + 1  # the refused local leg
+        assert _requests(router, c.d2) == d2_before + 1  # the push leg
+        assert _decisions(router, "remote") == 1 and _decisions(router, "local") == 0
+        m = httpx.get(c.d1.url + "/metrics").text
+        assert metric_value(m, "kvpush_http_queue_full_total") >= 1
+    finally:
+        for s in holds:
+            s.close()
 
 
 def test_lost_event_batch_is_repaired_by_a_snapshot(cluster, router):
