@@ -28,8 +28,9 @@ from kvpush.kv_cache.events import (
     KVEventBatch,
     encode_batch,
 )
+from kvpush.router.cache_policy import CachePolicy
 from kvpush.router.config import RouterConfig, parse_instance
-from kvpush.router.decide import Decision, Route, cost, decide
+from kvpush.router.decide import Decision, Route, cost, cost_fn, decide, lacks_room
 from kvpush.router.kv_index import BatchResult, InstanceIndex, KVIndex, Snapshot
 from kvpush.router.pool import Pool
 from router_helpers import metric_value, wait_until
@@ -115,6 +116,29 @@ def test_choice_longest_prefix_weighed_against_load():
     d2.in_flight = 0  # equal costs: round-robin order
     assert pool.pick("decode", cost=f) is d1
     assert pool.pick("decode", cost=lambda i: 0.0) is d2
+
+
+def test_an_instance_without_room_comes_after_those_with_room():
+    assert not lacks_room(52, 13, 4) and lacks_room(53, 13, 4)  # every block, cached too
+    cfg = RouterConfig(mode="push", prefill=(parse_instance("127.0.0.1:1"),),
+                       decode=tuple(parse_instance(f"127.0.0.1:{p}") for p in (2, 3)),
+                       policy="cache-aware")
+    pool = Pool(cfg)
+    d1, d2 = pool.by_role["decode"]
+    d1.healthy = d2.healthy = True
+    d1.info = {"num_free_blocks": 2, "block_size": 4}  # their last /kv/info
+    d2.info = {"num_free_blocks": 40, "block_size": 4}
+    route = Route(list(range(52)))  # 13 blocks
+    cached = {d1: 40, d2: 0}
+    f = cost_fn(route, lambda i, _r: cached[i], 4, CachePolicy.no_room)
+    assert pool.choose("decode", cost=f) is d2  # d1 holds the prefix but has no room
+    d2.info["num_free_blocks"] = 12  # both full: the cache decides among them
+    assert pool.choose("decode", cost=f) is d1
+    d2.info["num_free_blocks"] = 13
+    assert pool.choose("decode", cost=f) is d2
+    d1.info = None  # no /kv/info (vLLM): room assumed, and d1's cache wins
+    assert not CachePolicy.no_room(d1, route)
+    assert pool.choose("decode", cost=f) is d1
 
 
 def test_route_chain_matches_the_instances_hashes():
@@ -411,14 +435,17 @@ def test_router_faults_restart_gap_and_full_decode(cluster, tiny_llama):
         assert _index_of(router, d1)["blocks"] == 0 and _index_of(router, d1)["gaps"] >= 1
         send()
         _prefill_legs(p, 1)  # nothing cached anywhere now: a prefill leg
-        # a decode that cannot take it locally (503): sent again with a prefill leg
+        # a decode that cannot take it locally (503): sent again with a prefill leg, to
+        # the other decode (the one that refused would likely refuse that leg too)
         d2.cache_prompt(ids)
         wait_until(lambda: _synced(router, d2), 10, "d2 synced")
         d2.refuse_local = True
+        n1, n2 = len(d1.bodies), len(d2.bodies)
         r = send()
-        assert r.json()["choices"][0]["text"] == "from decode-2"
+        assert r.json()["choices"][0]["text"] == "from decode-1"
         _prefill_legs(p, 2)
-        assert d2.bodies[-1]["kv_transfer_params"]
+        assert len(d2.bodies) == n2 + 1 and "kv_transfer_params" not in d2.bodies[-1]
+        assert len(d1.bodies) == n1 + 1 and d1.bodies[-1]["kv_transfer_params"]
         # d2 restarts: a new engine id, an empty cache; the router drops its index
         d2.refuse_local = False
         d2.pub.restart("decode-2b")

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from kvpush.router.config import RouterConfig
-from kvpush.router.decide import Decision, Route, cost_fn, decide
+from kvpush.router.decide import Decision, Route, cost_fn, decide, lacks_room
 from kvpush.router.job import Job
 from kvpush.router.kv_index import KVIndex, Snapshot, parse_snapshot
 from kvpush.router.metrics import RouterMetrics
@@ -93,11 +93,22 @@ class CachePolicy:
         bs = self.index.block_size(inst)
         return route.cached_tokens(blocks, bs) if bs else 0
 
+    @staticmethod
+    def no_room(inst: object, route: Route) -> bool:
+        """Whether the instance's last ``/kv/info`` (health check) shows too few free
+        blocks for the prompt (False when it does not say: vLLM)."""
+        info = getattr(inst, "info", None) or {}
+        free, bs = info.get("num_free_blocks"), info.get("block_size")
+        if not isinstance(free, int) or not isinstance(bs, int) or bs < 1:
+            return False
+        return lacks_room(route.prompt_tokens, free, bs)
+
     def cost(self, job: Job) -> Callable[[Instance], float] | None:
         """``Pool.pick``'s cost for the job (None: blind, the configured order)."""
         if job.route is None:
             return None
-        return cost_fn(job.route, self.cached_tokens, self.cfg.load_cost_tokens)
+        return cost_fn(job.route, self.cached_tokens, self.cfg.load_cost_tokens,
+                       self.no_room)
 
     def decide(self, job: Job) -> Decision:
         """``local`` or ``remote`` for the decode instance the job would get now."""

@@ -6,6 +6,12 @@ prompt tokens it would still have to compute, plus ``load_cost_tokens`` for each
 it has in flight::
 
     cost(i) = (prompt_tokens - cached_tokens(i)) + load_cost_tokens * in_flight(i)
+              (+ FULL_COST when i has no room for the prompt)
+
+An instance has no room when its last ``/kv/info`` (read by every health check) shows
+fewer free KV blocks than the prompt fills (``lacks_room``): a kvpush instance queues a
+request it has no blocks for until running requests end, so such an instance is chosen
+only when every instance is as full, and then by the same cost.
 
 Decode is the healthy decode instance of lowest cost (ties in round-robin order); if
 what it still lacks is at most ``local_prefill_max_tokens``, it gets the request alone,
@@ -73,6 +79,23 @@ def cost(prompt_tokens: int, cached_tokens: int, in_flight: int,
     return float(prompt_tokens - cached_tokens + load_cost_tokens * in_flight)
 
 
+#: added to the cost of an instance without room for the prompt (``lacks_room``): more
+#: than any prompt's tokens and load, so every instance with room comes first
+FULL_COST = 1e9
+
+
+def lacks_room(prompt_tokens: int, num_free_blocks: int, block_size: int) -> bool:
+    """Whether ``num_free_blocks`` free blocks cannot hold the prompt now.
+
+    Counts every block the prompt fills, its cached ones too: an instance's free blocks
+    include its cached blocks that no request uses, and the scheduler takes a hit on
+    such a block out of the free ones (``Scheduler._admit``). So this is sufficient for
+    the request to be admitted at once whatever the router's index believes, and too
+    strict only when the cached prefix is in use by other requests (then the instance
+    needs fewer): a wrong "no room" costs compute elsewhere, a wrong "room" a wait."""
+    return num_free_blocks < -(-prompt_tokens // block_size)
+
+
 def decide(prompt_tokens: int, d_cached_tokens: int, local_prefill_max_tokens: int
            ) -> Decision:
     """``local`` when decode lacks at most ``local_prefill_max_tokens`` of the prompt."""
@@ -82,10 +105,13 @@ def decide(prompt_tokens: int, d_cached_tokens: int, local_prefill_max_tokens: i
 
 
 def cost_fn(route: Route, cached_tokens: Callable[[object, Route], int],
-            load_cost_tokens: int) -> Callable[[object], float]:
+            load_cost_tokens: int,
+            no_room: Callable[[object, Route], bool] = lambda _i, _r: False,
+            ) -> Callable[[object], float]:
     """``Pool.choose``'s cost for ``route``: ``cached_tokens(instance, route)`` from the
-    KV index, ``in_flight`` from the instance."""
+    KV index, ``in_flight`` from the instance, ``FULL_COST`` where ``no_room``."""
     def f(inst: object) -> float:
-        return cost(route.prompt_tokens, cached_tokens(inst, route),
-                    getattr(inst, "in_flight", 0), load_cost_tokens)
+        c = cost(route.prompt_tokens, cached_tokens(inst, route),
+                 getattr(inst, "in_flight", 0), load_cost_tokens)
+        return c + FULL_COST if no_room(inst, route) else c
     return f

@@ -31,6 +31,9 @@ class Job:
     route: Route | None = None
     prefill: Instance | None = None
     decode: Instance | None = None
+    #: the decode that refused the local leg (429/503): the remote legs go to another
+    #: decode when one is healthy
+    d_refused: Instance | None = None
     transfer_id: str = ""
     attempts: int = 0
     p_leg_s: float | None = None

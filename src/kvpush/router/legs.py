@@ -134,7 +134,11 @@ class Legs:
     def _pick_decode(self, job: Job) -> Instance:
         """A decode instance for the job (held until Legs.close), or 503."""
         self._release_decode(job)
-        d = self.pool.pick("decode", cost=self._cost(job))
+        d = None
+        if job.d_refused is not None:  # it answered "full" for this request already
+            d = self.pool.pick("decode", {job.d_refused}, cost=self._cost(job))
+        if d is None:
+            d = self.pool.pick("decode", cost=self._cost(job))
         if d is None:
             raise self._unavailable(job, "decode")
         job.decode = job.d_held = d
@@ -144,7 +148,8 @@ class Legs:
     async def _local(self, job: Job) -> Response | httpx.Response | None:
         """Decode alone computes what its prefix cache lacks (the cache-aware policy's
         ``local``). None when decode refused it (429/503: full) and a prefill instance
-        is healthy: the caller sends it with a prefill leg instead."""
+        is healthy: the caller sends it with a prefill leg instead, to another decode
+        if one is healthy (the same one would most likely refuse its leg too)."""
         job.mode = "local"
         body = {k: v for k, v in job.body.items() if k != "kv_transfer_params"}
         result = await self._single(job, body)
@@ -153,6 +158,7 @@ class Legs:
             logger.info("request %s: decode refused the local prefill (HTTP %d); sending "
                         "it with a prefill leg", job.rid, result.status_code)
             job.route.local_refused = True
+            job.d_refused = job.decode
             job.route.decision = Decision.REMOTE
             job.mode = self.cfg.mode
             return None
