@@ -239,7 +239,7 @@ def main() -> int:
     (out / "summary.json").write_text(json.dumps(res, indent=1))
     md = [f"# Local prefill on decode vs a push prefill leg ({args.model})", "",
           "```", res["command"], "```", "",
-          f"{res['date']}; {res['cpu']}; CPU flags: {res['cpu_flags']}", "",
+          f"{res['date']}; CPU: {res['cpu_flags']}", "",
           HEADER]
     md += [_row(c) for c in res["cells"]]
     (out / "summary.md").write_text("\n".join(md) + "\n")

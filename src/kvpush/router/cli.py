@@ -68,9 +68,10 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "serve, from their /v1/models); it must be the instances' own. "
                          "Without one the router routes round-robin with a prefill leg")
     ca.add_argument("--local-prefill-max-tokens", type=cli_types.non_negative_int,
-                    default=256, metavar="N",
+                    default=128, metavar="N",
                     help="decode computes the prompt itself, without a prefill leg, when "
-                         "its prefix cache lacks at most N of its tokens (default: 256)")
+                         "its prefix cache lacks at most N of its tokens (default: 128, "
+                         "from a measurement: docs/ROUTER.md)")
     ca.add_argument("--load-cost-tokens", type=cli_types.non_negative_int, default=64,
                     metavar="N",
                     help="what one leg in flight on an instance weighs against prompt "

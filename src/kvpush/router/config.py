@@ -123,7 +123,7 @@ class RouterConfig:
     tokenizer: str | None = None
     #: cache-aware: decode computes the prompt itself (no prefill leg) when it lacks at
     #: most this many of its tokens (kvpush.router.decide)
-    local_prefill_max_tokens: int = 256
+    local_prefill_max_tokens: int = 128
     #: cache-aware: what one leg in flight on an instance weighs, in prompt tokens
     load_cost_tokens: int = 64
 

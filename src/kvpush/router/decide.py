@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from kvpush.kv_cache.block_pool import BlockHash, hash_prefix_blocks
 
 #: default of --local-prefill-max-tokens (docs/ROUTER.md: how it was chosen)
-DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 128
 #: default of --load-cost-tokens: what one leg in flight on an instance weighs against
 #: prompt tokens it holds
 DEFAULT_LOAD_COST_TOKENS = 64
