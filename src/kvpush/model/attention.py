@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvpush.model.paged_decode import paged_decode_attention
+
 
 @dataclass
 class PrefillSpan:
@@ -57,6 +59,9 @@ class AttentionMetadata:
     decode_len: int = 0  # attended length (max context of the decode tokens)
     # (first slot, end slot, attended length) of each group of consecutive slots
     decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
+    # decode through model/paged_decode.py (block tables, no dense copy) instead of
+    # gathering whole contexts when there is no DecodeKVCache (set by the runner)
+    decode_paged: bool = False
 
 
 def build_metadata(
@@ -435,6 +440,8 @@ def _decode_attention(
             ])
         o = o.reshape(B, H, D)
         return o if md.decode_order is None else o[md.decode_slots]
+    if md.decode_paged:
+        return paged_decode_attention(q, layer_kv, md.decode_tables, md.decode_mask, scale)
     kc, vc = _gather(layer_kv, md.decode_tables)  # [B, L, Hkv, D]
     o = F.scaled_dot_product_attention(
         q.reshape(B, hkv, group, D),
