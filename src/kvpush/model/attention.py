@@ -11,7 +11,9 @@ source of truth (the KV transfer reads and writes it). Then:
   request starts decoding, and then only appended to, so a decode step reads its context
   in place instead of re-gathering every block of every request per layer. Without it
   (or when it would not fit its memory cap) the block tables are padded into one
-  ``[B, max_blocks]`` index and K and V gathered per layer;
+  ``[B, max_blocks]`` index and K and V gathered per layer, or, with the paged decode
+  attention (``md.decode_paged``: the CUDA default), read through that index in bounded
+  chunks by :mod:`kvpush.model.paged_decode`;
 * each prefill chunk is attended on its own: a chunk that starts at position 0 uses its
   fresh K/V and a causal mask; a chunk after cached or earlier-chunk tokens gathers its
   blocks and masks with the offset causal pattern.
