@@ -127,3 +127,21 @@ def test_engine_decoding_paged_matches_hf_and_the_dense_cache(model_factory, mon
     assert got == run_to_completion(dense, prompts, greedy(24))
     for rid, p in prompts.items():
         assert got[rid] == hf_greedy(model, p, 24), rid
+
+
+def test_paged_decode_in_mixed_steps_matches_the_dense_cache(tiny_llama, monkeypatch):
+    """Requests arriving while others decode: steps mix prefill chunks with paged
+    decodes (the decode rows scattered back into the batch); same tokens as the dense
+    cache's engine, which sees the same steps."""
+    from test_decode_cache import _staggered
+
+    monkeypatch.setattr(paged_decode, "CHUNK_BYTES", 1)
+    prompts = {f"r{i}": p for i, p in enumerate(random_prompts([12, 70, 33, 90, 7], seed=9))}
+    paged = make_engine(tiny_llama, decode_attention="paged", max_model_len=256)
+    got, shapes = _staggered(paged, prompts, every=2, max_tokens=20)
+    assert shapes == []  # no dense buffer, ever
+    assert_all_blocks_free(paged)
+    dense = make_engine(tiny_llama, max_model_len=256)
+    ref, dense_shapes = _staggered(dense, prompts, every=2, max_tokens=20)
+    assert dense_shapes  # the reference did decode through its dense cache
+    assert got == ref
