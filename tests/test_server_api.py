@@ -880,7 +880,10 @@ def test_cli_build_config(model: tuple[Any, Any]) -> None:
     assert cfg.scheduler.max_model_len == 64 and cfg.cache.block_size == 16
     assert not cfg.cache.enable_prefix_caching and not cfg.scheduler.enable_chunked_prefill
     per_block = cfg.model.kv_bytes_per_token(cfg.cache.dtype) * 16
-    assert cfg.cache.num_blocks == (1 << 20) // per_block
+    # --kv-cache-memory is the total: blocks and the dense decode cache (role both)
+    dense = cfg.cache.decode_cache_bytes
+    assert 0 < dense <= (1 << 20) // 2
+    assert cfg.cache.num_blocks == ((1 << 20) - dense) // per_block
     assert cfg.served_model_name == "m1" and cfg.threads == 1
     args = serve_parser().parse_args(["serve", str(path)])
     assert build_config(args).cache.block_size == DEFAULT_BLOCK_SIZE

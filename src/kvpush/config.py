@@ -18,6 +18,7 @@ import torch
 
 from kvpush.cli_types import parse_size
 from kvpush.errors import ConfigError
+from kvpush.kv_cache.budget import KVMemorySplit, split_kv_memory
 
 #: Default tokens per KV block. With the layer-major layout one layer of a run of
 #: consecutive blocks is one memory range, so the descriptor count of a transfer grows
@@ -158,9 +159,17 @@ class CacheConfig:
     #: permute the free-block queue at start-up with this seed, so consecutive
     #: allocations get scattered block ids (fragmented-KV benchmarks); None: in order
     shuffle_free_blocks: int | None = None
-    #: cap of the dense decode cache (DecodeKVCache) in bytes; None: the KV region's
-    #: size; 0: no dense cache (decode gathers from the paged region every step)
+    #: cap of the dense decode cache (DecodeKVCache) in bytes, resolved by
+    #: EngineConfig.build (kv_cache/budget.py: inside --kv-cache-memory); None (a
+    #: CacheConfig built by hand): the KV region's size; 0: no dense cache (decode
+    #: gathers from the paged region, or reads it with the paged decode attention)
     decode_cache_bytes: int | None = None
+    #: how decode attention reads the KV: "dense" (the DecodeKVCache copy, gathering
+    #: from the region when it does not fit) or "paged" (model/paged_decode.py: over
+    #: the block tables, no dense copy; the default on CUDA)
+    decode_attention: Literal["dense", "paged"] = "dense"
+    #: how the KV memory budget was split (None: a CacheConfig built by hand)
+    memory: KVMemorySplit | None = None
 
 
 @dataclass(frozen=True)
@@ -280,6 +289,7 @@ class EngineConfig:
         num_blocks: int | None = None,
         kv_cache_memory: int | None = None,
         decode_cache_memory: int | None = None,
+        decode_attention: str = "auto",
         dtype: str = "float32",
         kv_dtype: str | None = None,
         device: str = "cpu",
@@ -341,12 +351,25 @@ class EngineConfig:
                 kv_cache_memory = 1 << 30
             if kv_cache_memory <= 0:
                 raise ConfigError(f"--kv-cache-memory must be > 0, got {kv_cache_memory}")
-            num_blocks = kv_cache_memory // per_block
         if decode_cache_memory is not None and decode_cache_memory < 0:
             raise ConfigError(
                 f"--decode-cache-memory must be >= 0 (0: no dense decode cache), got "
                 f"{decode_cache_memory}")
+        attention = resolve_decode_attention(decode_attention, device, decode_cache_memory)
         min_blocks = -(-max_model_len // block_size)
+        memory = split_kv_memory(
+            budget=kv_cache_memory,
+            num_blocks=num_blocks,
+            block_bytes=per_block,
+            min_blocks=min_blocks,
+            # DecodeKVCache holds at most max_num_seqs x max_model_len positions, in
+            # the model's dtype
+            dense_usable_bytes=max_num_seqs * max_model_len * model.kv_bytes_per_token(
+                torch_dtype),
+            dense=attention == "dense" and kv_transfer.role != "prefill",
+            decode_cache_memory=decode_cache_memory,
+        )
+        num_blocks = memory.num_blocks
         if num_blocks < min_blocks:
             raise ConfigError(
                 f"KV cache of {num_blocks} blocks cannot hold one request of "
@@ -362,7 +385,9 @@ class EngineConfig:
                 dtype=cache_dtype,
                 enable_prefix_caching=enable_prefix_caching,
                 shuffle_free_blocks=shuffle_free_blocks,
-                decode_cache_bytes=decode_cache_memory,
+                decode_cache_bytes=memory.decode_cache_bytes,
+                decode_attention=attention,
+                memory=memory,
             ),
             scheduler=SchedulerConfig(
                 max_model_len=max_model_len,
@@ -377,3 +402,20 @@ class EngineConfig:
             served_model_name=served_model_name or Path(model_dir).name,
             kv_transfer=kv_transfer,
         )
+
+
+def resolve_decode_attention(
+    name: str, device: str, decode_cache_memory: int | None
+) -> Literal["dense", "paged"]:
+    """``--decode-attention``: ``auto`` is ``paged`` on CUDA (no dense copy of the KV in
+    GPU memory) unless ``--decode-cache-memory`` asks for a dense cache, and ``dense`` on
+    CPU (the dense copy's in-place reads are faster there: docs/MEASURED.md)."""
+    if name not in ("auto", "dense", "paged"):
+        raise ConfigError(f"--decode-attention must be auto, dense or paged, got {name!r}")
+    if name == "paged" and decode_cache_memory:
+        raise ConfigError("--decode-attention paged reads the paged KV directly and has "
+                          "no dense decode cache; drop --decode-cache-memory")
+    if name == "auto":
+        cuda = device.startswith("cuda")
+        return "paged" if cuda and not decode_cache_memory else "dense"
+    return name  # type: ignore[return-value]

@@ -97,10 +97,13 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="torch CPU threads per instance (default: cores // instances, at "
                           "least 1)")
     eng.add_argument("--max-model-len", type=int, metavar="TOKENS")
-    eng.add_argument("--kv-cache-memory", metavar="SIZE", help="e.g. 512MiB, 2GiB")
+    eng.add_argument("--kv-cache-memory", metavar="SIZE",
+                     help="each instance's KV memory in all, e.g. 512MiB, 2GiB (a decode "
+                          "instance's dense decode cache included)")
     eng.add_argument("--decode-cache-memory", metavar="SIZE",
-                     help="dense decode cache cap, reserved at start-up by the decode "
-                          "instance (default: --kv-cache-memory's; 0: off)")
+                     help="dense decode cache size, taken out of --kv-cache-memory by "
+                          "the decode instances and reserved at start-up (default: half "
+                          "of it, capped; 0: off; prefill instances have none)")
     eng.add_argument("--block-size", type=int, metavar="TOKENS")
     eng.add_argument("--dtype", metavar="DTYPE", help="float32, bfloat16 or float16")
     eng.add_argument("--shuffle-free-blocks", type=int, nargs="?", const=0, metavar="SEED",

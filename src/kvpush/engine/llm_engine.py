@@ -359,6 +359,7 @@ class LLMEngine:
 
     def kv_info(self) -> dict:
         s = self.stats()
+        cache = self.config.cache
         info = {
             "engine_id": "",
             "role": "both",
@@ -370,6 +371,11 @@ class LLMEngine:
             "layout": dataclasses.asdict(self.runner.kv_region.layout),
             "num_free_blocks": s.num_free_blocks,
             "num_total_blocks": s.num_total_blocks,
+            # how --kv-cache-memory was split (kv_cache/budget.py)
+            "kv_memory": {
+                **(cache.memory.as_dict() if cache.memory is not None else {}),
+                "decode_attention": cache.decode_attention,
+            },
         }
         return info
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -14,6 +15,8 @@ from kvpush.model.sampler import sample
 from kvpush.sampling_params import SampledToken
 from kvpush.scheduler.scheduler import StepPlan
 
+log = logging.getLogger("kvpush.engine")
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig):
@@ -25,10 +28,12 @@ class ModelRunner:
         )
         self.kv_region = KVRegion(config.model, config.cache, config.device)
         self.default_generator = torch.Generator().manual_seed(config.seed)
-        # Dense copies of decoding requests' KV (see DecodeKVCache), capped at
-        # --decode-cache-memory (default: the size of the KV region itself; 0: always
-        # gather instead).
+        # Dense copies of decoding requests' KV (see DecodeKVCache), capped at the share
+        # of --kv-cache-memory that config.build gave it (kv_cache/budget.py; 0: gather
+        # from the region, or read it through the block tables with the paged decode
+        # attention).
         cap = config.cache.decode_cache_bytes
+        self.paged_decode = config.cache.decode_attention == "paged"
         self.decode_cache = DecodeKVCache(
             self.kv_region.kv,
             self.block_size,
@@ -39,6 +44,9 @@ class ModelRunner:
         )
         if self._reserves_decode_cache:
             self.decode_cache.reserve()
+        if config.cache.memory is not None:
+            log.info("%s; decode attention: %s", config.cache.memory.describe(),
+                     config.cache.decode_attention)
 
     @property
     def decode_cache_bytes(self) -> int:
@@ -59,7 +67,7 @@ class ModelRunner:
         step, which slowed a burst of first decodes (docs/MEASURED.md). A prefill
         instance never decodes; CUDA's caching allocator already reuses freed memory."""
         return torch.device(self.device).type == "cpu" and (
-            self.config.kv_transfer.role != "prefill")
+            self.config.kv_transfer.role != "prefill") and not self.paged_decode
 
     def forward(
         self, plan: StepPlan, layer_done: Callable[[int], None] | None = None
@@ -81,11 +89,14 @@ class ModelRunner:
         )
         try:
             decodes = [c for c in plan.chunks if len(c.token_ids) == 1]
-            self.decode_cache.prepare(
-                md,
-                [(c.request_id, c.start_pos, c.block_ids) for c in decodes],
-                [c.start_pos + c.params.max_tokens for c in decodes],
-            )
+            if self.paged_decode:
+                md.decode_paged = True
+            else:
+                self.decode_cache.prepare(
+                    md,
+                    [(c.request_id, c.start_pos, c.block_ids) for c in decodes],
+                    [c.start_pos + c.params.max_tokens for c in decodes],
+                )
             return self.model.forward(
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),
                 torch.tensor(positions, dtype=torch.long, device=self.device),

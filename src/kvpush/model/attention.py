@@ -11,7 +11,9 @@ source of truth (the KV transfer reads and writes it). Then:
   request starts decoding, and then only appended to, so a decode step reads its context
   in place instead of re-gathering every block of every request per layer. Without it
   (or when it would not fit its memory cap) the block tables are padded into one
-  ``[B, max_blocks]`` index and K and V gathered per layer;
+  ``[B, max_blocks]`` index and K and V gathered per layer, or, with the paged decode
+  attention (``md.decode_paged``: the CUDA default), read through that index in bounded
+  chunks by :mod:`kvpush.model.paged_decode`;
 * each prefill chunk is attended on its own: a chunk that starts at position 0 uses its
   fresh K/V and a causal mask; a chunk after cached or earlier-chunk tokens gathers its
   blocks and masks with the offset causal pattern.
@@ -28,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kvpush.model.paged_decode import paged_decode_attention
 
 
 @dataclass
@@ -57,6 +61,9 @@ class AttentionMetadata:
     decode_len: int = 0  # attended length (max context of the decode tokens)
     # (first slot, end slot, attended length) of each group of consecutive slots
     decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
+    # decode through model/paged_decode.py (block tables, no dense copy) instead of
+    # gathering whole contexts when there is no DecodeKVCache (set by the runner)
+    decode_paged: bool = False
 
 
 def build_metadata(
@@ -435,6 +442,8 @@ def _decode_attention(
             ])
         o = o.reshape(B, H, D)
         return o if md.decode_order is None else o[md.decode_slots]
+    if md.decode_paged:
+        return paged_decode_attention(q, layer_kv, md.decode_tables, md.decode_mask, scale)
     kc, vc = _gather(layer_kv, md.decode_tables)  # [B, L, Hkv, D]
     o = F.scaled_dot_product_attention(
         q.reshape(B, hkv, group, D),

@@ -63,17 +63,30 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="tokens per KV-cache block, a power of two (default: 32)")
     kv = mdl.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", type=cli_types.size, metavar="SIZE",
-                    help="memory for the KV cache, e.g. 512MiB, 2GiB, 1G (binary units) or "
-                         "bytes (default: 1GiB)")
+                    help="memory for the KV cache in all, e.g. 512MiB, 2GiB, 1G (binary "
+                         "units) or bytes (default: 1GiB): the KV blocks and, on an "
+                         "instance that decodes with the dense decode cache, that cache "
+                         "(by default half of it, at most what max-num-seqs x "
+                         "max-model-len positions need; a prefill instance, or one with "
+                         "--decode-attention paged, gives it all to blocks). The split is "
+                         "logged at start-up and shown in /kv/info")
     kv.add_argument("--num-blocks", type=int, metavar="N",
-                    help="size the KV cache in blocks instead of bytes")
+                    help="size the KV cache in blocks instead of bytes (the dense decode "
+                         "cache then comes on top: by default as large as the blocks)")
     mdl.add_argument("--decode-cache-memory", type=cli_types.size_or_zero, metavar="SIZE",
-                     help="cap of the dense decode cache: decode attention reads each "
-                          "decoding request's KV from a contiguous copy instead of "
-                          "gathering its blocks every step. On CPU an instance that "
-                          "decodes (role both or decode) allocates and touches all of it "
-                          "at start-up, so resident memory grows by this much from the "
-                          "start; 0 turns the copy off (default: the KV cache's size)")
+                     help="size of the dense decode cache, taken out of --kv-cache-memory "
+                          "(an error if the rest cannot hold one --max-model-len request): "
+                          "decode attention reads each decoding request's KV from a "
+                          "contiguous copy instead of gathering its blocks every step. On "
+                          "CPU an instance that decodes (role both or decode) allocates "
+                          "and touches all of it at start-up; 0 turns the copy off "
+                          "(default: the share described under --kv-cache-memory)")
+    mdl.add_argument("--decode-attention", choices=("auto", "dense", "paged"),
+                     default="auto",
+                     help="how decode attention reads the KV: dense (the dense decode "
+                          "cache), paged (straight from the KV blocks through the block "
+                          "tables, no dense copy: all of --kv-cache-memory goes to "
+                          "blocks) or auto: paged on CUDA, dense on CPU (default: auto)")
     mdl.add_argument("--dtype", default="float32", metavar="DTYPE",
                      help="weight and activation dtype: float32, bfloat16 or float16 "
                           "(default: float32)")
@@ -255,6 +268,7 @@ def build_config(args: argparse.Namespace) -> Any:
         num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory,
         decode_cache_memory=args.decode_cache_memory,
+        decode_attention=args.decode_attention,
         dtype=args.dtype,
         kv_dtype=args.kv_dtype,
         device=args.device,
