@@ -1,10 +1,10 @@
 """bfloat16 engine against the float32 HF reference, and ``--dtype auto``'s choice.
 
 bf16 keeps 8 bits of mantissa: on the tiny random models a logit of ~35 carries an
-error of ~0.5 (HF's own bf16 forward differs from its fp32 one by 0.37-0.77 on these
-prompts), and greedy tokens of bf16 and fp32 can part at the first token where two
-logits are that close (HF bf16 against HF fp32 did, on one prompt of eight). So the
-parity check has a tolerance in two parts, both measured against HF in float32:
+error of up to ~1 (HF's own bf16 forward differs from its fp32 one by 0.4-1.0), and
+greedy tokens of bf16 and fp32 can part at the first token where two logits are that
+close (HF bf16's and HF fp32's own did, on two prompts of eight). So the parity check
+has a tolerance in two parts, both measured against HF in float32:
 
 * logits: kvpush bf16's max abs error, at the prefill's last position and at every
   decode step (teacher-forced on the fp32 reference's tokens), is at most
