@@ -134,3 +134,21 @@ def test_serve_defaults_to_auto_and_kv_info_shows_the_dtype(tiny_llama):
     assert info["dtype"] == "bfloat16" == info["layout"]["dtype"]
     assert info["dtype_reason"] == "asked for"
     assert dtype_name(cfg.dtype) in ("float32", "bfloat16")
+
+
+@pytest.mark.parametrize("native,want", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_on_cuda_follows_native_bf16_support(monkeypatch, native, want):
+    """No GPU here: torch.cuda's answers are stubbed; the choice asks for native bf16
+    (an emulated one would be slower than fp32) and never reads the CPU flags."""
+    asked = {}
+
+    def supported(including_emulation=True):
+        asked["emulation"] = including_emulation
+        return native
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Test GPU")
+    monkeypatch.setattr(auto_dtype, "cpu_flags", lambda cpuinfo=None: pytest.fail("read"))
+    choice = auto_dtype.choose("cuda:1")
+    assert choice.dtype == want and asked == {"emulation": False}
+    assert ("Test GPU" in choice.reason) == native
