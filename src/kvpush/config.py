@@ -46,12 +46,25 @@ DTYPES = {
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    """A concrete dtype by name (``auto`` is resolved by ``resolve_dtype``)."""
     try:
         return DTYPES[name.lower()]
     except KeyError:
         raise ConfigError(
-            f"unknown dtype {name!r}; choose one of: float32, bfloat16, float16"
+            f"unknown dtype {name!r}; choose one of: auto, float32, bfloat16, float16"
         ) from None
+
+
+def resolve_dtype(name: str, device: str) -> tuple[torch.dtype, str]:
+    """(dtype, why): ``auto`` picks by hardware (``kvpush.auto_dtype``: bfloat16 on a CPU
+    with AVX512-BF16 or AMX and on a CUDA device that supports it, else float32); any
+    other name is taken as given."""
+    if name.lower() == "auto":
+        from kvpush import auto_dtype
+
+        choice = auto_dtype.choose(device)
+        return choice.dtype, choice.reason
+    return parse_dtype(name), "asked for"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -273,6 +286,8 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
+    #: how ``dtype`` was chosen: "asked for", or what ``--dtype auto`` saw
+    dtype_reason: str = "asked for"
     threads: int | None = None
     seed: int = 0
     served_model_name: str = ""
@@ -302,7 +317,11 @@ class EngineConfig:
         seed: int = 0,
         kv_transfer: KVTransferConfig | None = None,
     ) -> EngineConfig:
-        """Validate every knob once and return the frozen tree."""
+        """Validate every knob once and return the frozen tree.
+
+        ``dtype``: float32, bfloat16, float16 or ``auto`` (``resolve_dtype``). ``kvpush
+        serve`` defaults to ``auto``; this API stays at float32, so code that compares
+        the engine with an fp32 reference (tests, benchmarks) gets fp32 on every host."""
         model = ModelConfig.from_dir(model_dir)
         kv_transfer = kv_transfer or KVTransferConfig()
         kv_transfer.validate()
@@ -312,12 +331,12 @@ class EngineConfig:
             kv_transfer = dataclasses.replace(
                 kv_transfer, engine_id=f"{kv_transfer.role}-{uuid.uuid4().hex[:8]}"
             )
-        torch_dtype = parse_dtype(dtype)
-        cache_dtype = parse_dtype(kv_dtype) if kv_dtype else torch_dtype
         if device != "cpu" and not device.startswith("cuda"):
             raise ConfigError(f"unknown device {device!r}; use cpu or cuda[:N]")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device")
+        torch_dtype, dtype_reason = resolve_dtype(dtype, device)
+        cache_dtype = resolve_dtype(kv_dtype, device)[0] if kv_dtype else torch_dtype
         if block_size <= 0 or block_size & (block_size - 1):
             raise ConfigError(f"--block-size must be a power of two > 0, got {block_size}")
         if threads is not None and threads <= 0:
@@ -397,6 +416,7 @@ class EngineConfig:
             ),
             device=device,
             dtype=torch_dtype,
+            dtype_reason=dtype_reason,
             threads=threads,
             seed=seed,
             served_model_name=served_model_name or Path(model_dir).name,

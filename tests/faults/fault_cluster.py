@@ -24,7 +24,7 @@ HTTP_PORT = 8000
 LEASE_S = 3.0
 HEARTBEAT_S = 0.3
 ENGINE = ("--block-size", "16", "--num-blocks", "256", "--max-model-len", "2048",
-          "--threads", "1", "--log-level", "warning")
+          "--threads", "1", "--log-level", "warning", "--dtype", "float32")
 START_TIMEOUT = 120.0
 #: the cluster secret of the instances and the router (they sign and check it)
 CLUSTER_SECRET = os.urandom(16).hex()

@@ -457,7 +457,9 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--max-model-len", type=int, metavar="TOKENS")
     eng.add_argument("--kv-cache-memory", metavar="SIZE")
     eng.add_argument("--block-size", type=int, metavar="TOKENS")
-    eng.add_argument("--dtype", metavar="DTYPE")
+    eng.add_argument("--dtype", metavar="DTYPE",
+                     help="kvpush's --dtype: auto, float32, bfloat16 or float16 (default: "
+                          "serve's, auto: bfloat16 with AVX512-BF16 or AMX, else float32)")
     eng.add_argument("--shuffle-free-blocks", type=int, nargs="?", const=0, metavar="SEED",
                      help="scatter block ids on every instance (fragmented-KV workload)")
     eng.add_argument("--policy", choices=("cache-aware", "round-robin", "least-outstanding"),

@@ -105,7 +105,9 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "the decode instances and reserved at start-up (default: half "
                           "of it, capped; 0: off; prefill instances have none)")
     eng.add_argument("--block-size", type=int, metavar="TOKENS")
-    eng.add_argument("--dtype", metavar="DTYPE", help="float32, bfloat16 or float16")
+    eng.add_argument("--dtype", metavar="DTYPE",
+                     help="auto, float32, bfloat16 or float16; every instance of one "
+                          "host resolves auto alike (default: serve's, auto)")
     eng.add_argument("--shuffle-free-blocks", type=int, nargs="?", const=0, metavar="SEED",
                      help="scatter every instance's KV block ids (fragmented-KV "
                           "benchmarks; see `kvpush serve --help`)")

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from kvpush.config import EngineConfig
+from kvpush.config import EngineConfig, dtype_name
 from kvpush.engine.detokenizer import IncrementalDetokenizer
 from kvpush.engine.model_runner import ModelRunner
 from kvpush.engine.outputs import EngineStats, FinishReason, RequestError, RequestOutput
@@ -367,6 +367,9 @@ class LLMEngine:
             "side_channel": None,
             **(self.connector.info() if self.connector is not None else {}),
             "model": self.config.served_model_name,
+            # weights' and activations' dtype (the KV cache's is the layout's) and why
+            "dtype": dtype_name(self.config.dtype),
+            "dtype_reason": self.config.dtype_reason,
             "block_size": self.config.cache.block_size,
             "layout": dataclasses.asdict(self.runner.kv_region.layout),
             "num_free_blocks": s.num_free_blocks,

@@ -87,9 +87,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "cache), paged (straight from the KV blocks through the block "
                           "tables, no dense copy: all of --kv-cache-memory goes to "
                           "blocks) or auto: paged on CUDA, dense on CPU (default: auto)")
-    mdl.add_argument("--dtype", default="float32", metavar="DTYPE",
-                     help="weight and activation dtype: float32, bfloat16 or float16 "
-                          "(default: float32)")
+    mdl.add_argument("--dtype", default="auto", metavar="DTYPE",
+                     help="weight and activation dtype: auto, float32, bfloat16 or "
+                          "float16. auto: bfloat16 on a CPU with AVX512-BF16 or AMX and "
+                          "on a CUDA device that supports it, float32 elsewhere; P and D "
+                          "must agree, so give it explicitly when they run on different "
+                          "kinds of machine (default: auto)")
     mdl.add_argument("--kv-dtype", metavar="DTYPE",
                      help="KV-cache dtype, same choices (default: --dtype)")
     mdl.add_argument("--device", default="cpu",
@@ -288,7 +291,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvpush.server")
-    from kvpush.config import ConfigError
+    from kvpush.config import ConfigError, dtype_name
     from kvpush.server.auth import SecretError, resolve_api_key, resolve_kv_secret
 
     api_key = resolve_api_key(args.api_key)
@@ -327,9 +330,11 @@ def run_serve(args: argparse.Namespace) -> int:
     # config.threads (one OpenMP pool per process; see kvpush.engine.async_engine)
     from kvpush.engine.async_engine import AsyncEngine
 
-    log.info("loading %s (%s, max_model_len %d, %d KV blocks of %d tokens)",
-             config.model.path, config.model.arch, config.scheduler.max_model_len,
-             config.cache.num_blocks, config.cache.block_size)
+    log.info("loading %s (%s, %s: %s; KV %s; max_model_len %d, %d KV blocks of %d "
+             "tokens)", config.model.path, config.model.arch, dtype_name(config.dtype),
+             config.dtype_reason, dtype_name(config.cache.dtype),
+             config.scheduler.max_model_len, config.cache.num_blocks,
+             config.cache.block_size)
     try:
         engine = AsyncEngine(config)
     except ConfigError as e:
