@@ -275,7 +275,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--kv-cache-gib", type=int, default=2)
+    ap.add_argument("--kv-cache-gib", type=int, default=4)
     ap.add_argument(
         "--hf-batch",
         type=int,

