@@ -149,8 +149,21 @@ class DecoderModel:
     def linear_for(self, w: torch.Tensor) -> Callable:
         """The matmul for weight ``w``: F.linear for a small one (oneDNN's per-call
         overhead outweighs its faster kernel there: SMALL_LINEAR_NUMEL), else the
-        picked backend."""
-        return F.linear if w.numel() <= SMALL_LINEAR_NUMEL else self.linear
+        picked backend. ``KVPUSH_LINEAR=rows`` (opt-in, measured on one Intel host
+        only): F.linear for a single row as well (MKL's matrix-vector product streamed
+        SmolLM2's weights faster than oneDNN at batch-1 decode there, while an AMD host
+        measured the opposite: benchmarks/ENGINE.md, "Per-step overhead")."""
+        if w.numel() <= SMALL_LINEAR_NUMEL or self.linear is F.linear:
+            return F.linear
+        if os.environ.get("KVPUSH_LINEAR", "") != "rows":
+            return self.linear
+        onednn = self.linear
+
+        def by_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+            return F.linear(x, w, b) if x.shape[0] == 1 else onednn(x, w, b)
+
+        return by_rows
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.fused_norm:
