@@ -102,7 +102,9 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.long, device=self.device),
                 self.kv_region.kv,
                 md,
-                torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+                # every token sampled (a decode-only step): all rows, no gather
+                None if len(logits_rows) == len(input_ids)
+                else torch.tensor(logits_rows, dtype=torch.long, device=self.device),
                 layer_done,
             )
         except BaseException:

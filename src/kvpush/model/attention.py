@@ -49,10 +49,16 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] offset inside the block
     decode_idx: torch.Tensor | None = None  # [B] indices of decode tokens in the batch
     decode_tables: torch.Tensor | None = None  # [B, max_blocks] (gather path)
-    # [B, 1, 1, L] additive float mask (0 / -inf), rows in decode order for the gather
-    # path and in slot order for the DecodeKVCache path
+    # [B, 1, 1, L] additive float mask (0 / -inf), rows in decode order (gather path)
     decode_mask: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # the decode tokens' block tables and context lengths, from which the gather
+    # path's tensors are built on first use (build_gather_tables): a step the
+    # DecodeKVCache serves never needs them
+    decode_rows: list[list[int]] = field(default_factory=list)
+    decode_lens: list[int] = field(default_factory=list)
+    block_size: int = 0
+    device: str | torch.device = "cpu"
     # DecodeKVCache path (set by DecodeKVCache.prepare)
     decode_cache: DecodeKVCache | None = None
     decode_slots: torch.Tensor | None = None  # [B] cache slot of each decode token
@@ -64,6 +70,21 @@ class AttentionMetadata:
     # decode through model/paged_decode.py (block tables, no dense copy) instead of
     # gathering whole contexts when there is no DecodeKVCache (set by the runner)
     decode_paged: bool = False
+    # per group, its [b - a, 1, 1, n] length mask; None where every slot of the group
+    # has the group's length (nothing to mask: SDPA runs without one)
+    decode_group_masks: list[torch.Tensor | None] = field(default_factory=list)
+
+    def build_gather_tables(self) -> None:
+        """The gather path's padded block table and length mask (once per step)."""
+        if self.decode_tables is not None or not self.decode_rows:
+            return
+        max_nb = max(len(tb) for tb in self.decode_rows)
+        table = torch.zeros((len(self.decode_rows), max_nb), dtype=torch.long)
+        for i, tb in enumerate(self.decode_rows):
+            table[i, : len(tb)] = torch.tensor(tb, dtype=torch.long)
+        self.decode_tables = table.to(self.device)
+        self.decode_mask = length_mask(self.decode_lens, max_nb * self.block_size,
+                                       self.device)
 
 
 def build_metadata(
@@ -114,13 +135,9 @@ def build_metadata(
         prefills=prefills,
     )
     if dec_idx:
-        max_nb = max(len(tb) for tb in dec_tables)
-        table = torch.zeros((len(dec_tables), max_nb), dtype=torch.long)
-        for i, tb in enumerate(dec_tables):
-            table[i, : len(tb)] = torch.tensor(tb, dtype=torch.long)
         md.decode_idx = torch.tensor(dec_idx, dtype=torch.long, device=device)
-        md.decode_tables = table.to(device)
-        md.decode_mask = length_mask(dec_lens, max_nb * block_size, device)
+        md.decode_rows, md.decode_lens = dec_tables, dec_lens
+        md.block_size, md.device = block_size, device
     return md
 
 
@@ -392,8 +409,10 @@ class DecodeKVCache:
             md.decode_order = torch.tensor(order, dtype=torch.long, device=dev)
         md.decode_len = max_len
         md.decode_groups = [(a, b, max(lens[a:b])) for a, b in _group_bounds(B)]
-        md.decode_mask = length_mask(lens, max_len, dev)
-        md.decode_tables = None
+        md.decode_group_masks = [
+            None if min(lens[a:b]) == n else length_mask(lens[a:b], n, dev)
+            for a, b, n in md.decode_groups
+        ]
 
 
 def _gather(layer_kv: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,8 +427,7 @@ def _gather(layer_kv: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, 
 
 def _decode_attention(
     q: torch.Tensor,  # [B, H, D] the decode tokens only, in decode order
-    k: torch.Tensor,  # [B, Hkv, D]
-    v: torch.Tensor,
+    kv_new: torch.Tensor,  # [B, 2, Hkv, D] their K and V, in the region's dtype
     layer_kv: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
@@ -420,28 +438,29 @@ def _decode_attention(
     B, H, D = q.shape
     cache = md.decode_cache
     if cache is not None and layer is not None:
-        kb = cache.buf[layer, 0, :B, :, : md.decode_len]  # [B, Hkv, L, D] views
-        vb = cache.buf[layer, 1, :B, :, : md.decode_len]
-        if k.dtype != layer_kv.dtype:  # hold exactly what the region holds
-            k, v = k.to(layer_kv.dtype), v.to(layer_kv.dtype)
-        kb[md.decode_slots, :, md.decode_pos] = k.to(kb.dtype)
-        vb[md.decode_slots, :, md.decode_pos] = v.to(vb.dtype)
+        buf = cache.buf[layer]  # [2, S, Hkv, P, D]
+        # K and V of every decode token in one write (both advanced indices move to
+        # the front: [B, 2, Hkv, D]), holding exactly what the region holds
+        buf[:, md.decode_slots, :, md.decode_pos] = (
+            kv_new if kv_new.dtype == buf.dtype else kv_new.to(buf.dtype))
+        kb = buf[0, :B, :, : md.decode_len]  # [B, Hkv, L, D] views
+        vb = buf[1, :B, :, : md.decode_len]
         if md.decode_order is not None:
             q = q[md.decode_order]  # slot order
         q = q.reshape(B, hkv, group, D)
-        mask = md.decode_mask
+        masks = md.decode_group_masks
         if len(md.decode_groups) == 1:
-            o = F.scaled_dot_product_attention(q, kb, vb, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(q, kb, vb, attn_mask=masks[0], scale=scale)
         else:  # each group only as long as its longest member
             o = torch.cat([
                 F.scaled_dot_product_attention(
-                    q[a:b], kb[a:b, :, :n], vb[a:b, :, :n], attn_mask=mask[a:b, ..., :n],
-                    scale=scale,
+                    q[a:b], kb[a:b, :, :n], vb[a:b, :, :n], attn_mask=m, scale=scale,
                 )
-                for a, b, n in md.decode_groups
+                for (a, b, n), m in zip(md.decode_groups, masks, strict=True)
             ])
         o = o.reshape(B, H, D)
         return o if md.decode_order is None else o[md.decode_slots]
+    md.build_gather_tables()
     if md.decode_paged:
         return paged_decode_attention(q, layer_kv, md.decode_tables, md.decode_mask, scale)
     kc, vc = _gather(layer_kv, md.decode_tables)  # [B, L, Hkv, D]
@@ -457,27 +476,32 @@ def _decode_attention(
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
+    kv_new: torch.Tensor,  # [T, 2, Hkv, D] this step's K (rotated) and V
     layer_kv: torch.Tensor,  # [NB, 2, bs, Hkv, D] view into the KV region
     md: AttentionMetadata,
     scale: float,
     layer: int | None = None,  # needed for the DecodeKVCache path
 ) -> torch.Tensor:
     """Write this step's K/V into the cache and return attention output [T, H, D]."""
-    layer_kv[md.slot_blocks, 0, md.slot_offsets] = k.to(layer_kv.dtype)
-    layer_kv[md.slot_blocks, 1, md.slot_offsets] = v.to(layer_kv.dtype)
+    kv_model = kv_new  # a fresh prefill attends K/V before the region's rounding
+    if kv_new.dtype != layer_kv.dtype:
+        kv_new = kv_new.to(layer_kv.dtype)
+    # K and V of every token in one write: the two advanced indices around the K|V
+    # slice move to the front, so the target is [T, 2, Hkv, D] like kv_new
+    layer_kv[md.slot_blocks, :, md.slot_offsets] = kv_new
     T, H, D = q.shape
-    hkv = k.shape[1]
+    hkv = kv_new.shape[2]
     group = H // hkv
     if md.decode_idx is not None and not md.prefills:
         # decode-only step: token i is decode i, no index/scatter needed
-        return _decode_attention(q, k, v, layer_kv, md, scale, layer, hkv, group)
-    out = torch.empty_like(q)
+        return _decode_attention(q, kv_new, layer_kv, md, scale, layer, hkv, group)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if md.decode_idx is not None:
         idx = md.decode_idx
-        out[idx] = _decode_attention(q[idx], k[idx], v[idx], layer_kv, md, scale, layer, hkv, group)
+        out[idx] = _decode_attention(q[idx], kv_new[idx], layer_kv, md, scale, layer, hkv,
+                                     group)
     gqa = group != 1
+    k, v = kv_model[:, 0], kv_model[:, 1]
     for span in md.prefills:
         qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if span.block_ids is None:

@@ -62,12 +62,22 @@ def _onednn_linear(
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
+#: Weights with at most this many elements use ``F.linear`` even when oneDNN is picked:
+#: oneDNN's fp32 linear costs ~25-40 us per call before any arithmetic (it builds its
+#: primitive for the plain weight every call), MKL's a few, so for the small matrices of
+#: the random test models (128 x 1024 at most) F.linear is 3-8x faster at 1-32 rows;
+#: SmolLM2's smallest projection (576 x 960) is above it and stays on oneDNN
+#: (benchmarks/ENGINE.md, "Per-step overhead").
+SMALL_LINEAR_NUMEL = 1 << 18
+
+
 def pick_linear(device: str, dtype: torch.dtype) -> tuple[Callable, str]:
     """The matmul for projections: for fp32 on CPU, oneDNN's linear when it works here,
     else ``F.linear``. fp32 F.linear on CPU goes to MKL sgemm, which can be much slower
     than oneDNN's fp32 kernel (docs/MEASURED.md, benchmarks/ENGINE.md); both compute in
     full fp32 (no reduced-precision math mode is set). ``KVPUSH_LINEAR=aten`` forces
-    F.linear."""
+    F.linear. The model still sends weights of at most :data:`SMALL_LINEAR_NUMEL`
+    elements to ``F.linear`` (see :meth:`DecoderModel.linear_for`)."""
     if (
         os.environ.get("KVPUSH_LINEAR", "") == "aten"
         or not str(device).startswith("cpu")
@@ -116,6 +126,15 @@ class DecoderModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.linear, self.linear_backend = pick_linear(device, self.dtype)
+        # per layer: the matmul of each projection, picked once (see linear_for)
+        self.layer_linears = [
+            tuple(self.linear_for(w) for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
+            for lw in layers
+        ]
+        self.head_linear = self.linear_for(lm_head)
+        # fp32: torch's fused RMSNorm (one op instead of seven; the same fp32 math as
+        # HF's, up to the summation order); other dtypes keep HF's exact recipe
+        self.fused_norm = self.dtype == torch.float32
         inv, attn_scaling = rope_inv_freq(cfg)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, inv)
@@ -127,7 +146,28 @@ class DecoderModel:
         half = cfg.head_dim // 2
         self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
 
+    def linear_for(self, w: torch.Tensor) -> Callable:
+        """The matmul for weight ``w``: F.linear for a small one (oneDNN's per-call
+        overhead outweighs its faster kernel there: SMALL_LINEAR_NUMEL), else the
+        picked backend. ``KVPUSH_LINEAR=rows`` (opt-in, measured on one Intel host
+        only): F.linear for a single row as well (MKL's matrix-vector product streamed
+        SmolLM2's weights faster than oneDNN at batch-1 decode there, while an AMD host
+        measured the opposite: benchmarks/ENGINE.md, "Per-step overhead")."""
+        if w.numel() <= SMALL_LINEAR_NUMEL or self.linear is F.linear:
+            return F.linear
+        if os.environ.get("KVPUSH_LINEAR", "") != "rows":
+            return self.linear
+        onednn = self.linear
+
+        def by_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+            return F.linear(x, w, b) if x.shape[0] == 1 else onednn(x, w, b)
+
+        return by_rows
+
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.fused_norm:
+            return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
         # As in HF: normalise in fp32, scale in the weight's dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
@@ -140,41 +180,45 @@ class DecoderModel:
         positions: torch.Tensor,  # [T]
         kv: torch.Tensor,  # the KV region [L, NB, 2, bs, Hkv, D]
         md: AttentionMetadata,
-        logits_idx: torch.Tensor,  # [N] rows of the batch whose logits are wanted
+        logits_idx: torch.Tensor | None,  # [N] rows whose logits are wanted; None: all
         layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Logits [N, vocab] (float32). ``layer_done(i)`` is called as soon as layer i's
         K/V are in the KV region, so a transfer of that layer can start while the
         following layers compute."""
         cfg = self.cfg
-        lin = self.linear
         h = F.embedding(input_ids, self.embed)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin_signed[positions].unsqueeze(1)
         T = input_ids.shape[0]
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qs, kvs = self.q_size, self.kv_size
         for i, lw in enumerate(self.layers):
+            lin_qkv, lin_o, lin_gu, lin_down = self.layer_linears[i]
             x = self._norm(h, lw.input_norm)
-            qkv = lin(x, lw.qkv, lw.qkv_bias)
-            v = qkv[:, self.q_size + self.kv_size :].view(T, Hkv, D)
+            qkv = lin_qkv(x, lw.qkv, lw.qkv_bias)
             if lw.q_norm is None:
-                # q and k heads side by side: one rotary pass for both
-                qk = qkv[:, : self.q_size + self.kv_size].view(T, H + Hkv, D)
-                qk = qk * cos + qk.roll(D // 2, -1) * sin
-                q, k = qk.split([H, Hkv], dim=1)
+                # q and k heads side by side: one rotary pass for both, written back
+                # into qkv so that k|v stay one [T, 2, Hkv, D] view for the KV writes
+                qk = qkv[:, : qs + kvs].view(T, H + Hkv, D)
+                torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin, out=qk)
+                q = qk[:, :H]
             else:
-                q = self._norm(qkv[:, : self.q_size].view(T, H, D), lw.q_norm)
-                k = self._norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(T, Hkv, D),
-                               lw.k_norm)
-                q = q * cos + q.roll(D // 2, -1) * sin
-                k = k * cos + k.roll(D // 2, -1) * sin
-            attn = paged_attention(q, k, v, kv[i], md, self.scale, i)
+                q = self._norm(qkv[:, :qs].view(T, H, D), lw.q_norm)
+                k = self._norm(qkv[:, qs : qs + kvs].view(T, Hkv, D), lw.k_norm)
+                q = torch.addcmul(q * cos, q.roll(D // 2, -1), sin)
+                qkv[:, qs : qs + kvs].view(T, Hkv, D).copy_(
+                    torch.addcmul(k * cos, k.roll(D // 2, -1), sin))
+            kv_new = qkv[:, qs:].view(T, 2, Hkv, D)  # rotated k, then v
+            attn = paged_attention(q, kv_new, kv[i], md, self.scale, i)
             if layer_done is not None:
                 layer_done(i)
-            h = h + lin(attn.reshape(T, self.q_size), lw.o, lw.o_bias)
+            h = h + lin_o(attn.reshape(T, qs), lw.o, lw.o_bias)
             x = self._norm(h, lw.post_norm)
-            gu = lin(x, lw.gate_up, lw.gate_up_bias)
+            gu = lin_gu(x, lw.gate_up, lw.gate_up_bias)
             gate, up = gu.chunk(2, dim=-1)
-            h = h + lin(F.silu(gate) * up, lw.down, lw.down_bias)
-        h = self._norm(h[logits_idx], self.final_norm)
-        return lin(h, self.lm_head).float()
+            h = h + lin_down(F.silu(gate) * up, lw.down, lw.down_bias)
+        if logits_idx is not None:
+            h = h[logits_idx]
+        h = self._norm(h, self.final_norm)
+        return self.head_linear(h, self.lm_head).float()
