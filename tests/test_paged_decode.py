@@ -50,6 +50,7 @@ def _case(seed: int, B: int, hkv: int, group: int, bs: int, nb_region: int):
     q = torch.randn((B, hkv * group, D), generator=g)
     chunks = [(n - 1, 1, blocks) for n, blocks in zip(lens, blocks_of, strict=True)]
     md = build_metadata(chunks, bs, "cpu")
+    md.build_gather_tables()  # built lazily by the step (attention.py); the kernel takes them
     return q, layer_kv, md, blocks_of, lens
 
 
@@ -66,7 +67,7 @@ def test_matches_the_gather_path_and_a_reference(seed, B, hkv, group, bs, column
         assert paged_decode.chunk_blocks(B, layer_kv, chunk_bytes) == columns
     got = paged_decode_attention(q, layer_kv, md.decode_tables, md.decode_mask, scale,
                                  chunk_bytes=chunk_bytes)
-    gathered = _decode_attention(q, None, None, layer_kv, md, scale, None, hkv, group)
+    gathered = _decode_attention(q, None, layer_kv, md, scale, None, hkv, group)
     torch.testing.assert_close(got, gathered, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, _reference(q, layer_kv, blocks_of, lens, scale),
                                rtol=1e-5, atol=1e-5)
@@ -86,10 +87,10 @@ def test_dispatched_from_paged_attention_when_the_metadata_asks(monkeypatch):
     import kvpush.model.attention as attention
 
     monkeypatch.setattr(attention, "paged_decode_attention", spy)
-    plain = _decode_attention(q, None, None, layer_kv, md, 0.5, None, 2, 2)
+    plain = _decode_attention(q, None, layer_kv, md, 0.5, None, 2, 2)
     assert calls == []
     md.decode_paged = True
-    paged = _decode_attention(q, None, None, layer_kv, md, 0.5, None, 2, 2)
+    paged = _decode_attention(q, None, layer_kv, md, 0.5, None, 2, 2)
     assert calls == [md.decode_tables.shape]
     torch.testing.assert_close(paged, plain, rtol=1e-5, atol=1e-5)
     assert isinstance(md, AttentionMetadata)
@@ -100,7 +101,7 @@ def test_bf16_region_against_the_gather_path():
     kv16 = layer_kv.to(torch.bfloat16)
     got = paged_decode_attention(q, kv16, md.decode_tables, md.decode_mask, 0.3,
                                  chunk_bytes=1)  # one block column per chunk
-    ref = _decode_attention(q, None, None, kv16, md, 0.3, None, 2, 2)
+    ref = _decode_attention(q, None, kv16, md, 0.3, None, 2, 2)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
