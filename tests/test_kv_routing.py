@@ -89,10 +89,19 @@ def test_index_restart_drops_everything():
 
 
 def test_decide_threshold():
-    assert decide(300, 290, 10) is Decision.LOCAL
-    assert decide(300, 289, 10) is Decision.REMOTE
-    assert decide(300, 300, 0) is Decision.LOCAL  # a full hit needs no prefill leg
-    assert decide(8, 0, 256) is Decision.LOCAL  # a short prompt is cheaper locally
+    assert decide(300, 290, 0, 10) is Decision.LOCAL
+    assert decide(300, 289, 0, 10) is Decision.REMOTE
+    assert decide(300, 300, 0, 0) is Decision.LOCAL  # a full hit needs no prefill leg
+    assert decide(8, 0, 0, 256) is Decision.LOCAL  # a short prompt is cheaper locally
+    # decode holds no more than prefill: the prefill leg does the same work without
+    # stalling decode's streams, unless decode lacks at most LOCAL_ALWAYS_TOKENS (16)
+    assert decide(128, 0, 0, 128) is Decision.REMOTE  # a fresh prompt
+    assert decide(1024, 992, 992, 128) is Decision.REMOTE  # a prefix both hold...
+    assert decide(1024, 992, 992, 128) is decide(1024, 992, 1000, 128)
+    assert decide(1008, 992, 992, 128) is Decision.LOCAL  # ...lacking <= 16: local
+    assert decide(600, 512, 160, 128) is Decision.LOCAL  # a conversation's decode
+    assert decide(128, 0, None, 128) is Decision.LOCAL  # no prefill instance to ask
+    assert decide(129, 0, None, 128) is Decision.REMOTE
 
 
 def test_choice_longest_prefix_weighed_against_load():

@@ -158,8 +158,11 @@ def machine_note() -> str:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):
         mem = float("nan")
-    return (f"{usable_cores()} usable cores, {mem:.0f} GiB, {platform.machine()}, "
-            f"{platform.system()} {platform.release()}, Python {platform.python_version()}")
+    from kvpush.bench.machine import cpu_flags
+
+    return (f"{cpu_flags()}; {usable_cores()} usable cores, {mem:.0f} GiB, "
+            f"{platform.machine()}, {platform.system()} {platform.release()}, "
+            f"Python {platform.python_version()}")
 
 
 def _fmt(v: Any, digits: int = 1) -> str:

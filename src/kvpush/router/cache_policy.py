@@ -119,7 +119,9 @@ class CachePolicy:
         if d is None:
             return Decision.REMOTE  # the caller answers 503
         r.d_cached_tokens = self.cached_tokens(d, r)
-        r.decision = decide(r.prompt_tokens, r.d_cached_tokens,
+        p = self.pool.choose("prefill", cost=self.cost(job))
+        p_cached = None if p is None else self.cached_tokens(p, r)
+        r.decision = decide(r.prompt_tokens, r.d_cached_tokens, p_cached,
                             self.cfg.local_prefill_max_tokens)
         return r.decision
 

@@ -13,11 +13,16 @@ fewer free KV blocks than the prompt fills (``lacks_room``): a kvpush instance q
 request it has no blocks for until running requests end, so such an instance is chosen
 only when every instance is as full, and then by the same cost.
 
-Decode is the healthy decode instance of lowest cost (ties in round-robin order); if
-what it still lacks is at most ``local_prefill_max_tokens``, it gets the request alone,
-without ``kv_transfer_params``, and computes the rest itself from its prefix cache
-(decision ``local``). Otherwise a prefill leg goes too, to the prefill instance of
-lowest cost by its own cache (decision ``remote``), and decode skips the blocks it has.
+Decode is the healthy decode instance of lowest cost (ties in round-robin order). It
+gets the request alone, without ``kv_transfer_params``, and computes the rest itself
+from its prefix cache (decision ``local``) when what it still lacks is at most
+``local_prefill_max_tokens`` *and* it holds more of the prompt than the prefill instance
+would (or lacks at most ``LOCAL_ALWAYS_TOKENS``): a local prefill only pays where decode
+has KV no prefill has, such as the answer it decoded in a conversation. Where both hold
+as much (a fresh prompt, or a prefix both cached), the prefill instance's core does the
+same work without stalling decode's running streams. Otherwise a prefill leg goes too,
+to the prefill instance of lowest cost by its own cache (decision ``remote``), and
+decode skips the blocks it has.
 A request the router could not tokenize is routed as before (decision ``blind``).
 """
 
@@ -96,10 +101,24 @@ def lacks_room(prompt_tokens: int, num_free_blocks: int, block_size: int) -> boo
     return num_free_blocks < -(-prompt_tokens // block_size)
 
 
-def decide(prompt_tokens: int, d_cached_tokens: int, local_prefill_max_tokens: int
-           ) -> Decision:
-    """``local`` when decode lacks at most ``local_prefill_max_tokens`` of the prompt."""
-    if prompt_tokens - d_cached_tokens <= local_prefill_max_tokens:
+#: a decode that lacks at most this many tokens computes them itself even when a
+#: prefill instance holds as much of the prompt: at 16 uncached tokens a local prefill
+#: answered sooner than a prefill leg and stalled running streams no more; at 32 they
+#: were even, and a 32-token tail of a prefix both held was slower locally
+#: (docs/ROUTER.md, the threshold's table and the prefix-hit rerun)
+LOCAL_ALWAYS_TOKENS = 16
+
+
+def decide(prompt_tokens: int, d_cached_tokens: int, p_cached_tokens: int | None,
+           local_prefill_max_tokens: int) -> Decision:
+    """``local`` when decode lacks at most ``local_prefill_max_tokens`` of the prompt and
+    holds more of it than the prefill instance would (``p_cached_tokens``; None: no
+    healthy prefill instance), or lacks at most ``LOCAL_ALWAYS_TOKENS``."""
+    lacks = prompt_tokens - d_cached_tokens
+    if lacks > local_prefill_max_tokens:
+        return Decision.REMOTE
+    if (p_cached_tokens is None or d_cached_tokens > p_cached_tokens
+            or lacks <= LOCAL_ALWAYS_TOKENS):
         return Decision.LOCAL
     return Decision.REMOTE
 
