@@ -181,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         engine = LLMEngine(EngineConfig.build(
             path, threads=args.threads, dtype=args.dtype, max_model_len=max_len,
             max_num_seqs=max(batches), max_num_batched_tokens=max(1024, args.prompt),
-            kv_cache_memory=1 << 28))
+            # the region and the dense decode cache share this budget (half each):
+            # 1 GiB leaves SmolLM2 room for 8 x (512 + steps) positions in both
+            kv_cache_memory=1 << 30))
         build_s = time.perf_counter() - t0
         torch.set_num_threads(args.threads)
         layers = engine.config.model.num_layers
