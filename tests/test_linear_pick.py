@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_helpers import greedy, make_engine, run_to_completion
+from engine_helpers import greedy, hf_greedy, make_engine, run_to_completion
 from kvpush.model import linear_pick as lp
 from kvpush.model.linear_pick import Kernel, LinearMode
 from test_engine_behaviour import random_prompts
@@ -140,7 +140,7 @@ def test_real_timing_is_positive_and_large_buckets_time_a_bounded_slice():
 def test_a_model_with_a_mixed_table_decodes_the_same_tokens(tiny_llama, monkeypatch):
     """Every projection timed (the small-weight bound lowered), the fake timings making
     oneDNN win above one row: prefill and batched decode run oneDNN, single-row decode
-    F.linear, and the greedy tokens equal the all-F.linear engine's."""
+    F.linear, and the greedy tokens equal the all-F.linear engine's and HF's."""
     prompts = {f"r{i}": p for i, p in enumerate(random_prompts([9, 30, 17], seed=5))}
     monkeypatch.setenv("KVPUSH_LINEAR", "aten")
     ref = run_to_completion(make_engine(tiny_llama), prompts, greedy(10))
@@ -172,6 +172,7 @@ def test_a_model_with_a_mixed_table_decodes_the_same_tokens(tiny_llama, monkeypa
     assert used[DNN] and min(used[DNN]) > 1 and used[MKL] == set()  # 3 rows decode together
     assert run_to_completion(engine, {"r0": prompts["r0"]}, greedy(10)) == solo
     assert used[MKL] == {1}  # the lone request's decode steps
+    assert solo["r0"] == hf_greedy(tiny_llama, prompts["r0"], 10)
 
 
 def test_an_engine_built_off_the_step_thread_tunes_on_its_first_step(tiny_llama, monkeypatch):

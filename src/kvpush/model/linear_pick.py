@@ -53,12 +53,12 @@ SMALL_LINEAR_NUMEL = 1 << 18
 ROW_BUCKETS: tuple[int, ...] = (1, 8, 64)
 #: The row count timed for each bucket (decode batches of 1 and 8, a mid batch, and a
 #: prefill chunk's worth).
-BUCKET_ROWS: tuple[int, ...] = (1, 8, 32, 128)
+BUCKET_ROWS: tuple[int, ...] = (1, 8, 32, 256)
 #: Timed calls of a bucket above 8 rows (compute-bound) run on the weight's first output
 #: rows, so that one call stays under this many multiply-adds (SmolLM2's 49152 x 576
-#: head at 128 rows would be 3.6 G, ~40 ms a call). Up to 8 rows (bandwidth-bound) the
-#: whole weight is streamed, as in a step.
-MAX_TIMED_MACS = 1 << 27
+#: head at 256 rows would be 7.2 G, ~80 ms a call; 2^26 is ~1-3 ms here). Up to 8 rows
+#: (bandwidth-bound) the whole weight is streamed, as in a step.
+MAX_TIMED_MACS = 1 << 26
 
 #: Per kernel and bucket: one warm call, then at least MIN_REPS and at most MAX_REPS
 #: timed calls, the two kernels alternating, stopping after MIN_REPS once a series has
