@@ -126,9 +126,9 @@ def test_dispatch_sends_each_row_count_to_its_buckets_kernel(monkeypatch):
 
 
 def test_real_timing_is_positive_and_large_buckets_time_a_bounded_slice():
-    w = torch.randn(640, 512)
+    ws = [torch.randn(640, 512), torch.randn(640, 512)]
     for rows in (1, 128):
-        a, o = lp.time_pair(w, rows)
+        a, o = lp.time_pair(ws, rows)
         assert 0 < a < 1 and 0 < o < 1 and math.isfinite(a + o)
     head = torch.empty(1, 576).expand(49152, 576)  # a SmolLM2-sized head, no memory
     assert lp.timed_weight(head, 8) is head  # bandwidth-bound: the whole weight
@@ -196,3 +196,24 @@ def test_an_engine_built_off_the_step_thread_tunes_on_its_first_step(tiny_llama,
     assert plan is not None and plan.timed_series == 2 * 4 * len(plan.choices)
     assert plan.threads == torch.get_num_threads()
     assert all(len(c.timings) == 4 for c in plan.choices.values())
+
+
+def test_timed_calls_walk_through_the_shapes_weights(monkeypatch):
+    """Each call streams a different layer's weight than the call before it (as a step
+    does), and both kernels see every layer's."""
+    ws = [torch.randn(300, 1000) for _ in range(3)]
+    index = {w.data_ptr(): i for i, w in enumerate(ws)}
+    seen: list[tuple[Kernel, int]] = []
+
+    def recorder(kernel):
+        def f(x, w, b=None):
+            seen.append((kernel, index[w.data_ptr()]))
+            return F.linear(x, w, b)
+        return f
+
+    monkeypatch.setitem(lp.KERNELS, MKL, recorder(MKL))
+    monkeypatch.setitem(lp.KERNELS, DNN, recorder(DNN))
+    lp.time_pair(ws, 1)
+    assert lp.MIN_REPS * 2 <= len(seen) <= (lp.MAX_REPS + lp.WARM_CALLS) * 2
+    assert all(a[1] != b[1] for a, b in zip(seen, seen[1:]))
+    assert {i for k, i in seen if k is MKL} == {i for k, i in seen if k is DNN} == {0, 1, 2}

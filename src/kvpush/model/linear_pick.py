@@ -212,22 +212,30 @@ def timed_weight(w: torch.Tensor, rows: int) -> torch.Tensor:
     return w[:n] if n < w.shape[0] else w
 
 
-def time_pair(w: torch.Tensor, rows: int) -> tuple[float, float]:
-    """Seconds per call of (aten, onednn) on ``w`` at ``rows`` rows: the minimum of the
-    timed calls, the two kernels alternating."""
-    w = timed_weight(w, rows)
-    x = torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device)
+def time_pair(ws: Sequence[torch.Tensor], rows: int) -> tuple[float, float]:
+    """Seconds per call of (aten, onednn) at ``rows`` rows on weights of one shape: the
+    minimum of the timed calls, the two kernels alternating. Successive calls walk
+    through ``ws`` (the model's weights of that shape, one per layer), so that, as in
+    a step, a call mostly streams its weight from memory rather than from the cache
+    the previous call filled (a shape whose layers add up to less than the last-level
+    cache is still partly timed from it)."""
+    ws = [timed_weight(w, rows) for w in ws]
+    x = torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype, device=ws[0].device)
     fns = (KERNELS[Kernel.ATEN], KERNELS[Kernel.ONEDNN])
     best = [float("inf"), float("inf")]
     spent = [0.0, 0.0]
+    calls = 0
     with torch.inference_mode():
         for f in fns:
             for _ in range(WARM_CALLS):
-                f(x, w)
+                f(x, ws[calls % len(ws)])
+                calls += 1
         for rep in range(MAX_REPS):
             if rep >= MIN_REPS and min(spent) >= REP_BUDGET_S:
                 break
             for i, f in enumerate(fns):
+                w = ws[calls % len(ws)]
+                calls += 1
                 t0 = time.perf_counter()
                 f(x, w)
                 dt = time.perf_counter() - t0
@@ -252,15 +260,17 @@ def plan_linears(
 
     Small weights (SMALL_LINEAR_NUMEL) and everything when oneDNN is not usable or the
     mode is ``aten`` get F.linear; ``onednn``/``rows`` are fixed tables; ``auto`` times
-    both kernels per bucket with ``timer`` (default: :func:`time_pair`) and keeps the
-    faster (oneDNN on a tie)."""
+    both kernels per bucket with ``timer`` (default: :func:`time_pair` over all the
+    weights of the shape; an injected timer gets the first) and keeps the faster
+    (oneDNN on a tie)."""
     plan = LinearPlan(mode=mode, threads=torch.get_num_threads())
     t0 = time.perf_counter()
     nb = len(ROW_BUCKETS) + 1
+    by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
     for w in weights:
-        shape = _shape(w)
-        if shape in plan.choices:
-            continue
+        by_shape.setdefault(_shape(w), []).append(w)
+    for shape, ws in by_shape.items():
+        w = ws[0]
         if w.numel() <= SMALL_LINEAR_NUMEL or not onednn_ok or mode is LinearMode.ATEN:
             plan.choices[shape] = ShapeChoice(shape, (Kernel.ATEN,) * nb)
             continue
@@ -270,7 +280,7 @@ def plan_linears(
         timings = []
         for rows in BUCKET_ROWS:
             if timer is None:
-                pair = time_pair(w, rows)
+                pair = time_pair(ws, rows)
             else:
                 pair = (timer(Kernel.ATEN, w, rows), timer(Kernel.ONEDNN, w, rows))
             timings.append(pair)
