@@ -7,7 +7,8 @@ path it replaces.
 * the gather path's block tables and mask are built only when that path runs;
 * a decode group whose slots all have the group's length runs SDPA without a mask:
   the same output as with the all-zero mask;
-* small weights go to ``F.linear``; ``KVPUSH_LINEAR=rows`` sends single rows there too.
+* small weights go to ``F.linear`` in every ``KVPUSH_LINEAR`` mode, untimed (the
+  timed choice for larger ones: tests/test_linear_pick.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from engine_helpers import greedy, make_engine, run_to_completion
-from kvpush.model import llama
 from kvpush.model.attention import build_metadata, paged_attention
 from test_engine_behaviour import random_prompts
 
@@ -86,23 +86,11 @@ def test_uniform_decode_groups_run_without_a_mask_and_match_the_masked_result(ti
         assert got[rid] == ref[rid], rid
 
 
-def test_small_weights_use_f_linear_and_rows_mode_splits_by_rows(tiny_llama, monkeypatch):
-    engine = make_engine(tiny_llama)
-    model = engine.runner.model
-    assert all(f is F.linear for lin in model.layer_linears for f in lin)
-    calls: list[int] = []
-
-    def fake_onednn(x, w, b=None):
-        calls.append(x.shape[0])
-        return F.linear(x, w, b)
-
-    big = torch.randn(1024, 512)  # above SMALL_LINEAR_NUMEL
-    assert big.numel() > llama.SMALL_LINEAR_NUMEL
-    model.linear = fake_onednn
-    assert model.linear_for(big) is fake_onednn
-    monkeypatch.setenv("KVPUSH_LINEAR", "rows")
-    lin = model.linear_for(big)
-    x1, x4 = torch.randn(1, 512), torch.randn(4, 512)
-    assert torch.allclose(lin(x1, big), x1 @ big.T, atol=1e-4)
-    assert torch.allclose(lin(x4, big), x4 @ big.T, atol=1e-4)
-    assert calls == [4]  # the single row went to F.linear
+def test_small_weights_use_f_linear_untimed(tiny_llama, monkeypatch):
+    # in every mode (linear_pick.py): the tiny model's weights are all under the bound
+    for mode in ("auto", "onednn", "rows"):
+        monkeypatch.setenv("KVPUSH_LINEAR", mode)
+        model = make_engine(tiny_llama).runner.model
+        assert all(f is F.linear for lin in model.layer_linears for f in lin), mode
+        assert model.head_linear is F.linear
+        assert model.linear_plan is not None and model.linear_plan.timed_series == 0

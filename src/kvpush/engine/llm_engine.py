@@ -61,6 +61,10 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.path)
         self.runner = ModelRunner(config)
+        if build_threads is None:
+            # the builder runs the steps: time the projections' matmuls now, at its
+            # thread count (else the step loop does, model/linear_pick.py)
+            self.runner.model.ensure_linears()
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         eos = set(config.model.eos_token_ids)

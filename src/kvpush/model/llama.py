@@ -8,8 +8,8 @@ layer is four matmuls.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +17,16 @@ import torch.nn.functional as F
 
 from kvpush.config import ModelConfig
 from kvpush.model.attention import AttentionMetadata, paged_attention
+from kvpush.model.linear_pick import (
+    LinearPlan,
+    Timer,
+    linear_mode,
+    needs_timing,
+    onednn_usable,
+    plan_linears,
+)
+
+log = logging.getLogger("kvpush.model")
 
 
 @dataclass
@@ -56,48 +66,6 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scaling)
 
 
-def _onednn_linear(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
-) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-
-
-#: Weights with at most this many elements use ``F.linear`` even when oneDNN is picked:
-#: oneDNN's fp32 linear costs ~25-40 us per call before any arithmetic (it builds its
-#: primitive for the plain weight every call), MKL's a few, so for the small matrices of
-#: the random test models (128 x 1024 at most) F.linear is 3-8x faster at 1-32 rows;
-#: SmolLM2's smallest projection (576 x 960) is above it and stays on oneDNN
-#: (benchmarks/ENGINE.md, "Per-step overhead").
-SMALL_LINEAR_NUMEL = 1 << 18
-
-
-def pick_linear(device: str, dtype: torch.dtype) -> tuple[Callable, str]:
-    """The matmul for projections: for fp32 on CPU, oneDNN's linear when it works here,
-    else ``F.linear``. fp32 F.linear on CPU goes to MKL sgemm, which can be much slower
-    than oneDNN's fp32 kernel (docs/MEASURED.md, benchmarks/ENGINE.md); both compute in
-    full fp32 (no reduced-precision math mode is set). ``KVPUSH_LINEAR=aten`` forces
-    F.linear. The model still sends weights of at most :data:`SMALL_LINEAR_NUMEL`
-    elements to ``F.linear`` (see :meth:`DecoderModel.linear_for`)."""
-    if (
-        os.environ.get("KVPUSH_LINEAR", "") == "aten"
-        or not str(device).startswith("cpu")
-        or dtype != torch.float32  # bf16/fp16 F.linear already runs on oneDNN
-        or not torch.backends.mkldnn.is_available()
-    ):
-        return F.linear, "aten"
-    try:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(5, 24, generator=g).to(dtype)
-        w = torch.randn(7, 24, generator=g).to(dtype)
-        b = torch.randn(7, generator=g).to(dtype)
-        with torch.inference_mode():
-            ok = torch.allclose(_onednn_linear(x, w, b), F.linear(x, w, b), rtol=1e-2, atol=1e-2)
-            ok = ok and torch.allclose(_onednn_linear(x, w, None), F.linear(x, w))
-    except (RuntimeError, AttributeError, NotImplementedError):
-        ok = False
-    return (_onednn_linear, "onednn") if ok else (F.linear, "aten")
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -125,13 +93,15 @@ class DecoderModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.linear, self.linear_backend = pick_linear(device, self.dtype)
-        # per layer: the matmul of each projection, picked once (see linear_for)
-        self.layer_linears = [
-            tuple(self.linear_for(w) for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
-            for lw in layers
-        ]
-        self.head_linear = self.linear_for(lm_head)
+        # the matmul of each projection (linear_pick.py): a fixed table, or timed on
+        # this machine from the thread that runs the steps (ensure_linears)
+        self.linear_mode = linear_mode()
+        self.onednn_ok = onednn_usable(device, self.dtype)
+        self.linear_plan: LinearPlan | None = None
+        self.layer_linears: list[tuple[Callable, ...]] = []
+        self.head_linear: Callable | None = None
+        if not self._linears_need_timing():
+            self.tune_linears()
         # fp32: torch's fused RMSNorm (one op instead of seven; the same fp32 math as
         # HF's, up to the summation order); other dtypes keep HF's exact recipe
         self.fused_norm = self.dtype == torch.float32
@@ -146,24 +116,41 @@ class DecoderModel:
         half = cfg.head_dim // 2
         self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
 
-    def linear_for(self, w: torch.Tensor) -> Callable:
-        """The matmul for weight ``w``: F.linear for a small one (oneDNN's per-call
-        overhead outweighs its faster kernel there: SMALL_LINEAR_NUMEL), else the
-        picked backend. ``KVPUSH_LINEAR=rows`` (opt-in, measured on one Intel host
-        only): F.linear for a single row as well (MKL's matrix-vector product streamed
-        SmolLM2's weights faster than oneDNN at batch-1 decode there, while an AMD host
-        measured the opposite: benchmarks/ENGINE.md, "Per-step overhead")."""
-        if w.numel() <= SMALL_LINEAR_NUMEL or self.linear is F.linear:
-            return F.linear
-        if os.environ.get("KVPUSH_LINEAR", "") != "rows":
-            return self.linear
-        onednn = self.linear
+    @property
+    def linear_backend(self) -> str:
+        """How projections pick their matmul: ``aten`` when oneDNN is not a candidate
+        here, else the mode (auto, onednn, rows; see linear_pick.py)."""
+        return self.linear_mode.value if self.onednn_ok else "aten"
 
-        def by_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
-                    ) -> torch.Tensor:
-            return F.linear(x, w, b) if x.shape[0] == 1 else onednn(x, w, b)
+    def _linear_weights(self) -> Iterator[torch.Tensor]:
+        for lw in self.layers:
+            yield from (lw.qkv, lw.o, lw.gate_up, lw.down)
+        yield self.lm_head
 
-        return by_rows
+    def _linears_need_timing(self) -> bool:
+        return needs_timing(self._linear_weights(), self.linear_mode, self.onednn_ok)
+
+    def tune_linears(self, timer: Timer | None = None) -> LinearPlan:
+        """Pick every projection's matmul (timing both kernels in ``auto`` mode, on this
+        thread at its torch thread count; ``timer`` replaces the measurement) and
+        build the per-layer table that ``forward`` calls."""
+        plan = plan_linears(self._linear_weights(), self.linear_mode, self.onednn_ok, timer)
+        self.layer_linears = [
+            tuple(plan.linear_for(w) for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
+            for lw in self.layers
+        ]
+        self.head_linear = plan.linear_for(self.lm_head)
+        self.linear_plan = plan
+        if plan.timed_series:
+            log.info("%s", plan.describe())
+        return plan
+
+    def ensure_linears(self) -> None:
+        """Tune the projections if not done yet: called by the thread that will run
+        the steps, once its torch thread count is set (the choice can differ between
+        1 and 2 threads), and by the first ``forward`` otherwise."""
+        if self.linear_plan is None:
+            self.tune_linears()
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.fused_norm:
@@ -186,6 +173,7 @@ class DecoderModel:
         """Logits [N, vocab] (float32). ``layer_done(i)`` is called as soon as layer i's
         K/V are in the KV region, so a transfer of that layer can start while the
         following layers compute."""
+        self.ensure_linears()
         cfg = self.cfg
         h = F.embedding(input_ids, self.embed)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
