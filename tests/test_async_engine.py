@@ -148,6 +148,9 @@ def test_outputs_from_the_inbox_go_out_before_the_next_step():
         def process_inbox(self, block=False, timeout=None):
             return list(self.inbox_answers.pop(0))
 
+        def prepare_step_thread(self):
+            events.append("prepare")
+
         def has_work(self):
             return True
 
@@ -161,7 +164,7 @@ def test_outputs_from_the_inbox_go_out_before_the_next_step():
     ae = AsyncEngine(None, engine=StubEngine())  # type: ignore[arg-type]
     ae._post = lambda outs: events.append(f"post {outs}")  # type: ignore[method-assign]
     ae._run()
-    assert events == ["post ['token-1']", "step", "post ['token-2']", "shutdown"]
+    assert events == ["prepare", "post ['token-1']", "step", "post ['token-2']", "shutdown"]
 
 
 _THREADS_SCRIPT = r"""

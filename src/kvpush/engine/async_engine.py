@@ -213,8 +213,7 @@ class AsyncEngine:
         if self.step_threads:
             torch.set_num_threads(self.step_threads)
         try:
-            # the projections' matmuls are timed here, at the steps' thread count
-            engine.runner.model.ensure_linears()
+            engine.prepare_step_thread()  # at the steps' thread count
             while True:
                 outputs = engine.process_inbox(block=not engine.has_work())
                 if outputs and outputs[-1] == "stop":

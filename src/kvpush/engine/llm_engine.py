@@ -64,7 +64,7 @@ class LLMEngine:
         if build_threads is None:
             # the builder runs the steps: time the projections' matmuls now, at its
             # thread count (else the step loop does, model/linear_pick.py)
-            self.runner.model.ensure_linears()
+            self.prepare_step_thread()
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         eos = set(config.model.eos_token_ids)
@@ -87,6 +87,11 @@ class LLMEngine:
             )
             self.scheduler.on_preempt = self.connector.on_preempt
             self.connector.start()
+
+    def prepare_step_thread(self) -> None:
+        """Called once on the thread that will run ``step`` (at its torch thread count):
+        the projections' matmul kernels are timed there (model/linear_pick.py)."""
+        self.runner.model.ensure_linears()
 
     def shutdown(self) -> None:
         if self.connector is not None:
