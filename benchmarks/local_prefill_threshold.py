@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
         prefix_hit_tail=None, push_layers_per_write=None)
     cfg = json.loads((Path(args.model_dir) / "config.json").read_text())
     vocab = int(cfg["vocab_size"])
-    results: dict = {"cpu_flags": cpu_flags(), "cpu": _cpu_model(),
+    results: dict = {"cpu_flags": cpu_flags(),
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "command": " ".join(sys.argv),
                      "model": args.model, "cells": []}
@@ -186,13 +186,6 @@ def run(args: argparse.Namespace) -> dict:
                 for t in threads:
                     t.join(timeout=args.background_output_len * 2.0)
     return results
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def _fmt(v: float | None) -> str:

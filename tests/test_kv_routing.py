@@ -104,13 +104,19 @@ def test_decide_threshold():
     assert decide(129, 0, None, 128) is Decision.REMOTE
 
 
-def test_choice_longest_prefix_weighed_against_load():
+def _two_decode_pool() -> tuple[Pool, Any, Any]:
+    """A cache-aware push pool of one prefill and two healthy decodes (no I/O)."""
     cfg = RouterConfig(mode="push", prefill=(parse_instance("127.0.0.1:1"),),
                        decode=tuple(parse_instance(f"127.0.0.1:{p}") for p in (2, 3)),
                        policy="cache-aware")
     pool = Pool(cfg)
     d1, d2 = pool.by_role["decode"]
     d1.healthy = d2.healthy = True
+    return pool, d1, d2
+
+
+def test_choice_longest_prefix_weighed_against_load():
+    pool, d1, d2 = _two_decode_pool()
     cached = {d1: 0, d2: 200}
 
     def f(inst: Any) -> float:
@@ -129,12 +135,7 @@ def test_choice_longest_prefix_weighed_against_load():
 
 def test_an_instance_without_room_comes_after_those_with_room():
     assert not lacks_room(52, 13, 4) and lacks_room(53, 13, 4)  # every block, cached too
-    cfg = RouterConfig(mode="push", prefill=(parse_instance("127.0.0.1:1"),),
-                       decode=tuple(parse_instance(f"127.0.0.1:{p}") for p in (2, 3)),
-                       policy="cache-aware")
-    pool = Pool(cfg)
-    d1, d2 = pool.by_role["decode"]
-    d1.healthy = d2.healthy = True
+    pool, d1, d2 = _two_decode_pool()
     d1.info = {"num_free_blocks": 2, "block_size": 4}  # their last /kv/info
     d2.info = {"num_free_blocks": 40, "block_size": 4}
     route = Route(list(range(52)))  # 13 blocks
