@@ -105,6 +105,8 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "the decode instances and reserved at start-up (default: half "
                           "of it, capped; 0: off; prefill instances have none)")
     eng.add_argument("--block-size", type=int, metavar="TOKENS")
+    eng.add_argument("--device", metavar="DEVICE",
+                     help="cpu or cuda[:N], every instance alike (default: serve's, cpu)")
     eng.add_argument("--dtype", metavar="DTYPE",
                      help="auto, float32, bfloat16 or float16; every instance of one "
                           "host resolves auto alike (default: serve's, auto)")
@@ -166,6 +168,7 @@ def serve_argv(args: argparse.Namespace, model: str, role: str, port: int,
                         ("--kv-cache-memory", args.kv_cache_memory),
                         ("--decode-cache-memory", args.decode_cache_memory),
                         ("--block-size", args.block_size), ("--dtype", args.dtype),
+                        ("--device", getattr(args, "device", None)),
                         ("--shuffle-free-blocks", args.shuffle_free_blocks)):
         if value is not None:
             argv += [flag, str(value)]
