@@ -197,7 +197,7 @@ def paged_decode(ctx: StepContext) -> dict[str, Any]:
 
     dev, figs = ctx.device, ctx.figures
     g = torch.Generator().manual_seed(3)
-    B, H, hkv, D, bs, NB = 6, 8, 2, 64, 16, 96
+    B, H, hkv, D, bs, NB = 6, 8, 2, 64, 16, 128
     lens = [1, 17, 100, 333, 512, 700]
     nbs = [-(-n // bs) for n in lens]
     width = max(nbs)
@@ -269,7 +269,7 @@ def bench_model(ctx: StepContext) -> dict[str, Any]:
     dtype = "bfloat16" if cuda else "float32"
     n = 512 if ctx.quick else 2048
     engine = _engine(path, ctx.device, dtype, block_size=32, num_blocks=n // 32 + 8,
-                     max_model_len=4096, max_num_batched_tokens=n)
+                     max_model_len=n + 32, max_num_batched_tokens=n)
     times = []
     for i, prompt in enumerate(_prompts([n] * 4, seed=11)):  # distinct: no prefix hits
         engine.add_request(f"w{i}", prompt, _one_token())

@@ -269,12 +269,13 @@ def runtime_requirements(root: Path = ROOT) -> list[str]:
     return [*deps, f"nixl=={NIXL_VERSION}", f"nixl-cu13=={NIXL_VERSION}"]
 
 
-def stub_wheel(folder: Path, name: str, version: str) -> Path:
+def stub_wheel(folder: Path, name: str, version: str, requires: Iterable[str] = ()) -> Path:
     """A metadata-only wheel standing in for a package the GPU machine has."""
     dist = f"{name.replace('-', '_')}-{version}"
     path = folder / f"{dist}-py3-none-any.whl"
+    needs = "".join(f"Requires-Dist: {r}\n" for r in requires)
     meta = {f"{dist}.dist-info/METADATA":
-            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{needs}",
             f"{dist}.dist-info/WHEEL":
             "Wheel-Version: 1.0\nGenerator: kvpush-gpu\nRoot-Is-Purelib: true\n"
             "Tag: py3-none-any\n"}
