@@ -192,3 +192,51 @@ def test_summary_markdown_records_failures_with_their_log(tmp_path):
     assert "NOT all passed" in md and "| pd | failed | 3.0 | 75 | push: answers differ |" in md
     assert "Traceback ..." in md
     assert not check.ok(summary)
+
+
+# -- CUDA code paths, read for the check: what a CPU can test of them -------------------------
+
+def test_every_sdpa_mask_is_in_the_query_dtype(model_factory, monkeypatch):
+    """A bf16 engine through every attention path that passes a mask (prefill after
+    cached or earlier-chunk tokens, decode through the dense cache with uneven lengths,
+    the gather path, the paged decode attention in one chunk and in several): each mask
+    reaches SDPA in the query's dtype. CUDA's fused kernels misread (cuDNN, preferred on
+    H100/H200) or refuse (memory-efficient) a float32 mask beside bf16 queries; the CPU
+    kernels accept it, so only this contract shows it here."""
+    import torch
+    import torch.nn.functional as F
+
+    from engine_helpers import (
+        assert_all_blocks_free,
+        make_engine,
+        random_prompts,
+        run_to_completion,
+    )
+    from kvpush.model import paged_decode
+    from kvpush.sampling_params import SamplingParams
+
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def checked(q, k, v, attn_mask=None, **kw):
+        if attn_mask is not None:
+            seen.append((q.dtype, attn_mask.dtype))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", checked)
+    model = model_factory("qwen3")
+    long, short = random_prompts([150, 40], seed=9)
+    prompts = {"a": long, "b": long[:100] + short, "c": short[:9]}  # b: a prefix hit
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for kw in ({"decode_attention": "dense"}, {"decode_attention": "dense",
+                                               "decode_cache_memory": 0},
+               {"decode_attention": "paged"}):
+        engine = make_engine(model, dtype="bfloat16", max_num_batched_tokens=64, **kw)
+        run_to_completion(engine, {"a": prompts["a"]}, params)  # cached for b's prefix
+        run_to_completion(engine, {k: prompts[k] for k in ("b", "c")}, params)
+        assert_all_blocks_free(engine)
+    monkeypatch.setattr(paged_decode, "CHUNK_BYTES", 4096)  # several chunks: fp32 math
+    engine = make_engine(model, dtype="bfloat16", decode_attention="paged")
+    run_to_completion(engine, {"c": prompts["c"], "a": prompts["a"]}, params)
+    assert seen, "no masked SDPA call was made"
+    assert {m for q, m in seen if m != q and m != torch.bool} == set(), set(seen)

@@ -373,12 +373,13 @@ def markdown(summary: dict[str, Any]) -> str:
                   + (f"; carried: {', '.join(w['carried'])}" if w["ok"] else ""),
                   "", summary["travel"]["text"]]
     for s in summary["steps"]:
-        figs = {k: v for k, v in s["figures"].items() if k != "markdown"}
-        if figs:
+        figs = s["figures"]
+        if figs.get("markdown"):  # a bench's own tables (its figures: summary.json)
+            lines += ["", f"## {s['name']}", "", f"`{figs.get('command', '')}`", "",
+                      figs["markdown"]]
+        elif figs:
             lines += ["", f"## {s['name']}", "", "```", json.dumps(figs, indent=1,
                                                                    default=str)[:4000], "```"]
-        if s["figures"].get("markdown"):
-            lines += ["", s["figures"]["markdown"]]
         if s["log_tail"]:
             lines += ["", f"Log tail of {s['name']}:", "", "```", s["log_tail"], "```"]
     return "\n".join(lines) + "\n"
