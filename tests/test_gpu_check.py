@@ -240,3 +240,35 @@ def test_every_sdpa_mask_is_in_the_query_dtype(model_factory, monkeypatch):
     run_to_completion(engine, {"c": prompts["c"], "a": prompts["a"]}, params)
     assert seen, "no masked SDPA call was made"
     assert {m for q, m in seen if m != q and m != torch.bool} == set(), set(seen)
+
+
+def test_nixl_calls_on_a_vram_region_make_its_device_current_once_per_thread(monkeypatch):
+    """UCX's CUDA transports need a CUDA context current on the calling thread, and the
+    transfer thread is a new thread (vllm-project/vllm#36475): with a VRAM region every
+    agent call first makes the device current there, once per thread; with host memory
+    torch.cuda is never touched."""
+    import threading
+
+    import torch
+
+    from kvpush.kv_transfer.nixl_transport import NixlTransport
+
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: calls.append((threading.current_thread().name, d)))
+    host = NixlTransport("gpu-check-host")
+    gpu = NixlTransport("gpu-check-vram")
+    try:
+        host.progress()
+        assert calls == []
+        gpu._mem = ("VRAM", 3)  # what register_region(..., "cuda:3") sets (no GPU here)
+        gpu.progress()
+        gpu.progress()
+        worker = threading.Thread(target=gpu.progress, name="kvpush-transfer")
+        worker.start()
+        worker.join(10)
+        assert calls == [("MainThread", 3), ("kvpush-transfer", 3)]
+    finally:
+        gpu._mem = ("DRAM", 0)
+        host.close()
+        gpu.close()
