@@ -322,7 +322,9 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
         budget = min(step.budget_s * scale, left)
         if mode == "dry" and step.name == "env":  # what this host has, no GPU needed
             res = StepResult(step.name, step.budget_s, "passed", proves=step.proves)
+            t0 = time.perf_counter()
             res.figures = env_step("cpu")
+            res.seconds = round(time.perf_counter() - t0, 1)
         elif mode == "dry" or (step.name == "install" and mode != "cuda"):
             why = "dry run" if mode == "dry" else "not on CUDA: this Python's packages are used"
             res = StepResult(step.name, step.budget_s, "skipped", proves=step.proves, error=why)
