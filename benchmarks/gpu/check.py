@@ -52,21 +52,21 @@ STEPS: tuple[Step, ...] = (
          "packages already there and their versions", "host"),
     Step("install", 30, "the carried wheels install offline into a temporary folder "
          "(pip --no-index --no-deps --target)", "host"),
-    Step("nixl", 20, "fastapi, uvicorn, msgspec, pyzmq and NIXL import from it; a NIXL "
+    Step("nixl", 15, "fastapi, uvicorn, msgspec, pyzmq and NIXL import from it; a NIXL "
          "UCX agent registers GPU memory (VRAM) and WRITEs it to a second agent"),
-    Step("hf_parity", 60, "kvpush's greedy tokens equal HF transformers' on random Qwen3 "
+    Step("hf_parity", 45, "kvpush's greedy tokens equal HF transformers' on random Qwen3 "
          "and Llama in fp32 (four prompts batched, paged decode attention, the CUDA "
          "default), logits within 1e-3; bf16 logits within the bf16 bound of "
          "tests/test_engine_bf16.py; every block free after"),
-    Step("paged_decode", 25, "model/paged_decode.py on the GPU against the dense path "
+    Step("paged_decode", 20, "model/paged_decode.py on the GPU against the dense path "
          "(one chunk and the online-softmax chunks, fp32 and bf16), and an engine with "
          "paged decode gives the same tokens as one with the dense decode cache"),
-    Step("pd", 75, "a prefill and a decode process on the one GPU, NIXL over UCX on GPU "
+    Step("pd", 65, "a prefill and a decode process on the one GPU, NIXL over UCX on GPU "
          "memory, push and pull, answers equal to a colocated instance's, every "
          "instance's free blocks back to their start"),
-    Step("bench_model", 25, "the bench model (Qwen3-32B's KV per layer: 8 KV heads x "
+    Step("bench_model", 20, "the bench model (Qwen3-32B's KV per layer: 8 KV heads x "
          "128, 64 layers) and the time of a 2,048-token bf16 prefill on the GPU"),
-    Step("compare", 165, "kvpush bench compare colocated / pull / push, 2,048 in / 128 "
+    Step("compare", 200, "kvpush bench compare colocated / pull / push, 2,048 in / 128 "
          "out, rates 1, 2, 4 (vllm bench serve's shape in the announcement)"),
     Step("handoff", 60, "kvpush bench handoff: time to the first chunk, one request at "
          "a time, colocated / push / pull, 128 and 2,048 prompt tokens"),

@@ -86,6 +86,9 @@ def pd(ctx: StepContext) -> dict[str, Any]:
         figs["errors"] = errors[:4]
         for m in ("push", "pull"):
             figs[f"{m}_equals_colocated"] = answers[m] == answers["colocated"]
+            figs[f"{m}_mismatches"] = [  # (prompt tokens, first differing answer token)
+                (len(p), _first_diff(a.get("tokens", []), b.get("tokens", [])))
+                for p, a, b in zip(prompts, answers[m], answers["colocated"]) if a != b]
         deadline = time.monotonic() + FREE_WAIT_S
         while True:
             after = {m: {c.name: _metrics(client, c.url) for c in _instances(cl)}
@@ -110,6 +113,10 @@ def pd(ctx: StepContext) -> dict[str, Any]:
         expect(figs[f"{m}_equals_colocated"], f"{m}: answers differ from the colocated ones")
     expect(all(back.values()), f"free blocks not back to their start: {back}")
     return figs
+
+
+def _first_diff(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _bench_model_path(ctx: StepContext) -> Path:
