@@ -186,8 +186,11 @@ def test_summary_markdown_records_failures_with_their_log(tmp_path):
                "total_budget_s": 480.0, "steps": [
                    {"name": "pd", "budget_s": 75.0, "status": "failed", "seconds": 3.0,
                     "proves": "", "error": "push: answers differ", "figures": {"x": 1},
-                    "log_tail": "Traceback ..."}]}
+                    "log_tail": "Traceback ..."}],
+               "failure_logs": {"pd": "==== pd.log\nTraceback ..."}}
     check.write_summary(summary, tmp_path)
+    assert (tmp_path / "FAILED-pd.log").read_text() == "==== pd.log\nTraceback ..."
+    assert "failure_logs" not in json.loads((tmp_path / "summary.json").read_text())
     md = (tmp_path / "summary.md").read_text()
     assert "NOT all passed" in md and "| pd | failed | 3.0 | 75 | push: answers differ |" in md
     assert "Traceback ..." in md

@@ -343,14 +343,36 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
         else:
             res = spawn_step(step, budget, args.device, work, args.quick, env)
         print(f"[gpu-check] {step.name:<13} {res.status:<8} {res.seconds:6.1f} s "
-              f"(budget {step.budget_s:.0f} s){'  ' + res.error if res.error else ''}",
+              f"(budget {res.budget_s:.0f} s){'  ' + res.error if res.error else ''}",
               flush=True)
         summary["steps"].append(asdict(res))
     summary["elapsed_s"] = round(time.perf_counter() - started, 1)
     summary["work"] = str(work)
+    # the device tool brings back at most 8 files: the summary's two and six logs
+    summary["failure_logs"] = {s["name"]: failure_log(work, s["name"])
+                               for s in summary["steps"]
+                               if s["status"] in ("failed", "timeout")
+                               and (work / f"{s['name']}.log").exists()}
     if not args.keep_work:
         shutil.rmtree(work, ignore_errors=True)
     return summary
+
+
+#: the cluster logs each serving step leaves in the work folder
+STEP_LOGS = {"pd": ["pd-logs"], "compare": ["compare/logs", "compare.log"],
+             "handoff": ["handoff-logs", "handoff.log"]}
+#: the most bytes of one failed step's logs copied next to the summary
+FAILURE_LOG_BYTES = 2 << 20
+
+
+def failure_log(work: Path, name: str, tail: int = 60) -> str:
+    """A failed step's own log, then the tail of every log its clusters wrote."""
+    parts = [f"==== {name}.log\n{_tail(work / f'{name}.log', 400)}"]
+    for rel in STEP_LOGS.get(name, []):
+        path = work / rel
+        files = sorted(path.rglob("*.log")) if path.is_dir() else [path]
+        parts += [f"==== {f.relative_to(work)}\n{_tail(f, tail)}" for f in files if f.is_file()]
+    return "\n".join(parts)[-FAILURE_LOG_BYTES:]
 
 
 def ok(summary: dict[str, Any]) -> bool:
@@ -388,9 +410,14 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def write_summary(summary: dict[str, Any], out: Path) -> None:
+    """summary.json (without the logs), summary.md, and FAILED-<step>.log for up to six
+    failed steps."""
     out.mkdir(parents=True, exist_ok=True)
+    logs = summary.pop("failure_logs", {})
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     (out / "summary.md").write_text(markdown(summary))
+    for name, text in list(logs.items())[:6]:
+        (out / f"FAILED-{name}.log").write_text(text)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
