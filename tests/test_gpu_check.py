@@ -275,3 +275,12 @@ def test_nixl_calls_on_a_vram_region_make_its_device_current_once_per_thread(mon
         gpu._mem = ("DRAM", 0)
         host.close()
         gpu.close()
+
+
+def test_travel_size_without_git_leaves_out_the_usual_ignored_folders(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_bytes(b"x" * 300)
+    for junk in (".venv", ".cache", ".git"):
+        (tmp_path / junk).mkdir()
+        (tmp_path / junk / "big").write_bytes(b"y" * 9000)
+    assert wheels.travel_size(tmp_path, []).tree == 300  # not a git repository

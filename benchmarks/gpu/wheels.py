@@ -333,9 +333,20 @@ def check_complete(wheel_dir: Path, root: Path = ROOT, timeout: float = 120) -> 
 
 # -- size -----------------------------------------------------------------------------------
 
+#: skipped when there is no git to ask what is ignored (an export without .git)
+UNTRACKED_DIRS = {".git", ".venv", ".cache", "__pycache__", ".pytest_cache", ".ruff_cache"}
+
+
 def _git_files(root: Path) -> list[Path]:
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                         cwd=root, capture_output=True, check=True).stdout
+    """What travels: git's tracked and untracked-not-ignored files; without git, every
+    file outside :data:`UNTRACKED_DIRS` (an estimate from above)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                              "--exclude-standard"], cwd=root, capture_output=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return [p for p in root.rglob("*")
+                if not UNTRACKED_DIRS.intersection(p.relative_to(root).parts)]
     return [root / p for p in out.decode().split("\0") if p]
 
 
