@@ -12,7 +12,8 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
 from typing import Literal
 
 import httpx
@@ -28,6 +29,7 @@ from kvpush.router.job import Job, new_request_id, outcome_for
 from kvpush.router.legs import Legs
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, describe_error
+from kvpush.router.prompts import TokenizerState
 from kvpush.router.redact import scrub
 from kvpush.router.wire import client_kv_params_problem, relay_error
 from kvpush.server.app import EventStreamResponse, unless_disconnected
@@ -42,6 +44,24 @@ logger = logging.getLogger("kvpush.router")
 #: keep-alive timeout (uvicorn's default is 5 s, in kvpush and vLLM alike), so the router
 #: never sends on a connection the instance is closing at that moment.
 KEEPALIVE_EXPIRY_S = 3.0
+
+
+@dataclass(frozen=True)
+class RoutingState:
+    """How the router routes now (``/health``'s ``routing``): its ``--policy`` when that
+    needs no tokenizer; with cache-aware, ``cache-aware``, ``blind`` (degraded: no
+    tokenizer) or ``starting`` (the tokenizer is still loading; /health is 503)."""
+
+    routing: str
+    why: str
+
+    @property
+    def starting(self) -> bool:
+        return self.routing == "starting"
+
+    @property
+    def degraded(self) -> bool:
+        return self.routing == "blind"
 
 
 class Router:
@@ -94,6 +114,38 @@ class Router:
                                                         self.client)
             self.cache.start()
         self._health = asyncio.create_task(self.pool.health_loop(self.client))
+
+    def routing_state(self) -> RoutingState:
+        """Whether the router routes as configured: a cache-aware router is starting
+        until its tokenizer has loaded (or failed to: then it runs degraded, blind)."""
+        if self.cfg.policy != "cache-aware":
+            return RoutingState(self.cfg.policy, "the configured policy")
+        if self.cache is None:
+            return RoutingState("starting", "the cache-aware policy is not started yet")
+        tok = self.cache.tokenizer
+        if tok.state is TokenizerState.READY:
+            return RoutingState("cache-aware", f"tokenizer {tok.source} loaded")
+        if tok.state is TokenizerState.FAILED:
+            return RoutingState("blind", f"no tokenizer ({tok.why}): requests are routed "
+                                "round-robin with a prefill leg each, without the prefix "
+                                "caches")
+        return RoutingState("starting", f"loading the tokenizer {tok.source or ''}".strip())
+
+    async def wait_routing(self, timeout: float) -> RoutingState:
+        """Wait (at most ``timeout`` s) until the router routes as configured or is
+        known to run degraded; logs which, loudly when degraded."""
+        if self.cache is not None and self.cache.loading is not None:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.cache.loading), timeout)
+        state = self.routing_state()
+        if state.degraded:
+            logger.warning("ROUTER DEGRADED: %s", state.why)
+        elif state.starting:
+            logger.warning("the tokenizer has not loaded within %g s; /health answers 503 "
+                           "until it has", timeout)
+        else:
+            logger.info("ready: %s routing (%s)", state.routing, state.why)
+        return state
 
     def for_client(self, err: APIError) -> APIError:
         """``err`` as a client may see it: no internal address or engine id (the log has
@@ -242,11 +294,19 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
     async def health() -> Response:
         pool = router.pool
         counts = {role: sum(i.healthy for i in group) for role, group in pool.by_role.items()}
-        if pool.ready():
-            return JSONResponse({"status": "ok", "mode": router.cfg.mode,
-                                 "healthy": counts})
-        return APIError(f"the router cannot serve: healthy instances {counts}",
-                        status_code=503).response()
+        if not pool.ready():
+            return APIError(f"the router cannot serve: healthy instances {counts}",
+                            status_code=503).response()
+        routing = router.routing_state()
+        if routing.starting:
+            return APIError(f"the router is starting: {routing.why}", status_code=503,
+                            code="starting").response()
+        body = {"status": "degraded" if routing.degraded else "ok",
+                "mode": router.cfg.mode, "healthy": counts,
+                "routing": routing.routing}
+        if routing.degraded:
+            body["degraded"] = routing.why
+        return JSONResponse(body)
 
     @app.get("/router/instances", summary="The instances, their identity and health")
     async def instances() -> Response:
@@ -277,6 +337,7 @@ async def serve_forever(router: Router, host: str, port: int, log_level: str,
 
     await router.start(wait=True)
     try:
+        await router.wait_routing(router.cfg.startup_timeout_s)
         app = build_app(router, manage=False)
         server = uvicorn.Server(uvicorn.Config(
             app, host=host, port=port, log_level=log_level, access_log=False,

@@ -51,6 +51,11 @@ class CachePolicy:
             raise RuntimeError(f"/kv/cache_blocks answered HTTP {r.status_code}")
         return parse_snapshot(r.content)
 
+    @property
+    def loading(self) -> asyncio.Task | None:
+        """The tokenizer's load (None before ``start``)."""
+        return self._load
+
     def start(self) -> None:
         """Load the tokenizer in the background (the model's, from a decode's
         /v1/models, unless --tokenizer names one)."""
