@@ -273,6 +273,8 @@ class FakeInstance:
         self.pub = FakePublisher(engine_id)
         self.bodies: list[dict[str, Any]] = []
         self.refuse_local = False
+        #: answer every completion 503 "unavailable" (a dead step loop or transfer thread)
+        self.cannot_serve = False
         app = FastAPI()
 
         @app.get("/health")
@@ -292,7 +294,8 @@ class FakeInstance:
 
         @app.get("/v1/models")
         async def models() -> Any:
-            return {"object": "list", "data": [{"id": "tiny", "root": self.root}]}
+            return {"object": "list", "data": [{"id": "tiny", "root": self.root,
+                                                "max_model_len": 128}]}
 
         @app.post("/kv/abort")
         async def abort() -> Any:
@@ -302,9 +305,16 @@ class FakeInstance:
         async def completions(request: Request) -> Any:
             body = await request.json()
             self.bodies.append(body)
-            if self.refuse_local and body.get("kv_transfer_params") is None:
-                return JSONResponse({"error": {"message": "full", "type": "x",
+            if self.cannot_serve:
+                return JSONResponse({"error": {"message": "this instance cannot serve "
+                                               "requests: the KV transfer thread died",
+                                               "type": "server_error",
                                                "code": "unavailable"}}, status_code=503)
+            if self.refuse_local and body.get("kv_transfer_params") is None:
+                # what a full kvpush decode answers (server/admission.py); a 503
+                # "unavailable" means it cannot serve at all (test_router_door.py)
+                return JSONResponse({"error": {"message": "full", "type": "x",
+                                               "code": "queue_full"}}, status_code=429)
             return {"id": "c", "object": "text_completion", "model": "tiny",
                     "choices": [{"index": 0, "text": f"from {self.pub.engine_id}",
                                  "finish_reason": "length"}]}
@@ -445,7 +455,7 @@ def test_router_faults_restart_gap_and_full_decode(cluster, tiny_llama):
         assert _index_of(router, d1)["blocks"] == 0 and _index_of(router, d1)["gaps"] >= 1
         send()
         _prefill_legs(p, 1)  # nothing cached anywhere now: a prefill leg
-        # a decode that cannot take it locally (503): sent again with a prefill leg, to
+        # a decode that cannot take it locally (429: full): sent again with a prefill leg, to
         # the other decode (the one that refused would likely refuse that leg too)
         d2.cache_prompt(ids)
         wait_until(lambda: _synced(router, d2), 10, "d2 synced")

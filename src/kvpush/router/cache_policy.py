@@ -23,7 +23,8 @@ from kvpush.router.job import Job
 from kvpush.router.kv_index import KVIndex, Snapshot, parse_snapshot
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, describe_error
-from kvpush.router.prompts import PromptTokenizer, model_source
+from kvpush.router.prompts import PromptTokenizer, model_max_len, model_source
+from kvpush.server.errors import APIError
 
 logger = logging.getLogger("kvpush.router")
 
@@ -63,17 +64,19 @@ class CachePolicy:
 
     async def _load_tokenizer(self) -> None:
         source = None
-        if self.cfg.tokenizer is None:
-            for inst in self.pool.by_role["decode"]:
-                try:
-                    r = await self.client.get(inst.url + "/v1/models",
-                                              timeout=self.cfg.health_timeout_s)
-                    source = model_source(r.json()) if r.status_code == 200 else None
-                except (httpx.HTTPError, ValueError) as e:
-                    logger.info("/v1/models of %s: %s", inst.url, describe_error(e))
-                if source is not None:
-                    break
-        await self.tokenizer.load(source)
+        for inst in self.pool.by_role["decode"]:
+            try:
+                r = await self.client.get(inst.url + "/v1/models",
+                                          timeout=self.cfg.health_timeout_s)
+                models = r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError) as e:
+                logger.info("/v1/models of %s: %s", inst.url, describe_error(e))
+                continue
+            source = model_source(models)
+            self.tokenizer.max_model_len = model_max_len(models)
+            if source is not None:
+                break
+        await self.tokenizer.load(None if self.cfg.tokenizer else source)
 
     async def close(self) -> None:
         if self._load is not None:
@@ -86,12 +89,21 @@ class CachePolicy:
     async def plan(self, job: Job, body_bytes: int) -> None:
         """Tokenize the job's prompt and attach its :class:`Route` (None: blind). A
         completion's string prompt is replaced by its ids for both legs."""
+        self.check_size(job.kind, job.body)
         ids = await self.tokenizer.prompt_ids(job.kind, job.body, body_bytes)
         if ids is None:
             return
         job.route = Route(ids)
         if job.kind == "completion" and not isinstance(job.body.get("prompt"), list):
             job.body = {**job.body, "prompt": ids}
+
+    def check_size(self, kind: str, body: dict[str, Any]) -> None:
+        """A 400 (``context_length_exceeded``) for a prompt whose text alone is more
+        tokens than the model's context, judged by its size, before any tokenizing."""
+        too_long = self.tokenizer.too_long(kind, body)
+        if too_long is not None:
+            raise APIError(too_long, param="messages" if kind == "chat" else "prompt",
+                           code="context_length_exceeded")
 
     def cached_tokens(self, inst: object, route: Route) -> int:
         blocks = self.index.longest_prefix(inst, route.chain)

@@ -111,6 +111,17 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(nothing comes before prefill is done), decode's first token, a "
                         "whole non-streaming answer; a frozen or dead instance ends its "
                         "legs sooner, at its first failed health check (default: 600)")
+    t.add_argument("--header-timeout", type=cli_types.seconds, default=10.0, metavar="SECONDS",
+                   help="a client's request line and headers must arrive within this many "
+                        "seconds of connecting (or of a later request's first byte); else "
+                        "the connection is closed (default: 10)")
+    t.add_argument("--body-timeout", type=cli_types.seconds, default=30.0, metavar="SECONDS",
+                   help="a client's request body must arrive within this many seconds of "
+                        "its headers; else 408 (default: 30)")
+    t.add_argument("--max-client-connections", type=cli_types.positive_int, default=4096,
+                   metavar="N",
+                   help="client connections open at once; more are answered 503 and closed "
+                        "at once (default: 4096)")
     t.add_argument("--max-outstanding-requests", type=cli_types.positive_int, default=512,
                    metavar="N",
                    help="requests held at once; more are answered 429 with Retry-After "
@@ -144,6 +155,8 @@ def build_config(args: argparse.Namespace) -> Any:
         startup_timeout_s=args.startup_timeout, connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout, first_byte_timeout_s=args.first_byte_timeout,
         max_outstanding_requests=args.max_outstanding_requests,
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+        max_client_connections=args.max_client_connections,
         api_key=resolve_api_key(args.api_key), kv_secret=secret)
 
 
