@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Literal
 
+import httpcore
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from kvpush.router.cache_policy import CachePolicy
 from kvpush.router.config import RouterConfig
@@ -36,6 +38,7 @@ from kvpush.router.intake import (
 from kvpush.router.job import Job, new_request_id, outcome_for
 from kvpush.router.legs import Legs
 from kvpush.router.metrics import RouterMetrics
+from kvpush.router.net import CoalescingBackend
 from kvpush.router.pool import Instance, Pool, describe_error
 from kvpush.router.prompts import TokenizerState
 from kvpush.router.redact import scrub
@@ -52,6 +55,9 @@ logger = logging.getLogger("kvpush.router")
 #: keep-alive timeout (uvicorn's default is 5 s, in kvpush and vLLM alike), so the router
 #: never sends on a connection the instance is closing at that moment.
 KEEPALIVE_EXPIRY_S = 3.0
+#: environment variable naming the legs' socket layer: ``coalescing`` (default,
+#: kvpush.router.net) or ``anyio`` (httpx's own; for measurements)
+LEG_BACKEND_ENV = "KVPUSH_ROUTER_LEG_BACKEND"
 
 
 #: bodies larger than this are parsed on a worker thread (a 21 MB body took 0.4 s)
@@ -96,15 +102,25 @@ class Router:
 
     def make_client(self) -> httpx.AsyncClient:
         c = self.cfg
+        limits = httpx.Limits(max_connections=c.max_connections,
+                              max_keepalive_connections=min(256, c.max_connections),
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        # router -> instance traffic is internal: no proxies from the environment
+        transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+        if os.environ.get(LEG_BACKEND_ENV, "coalescing") == "coalescing":
+            # the same pool on kvpush.router.net's sockets: a request leaves in one send
+            # (docs/ROUTER.md, "The relay"); KVPUSH_ROUTER_LEG_BACKEND=anyio keeps
+            # httpx's own, for side-by-side measurements
+            transport._pool = httpcore.AsyncConnectionPool(
+                max_connections=limits.max_connections,
+                max_keepalive_connections=limits.max_keepalive_connections,
+                keepalive_expiry=limits.keepalive_expiry,
+                network_backend=CoalescingBackend())
         return httpx.AsyncClient(
             # every wait but connecting: the bound of an answer's start (each later read
             # of a stream has its own, shorter bound: Legs.relay)
             timeout=httpx.Timeout(c.first_byte_timeout_s, connect=c.connect_timeout_s),
-            limits=httpx.Limits(max_connections=c.max_connections,
-                                max_keepalive_connections=min(256, c.max_connections),
-                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
-            # router -> instance traffic is internal: no proxies from the environment
-            trust_env=False,
+            transport=transport, trust_env=False,
             headers=auth_header(c.api_key),  # /kv/info, health, legs, /kv/abort
         )
 
@@ -147,7 +163,7 @@ class Router:
         """Wait (at most ``timeout`` s) until the router routes as configured or is
         known to run degraded; logs which, loudly when degraded."""
         if self.cache is not None and self.cache.loading is not None:
-            with suppress(TimeoutError):
+            with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self.cache.loading), timeout)
         state = self.routing_state()
         if state.degraded:
@@ -187,8 +203,20 @@ class RelayStream(EventStreamResponse):
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        held: list[Message] = []
+
+        async def send_joined(message: Message) -> None:
+            # the headers wait for the first chunk: both are written in one loop turn,
+            # and the door's transport sends them as one segment
+            if message["type"] == "http.response.start":
+                held.append(message)
+                return
+            if held:
+                await send(held.pop())
+            await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_joined)
         finally:
             await self.on_close()
 

@@ -15,6 +15,9 @@ reads its headers before it answers 503. So the router serves HTTP with
   ``503`` (OpenAI's error shape, ``Connection: close``) at once and closed, before
   anything is read from it, so descriptors and memory stay bounded whatever clients do.
 
+Its writes are coalesced (:class:`CoalescingTransport`): what the router writes to a
+client within one turn of the event loop leaves in one ``send``.
+
 The body's deadline is the handler's (kvpush.router.intake.read_body_within): it is
 read before the request takes one of the ``--max-outstanding-requests`` places, so a
 slow body holds a connection, never a place.
@@ -48,6 +51,41 @@ def _busy_answer() -> bytes:
 BUSY_ANSWER = _busy_answer()
 
 
+class CoalescingTransport:
+    """A transport whose writes within one turn of the event loop go out as one
+    ``send`` (at the end of the turn, or before closing): an answer's headers and its
+    first chunk, written back to back, leave in one segment. Everything else is the
+    wrapped transport's."""
+
+    __slots__ = ("_loop", "_out", "_t")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._t = transport
+        self._loop = loop
+        self._out: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if not self._out:
+            self._loop.call_soon(self.flush)
+        self._out.append(data)
+
+    def flush(self) -> None:
+        if self._out:
+            data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
+            self._out.clear()
+            if not self._t.is_closing():
+                self._t.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._t.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+
 def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with a header deadline and a connection bound (pass
     it as ``uvicorn.Config(http=...)``)."""
@@ -57,7 +95,8 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[Http
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self._header_timer: asyncio.TimerHandle | None = None
-            super().connection_made(transport)
+            super().connection_made(
+                CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
             if len(self.connections) > max_connections:
                 now = time.monotonic()
                 if now - GuardedProtocol._warned_at >= REFUSED_LOG_INTERVAL_S:

@@ -64,7 +64,7 @@ async def read_body_within(request: Request, timeout: float,
     seconds (a client that sends its body slowly, or not at all)."""
     try:
         return await asyncio.wait_for(read_body(request, limit), timeout)
-    except TimeoutError:
+    except asyncio.TimeoutError:  # (3.10: not the builtin)
         raise APIError(f"the request body did not arrive within {timeout:g} s",
                        status_code=408, code="request_timeout") from None
 
