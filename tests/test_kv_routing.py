@@ -133,6 +133,42 @@ def test_choice_longest_prefix_weighed_against_load():
     assert pool.pick("decode", cost=lambda i: 0.0) is d2
 
 
+def test_kv_tokens_in_flight_spread_the_load():
+    """A decode that holds 200 of a 300-token prompt but carries a conversation's
+    stream (400 KV tokens in flight) costs more than an idle one at weight 1: the old
+    cost (64 a leg) kept it on the busy decode."""
+    pool, d1, d2 = _two_decode_pool()
+    cached = {d1: 0, d2: 200}
+    d2.in_flight, d2.tokens_in_flight = 1, 400
+
+    def f(weight: float) -> Any:
+        return lambda i: cost(300, cached[i], i.in_flight, 64, i.tokens_in_flight, weight)
+
+    assert pool.choose("decode", cost=f(0.0)) is d2  # 100 + 64 < 300
+    assert pool.choose("decode", cost=f(1.0)) is d1  # 100 + 64 + 400 > 300
+
+
+def test_decode_legs_charge_and_release_their_tokens():
+    from kvpush.router.job import Job
+
+    pool, d1, d2 = _two_decode_pool()
+    cfg = RouterConfig(mode="push", prefill=(parse_instance("http://127.0.0.1:9"),),
+                       decode=(parse_instance("http://127.0.0.1:1"),), policy="cache-aware")
+    policy = CachePolicy.__new__(CachePolicy)  # the charge only (no index, no tokenizer)
+    policy.cfg = cfg
+    policy.cached_tokens = lambda inst, route: 0  # type: ignore[method-assign]
+    job = Job(rid="r", kind="completion", path="/v1/completions",
+              body={"prompt": list(range(40)), "max_tokens": 24}, stream=False, arrival=0.0)
+    job.route = Route(list(range(40)))
+    policy.picked(job, d1)
+    assert d1.tokens_in_flight == 64
+    policy.picked(job, d2)  # sent again elsewhere: the first charge moves
+    assert (d1.tokens_in_flight, d2.tokens_in_flight) == (0, 64)
+    policy.released(job)
+    policy.released(job)  # idempotent
+    assert (d1.tokens_in_flight, d2.tokens_in_flight) == (0, 0)
+
+
 def test_an_instance_without_room_comes_after_those_with_room():
     assert not lacks_room(52, 13, 4) and lacks_room(53, 13, 4)  # every block, cached too
     pool, d1, d2 = _two_decode_pool()

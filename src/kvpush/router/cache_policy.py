@@ -18,7 +18,14 @@ from typing import Any
 import httpx
 
 from kvpush.router.config import RouterConfig
-from kvpush.router.decide import Decision, Route, cost_fn, decide, lacks_room
+from kvpush.router.decide import (
+    Decision,
+    Route,
+    answer_tokens,
+    cost_fn,
+    decide,
+    lacks_room,
+)
 from kvpush.router.job import Job
 from kvpush.router.kv_index import KVIndex, Snapshot, parse_snapshot
 from kvpush.router.metrics import RouterMetrics
@@ -125,7 +132,7 @@ class CachePolicy:
         if job.route is None:
             return None
         return cost_fn(job.route, self.cached_tokens, self.cfg.load_cost_tokens,
-                       self.no_room)
+                       self.no_room, self.cfg.load_weight)
 
     def decide(self, job: Job) -> Decision:
         """``local`` or ``remote`` for the decode instance the job would get now."""
@@ -152,6 +159,19 @@ class CachePolicy:
             r.p_cached_tokens = n
         else:
             r.d_cached_tokens = n
+            # the KV the decode leg will hold: the load others see (until ``released``)
+            self.released(job)
+            job.d_tokens = r.prompt_tokens + answer_tokens(job.body)
+            job.d_charged = inst
+            inst.tokens_in_flight += job.d_tokens
+
+    @staticmethod
+    def released(job: Job) -> None:
+        """The job's decode leg is over (or moves elsewhere): its tokens leave the load."""
+        inst = job.d_charged
+        if inst is not None:
+            inst.tokens_in_flight = max(0, inst.tokens_in_flight - job.d_tokens)
+            job.d_charged, job.d_tokens = None, 0
 
     def count(self, job: Job) -> None:
         """The decision and the cached token counts, into /metrics (once per request)."""

@@ -76,6 +76,10 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                     metavar="N",
                     help="what one leg in flight on an instance weighs against prompt "
                          "tokens it has cached (default: 64)")
+    ca.add_argument("--load-weight", type=float, default=1.0, metavar="W",
+                    help="what one KV token (prompt + answer bound) of a decode leg in "
+                         "flight on an instance weighs against a prompt token it would "
+                         "compute (default: 1.0; docs/ROUTER.md, Placement)")
     net = p.add_argument_group("HTTP")
     net.add_argument("--host", default="127.0.0.1",
                      help="address to listen on (default: 127.0.0.1)")
@@ -150,7 +154,8 @@ def build_config(args: argparse.Namespace) -> Any:
         mode=args.mode, prefill=tuple(args.prefill), decode=tuple(args.decode),
         policy=args.policy or ("cache-aware" if args.mode == "push" else "round-robin"),
         tokenizer=args.tokenizer, local_prefill_max_tokens=args.local_prefill_max_tokens,
-        load_cost_tokens=args.load_cost_tokens, fallback_local_prefill=args.fallback_local_prefill,
+        load_cost_tokens=args.load_cost_tokens, load_weight=args.load_weight,
+        fallback_local_prefill=args.fallback_local_prefill,
         health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
         startup_timeout_s=args.startup_timeout, connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout, first_byte_timeout_s=args.first_byte_timeout,

@@ -133,6 +133,9 @@ class RouterConfig:
     local_prefill_max_tokens: int = 128
     #: cache-aware: what one leg in flight on an instance weighs, in prompt tokens
     load_cost_tokens: int = 64
+    #: cache-aware: what one KV token of a decode leg in flight on an instance weighs,
+    #: in prompt tokens (kvpush.router.decide)
+    load_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -167,9 +170,10 @@ class RouterConfig:
         if self.kv_secret is not None and len(self.kv_secret) < 16:
             raise RouterConfigError("the cluster secret must be at least 16 bytes "
                                     "(--kv-secret-file / KVPUSH_KV_SECRET)")
-        if self.local_prefill_max_tokens < 0 or self.load_cost_tokens < 0:
-            raise RouterConfigError("local_prefill_max_tokens and load_cost_tokens must be "
-                                    "0 or more")
+        if (self.local_prefill_max_tokens < 0 or self.load_cost_tokens < 0
+                or not self.load_weight >= 0):
+            raise RouterConfigError("local_prefill_max_tokens, load_cost_tokens and "
+                                    "load_weight must be 0 or more")
         if self.max_outstanding_requests < 1:
             raise RouterConfigError("max_outstanding_requests must be at least 1")
 

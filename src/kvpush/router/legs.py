@@ -520,6 +520,8 @@ class Legs:
     # ------------------------------------------------------------------ the end
 
     def _release_decode(self, job: Job) -> None:
+        if self.policy is not None:
+            self.policy.released(job)
         if job.d_held is not None:
             self.pool.release(job.d_held)
             job.d_held = None
