@@ -467,6 +467,8 @@ def test_router_sends_a_cached_prompt_to_its_decode_alone(cluster, tiny_llama, c
     lines = [r.getMessage() for r in caplog.records if r.name == "kvpush.router.requests"]
     assert any("decision=local" in ln and f"d_cached={len(ids) // BS * BS}" in ln
                for ln in lines), lines
+    # every decode leg's tokens left the load with it
+    assert all(i["tokens_in_flight"] == 0 for i in router.instances())
 
 
 def test_router_faults_restart_gap_and_full_decode(cluster, tiny_llama):
