@@ -147,3 +147,15 @@ def test_router_health_without_cache_aware_policy_is_plain(tiny_llama):
         if router is not None:
             router.stop()
         d.stop()
+
+
+def test_up_banner_says_loudly_when_the_router_runs_degraded(monkeypatch):
+    from kvpush.cluster import cli as up
+
+    router = SimpleNamespace(url="http://127.0.0.1:9")
+    answers = {"status": "degraded", "routing": "blind", "degraded": "no tokenizer (x)"}
+    monkeypatch.setattr(httpx, "get", lambda *a, **k: SimpleNamespace(json=lambda: answers))
+    line = up._router_routing(router)  # type: ignore[arg-type]
+    assert line is not None and "DEGRADED" in line and "no tokenizer (x)" in line
+    answers = {"status": "ok", "routing": "cache-aware"}
+    assert "cache-aware" in (up._router_routing(router) or "")  # type: ignore[arg-type]
