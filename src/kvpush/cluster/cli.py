@@ -328,6 +328,23 @@ def _served_model(child: Child, headers: dict[str, str]) -> str | None:
         return None
 
 
+def _router_routing(router: Child) -> str | None:
+    """How the router routes, from its /health (open without a key): a line for the
+    banner, loud when it runs degraded (no tokenizer: blind routing)."""
+    import httpx
+
+    try:
+        health = httpx.get(f"{router.url}/health", timeout=2).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(health, dict):
+        return None
+    if health.get("status") == "degraded":
+        return f"  WARNING     the router runs DEGRADED: {health.get('degraded')}"
+    routing = health.get("routing")
+    return f"  {'routing':<11} {routing}" if routing else None
+
+
 def _banner(args: argparse.Namespace, instances: list[Child], router: Child,
             log_dir: Path, started: float, api_key: str | None = None) -> None:
     from kvpush.server.auth import auth_header
@@ -342,6 +359,9 @@ def _banner(args: argparse.Namespace, instances: list[Child], router: Child,
         _say(_describe(child, headers))
     _say(f"  {'router':<11} {router.url}  mode {args.mode}"
          + (f", policy {args.policy}" if args.policy else ""))
+    routing = _router_routing(router)
+    if routing is not None:
+        _say(routing)
     _say(f"  logs        {log_dir}")
     auth = ' -H "Authorization: Bearer $KVPUSH_API_KEY"' if api_key else ""
     _say(f"try:\n  curl -s {router.url}/v1/chat/completions{auth} -H 'Content-Type: "

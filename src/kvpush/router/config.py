@@ -111,6 +111,13 @@ class RouterConfig:
     max_outstanding_requests: int = 512
     #: connections to all instances together (HTTP/1.1 keep-alive pool)
     max_connections: int = 1024
+    #: a client's request line and headers must be complete within this many seconds
+    #: of the connection opening (or of a later request's first byte): kvpush.router.door
+    header_timeout_s: float = 10.0
+    #: a client's body must be complete within this many seconds of its headers (408)
+    body_timeout_s: float = 30.0
+    #: client connections open at once; more are answered 503 and closed at once
+    max_client_connections: int = 4096
     #: clients must send ``Authorization: Bearer <api_key>``, and the router sends it to
     #: every instance (None: no key); never shown in reprs or logs
     api_key: str | None = field(default=None, repr=False)
@@ -126,6 +133,9 @@ class RouterConfig:
     local_prefill_max_tokens: int = 128
     #: cache-aware: what one leg in flight on an instance weighs, in prompt tokens
     load_cost_tokens: int = 64
+    #: cache-aware: what one KV token of a decode leg in flight on an instance weighs,
+    #: in prompt tokens (kvpush.router.decide)
+    load_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -150,17 +160,20 @@ class RouterConfig:
         if dup:
             raise RouterConfigError(f"instance listed twice: {', '.join(dup)}")
         for name in ("health_interval_s", "health_timeout_s", "startup_timeout_s",
-                     "connect_timeout_s", "request_timeout_s", "first_byte_timeout_s"):
+                     "connect_timeout_s", "request_timeout_s", "first_byte_timeout_s",
+                     "header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise RouterConfigError(f"{name} must be positive")
-        if self.max_connections < 1:
-            raise RouterConfigError("max_connections must be at least 1")
+        if self.max_connections < 1 or self.max_client_connections < 1:
+            raise RouterConfigError("max_connections and max_client_connections must be at "
+                                    "least 1")
         if self.kv_secret is not None and len(self.kv_secret) < 16:
             raise RouterConfigError("the cluster secret must be at least 16 bytes "
                                     "(--kv-secret-file / KVPUSH_KV_SECRET)")
-        if self.local_prefill_max_tokens < 0 or self.load_cost_tokens < 0:
-            raise RouterConfigError("local_prefill_max_tokens and load_cost_tokens must be "
-                                    "0 or more")
+        if (self.local_prefill_max_tokens < 0 or self.load_cost_tokens < 0
+                or not self.load_weight >= 0):
+            raise RouterConfigError("local_prefill_max_tokens, load_cost_tokens and "
+                                    "load_weight must be 0 or more")
         if self.max_outstanding_requests < 1:
             raise RouterConfigError("max_outstanding_requests must be at least 1")
 

@@ -54,6 +54,9 @@ class Instance:
     #: the last /kv/info answer; None when the instance has no /kv/info (vLLM)
     info: dict[str, Any] | None = None
     in_flight: int = 0
+    #: KV tokens (prompt + answer bound) of the cache-aware router's decode legs in
+    #: flight on it: its load in kvpush.router.decide's cost
+    tokens_in_flight: int = 0
     requests: int = 0
     failures: int = 0
     #: bumped whenever a request marks it failed, so that a health check that started
@@ -87,6 +90,7 @@ class Instance:
     def state(self) -> dict[str, Any]:
         return {"url": self.url, "role": self.role, "engine_id": self.engine_id,
                 "healthy": self.healthy, "in_flight": self.in_flight,
+                "tokens_in_flight": self.tokens_in_flight,
                 "requests": self.requests, "failures": self.failures,
                 "last_error": None if self.healthy else self.last_error,
                 "misconfigured": self.misconfigured,

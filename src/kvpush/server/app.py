@@ -400,7 +400,8 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
 
     @app.get("/health")
     async def health() -> Response:
-        problem = health_problem(engine)
+        starting = getattr(engine, "starting", None)  # start-up work still running
+        problem = health_problem(engine) or (starting() if starting else None)
         if problem is None:
             return JSONResponse({"status": "ok"})
         return APIError(problem, status_code=503, code="unhealthy").response()
