@@ -61,6 +61,9 @@ class Router:
         #: the cache-aware policy's tokenizer and KV index (--policy cache-aware)
         self.cache: CachePolicy | None = None
         self._health: asyncio.Task | None = None
+        #: --discover: the etcd watch that adds and drops instances (kvpush.router.discover)
+        self.discovery = None
+        self._joins: set[asyncio.Task] = set()
 
     def make_client(self) -> httpx.AsyncClient:
         c = self.cfg
@@ -82,6 +85,9 @@ class Router:
         self.client = self.make_client()
         self.legs = Legs(self.cfg, self.pool, self.metrics, self.client)
         try:
+            if self.cfg.discover is not None:
+                await self._start_discovery()
+                wait = False  # instances come and go: serve now, /health says when ready
             if wait:
                 await self.pool.wait_ready(self.client, self.cfg.startup_timeout_s)
             else:
@@ -95,6 +101,28 @@ class Router:
             self.cache.start()
         self._health = asyncio.create_task(self.pool.health_loop(self.client))
 
+    async def _start_discovery(self) -> None:
+        """Watch the etcd prefix; each instance that joins is checked at once."""
+        from kvpush.router.discover import EtcdLink
+
+        def on_join(inst: Instance) -> None:
+            assert self.client is not None
+            task = asyncio.create_task(self.pool.check(self.client, inst))
+            self._joins.add(task)
+            task.add_done_callback(self._joins.discard)
+
+        self.discovery = EtcdLink(self.cfg.discover, self.pool, self.cfg.mode, on_join)
+        self.discovery.start()
+        # the first view, if etcd answers soon; else the router starts with the static
+        # instances and the link catches up when etcd answers
+        try:
+            await asyncio.wait_for(self.discovery.synced.wait(), self.cfg.startup_timeout_s
+                                   if not (self.cfg.prefill or self.cfg.decode) else 2.0)
+        except TimeoutError:
+            logger.warning("no view of %s yet: starting without it", self.cfg.discover)
+        if self._joins:
+            await asyncio.wait(set(self._joins), timeout=self.cfg.health_timeout_s * 2)
+
     def for_client(self, err: APIError) -> APIError:
         """``err`` as a client may see it: no internal address or engine id (the log has
         them)."""
@@ -102,6 +130,13 @@ class Router:
         return err
 
     async def close(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.close()
+            self.discovery = None
+        for task in list(self._joins):
+            task.cancel()
+        if self._joins:
+            await asyncio.wait(set(self._joins))
         if self._health is not None:
             self._health.cancel()
             await asyncio.wait({self._health})
@@ -242,11 +277,19 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
     async def health() -> Response:
         pool = router.pool
         counts = {role: sum(i.healthy for i in group) for role, group in pool.by_role.items()}
+        extra = ({"membership": router.discovery.health()}
+                 if router.discovery is not None else {})
         if pool.ready():
             return JSONResponse({"status": "ok", "mode": router.cfg.mode,
-                                 "healthy": counts})
-        return APIError(f"the router cannot serve: healthy instances {counts}",
-                        status_code=503).response()
+                                 "healthy": counts, **extra})
+        err = APIError(f"the router cannot serve: healthy instances {counts}",
+                       status_code=503).response()
+        if extra:
+            import json
+
+            body = json.loads(err.body)
+            err = JSONResponse({**body, **extra}, status_code=503)
+        return err
 
     @app.get("/router/instances", summary="The instances, their identity and health")
     async def instances() -> Response:

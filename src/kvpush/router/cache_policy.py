@@ -36,6 +36,7 @@ class CachePolicy:
         self.index = KVIndex(self._fetch_snapshot, retry_s=cfg.health_interval_s)
         self._load: asyncio.Task | None = None
         pool.on_info = self._on_info
+        pool.on_remove = self._on_remove
         for inst in pool.instances:  # checked once already (start-up)
             if inst.healthy:
                 self._on_info(inst)
@@ -44,6 +45,9 @@ class CachePolicy:
 
     def _on_info(self, inst: Instance) -> None:
         self.index.update(inst, inst.url, inst.info)
+
+    def _on_remove(self, inst: Instance) -> None:  # left the pool: its index goes
+        self.index.update(inst, inst.url, None)
 
     async def _fetch_snapshot(self, url: str) -> Snapshot:
         r = await self.client.get(url + "/kv/cache_blocks", timeout=self.cfg.health_timeout_s)

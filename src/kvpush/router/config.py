@@ -126,6 +126,9 @@ class RouterConfig:
     local_prefill_max_tokens: int = 128
     #: cache-aware: what one leg in flight on an instance weighs, in prompt tokens
     load_cost_tokens: int = 64
+    #: --discover: the etcd prefix instances register under (a
+    #: kvpush.discovery.target.EtcdTarget; None: the static lists only)
+    discover: object | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -133,7 +136,7 @@ class RouterConfig:
         if self.policy not in POLICIES:
             raise RouterConfigError(
                 f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if not self.decode:
+        if not self.decode and self.discover is None:
             raise RouterConfigError("at least one decode instance is required (--decode URL)")
         if self.mode == "colocated":
             if self.prefill:
@@ -142,7 +145,7 @@ class RouterConfig:
                     "instances (role=both); it takes no --prefill instances")
             if self.fallback_local_prefill:
                 raise RouterConfigError("--fallback-local-prefill needs --mode push or pull")
-        elif not self.prefill:
+        elif not self.prefill and self.discover is None:
             raise RouterConfigError(
                 f"--mode {self.mode} needs at least one prefill instance (--prefill URL)")
         urls = [s.url for s in self.prefill + self.decode]

@@ -1,0 +1,291 @@
+"""Elastic membership against a real etcd (tests/etcd_helpers.py, no mock): instances
+register with `kvpush serve --register`, in-process routers follow with --discover.
+
+Join, leave by drain (SIGTERM), leave by crash (SIGKILL: the lease expires), etcd
+stopped and restarted under a running router, two routers on one prefix, a card that
+does not match its instance. Each keeps traffic going through the router and checks
+that requests succeed and that every instance's free blocks return to their start.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from etcd_helpers import EtcdServer, require_etcd
+from kvpush.discovery.target import parse_target
+from router_helpers import Instance, RouterThread, start_instances, wait_until
+
+require_etcd()  # skips the module, saying why, where no etcd binary can be had
+
+pytestmark = pytest.mark.timeout(180)
+
+KV = ("--block-size", "16", "--num-blocks", "128", "--kv-transfer", "push",
+      "--lease-timeout", "2", "--heartbeat-interval", "0.2")
+TTL = "2"
+BODY = {"prompt": "the quick brown fox jumps over the lazy dog", "max_tokens": 6,
+        "temperature": 0}
+
+
+def reg(etcd: EtcdServer, role: str, prefix: str = "kvpush", ttl: str = TTL) -> tuple:
+    return ("--role", role, *KV, "--register", etcd.url(prefix), "--register-ttl", ttl,
+            "--drain-grace", "0.5")
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("membership-logs")
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory, logs) -> Iterator[EtcdServer]:
+    server = EtcdServer(tmp_path_factory.mktemp("etcd-data") / "data", logs)
+    yield server
+    server.stop()
+
+
+@dataclass
+class Members:
+    """The instances registered under /kvpush/ now (tests run in file order and hand
+    the cluster on: the drain test replaces D0 by D1)."""
+
+    prefill: Instance
+    decode: Instance
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama, etcd, logs) -> Iterator[Members]:
+    """A prefill and a decode registered under /kvpush/ for the whole module."""
+    p0, d0 = start_instances(tiny_llama, [("P0", reg(etcd, "prefill")),
+                                          ("D0", reg(etcd, "decode"))], logs)
+    m = Members(p0, d0)
+    started = [p0, d0]
+    m.started = started  # type: ignore[attr-defined]
+    yield m
+    for i in started + [m.decode]:
+        i.stop()
+
+
+def router(etcd: EtcdServer, prefix: str = "kvpush", **kw) -> RouterThread:
+    return RouterThread("push", [], [], discover=parse_target(etcd.url(prefix)), **kw)
+
+
+def pool(rt: RouterThread) -> set[str]:
+    return {i["url"] for i in rt.instances()}
+
+
+def healthy(rt: RouterThread) -> dict[str, str]:
+    return {i["url"]: i["role"] for i in rt.instances() if i["healthy"]}
+
+
+class Traffic:
+    """Requests through the router from two threads, each pausing PAUSE_S between two,
+    until stopped (bounded: 3000 requests or 120 s); records each status."""
+
+    PAUSE_S = 0.05
+
+    def __init__(self, url: str) -> None:
+        self.url, self.results = url, []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(2)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + 120
+        with httpx.Client(timeout=60) as c:
+            while not self._stop.is_set() and len(self.results) < 3000 \
+                    and time.monotonic() < deadline:
+                try:
+                    r = c.post(self.url + "/v1/completions", json=BODY)
+                    self.results.append((time.monotonic(), r.status_code, r.text[:200]))
+                except Exception as e:  # noqa: BLE001 - recorded, the test fails on it
+                    self.results.append((time.monotonic(), 0, repr(e)))
+                self._stop.wait(self.PAUSE_S)
+
+    def wait_count(self, n: int, timeout: float = 30.0) -> None:
+        start = len(self.results)
+        wait_until(lambda: len(self.results) >= start + n, timeout,
+                   f"{n} more requests (alive: {[t.is_alive() for t in self._threads]}, "
+                   f"last: {self.results[-3:]})")
+
+    def stop(self) -> list[tuple[float, int, str]]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+        return self.results
+
+
+def assert_all_ok(results: list, since: float = 0.0) -> None:
+    bad = [r for r in results if r[0] >= since and r[1] != 200]
+    assert not bad, bad[:3]
+    assert [r for r in results if r[0] >= since], "no request was sent"
+
+
+def free_blocks_back(insts: list[Instance]) -> None:
+    for inst in insts:
+        inst.wait_all_free()
+
+
+def test_join_then_leave_by_drain(tiny_llama, etcd, base, logs):
+    p0, d0 = base.prefill, base.decode
+    rt = router(etcd)
+    try:
+        wait_until(lambda: set(healthy(rt)) == {p0.url, d0.url}, 20, "P0 and D0 in rotation")
+        traffic = Traffic(rt.url)
+        traffic.wait_count(3)
+        # join: a second decode registers; the router takes it in while requests flow
+        (d1,) = start_instances(tiny_llama, [("D1", reg(etcd, "decode"))], logs)
+        base.decode = d1
+        wait_until(lambda: d1.url in pool(rt), 1.5,
+                   "D1 in the router's pool within a second of being ready")
+        wait_until(lambda: d1.url in healthy(rt), 10, "D1 in rotation")
+        traffic.wait_count(6)
+        # leave by drain: SIGTERM D0; its key goes first (the router drops it within a
+        # second), the requests it holds finish, then it exits
+        d0.proc.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: d0.url not in pool(rt), 1.5, "D0 dropped within a second")
+        d0.proc.proc.wait(20)
+        traffic.wait_count(6)
+        assert_all_ok(traffic.stop())
+        assert len([k for k in etcd.registered() if "/decode/" in k]) == 1  # D1's only
+        free_blocks_back([p0, d1])
+    finally:
+        rt.stop()
+
+
+def test_leave_by_crash_lease_expires(tiny_llama, etcd, base, logs):
+    p0, d1 = base.prefill, base.decode
+    (d2,) = start_instances(tiny_llama, [("D2", reg(etcd, "decode"))], logs)
+    base.started.append(d2)
+    rt = router(etcd, health_interval_s=30)  # only the lease expiry can drop it
+    try:
+        wait_until(lambda: set(healthy(rt)) == {p0.url, d1.url, d2.url}, 20, "all in rotation")
+        traffic = Traffic(rt.url)
+        traffic.wait_count(4)
+        d2.kill()  # no drain: its key stays until its 2 s lease expires
+        killed = time.monotonic()
+        wait_until(lambda: d2.url not in pool(rt), 6, "D2 dropped when its lease expired")
+        assert time.monotonic() - killed > 0.5, "dropped before the lease could expire?"
+        assert len([k for k in etcd.registered() if "/decode/" in k]) == 1
+        since = time.monotonic()
+        traffic.wait_count(6)
+        results = traffic.stop()
+        # legs in flight on D2 when it was killed may fail; every request after its
+        # lease expired succeeds, on D1
+        assert_all_ok(results, since)
+        free_blocks_back([p0, d1])
+    finally:
+        rt.stop()
+
+
+def test_etcd_restart_keeps_view_and_catches_up(etcd, base):
+    import asyncio
+
+    from kvpush.discovery.card import card_from_info, encode
+    from kvpush.discovery.etcd import EtcdClient
+
+    p0, d1 = base.prefill, base.decode
+    rt = router(etcd)
+    try:
+        wait_until(lambda: set(healthy(rt)) == {p0.url, d1.url}, 20, "P0 and D1 in rotation")
+        traffic = Traffic(rt.url)
+        traffic.wait_count(2)
+        etcd.stop()
+
+        def membership() -> dict:
+            return httpx.get(rt.url + "/health", timeout=5).json()["membership"]
+
+        wait_until(lambda: membership()["state"] == "unreachable", 5, "/health says so")
+        assert membership()["error"]
+        traffic.wait_count(4)  # the last view serves
+        etcd.start()
+        wait_until(lambda: membership()["state"] == "watching", 10, "back to watching")
+        # the instances' leases survived (same data dir): they are still registered;
+        # and a change made after the restart reaches the router
+        wait_until(lambda: len(etcd.registered()) == 2, 10, "both keys still there")
+        ghost = card_from_info("http://127.0.0.1:9", {**d1.get("/kv/info"),
+                                                      "engine_id": "ghost"})
+
+        async def put_and_delete(delete: bool) -> None:
+            c = EtcdClient(parse_target(etcd.url()))
+            try:
+                if delete:
+                    await c.delete("/kvpush/instances/decode/ghost")
+                else:
+                    await c.put("/kvpush/instances/decode/ghost", encode(ghost))
+            finally:
+                await c.aclose()
+
+        asyncio.run(put_and_delete(False))
+        wait_until(lambda: ghost.url in pool(rt), 2, "a card written after the restart")
+        assert ghost.url not in healthy(rt)  # it does not answer: no traffic
+        asyncio.run(put_and_delete(True))
+        wait_until(lambda: ghost.url not in pool(rt), 2, "and deleted")
+        traffic.wait_count(4)
+        assert_all_ok(traffic.stop())
+        free_blocks_back([p0, d1])
+    finally:
+        rt.stop()
+
+
+def test_two_routers_one_prefix_and_static_beside(etcd, base):
+    p0, d1 = base.prefill, base.decode
+    r1 = router(etcd)
+    # the second router has D1 on its command line too: that static entry stays, and
+    # D1's card is ignored rather than listed twice
+    r2 = RouterThread("push", [], [d1.url], discover=parse_target(etcd.url()))
+    try:
+        wait_until(lambda: set(healthy(r1)) == {p0.url, d1.url}, 20, "router 1")
+        wait_until(lambda: set(healthy(r2)) == {p0.url, d1.url}, 20, "router 2")
+        assert len(r2.instances()) == 2
+        t1, t2 = Traffic(r1.url), Traffic(r2.url)
+        t1.wait_count(4)
+        t2.wait_count(4)
+        assert_all_ok(t1.stop())
+        assert_all_ok(t2.stop())
+        free_blocks_back([p0, d1])
+    finally:
+        r1.stop()
+        r2.stop()
+
+
+def test_card_that_does_not_match_is_refused(etcd, base):
+    import asyncio
+
+    from kvpush.discovery.card import card_from_info, encode
+    from kvpush.discovery.etcd import EtcdClient
+
+    p0, d1 = base.prefill, base.decode
+    info = d1.get("/kv/info")
+    forged = card_from_info(d1.url, {**info, "engine_id": "not-d1"})
+
+    async def put() -> None:
+        c = EtcdClient(parse_target(etcd.url("forged")))
+        try:
+            await c.put("/forged/instances/decode/not-d1", encode(forged))
+            await c.put("/forged/instances/decode/junk", b"{not a card")
+        finally:
+            await c.aclose()
+
+    asyncio.run(put())
+    rt = RouterThread("push", [p0.url], [], discover=parse_target(etcd.url("forged")))
+    try:
+        def state() -> dict:
+            return next((i for i in rt.instances() if i["url"] == d1.url), {})
+
+        wait_until(lambda: bool(state().get("misconfigured")), 10, "the forged card refused")
+        assert "does not match its /kv/info" in state()["misconfigured"]
+        assert "engine_id" in state()["misconfigured"]
+        assert not state()["healthy"]
+        r = httpx.post(rt.url + "/v1/completions", json=BODY, timeout=30)
+        assert r.status_code == 503  # no usable decode: the forged one gets nothing
+    finally:
+        rt.stop()
