@@ -58,6 +58,8 @@ class Members:
 
     prefill: Instance
     decode: Instance
+    #: a second decode, joined with the first and crashed by the crash test
+    spare: Instance | None = None
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,10 @@ def router(etcd: EtcdServer, prefix: str = "kvpush", **kw) -> RouterThread:
 
 def pool(rt: RouterThread) -> set[str]:
     return {i["url"] for i in rt.instances()}
+
+
+def kv_index(rt: RouterThread, url: str) -> dict | None:
+    return next((i.get("kv_index") for i in rt.instances() if i["url"] == url), None)
 
 
 def healthy(rt: RouterThread) -> dict[str, str]:
@@ -136,17 +142,21 @@ def free_blocks_back(insts: list[Instance]) -> None:
 
 def test_join_then_leave_by_drain(tiny_llama, etcd, base, logs):
     p0, d0 = base.prefill, base.decode
-    rt = router(etcd)
+    rt = router(etcd, policy="cache-aware")
     try:
         wait_until(lambda: set(healthy(rt)) == {p0.url, d0.url}, 20, "P0 and D0 in rotation")
         traffic = Traffic(rt.url)
         traffic.wait_count(3)
-        # join: a second decode registers; the router takes it in while requests flow
-        (d1,) = start_instances(tiny_llama, [("D1", reg(etcd, "decode"))], logs)
-        base.decode = d1
-        wait_until(lambda: d1.url in pool(rt), 1.5,
-                   "D1 in the router's pool within a second of being ready")
-        wait_until(lambda: d1.url in healthy(rt), 10, "D1 in rotation")
+        # join: two more decodes register; the router takes them in while requests flow
+        d1, d2 = start_instances(tiny_llama, [("D1", reg(etcd, "decode")),
+                                              ("D2", reg(etcd, "decode"))], logs)
+        base.decode, base.spare = d1, d2
+        base.started.append(d2)
+        wait_until(lambda: {d1.url, d2.url} <= pool(rt), 1.5,
+                   "D1 and D2 in the router's pool within a second of being ready")
+        wait_until(lambda: {d1.url, d2.url} <= set(healthy(rt)), 10, "D1, D2 in rotation")
+        # its KV-event index started when it joined
+        wait_until(lambda: kv_index(rt, d1.url) is not None, 5, "D1's KV index")
         traffic.wait_count(6)
         # leave by drain: SIGTERM D0; its key goes first (the router drops it within a
         # second), the requests it holds finish, then it exits
@@ -155,16 +165,18 @@ def test_join_then_leave_by_drain(tiny_llama, etcd, base, logs):
         d0.proc.proc.wait(20)
         traffic.wait_count(6)
         assert_all_ok(traffic.stop())
-        assert len([k for k in etcd.registered() if "/decode/" in k]) == 1  # D1's only
-        free_blocks_back([p0, d1])
+        assert len([k for k in etcd.registered() if "/decode/" in k]) == 2  # D1's, D2's
+        # D0's KV index went with it: the router follows the others' events only
+        followed = {i.url for i in rt.router.cache.index._followers}
+        assert followed == {p0.url, d1.url, d2.url}
+        free_blocks_back([p0, d1, d2])
     finally:
         rt.stop()
 
 
-def test_leave_by_crash_lease_expires(tiny_llama, etcd, base, logs):
-    p0, d1 = base.prefill, base.decode
-    (d2,) = start_instances(tiny_llama, [("D2", reg(etcd, "decode"))], logs)
-    base.started.append(d2)
+def test_leave_by_crash_lease_expires(etcd, base):
+    p0, d1, d2 = base.prefill, base.decode, base.spare
+    assert d2 is not None, "the drain test starts D2"
     rt = router(etcd, health_interval_s=30)  # only the lease expiry can drop it
     try:
         wait_until(lambda: set(healthy(rt)) == {p0.url, d1.url, d2.url}, 20, "all in rotation")
@@ -287,5 +299,44 @@ def test_card_that_does_not_match_is_refused(etcd, base):
         assert not state()["healthy"]
         r = httpx.post(rt.url + "/v1/completions", json=BODY, timeout=30)
         assert r.status_code == 503  # no usable decode: the forged one gets nothing
+        h = httpx.get(rt.url + "/health", timeout=5)
+        assert h.status_code == 503 and h.json()["membership"]["state"] == "watching"
+        assert "error" in h.json()  # still an OpenAI-style error body
+    finally:
+        rt.stop()
+
+
+def test_router_started_before_its_instances(etcd, base):
+    """A cache-aware router watching an empty prefix serves /health 503, then takes the
+    instances in when their cards appear, and loads the tokenizer from the decode that
+    joined (it had none to ask at start)."""
+    import asyncio
+
+    from kvpush.discovery.card import card_from_info, encode
+    from kvpush.discovery.etcd import EtcdClient
+
+    p0, d1 = base.prefill, base.decode
+    rt = router(etcd, prefix="late", policy="cache-aware")
+    try:
+        assert httpx.get(rt.url + "/health", timeout=5).status_code == 503
+
+        async def put() -> None:
+            c = EtcdClient(parse_target(etcd.url("late")))
+            try:
+                for inst in (p0, d1):
+                    info = inst.get("/kv/info")
+                    await c.put(f"/late/instances/{info['role']}/{info['engine_id']}",
+                                encode(card_from_info(inst.url, info)))
+            finally:
+                await c.aclose()
+
+        asyncio.run(put())
+        wait_until(lambda: set(healthy(rt)) == {p0.url, d1.url}, 10, "both joined")
+        assert httpx.get(rt.url + "/health", timeout=5).status_code == 200
+        tok = rt.router.cache.tokenizer
+        wait_until(lambda: tok.state.value == "ready", 20, f"tokenizer loaded ({tok.why})")
+        r = httpx.post(rt.url + "/v1/completions", json=BODY, timeout=60)
+        assert r.status_code == 200, r.text
+        free_blocks_back([p0, d1])
     finally:
         rt.stop()

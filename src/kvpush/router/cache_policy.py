@@ -62,7 +62,7 @@ class CachePolicy:
 
     async def _load_tokenizer(self) -> None:
         source = None
-        if self.cfg.tokenizer is None:
+        while self.cfg.tokenizer is None:
             for inst in self.pool.by_role["decode"]:
                 try:
                     r = await self.client.get(inst.url + "/v1/models",
@@ -72,6 +72,10 @@ class CachePolicy:
                     logger.info("/v1/models of %s: %s", inst.url, describe_error(e))
                 if source is not None:
                     break
+            if source is not None or self.cfg.discover is None:
+                break
+            # --discover: no decode has joined yet; ask again when one may have
+            await asyncio.sleep(self.cfg.health_interval_s)
         await self.tokenizer.load(source)
 
     async def close(self) -> None:
