@@ -149,6 +149,20 @@ def test_cli_refuses_bad_membership_flags(tmp_path):
     assert r.returncode == 2 and "without a password" in r.stderr
 
 
+def test_serve_refuses_bad_registration_before_loading(tiny_llama):
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvpush", "serve", str(tiny_llama),
+                               "--port", "0", "--register", "etcd://127.0.0.1:1/x", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    r = serve("--host", "0.0.0.0")
+    assert r.returncode == 2 and "--advertise-url" in r.stderr, r.stderr
+    r = serve("--register-ttl", "1")
+    assert r.returncode == 2 and "at least 2" in r.stderr, r.stderr
+    r = serve("--advertise-url", "ftp://x")
+    assert r.returncode == 2 and "--advertise-url" in r.stderr, r.stderr
+
+
 # ------------------------------------------------------------------ against a real etcd
 
 
