@@ -265,3 +265,40 @@ def test_registrar_waits_for_etcd_then_registers(tmp_path):
         assert server.registered("/late/") == []  # withdrawn on close
     finally:
         server.stop()
+
+
+def test_router_started_while_etcd_is_down_catches_up(tmp_path):
+    """No view at start: the router serves anyway (/health 503, membership unreachable)
+    within its first-view wait, and takes the cards in once etcd answers."""
+    import time
+
+    from router_helpers import RouterThread, wait_until
+
+    require_etcd()
+    server = EtcdServer(tmp_path / "data", tmp_path)
+    server.stop()
+    t0 = time.monotonic()
+    rt = RouterThread("push", [], [], discover=parse_target(server.url()))
+    try:
+        assert time.monotonic() - t0 < 15
+        h = httpx.get(rt.url + "/health", timeout=5)
+        assert h.status_code == 503 and h.json()["membership"]["state"] == "unreachable"
+        server.start()
+        card = card_from_info("http://127.0.0.1:9", INFO)
+
+        async def put() -> None:
+            c = EtcdClient(parse_target(server.url()))
+            try:
+                await c.put("/kvpush/instances/decode/decode-1", encode(card))
+            finally:
+                await c.aclose()
+
+        asyncio.run(put())
+        wait_until(lambda: [i["url"] for i in rt.instances()] == [card.url], 10,
+                   "the card taken in after etcd came up")
+        assert not rt.instances()[0]["healthy"]  # nothing answers there
+        wait_until(lambda: httpx.get(rt.url + "/health", timeout=5).json()["membership"]
+                   ["state"] == "watching", 5, "watching")
+    finally:
+        rt.stop()
+        server.stop()

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import httpx
 from fastapi import FastAPI, Request
@@ -36,12 +36,19 @@ from kvpush.server.errors import APIError, install_error_handlers, internal_erro
 from kvpush.server.metrics import auth_rejected_counter
 from kvpush.server.openapi import install_openapi, request_body
 
+if TYPE_CHECKING:
+    from kvpush.router.discover import EtcdLink
+
 logger = logging.getLogger("kvpush.router")
 
 #: Idle keep-alive connections to instances are dropped before the instances' own
 #: keep-alive timeout (uvicorn's default is 5 s, in kvpush and vLLM alike), so the router
 #: never sends on a connection the instance is closing at that moment.
 KEEPALIVE_EXPIRY_S = 3.0
+
+#: --discover: how long start-up waits for the first view of etcd before serving without
+#: it (the router then answers /health, 503 until it has usable instances)
+FIRST_VIEW_S = 5.0
 
 
 class Router:
@@ -62,7 +69,7 @@ class Router:
         self.cache: CachePolicy | None = None
         self._health: asyncio.Task | None = None
         #: --discover: the etcd watch that adds and drops instances (kvpush.router.discover)
-        self.discovery = None
+        self.discovery: EtcdLink | None = None
         self._joins: set[asyncio.Task] = set()
 
     def make_client(self) -> httpx.AsyncClient:
@@ -113,11 +120,11 @@ class Router:
 
         self.discovery = EtcdLink(self.cfg.discover, self.pool, self.cfg.mode, on_join)
         self.discovery.start()
-        # the first view, if etcd answers soon; else the router starts with the static
-        # instances and the link catches up when etcd answers
+        # the first view, if etcd answers soon; else the router starts with what it has
+        # (the static instances, or none: /health 503) and the link catches up
         try:
-            await asyncio.wait_for(self.discovery.synced.wait(), self.cfg.startup_timeout_s
-                                   if not (self.cfg.prefill or self.cfg.decode) else 2.0)
+            await asyncio.wait_for(self.discovery.synced.wait(),
+                                   min(FIRST_VIEW_S, self.cfg.startup_timeout_s))
         except TimeoutError:
             logger.warning("no view of %s yet: starting without it", self.cfg.discover)
         if self._joins:
@@ -283,13 +290,8 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
             return JSONResponse({"status": "ok", "mode": router.cfg.mode,
                                  "healthy": counts, **extra})
         err = APIError(f"the router cannot serve: healthy instances {counts}",
-                       status_code=503).response()
-        if extra:
-            import json
-
-            body = json.loads(err.body)
-            err = JSONResponse({**body, **extra}, status_code=503)
-        return err
+                       status_code=503)
+        return JSONResponse({**err.body(), **extra}, status_code=err.status_code)
 
     @app.get("/router/instances", summary="The instances, their identity and health")
     async def instances() -> Response:
