@@ -9,7 +9,9 @@ import contextlib
 import os
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -80,20 +82,34 @@ class EtcdServer:
                 self.proc.wait(5)
         self.proc = None
 
-    def registered(self, prefix: str = "/kvpush/") -> list[str]:
+    def _call(self, fn: Callable[[Any], Awaitable[Any]]) -> Any:
+        """``fn(client)`` with a kvpush EtcdClient on this server, from sync test code."""
         import asyncio
 
         from kvpush.discovery.etcd import EtcdClient
         from kvpush.discovery.target import parse_target
 
-        async def go() -> list[str]:
-            c = EtcdClient(parse_target(self.url(prefix.strip("/"))))
+        async def go() -> Any:
+            c = EtcdClient(parse_target(self.url()))
             try:
-                return [kv.key for kv in (await c.get_prefix(prefix))[1]]
+                return await fn(c)
             finally:
                 await c.aclose()
 
         return asyncio.run(go())
+
+    def registered(self, prefix: str = "/kvpush/") -> list[str]:
+        """The keys under ``prefix`` now."""
+        async def keys(c: Any) -> list[str]:
+            return [kv.key for kv in (await c.get_prefix(prefix))[1]]
+
+        return self._call(keys)
+
+    def put(self, key: str, value: bytes) -> None:
+        self._call(lambda c: c.put(key, value))
+
+    def delete(self, key: str) -> None:
+        self._call(lambda c: c.delete(key))
 
 
 def env_without_etcd_auth() -> dict[str, str]:

@@ -199,10 +199,7 @@ def test_leave_by_crash_lease_expires(etcd, base):
 
 
 def test_etcd_restart_keeps_view_and_catches_up(etcd, base):
-    import asyncio
-
     from kvpush.discovery.card import card_from_info, encode
-    from kvpush.discovery.etcd import EtcdClient
 
     p0, d1 = base.prefill, base.decode
     rt = router(etcd)
@@ -225,21 +222,10 @@ def test_etcd_restart_keeps_view_and_catches_up(etcd, base):
         wait_until(lambda: len(etcd.registered()) == 2, 10, "both keys still there")
         ghost = card_from_info("http://127.0.0.1:9", {**d1.get("/kv/info"),
                                                       "engine_id": "ghost"})
-
-        async def put_and_delete(delete: bool) -> None:
-            c = EtcdClient(parse_target(etcd.url()))
-            try:
-                if delete:
-                    await c.delete("/kvpush/instances/decode/ghost")
-                else:
-                    await c.put("/kvpush/instances/decode/ghost", encode(ghost))
-            finally:
-                await c.aclose()
-
-        asyncio.run(put_and_delete(False))
+        etcd.put("/kvpush/instances/decode/ghost", encode(ghost))
         wait_until(lambda: ghost.url in pool(rt), 2, "a card written after the restart")
         assert ghost.url not in healthy(rt)  # it does not answer: no traffic
-        asyncio.run(put_and_delete(True))
+        etcd.delete("/kvpush/instances/decode/ghost")
         wait_until(lambda: ghost.url not in pool(rt), 2, "and deleted")
         traffic.wait_count(4)
         assert_all_ok(traffic.stop())
@@ -270,24 +256,14 @@ def test_two_routers_one_prefix_and_static_beside(etcd, base):
 
 
 def test_card_that_does_not_match_is_refused(etcd, base):
-    import asyncio
-
     from kvpush.discovery.card import card_from_info, encode
-    from kvpush.discovery.etcd import EtcdClient
 
     p0, d1 = base.prefill, base.decode
     info = d1.get("/kv/info")
     forged = card_from_info(d1.url, {**info, "engine_id": "not-d1"})
 
-    async def put() -> None:
-        c = EtcdClient(parse_target(etcd.url("forged")))
-        try:
-            await c.put("/forged/instances/decode/not-d1", encode(forged))
-            await c.put("/forged/instances/decode/junk", b"{not a card")
-        finally:
-            await c.aclose()
-
-    asyncio.run(put())
+    etcd.put("/forged/instances/decode/not-d1", encode(forged))
+    etcd.put("/forged/instances/decode/junk", b"{not a card")
     rt = RouterThread("push", [p0.url], [], discover=parse_target(etcd.url("forged")))
     try:
         def state() -> dict:
@@ -310,27 +286,17 @@ def test_router_started_before_its_instances(etcd, base):
     """A cache-aware router watching an empty prefix serves /health 503, then takes the
     instances in when their cards appear, and loads the tokenizer from the decode that
     joined (it had none to ask at start)."""
-    import asyncio
-
     from kvpush.discovery.card import card_from_info, encode
-    from kvpush.discovery.etcd import EtcdClient
 
     p0, d1 = base.prefill, base.decode
     rt = router(etcd, prefix="late", policy="cache-aware")
     try:
         assert httpx.get(rt.url + "/health", timeout=5).status_code == 503
 
-        async def put() -> None:
-            c = EtcdClient(parse_target(etcd.url("late")))
-            try:
-                for inst in (p0, d1):
-                    info = inst.get("/kv/info")
-                    await c.put(f"/late/instances/{info['role']}/{info['engine_id']}",
-                                encode(card_from_info(inst.url, info)))
-            finally:
-                await c.aclose()
-
-        asyncio.run(put())
+        for inst in (p0, d1):
+            info = inst.get("/kv/info")
+            etcd.put(f"/late/instances/{info['role']}/{info['engine_id']}",
+                     encode(card_from_info(inst.url, info)))
         wait_until(lambda: set(healthy(rt)) == {p0.url, d1.url}, 10, "both joined")
         assert httpx.get(rt.url + "/health", timeout=5).status_code == 200
         tok = rt.router.cache.tokenizer

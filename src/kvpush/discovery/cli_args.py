@@ -4,7 +4,6 @@ and their checking. Import-cheap (argparse only): the parsers are built for --he
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from kvpush import cli_types
 from kvpush.discovery.target import (
@@ -18,6 +17,24 @@ from kvpush.discovery.target import (
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
+def lease_ttl(text: str) -> int:
+    """A registration lease TTL: whole seconds, at least 2 (renewed every third)."""
+    value = cli_types.positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 seconds, got {value}")
+    return value
+
+
+def http_url(text: str) -> str:
+    """An instance URL routers can reach (http(s)://HOST:PORT), normalized."""
+    from kvpush.router.config import RouterConfigError, parse_instance
+
+    try:
+        return parse_instance(text).url
+    except RouterConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_register_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("membership (etcd)")
     g.add_argument("--register", metavar="etcd://HOST:PORT/PREFIX",
@@ -25,11 +42,11 @@ def add_register_args(p: argparse.ArgumentParser) -> None:
                         "channel, model, KV layout) in etcd under PREFIX, bound to a lease "
                         "kept alive; on SIGTERM the key goes first, then requests in flight "
                         "finish (docs/ROUTER.md, membership)")
-    g.add_argument("--register-ttl", type=cli_types.positive_int, default=10,
+    g.add_argument("--register-ttl", type=lease_ttl, default=10,
                    metavar="SECONDS",
                    help="lease TTL: a crashed instance leaves the routers' view within it "
                         "(default: 10, at least 2)")
-    g.add_argument("--advertise-url", metavar="URL",
+    g.add_argument("--advertise-url", type=http_url, metavar="URL",
                    help="the URL routers reach this instance at (default: http://HOST:PORT "
                         "of --host/--port; needed when --host is a wildcard)")
     g.add_argument("--drain-grace", type=cli_types.seconds, default=1.0, metavar="SECONDS",
@@ -57,13 +74,7 @@ def resolve_target(text: str | None, args: argparse.Namespace) -> EtcdTarget | N
 def advertise_url(args: argparse.Namespace, port: int) -> str:
     """The URL the instance's card names (raises TargetError)."""
     if args.advertise_url:
-        from kvpush.router.config import RouterConfigError, parse_instance
-
-        try:
-            spec: Any = parse_instance(args.advertise_url)
-        except RouterConfigError as e:
-            raise TargetError(f"--advertise-url: {e}") from None
-        return spec.url
+        return str(args.advertise_url)
     if args.host in WILDCARD_HOSTS:
         raise TargetError(f"--host {args.host!r} is not an address routers can reach: give "
                           "--advertise-url http://ADDRESS:PORT (in Kubernetes, the pod IP)")

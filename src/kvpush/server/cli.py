@@ -297,10 +297,6 @@ def _registration(args: argparse.Namespace, port: int) -> tuple[Any, str] | None
     target = resolve_target(args.register, args)
     if target is None:
         return None
-    if args.register_ttl < 2:
-        from kvpush.discovery.target import TargetError
-
-        raise TargetError("--register-ttl must be at least 2 seconds")
     return target, advertise_url(args, port)
 
 
