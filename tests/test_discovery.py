@@ -295,3 +295,86 @@ def test_router_started_while_etcd_is_down_catches_up(tmp_path):
     finally:
         rt.stop()
         server.stop()
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _make_certs(d: Path) -> None:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, for one day."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+             "ca.pem", "-days", "1", "-subj", "/CN=kvpush-test-ca", cwd=d)
+    # the server's certificate needs clientAuth too: with --client-cert-auth, etcd's JSON
+    # gateway dials etcd's own gRPC server with it
+    server_ext = "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth"
+    for name, ext in (("server", server_ext),
+                      ("client", "extendedKeyUsage=clientAuth")):
+        (d / f"{name}.ext").write_text(ext + "\n")
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+                 f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "1", "-extfile",
+                 f"{name}.ext", cwd=d)
+
+
+def test_register_and_discover_over_tls(tmp_path):
+    """etcd with client-certificate auth: --etcd-ca/--etcd-cert/--etcd-key work, and a
+    client without a certificate is refused."""
+    import shutil
+    import time
+
+    from kvpush.discovery.local import etcd_command
+    from kvpush.discovery.register import Registrar
+    from kvpush.router.discover import EtcdLink, LinkState
+    from kvpush.router.pool import Pool
+    from server_helpers import free_port
+
+    binary = require_etcd()
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make test certificates")
+    _make_certs(tmp_path)
+    port = free_port()
+    cmd = etcd_command(binary, tmp_path / "data", port, free_port(),
+                       tls=(str(tmp_path / "server.pem"), str(tmp_path / "server.key"),
+                            str(tmp_path / "ca.pem")))
+    with open(tmp_path / "etcd.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    auth = resolve_auth(_ns(etcd_ca=str(tmp_path / "ca.pem"),
+                            etcd_cert=str(tmp_path / "client.pem"),
+                            etcd_key=str(tmp_path / "client.key")), env={})
+    target = parse_target(f"etcd://127.0.0.1:{port}/tls", auth)
+    assert target.endpoint.startswith("https://")
+    card = card_from_info("http://127.0.0.1:8003", INFO)
+
+    async def go() -> None:
+        c = EtcdClient(target)
+        for _ in range(100):  # etcd starting
+            if await c.healthy():
+                break
+            await asyncio.sleep(0.1)
+        await c.aclose()
+        no_cert = EtcdClient(parse_target(f"etcd://127.0.0.1:{port}/tls",
+                                          EtcdAuth(ca_file=str(tmp_path / "ca.pem"))))
+        with pytest.raises(EtcdError):
+            await no_cert.get_prefix("/tls/")
+        await no_cert.aclose()
+        pool = Pool(RouterConfig(mode="push", prefill=(), decode=(), discover=target))
+        link = EtcdLink(target, pool, "push", lambda inst: None)
+        link.start()
+        reg = Registrar(target, card, ttl_s=3)
+        reg.start()
+        await asyncio.wait_for(reg.registered.wait(), 10)
+        t0 = time.monotonic()
+        while pool.find(card.url) is None and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.02)
+        assert pool.find(card.url) is not None and link.state is LinkState.WATCHING
+        await reg.close()
+        await link.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -36,11 +36,18 @@ def find_etcd() -> str | None:
 
 
 def etcd_command(binary: str, data_dir: Path, client_port: int, peer_port: int,
-                 host: str = "127.0.0.1") -> list[str]:
-    """One etcd member listening on ``host`` only, its data in ``data_dir``."""
-    client = f"http://{host}:{client_port}"
+                 host: str = "127.0.0.1", tls: tuple[str, str, str] | None = None
+                 ) -> list[str]:
+    """One etcd member listening on ``host`` only, its data in ``data_dir``. ``tls``:
+    (certificate, key, client CA): clients speak https and must show a certificate
+    signed by that CA."""
+    client = f"{'https' if tls else 'http'}://{host}:{client_port}"
     peer = f"http://{host}:{peer_port}"
-    return [binary, "--name", "kvpush", "--data-dir", str(data_dir),
+    extra = []
+    if tls:
+        extra = [f"--cert-file={tls[0]}", f"--key-file={tls[1]}",
+                 f"--trusted-ca-file={tls[2]}", "--client-cert-auth"]
+    return [binary, *extra, "--name", "kvpush", "--data-dir", str(data_dir),
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"kvpush={peer}", "--initial-cluster-state", "new",
