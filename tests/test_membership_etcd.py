@@ -83,6 +83,14 @@ def pool(rt: RouterThread) -> set[str]:
     return {i["url"] for i in rt.instances()}
 
 
+def running(inst: Instance) -> float:
+    """Requests in the instance's running batch now (from its /metrics)."""
+    from router_helpers import metric_value
+
+    text = httpx.get(inst.url + "/metrics", timeout=5).text
+    return metric_value(text, "kvpush_num_requests_running")
+
+
 def kv_index(rt: RouterThread, url: str) -> dict | None:
     return next((i.get("kv_index") for i in rt.instances() if i["url"] == url), None)
 
@@ -158,11 +166,23 @@ def test_join_then_leave_by_drain(tiny_llama, etcd, base, logs):
         # its KV-event index started when it joined
         wait_until(lambda: kv_index(rt, d1.url) is not None, 5, "D1's KV index")
         traffic.wait_count(6)
-        # leave by drain: SIGTERM D0; its key goes first (the router drops it within a
-        # second), the requests it holds finish, then it exits
+        # leave by drain: SIGTERM D0 while it runs a long request; its key goes first
+        # (the router drops it within a second), that request finishes, then it exits
+        long_answer: list = []
+        long_req = threading.Thread(target=lambda: long_answer.append(httpx.post(
+            d0.url + "/v1/completions", timeout=60,
+            json={**BODY, "max_tokens": 1200, "ignore_eos": True})))
+        long_req.start()
+        wait_until(lambda: running(d0) > 0 or not long_req.is_alive(), 10, "D0 busy")
+        assert long_req.is_alive(), "the long request ended before the SIGTERM"
         d0.proc.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
         wait_until(lambda: d0.url not in pool(rt), 1.5, "D0 dropped within a second")
+        long_req.join(60)
+        print(f"the long request ended {time.monotonic() - signalled:.2f} s after SIGTERM")
         d0.proc.proc.wait(20)
+        assert long_answer and long_answer[0].status_code == 200, long_answer
+        assert long_answer[0].json()["usage"]["completion_tokens"] == 1200
         traffic.wait_count(6)
         assert_all_ok(traffic.stop())
         assert len([k for k in etcd.registered() if "/decode/" in k]) == 2  # D1's, D2's
