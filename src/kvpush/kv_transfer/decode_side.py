@@ -29,6 +29,7 @@ from kvpush.kv_cache.block_pool import hash_prompt_chain
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.context import TransferContext
+from kvpush.kv_transfer.lend_claims import lend_ended
 from kvpush.kv_transfer.state import (
     MAX_REGISTER_RESENDS,
     DecodeRecv,
@@ -82,7 +83,8 @@ class DecodeReceiver:
             if problem:
                 raise RequestError(f"kv_transfer_params: {problem}", "kv_transfer_params")
         recv = DecodeRecv(tid, req.request_id, ctx.mode, address, p.remote_engine_id,
-                          list(p.remote_block_ids or []))
+                          list(p.remote_block_ids or []),
+                          lend_expires_ms=p.lend_expires_ms if ctx.mode == "pull" else None)
         self.recvs[tid] = recv
         ctx.by_request[req.request_id] = tid
         ctx.timeline.begin(tid, "d_added")
@@ -185,6 +187,11 @@ class DecodeReceiver:
             if problem:  # the request's kv_transfer_params do not fit: the client's mistake
                 self.pending.popleft()
                 self._recv_failed(recv, problem, client_error=True)
+                continue
+            late = lend_ended(recv)
+            if late:  # never claimed, never READ: recompute or fail (the policy)
+                self.pending.popleft()
+                self._recv_failed(recv, late)
                 continue
             req = self.ctx.scheduler.requests[recv.request_id]
             if not self.ctx.scheduler.allocate_remote(req):
@@ -426,3 +433,4 @@ class DecodeReceiver:
         recv = self.recvs.get(ack.transfer_id)
         if recv is not None and recv.state is RecvState.QUARANTINED:
             self._end_recv(recv, ok=False)
+

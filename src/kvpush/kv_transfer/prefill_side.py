@@ -23,6 +23,7 @@ lease ends.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -70,7 +71,7 @@ class PrefillSender:
             raise RequestError(f"transfer id {tid!r} is already in use", "kv_transfer_params")
         reg = None
         if ctx.mode == "push":
-            reason = ctx.ended.pop(tid, None)
+            reason = ctx.ended.get(tid)  # every replay, not just the first
             if reason is not None:
                 raise RequestError(f"transfer {tid} already ended: {reason}",
                                    "kv_transfer_params")
@@ -127,6 +128,9 @@ class PrefillSender:
             "remote_host": host, "remote_port": int(port),
             "remote_request_id": req.request_id, "tp_size": 1,
             "prompt_hashes": [h.hex() for h in hashes],
+            # when the lend ends unless decode's heartbeats renew it: decode does not
+            # claim it after that (lend_claims.py); the router signs it with the rest
+            "lend_expires_ms": int((time.time() + ctx.cfg.lease_timeout_s) * 1000),
         }
 
     def abort_transfer(self, tid: str, why: str) -> None:

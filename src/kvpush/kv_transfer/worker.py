@@ -50,6 +50,7 @@ from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.fences import DEFAULT_FENCE_TIMEOUT_S, FenceKeeper
 from kvpush.kv_transfer.inflight import PostedRead, TransfersInFlight, WriteGroup
+from kvpush.kv_transfer.lend_claims import LendClaims
 from kvpush.kv_transfer.peers import (  # Peer re-exported: tests place peers
     DROP_REASONS,
     EVICT_REASONS,
@@ -104,6 +105,8 @@ class TransferWorker:
         self.busy_poll_s = busy_poll_s
         # prefill of a push: decode's blocks are written by us, Aborts are answered
         self._writer = hello.role == "prefill" and hello.kv_transfer == "push"
+        self._lender = hello.role == "prefill" and hello.kv_transfer == "pull"
+        self._reader = hello.role == "decode" and hello.kv_transfer == "pull"
         self.commands: queue.SimpleQueue[c.Command] = queue.SimpleQueue()
         self.peers = PeerTable(
             hello, channel, transport, post_event, self._dispatch,
@@ -133,6 +136,8 @@ class TransferWorker:
         #: the WRITEs and READs posted, with their transport handles (inflight.py)
         self.inflight = TransfersInFlight(transport, self.peers, self.peers.send,
                                           post_event, self._stamp, self.counters)
+        #: pull: lends claimed before they are READ (lend_claims.py)
+        self.claims = LendClaims(self.peers.send, post_event)
         self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
         self._stopped = False
         self._stop_requested = False
@@ -282,12 +287,16 @@ class TransferWorker:
             case c.Untrack(tid):
                 self.leases.pop(tid, None)
                 self.fences.drop(tid)
+                self.claims.forget(tid)
             case c.EnsurePeer(address):
                 self._ensure_peer(address)
             case c.CancelWrites(tid, address):
                 self.inflight.cancel_writes(tid, address)
             case c.PostRead(tid, address, local, remote):
-                self.inflight.post_read(tid, address, local, remote)
+                if self._reader:  # only once prefill says the lend is live (lend_claims)
+                    self.claims.request(cmd)
+                else:
+                    self.inflight.post_read(tid, address, local, remote)
             case c.FenceTransfer(tid, address):
                 self.leases.pop(tid, None)  # the fence, not the lease, holds it now
                 self.fences.fence(tid, address)
@@ -348,6 +357,8 @@ class TransferWorker:
                 self.counters["messages_bad"] += 1
         elif isinstance(msg, m.HelloRefused):
             self.peers.on_refused(msg, sender)
+        elif isinstance(msg, m.PullClaim | m.PullClaimed | m.PullDone):
+            self._on_lend_message(msg, sender)
         else:
             getattr(self, "_on_" + type(msg).__name__)(msg)
 
@@ -377,12 +388,29 @@ class TransferWorker:
         self._stamp(msg.transfer_id, "d_done")
         self.post_event(c.PushDoneReceived(msg))
 
-    def _on_PullDone(self, msg: m.PullDone) -> None:
-        self.post_event(c.PullDoneReceived(msg))
+    def _on_lend_message(self, msg: m.PullClaim | m.PullClaimed | m.PullDone,
+                         sender: str) -> None:
+        """Pull lends (lend_claims.py): claims and their answers; a PullDone ends a
+        claimed lend only from its claimer."""
+        tid = msg.transfer_id
+        if isinstance(msg, m.PullClaim):
+            if self._lender:
+                self.claims.claim(msg, sender, live=tid in self.leases)
+        elif isinstance(msg, m.PullClaimed):
+            read = self.claims.answered(msg, sender) if self._reader else None
+            if read is not None:
+                self.inflight.post_read(read.tid, read.address, read.local, read.remote)
+        elif self.claims.from_claimer(tid, sender):
+            self.post_event(c.PullDoneReceived(msg))
+        else:
+            self.counters["messages_bad"] += 1
 
     def _on_abort(self, msg: m.Abort, sender: str) -> None:
         if self._writer:  # decode gave up on a push: answer once nothing of ours can land
             self.inflight.writes_aborted(msg.transfer_id, sender)
+        if not self.claims.from_claimer(msg.transfer_id, sender):
+            self.counters["messages_bad"] += 1  # a lend claimed by another decode
+            return
         self.post_event(c.AbortReceived(msg))
 
     def _on_AbortAck(self, msg: m.AbortAck) -> None:
