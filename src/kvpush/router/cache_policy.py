@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.router.config import RouterConfig
 from kvpush.router.decide import Decision, Route, cost_fn, decide, lacks_room
 from kvpush.router.job import Job
@@ -33,7 +34,9 @@ class CachePolicy:
                  client: httpx.AsyncClient) -> None:
         self.cfg, self.pool, self.metrics, self.client = cfg, pool, metrics, client
         self.tokenizer = PromptTokenizer(cfg.tokenizer)
-        self.index = KVIndex(self._fetch_snapshot, retry_s=cfg.health_interval_s)
+        self.index = KVIndex(self._fetch_snapshot, retry_s=cfg.health_interval_s,
+                             keys=EventKeys.from_secret(cfg.kv_secret) if cfg.kv_secret
+                             else None)
         self._load: asyncio.Task | None = None
         pool.on_info = self._on_info
         for inst in pool.instances:  # checked once already (start-up)
