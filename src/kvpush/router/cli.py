@@ -91,6 +91,9 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "signs every leg's kv_transfer_params with it, and instances with "
                           "a secret act only on signed ones (default: $KVPUSH_KV_SECRET; "
                           "unset: unsigned, for instances run with --insecure-kv-params)")
+    net.add_argument("--allow-loose-secret-file", action="store_true",
+                     help="use a --kv-secret-file that group or others can read (refused "
+                          "otherwise; chmod 600 it instead)")
     t = p.add_argument_group("health and timeouts")
     t.add_argument("--health-interval", type=cli_types.seconds, default=2.0, metavar="SECONDS",
                    help="seconds between health checks (/health + /kv/info) of every "
@@ -130,7 +133,8 @@ def build_config(args: argparse.Namespace) -> Any:
     from kvpush.server.auth import SecretError, resolve_api_key, resolve_kv_secret
 
     try:
-        secret, warning = resolve_kv_secret(args.kv_secret_file)
+        secret, warning = resolve_kv_secret(
+            args.kv_secret_file, allow_loose=getattr(args, "allow_loose_secret_file", False))
     except SecretError as e:
         raise RouterConfigError(str(e)) from None
     if warning:
