@@ -264,11 +264,11 @@ class SideChannel:
         self._streams.pop(address, None)
         self._close_dealer(address, forget=True)
 
-    def _close_dealer(self, address: str, forget: bool = False) -> None:
+    def _close_dealer(self, address: str, forget: bool = False, linger_ms: int = 0) -> None:
         sock = self._dealers.pop(address, None)
         self._links.detach(sock, address, forget)
         if sock is not None:
-            sock.close(linger=0)
+            sock.close(linger=linger_ms)
 
     def _dealer(self, address: str) -> zmq.Socket:
         sock = self._dealers.get(address)
@@ -495,14 +495,17 @@ class SideChannel:
 
     # -- lifetime ---------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Close every socket (pending and delayed messages are discarded). Idempotent."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every socket (delayed messages are discarded; pending ones too, unless
+        ``linger_ms``: then ZMQ has that long to send them). Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._outbox.clear()
         for address in list(self._dealers):
-            self._close_dealer(address)
+            if linger_ms > 0:
+                self._dealers[address].setsockopt(zmq.LINGER, linger_ms)
+            self._close_dealer(address, linger_ms=linger_ms)
         self._close_sockets()
         os.close(self._wake_r)
         os.close(self._wake_w)

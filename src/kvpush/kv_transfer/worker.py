@@ -60,6 +60,7 @@ from kvpush.kv_transfer.peers import (  # Peer re-exported: tests place peers
     PeerTable,
 )
 from kvpush.kv_transfer.side_channel import SEND_DROP_REASONS
+from kvpush.kv_transfer.thread_death import tell_peers
 from kvpush.kv_transfer.timeline import HandoffTimeline
 from kvpush.kv_transfer.transport import KVTransport
 
@@ -231,18 +232,31 @@ class TransferWorker:
         (thread_death.py says which, and which must wait)."""
         if why is not None:
             self._death = why  # /health fails from now on
-        try:
-            self.channel.close()
-        except Exception:  # noqa: BLE001 - going down anyway
-            log.exception("closing the side channel failed")
+        if why is None:  # stopped: nothing to tell anyone
+            self._close_channel(0)
         transport_closed = True
         try:
             self.transport.close()
         except Exception:  # noqa: BLE001 - the event says so: its transfers may live on
             log.exception("closing the KV transport failed")
             transport_closed = False
-        if why is not None:
+        if why is not None:  # a death: tell the peers once nothing of ours moves any more
+            linger_ms = 0
+            try:
+                linger_ms = tell_peers(self, why) if transport_closed else 0
+            except Exception:  # noqa: BLE001 - going down anyway
+                log.exception("telling the peers of the death failed")
+            self._close_channel(linger_ms)
             self.post_event(c.WorkerDied(why, transport_closed))
+
+    def _close_channel(self, linger_ms: int) -> None:
+        try:
+            if linger_ms:  # (test channels take no linger)
+                self.channel.close(linger_ms)
+            else:
+                self.channel.close()
+        except Exception:  # noqa: BLE001 - going down anyway
+            log.exception("closing the side channel failed")
 
     def _timeout(self, now: float) -> float:
         """How long the next wait for messages may last (commands wake it early)."""
