@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 
-from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.router.config import RouterConfig
 from kvpush.router.decide import Decision, Route, cost_fn, decide, lacks_room
 from kvpush.router.job import Job
@@ -35,8 +34,7 @@ class CachePolicy:
         self.cfg, self.pool, self.metrics, self.client = cfg, pool, metrics, client
         self.tokenizer = PromptTokenizer(cfg.tokenizer)
         self.index = KVIndex(self._fetch_snapshot, retry_s=cfg.health_interval_s,
-                             keys=EventKeys.from_secret(cfg.kv_secret) if cfg.kv_secret
-                             else None)
+                             keys=cfg.kv_secret.events if cfg.kv_secret else None)
         self._load: asyncio.Task | None = None
         pool.on_info = self._on_info
         for inst in pool.instances:  # checked once already (start-up)
@@ -87,7 +85,8 @@ class CachePolicy:
         ids = await self.tokenizer.prompt_ids(job.kind, job.body, body_bytes)
         if ids is None:
             return
-        job.route = Route(ids)
+        salt = job.body.get("cache_salt")
+        job.route = Route(ids, cache_salt=salt if isinstance(salt, str) else None)
         if job.kind == "completion" and not isinstance(job.body.get("prompt"), list):
             job.body = {**job.body, "prompt": ids}
 
