@@ -224,7 +224,8 @@ class DecodeReceiver:
                         and skip == (n - 1) // bs)
             recv.register = m.PushRegister(
                 recv.tid, self.ctx.engine_id, self.ctx.address, list(req.block_ids), skip, n,
-                full_hit, hash_prompt_chain(req.prompt_token_ids, bs, req.block_hashes))
+                full_hit, hash_prompt_chain(req.prompt_token_ids, bs, req.block_hashes,
+                                            req.params.cache_salt))
             recv.registered_at = time.monotonic()
             self.ctx.submit(c.Send(recv.address, recv.register))
             self.ctx.timeline.stamp(recv.tid, "d_registered")

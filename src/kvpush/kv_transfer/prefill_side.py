@@ -84,7 +84,8 @@ class PrefillSender:
                     "prefill", "kv_transfer_params", "prefill_not_needed")
             self.sends[tid] = PushSend(
                 tid, req.request_id,
-                prompt_hashes=hash_prompt_chain(req.prompt_token_ids, ctx.block_size))
+                prompt_hashes=hash_prompt_chain(req.prompt_token_ids, ctx.block_size,
+                                                salt=req.params.cache_salt))
         ctx.by_request[req.request_id] = tid
         ctx.timeline.begin(tid, "p_added")
         ctx.scheduler.add_request(req)  # before a registration may abort it
@@ -121,7 +122,8 @@ class PrefillSender:
         ctx.timeline.emit(tid)
         host, port = ctx.address.rsplit(":", 1)
         # the hash chain binds the lent KV to this prompt: decode READs only for the same
-        hashes = hash_prompt_chain(req.prompt_token_ids, ctx.block_size, req.block_hashes)
+        hashes = hash_prompt_chain(req.prompt_token_ids, ctx.block_size, req.block_hashes,
+                                   req.params.cache_salt)
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
             "remote_block_ids": list(req.block_ids), "remote_engine_id": ctx.engine_id,
