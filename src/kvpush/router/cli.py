@@ -91,6 +91,11 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "signs every leg's kv_transfer_params with it, and instances with "
                           "a secret act only on signed ones (default: $KVPUSH_KV_SECRET; "
                           "unset: unsigned, for instances run with --insecure-kv-params)")
+    net.add_argument("--admin-key", metavar="KEY", default=None,
+                     help="the key of the operator views (/router/instances, /metrics, "
+                          "which show what other users' requests found cached); the API "
+                          "key then no longer opens them (default: $KVPUSH_ADMIN_KEY; "
+                          "unset: the API key opens them). Prefer the environment variable")
     net.add_argument("--allow-loose-secret-file", action="store_true",
                      help="use a --kv-secret-file that group or others can read (refused "
                           "otherwise; chmod 600 it instead)")
@@ -129,6 +134,7 @@ def _fail(message: str, code: int = 2) -> int:
 
 def build_config(args: argparse.Namespace) -> Any:
     """The RouterConfig for parsed arguments (raises RouterConfigError)."""
+    from kvpush.router.admin_key import resolve_admin_key
     from kvpush.router.config import RouterConfig, RouterConfigError
     from kvpush.server.auth import SecretError, resolve_api_key, resolve_kv_secret
 
@@ -148,7 +154,8 @@ def build_config(args: argparse.Namespace) -> Any:
         startup_timeout_s=args.startup_timeout, connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout, first_byte_timeout_s=args.first_byte_timeout,
         max_outstanding_requests=args.max_outstanding_requests,
-        api_key=resolve_api_key(args.api_key), kv_secret=secret)
+        api_key=resolve_api_key(args.api_key), kv_secret=secret,
+        admin_key=resolve_admin_key(getattr(args, "admin_key", None)))
 
 
 def run_router(args: argparse.Namespace) -> int:

@@ -116,6 +116,9 @@ class RouterConfig:
     #: clients must send ``Authorization: Bearer <api_key>``, and the router sends it to
     #: every instance (None: no key); never shown in reprs or logs
     api_key: str | None = field(default=None, repr=False)
+    #: the operator views (/router/instances, /metrics) need this key instead of the API
+    #: key (None: they take the API key; router/admin_key.py); never shown
+    admin_key: str | None = field(default=None, repr=False)
     #: the cluster secret (the instances' side-channel secret): the router signs the
     #: kv_transfer_params of every leg with it (None: unsigned, for instances started
     #: with --insecure-kv-params); never shown in reprs or logs. Given as bytes, it is
