@@ -111,10 +111,13 @@ class ZapGuard:
             self._auth = None
 
 
-def handshake_reason(event: int, value: int) -> str:
-    """The reject reason of a ``HANDSHAKE_FAILED_*`` monitor event (see module docs)."""
+def handshake_reason(event: int, value: int, server: bool = False) -> str:
+    """The reject reason of a ``HANDSHAKE_FAILED_*`` monitor event (see module docs).
+    ``server``: seen by our CURVE server. A client that broke the handshake off there
+    saw the mechanism mismatch first (a wrong key is the server's to detect: it reports
+    it as cryptographic), so it has no secret: ``unsigned``."""
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        return "handshake_refused"
+        return "unsigned" if server else "handshake_refused"
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             return "unsigned"

@@ -452,7 +452,7 @@ class SideChannel:
                 return
             if len(frames) == 2 and len(frames[0]) == 6:
                 event, value = struct.unpack("=HI", frames[0])
-                self._reject(b"(a connection)", handshake_reason(event, value))
+                self._reject(b"(a connection)", handshake_reason(event, value, server=True))
 
     def _drain(self) -> list[tuple[str, bytes]]:
         out: list[tuple[str, bytes]] = []
