@@ -26,7 +26,7 @@ def test_decode_hears_of_prefills_death_at_once(tiny_qwen3):
     drv = PDDriver(p, d)
     try:
         pf.arm(transfer_delay_s=60.0)  # no WRITE lands before the death
-        drv.submit_registered("r", random_prompts([160], seed=2)[0], greedy(3))
+        drv.submit_registered("r", random_prompts([96], seed=2)[0], greedy(3))
         drv.run(until=lambda: "r" in p.connector.sender.sends
                 and p.connector.sender.sends["r"].state is SendState.SENDING
                 and p.connector.sender.sends["r"].written_blocks >= 2, timeout=20)
