@@ -40,6 +40,7 @@ import zmq
 from kvpush.config import ConfigError, EngineConfig
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import EngineStats, RequestError, RequestOutput
+from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.event_publisher import CacheSnapshot, KVEventPublisher
 from kvpush.kv_transfer.thread_death import died_message
 from kvpush.sampling_params import SamplingParams
@@ -89,7 +90,9 @@ class AsyncEngine:
         kvt = config.kv_transfer
         host = kvt.side_channel_host if kvt.enabled else "127.0.0.1"
         try:
-            publisher = KVEventPublisher(self.engine_id, config.cache.block_size, host)
+            secret = getattr(kvt, "side_channel_secret", None)  # members only, keyed
+            publisher = KVEventPublisher(self.engine_id, config.cache.block_size, host,
+                                         keys=EventKeys.from_secret(secret) if secret else None)
         except zmq.ZMQError as e:
             self.engine.shutdown()
             raise ConfigError(f"cannot bind the KV event socket on {host}: {e}") from e

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive, Scope, Send
 
+from kvpush.router.admin_key import ADMIN_PATHS, AdminKeyMiddleware
 from kvpush.router.cache_policy import CachePolicy
 from kvpush.router.config import RouterConfig
 from kvpush.router.door import uvicorn_options
@@ -44,7 +45,7 @@ from kvpush.router.prompts import TokenizerState
 from kvpush.router.redact import scrub
 from kvpush.router.wire import client_kv_params_problem, relay_error
 from kvpush.server.app import EventStreamResponse, unless_disconnected
-from kvpush.server.auth import APIKeyMiddleware, auth_header
+from kvpush.server.auth import OPEN_PATHS, APIKeyMiddleware, auth_header
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
 from kvpush.server.metrics import auth_rejected_counter
 from kvpush.server.openapi import install_openapi, request_body
@@ -349,8 +350,13 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
                   lifespan=lifespan)
     app.state.router = router
     install_error_handlers(app)
-    if router.cfg.api_key:
+    admin = router.cfg.admin_key
+    if router.cfg.api_key:  # (with an admin key, the operator views take that one)
         app.add_middleware(APIKeyMiddleware, key=router.cfg.api_key,
+                           on_reject=lambda reason: router.auth_rejected.labels(reason).inc(),
+                           open_paths=OPEN_PATHS | (ADMIN_PATHS if admin else frozenset()))
+    if admin:
+        app.add_middleware(AdminKeyMiddleware, key=admin,
                            on_reject=lambda reason: router.auth_rejected.labels(reason).inc())
 
     @app.post("/v1/completions", summary="Text completion, through prefill and decode",

@@ -41,7 +41,8 @@ class CachePolicy:
                  client: httpx.AsyncClient) -> None:
         self.cfg, self.pool, self.metrics, self.client = cfg, pool, metrics, client
         self.tokenizer = PromptTokenizer(cfg.tokenizer)
-        self.index = KVIndex(self._fetch_snapshot, retry_s=cfg.health_interval_s)
+        self.index = KVIndex(self._fetch_snapshot, retry_s=cfg.health_interval_s,
+                             keys=cfg.kv_secret.events if cfg.kv_secret else None)
         self._load: asyncio.Task | None = None
         pool.on_info = self._on_info
         pool.on_remove = self._on_remove
@@ -109,7 +110,8 @@ class CachePolicy:
         ids = await self.tokenizer.prompt_ids(job.kind, job.body, body_bytes)
         if ids is None:
             return
-        job.route = Route(ids)
+        salt = job.body.get("cache_salt")
+        job.route = Route(ids, cache_salt=salt if isinstance(salt, str) else None)
         if job.kind == "completion" and not isinstance(job.body.get("prompt"), list):
             job.body = {**job.body, "prompt": ids}
 

@@ -95,6 +95,14 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "signs every leg's kv_transfer_params with it, and instances with "
                           "a secret act only on signed ones (default: $KVPUSH_KV_SECRET; "
                           "unset: unsigned, for instances run with --insecure-kv-params)")
+    net.add_argument("--admin-key", metavar="KEY", default=None,
+                     help="the key of the operator views (/router/instances, /metrics, "
+                          "which show what other users' requests found cached); the API "
+                          "key then no longer opens them (default: $KVPUSH_ADMIN_KEY; "
+                          "unset: the API key opens them). Prefer the environment variable")
+    net.add_argument("--allow-loose-secret-file", action="store_true",
+                     help="use a --kv-secret-file that group or others can read (refused "
+                          "otherwise; chmod 600 it instead)")
     t = p.add_argument_group("health and timeouts")
     t.add_argument("--health-interval", type=cli_types.seconds, default=2.0, metavar="SECONDS",
                    help="seconds between health checks (/health + /kv/info) of every "
@@ -144,11 +152,13 @@ def _fail(message: str, code: int = 2) -> int:
 
 def build_config(args: argparse.Namespace) -> Any:
     """The RouterConfig for parsed arguments (raises RouterConfigError)."""
+    from kvpush.router.admin_key import resolve_admin_key
     from kvpush.router.config import RouterConfig, RouterConfigError
     from kvpush.server.auth import SecretError, resolve_api_key, resolve_kv_secret
 
     try:
-        secret, warning = resolve_kv_secret(args.kv_secret_file)
+        secret, warning = resolve_kv_secret(
+            args.kv_secret_file, allow_loose=getattr(args, "allow_loose_secret_file", False))
     except SecretError as e:
         raise RouterConfigError(str(e)) from None
     if warning:
@@ -172,7 +182,8 @@ def build_config(args: argparse.Namespace) -> Any:
         max_outstanding_requests=args.max_outstanding_requests,
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         max_client_connections=args.max_client_connections,
-        api_key=resolve_api_key(args.api_key), kv_secret=secret)
+        api_key=resolve_api_key(args.api_key), kv_secret=secret,
+        admin_key=resolve_admin_key(getattr(args, "admin_key", None)))
 
 
 def _loop_factory() -> Any:

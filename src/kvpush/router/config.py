@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
+from kvpush.kv_transfer.router_keys import RouterKeys
+
 Mode = Literal["push", "pull", "colocated"]
 Policy = Literal["round-robin", "least-outstanding", "cache-aware"]
 Role = Literal["prefill", "decode", "both"]
@@ -121,10 +123,15 @@ class RouterConfig:
     #: clients must send ``Authorization: Bearer <api_key>``, and the router sends it to
     #: every instance (None: no key); never shown in reprs or logs
     api_key: str | None = field(default=None, repr=False)
+    #: the operator views (/router/instances, /metrics) need this key instead of the API
+    #: key (None: they take the API key; router/admin_key.py); never shown
+    admin_key: str | None = field(default=None, repr=False)
     #: the cluster secret (the instances' side-channel secret): the router signs the
     #: kv_transfer_params of every leg with it (None: unsigned, for instances started
-    #: with --insecure-kv-params); never shown in reprs or logs
-    kv_secret: bytes | None = field(default=None, repr=False)
+    #: with --insecure-kv-params); never shown in reprs or logs. Given as bytes, it is
+    #: replaced at once by the keys derived from it (RouterKeys): the router keeps no
+    #: raw secret, so it cannot join the side channel
+    kv_secret: bytes | RouterKeys | None = field(default=None, repr=False)
     #: cache-aware: the tokenizer to load (None: the one of the instances' model, from
     #: their /v1/models)
     tokenizer: str | None = None
@@ -170,9 +177,11 @@ class RouterConfig:
         if self.max_connections < 1 or self.max_client_connections < 1:
             raise RouterConfigError("max_connections and max_client_connections must be at "
                                     "least 1")
-        if self.kv_secret is not None and len(self.kv_secret) < 16:
-            raise RouterConfigError("the cluster secret must be at least 16 bytes "
-                                    "(--kv-secret-file / KVPUSH_KV_SECRET)")
+        if isinstance(self.kv_secret, bytes):
+            if len(self.kv_secret) < 16:
+                raise RouterConfigError("the cluster secret must be at least 16 bytes "
+                                        "(--kv-secret-file / KVPUSH_KV_SECRET)")
+            object.__setattr__(self, "kv_secret", RouterKeys.from_secret(self.kv_secret))
         if (self.local_prefill_max_tokens < 0 or self.load_cost_tokens < 0
                 or not self.load_weight >= 0):
             raise RouterConfigError("local_prefill_max_tokens, load_cost_tokens and "

@@ -76,6 +76,8 @@ class Route:
     ``prompt_tokens``, ``d_cached``, ``p_cached``)."""
 
     token_ids: list[int]
+    #: the request's cache_salt: its chain is salted as the instances salt theirs
+    cache_salt: str | None = None
     decision: Decision = Decision.REMOTE
     d_cached_tokens: int | None = None
     p_cached_tokens: int | None = None
@@ -91,7 +93,8 @@ class Route:
         """The prompt's full-block hashes for ``block_size`` (computed once per size)."""
         c = self._chains.get(block_size)
         if c is None:
-            c = self._chains[block_size] = hash_prefix_blocks(self.token_ids, block_size)
+            c = self._chains[block_size] = hash_prefix_blocks(self.token_ids, block_size,
+                                                              self.cache_salt)
         return c
 
     def cached_tokens(self, blocks: int, block_size: int) -> int:

@@ -314,7 +314,7 @@ class Legs:
         lease would free it later anyway)."""
         async def send() -> None:
             try:
-                await self.client.post(f"{p.url}/kv/abort", json={"transfer_id": tid},
+                await self.client.post(f"{p.url}/kv/abort", json=self.signer.abort(tid, p),
                                        timeout=5)
             except Exception:  # noqa: BLE001 - best effort
                 logger.debug("abort of transfer %s on %s failed", tid, p.url, exc_info=True)

@@ -153,6 +153,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "decode instance: each side-channel message is signed with it and "
                          "unsigned or wrongly signed ones are refused (default: "
                          "$KVPUSH_KV_SECRET; unset: unsigned, for trusted networks only)")
+    pd.add_argument("--allow-loose-secret-file", action="store_true",
+                    help="use a --kv-secret-file that group or others can read (refused "
+                         "otherwise; chmod 600 it instead)")
     pd.add_argument("--insecure-kv-params", action="store_true",
                     help="act on kv_transfer_params that the router did not sign, and allow "
                          "--role prefill/decode without a cluster secret: only on a network "
@@ -309,7 +312,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     api_key = resolve_api_key(args.api_key)
     try:
-        args.kv_secret, warning = resolve_kv_secret(args.kv_secret_file)
+        args.kv_secret, warning = resolve_kv_secret(
+            args.kv_secret_file, allow_loose=getattr(args, "allow_loose_secret_file", False))
     except SecretError as e:
         return _fail(str(e))
     if warning:
