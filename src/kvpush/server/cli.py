@@ -327,7 +327,7 @@ def run_serve(args: argparse.Namespace) -> int:
         choice = ucx_devices.apply(kvt.side_channel_host, os.environ)
         log.log(choice.level, "%s", choice.message)
     # torch threads: AsyncEngine loads the model with one and gives the step loop
-    # config.threads (one OpenMP pool per process; see kvpush.engine.async_engine)
+    # config.threads (one OpenMP pool per process; see kvpush.engine.core_loop)
     from kvpush.engine.async_engine import AsyncEngine
 
     log.info("loading %s (%s, %s: %s; KV %s; max_model_len %d, %d KV blocks of %d "
@@ -355,7 +355,7 @@ def run_serve(args: argparse.Namespace) -> int:
     ))
     if kvt.enabled:
         log.info("role %s, %s mode, engine id %s, side channel %s (%s)", kvt.role, kvt.mode,
-                 kvt.engine_id, engine.kv_info()["side_channel"],
+                 kvt.engine_id, engine.side_channel,
                  "messages signed" if kvt.side_channel_secret else "unsigned")
         if not kvt.params_signed:
             log.warning("acting on unsigned kv_transfer_params (--insecure-kv-params or no "
