@@ -169,7 +169,7 @@ class CoreClient(FrontEnd):
     def _send(self, cmd: EngineCommand) -> None:
         if self._death is not None:
             return  # its streams have ended with the error already
-        self._to_core.send(self._enc.encode(cmd), copy=False)
+        self._to_core.send(self._enc.encode(cmd))
 
     # ---- the reader thread --------------------------------------------------------------
     def _read(self) -> None:
@@ -183,10 +183,10 @@ class CoreClient(FrontEnd):
         def drain() -> None:
             while True:
                 try:
-                    frame = self._from_core.recv(zmq.NOBLOCK, copy=False)
+                    frame = self._from_core.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     return
-                loop.call_soon_threadsafe(self.dispatch, dec.decode(frame.buffer))
+                loop.call_soon_threadsafe(self.dispatch, dec.decode(frame))
 
         while True:
             ready = dict(poller.poll())

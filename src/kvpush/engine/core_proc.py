@@ -100,19 +100,19 @@ def main() -> int:
         dec = msgspec.msgpack.Decoder(EngineCommand)
         while True:
             try:
-                frame = inp.recv(copy=False)
+                frame = inp.recv()
             except zmq.ZMQError:  # the context is ending (ETERM)
                 inp.close()
                 return
             try:
-                inbox.put(dec.decode(frame.buffer))
+                inbox.put(dec.decode(frame))
             except msgspec.DecodeError:
                 log.error("engine core: a command it cannot decode; ignored", exc_info=True)
 
     threading.Thread(target=read_commands, name="kvpush-core-input", daemon=True).start()
 
     def post(batch: EngineOutputs) -> None:  # on the step loop
-        out.send(enc.encode(batch), copy=False)
+        out.send(enc.encode(batch))  # (zero-copy costs more than it saves here)
 
     step = threading.Thread(target=core.run, args=(post,), name="kvpush-step-loop")
     step.start()
