@@ -2,12 +2,12 @@
 (kvpush.engine.core_proc), over ZMQ ``ipc://`` sockets with msgspec messages.
 
 This process keeps the HTTP server, the tokenizer, the requests' checks and their
-detokenizers and stop strings (kvpush.engine.front); it holds no weights and no KV. A
-reader thread (``kvpush-core-output``) waits on the output socket and on the child's
-pidfd at once (no timer, no spinning), decodes each batch and hands it to the event
-loop. When the child exits without being asked to, every open stream ends with an
-error, /health answers 503 and ``on_death`` is called (``kvpush serve`` then stops with
-a non-zero exit).
+detokenizers and stop strings (kvpush.engine.front); it holds no weights and no KV. The
+event loop itself watches the output socket (its ZMQ FD) and the child's pidfd
+(``add_reader``: no thread hop between a batch's arrival and its dispatch, no timer,
+no spinning). When the child exits without being asked to, every open stream ends with
+an error, /health answers 503 and ``on_death`` is called (``kvpush serve`` then stops
+with a non-zero exit).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import msgspec
@@ -117,19 +116,27 @@ class CoreClient(FrontEnd):
         self._tmp = tmp
         self._enc = msgspec.msgpack.Encoder()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._reader: threading.Thread | None = None
+        self._dec = msgspec.msgpack.Decoder(EngineOutputs)
+        self._watching = False
         self._stopping = False
         self._death: str | None = None
         self._closed = False
 
     # ---- life cycle -----------------------------------------------------------------
     def start(self) -> None:
-        if self._reader is not None:
+        if self._watching:
             return
-        self._loop = asyncio.get_running_loop()
-        self._reader = threading.Thread(target=self._read, name="kvpush-core-output",
-                                        daemon=True)
-        self._reader.start()
+        self._watching = True
+        loop = self._loop = asyncio.get_running_loop()
+        loop.add_reader(self._from_core.getsockopt(zmq.FD), self._drain)
+        loop.add_reader(self._pidfd, self._on_exit)
+        self._drain()  # what arrived before the loop watched (the FD is edge-like)
+
+    def _unwatch(self) -> None:
+        if self._watching and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._from_core.getsockopt(zmq.FD))
+            self._loop.remove_reader(self._pidfd)
+        self._watching = False
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -144,8 +151,8 @@ class CoreClient(FrontEnd):
                           STOP_TIMEOUT_S)
                 self.proc.kill()
                 await loop.run_in_executor(None, self.proc.wait)
-        if self._reader is not None:
-            await loop.run_in_executor(None, self._reader.join, 10)
+        self._drain()
+        self._unwatch()
         self.close()
 
     def close(self) -> None:
@@ -153,6 +160,7 @@ class CoreClient(FrontEnd):
         if self._closed:
             return
         self._closed = True
+        self._unwatch()
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
@@ -171,38 +179,34 @@ class CoreClient(FrontEnd):
             return  # its streams have ended with the error already
         self._to_core.send(self._enc.encode(cmd))
 
-    # ---- the reader thread --------------------------------------------------------------
-    def _read(self) -> None:
-        dec = msgspec.msgpack.Decoder(EngineOutputs)
-        poller = zmq.Poller()
-        poller.register(self._from_core, zmq.POLLIN)
-        poller.register(self._pidfd, zmq.POLLIN)
-        loop = self._loop
-        assert loop is not None
-
-        def drain() -> None:
-            while True:
-                try:
-                    frame = self._from_core.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    return
-                loop.call_soon_threadsafe(self.dispatch, dec.decode(frame))
-
+    # ---- the core's reports (event loop callbacks) --------------------------------------
+    def _drain(self) -> None:
+        """Dispatch every batch queued on the output socket (its FD only says that
+        something may have changed: read until there is nothing)."""
+        sock = self._from_core
         while True:
-            ready = dict(poller.poll())
-            drain()
-            if self._pidfd in ready:
-                # what it sent before exiting may still be on its way through ZMQ's
-                # I/O thread: take it (its last outputs precede the death's errors)
-                while self._from_core.poll(100):
-                    drain()
-                break
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.dispatch(self._dec.decode(frame))
+
+    def _on_exit(self) -> None:
+        """The child exited: what it sent just before may still be crossing ZMQ's I/O
+        thread, so take that first (its last outputs precede the death's errors)."""
+        assert self._loop is not None
+        self._loop.remove_reader(self._pidfd)
+        self._loop.create_task(self._after_exit())
+
+    async def _after_exit(self) -> None:
+        for _ in range(5):  # ~100 ms, once, and only on the core's exit
+            self._drain()
+            await asyncio.sleep(0.02)
+        self._drain()
         code = self.proc.wait()
         if self._stopping and code == 0:
             return
-        why = f"the engine core process {describe_exit(code)}"
-        with contextlib.suppress(RuntimeError):  # the loop may be closed
-            loop.call_soon_threadsafe(self._died, why)
+        self._died(f"the engine core process {describe_exit(code)}")
 
     def _died(self, why: str) -> None:
         if self._stopping:

@@ -4,6 +4,7 @@
     CoreClient ── commands: PUSH ipc:// ───────▶ PULL, ``kvpush-core-input`` thread
                                                      └─ LLMEngine.inbox
     dispatch ◀── EngineOutputs: PULL ipc:// ──── PUSH, posted by ``kvpush-step-loop``
+    (the event loop watches the PULL socket's FD)
 
 Messages are msgspec msgpack: kvpush.engine.inputs one way, kvpush.engine.outputs the
 other; the first message out is :class:`CoreReady` (or :class:`CoreFailed`: the
