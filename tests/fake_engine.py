@@ -48,6 +48,8 @@ class _Active:
 
 
 class FakeEngine:
+    """An EngineClient (kvpush.engine.client) without a model."""
+
     def __init__(self, config: EngineConfig, tokenizer: Any, *, token_delay: float = 0.001):
         self.config = config
         self.tokenizer = tokenizer
@@ -62,6 +64,8 @@ class FakeEngine:
         self.finished: dict[str, FinishReason] = {}
         self.started = False
         self.shut_down = False
+        self.transfers_aborted: list[str] = []
+        self.transfer_sink: Any = None
         self.healthy = True
         self.loop: asyncio.AbstractEventLoop | None = None
         # failure knobs, each used by the next request only
@@ -91,6 +95,28 @@ class FakeEngine:
     def is_healthy(self) -> bool:
         return self.healthy and self.started and not self.shut_down
 
+    def health_problem(self) -> str | None:
+        return None if self.is_healthy() else "the engine step loop is not running"
+
+    def starting(self) -> str | None:
+        return None
+
+    def kv_stats(self) -> dict[str, int]:
+        return {}
+
+    async def kv_info(self) -> dict[str, Any]:
+        return {"engine_id": "fake", "role": "both", "kv_transfer": None,
+                "num_free_blocks": self.free_blocks, "num_total_blocks": self.num_blocks}
+
+    async def kv_cache_blocks(self) -> dict[str, Any] | None:
+        return None  # no prefix caching here
+
+    def abort_transfer(self, transfer_id: str, why: str = "aborted by the router") -> None:
+        self.transfers_aborted.append(transfer_id)
+
+    def set_transfer_sink(self, sink: Any) -> None:
+        self.transfer_sink = sink
+
     async def abort(self, request_id: str) -> None:
         self.abort_calls.append(request_id)
         act = self.active.get(request_id)
@@ -99,7 +125,8 @@ class FakeEngine:
             act.wake.set()
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.started or self.shut_down:
             raise RuntimeError("engine is not running")
@@ -164,9 +191,9 @@ class FakeEngine:
                     visible = full[: len(full) - hold].rstrip("\ufffd")
                 new_text = visible[len(emitted):] if visible.startswith(emitted) else ""
                 emitted += new_text
-                extra = {}
+                ktp = None
                 if step_reason is not None and "kv_transfer_params" in params.extra:
-                    extra["kv_transfer_params"] = {"echo": params.extra["kv_transfer_params"]}
+                    ktp = {"echo": params.extra["kv_transfer_params"]}
                 reason = step_reason
                 yield RequestOutput(
                     request_id, [tok], new_text, finished=reason is not None,
@@ -174,7 +201,7 @@ class FakeEngine:
                     new_logprobs=[fake_logprob(i)] if params.logprobs else None,
                     new_top_logprobs=([fake_top_logprobs(params.top_logprobs)]
                                       if params.top_logprobs else None),
-                    num_prompt_tokens=plen, num_output_tokens=i + 1, extra=extra,
+                    num_prompt_tokens=plen, num_output_tokens=i + 1, kv_transfer_params=ktp,
                 )
                 if reason is not None:
                     return

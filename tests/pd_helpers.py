@@ -34,7 +34,6 @@ def make_instance(model_dir, role: str, mode: str, faults: FaultPlan | None = No
 @dataclass
 class Leg:
     tokens: list[int] = field(default_factory=list)
-    text: str = ""
     finish_reason: FinishReason | None = None
     error: str | None = None
     kv_transfer_params: dict | None = None
@@ -107,8 +106,8 @@ class PDDriver:
             outs = self.d.process_inbox()
             if self.d.has_work():
                 outs += self.d.step()
-            self._absorb([o for o in outs if o != "stop"], self.d_legs)
-            self._absorb([o for o in self.p.process_inbox() if o != "stop"], self.p_legs)
+            self._absorb(outs, self.d_legs)
+            self._absorb(self.p.process_inbox(), self.p_legs)
             time.sleep(0.001)
         self.send_prefill(rid, prompt, params)
 
@@ -118,21 +117,20 @@ class PDDriver:
             if leg is None:
                 continue
             leg.tokens += o.new_token_ids
-            leg.text += o.new_text
             leg.logprobs += o.new_logprobs or []
             leg.top_logprobs += o.new_top_logprobs or []
             if o.finished:
                 leg.finish_reason = o.finish_reason
-                leg.error = o.error
-                leg.kv_transfer_params = o.extra.get("kv_transfer_params")
-                leg.rejected = bool(o.extra.get("rejected"))
+                leg.error = o.failure.message if o.failure is not None else None
+                leg.kv_transfer_params = o.kv_transfer_params
+                leg.rejected = o.failure is not None and o.failure.rejected
 
     def pump(self) -> bool:
         """One round of both engines; True if either computed something."""
         busy = False
         for eng, legs in ((self.p, self.p_legs), (self.d, self.d_legs)):
             # as AsyncEngine does: what the inbox produced goes out before the step
-            self._absorb([o for o in eng.process_inbox() if o != "stop"], legs)
+            self._absorb(eng.process_inbox(), legs)
             if eng.has_work():
                 busy = True
                 self._absorb(eng.step(), legs)

@@ -9,6 +9,7 @@ import pytest
 
 from engine_helpers import greedy, hf_greedy, make_engine, random_prompts
 from kvpush.engine.async_engine import AsyncEngine
+from kvpush.engine.core_loop import CoreLoop
 from kvpush.engine.outputs import FinishReason, RequestError
 
 
@@ -143,10 +144,13 @@ def test_outputs_from_the_inbox_go_out_before_the_next_step():
     class StubEngine:
         tokenizer = None
         scheduler = SimpleNamespace(requests={})
-        inbox_answers = [["token-1"], ["stop"]]
+        inbox_answers = [["token-1"], []]
+        stopping = False
 
         def process_inbox(self, block=False, timeout=None):
-            return list(self.inbox_answers.pop(0))
+            answer = self.inbox_answers.pop(0)
+            self.stopping = not self.inbox_answers
+            return list(answer)
 
         def prepare_step_thread(self):
             events.append("prepare")
@@ -161,9 +165,8 @@ def test_outputs_from_the_inbox_go_out_before_the_next_step():
         def shutdown(self):
             events.append("shutdown")
 
-    ae = AsyncEngine(None, engine=StubEngine())  # type: ignore[arg-type]
-    ae._post = lambda outs: events.append(f"post {outs}")  # type: ignore[method-assign]
-    ae._run()
+    core = CoreLoop(None, engine=StubEngine())  # type: ignore[arg-type]
+    core.run(lambda batch: events.append(f"post {batch.outputs}"))
     assert events == ["prepare", "post ['token-1']", "step", "post ['token-2']", "shutdown"]
 
 
@@ -171,6 +174,7 @@ _THREADS_SCRIPT = r"""
 import asyncio, json, sys, torch
 from kvpush.config import EngineConfig
 from kvpush.engine.async_engine import AsyncEngine
+from kvpush.engine.core_loop import CoreLoop
 from kvpush.sampling_params import SamplingParams
 
 config = EngineConfig.build(sys.argv[1], threads=2, block_size=16, num_blocks=64,

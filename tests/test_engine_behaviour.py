@@ -13,6 +13,7 @@ from engine_helpers import (
     random_prompts,
     run_to_completion,
 )
+from kvpush.engine.output_processor import RequestStream
 from kvpush.engine.outputs import FinishReason, RequestError
 from kvpush.model.sampler import sample
 from kvpush.sampling_params import SamplingParams, SamplingParamsError
@@ -228,13 +229,19 @@ def test_seed_independent_of_batch(tiny_llama):
 
 
 def _collect(engine, rid, prompt, params):
+    """Run one request to its end; its text as the front end makes it (RequestStream:
+    detokenizer, stop strings; a stop string aborts the request in the engine)."""
     engine.add_request(rid, prompt, params)
+    stream = RequestStream(rid, engine.tokenizer, params)
     toks, text, last = [], "", None
     while engine.has_work():
         for o in engine.step():
-            toks += o.new_token_ids
-            text += o.new_text
-            last = o
+            out = stream.process(o)
+            toks += out.new_token_ids
+            text += out.new_text
+            last = out
+            if stream.stopped_early:
+                engine.abort_request(rid)
     return toks, text, last
 
 

@@ -273,7 +273,7 @@ def test_sampling_values_never_fail_the_engine(tiny_llama):
             if not engine.has_work():
                 break
         final = [o for o in outs if o.finished]
-        assert final and final[0].error is None, (temperature, top_p, top_k, final)
+        assert final and final[0].failure is None, (temperature, top_p, top_k, final)
 
     run()
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks

@@ -9,6 +9,7 @@ import pytest
 
 from engine_helpers import greedy, make_engine, random_prompts, run_to_completion
 from kvpush.config import KVTransferConfig
+from kvpush.engine.inputs import AbortTransfer
 from kvpush.engine.outputs import FinishReason
 from kvpush.errors import ConfigError
 from kvpush.kv_cache.block_pool import hash_prefix_blocks
@@ -196,7 +197,7 @@ def _registration_mid_step(pd, model, during_forward: int) -> None:
                     outs = pd.d.process_inbox()
                     if pd.d.has_work():
                         outs += pd.d.step()
-                    pd._absorb([o for o in outs if o != "stop"], pd.d_legs)
+                    pd._absorb(outs, pd.d_legs)
                     time.sleep(0.001)
             hook(layer)
         in_forward[0] = True
@@ -642,7 +643,7 @@ def test_router_abort_releases_prefill_blocks_at_once(pd):
     pd._pull_waiting.clear()
     pd.run(until=lambda: pd.p_legs["r"].finished, timeout=10)
     assert pd.p.stats().num_free_blocks < pd.p.stats().num_total_blocks
-    pd.p.inbox.put(("kv_abort", "r", "decode refused the request"))
+    pd.p.inbox.put(AbortTransfer("r", "decode refused the request"))
     pd.settle(timeout=5)
     if pd.mode == "push":  # a push leg for the same transfer id arriving late
         with pytest.raises(RequestError, match="already ended"):

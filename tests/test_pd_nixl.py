@@ -52,13 +52,14 @@ def _instance_main(conn, model_dir: str, role: str, mode: str) -> None:
                     ids = eng.scheduler.pool.lookup(hash_prefix_blocks(prompt, 16)[:n])
                     conn.send(eng.runner.kv_region.kv[:, ids].clone().numpy().tobytes())
             for o in eng.process_inbox() + (eng.step() if eng.has_work() else []):
-                if o == "stop" or o.request_id not in outs:
+                if o.request_id not in outs:
                     continue
                 rec = outs[o.request_id]
                 rec["tokens"] += o.new_token_ids
                 if o.finished:
-                    rec["done"], rec["error"] = True, o.error
-                    rec["kv"] = o.extra.get("kv_transfer_params")
+                    rec["done"] = True
+                    rec["error"] = o.failure.message if o.failure is not None else None
+                    rec["kv"] = o.kv_transfer_params
     finally:
         eng.shutdown()
 

@@ -6,7 +6,6 @@ it cannot load one. Every wait is bounded."""
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -24,39 +23,34 @@ from test_kv_routing import FakeInstance
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_step_thread_is_starting_until_its_startup_work_is_done():
+def test_step_thread_is_starting_until_its_startup_work_is_done(tiny_llama):
+    """The core's snapshot says "starting" until prepare_step_thread has run on the
+    stepping thread, and the loop posts the snapshot that clears it before any request
+    arrives (the idle loop would otherwise block on its inbox with the old one)."""
+    from engine_helpers import make_engine
+
     gate = threading.Event()
+    eng = make_engine(tiny_llama)
+    prepare = eng.prepare_step_thread
 
-    class SlowStart:
-        tokenizer = None
-        scheduler = SimpleNamespace(requests={})
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
+    def slow_prepare() -> None:
+        assert gate.wait(20)
+        prepare()
 
-        def prepare_step_thread(self) -> None:
-            assert gate.wait(20)
-
-        def process_inbox(self, block: bool = False, timeout: float | None = None) -> list:
-            self.inbox.get(timeout=20)
-            return ["stop"]
-
-        def has_work(self) -> bool:
-            return False
-
-        def shutdown(self) -> None:
-            pass
+    eng.prepare_step_thread = slow_prepare  # type: ignore[method-assign]
 
     async def main() -> None:
-        ae = AsyncEngine(None, engine=SlowStart())  # type: ignore[arg-type]
-        assert ae.starting() is None  # not started: nothing to wait for
+        ae = AsyncEngine(eng.config, engine=eng)
         ae.start()
         try:
             assert "matmul" in (ae.starting() or "")
             gate.set()
             for _ in range(400):
-                if ae.prepared.is_set():
+                if ae.starting() is None:
                     break
                 await asyncio.sleep(0.01)
             assert ae.starting() is None
+            assert ae.health_problem() is None
         finally:
             gate.set()
             await ae.shutdown()

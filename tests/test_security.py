@@ -216,15 +216,19 @@ async def test_router_api_key_in_process():
 # ---- a real push cluster with a key and a secret ----------------------------------------
 
 def listening(pid: int) -> set[str]:
-    """host:port of every TCP socket ``pid`` listens on (from /proc)."""
+    """host:port of every TCP socket ``pid`` and its children (the engine core of
+    `kvpush serve`) listen on (from /proc)."""
     inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        pids = [pid, *map(int, f.read().split())]
+    for p in pids:
+        for fd in os.listdir(f"/proc/{p}/fd"):
+            try:
+                link = os.readlink(f"/proc/{p}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
     out = set()
     for table, v6 in (("tcp", False), ("tcp6", True)):
         with open(f"/proc/{pid}/net/{table}") as f:

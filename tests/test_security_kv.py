@@ -11,6 +11,7 @@ import pytest
 
 from engine_helpers import greedy, random_prompts
 from kvpush.config import EngineConfig, KVTransferConfig
+from kvpush.engine.inputs import TransferEvent
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import FinishReason
 from kvpush.kv_transfer import messages as m
@@ -222,7 +223,7 @@ def test_bad_registrations_write_nothing(tiny_qwen3):
             drv.send_prefill(tid, prompt, greedy(2))
             reg = m.PushRegister(tid, drv.d.connector.engine_id, drv.d.connector.address,
                                  blocks, skip, n)
-            drv.p.inbox.put(("kv", Registered(reg)))
+            drv.p.inbox.put(TransferEvent(Registered(reg)))
             drv.run(until=lambda t=tid: drv.p_legs[t].finished, timeout=20)
             assert tid not in drv.p.connector.sender.sends
             assert "invalid registration" in drv.p.connector.ended[tid]
@@ -302,7 +303,7 @@ def test_invalid_first_token_from_prefill_fails_the_request(tiny_qwen3, bad):
                 "top-logprob-positive": {"first_token": 1, "first_top_logprobs": [(1, 0.5)]},
                 "top-too-long": {"first_token": 1,
                                  "first_top_logprobs": [(1, -1.0)] * 21}}[bad]
-        drv.d.inbox.put(("kv", PushDoneReceived(m.PushDone("t", ok=True, **done))))
+        drv.d.inbox.put(TransferEvent(PushDoneReceived(m.PushDone("t", ok=True, **done))))
         drv.run(timeout=20)
         leg = drv.d_legs["t"]
         assert leg.finish_reason is FinishReason.ERROR and "invalid first token" in leg.error

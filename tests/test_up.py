@@ -155,7 +155,8 @@ def test_up_serves_and_stops_cleanly(tiny_llama, up_factory):
     up.wait_ready()
     assert f"endpoint    {up.url}/v1" in up.out
     assert "role prefill" in up.out and "role decode" in up.out and "curl" in up.out
-    assert len(up.pids) == 3, up.pids  # prefill, decode, router
+    # prefill and decode (each an API process and its engine core), and the router
+    assert len(up.pids) == 5, up.pids
     assert sorted(p.name for p in up.log_dir.iterdir()) == [
         "decode-0.log", "prefill-0.log", "router.log"]
     with httpx.Client(base_url=up.url, timeout=60) as client:

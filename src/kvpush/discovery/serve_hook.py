@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import FrameType
 from typing import Any
 
@@ -35,7 +35,8 @@ class RegisteredServer(uvicorn.Server):
     side-channel port, is known by then)."""
 
     def __init__(self, config: uvicorn.Config, target: EtcdTarget,
-                 make_card: Callable[[], Card], ttl_s: int, drain_grace_s: float) -> None:
+                 make_card: Callable[[], Awaitable[Card]], ttl_s: int,
+                 drain_grace_s: float) -> None:
         super().__init__(config)
         self.target, self.make_card = target, make_card
         self.ttl_s, self.drain_grace_s = ttl_s, drain_grace_s
@@ -49,7 +50,7 @@ class RegisteredServer(uvicorn.Server):
         if not self.started or self.should_exit:
             return
         self._loop = asyncio.get_running_loop()
-        self.registrar = Registrar(self.target, self.make_card(), self.ttl_s)
+        self.registrar = Registrar(self.target, await self.make_card(), self.ttl_s)
         self.registrar.start()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:

@@ -4,7 +4,9 @@ Decoding a growing token list one token at a time breaks on tokens that are only
 of a UTF-8 character or that merge with their neighbours (SentencePiece spaces). The
 trick used across the field: decode a short window of recent tokens twice, with and
 without the newest ones, and emit the difference once it no longer ends in an
-incomplete character (U+FFFD).
+incomplete character (U+FFFD). With a fast (Rust) tokenizer that is one call per token,
+``tokenizers.decoders.DecodeStream.step``, which keeps the window in Rust; other
+tokenizers get two ``decode`` calls per token in Python.
 
 Stop strings may span tokens, so while a request runs the last ``max_stop_len - 1``
 characters are held back; when a stop string appears the text is cut there.
@@ -34,6 +36,13 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded text so far
         self.emitted = 0  # characters of self.text handed out
         self.stopped = False
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = None
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._backend = backend
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -41,6 +50,13 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> None:
         """Append one token; sets ``stopped`` when a stop string appears."""
         if self.stopped:
+            return
+        if self._stream is not None:
+            new = self._stream.step(self._backend, token_id)
+            if new:
+                before = len(self.text)
+                self.text += new
+                self._check_stop(before)
             return
         self.token_ids.append(token_id)
         prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])

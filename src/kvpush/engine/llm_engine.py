@@ -1,11 +1,13 @@
-"""LLMEngine: the synchronous core of one instance — scheduler, runner, detokenizers
-and, in a P/D role, the KV connector.
+"""LLMEngine: the synchronous core of one instance — scheduler, runner and, in a P/D
+role, the KV connector.
 
-It is driven by exactly one thread (AsyncEngine's step loop). Other threads talk to it
-only through ``inbox``: commands (add, abort, stop) from the front end and events from
-the transfer thread. ``process_inbox()`` applies them; ``step()`` plans a batch, runs it
-and returns the new output of every request that advanced. Stop conditions (EOS, stop
-token ids, stop strings, max_tokens, the model's context) are checked here.
+It is driven by exactly one thread (the step loop). Other threads talk to it only
+through ``inbox``: typed commands (kvpush.engine.inputs: add, abort, abort a transfer,
+utility calls, shutdown) from the front end and events from the transfer thread.
+``process_inbox()`` applies them; ``step()`` plans a batch, runs it and returns an
+EngineOutput (token ids, no text) for every request that advanced. The stop conditions
+that need no text (EOS, stop token ids, max_tokens, the model's context) are checked
+here; stop strings are the front end's (kvpush.engine.output_processor).
 """
 
 from __future__ import annotations
@@ -14,21 +16,40 @@ import dataclasses
 import logging
 import queue
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from kvpush.config import EngineConfig, dtype_name
-from kvpush.engine.detokenizer import IncrementalDetokenizer
+from kvpush.engine.checks import RequestChecker
+from kvpush.engine.inputs import (
+    AbortRequests,
+    AbortTransfer,
+    AddRequest,
+    Shutdown,
+    TransferEvent,
+    Utility,
+    UtilityCall,
+)
 from kvpush.engine.model_runner import ModelRunner
-from kvpush.engine.outputs import EngineStats, FinishReason, RequestError, RequestOutput
-from kvpush.kv_cache.block_pool import hash_prompt_chain
+from kvpush.engine.outputs import (
+    EngineOutput,
+    EngineSnapshot,
+    EngineStats,
+    FinishReason,
+    RequestError,
+    RequestFailure,
+    UtilityReply,
+)
 from kvpush.kv_transfer.commands import (
     AbortRequest,
     EmitFirstToken,
     FailRequest,
     RejectRequest,
 )
-from kvpush.kv_transfer.state import KVTransferParams, chain_problem
+from kvpush.kv_transfer.state import KVTransferParams
+from kvpush.kv_transfer.thread_death import died_message
 from kvpush.sampling_params import SamplingParams, TopLogprobs
 from kvpush.scheduler.request import Request, RequestState
 from kvpush.scheduler.scheduler import Scheduler
@@ -66,14 +87,22 @@ class LLMEngine:
             # thread count (else the step loop does, model/linear_pick.py)
             self.prepare_step_thread()
         self.scheduler = Scheduler(config.scheduler, config.cache)
-        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.checker = RequestChecker(config)
         eos = set(config.model.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = config.model.vocab_size
-        self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        #: set when a Shutdown command was applied: the loop ends
+        self.stopping = False
+        #: what a UtilityCall may ask for (the step loop's owner may add its own)
+        self.utilities: dict[Utility, Callable[[], Any]] = {Utility.KV_INFO: self.kv_info}
+        #: start-up work still to do on the stepping thread (prepare_step_thread), as
+        #: /health's 503 "starting" says it; None once done
+        self.starting: str | None = "starting: the step thread is timing its matmul kernels"
+        self._replies: list[UtilityReply] = []
         self.connector = None
         if config.kv_transfer.enabled:
             from kvpush.kv_transfer.connector import KVConnector
@@ -82,7 +111,7 @@ class LLMEngine:
                 config,
                 self.runner.kv_region,
                 self.scheduler,
-                post_event=lambda ev: self.inbox.put(("kv", ev)),
+                post_event=lambda ev: self.inbox.put(TransferEvent(ev)),
                 faults=faults,
             )
             self.scheduler.on_preempt = self.connector.on_preempt
@@ -92,50 +121,68 @@ class LLMEngine:
         """Called once on the thread that will run ``step`` (at its torch thread count):
         the projections' matmul kernels are timed there (model/linear_pick.py)."""
         self.runner.model.ensure_linears()
+        self.starting = None
 
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
 
     # ---- the inbox -------------------------------------------------------------------
-    def process_inbox(self, block: bool = False, timeout: float | None = None) -> list:
+    def process_inbox(self, block: bool = False,
+                      timeout: float | None = None) -> list[EngineOutput]:
         """Apply queued commands and transfer events; wait for one first when ``block``.
-        Returns outputs they produced; the string "stop" in it means: stop the loop."""
-        outputs: list = []
+        Returns the outputs they produced; after a Shutdown, ``stopping`` is set."""
+        outputs: list[EngineOutput] = []
         try:
             cmd = self.inbox.get(block=block, timeout=timeout)
         except queue.Empty:
             return outputs
         while True:
-            kind = cmd[0]
-            if kind == "stop":
-                outputs.append("stop")
-                return outputs
-            if kind == "add":
-                try:
-                    self.add_request(*cmd[1:])
-                except RequestError as e:
-                    out = _error_output(cmd[1], str(e))
-                    out.extra = {"rejected": True, "param": e.param, "code": e.code,
-                                 "status_code": e.status_code}
-                    outputs.append(out)
-            elif kind == "abort":
-                out = self.abort_request(cmd[1])
-                if out is not None:
-                    outputs.append(out)
-            elif kind == "kv":
-                self.connector.handle_event(cmd[1])
-                outputs += self._apply_connector_actions()
-            elif kind == "kv_abort" and self.connector is not None:
-                self.connector.abort_transfer(cmd[1], cmd[2])
-                outputs += self._apply_connector_actions()
+            match cmd:
+                case AddRequest():
+                    try:
+                        self._admit(cmd)
+                    except RequestError as e:
+                        outputs.append(_rejected(cmd.request_id, e))
+                case AbortRequests(request_ids=ids):
+                    for rid in ids:
+                        out = self.abort_request(rid)
+                        if out is not None:
+                            outputs.append(out)
+                case TransferEvent(event=ev) if self.connector is not None:
+                    self.connector.handle_event(ev)
+                    outputs += self._apply_connector_actions()
+                case AbortTransfer(transfer_id=tid, why=why) if self.connector is not None:
+                    self.connector.abort_transfer(tid, why)
+                    outputs += self._apply_connector_actions()
+                case UtilityCall():
+                    self._replies.append(self._call(cmd))
+                case Shutdown():
+                    self.stopping = True
+                    return outputs
+                case _:
+                    log.error("engine inbox: %r is not a command this engine takes", cmd)
             try:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
                 return outputs
 
-    def _apply_connector_actions(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+    def _call(self, call: UtilityCall) -> UtilityReply:
+        fn = self.utilities.get(call.method)
+        if fn is None:
+            return UtilityReply(call.call_id, error=f"no utility {call.method.value!r} here")
+        try:
+            return UtilityReply(call.call_id, fn())
+        except Exception as e:  # noqa: BLE001 - the caller gets the error, the loop goes on
+            log.exception("utility call %s failed", call.method.value)
+            return UtilityReply(call.call_id, error=str(e))
+
+    def take_replies(self) -> list[UtilityReply]:
+        replies, self._replies = self._replies, []
+        return replies
+
+    def _apply_connector_actions(self) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
         for action in self.connector.take_actions():
             req = self.scheduler.requests.get(action.request_id)
             if req is None:
@@ -144,39 +191,26 @@ class LLMEngine:
                 case EmitFirstToken():
                     outputs.append(self._token_output(req, time.perf_counter()))
                 case FailRequest(_, why):
-                    outputs.append(self._finish(req, FinishReason.ERROR, [], None, why))
+                    outputs.append(self._finish(req, FinishReason.ERROR, [], None,
+                                                RequestFailure(why)))
                 case RejectRequest(_, why):  # the request's kv_transfer_params were wrong
-                    out = self._finish(req, FinishReason.ERROR, [], None, why)
-                    out.extra = {**out.extra, "rejected": True,
-                                 "param": "kv_transfer_params", "code": None}
-                    outputs.append(out)
+                    outputs.append(self._finish(req, FinishReason.ERROR, [], None,
+                                                RequestFailure(why, rejected=True,
+                                                               param="kv_transfer_params")))
                 case AbortRequest(_, why):
-                    outputs.append(self._finish(req, FinishReason.ABORT, [], None, why))
+                    outputs.append(self._finish(req, FinishReason.ABORT, [], None,
+                                                RequestFailure(why)))
         return outputs
 
     # ---- requests ------------------------------------------------------------------
     def kv_params(self, raw: dict | KVTransferParams | None) -> KVTransferParams | None:
-        """A request's ``kv_transfer_params`` checked once, typed (RequestError: a 400).
-        Thread-safe: the front end calls it before the request is queued."""
-        if raw is None or isinstance(raw, KVTransferParams):
-            return raw
-        if self.connector is None:
-            raise RequestError(
-                "kv_transfer_params given, but this instance runs with --role both",
-                "kv_transfer_params",
-            )
-        return KVTransferParams.parse(raw, self.connector.role, self.connector.params_signer,
-                                      self.connector.engine_id)
+        """A request's ``kv_transfer_params`` checked, typed (RequestError: a 400)."""
+        return self.checker.kv_params(raw)
 
     def leg_params(self, params: SamplingParams,
                    kv: KVTransferParams | None) -> SamplingParams:
-        """The sampling parameters the request runs with: a push or pull prefill leg
-        ends with token #1, whose logprob travels with the KV (the one place that says
-        so; the router sends max_tokens=1 too, as vLLM's proxies do)."""
-        if kv is not None and kv.do_remote_decode and self.connector is not None \
-                and self.connector.role == "prefill":
-            return dataclasses.replace(params, max_tokens=1, logprobs=True)
-        return params
+        """The sampling parameters a request runs with (RequestChecker.leg_params)."""
+        return self.checker.leg_params(params, kv)
 
     def validate(
         self,
@@ -186,45 +220,7 @@ class LLMEngine:
     ) -> KVTransferParams | None:
         """Raise RequestError for a request this engine can never serve; returns its
         typed kv_transfer_params. Thread-safe."""
-        return self._checked(prompt_token_ids, params, kv_transfer_params)[0]
-
-    def _checked(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        kv_transfer_params: dict | KVTransferParams | None,
-    ) -> tuple[KVTransferParams | None, SamplingParams]:
-        """``validate``'s checks; returns the typed params and the sampling parameters
-        the request runs with (``leg_params``)."""
-        kv = self.kv_params(kv_transfer_params)
-        params = self.leg_params(params, kv)
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty", "prompt")
-        if kv is not None and kv.prompt_hashes is not None:
-            # pull: the blocks prefill lent hold its prompt's KV; READ them only for it
-            problem = chain_problem(
-                kv.prompt_hashes,
-                hash_prompt_chain(prompt_token_ids, self.config.cache.block_size,
-                                  salt=params.cache_salt),
-                "the lent KV's", "this request's")
-            if problem:
-                raise RequestError(f"kv_transfer_params: {problem}", "kv_transfer_params",
-                                   "kv_prompt_mismatch")
-        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in prompt_token_ids):
-            raise RequestError(
-                f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt"
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {n + params.max_tokens} tokens ({n} in the "
-                f"prompt, {params.max_tokens} for the completion). Please reduce the "
-                "prompt or max_tokens.",
-                "max_tokens" if n < self.max_model_len else "prompt",
-                "context_length_exceeded",
-            )
-        return kv, params
+        return self.checker.check(prompt_token_ids, params, kv_transfer_params)[0]
 
     def add_request(
         self,
@@ -233,23 +229,30 @@ class LLMEngine:
         params: SamplingParams,
         kv_transfer_params: dict | KVTransferParams | None = None,
     ) -> Request:
-        kv, params = self._checked(prompt_token_ids, params, kv_transfer_params)
-        if request_id in self.scheduler.requests:
-            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+        """Check and add a request (the direct API: tests, benchmarks)."""
+        kv, params = self.checker.check(prompt_token_ids, params, kv_transfer_params)
+        return self._admit(AddRequest(request_id, list(prompt_token_ids), params, kv))
+
+    def _admit(self, cmd: AddRequest) -> Request:
+        """Add a request the front end checked (RequestChecker); what is left to refuse
+        depends on this engine's live state."""
+        if cmd.request_id in self.scheduler.requests:
+            raise RequestError(f"request id {cmd.request_id!r} is already in use",
+                               "request_id")
         req = Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
+            request_id=cmd.request_id,
+            prompt_token_ids=cmd.prompt_token_ids,
+            params=cmd.params,
             max_total_tokens=self.max_model_len,
         )
-        if self.connector is None or not self.connector.add_request(req, kv):
+        if cmd.arrival_time:
+            req.arrival_time = cmd.arrival_time
+        if self.connector is None or not self.connector.add_request(req,
+                                                                    cmd.kv_transfer_params):
             self.scheduler.add_request(req)
-        self.detoks[request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.params.stop, req.params.include_stop_str_in_output
-        )
         return req
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> EngineOutput | None:
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return None
@@ -261,9 +264,9 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # ---- the step ------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """One step: schedule, run the batch, and return its outputs."""
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineOutput] = []
         layer_hook = None
         if self.connector is not None:
             self.connector.before_schedule()
@@ -285,47 +288,35 @@ class LLMEngine:
             for c in plan.chunks:
                 req = self.scheduler.requests.get(c.request_id)
                 if req is not None:
-                    outs.append(self._finish(req, FinishReason.ERROR, [], None, str(e)))
+                    outs.append(self._finish(req, FinishReason.ERROR, [], None,
+                                             RequestFailure(str(e))))
             return outputs + outs
         now = time.perf_counter()
         for req in self.scheduler.update_after_step(plan, sampled):
             outputs.append(self._token_output(req, now))
         return outputs
 
-    def _token_output(self, req: Request, now: float) -> RequestOutput:
+    def _token_output(self, req: Request, now: float) -> EngineOutput:
         """Output for the request's newest token, finishing it if a stop condition hit."""
         token = req.output_token_ids[-1]
         if req.first_token_time is None:
             req.first_token_time = now
             if self.connector is not None:
                 self.connector.first_token_out(req.request_id)
-        detok = self.detoks[req.request_id]
-        detok.add(token)
-        reason = self._stop_reason(req, token, detok)
+        reason = self._stop_reason(req, token)
         logprobs = [req.output_logprobs[-1]] if req.params.logprobs else None
         top = ([req.output_top_logprobs[-1]]
                if req.params.top_logprobs and req.output_top_logprobs else None)
         if reason is not None:
             return self._finish(req, reason, [token], logprobs, top=top)
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=[token],
-            new_text=detok.take(final=False),
-            new_logprobs=logprobs,
-            new_top_logprobs=top,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            first_token_time=req.first_token_time,
-            arrival_time=req.arrival_time,
+        return EngineOutput(
+            req.request_id, [token], logprobs, top, None, None, None,
+            req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens,
+            req.first_token_time, req.arrival_time,
         )
 
-    def _stop_reason(
-        self, req: Request, token: int, detok: IncrementalDetokenizer
-    ) -> FinishReason | None:
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
-        if detok.stopped:
-            return FinishReason.STOP
         if not p.ignore_eos and token in self.eos_token_ids:
             return FinishReason.STOP
         if token in p.stop_token_ids:  # a frozenset: O(1) per token (SamplingParams)
@@ -340,31 +331,19 @@ class LLMEngine:
         reason: FinishReason,
         new_tokens: list[int],
         logprobs: list[float] | None,
-        error: str | None = None,
+        failure: RequestFailure | None = None,
         top: list[TopLogprobs] | None = None,
-    ) -> RequestOutput:
+    ) -> EngineOutput:
         keep, kv_params = False, None
         if self.connector is not None:
             ok = reason in (FinishReason.STOP, FinishReason.LENGTH)
-            keep, kv_params = self.connector.on_finish(req, ok, error)
+            keep, kv_params = self.connector.on_finish(
+                req, ok, failure.message if failure is not None else None)
         self.scheduler.finish(req.request_id, _FINISH_STATE[reason], keep_blocks=keep)
-        detok = self.detoks.pop(req.request_id, None)
-        text = detok.take(final=True) if detok is not None else ""
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=new_tokens,
-            new_text=text,
-            finished=True,
-            finish_reason=reason,
-            new_logprobs=logprobs,
-            new_top_logprobs=top,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            error=error,
-            first_token_time=req.first_token_time,
-            arrival_time=req.arrival_time,
-            extra={"kv_transfer_params": kv_params} if kv_params else {},
+        return EngineOutput(
+            req.request_id, new_tokens, logprobs, top, reason, failure, kv_params or None,
+            req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens,
+            req.first_token_time, req.arrival_time,
         )
 
     def kv_info(self) -> dict:
@@ -392,6 +371,18 @@ class LLMEngine:
         }
         return info
 
+    def snapshot(self) -> EngineSnapshot:
+        """The gauges, transfer counters and health as of now (step-loop thread)."""
+        c = self.connector
+        return EngineSnapshot(self.stats(), c.stats() if c is not None else {},
+                              self.transfer_problem(), self.starting)
+
+    def transfer_problem(self) -> str | None:
+        """Why this instance takes no part in KV transfers any more (its transfer thread
+        died), or None. Thread-safe."""
+        death = self.connector.failure if self.connector is not None else None
+        return died_message(death) if death is not None else None
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
@@ -405,12 +396,7 @@ class LLMEngine:
         )
 
 
-def _error_output(request_id: str, message: str) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id,
-        new_token_ids=[],
-        new_text="",
-        finished=True,
-        finish_reason=FinishReason.ERROR,
-        error=message,
-    )
+def _rejected(request_id: str, e: RequestError) -> EngineOutput:
+    """A request refused when the core tried to add it (its client gets an HTTP error)."""
+    return EngineOutput(request_id, [], finish_reason=FinishReason.ERROR,
+                        failure=RequestFailure(str(e), True, e.param, e.code, e.status_code))

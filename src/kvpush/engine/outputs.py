@@ -1,9 +1,24 @@
-"""Plain-data messages the engine hands to its front ends."""
+"""What the engine hands its front ends: plain, typed data (msgspec structs), so the same
+messages serve a step loop in this process and an engine core in another one.
+
+Per step the engine core produces one :class:`EngineOutputs` batch: an
+:class:`EngineOutput` (new token ids, logprobs, finish reason, a typed
+:class:`RequestFailure`, the finished request's ``kv_transfer_params``) for every request
+that advanced, the transfers that ended, and now and then an :class:`EngineSnapshot`
+(the scheduler's gauges, the transfer counters, why the instance cannot serve).
+Text is not the core's business: the front end detokenizes each request's tokens
+(kvpush.engine.output_processor) and turns them into :class:`RequestOutput`.
+"""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvpush.sampling_params import TopLogprobs
 
 
 class FinishReason(str, enum.Enum):
@@ -26,9 +41,106 @@ class RequestError(ValueError):
         self.status_code = status_code
 
 
+class RequestFailure(msgspec.Struct, frozen=True):
+    """Why the engine ended a request with FinishReason.ERROR. ``rejected``: the request
+    was refused before it ran (its client gets ``status_code`` and ``param``/``code`` as
+    an HTTP error, not a 200 with an error inside)."""
+
+    message: str
+    rejected: bool = False
+    param: str | None = None
+    code: str | None = None
+    status_code: int = 400
+
+    def to_error(self) -> RequestError:
+        return RequestError(self.message or "request refused", self.param, self.code,
+                            self.status_code)
+
+
+class EngineOutput(msgspec.Struct, array_like=True, gc=False):
+    """One request's progress in one step (the last one has ``finish_reason`` set)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None = None
+    #: per new token, its top alternatives ((id, logprob), most likely first)
+    new_top_logprobs: list[TopLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    failure: RequestFailure | None = None
+    #: what a finished leg answers its router with (a prefill leg's lend or push state)
+    kv_transfer_params: dict[str, Any] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    #: monotonic time (time.perf_counter) of the request's first output token
+    first_token_time: float | None = None
+    arrival_time: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
+
+
+class EngineSnapshot(msgspec.Struct, frozen=True):
+    """The core's state as of one turn of its loop: what /metrics and /health read, so
+    neither reaches into the step loop's live tables."""
+
+    stats: EngineStats
+    #: transfer counters (KVConnector.stats(); empty for role both)
+    kv_stats: dict[str, int] = {}
+    #: why this instance cannot serve (its transfer thread died), or None
+    problem: str | None = None
+    #: start-up work still running on the stepping thread (the matmul autotune): /health
+    #: is 503 "starting" meanwhile, requests are queued, not refused; None once done
+    starting: str | None = None
+
+
+class TransferRecord(msgspec.Struct):
+    """One finished transfer, for /metrics and logs (the transfer thread's record, sent
+    to the front end with the step's outputs)."""
+
+    transfer_id: str
+    role: str
+    mode: str
+    ok: bool
+    num_bytes: int = 0
+    num_descriptors: int = 0
+    post_s: float = 0.0
+    transfer_s: float = 0.0
+    error: str | None = None
+
+
+class UtilityReply(msgspec.Struct, frozen=True):
+    """The answer to an inputs.UtilityCall (``error`` set: it failed)."""
+
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineOutputs(msgspec.Struct, gc=False):
+    """Everything one turn of the core's loop hands the front end, in one message."""
+
+    outputs: list[EngineOutput] = []
+    transfers: list[TransferRecord] = []
+    replies: list[UtilityReply] = []
+    snapshot: EngineSnapshot | None = None
+
+
 @dataclass
 class RequestOutput:
-    """One increment of a request's output; the last one has ``finished`` set."""
+    """One increment of a request's output as the front end hands it to the server:
+    the engine's tokens with their text (stop strings applied)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -38,7 +150,7 @@ class RequestOutput:
     new_logprobs: list[float] | None = None
     #: per new token, its top alternatives ((id, logprob), most likely first), for a
     #: request whose params ask for top_logprobs
-    new_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+    new_top_logprobs: list[TopLogprobs] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -46,15 +158,5 @@ class RequestOutput:
     #: monotonic time (time.perf_counter) of the first output token of this request
     first_token_time: float | None = None
     arrival_time: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions: int
-    prefix_cache_hit_tokens: int
-    prefix_cache_query_tokens: int
+    #: a finished leg's answer to its router (None for a plain request)
+    kv_transfer_params: dict[str, Any] | None = None

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvpush.engine.outputs import RequestError
+from kvpush.engine.outputs import RequestError, TransferRecord  # noqa: F401 (re-export)
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.grants import Grant, ParamsSigner
 from kvpush.sampling_params import SampledToken
@@ -63,21 +63,6 @@ class DecodeRecv:
     #: pull: when prefill's lend ends (wall clock, ms; signed in prefill's answer)
     lend_expires_ms: int | None = None
     t_start: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class TransferRecord:
-    """One finished transfer, for /metrics and logs."""
-
-    transfer_id: str
-    role: str
-    mode: str
-    ok: bool
-    num_bytes: int = 0
-    num_descriptors: int = 0
-    post_s: float = 0.0
-    transfer_s: float = 0.0
-    error: str | None = None
 
 
 #: Longest transfer / request id accepted from a request (the router's are 32-40 chars).

@@ -22,16 +22,16 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from kvpush.engine.outputs import EngineStats, FinishReason, RequestOutput
+from kvpush.engine.client import EngineClient
+from kvpush.engine.outputs import FinishReason, RequestOutput
 from kvpush.kv_transfer.grants import ParamsSigner
-from kvpush.sampling_params import SamplingParams
 from kvpush.server import chat
 from kvpush.server.admission import (
     DEFAULT_MAX_WAITING_REQUESTS,
@@ -61,31 +61,6 @@ T = TypeVar("T")
 #: Largest request body accepted (413 above): a full 128k-token context as JSON token ids
 #: is ~1 MiB, so this only stops abuse.
 MAX_BODY_BYTES = 32 << 20
-
-
-class EngineClient(Protocol):
-    """What the server needs from :class:`kvpush.engine.async_engine.AsyncEngine`."""
-
-    config: Any
-    tokenizer: Any
-
-    def start(self) -> None: ...
-    async def shutdown(self) -> None: ...
-    def stats(self) -> EngineStats: ...
-    def is_healthy(self) -> bool: ...
-    def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]: ...
-    async def abort(self, request_id: str) -> None: ...
-
-
-def health_problem(engine: EngineClient) -> str | None:
-    """Why ``engine`` cannot serve (its step loop stopped; in a P/D role, its KV transfer
-    thread died), or None when it is healthy."""
-    problem = getattr(engine, "health_problem", None)
-    if problem is not None:
-        return problem()
-    return None if engine.is_healthy() else "the engine step loop is not running"
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -170,15 +145,15 @@ class _Server:
                  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> None:
         self.engine = engine
         cfg = engine.config
-        kvt = getattr(cfg, "kv_transfer", None)
-        self.kv_role: str = getattr(kvt, "role", "both")
-        self.kv_mode: str = getattr(kvt, "mode", "push")
+        self.kv_role: str = cfg.kv_transfer.role if cfg.kv_transfer.enabled else "both"
+        self.kv_mode: str = cfg.kv_transfer.mode
         self.waiting = WaitingBound(max_waiting_requests)
         self.abort_signer: ParamsSigner | None = None  # /kv/abort's check (kv_abort.py)
         self.model_name: str = cfg.served_model_name or Path(cfg.model.path).name
         self.max_model_len: int = cfg.scheduler.max_model_len
         self.token_texts = chat.TokenTexts(engine.tokenizer)
-        self.metrics = ServerMetrics(engine.stats, engine.is_healthy)
+        self.metrics = ServerMetrics(engine.stats,
+                                     lambda: engine.health_problem() is None)
         self.metrics.register_waiting(self.waiting)
         self.created = int(time.time())
         self.executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
@@ -220,7 +195,7 @@ class _Server:
             slot = self.waiting.admit(exempt=is_second_leg(
                 self.kv_role, self.kv_mode, req.kv_transfer_params))
             job = await self.prompts.job(req, rid, arrival, len(body))
-            problem = health_problem(self.engine)
+            problem = self.engine.health_problem()
             if problem is not None:
                 raise APIError(f"this instance cannot serve requests: {problem}",
                                status_code=503, code="unavailable")
@@ -383,9 +358,8 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
     if api_key:
         app.add_middleware(APIKeyMiddleware, key=api_key,
                            on_reject=server.metrics.count_auth_rejected)
-    if hasattr(engine, "kv_stats"):
-        server.metrics.register_kv_stats(engine.kv_stats)
-        engine.set_transfer_sink(server.metrics.observe_transfer)
+    server.metrics.register_kv_stats(engine.kv_stats)
+    engine.set_transfer_sink(server.metrics.observe_transfer)
 
     @app.post("/v1/completions", summary="Text completion (OpenAI legacy API)",
               openapi_extra=request_body("CompletionRequest"))
@@ -405,29 +379,27 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
 
     @app.get("/health")
     async def health() -> Response:
-        starting = getattr(engine, "starting", None)  # start-up work still running
-        problem = health_problem(engine) or (starting() if starting else None)
+        problem = engine.health_problem() or engine.starting()
         if problem is None:
             return JSONResponse({"status": "ok"})
         return APIError(problem, status_code=503, code="unhealthy").response()
 
     @app.get("/kv/info", summary="KV identity: engine id, role, transfer mode, layout, blocks")
     async def kv_info() -> Response:
-        info = getattr(engine, "kv_info", None)
-        if info is None:
-            return APIError("this engine has no KV info", status_code=404).response()
-        return JSONResponse(info())
+        try:
+            info = await engine.kv_info()
+        except Exception as exc:  # noqa: BLE001 - the core is gone or failed the call
+            err = to_api_error(exc) or APIError(f"no KV info: {exc}", status_code=503)
+            return err.response()
+        return JSONResponse(info)
 
     @app.get("/kv/cache_blocks",
              summary="Every block hash in the prefix cache, as of KV event batch seq")
     async def kv_cache_blocks() -> Response:
-        snapshot = getattr(engine, "kv_cache_blocks", None)
-
-        def body() -> bytes | None:  # up to num_blocks hashes: off the event loop
-            snap = snapshot() if snapshot is not None else None
-            return None if snap is None else json.dumps(snap.to_json()).encode()
-
-        data = await asyncio.to_thread(body)
+        snap = await engine.kv_cache_blocks()
+        # up to num_blocks hashes: encoded off the event loop
+        data = None if snap is None else await asyncio.to_thread(
+            lambda: json.dumps(snap).encode())
         if data is None:
             return APIError("this instance publishes no KV cache events (prefix caching "
                             "is off)", status_code=404).response()
@@ -436,8 +408,7 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
     @app.post("/kv/abort", summary="Release what a prefill instance holds for a transfer",
               openapi_extra=request_body("KVAbortRequest"))
     async def kv_abort(request: Request) -> Response:
-        abort = getattr(engine, "abort_transfer", None)
-        if abort is None or getattr(engine.config.kv_transfer, "role", "both") == "both":
+        if server.kv_role == "both":
             return APIError("this instance takes no part in KV transfers",
                             status_code=404).response()
         kvt = engine.config.kv_transfer
@@ -445,7 +416,7 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
             server.abort_signer = ParamsSigner(kvt.side_channel_secret)
         engine_id = getattr(engine, "engine_id", None) or kvt.engine_id
         tid = parse_abort(await request.body(), server.abort_signer, kvt.role, engine_id)
-        abort(tid)
+        engine.abort_transfer(tid)
         return JSONResponse({"transfer_id": tid, "status": "aborting"})
 
     @app.get("/metrics")

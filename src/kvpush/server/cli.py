@@ -11,9 +11,13 @@ import logging
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpush import cli_types
+
+if TYPE_CHECKING:
+    from kvpush.engine.async_engine import AsyncEngine
+    from kvpush.engine.core_client import CoreClient
 
 #: Seconds uvicorn lets open requests finish on Ctrl-C / SIGTERM before cancelling them
 #: (the engine then aborts them and the process exits).
@@ -97,6 +101,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="KV-cache dtype, same choices (default: --dtype)")
     mdl.add_argument("--device", default="cpu",
                      help="cpu or cuda[:N] (default: cpu)")
+    mdl.add_argument("--engine-core", choices=("process", "thread"), default="process",
+                     help="process: the engine core (model, KV, scheduler, KV transfer) "
+                     "runs in a child process and this one serves HTTP, tokenizes and "
+                     "detokenizes (ZMQ ipc://); thread: both in one process (default: "
+                     "process)")
     mdl.add_argument("--threads", type=int, metavar="N",
                      help="CPU threads for torch (default: torch's own choice, usually one "
                           "per physical core)")
@@ -348,20 +357,38 @@ def run_serve(args: argparse.Namespace) -> int:
 
         choice = ucx_devices.apply(kvt.side_channel_host, os.environ)
         log.log(choice.level, "%s", choice.message)
-    # torch threads: AsyncEngine loads the model with one and gives the step loop
-    # config.threads (one OpenMP pool per process; see kvpush.engine.async_engine)
-    from kvpush.engine.async_engine import AsyncEngine
+    # torch threads: the core loads the model with one and gives the step loop
+    # config.threads (one OpenMP pool per process; see kvpush.engine.core_loop)
 
     log.info("loading %s (%s, %s: %s; KV %s; max_model_len %d, %d KV blocks of %d "
              "tokens)", config.model.path, config.model.arch, dtype_name(config.dtype),
              config.dtype_reason, dtype_name(config.cache.dtype),
              config.scheduler.max_model_len, config.cache.num_blocks,
              config.cache.block_size)
+    engine: AsyncEngine | CoreClient
     try:
-        engine = AsyncEngine(config)
+        if args.engine_core == "process":
+            from kvpush.engine.core_client import CoreClient
+
+            engine = CoreClient.launch(config, log_level=args.log_level)
+        else:
+            from kvpush.engine.async_engine import AsyncEngine
+
+            engine = AsyncEngine(config)
     except ConfigError as e:
         listener.close()
         return _fail(str(e))
+    try:
+        return _serve(args, config, engine, listener, api_key, log, registration)
+    finally:
+        if args.engine_core == "process":
+            engine.close()  # no-op after a clean shutdown; else the core goes too
+
+
+def _serve(args: argparse.Namespace, config, engine, listener, api_key, log,
+           registration: tuple[Any, str] | None) -> int:
+    kvt = config.kv_transfer
+    port = listener.getsockname()[1]
 
     import uvicorn
 
@@ -380,12 +407,15 @@ def run_serve(args: argparse.Namespace) -> int:
         from kvpush.discovery.serve_hook import RegisteredServer
 
         target, url = registration
-        server = RegisteredServer(uv_config, target,
-                                  lambda: card_from_info(url, engine.kv_info()),
+
+        async def make_card():  # /kv/info is a call to the engine core
+            return card_from_info(url, await engine.kv_info())
+
+        server = RegisteredServer(uv_config, target, make_card,
                                   ttl_s=args.register_ttl, drain_grace_s=args.drain_grace)
     if kvt.enabled:
         log.info("role %s, %s mode, engine id %s, side channel %s (%s)", kvt.role, kvt.mode,
-                 kvt.engine_id, engine.kv_info()["side_channel"],
+                 kvt.engine_id, engine.side_channel,
                  "messages signed" if kvt.side_channel_secret else "unsigned")
         if not kvt.params_signed:
             log.warning("acting on unsigned kv_transfer_params (--insecure-kv-params or no "
@@ -393,6 +423,16 @@ def run_serve(args: argparse.Namespace) -> int:
                         "and peers; use it on a trusted network only")
     log.info("serving %r on http://%s:%d/v1%s", config.served_model_name, args.host,
              port, " (API key required)" if api_key else "")
+    core_died: list[str] = []
+
+    def on_core_death(why: str) -> None:
+        core_died.append(why)
+        server.should_exit = True  # uvicorn drains and runs the lifespan's shutdown
+
+    engine.on_death = on_core_death
     server.run(sockets=[listener])
+    if core_died:
+        print(f"kvpush serve: error: {core_died[0]}; the server stopped", file=sys.stderr)
+        return 1
     # uvicorn returns normally on Ctrl-C; a failed bind or startup leaves started False.
     return 0 if server.started else 1

@@ -350,7 +350,7 @@ class Format:
         self.num_tokens += len(out.new_token_ids)
         if out.finished:
             self.finish_reason = _reason(out)
-            ktp = out.extra.get("kv_transfer_params") if out.extra else None
+            ktp = out.kv_transfer_params
             if isinstance(ktp, dict):
                 self.kv_transfer_params = ktp
 

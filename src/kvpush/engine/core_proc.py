@@ -1,0 +1,129 @@
+"""The engine core in its own process (``kvpush serve`` starts it; vLLM v1's layout).
+
+    API process (parent)                         engine core (this process)
+    CoreClient ── commands: PUSH ipc:// ───────▶ PULL, ``kvpush-core-input`` thread
+                                                     └─ LLMEngine.inbox
+    dispatch ◀── EngineOutputs: PULL ipc:// ──── PUSH, posted by ``kvpush-step-loop``
+    (the event loop watches the PULL socket's FD)
+
+Messages are msgspec msgpack: kvpush.engine.inputs one way, kvpush.engine.outputs the
+other; the first message out is :class:`CoreReady` (or :class:`CoreFailed`: the
+engine could not be built, e.g. a port in use). The parent writes the
+:class:`CoreSetup` (config included, so the cluster secret never appears on a command
+line) pickled on this process's stdin. This process holds the model, the KV region,
+the scheduler, the KV transfer thread and the KV event publisher; the parent holds
+none of them.
+
+Life: SIGINT is ignored (Ctrl-C reaches the whole process group; the parent stops this
+process with a Shutdown once HTTP has drained); SIGTERM ends the loop the same way; the
+kernel kills this process if the parent dies (PR_SET_PDEATHSIG, set by the parent's
+fork: kvpush.cluster.launcher).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from kvpush.config import EngineConfig
+from kvpush.engine.inputs import EngineCommand, Shutdown
+from kvpush.engine.outputs import EngineOutputs, EngineSnapshot
+
+log = logging.getLogger("kvpush.engine.core")
+
+@dataclass(frozen=True)
+class CoreSetup:
+    config: EngineConfig
+    #: the parent's bound sockets: commands to the core, outputs from it
+    input_address: str
+    output_address: str
+    log_level: str = "INFO"
+
+
+class CoreReady(msgspec.Struct, tag=True, frozen=True):
+    engine_id: str
+    side_channel: str | None
+    snapshot: EngineSnapshot
+    pid: int
+
+
+class CoreFailed(msgspec.Struct, tag=True, frozen=True):
+    message: str
+
+
+Hello = CoreReady | CoreFailed
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    setup: CoreSetup = pickle.load(sys.stdin.buffer)
+    sys.stdin.close()
+    logging.basicConfig(level=setup.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.SNDHWM, 0)  # never drop or block a batch
+    out.setsockopt(zmq.LINGER, 5000)
+    out.connect(setup.output_address)
+    inp = ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.RCVHWM, 0)
+    inp.setsockopt(zmq.LINGER, 0)
+    inp.connect(setup.input_address)
+    enc = msgspec.msgpack.Encoder()
+
+    from kvpush.engine.core_loop import CoreLoop
+
+    try:
+        core = CoreLoop(setup.config)
+    except Exception as e:  # noqa: BLE001 - the parent reports it and exits non-zero
+        log.debug("engine core failed to start", exc_info=True)
+        out.send(enc.encode(CoreFailed(str(e) or type(e).__name__)))
+        out.close()
+        inp.close()
+        ctx.term()
+        return 1
+    inbox = core.engine.inbox
+    signal.signal(signal.SIGTERM, lambda *_: inbox.put(Shutdown()))
+    if core.kv_events is not None:
+        core.kv_events.start()
+    out.send(enc.encode(CoreReady(core.engine_id, core.side_channel,
+                                  core.engine.snapshot(), os.getpid())))
+
+    def read_commands() -> None:
+        dec = msgspec.msgpack.Decoder(EngineCommand)
+        while True:
+            try:
+                frame = inp.recv()
+            except zmq.ZMQError:  # the context is ending (ETERM)
+                inp.close()
+                return
+            try:
+                inbox.put(dec.decode(frame))
+            except msgspec.DecodeError:
+                log.error("engine core: a command it cannot decode; ignored", exc_info=True)
+
+    threading.Thread(target=read_commands, name="kvpush-core-input", daemon=True).start()
+
+    def post(batch: EngineOutputs) -> None:  # on the step loop
+        out.send(enc.encode(batch))  # (zero-copy costs more than it saves here)
+
+    step = threading.Thread(target=core.run, args=(post,), name="kvpush-step-loop")
+    step.start()
+    step.join()
+    if core.kv_events is not None:  # after the step loop: its last events go out
+        core.kv_events.close()
+    out.close()  # lingers until the last batch is sent (or 5 s)
+    ctx.term()  # ends the input thread's recv, which closes its socket
+    return 1 if core.fatal is not None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The front end's side of the engine boundary, shared by the in-process AsyncEngine and
+the CoreClient of an engine core in a child process.
+
+It checks each request once (RequestChecker), gives it a unique internal id, sends
+typed commands (kvpush.engine.inputs) through ``_send``, and routes each EngineOutputs
+batch (``dispatch``, on the event loop) to the requests' streams, the transfer sink,
+the utility calls waiting for their reply and the latest snapshot. Each stream turns
+the core's token ids into text on its own consumer's task (RequestStream: incremental
+detokenizer, stop strings).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from kvpush.config import EngineConfig
+from kvpush.engine.checks import RequestChecker
+from kvpush.engine.inputs import (
+    AbortRequests,
+    AbortTransfer,
+    AddRequest,
+    EngineCommand,
+    Utility,
+    UtilityCall,
+)
+from kvpush.engine.output_processor import RequestStream
+from kvpush.engine.outputs import (
+    EngineOutput,
+    EngineOutputs,
+    EngineSnapshot,
+    EngineStats,
+    FinishReason,
+    RequestError,
+    RequestFailure,
+    RequestOutput,
+    TransferRecord,
+)
+from kvpush.sampling_params import SamplingParams
+
+#: how long a utility call (/kv/info, /kv/cache_blocks) waits for the core's reply
+UTILITY_TIMEOUT_S = 30.0
+
+
+class FrontEnd:
+    def __init__(self, config: EngineConfig, tokenizer: Any, snapshot: EngineSnapshot):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.checker = RequestChecker(config)
+        # internal engine id -> the request's stream of core outputs
+        self._streams: dict[str, asyncio.Queue[EngineOutput]] = {}
+        self._internal: dict[str, str] = {}  # caller's id -> internal id
+        self._seq = itertools.count()
+        self._snapshot = snapshot
+        self._sink: Callable[[TransferRecord], None] | None = None
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_seq = itertools.count()
+        #: called on the event loop if the core dies without being stopped (CoreClient)
+        self.on_death: Callable[[str], None] | None = None
+
+    # ---- what a subclass provides ----------------------------------------------------
+    def _send(self, cmd: EngineCommand) -> None:
+        raise NotImplementedError
+
+    def _core_problem(self) -> str | None:
+        """Why the core is not running (its thread or process ended), or None."""
+        raise NotImplementedError
+
+    # ---- EngineClient ------------------------------------------------------------------
+    def health_problem(self) -> str | None:
+        return self._core_problem() or self._snapshot.problem
+
+    def starting(self) -> str | None:
+        """Start-up work the core still runs (/health is 503 "starting" until it is
+        done; requests are queued meanwhile), or None."""
+        return None if self._core_problem() else self._snapshot.starting
+
+    def is_healthy(self) -> bool:
+        return self.health_problem() is None
+
+    def stats(self) -> EngineStats:
+        return self._snapshot.stats
+
+    def kv_stats(self) -> dict[str, int]:
+        return self._snapshot.kv_stats
+
+    def set_transfer_sink(self, sink: Callable[[TransferRecord], None]) -> None:
+        self._sink = sink
+
+    def abort_transfer(self, transfer_id: str, why: str = "aborted by the router") -> None:
+        self._send(AbortTransfer(transfer_id, why))
+
+    async def kv_info(self) -> dict[str, Any]:
+        return await self._utility(Utility.KV_INFO)
+
+    async def kv_cache_blocks(self) -> dict[str, Any] | None:
+        if not self.config.cache.enable_prefix_caching:
+            return None
+        return await self._utility(Utility.KV_CACHE_BLOCKS)
+
+    async def _utility(self, method: Utility) -> Any:
+        problem = self._core_problem()
+        if problem is not None:
+            raise RequestError(problem, code="unavailable", status_code=503)
+        call_id = next(self._call_seq)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        try:
+            self._send(UtilityCall(call_id, method))
+            return await asyncio.wait_for(fut, UTILITY_TIMEOUT_S)
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. ``request_id`` is the caller's (X-Request-Id); the
+        core runs it under a unique internal id, so an id reused right after an abort
+        never receives the old request's last output."""
+        problem = self.health_problem()
+        if problem is not None:
+            raise RequestError(f"this instance cannot serve requests: {problem}",
+                               code="unavailable", status_code=503)
+        if kv_transfer_params is None:
+            kv_transfer_params = params.extra.get("kv_transfer_params")
+        # checked and typed here, once, before anything is queued (a 400 if malformed)
+        kv, params = self.checker.check(prompt_token_ids, params, kv_transfer_params)
+        if request_id in self._internal:
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+        internal = f"{request_id}#{next(self._seq)}"
+        queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
+        self._streams[internal] = queue
+        self._internal[request_id] = internal
+        text = RequestStream(request_id, self.tokenizer, params)
+        self._send(AddRequest(internal, list(prompt_token_ids), params, kv))
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                failure = out.failure
+                if failure is not None and failure.rejected:
+                    finished = True
+                    raise failure.to_error()
+                res = text.process(out)
+                finished = res.finished
+                yield res
+                if finished:
+                    return
+        finally:
+            self._streams.pop(internal, None)
+            self._internal.pop(request_id, None)
+            if not finished or text.stopped_early:
+                self._send(AbortRequests([internal]))
+
+    async def abort(self, request_id: str) -> None:
+        internal = self._internal.get(request_id)
+        if internal is not None:
+            self._send(AbortRequests([internal]))
+
+    # ---- the core's reports (on the event loop) --------------------------------------
+    def dispatch(self, batch: EngineOutputs) -> None:
+        streams = self._streams
+        for out in batch.outputs:
+            queue = streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        if batch.snapshot is not None:
+            self._snapshot = batch.snapshot
+        if batch.transfers and self._sink is not None:
+            for rec in batch.transfers:
+                self._sink(rec)
+        for reply in batch.replies:
+            fut = self._calls.get(reply.call_id)
+            if fut is not None and not fut.done():
+                if reply.error is not None:
+                    fut.set_exception(RuntimeError(reply.error))
+                else:
+                    fut.set_result(reply.result)
+
+    def fail_all(self, why: str) -> None:
+        """The core is gone: end every stream with an error and every waiting call."""
+        for internal, queue in list(self._streams.items()):
+            queue.put_nowait(EngineOutput(internal, [], finish_reason=FinishReason.ERROR,
+                                          failure=RequestFailure(why)))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(RequestError(why, code="unavailable", status_code=503))

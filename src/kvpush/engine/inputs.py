@@ -1,0 +1,67 @@
+"""What goes into the engine core: typed commands (msgspec structs, tagged so a decoder
+tells them apart), applied by ``LLMEngine.process_inbox`` between two steps.
+
+* :class:`AddRequest`: a request checked once by the front end (its typed
+  ``kv_transfer_params`` and the sampling parameters it runs with);
+* :class:`AbortRequests`: end these requests (client gone, stop string seen);
+* :class:`AbortTransfer`: release what this prefill instance holds for a transfer;
+* :class:`UtilityCall`: a request/reply call the front end awaits (``/kv/info``,
+  ``/kv/cache_blocks``), answered in the batch of the turn that ran it;
+* :class:`Shutdown`: stop the loop.
+
+The transfer thread's events reach the same inbox wrapped in :class:`TransferEvent`
+(a local object, never sent to another process).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvpush.kv_transfer.state import KVTransferParams
+from kvpush.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag=True, frozen=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_transfer_params: KVTransferParams | None = None
+    #: monotonic time the request arrived at the front end
+    arrival_time: float = 0.0
+
+
+class AbortRequests(msgspec.Struct, tag=True, frozen=True):
+    request_ids: list[str]
+
+
+class AbortTransfer(msgspec.Struct, tag=True, frozen=True):
+    transfer_id: str
+    why: str = "aborted by the router"
+
+
+class Utility(str, enum.Enum):
+    KV_INFO = "kv_info"
+    KV_CACHE_BLOCKS = "kv_cache_blocks"
+
+
+class UtilityCall(msgspec.Struct, tag=True, frozen=True):
+    call_id: int
+    method: Utility
+
+
+class Shutdown(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+EngineCommand = AddRequest | AbortRequests | AbortTransfer | UtilityCall | Shutdown
+
+
+@dataclass(frozen=True)
+class TransferEvent:
+    """An event of this process's transfer thread for the step loop (kv_transfer.commands)."""
+
+    event: Any

@@ -1,0 +1,188 @@
+"""`kvpush serve` with its engine core in a child process (kvpush.engine.core_proc):
+the core's death mid-stream, SIGTERM and Ctrl-C, and nothing left running."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+from kvpush.engine.inputs import AbortRequests, AddRequest, EngineCommand, Shutdown
+from kvpush.engine.outputs import (
+    EngineOutput,
+    EngineOutputs,
+    EngineSnapshot,
+    EngineStats,
+    FinishReason,
+    RequestFailure,
+    TransferRecord,
+)
+from kvpush.kv_transfer.state import KVTransferParams
+from kvpush.sampling_params import SamplingParams
+from server_helpers import ServerProcess
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_gone(pids: list[int], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, [p for p in pids if _alive(p)]
+        time.sleep(0.05)
+
+
+def _core_of(srv: ServerProcess) -> int:
+    kids = _children(srv.proc.pid)
+    assert len(kids) == 1, kids
+    assert "kvpush.engine.core_proc" in Path(f"/proc/{kids[0]}/cmdline").read_text()
+    return kids[0]
+
+
+def test_messages_round_trip():
+    """What crosses the process boundary decodes to what was sent."""
+    enc = msgspec.msgpack.Encoder()
+    kv = KVTransferParams(do_remote_prefill=True, transfer_id="t", remote_host="h",
+                          remote_port=3, remote_block_ids=[1, 2], prompt_hashes=[b"\x01"])
+    params = SamplingParams(max_tokens=5, stop=("ab",), stop_token_ids=[3, 4],
+                            logit_bias=((1, 2.0),))
+    for cmd in (AddRequest("r#1", [1, 2], params, kv, 1.5), AbortRequests(["a"]), Shutdown()):
+        assert msgspec.msgpack.decode(enc.encode(cmd), type=EngineCommand) == cmd
+    batch = EngineOutputs(
+        [EngineOutput("r", [7], [-0.5], [((7, -0.5),)], FinishReason.ERROR,
+                      RequestFailure("no", True, "prompt", None, 400), {"k": 1}, 2, 1, 0,
+                      1.0, 0.5)],
+        [TransferRecord("t", "decode", "push", True, 10)], [],
+        EngineSnapshot(EngineStats(1, 0, 5, 8, 0, 0, 0), {"transfers_ok": 1}, None))
+    assert msgspec.msgpack.decode(enc.encode(batch), type=EngineOutputs) == batch
+
+
+def test_core_killed_mid_stream(tiny_llama, tmp_path):
+    """The core dies while a request streams: the client gets an error event, /health
+    says why (or the server is already gone), the server exits non-zero with a clear
+    message, and no process is left."""
+    srv = ServerProcess(tiny_llama, "--max-model-len", "2048", log_dir=tmp_path)
+    try:
+        core = _core_of(srv)
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 2000, "ignore_eos": True,
+                "stream": True}
+        lines: list[str] = []
+        health: list[int | None] = []
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) == 6:  # a few tokens out: kill the core
+                    os.kill(core, signal.SIGKILL)
+                    deadline = time.monotonic() + 10
+                    while not health and time.monotonic() < deadline:
+                        try:  # 200 until the death is noticed (a pidfd wakes the reader)
+                            code = httpx.get(srv.url + "/health", timeout=5).status_code
+                            if code != 200:
+                                health.append(code)
+                        except httpx.HTTPError:
+                            health.append(None)  # already stopped
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert "error" in events[-1], events[-3:]
+        assert "engine core process was killed by SIGKILL" in events[-1]["error"]["message"]
+        assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"
+        assert health[0] in (503, None), health
+        assert srv.proc.wait(30) == 1
+        log = srv.log_path.read_text()
+        assert "kvpush serve: error: the engine core process was killed by SIGKILL" in log
+        _wait_gone([srv.proc.pid, core])
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_signals_stop_both_processes(tiny_llama, tmp_path, how):
+    """SIGTERM to the server, or SIGINT to its process group (Ctrl-C in a terminal),
+    stops the API process and the core while a request streams."""
+    srv = ServerProcess(tiny_llama, "--max-model-len", "2048", log_dir=tmp_path)
+    try:
+        core = _core_of(srv)
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 2000, "ignore_eos": True,
+                "stream": True}
+        with contextlib.suppress(httpx.HTTPError), \
+                httpx.stream("POST", srv.url + "/v1/completions", json=body,
+                             timeout=30) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n == 4:
+                    if how == "sigterm":
+                        srv.proc.send_signal(signal.SIGTERM)
+                    else:
+                        os.killpg(srv.proc.pid, signal.SIGINT)
+        # uvicorn re-raises the signal it handled once it has shut down (130: Ctrl-C)
+        sig = signal.SIGTERM if how == "sigterm" else signal.SIGINT
+        assert srv.proc.wait(40) in (0, -sig, 128 + sig), srv.log_tail()
+        assert "Traceback" not in srv.log_path.read_text(), srv.log_tail()
+        _wait_gone([core])
+    finally:
+        srv.stop()
+
+
+def test_core_client_in_process_app(tiny_llama):
+    """The app on a CoreClient (ASGI, no HTTP server): requests run in the core, /kv/info
+    and /metrics come from its reports, and a dead core turns /health into a 503 with
+    the reason and calls on_death."""
+    from kvpush.config import EngineConfig
+    from kvpush.engine.core_client import CoreClient
+    from kvpush.server.app import build_app
+
+    config = EngineConfig.build(tiny_llama, max_model_len=256, num_blocks=64, block_size=16,
+                                max_num_batched_tokens=256)
+    client = CoreClient.launch(config, log_level="WARNING")
+    deaths: list[str] = []
+    client.on_death = deaths.append
+    app = build_app(client)
+
+    async def main() -> None:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                         timeout=30) as c:
+                r = await c.post("/v1/completions", json={
+                    "prompt": "hello world", "max_tokens": 6, "temperature": 0,
+                    "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["completion_tokens"] == 6
+                info = (await c.get("/kv/info")).json()
+                assert info["role"] == "both" and info["num_total_blocks"] == 64
+                assert (await c.get("/health")).status_code == 200
+                client.proc.kill()
+                deadline = time.monotonic() + 10
+                while not deaths:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.02)
+                r = await c.get("/health")
+                assert r.status_code == 503
+                assert "engine core process was killed by SIGKILL" in r.text
+                r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                assert r.status_code == 503
+
+    try:
+        asyncio.run(main())
+    finally:
+        client.close()
+    assert deaths == ["the engine core process was killed by SIGKILL"]
