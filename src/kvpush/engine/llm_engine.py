@@ -101,6 +101,13 @@ class LLMEngine:
     def process_inbox(self, block: bool = False, timeout: float | None = None) -> list:
         """Apply queued commands and transfer events; wait for one first when ``block``.
         Returns outputs they produced; the string "stop" in it means: stop the loop."""
+        try:
+            return self._process_inbox(block, timeout)
+        finally:
+            if self.connector is not None:
+                self.connector.flush()  # the turn's transfer commands: one message
+
+    def _process_inbox(self, block: bool, timeout: float | None) -> list:
         outputs: list = []
         try:
             cmd = self.inbox.get(block=block, timeout=timeout)
@@ -262,6 +269,13 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step: schedule, run the batch, and return its outputs."""
+        try:
+            return self._step()
+        finally:
+            if self.connector is not None:
+                self.connector.flush()  # the step's transfer commands: one message
+
+    def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         layer_hook = None
         if self.connector is not None:

@@ -167,6 +167,7 @@ class KVConnector:
         self.worker.start()
 
     def shutdown(self) -> None:
+        self.ctx.flush()  # what the last turn queued goes before the Stop
         self.worker.stop()
         self.dead_hold.cancel()
 
@@ -197,6 +198,11 @@ class KVConnector:
         }
 
     # ---- the step loop's hooks ------------------------------------------------------------
+    def flush(self) -> None:
+        """End of an engine turn (a step, a pass over the inbox): what it asked of the
+        transfer thread goes as one ``StepMessage``."""
+        self.ctx.flush()
+
     def add_request(self, req: Request, p: KVTransferParams | None) -> bool:
         """Take charge of a request that sends or receives KV; False: a local request.
         A prefill leg's params arrive already set for it (``LLMEngine.leg_params``)."""
@@ -245,11 +251,14 @@ class KVConnector:
         self.timeline.first_token(request_id)
 
     # ---- events from the transfer thread ----------------------------------------------
-    def handle_event(self, ev: c.TransferEvent) -> None:
-        """Apply one event of the transfer thread (on the step loop)."""
+    def handle_event(self, ev: c.TransferUpdate | c.TransferEvent) -> None:
+        """Apply one update (or one event) of the transfer thread (on the step loop)."""
         self.receiver.unstall()
         sender, receiver = self.sender, self.receiver
         match ev:
+            case c.TransferUpdate(events):
+                for one in events:
+                    self.handle_event(one)
             case c.PeerReady(address, hello):
                 self._peer_ready(address, hello)
             case c.PeerRefused(address, reason):
