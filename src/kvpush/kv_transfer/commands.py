@@ -86,14 +86,6 @@ class Finalize:
 
 
 @dataclass(frozen=True, slots=True)
-class CancelWrites:
-    """Push: decode aborted ``tid``; post nothing more, AbortAck once WRITEs drain."""
-
-    tid: str
-    address: str
-
-
-@dataclass(frozen=True, slots=True)
 class PostRead:
     """Pull: READ the peer's ``remote`` ranges into ``local`` for transfer ``tid``; tell
     prefill (PullDone) and the step loop (ReadDone) when it ends."""
@@ -124,8 +116,8 @@ class Stop:
     """End the transfer thread."""
 
 
-Command = (Send | EnsurePeer | Track | Untrack | PostWrite | Finalize | CancelWrites
-           | PostRead | FenceTransfer | Call | Stop)
+Command = (Send | EnsurePeer | Track | Untrack | PostWrite | Finalize | PostRead
+           | FenceTransfer | Call | Stop)
 
 
 @dataclass(frozen=True, slots=True)

@@ -152,13 +152,13 @@ class PrefillSender:
         ctx.remember_ended(tid, why)  # a leg that arrives later is refused
 
     def on_abort(self, ab: m.Abort) -> None:
-        """Decode gave up on one of ours: stop, drain, acknowledge."""
+        """Decode gave up on one of ours: stop. The transfer thread has already
+        cancelled its WRITEs as the Abort arrived (acknowledging once they drained):
+        a sending transfer ends with its ``WritesDone``."""
         ctx, tid = self.ctx, ab.transfer_id
         if tid in self.sends:
             send = self.sends[tid]
-            address = send.reg.address if send.reg else None
-            if send.state in (SendState.SENDING, SendState.DRAINING) and address:
-                ctx.submit(c.CancelWrites(tid, address))
+            if send.state in (SendState.SENDING, SendState.DRAINING) and send.reg:
                 if send.request_id in ctx.scheduler.requests:
                     ctx.actions.append(c.AbortRequest(send.request_id,
                                                       f"decode: {ab.reason}"))

@@ -314,8 +314,6 @@ class TransferWorker:
                 self.fences.drop(tid)
             case c.EnsurePeer(address):
                 self._ensure_peer(address)
-            case c.CancelWrites(tid, address):
-                self.inflight.cancel_writes(tid, address)
             case c.PostRead(tid, address, local, remote):
                 self.inflight.post_read(tid, address, local, remote)
             case c.FenceTransfer(tid, address):
