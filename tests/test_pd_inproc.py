@@ -297,6 +297,14 @@ def _assert_clean(pd) -> None:
     for eng in (pd.p, pd.d):
         s = eng.stats()
         assert s.num_free_blocks == s.num_total_blocks
+    # every transfer's lease and fence ended too (the transfer thread owns them: it
+    # drops them itself on the event that ends a transfer, the step loop on the rest)
+    workers = [eng.connector.worker for eng in (pd.p, pd.d)]
+    deadline = time.monotonic() + 5
+    while any(w.leases or w.fences.fences for w in workers):
+        assert time.monotonic() < deadline, [(w.leases, w.fences.fences) for w in workers]
+        pd.pump()
+        time.sleep(0.005)
 
 
 @pytest.mark.parametrize("pd", [("push", {"lease": 0.6})], indirect=True)

@@ -169,7 +169,7 @@ class PrefillSender:
             ctx.submit(c.Untrack(tid))
             ctx.remember_ended(tid, f"aborted by decode: {ab.reason}")
         elif tid in self.lent:
-            self.on_pull_done(m.PullDone(tid, ok=False))
+            self.on_pull_done(m.PullDone(tid, ok=False), from_peer=False)
 
     def on_lease_expired(self, tid: str) -> None:
         ctx = self.ctx
@@ -438,7 +438,7 @@ class PrefillSender:
         send = self.sends.pop(tid, None)
         if send is None:
             return
-        self.ctx.submit(c.Untrack(tid))
+        # (its lease went with the WritesDone, on the transfer thread: no Untrack)
         ok = failed is None and send.finished
         self.ctx.counters["transfers_ok" if ok else "transfers_failed"] += 1
         self.ctx.record(TransferRecord(tid, "prefill", "push", ok, ev.num_bytes,
@@ -449,9 +449,12 @@ class PrefillSender:
         for blocks in send.retired:
             self.ctx.scheduler.release_blocks(blocks)
 
-    def on_pull_done(self, done: m.PullDone) -> None:
+    def on_pull_done(self, done: m.PullDone, from_peer: bool = True) -> None:
+        """Decode read the lent blocks (or gave up). ``from_peer``: its PullDone, on
+        which the transfer thread already dropped the lease."""
         blocks = self.lent.pop(done.transfer_id, None)
         if blocks is not None:
-            self.ctx.submit(c.Untrack(done.transfer_id))
+            if not from_peer:
+                self.ctx.submit(c.Untrack(done.transfer_id))
             self.ctx.scheduler.release_blocks(blocks)
             self.ctx.counters["transfers_ok" if done.ok else "transfers_failed"] += 1

@@ -76,6 +76,18 @@ class Lease:
     renewable: bool = True  # False: a fixed deadline, heartbeats do not extend it
 
 
+def _ended_by(ev: c.TransferEvent) -> str | None:
+    """The transfer ``ev`` ends on both threads whatever the step loop's state, or None."""
+    match ev:
+        case c.WritesDone(tid) | c.ReadDone(tid):
+            return tid
+        case c.PushDoneReceived(done) | c.PullDoneReceived(done):
+            return done.transfer_id
+        case c.AbortAckReceived(ack):
+            return ack.transfer_id
+    return None
+
+
 class TransferWorker:
     def __init__(
         self,
@@ -193,7 +205,14 @@ class TransferWorker:
         return None
 
     def _post(self, ev: c.TransferEvent) -> None:
-        """Post ``ev`` for the step loop: with the pass's others when the loop runs."""
+        """Post ``ev`` for the step loop: with the pass's others when the loop runs.
+        An event that ends its transfer for good (our WRITEs over, the peer's final
+        answer, our READ over) ends its lease and fence here, where they live: the step
+        loop sends no Untrack for it."""
+        tid = _ended_by(ev)
+        if tid is not None:
+            self.leases.pop(tid, None)
+            self.fences.drop(tid)
         if self._batch is None:
             self.post_event(ev)
         else:
