@@ -13,7 +13,7 @@ from kvpush.engine.outputs import FinishReason
 from kvpush.errors import ConfigError
 from kvpush.kv_cache.block_pool import hash_prefix_blocks
 from kvpush.kv_transfer.commands import PostWrite, StepMessage, Stop
-from kvpush.kv_transfer.faults import FaultPlan
+from kvpush_testing.faults import FaultPlan
 from pd_helpers import PDDriver, make_instance
 
 LENGTHS = [7, 16, 33, 100, 161, 250]  # 1 to 16 blocks of 16, mostly not multiples

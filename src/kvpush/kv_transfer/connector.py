@@ -340,52 +340,32 @@ class KVConnector:
         }
 
 
-#: Test-only: a JSON object of FaultPlan knobs (e.g. ``{"fail_posts": 1}``) armed in
-#: every connector of the process (``kvpush serve`` under the fault tests). Never set it in
-#: production; a process that reads it logs a warning.
+#: Test-only: $KVPUSH_FAULTS arms a FaultPlan in every connector of the process
+#: (kvpush_testing.faults); a production process never sets it
 FAULTS_ENV = "KVPUSH_FAULTS"
 
 
 def faults_from_env():
-    """The FaultPlan described by $KVPUSH_FAULTS, or None when it is unset or empty."""
-    import json
+    """The FaultPlan $KVPUSH_FAULTS describes (kvpush_testing), or None when unset."""
     import os
 
-    raw = os.environ.get(FAULTS_ENV, "").strip()
-    if not raw:
+    if not os.environ.get(FAULTS_ENV, "").strip():
         return None
-    from kvpush.kv_transfer.faults import FaultPlan
+    from kvpush_testing.faults import faults_from_env as from_env
 
-    plan = FaultPlan()
-    plan.arm(**json.loads(raw))
-    log.warning("%s is set: injecting faults %s (test only)", FAULTS_ENV, raw)
-    return plan
-
-
-class _FaultyPosts:
-    """Wraps a transport that knows no FaultPlan (NIXL): ``fail_posts`` makes ``post``
-    raise TransferPostError; everything else goes to the real transport."""
-
-    def __init__(self, transport, faults) -> None:
-        self._transport, self._faults = transport, faults
-
-    def post(self, op, peer, local, remote):
-        from kvpush.kv_transfer.transport import TransferPostError
-
-        if self._faults.take_post_failure():
-            raise TransferPostError(f"injected {op} post failure ({FAULTS_ENV})")
-        return self._transport.post(op, peer, local, remote)
-
-    def __getattr__(self, name):
-        return getattr(self._transport, name)
+    return from_env(FAULTS_ENV)
 
 
 def _make_transport(kind: str, name: str, faults):
     if kind == "inproc":
-        from kvpush.kv_transfer.inproc_transport import InProcTransport
+        from kvpush_testing.inproc_transport import InProcTransport
 
         return InProcTransport(name, faults=faults)
     from kvpush.kv_transfer.nixl_transport import NixlTransport
 
     transport = NixlTransport(name)
-    return transport if faults is None else _FaultyPosts(transport, faults)
+    if faults is None:
+        return transport
+    from kvpush_testing.faults import FaultyPosts
+
+    return FaultyPosts(transport, faults)
