@@ -27,7 +27,7 @@ Push, decode side (``DecodeRecv``)::
            connection dropping, or --fence-timeout (counted): never at lease end,
            since a frozen prefill that resumes still finishes its WRITEs
 
-Pull: prefill finishes with max_tokens=1 and lends its blocks (``LENT``) under a lease
+Pull: prefill finishes with max_tokens=1 and lends its blocks (``PrefillSender.lent``) under a lease
 until PullDone; decode allocates, its transfer thread posts a READ (vLLM's connector posts
 it on the step loop), it waits, then computes the last prompt token itself for token #1.
 
