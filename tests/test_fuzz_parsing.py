@@ -206,10 +206,14 @@ def test_channel_auth_accepts_its_own_and_no_bit_flip(sender, payload, counter, 
 
 def test_random_frames_on_the_wire_are_dropped_and_counted():
     """Raw ZMQ frames (any count, any bytes) at a signing channel: all refused or
-    dropped as malformed; the channel keeps working."""
+    dropped as malformed; the channel keeps working. The raw socket has the cluster's
+    CURVE keys (without them its handshake fails and no frame arrives at all:
+    test_side_channel_curve.py), so every frame reaches the MAC check."""
     import random
 
     import zmq
+
+    from kvpush.kv_transfer.curve import derive_curve_keys, make_client
 
     rng = random.Random(7)
     secret = b"s" * 32
@@ -218,6 +222,7 @@ def test_random_frames_on_the_wire_are_dropped_and_counted():
         ctx = zmq.Context.instance()
         raw = ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
+        make_client(raw, derive_curve_keys(secret))
         raw.connect(f"tcp://{rx.address}")
         try:
             n = 200

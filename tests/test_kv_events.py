@@ -13,6 +13,7 @@ import httpx
 import zmq
 
 from kvpush.kv_cache.block_pool import BlockPool, hash_prefix_blocks
+from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.event_publisher import KVEventPublisher
 from kvpush.kv_cache.events import (
     TOPIC,
@@ -24,7 +25,10 @@ from kvpush.kv_cache.events import (
     decode_batch,
     encode_batch,
 )
-from server_helpers import ServerProcess, sign_kv
+from kvpush.kv_transfer.curve import make_client
+from server_helpers import TEST_KV_SECRET, ServerProcess, sign_kv
+
+KEYS = EventKeys.from_secret(TEST_KV_SECRET.encode())
 
 BS = 16
 
@@ -125,11 +129,13 @@ class Mirror:
     """A SUB socket on an instance's KV events, the set of hashes they add up to, and
     that set as of every seq seen (to compare with a snapshot taken at any seq)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, keys: EventKeys | None = None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        if keys is not None:  # a member of the cluster (CURVE client)
+            make_client(self.sock, keys.curve)
         self.sock.connect(endpoint)
         self.batches: list[KVEventBatch] = []
         self.cached: set[bytes] = set()
@@ -222,7 +228,7 @@ def test_publisher_numbers_batches_and_snapshots_match():
     mirror = Mirror(pub.endpoint)
     try:
         assert pub.endpoint.startswith("tcp://127.0.0.1:")
-        assert pub.info() == {"endpoint": pub.endpoint, "block_size": BS}
+        assert pub.info() == {"endpoint": pub.endpoint, "block_size": BS, "keyed": False}
         assert pub.snapshot().seq == 0 and pub.snapshot().hashes == []
         _warm_up(mirror, lambda i: pub.publish([BlockStored([_h(1000 + i)])]),
                  lambda: pub.snapshot().to_json(), tries=100, wait_s=0.05)
@@ -267,11 +273,18 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(50, 950) for _ in range(n)]
 
 
+def published(tokens: list[int], block_size: int) -> list[bytes]:
+    """The names an instance with the test cluster's secret publishes for a prompt's
+    full blocks: keyed tags of their hashes (kvpush.kv_cache.event_keys)."""
+    return [KEYS.tag(h) for h in hash_prefix_blocks(tokens, block_size)]
+
+
 def _subscribe(srv: ServerProcess) -> Mirror:
     """A Mirror on ``srv``'s events, warmed up by plain requests and caught up."""
     info = srv.get("/kv/info")["kv_events"]
     assert info["block_size"] == BS
-    mirror = Mirror(info["endpoint"])
+    assert info["keyed"] is True  # test servers have the cluster secret: members only
+    mirror = Mirror(info["endpoint"], KEYS)
     _warm_up(mirror, lambda i: _complete(srv.url, _prompt(10_000 + i, BS)),
              lambda: srv.get("/kv/cache_blocks"))
     return mirror
@@ -293,7 +306,7 @@ def test_serve_publishes_prefix_cache(tiny_llama, tmp_path):
         _complete(srv.url, prompt)
         mirror.drain()
         # exactly the prompt's full blocks, in chain order, nothing removed
-        assert mirror.events_after(seq0, BlockStored) == hash_prefix_blocks(prompt, BS)
+        assert mirror.events_after(seq0, BlockStored) == published(prompt, BS)
         assert mirror.events_after(seq0, BlockRemoved) == []
         # the same prompt again: a cache hit, nothing new to publish
         seq1 = mirror.seq
@@ -308,7 +321,7 @@ def test_serve_publishes_prefix_cache(tiny_llama, tmp_path):
         assert out["usage"]["completion_tokens"] == 2 * BS + 1
         mirror.drain()
         grown = mirror.events_after(seq2, BlockStored)
-        assert len(grown) == 3 and grown[0] == hash_prefix_blocks(short, BS)[0]
+        assert len(grown) == 3 and grown[0] == published(short, BS)[0]
         assert {b.engine_id for b in mirror.batches} == {info["engine_id"]}
         assert [b.seq for b in mirror.batches] == list(
             range(mirror.batches[0].seq, mirror.seq + 1))
@@ -334,13 +347,13 @@ def test_serve_eviction_publishes_removals(tiny_llama, tmp_path):
         mirror.drain()
         stored = mirror.events_after(seq0, BlockStored)
         removed = mirror.events_after(seq0, BlockRemoved)
-        assert stored == [h for p in prompts for h in hash_prefix_blocks(p, BS)]
+        assert stored == [h for p in prompts for h in published(p, BS)]
         assert removed, "no removal published under a 12-block pool"
-        assert set(hash_prefix_blocks(prompts[0], BS)) <= set(removed)
+        assert set(published(prompts[0], BS)) <= set(removed)
         # the index shrank with the evictions: the first prompts gone, the last there
         assert len(mirror.cached) <= 12
-        assert not set(hash_prefix_blocks(prompts[0], BS)) & mirror.cached
-        assert set(hash_prefix_blocks(prompts[-1], BS)) <= mirror.cached
+        assert not set(published(prompts[0], BS)) & mirror.cached
+        assert set(published(prompts[-1], BS)) <= mirror.cached
         snap = srv.get("/kv/cache_blocks")
         _check_snapshot(mirror, snap)
         assert {bytes.fromhex(h) for h in snap["hashes"]} == mirror.cached
@@ -396,7 +409,7 @@ def test_prefill_and_decode_publish_transferred_blocks(tiny_llama, tmp_path):
         mirrors.append(_subscribe(d))  # decode warmed up by plain local requests
         prompt = _prompt(3, 4 * BS + 3)
         asyncio.run(_push(p.url, d.url, p_info, d_info, prompt))
-        want = set(hash_prefix_blocks(prompt, BS))
+        want = set(published(prompt, BS))
         for srv, mirror, info in ((p, mirrors[0], p_info), (d, mirrors[1], d_info)):
             mirror.drain()
             assert want <= mirror.cached, info["role"]

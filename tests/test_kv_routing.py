@@ -133,6 +133,42 @@ def test_choice_longest_prefix_weighed_against_load():
     assert pool.pick("decode", cost=lambda i: 0.0) is d2
 
 
+def test_kv_tokens_in_flight_spread_the_load():
+    """A decode that holds 200 of a 300-token prompt but carries a conversation's
+    stream (400 KV tokens in flight) costs more than an idle one at weight 1: the old
+    cost (64 a leg) kept it on the busy decode."""
+    pool, d1, d2 = _two_decode_pool()
+    cached = {d1: 0, d2: 200}
+    d2.in_flight, d2.tokens_in_flight = 1, 400
+
+    def f(weight: float) -> Any:
+        return lambda i: cost(300, cached[i], i.in_flight, 64, i.tokens_in_flight, weight)
+
+    assert pool.choose("decode", cost=f(0.0)) is d2  # 100 + 64 < 300
+    assert pool.choose("decode", cost=f(1.0)) is d1  # 100 + 64 + 400 > 300
+
+
+def test_decode_legs_charge_and_release_their_tokens():
+    from kvpush.router.job import Job
+
+    pool, d1, d2 = _two_decode_pool()
+    cfg = RouterConfig(mode="push", prefill=(parse_instance("http://127.0.0.1:9"),),
+                       decode=(parse_instance("http://127.0.0.1:1"),), policy="cache-aware")
+    policy = CachePolicy.__new__(CachePolicy)  # the charge only (no index, no tokenizer)
+    policy.cfg = cfg
+    policy.cached_tokens = lambda inst, route: 0  # type: ignore[method-assign]
+    job = Job(rid="r", kind="completion", path="/v1/completions",
+              body={"prompt": list(range(40)), "max_tokens": 24}, stream=False, arrival=0.0)
+    job.route = Route(list(range(40)))
+    policy.picked(job, d1)
+    assert d1.tokens_in_flight == 64
+    policy.picked(job, d2)  # sent again elsewhere: the first charge moves
+    assert (d1.tokens_in_flight, d2.tokens_in_flight) == (0, 64)
+    policy.released(job)
+    policy.released(job)  # idempotent
+    assert (d1.tokens_in_flight, d2.tokens_in_flight) == (0, 0)
+
+
 def test_an_instance_without_room_comes_after_those_with_room():
     assert not lacks_room(52, 13, 4) and lacks_room(53, 13, 4)  # every block, cached too
     pool, d1, d2 = _two_decode_pool()
@@ -273,6 +309,8 @@ class FakeInstance:
         self.pub = FakePublisher(engine_id)
         self.bodies: list[dict[str, Any]] = []
         self.refuse_local = False
+        #: answer every completion 503 "unavailable" (a dead step loop or transfer thread)
+        self.cannot_serve = False
         app = FastAPI()
 
         @app.get("/health")
@@ -292,7 +330,8 @@ class FakeInstance:
 
         @app.get("/v1/models")
         async def models() -> Any:
-            return {"object": "list", "data": [{"id": "tiny", "root": self.root}]}
+            return {"object": "list", "data": [{"id": "tiny", "root": self.root,
+                                                "max_model_len": 128}]}
 
         @app.post("/kv/abort")
         async def abort() -> Any:
@@ -302,9 +341,16 @@ class FakeInstance:
         async def completions(request: Request) -> Any:
             body = await request.json()
             self.bodies.append(body)
-            if self.refuse_local and body.get("kv_transfer_params") is None:
-                return JSONResponse({"error": {"message": "full", "type": "x",
+            if self.cannot_serve:
+                return JSONResponse({"error": {"message": "this instance cannot serve "
+                                               "requests: the KV transfer thread died",
+                                               "type": "server_error",
                                                "code": "unavailable"}}, status_code=503)
+            if self.refuse_local and body.get("kv_transfer_params") is None:
+                # what a full kvpush decode answers (server/admission.py); a 503
+                # "unavailable" means it cannot serve at all (test_router_door.py)
+                return JSONResponse({"error": {"message": "full", "type": "x",
+                                               "code": "queue_full"}}, status_code=429)
             return {"id": "c", "object": "text_completion", "model": "tiny",
                     "choices": [{"index": 0, "text": f"from {self.pub.engine_id}",
                                  "finish_reason": "length"}]}
@@ -421,6 +467,8 @@ def test_router_sends_a_cached_prompt_to_its_decode_alone(cluster, tiny_llama, c
     lines = [r.getMessage() for r in caplog.records if r.name == "kvpush.router.requests"]
     assert any("decision=local" in ln and f"d_cached={len(ids) // BS * BS}" in ln
                for ln in lines), lines
+    # every decode leg's tokens left the load with it
+    assert all(i["tokens_in_flight"] == 0 for i in router.instances())
 
 
 def test_router_faults_restart_gap_and_full_decode(cluster, tiny_llama):
@@ -445,7 +493,7 @@ def test_router_faults_restart_gap_and_full_decode(cluster, tiny_llama):
         assert _index_of(router, d1)["blocks"] == 0 and _index_of(router, d1)["gaps"] >= 1
         send()
         _prefill_legs(p, 1)  # nothing cached anywhere now: a prefill leg
-        # a decode that cannot take it locally (503): sent again with a prefill leg, to
+        # a decode that cannot take it locally (429: full): sent again with a prefill leg, to
         # the other decode (the one that refused would likely refuse that leg too)
         d2.cache_prompt(ids)
         wait_until(lambda: _synced(router, d2), 10, "d2 synced")

@@ -101,8 +101,11 @@ def _index(router: RouterThread, inst: Instance) -> InstanceIndex:
 
 
 def _cached_blocks(router: RouterThread, inst: Instance, ids: list[int]) -> int:
-    """Leading full blocks of ``ids`` the router believes ``inst`` caches."""
-    return _index(router, inst).longest_prefix(hash_prefix_blocks(ids, BS))
+    """Leading full blocks of ``ids`` the router believes ``inst`` caches (the router's
+    own lookup: the instances' events are keyed with the cluster secret, issue 40)."""
+    _index(router, inst)
+    return router.router.cache.index.longest_prefix(_pool_inst(router, inst),
+                                                    lambda bs: hash_prefix_blocks(ids, bs))
 
 
 def _decisions(router: RouterThread, decision: str) -> float:

@@ -49,7 +49,10 @@ class Pair(PDDriver):
 
     def kill_prefill_transfer_thread(self) -> None:
         """Its thread ends when it next reads its queue; its sockets close, and the
-        WRITEs it has posted never land (the transport is closed with it)."""
+        WRITEs it has posted never land (the transport is closed with it). As a process
+        that ends, it tells no one first (a thread that dies on its own does since issue
+        40, test_death_notice.py): marked as a requested stop."""
+        self.p.connector.worker._stop_requested = True
         self.p.connector.worker.submit(cmd.Stop())
         self.thaw_prefill()
         self.p.connector.worker._thread.join(10)

@@ -72,8 +72,13 @@ def test_resolve_api_key_and_secret(tmp_path: Path):
     f.write_text("t" * 20 + "\n")
     f.chmod(0o600)
     assert resolve_kv_secret(str(f), {KV_SECRET_ENV: "ignored"}) == (b"t" * 20, None)
-    f.chmod(0o644)
-    secret, warning = resolve_kv_secret(str(f), {})
+    f.chmod(0o644)  # issue 40: refused unless forced (it used to be only a warning)
+    with pytest.raises(SecretError, match="readable by other users.*--allow-loose"):
+        resolve_kv_secret(str(f), {})
+    f.chmod(0o620)
+    with pytest.raises(SecretError, match="readable by other users"):
+        resolve_kv_secret(str(f), {})
+    secret, warning = resolve_kv_secret(str(f), {}, allow_loose=True)
     assert secret == b"t" * 20 and "readable by other users" in warning
     with pytest.raises(SecretError, match="cannot read"):
         resolve_kv_secret(str(tmp_path / "missing"), {})

@@ -156,7 +156,9 @@ def test_kv_is_bound_to_its_prompt(cluster):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["code"] == "kv_prompt_mismatch" and "block 0" in err["message"]
-        httpx.post(p.url + "/kv/abort", json={"transfer_id": tid}, timeout=10)
+        r = httpx.post(p.url + "/kv/abort", timeout=10, json=sign_kv(
+            {"transfer_id": tid, "kvpush_action": "abort"}, p_info, "prefill"))
+        assert r.status_code == 200, r.text  # the router's abort, signed for prefill
     else:
         d_kv = sign_kv({"do_remote_prefill": True, "transfer_id": tid,
                         "remote_request_id": tid, "remote_host": p_info["side_channel_host"],

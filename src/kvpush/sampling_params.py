@@ -85,6 +85,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     #: (token id, bias) added to the logits before sampling (OpenAI's logit_bias)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    #: vLLM's cache_salt: mixed into the first block's hash, so only requests with the
+    #: same salt share prefix-cache blocks (tenant isolation); None: no salt
+    cache_salt: str | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -78,7 +78,7 @@ def _up_args(cfg: CompareConfig, spec: ModeSpec) -> argparse.Namespace:
         decode=None if colocated else cfg.decode, threads=threads,
         max_model_len=cfg.max_model_len, kv_cache_memory=cfg.kv_cache_memory,
         decode_cache_memory=None,
-        block_size=cfg.block_size, dtype=cfg.dtype,
+        block_size=cfg.block_size, dtype=cfg.dtype, device=cfg.device,
         policy=None if colocated else (spec.policy or cfg.policy), health_interval=None,
         shuffle_free_blocks=cfg.shuffle_free_blocks, prefix_hit_tail=cfg.prefix_hit_tail,
         push_layers_per_write=cfg.push_layers_per_write)
@@ -334,6 +334,8 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--dtype", metavar="DTYPE",
                      help="kvpush's --dtype: auto, float32, bfloat16 or float16 (default: "
                           "serve's, auto: bfloat16 with AVX512-BF16 or AMX, else float32)")
+    eng.add_argument("--device", metavar="DEVICE",
+                     help="kvpush's --device: cpu or cuda[:N] (default: serve's, cpu)")
     eng.add_argument("--shuffle-free-blocks", type=int, nargs="?", const=0, metavar="SEED",
                      help="scatter block ids on every instance (fragmented-KV workload)")
     eng.add_argument("--policy", choices=("cache-aware", "round-robin", "least-outstanding"),
@@ -381,7 +383,8 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         repeats=args.repeats, arrivals_per_repeat=args.arrivals_per_repeat,
         warmup=args.warmup, prefill=args.prefill, decode=args.decode,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size, dtype=args.dtype, run_timeout=args.run_timeout,
+        block_size=args.block_size, dtype=args.dtype, device=args.device,
+        run_timeout=args.run_timeout,
         shuffle_free_blocks=args.shuffle_free_blocks, prefix_hit_tail=args.prefix_hit_tail,
         policy=args.policy,
         push_layers_per_write=args.push_layers_per_write,

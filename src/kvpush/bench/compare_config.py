@@ -79,6 +79,8 @@ class CompareConfig:
     #: the router's --policy for P/D modes (None: its default, cache-aware for push)
     policy: str | None = None
     dtype: str | None = None
+    #: kvpush serve's --device (None: its default, cpu)
+    device: str | None = None
     #: the vllm executable for vllm-* modes (default: $VLLM_BIN, PATH, this Python)
     vllm_bin: str | None = None
     #: vLLM's --dtype; "match": what kvpush's --dtype auto picks on this machine

@@ -47,6 +47,8 @@ class HandoffConfig:
     #: where the clusters' logs go (default: a temporary folder, removed after the run)
     log_dir: Path | None = None
     seed: int = 0
+    #: kvpush serve's --device for every instance (None: cpu)
+    device: str | None = None
     startup_timeout: float = 300.0
     request_timeout: float = 30.0
 
@@ -188,7 +190,8 @@ def run_handoff(cfg: HandoffConfig, log=print) -> dict[str, Any]:
         # cache-aware default would serve these short prompts on decode alone)
         ccfg = CompareConfig(modes=[ModeSpec(m, cfg.threads) for m in cfg.modes],
                              rates=[1.0], out_dir=tmp, model=model,
-                             startup_timeout=cfg.startup_timeout, policy="round-robin")
+                             startup_timeout=cfg.startup_timeout, policy="round-robin",
+                             device=cfg.device)
         clusters = {}
         for mode in cfg.modes:
             log(f"[handoff] starting {mode} cluster")
@@ -288,6 +291,8 @@ def add_handoff_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a kvpush model (default: a tiny random Qwen3 built for the run)")
     p.add_argument("--out", type=Path, metavar="DIR", help="write summary.json/.md here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", metavar="DEVICE",
+                   help="every instance's --device: cpu or cuda[:N] (default: cpu)")
     p.add_argument("--log-dir", type=Path, metavar="DIR",
                    help="keep the clusters' logs (request and handoff lines) here")
     p.set_defaults(func=run_handoff_cli)
@@ -298,7 +303,8 @@ def run_handoff_cli(args: argparse.Namespace) -> int:
     cfg = HandoffConfig(modes=args.modes, prompt_lens=args.prompt_lens,
                         requests=args.requests, warmup=args.warmup,
                         output_len=args.output_len, threads=args.threads, model=args.model,
-                        out_dir=args.out, seed=args.seed, log_dir=args.log_dir)
+                        out_dir=args.out, seed=args.seed, log_dir=args.log_dir,
+                        device=args.device)
     try:
         summary = run_handoff(cfg, log=lambda s: print(s, flush=True))
     except ValueError as e:

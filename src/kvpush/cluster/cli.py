@@ -105,6 +105,8 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "the decode instances and reserved at start-up (default: half "
                           "of it, capped; 0: off; prefill instances have none)")
     eng.add_argument("--block-size", type=int, metavar="TOKENS")
+    eng.add_argument("--device", metavar="DEVICE",
+                     help="cpu or cuda[:N], every instance alike (default: serve's, cpu)")
     eng.add_argument("--dtype", metavar="DTYPE",
                      help="auto, float32, bfloat16 or float16; every instance of one "
                           "host resolves auto alike (default: serve's, auto)")
@@ -121,6 +123,23 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on the router and every instance "
                         "(default: $KVPUSH_API_KEY; unset: no key)")
+
+    mb = p.add_argument_group(
+        "membership (etcd)",
+        "--discover: the cluster runs through an etcd that `up` starts: instances "
+        "register (kvpush serve --register), the router watches (kvpush router "
+        "--discover). From another terminal, --add-prefill/--add-decode/--remove NAME "
+        "change the running cluster (with its --log-dir, default the newest)")
+    mb.add_argument("--discover", action="store_true",
+                    help="start an etcd and run the cluster through it")
+    ctl = mb.add_mutually_exclusive_group()
+    ctl.add_argument("--add-prefill", action="store_true",
+                     help="add a prefill instance to the running `up --discover`, and exit")
+    ctl.add_argument("--add-decode", action="store_true",
+                     help="add a decode instance to the running `up --discover`, and exit")
+    ctl.add_argument("--remove", metavar="NAME",
+                     help="drain instance NAME (e.g. decode-1) of the running `up "
+                          "--discover`, and exit")
 
     rt = p.add_argument_group("router (passed to `kvpush router`)")
     rt.add_argument("--policy", choices=("round-robin", "least-outstanding", "cache-aware"),
@@ -166,9 +185,15 @@ def serve_argv(args: argparse.Namespace, model: str, role: str, port: int,
                         ("--kv-cache-memory", args.kv_cache_memory),
                         ("--decode-cache-memory", args.decode_cache_memory),
                         ("--block-size", args.block_size), ("--dtype", args.dtype),
+                        ("--device", getattr(args, "device", None)),
                         ("--shuffle-free-blocks", args.shuffle_free_blocks)):
         if value is not None:
             argv += [flag, str(value)]
+    etcd = getattr(args, "etcd_url", None)
+    if etcd:
+        from kvpush.cluster.membership import REGISTER_TTL_S
+
+        argv += ["--register", etcd, "--register-ttl", str(REGISTER_TTL_S)]
     return argv
 
 
@@ -184,6 +209,9 @@ def router_argv(args: argparse.Namespace, port: int, prefill: list[str],
         argv += ["--policy", args.policy]
     if args.health_interval is not None:
         argv += ["--health-interval", str(args.health_interval)]
+    etcd = getattr(args, "etcd_url", None)
+    if etcd:
+        argv += ["--discover", etcd]
     return argv
 
 
@@ -212,7 +240,9 @@ def plan_router(args: argparse.Namespace, port: int, instances: list[Child]) -> 
 
     urls = {role: [c.url for c in instances if c.spec.role == role]
             for role in ("prefill", "decode", "both")}
-    if args.mode == "colocated":  # one --role both instance serves whole requests
+    if getattr(args, "etcd_url", None):  # the router finds them in etcd
+        argv = router_argv(args, port, [], [])
+    elif args.mode == "colocated":  # one --role both instance serves whole requests
         argv = router_argv(args, port, [], urls["both"])
     else:
         argv = router_argv(args, port, urls["prefill"], urls["decode"])
@@ -256,6 +286,8 @@ def _report(child: Child, reason: str) -> None:
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
+    if getattr(args, "discover", False) and args.mode == "colocated":
+        return "--discover runs prefill and decode instances: use --mode push or pull"
     if args.mode == "colocated" and (args.prefill or args.decode):
         return ("--mode colocated runs one --role both instance; --prefill/--decode do "
                 "not apply")
@@ -325,6 +357,23 @@ def _served_model(child: Child, headers: dict[str, str]) -> str | None:
         return None
 
 
+def _router_routing(router: Child) -> str | None:
+    """How the router routes, from its /health (open without a key): a line for the
+    banner, loud when it runs degraded (no tokenizer: blind routing)."""
+    import httpx
+
+    try:
+        health = httpx.get(f"{router.url}/health", timeout=2).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(health, dict):
+        return None
+    if health.get("status") == "degraded":
+        return f"  WARNING     the router runs DEGRADED: {health.get('degraded')}"
+    routing = health.get("routing")
+    return f"  {'routing':<11} {routing}" if routing else None
+
+
 def _banner(args: argparse.Namespace, instances: list[Child], router: Child,
             log_dir: Path, started: float, api_key: str | None = None) -> None:
     from kvpush.server.auth import auth_header
@@ -339,6 +388,9 @@ def _banner(args: argparse.Namespace, instances: list[Child], router: Child,
         _say(_describe(child, headers))
     _say(f"  {'router':<11} {router.url}  mode {args.mode}"
          + (f", policy {args.policy}" if args.policy else ""))
+    routing = _router_routing(router)
+    if routing is not None:
+        _say(routing)
     _say(f"  logs        {log_dir}")
     auth = ' -H "Authorization: Bearer $KVPUSH_API_KEY"' if api_key else ""
     _say(f"try:\n  curl -s {router.url}/v1/chat/completions{auth} -H 'Content-Type: "
@@ -395,6 +447,7 @@ def start_healthy(sup: Supervisor, specs: list[ChildSpec], timeout: float,
 def _serve(sup: Supervisor, args: argparse.Namespace, model: str, port: int,
            log_dir: Path, api_key: str | None = None) -> int:
     from kvpush.cluster.launcher import ChildFailed, StopRequested, describe_exit
+    from kvpush.cluster.membership import ControlError, etcd_url
 
     started = time.monotonic()
     specs = plan_instances(args, model, router_port=port)
@@ -408,6 +461,11 @@ def _serve(sup: Supervisor, args: argparse.Namespace, model: str, port: int,
          f"{threads} torch thread(s) each), then the router on port {port}")
     _say(f"kvpush up: logs in {log_dir}")
     try:
+        if args.discover:
+            etcd = _start_etcd(sup, args, log_dir, taken={port, *(s.port for s in specs)})
+            args.etcd_url = etcd_url(etcd)
+            specs = plan_instances(args, model, router_port=port)  # now with --register
+            _say(f"kvpush up: etcd at {etcd.url} ({args.etcd_url})")
         instances = start_healthy(sup, specs, args.startup_timeout)
         # the router's port: a --port the user chose is theirs to fix if it was taken
         (router,) = start_healthy(sup, [plan_router(args, port, instances)],
@@ -416,17 +474,81 @@ def _serve(sup: Supervisor, args: argparse.Namespace, model: str, port: int,
         _report(e.child, e.reason)
         _stop(sup, "start-up failed")
         return 1
+    except ControlError as e:  # no etcd binary
+        _stop(sup, "start-up failed")
+        return _fail(str(e))
     except StopRequested as e:
         _stop(sup, f"{e} during start-up")
         return 0
     _banner(args, instances, router, log_dir, started, api_key)
-    dead = sup.watch()
+    control = _control(sup, args, model, log_dir, len(specs)) if args.discover else None
+    try:
+        dead = sup.watch()
+    finally:
+        if control is not None:
+            control.close()
     if dead is not None:
         _report(dead, f"{describe_exit(dead.poll() or 0)} while serving")
         _stop(sup, "a child exited")
         return 1
     _stop(sup, sup.signals.last or "stop")
     return 0
+
+
+def _start_etcd(sup: Supervisor, args: argparse.Namespace, log_dir: Path,
+                taken: set[int]) -> Child:
+    from kvpush.cluster.launcher import free_port
+    from kvpush.cluster.membership import etcd_spec
+
+    ports = []
+    while len(ports) < 2:
+        p = free_port(HOST)
+        if p not in taken and p not in ports:
+            ports.append(p)
+    (etcd,) = start_healthy(sup, [etcd_spec(log_dir / "etcd-data", *ports)],
+                            args.startup_timeout, retry_ports=False)
+    return etcd
+
+
+def _control(sup: Supervisor, args: argparse.Namespace, model: str, log_dir: Path,
+             started: int) -> Any:
+    """The control socket of `up --discover` (kvpush.cluster.membership)."""
+    from kvpush.cluster.launcher import ChildSpec, free_port
+    from kvpush.cluster.membership import ControlServer
+
+    threads = args.threads or default_threads(started + 1)
+    counts = {r: sum(c.spec.role == r for c in sup.children) for r in ("prefill", "decode")}
+
+    def plan(role: str) -> ChildSpec:
+        name = f"{role}-{counts[role]}"
+        counts[role] += 1
+        port = free_port(HOST)
+        return ChildSpec(name, role, serve_argv(args, model, role, port, threads), port)
+
+    def start(spec: ChildSpec) -> Child:
+        (child,) = start_healthy(sup, [spec], args.startup_timeout)
+        return child
+
+    control = ControlServer(log_dir, sup, plan, start, _say)
+    _say(f"kvpush up: live changes from another terminal: kvpush up --add-decode | "
+         f"--add-prefill | --remove NAME  [--log-dir {log_dir}]")
+    return control
+
+
+def _send_control(args: argparse.Namespace) -> int:
+    from kvpush.cluster.membership import Command, ControlError, find_control, send
+
+    if args.remove:
+        cmd = Command("remove", args.remove)
+    else:
+        cmd = Command("add", "prefill" if args.add_prefill else "decode")
+    try:
+        reply = send(find_control(args.log_dir), cmd,
+                     timeout=args.startup_timeout + args.stop_timeout)
+    except ControlError as e:
+        return _fail(str(e))
+    print(reply)
+    return 0 if reply.startswith("ok") else 1
 
 
 def _stop(sup: Supervisor, why: str) -> None:
@@ -438,6 +560,8 @@ def _stop(sup: Supervisor, why: str) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    if args.add_prefill or args.add_decode or args.remove:
+        return _send_control(args)
     problem = usage_problem(args)
     if problem:
         return _fail(problem)

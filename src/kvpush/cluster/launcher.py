@@ -252,11 +252,27 @@ class Supervisor:
     def watch(self) -> Child | None:
         """Block until a child exits (returned) or a stop signal arrives (None)."""
         while not self.signals.requested:
-            for child in self.children:
+            for child in list(self.children):  # `up --discover` adds and retires some
                 if child.poll() is not None:
                     return child
             time.sleep(WATCH_INTERVAL_S)
         return None
+
+    def retire(self, child: Child) -> str:
+        """Stop one child on purpose (`kvpush up --remove`): no longer watched, SIGTERM
+        to its group, up to ``stop_timeout`` seconds to exit, then SIGKILL; reaped."""
+        with contextlib.suppress(ValueError):
+            self.children.remove(child)
+        child.signal_group(signal.SIGTERM)
+        try:
+            code = child.proc.wait(timeout=self.stop_timeout)
+            how = f"drained ({describe_exit(code)})"
+        except subprocess.TimeoutExpired:
+            child.signal_group(signal.SIGKILL)
+            child.proc.wait(timeout=10)
+            how = f"SIGKILLed after {self.stop_timeout:g} s"
+        child.signal_group(signal.SIGKILL)  # helpers it may have left behind
+        return how
 
     # ---- stop ----------------------------------------------------------------------
     def stop(self) -> dict[str, int]:

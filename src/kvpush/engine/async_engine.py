@@ -40,6 +40,7 @@ import zmq
 from kvpush.config import ConfigError, EngineConfig
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import EngineStats, RequestError, RequestOutput
+from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.event_publisher import CacheSnapshot, KVEventPublisher
 from kvpush.kv_transfer.thread_death import died_message
 from kvpush.sampling_params import SamplingParams
@@ -71,6 +72,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._fatal: BaseException | None = None
+        #: set once the step thread's start-up work (the matmul autotune) is done: until
+        #: then /health answers 503 "starting" (requests are queued, not refused)
+        self.prepared = threading.Event()
         connector = getattr(self.engine, "connector", None)
         #: this instance's id: its connector's (P/D roles) or a fresh ``both-<hex>``
         self.engine_id = (connector.engine_id if connector is not None
@@ -86,7 +90,9 @@ class AsyncEngine:
         kvt = config.kv_transfer
         host = kvt.side_channel_host if kvt.enabled else "127.0.0.1"
         try:
-            publisher = KVEventPublisher(self.engine_id, config.cache.block_size, host)
+            secret = getattr(kvt, "side_channel_secret", None)  # members only, keyed
+            publisher = KVEventPublisher(self.engine_id, config.cache.block_size, host,
+                                         keys=EventKeys.from_secret(secret) if secret else None)
         except zmq.ZMQError as e:
             self.engine.shutdown()
             raise ConfigError(f"cannot bind the KV event socket on {host}: {e}") from e
@@ -125,6 +131,13 @@ class AsyncEngine:
 
     def is_healthy(self) -> bool:
         return self.health_problem() is None
+
+    def starting(self) -> str | None:
+        """What start-up work is still running (/health is 503 until it is done), or
+        None once the step thread is ready to step at full speed."""
+        if self._thread is not None and not self.prepared.is_set():
+            return "starting: the step thread is timing its matmul kernels"
+        return None
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -214,6 +227,7 @@ class AsyncEngine:
             torch.set_num_threads(self.step_threads)
         try:
             engine.prepare_step_thread()  # at the steps' thread count
+            self.prepared.set()
             while True:
                 outputs = engine.process_inbox(block=not engine.has_work())
                 if outputs and outputs[-1] == "stop":

@@ -212,7 +212,8 @@ class LLMEngine:
             # pull: the blocks prefill lent hold its prompt's KV; READ them only for it
             problem = chain_problem(
                 kv.prompt_hashes,
-                hash_prompt_chain(prompt_token_ids, self.config.cache.block_size),
+                hash_prompt_chain(prompt_token_ids, self.config.cache.block_size,
+                                  salt=params.cache_salt),
                 "the lent KV's", "this request's")
             if problem:
                 raise RequestError(f"kv_transfer_params: {problem}", "kv_transfer_params",

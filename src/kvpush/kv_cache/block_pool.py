@@ -38,40 +38,47 @@ from kvpush.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, 
 BlockHash = bytes
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int],
+                      salt: str | None = None) -> BlockHash:
     """Hash of a full block, chained on its parent's hash so equal hashes mean equal
-    prefixes (not just equal blocks)."""
+    prefixes (not just equal blocks). ``salt``: the request's ``cache_salt`` (vLLM's
+    field), mixed into the first block's hash only (``parent`` None): requests with
+    different salts share no cached block, with one salt all of them as usual."""
     h = hashlib.blake2b(digest_size=16)
     if parent is not None:
         h.update(parent)
+    elif salt is not None:
+        h.update(b"salt|" + salt.encode("utf-8", "surrogatepass") + b"\0")
     h.update(b"|")
     h.update(",".join(map(str, token_ids)).encode())
     return h.digest()
 
 
-def hash_prefix_blocks(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """Hashes of every full block of ``token_ids``."""
+def hash_prefix_blocks(token_ids: Sequence[int], block_size: int,
+                       salt: str | None = None) -> list[BlockHash]:
+    """Hashes of every full block of ``token_ids`` (``salt``: the request's cache_salt)."""
     hashes: list[BlockHash] = []
     parent: BlockHash | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], salt)
         hashes.append(parent)
     return hashes
 
 
 def hash_prompt_chain(token_ids: Sequence[int], block_size: int,
-                      full: Sequence[BlockHash] | None = None) -> list[BlockHash]:
+                      full: Sequence[BlockHash] | None = None,
+                      salt: str | None = None) -> list[BlockHash]:
     """The hash chain of every block of a prompt, its partial last block included:
     what prefill and decode compare before KV moves between them (equal chains, equal
-    prompts). ``full``: the full blocks' hashes when already known."""
+    prompts and cache salts). ``full``: the full blocks' hashes when already known."""
     n_full = len(token_ids) // block_size
     if full is not None and len(full) >= n_full:
         chain = list(full[:n_full])
     else:
-        chain = hash_prefix_blocks(token_ids, block_size)
+        chain = hash_prefix_blocks(token_ids, block_size, salt)
     if len(token_ids) % block_size:
         chain.append(hash_block_tokens(chain[-1] if chain else None,
-                                       token_ids[n_full * block_size:]))
+                                       token_ids[n_full * block_size:], salt))
     return chain
 
 

@@ -19,6 +19,11 @@ high-water mark loses messages and sees a gap in seq, which it repairs from
 same lock that numbers a batch, so "cached as of seq S" is exact: a batch is numbered
 and applied together, and its send (outside the lock) may follow a snapshot that
 already includes it — a subscriber then drops it as seq <= S.
+
+With the cluster's :class:`~kvpush.kv_cache.event_keys.EventKeys` (``keys=``), the PUB
+socket is a CURVE server admitting members only, and every hash is published (and kept
+in the snapshot) as its keyed tag: the stream tells a non-member nothing it can test a
+guessed prompt against.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from dataclasses import dataclass
 
 import zmq
 
+from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.events import TOPIC, KVEvent, KVEventBatch, apply_events, encode_batch
+from kvpush.kv_transfer.curve import ZapGuard, make_server
 
 log = logging.getLogger(__name__)
 
@@ -59,19 +66,25 @@ class CacheSnapshot:
 
 class KVEventPublisher:
     def __init__(self, engine_id: str, block_size: int, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, keys: EventKeys | None = None) -> None:
         """Bind the PUB socket at ``tcp://host:port`` (0: a free port) now, so the
-        endpoint is known before :meth:`start`; ZMQError if it cannot bind."""
+        endpoint is known before :meth:`start`; ZMQError if it cannot bind. ``keys``:
+        members only, keyed hashes (module docs)."""
         self.engine_id = engine_id
         self.block_size = block_size
+        self._keys = keys
         self._ctx = zmq.Context(io_threads=1)
+        self._zap = ZapGuard(self._ctx, keys.curve) if keys is not None else None
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        if keys is not None:
+            make_server(self._sock, keys.curve)
         try:
             self._sock.bind(f"tcp://{host}:{port if port else '*'}")
         except zmq.ZMQError:
             self._sock.close()
+            self._stop_zap()
             self._ctx.term()
             raise
         bound = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -85,7 +98,8 @@ class KVEventPublisher:
 
     def info(self) -> dict:
         """What ``/kv/info`` shows under ``kv_events``."""
-        return {"endpoint": self.endpoint, "block_size": self.block_size}
+        return {"endpoint": self.endpoint, "block_size": self.block_size,
+                "keyed": self._keys is not None}
 
     def start(self) -> None:
         if self._thread is None:
@@ -115,7 +129,13 @@ class KVEventPublisher:
             self._thread = None
         with contextlib.suppress(zmq.ZMQError):
             self._sock.close()
+            self._stop_zap()
             self._ctx.term()
+
+    def _stop_zap(self) -> None:
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
 
     # ---- the publisher thread --------------------------------------------------------
     def _run(self) -> None:
@@ -134,6 +154,8 @@ class KVEventPublisher:
                     stop = True
                     break
                 events += more
+            if self._keys is not None:
+                events = self._keys.tag_events(events)
             with self._lock:
                 self._seq += 1
                 apply_events(self._cached, events)

@@ -20,11 +20,13 @@ Reading order, by concern:
 3. **The transfer thread**: ``worker.py`` (``TransferWorker``: its loop, leases,
    heartbeats, the messages of peers), ``peers.py`` (handshakes, refusals, eviction),
    ``inflight.py`` (WRITEs and READs posted, their completions, PushDone / AbortAck /
-   PullDone), ``fences.py`` (decode's wait for a push that may still land),
+   PullDone), ``lend_claims.py`` (a pull lend claimed once before its READ),
+   ``fences.py`` (decode's wait for a push that may still land),
    ``timeline.py`` (the hand-off's stage stamps).
 4. **Wire and authentication**: ``messages.py`` (the side channel's msgspec messages),
    ``side_channel.py`` with ``link_watch.py`` (ZMQ ROUTER/DEALER, connection drops),
-   ``channel_auth.py`` (signed messages), ``grants.py`` (the router's signature on
+   ``curve.py`` (CURVE keys derived from the secret, ZAP), ``channel_auth.py`` (signed
+   messages), ``grants.py`` (the router's signature on
    ``kv_transfer_params``).
 5. **Transports**: ``transport.py`` (the interface, descriptors from block ids),
    ``nixl_transport.py`` (NIXL over UCX). The in-process transport and the fault

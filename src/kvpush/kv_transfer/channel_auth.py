@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable
 
 #: Why an authenticating channel refused a message (``stats.rejected_by_reason`` keys).
-REJECT_REASONS = ("unsigned", "bad_signature", "replayed", "stale", "malformed")
+REJECT_REASONS = ("unsigned", "bad_signature", "replayed", "stale", "malformed",
+                  "handshake_refused")
 
 REJECT_HINTS = {
     "unsigned": "the peer has no side-channel secret configured while this instance has "
@@ -29,6 +30,8 @@ REJECT_HINTS = {
     "stale": "its timestamp is outside the accepted window: the two hosts' clocks differ "
              "or the message was replayed",
     "malformed": "its authentication frame is malformed",
+    "handshake_refused": "the connection broke off in the CURVE handshake: the peer has "
+                         "no side-channel secret or a DIFFERENT one",
 }
 
 

@@ -11,6 +11,7 @@ the finished-transfer records.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from kvpush.config import KVTransferConfig
 from kvpush.kv_cache.kv_region import KVLayout, KVRegion
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.grants import MAX_AHEAD_MS
 from kvpush.kv_transfer.state import TransferRecord
 from kvpush.kv_transfer.timeline import HandoffTimeline
 from kvpush.kv_transfer.transport import layer_block_descs
@@ -27,8 +29,11 @@ from kvpush.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("kvpush.kv_transfer.connector")
 
-#: ended transfer ids remembered (a leg arriving after its transfer ended is refused)
-MAX_ENDED_REMEMBERED = 4096
+#: ended transfer ids remembered (a leg arriving after its transfer ended is refused,
+#: every time): each for as long as a signed grant naming it may be valid (its
+#: lifetime and the clock slack ``grants.MAX_AHEAD_MS`` allows), at most this many
+MAX_ENDED_REMEMBERED = 1 << 16
+ENDED_REMEMBERED_S = MAX_AHEAD_MS / 1000
 
 
 @dataclass
@@ -53,6 +58,7 @@ class TransferContext:
         "registrations_mid_step": 0})
     actions: list[c.EngineAction] = field(default_factory=list)
     ended: OrderedDict[str, str] = field(default_factory=OrderedDict)  # tid -> why
+    _ended_at: dict[str, float] = field(default_factory=dict)  # tid -> when (monotonic)
     records: deque[TransferRecord] = field(default_factory=lambda: deque(maxlen=1024))
     #: called (on the step loop) with each finished transfer, e.g. by /metrics
     record_sink: Callable[[TransferRecord], None] | None = None
@@ -95,9 +101,17 @@ class TransferContext:
                                  base, layout, remote_blocks, layers)
 
     def remember_ended(self, tid: str, why: str) -> None:
+        now = time.monotonic()
         self.ended[tid] = why
-        while len(self.ended) > MAX_ENDED_REMEMBERED:
+        self.ended.move_to_end(tid)
+        self._ended_at[tid] = now
+        while self.ended:
+            oldest = next(iter(self.ended))
+            if (len(self.ended) <= MAX_ENDED_REMEMBERED
+                    and now - self._ended_at[oldest] <= ENDED_REMEMBERED_S):
+                break
             self.ended.popitem(last=False)
+            del self._ended_at[oldest]
 
     def record(self, rec: TransferRecord) -> None:
         self.records.append(rec)

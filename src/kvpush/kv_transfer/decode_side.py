@@ -29,6 +29,7 @@ from kvpush.kv_cache.block_pool import hash_prompt_chain
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.context import TransferContext
+from kvpush.kv_transfer.lend_claims import lend_ended
 from kvpush.kv_transfer.state import (
     MAX_REGISTER_RESENDS,
     DecodeRecv,
@@ -82,7 +83,8 @@ class DecodeReceiver:
             if problem:
                 raise RequestError(f"kv_transfer_params: {problem}", "kv_transfer_params")
         recv = DecodeRecv(tid, req.request_id, ctx.mode, address, p.remote_engine_id,
-                          list(p.remote_block_ids or []))
+                          list(p.remote_block_ids or []),
+                          lend_expires_ms=p.lend_expires_ms if ctx.mode == "pull" else None)
         self.recvs[tid] = recv
         ctx.by_request[req.request_id] = tid
         ctx.timeline.begin(tid, "d_added")
@@ -186,6 +188,11 @@ class DecodeReceiver:
                 self.pending.popleft()
                 self._recv_failed(recv, problem, client_error=True)
                 continue
+            late = lend_ended(recv)
+            if late:  # never claimed, never READ: recompute or fail (the policy)
+                self.pending.popleft()
+                self._recv_failed(recv, late)
+                continue
             req = self.ctx.scheduler.requests[recv.request_id]
             if not self.ctx.scheduler.allocate_remote(req):
                 break
@@ -217,7 +224,8 @@ class DecodeReceiver:
                         and skip == (n - 1) // bs)
             recv.register = m.PushRegister(
                 recv.tid, self.ctx.engine_id, self.ctx.address, list(req.block_ids), skip, n,
-                full_hit, hash_prompt_chain(req.prompt_token_ids, bs, req.block_hashes))
+                full_hit, hash_prompt_chain(req.prompt_token_ids, bs, req.block_hashes,
+                                            req.params.cache_salt))
             recv.registered_at = time.monotonic()
             self.ctx.submit(c.Send(recv.address, recv.register))
             self.ctx.timeline.stamp(recv.tid, "d_registered")

@@ -74,13 +74,26 @@ def canonical(params: Mapping[str, Any]) -> bytes:
                            "kv_transfer_params") from None
 
 
+def grant_key(secret: bytes) -> bytes:
+    """The key grants are signed with, derived from the cluster secret."""
+    return hmac.new(secret, _KEY_LABEL, hashlib.sha256).digest()
+
+
 class ParamsSigner:
     """Signs (router) and verifies (instances) ``kv_transfer_params`` with a key derived
     from the cluster secret; the secret itself never leaves this object."""
 
     def __init__(self, secret: bytes, ttl_s: float = DEFAULT_TTL_S) -> None:
-        self._key = hmac.new(secret, _KEY_LABEL, hashlib.sha256).digest()
+        self._key = grant_key(secret)
         self.ttl_ms = int(ttl_s * 1000)
+
+    @classmethod
+    def from_key(cls, key: bytes, ttl_s: float = DEFAULT_TTL_S) -> ParamsSigner:
+        """A signer from the derived grant key alone (the router's: router_keys.py)."""
+        signer = cls.__new__(cls)
+        signer._key = key
+        signer.ttl_ms = int(ttl_s * 1000)
+        return signer
 
     def __repr__(self) -> str:
         return f"ParamsSigner(ttl_ms={self.ttl_ms})"

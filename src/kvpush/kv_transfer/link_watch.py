@@ -2,8 +2,11 @@
 
 Every DEALER of a :class:`~kvpush.kv_transfer.side_channel.SideChannel` (one per
 destination address) gets a ZMQ socket monitor for its TCP connection's CONNECTED and
-DISCONNECTED events, read without blocking by :meth:`LinkWatch.pump` (the channel's
-``recv`` does, and its poller wakes on them). A peer whose process ends closes its
+DISCONNECTED events (a link is up once its ZMTP handshake succeeded: with CURVE, a TCP
+connection whose handshake is refused was never up, and its refusals are kept in
+``refusals`` as (address, reject reason) for the channel to count), read without
+blocking by :meth:`LinkWatch.pump` (the channel's ``recv`` does, and its poller wakes
+on them). A peer whose process ends closes its
 sockets, so our connection to it drops; a peer that is only frozen (SIGSTOP, a stalled
 host) keeps it open, since its kernel still answers. TCP keepalive (set on the DEALER
 by the channel) makes a path that breaks drop too, eventually.
@@ -25,7 +28,9 @@ from dataclasses import dataclass
 
 import zmq
 
-_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+from kvpush.kv_transfer.curve import HANDSHAKE_FAILED, handshake_reason
+
+_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
 _ids = itertools.count()
 
 #: links remembered once their DEALER is closed (peers seen gone), oldest dropped first
@@ -49,6 +54,7 @@ class LinkWatch:
         self.links: dict[str, Link] = {}
         self._dropped: list[str] = []
         self.drops = 0  # every drop seen (the channel's stats.link_drops)
+        self.refusals: list[tuple[str, str]] = []  # (address, reason): handshakes refused
 
     def attach(self, sock: zmq.Socket, address: str) -> None:
         """Watch ``sock`` (a DEALER to ``address``); call before it connects."""
@@ -95,11 +101,14 @@ class LinkWatch:
                     break
                 if len(frames) != 2 or len(frames[0]) != 6:
                     continue
-                event = struct.unpack("=hi", frames[0])[0] & 0xFFFF
+                event, value = struct.unpack("=HI", frames[0])
                 link = self.links.setdefault(address, Link())
-                if event == zmq.EVENT_CONNECTED:
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     link.up = link.ever_up = True
-                elif event == zmq.EVENT_DISCONNECTED:
+                elif event & HANDSHAKE_FAILED:
+                    if len(self.refusals) < 1024:  # the channel takes them on each recv
+                        self.refusals.append((address, handshake_reason(event, value)))
+                elif event == zmq.EVENT_DISCONNECTED and link.up:
                     link.up = False
                     link.drops += 1
                     self.drops += 1

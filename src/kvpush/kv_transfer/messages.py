@@ -14,8 +14,11 @@ Push, in the order things usually happen (registration and P's finish may swap):
 
 Pull::
 
-    (P's HTTP answer carries remote_block_ids & co; the router relays them to D)
-    D ═══▶ P  NIXL READ posted by D
+    (P's HTTP answer carries remote_block_ids & co and lend_expires_ms; the router
+    signs them for D)
+    D → P  PullClaim(transfer_id)        before the READ (lend_claims.py)
+    P → D  PullClaimed(ok)               ok once per lend, while it is live
+    D ═══▶ P  NIXL READ posted by D, only after PullClaimed(ok=True)
     D → P  PullDone(transfer_id)         P frees its blocks
 
 Either side may send ``Abort`` at any moment; a lease expiring sends one too. Decode
@@ -89,6 +92,18 @@ class PullDone(msgspec.Struct, tag=True):
     ok: bool = True
 
 
+class PullClaim(msgspec.Struct, tag=True):
+    """Decode asks to READ a lend: prefill says yes once, while the lend is live."""
+
+    transfer_id: str
+
+
+class PullClaimed(msgspec.Struct, tag=True):
+    transfer_id: str
+    ok: bool
+    error: str | None = None
+
+
 class AbortAck(msgspec.Struct, tag=True):
     """Prefill will not touch decode's blocks for this transfer any more (the answer to
     an ``Abort`` for any id, known or not, once no WRITE of it is in flight)."""
@@ -112,6 +127,7 @@ class Heartbeat(msgspec.Struct, tag=True):
 
 Message = (
     Hello | HelloRefused | PushRegister | PushDone | PullDone | Abort | AbortAck | Heartbeat
+    | PullClaim | PullClaimed
 )
 
 _encoder = msgspec.msgpack.Encoder()

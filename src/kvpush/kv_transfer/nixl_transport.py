@@ -38,6 +38,12 @@ earlier). NIXL notifications are not used by kvpush (completion goes over the si
 channel); ``progress()`` discards any that arrive, counting them in
 ``notifs_discarded``.
 
+GPU memory (VRAM): UCX's CUDA transports (cuda_copy, cuda_ipc) need a CUDA context
+current on the thread that calls into them, and a new thread has none (vLLM hit this:
+vllm-project/vllm#36475; without it UCX cannot use cuda_ipc between GPUs). Every agent
+call below first makes the region's device current on the calling thread, once per
+thread (:meth:`NixlTransport._bind_device`).
+
 Set ``UCX_NET_DEVICES`` (``lo`` on one machine) and ``NIXL_LOG_LEVEL=WARN`` in the
 environment of processes that use this. ``nixl`` is imported only when a
 NixlTransport is created, so the package imports without it.
@@ -112,6 +118,7 @@ class NixlTransport(KVTransport):
             nixl_agent_config(enable_prog_thread=False, backends=self._backends),
         )
         self._lock = threading.Lock()
+        self._bound = threading.local()  # threads that have the region's CUDA device
         self._region: RegionInfo | None = None
         self._mem: tuple[str, int] = ("DRAM", 0)
         self._reg_descs: Any = None
@@ -131,11 +138,12 @@ class NixlTransport(KVTransport):
         with self._lock:
             if self._region is not None:
                 raise RuntimeError(f"{self.name}: region already registered")
+            self._mem = (mem_type, dev_id)
+            self._bind_device()
             self._reg_descs = self._agent.register_memory(
                 [(base, nbytes, dev_id, "")], mem_type, backends=self._backends
             )
             self._region = RegionInfo(base, nbytes, device)
-            self._mem = (mem_type, dev_id)
 
     def metadata(self) -> bytes:
         """Our envelope: name, region, and NIXL's agent metadata (with the registration)."""
@@ -162,6 +170,7 @@ class NixlTransport(KVTransport):
                 return meta.name
             if old is not None:
                 self._remove_locked(meta.name)
+            self._bind_device()
             loaded = self._agent.add_remote_agent(meta.agent)
             loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if loaded != meta.name:
@@ -227,6 +236,7 @@ class NixlTransport(KVTransport):
         if meta is None:
             raise TransferPostError(f"{self.name}: unknown peer {peer!r}")
         loc, rem = validate_post(op, local, remote, self._region, meta.region)
+        self._bind_device()
         peer_mem, peer_dev = nixl_mem(meta.region.device)
         ldesc = np.empty((len(loc), 3), dtype=np.uint64)
         ldesc[:, :2] = loc
@@ -267,6 +277,7 @@ class NixlTransport(KVTransport):
         with self._lock:
             xfer = self._xfers[handle]
             if xfer.state is XferState.PENDING:
+                self._bind_device()
                 try:
                     status = self._agent.check_xfer_state(xfer.handle)
                 except Exception as exc:  # e.g. peer disconnected
@@ -292,6 +303,7 @@ class NixlTransport(KVTransport):
         with self._lock:
             if self._closed:
                 return
+            self._bind_device()
             notifs = self._agent.get_new_notifs()
             if notifs:
                 self.notifs_discarded += sum(len(v) for v in notifs.values())
@@ -321,6 +333,17 @@ class NixlTransport(KVTransport):
                     logger.warning("%s: deregister_memory: %r", self.name, exc)
                 self._reg_descs = None
             self._agent = None
+
+    def _bind_device(self) -> None:
+        """With a VRAM region, make its device current on the calling thread (once per
+        thread): ``torch.cuda.set_device`` makes the device's primary context current,
+        which UCX's CUDA transports need. Nothing for host memory."""
+        if self._mem[0] != "VRAM" or getattr(self._bound, "device", None) == self._mem[1]:
+            return
+        import torch
+
+        torch.cuda.set_device(self._mem[1])
+        self._bound.device = self._mem[1]
 
     def _release_lib(self, xh: Any, keep: bool = True) -> None:
         """Release a library handle; if NIXL refuses (still active), retry later."""

@@ -24,6 +24,7 @@ lease ends.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -73,7 +74,7 @@ class PrefillSender:
             raise RequestError(f"transfer id {tid!r} is already in use", "kv_transfer_params")
         reg = None
         if ctx.mode == "push":
-            reason = ctx.ended.pop(tid, None)
+            reason = ctx.ended.get(tid)  # every replay, not just the first
             if reason is not None:
                 raise RequestError(f"transfer {tid} already ended: {reason}",
                                    "kv_transfer_params")
@@ -86,7 +87,8 @@ class PrefillSender:
                     "prefill", "kv_transfer_params", "prefill_not_needed")
             self.sends[tid] = PushSend(
                 tid, req.request_id,
-                prompt_hashes=hash_prompt_chain(req.prompt_token_ids, ctx.block_size))
+                prompt_hashes=hash_prompt_chain(req.prompt_token_ids, ctx.block_size,
+                                                salt=req.params.cache_salt))
         ctx.by_request[req.request_id] = tid
         ctx.timeline.begin(tid, "p_added")
         ctx.scheduler.add_request(req)  # before a registration may abort it
@@ -123,13 +125,17 @@ class PrefillSender:
         ctx.timeline.emit(tid)
         host, port = ctx.address.rsplit(":", 1)
         # the hash chain binds the lent KV to this prompt: decode READs only for the same
-        hashes = hash_prompt_chain(req.prompt_token_ids, ctx.block_size, req.block_hashes)
+        hashes = hash_prompt_chain(req.prompt_token_ids, ctx.block_size, req.block_hashes,
+                                   req.params.cache_salt)
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
             "remote_block_ids": list(req.block_ids), "remote_engine_id": ctx.engine_id,
             "remote_host": host, "remote_port": int(port),
             "remote_request_id": req.request_id, "tp_size": 1,
             "prompt_hashes": [h.hex() for h in hashes],
+            # when the lend ends unless decode's heartbeats renew it: decode does not
+            # claim it after that (lend_claims.py); the router signs it with the rest
+            "lend_expires_ms": int((time.time() + ctx.cfg.lease_timeout_s) * 1000),
         }
 
     def abort_transfer(self, tid: str, why: str) -> None:

@@ -46,6 +46,17 @@ window (``stale``) is dropped before anyone decodes it, counted in
 ``stats.rejected_by_reason`` and logged (rate-limited) with what it most likely means.
 Without a secret, messages are neither signed nor checked (trusted networks only; a
 warning is logged once when such a channel binds a non-loopback address).
+
+Below the MAC, a channel with a secret runs ZMQ's CURVE (curve.py): the ROUTER is a
+CURVE server whose ZAP handler admits only the key pair derived from the secret, every
+DEALER a client with it. A process without the secret cannot finish a handshake, so it
+can neither send a frame that reaches Python nor take a member's routing id over
+(``ROUTER_HANDOVER`` acts between authenticated connections only); a refused handshake
+is counted and logged under the same reasons (``unsigned``: the peer has no secret,
+``bad_signature``: a different one). The routing id a peer declares is thus trusted
+only because its connection proved the secret, and the MAC binds every message to it.
+Frames refused by the MAC count toward ``MAX_BATCH`` like accepted ones, so a flood
+cannot keep ``recv`` in its loop.
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ import heapq
 import itertools
 import logging
 import os
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +75,14 @@ from typing import TYPE_CHECKING
 import zmq
 
 from kvpush.kv_transfer.channel_auth import REJECT_HINTS, REJECT_REASONS, ChannelAuth
+from kvpush.kv_transfer.curve import (
+    HANDSHAKE_FAILED,
+    ZapGuard,
+    derive_curve_keys,
+    handshake_reason,
+    make_client,
+    make_server,
+)
 from kvpush.kv_transfer.link_watch import LinkWatch
 
 if TYPE_CHECKING:  # test-only (kvpush_testing): a type here, never imported
@@ -70,7 +90,12 @@ if TYPE_CHECKING:  # test-only (kvpush_testing): a type here, never imported
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH = 4096  # messages returned by one recv at most
+MAX_BATCH = 4096  # frames read by one recv at most (accepted or refused)
+
+#: Largest side-channel message ZMQ accepts (bigger ones close the connection before
+#: they are buffered): a Hello's NIXL metadata is kilobytes, a registration of 2**20
+#: block ids about 5 MiB.
+MAX_MESSAGE_BYTES = 16 << 20
 
 #: Why ``send`` dropped a message (``stats.send_dropped_by_reason`` keys): the
 #: destination's queue was full (peer gone or slow), its DEALER could not be opened
@@ -129,7 +154,7 @@ class SideChannel:
         type_of: Callable[[bytes], str] | None = None,
         secret: bytes | None = None,
         sndhwm: int = 1000,
-        max_message_bytes: int = 64 << 20,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
         auth_window_s: float = 60.0,
         keepalive: tuple[int, int, int] | None = (10, 5, 3),
     ):
@@ -144,15 +169,23 @@ class SideChannel:
         self._sndhwm = sndhwm
         self._keepalive = keepalive
         self._ctx = zmq.Context(io_threads=1)
+        self._curve = derive_curve_keys(secret) if secret else None
+        self._zap = ZapGuard(self._ctx, self._curve) if self._curve is not None else None
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes over its id
+        # a restarted peer takes over its id (with CURVE: only a member can)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._router_mon: zmq.Socket | None = None
+        if self._curve is not None:
+            make_server(self._router, self._curve)
+            self._router_mon = self._router.get_monitor_socket(
+                HANDSHAKE_FAILED, f"inproc://kvpush-sc-router-{id(self)}")
+            self._router_mon.setsockopt(zmq.LINGER, 0)
         try:
             self._router.bind(f"tcp://{host}:{port if port else '*'}")
         except zmq.ZMQError:
-            self._router.close()
-            self._ctx.term()
+            self._close_sockets()
             raise
         endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.host = host
@@ -176,6 +209,8 @@ class SideChannel:
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        if self._router_mon is not None:
+            self._poller.register(self._router_mon, zmq.POLLIN)
         self._links = LinkWatch(self._poller)
         self._closed = False
 
@@ -232,11 +267,11 @@ class SideChannel:
         self._streams.pop(address, None)
         self._close_dealer(address, forget=True)
 
-    def _close_dealer(self, address: str, forget: bool = False) -> None:
+    def _close_dealer(self, address: str, forget: bool = False, linger_ms: int = 0) -> None:
         sock = self._dealers.pop(address, None)
         self._links.detach(sock, address, forget)
         if sock is not None:
-            sock.close(linger=0)
+            sock.close(linger=linger_ms)
 
     def _dealer(self, address: str) -> zmq.Socket:
         sock = self._dealers.get(address)
@@ -247,6 +282,9 @@ class SideChannel:
             sock.setsockopt(zmq.SNDHWM, self._sndhwm)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
             sock.setsockopt(zmq.ROUTING_ID, self._identity)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._router.getsockopt(zmq.MAXMSGSIZE))
+            if self._curve is not None:
+                make_client(sock, self._curve)
             if self._keepalive is not None:
                 idle, interval, count = self._keepalive
                 sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
@@ -338,6 +376,7 @@ class SideChannel:
         if self._links.active:
             self._links.pump()
         while True:
+            self._take_refusals()
             self._flush_outbox()
             out = self._drain()
             self.stats.link_drops = self._links.drops
@@ -352,6 +391,8 @@ class SideChannel:
             events = dict(self._poller.poll(max(1, int(wait * 1000 + 0.999))))
             if any(self._links.owns(sock) for sock in events):
                 self._links.pump()
+            if self._router_mon is not None and self._router_mon in events:
+                self._pump_router_monitor()
             if self._wake_r in events:
                 self._clear_wake()
                 self._flush_outbox()
@@ -391,9 +432,36 @@ class SideChannel:
             while os.read(self._wake_r, 4096):
                 pass
 
+    def _take_refusals(self) -> None:
+        """Count and log the handshakes our DEALERs had refused (CURVE mismatches)."""
+        if not self._links.refusals:
+            return
+        refusals, self._links.refusals = self._links.refusals, []
+        for address, reason in refusals:
+            if self.auth is not None:
+                self._reject(address.encode(), reason)
+            else:
+                self._log_limited("handshake_refused", "side channel %s: %r refused our "
+                                  "connection's handshake: it has a side-channel secret "
+                                  "and this instance has none", self.address, address[:80])
+
+    def _pump_router_monitor(self) -> None:
+        """Count and log the handshakes our ROUTER refused (peers without our secret)."""
+        assert self._router_mon is not None
+        while True:
+            try:
+                frames = self._router_mon.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) == 2 and len(frames[0]) == 6:
+                event, value = struct.unpack("=HI", frames[0])
+                self._reject(b"(a connection)", handshake_reason(event, value, server=True))
+
     def _drain(self) -> list[tuple[str, bytes]]:
         out: list[tuple[str, bytes]] = []
-        while len(out) < MAX_BATCH:
+        if self._router_mon is not None:
+            self._pump_router_monitor()
+        for _ in range(MAX_BATCH):  # refused frames count too: a flood cannot hold us here
             try:
                 frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
@@ -430,18 +498,30 @@ class SideChannel:
 
     # -- lifetime ---------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Close every socket (pending and delayed messages are discarded). Idempotent."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every socket (delayed messages are discarded; pending ones too, unless
+        ``linger_ms``: then ZMQ has that long to send them). Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._outbox.clear()
         for address in list(self._dealers):
-            self._close_dealer(address)
-        self._router.close(linger=0)
-        self._ctx.term()
+            if linger_ms > 0:
+                self._dealers[address].setsockopt(zmq.LINGER, linger_ms)
+            self._close_dealer(address, linger_ms=linger_ms)
+        self._close_sockets()
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+    def _close_sockets(self) -> None:
+        if self._router_mon is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._router.disable_monitor()
+            self._router_mon.close(linger=0)
+        self._router.close(linger=0)
+        if self._zap is not None:
+            self._zap.stop()
+        self._ctx.term()
 
     def __enter__(self) -> SideChannel:
         return self

@@ -59,6 +59,8 @@ class DecodeRecv:
     register: m.PushRegister | None = None  # kept to re-send if it was lost
     resends: int = 0
     registered_at: float = 0.0  # monotonic time of the last (re)send of ``register``
+    #: pull: when prefill's lend ends (wall clock, ms; signed in prefill's answer)
+    lend_expires_ms: int | None = None
     t_start: float = field(default_factory=time.perf_counter)
 
 
@@ -153,6 +155,8 @@ class KVTransferParams:
     remote_block_ids: list[int] | None = None
     #: pull: the hash chain of the prompt whose KV prefill lent (from its answer)
     prompt_hashes: list[bytes] | None = None
+    #: pull: when prefill's lend ends (wall-clock ms, from its answer)
+    lend_expires_ms: int | None = None
     #: what the router vouched for, when the instance checks signatures
     grant: Grant | None = None
 
@@ -225,10 +229,11 @@ class KVTransferParams:
         elif grant is not None and blocks is not None:
             raise RequestError("kv_transfer_params.prompt_hashes is required with "
                                "remote_block_ids", "kv_transfer_params")
+        lend_expires_ms = get("lend_expires_ms", int, False, None)
         return cls(**common, remote_host=host, remote_port=port, remote_engine_id=engine,
                    remote_request_id=ident("remote_request_id"),
                    remote_block_ids=list(blocks) if blocks is not None else None,
-                   prompt_hashes=hashes)
+                   prompt_hashes=hashes, lend_expires_ms=lend_expires_ms)
 
 
 

@@ -50,6 +50,7 @@ from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.fences import DEFAULT_FENCE_TIMEOUT_S, FenceKeeper
 from kvpush.kv_transfer.inflight import PostedRead, TransfersInFlight, WriteGroup
+from kvpush.kv_transfer.lend_claims import LendClaims
 from kvpush.kv_transfer.peers import (  # Peer re-exported: tests place peers
     DROP_REASONS,
     EVICT_REASONS,
@@ -59,6 +60,7 @@ from kvpush.kv_transfer.peers import (  # Peer re-exported: tests place peers
     PeerTable,
 )
 from kvpush.kv_transfer.side_channel import SEND_DROP_REASONS
+from kvpush.kv_transfer.thread_death import tell_peers
 from kvpush.kv_transfer.timeline import HandoffTimeline
 from kvpush.kv_transfer.transport import KVTransport
 
@@ -119,6 +121,8 @@ class TransferWorker:
         self.busy_poll_s = busy_poll_s
         # prefill of a push: decode's blocks are written by us, Aborts are answered
         self._writer = hello.role == "prefill" and hello.kv_transfer == "push"
+        self._lender = hello.role == "prefill" and hello.kv_transfer == "pull"
+        self._reader = hello.role == "decode" and hello.kv_transfer == "pull"
         self.commands: queue.SimpleQueue[c.Command] = queue.SimpleQueue()
         self.peers = PeerTable(
             hello, channel, transport, self._post, self._dispatch,
@@ -148,6 +152,8 @@ class TransferWorker:
         #: the WRITEs and READs posted, with their transport handles (inflight.py)
         self.inflight = TransfersInFlight(transport, self.peers, self.peers.send,
                                           self._post, self._stamp, self.counters)
+        #: pull: lends claimed before they are READ (lend_claims.py)
+        self.claims = LendClaims(self.peers.send, self._post)
         self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
         self._stopped = False
         self._stop_requested = False
@@ -213,6 +219,7 @@ class TransferWorker:
         if tid is not None:
             self.leases.pop(tid, None)
             self.fences.drop(tid)
+            self.claims.forget(tid)
         if self._batch is None:
             self.post_event(ev)
         else:
@@ -269,18 +276,31 @@ class TransferWorker:
         self._batch = None
         if why is not None:
             self._death = why  # /health fails from now on
-        try:
-            self.channel.close()
-        except Exception:  # noqa: BLE001 - going down anyway
-            log.exception("closing the side channel failed")
+        if why is None:  # stopped: nothing to tell anyone
+            self._close_channel(0)
         transport_closed = True
         try:
             self.transport.close()
         except Exception:  # noqa: BLE001 - the event says so: its transfers may live on
             log.exception("closing the KV transport failed")
             transport_closed = False
-        if why is not None:
+        if why is not None:  # a death: tell the peers once nothing of ours moves any more
+            linger_ms = 0
+            try:
+                linger_ms = tell_peers(self, why) if transport_closed else 0
+            except Exception:  # noqa: BLE001 - going down anyway
+                log.exception("telling the peers of the death failed")
+            self._close_channel(linger_ms)
             self.post_event(c.WorkerDied(why, transport_closed))
+
+    def _close_channel(self, linger_ms: int) -> None:
+        try:
+            if linger_ms:  # (test channels take no linger)
+                self.channel.close(linger_ms)
+            else:
+                self.channel.close()
+        except Exception:  # noqa: BLE001 - going down anyway
+            log.exception("closing the side channel failed")
 
     def _timeout(self, now: float) -> float:
         """How long the next wait for messages may last (commands wake it early)."""
@@ -331,10 +351,14 @@ class TransferWorker:
             case c.Untrack(tid):
                 self.leases.pop(tid, None)
                 self.fences.drop(tid)
+                self.claims.forget(tid)
             case c.EnsurePeer(address):
                 self._ensure_peer(address)
             case c.PostRead(tid, address, local, remote):
-                self.inflight.post_read(tid, address, local, remote)
+                if self._reader:  # only once prefill says the lend is live (lend_claims)
+                    self.claims.request(cmd)
+                else:
+                    self.inflight.post_read(tid, address, local, remote)
             case c.FenceTransfer(tid, address):
                 self.leases.pop(tid, None)  # the fence, not the lease, holds it now
                 self.fences.fence(tid, address)
@@ -395,6 +419,8 @@ class TransferWorker:
                 self.counters["messages_bad"] += 1
         elif isinstance(msg, m.HelloRefused):
             self.peers.on_refused(msg, sender)
+        elif isinstance(msg, m.PullClaim | m.PullClaimed | m.PullDone):
+            self._on_lend_message(msg, sender)
         else:
             getattr(self, "_on_" + type(msg).__name__)(msg)
 
@@ -424,12 +450,29 @@ class TransferWorker:
         self._stamp(msg.transfer_id, "d_done")
         self._post(c.PushDoneReceived(msg))
 
-    def _on_PullDone(self, msg: m.PullDone) -> None:
-        self._post(c.PullDoneReceived(msg))
+    def _on_lend_message(self, msg: m.PullClaim | m.PullClaimed | m.PullDone,
+                         sender: str) -> None:
+        """Pull lends (lend_claims.py): claims and their answers; a PullDone ends a
+        claimed lend only from its claimer."""
+        tid = msg.transfer_id
+        if isinstance(msg, m.PullClaim):
+            if self._lender:
+                self.claims.claim(msg, sender, live=tid in self.leases)
+        elif isinstance(msg, m.PullClaimed):
+            read = self.claims.answered(msg, sender) if self._reader else None
+            if read is not None:
+                self.inflight.post_read(read.tid, read.address, read.local, read.remote)
+        elif self.claims.from_claimer(tid, sender):
+            self._post(c.PullDoneReceived(msg))
+        else:
+            self.counters["messages_bad"] += 1
 
     def _on_abort(self, msg: m.Abort, sender: str) -> None:
         if self._writer:  # decode gave up on a push: answer once nothing of ours can land
             self.inflight.writes_aborted(msg.transfer_id, sender)
+        if not self.claims.from_claimer(msg.transfer_id, sender):
+            self.counters["messages_bad"] += 1  # a lend claimed by another decode
+            return
         self._post(c.AbortReceived(msg))
 
     def _on_AbortAck(self, msg: m.AbortAck) -> None:

@@ -141,6 +141,20 @@ def build_metadata(
     return md
 
 
+def mask_as(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """An additive mask in the query's dtype (0 and -inf are exact in every dtype).
+
+    SDPA accepts a float32 mask beside bf16 queries, but on CUDA its fused kernels take
+    a bias only in the query's dtype: the memory-efficient one raises ("invalid dtype for
+    bias"), and cuDNN, which torch prefers on Hopper (H100/H200), reads the float32
+    buffer as bf16 and returns wrong values without an error (pytorch/pytorch#191612).
+    The masks are built in float32 (the dtype is not known there) and converted once per
+    step by the first layer that uses them."""
+    if mask is None or mask.dtype == q.dtype:
+        return mask
+    return mask.to(q.dtype)
+
+
 def length_mask(lens: list[int], width: int, device) -> torch.Tensor:
     """[B, 1, 1, width] additive mask: 0 where position < lens[b], -inf elsewhere."""
     keep = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
@@ -448,7 +462,7 @@ def _decode_attention(
         if md.decode_order is not None:
             q = q[md.decode_order]  # slot order
         q = q.reshape(B, hkv, group, D)
-        masks = md.decode_group_masks
+        masks = md.decode_group_masks = [mask_as(m, q) for m in md.decode_group_masks]
         if len(md.decode_groups) == 1:
             o = F.scaled_dot_product_attention(q, kb, vb, attn_mask=masks[0], scale=scale)
         else:  # each group only as long as its longest member
@@ -461,6 +475,7 @@ def _decode_attention(
         o = o.reshape(B, H, D)
         return o if md.decode_order is None else o[md.decode_slots]
     md.build_gather_tables()
+    md.decode_mask = mask_as(md.decode_mask, q)
     if md.decode_paged:
         return paged_decode_attention(q, layer_kv, md.decode_tables, md.decode_mask, scale)
     kc, vc = _gather(layer_kv, md.decode_tables)  # [B, L, Hkv, D]
@@ -511,6 +526,7 @@ def paged_attention(
                 qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa
             )
         else:
+            span.mask = mask_as(span.mask, q)
             ctx = span.mask.shape[1]
             kc, vc = _gather(layer_kv, span.block_ids)
             kp = kc[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)

@@ -68,7 +68,10 @@ def paged_decode_attention(
 
     if nb <= per:
         k, v = read(tables)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        # the mask in q's dtype: CUDA's fused kernels misread or refuse a float32 bias
+        # beside bf16 queries (kvpush.model.attention.mask_as)
+        m = mask if mask.dtype == q.dtype else mask.to(q.dtype)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)
         return o.reshape(B, H, D)
     qf = qg.float()
     run_max = torch.full((B, hkv, group, 1), float("-inf"), device=q.device)

@@ -10,31 +10,48 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from typing import Literal
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
+import httpcore
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
+from kvpush.router.admin_key import ADMIN_PATHS, AdminKeyMiddleware
 from kvpush.router.cache_policy import CachePolicy
 from kvpush.router.config import RouterConfig
-from kvpush.router.intake import RETRY_AFTER_S, Admission, full_error, parse_body, read_body
+from kvpush.router.door import uvicorn_options
+from kvpush.router.intake import (
+    RETRY_AFTER_S,
+    Admission,
+    check_encodable,
+    full_error,
+    load_body,
+    read_body_within,
+)
 from kvpush.router.job import Job, new_request_id, outcome_for
 from kvpush.router.legs import Legs
 from kvpush.router.metrics import RouterMetrics
+from kvpush.router.net import CoalescingBackend
 from kvpush.router.pool import Instance, Pool, describe_error
+from kvpush.router.prompts import TokenizerState
 from kvpush.router.redact import scrub
 from kvpush.router.wire import client_kv_params_problem, relay_error
 from kvpush.server.app import EventStreamResponse, unless_disconnected
-from kvpush.server.auth import APIKeyMiddleware, auth_header
+from kvpush.server.auth import OPEN_PATHS, APIKeyMiddleware, auth_header
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
 from kvpush.server.metrics import auth_rejected_counter
 from kvpush.server.openapi import install_openapi, request_body
+
+if TYPE_CHECKING:
+    from kvpush.router.discover import EtcdLink
 
 logger = logging.getLogger("kvpush.router")
 
@@ -42,6 +59,35 @@ logger = logging.getLogger("kvpush.router")
 #: keep-alive timeout (uvicorn's default is 5 s, in kvpush and vLLM alike), so the router
 #: never sends on a connection the instance is closing at that moment.
 KEEPALIVE_EXPIRY_S = 3.0
+#: environment variable naming the legs' socket layer: ``coalescing`` (default,
+#: kvpush.router.net) or ``anyio`` (httpx's own; for measurements)
+LEG_BACKEND_ENV = "KVPUSH_ROUTER_LEG_BACKEND"
+
+
+#: bodies larger than this are parsed on a worker thread (a 21 MB body took 0.4 s)
+INLINE_PARSE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class RoutingState:
+    """How the router routes now (``/health``'s ``routing``): its ``--policy`` when that
+    needs no tokenizer; with cache-aware, ``cache-aware``, ``blind`` (degraded: no
+    tokenizer) or ``starting`` (the tokenizer is still loading; /health is 503)."""
+
+    routing: str
+    why: str
+
+    @property
+    def starting(self) -> bool:
+        return self.routing == "starting"
+
+    @property
+    def degraded(self) -> bool:
+        return self.routing == "blind"
+
+#: --discover: how long start-up waits for the first view of etcd before serving without
+#: it (the router then answers /health, 503 until it has usable instances)
+FIRST_VIEW_S = 5.0
 
 
 class Router:
@@ -61,18 +107,31 @@ class Router:
         #: the cache-aware policy's tokenizer and KV index (--policy cache-aware)
         self.cache: CachePolicy | None = None
         self._health: asyncio.Task | None = None
+        #: --discover: the etcd watch that adds and drops instances (kvpush.router.discover)
+        self.discovery: EtcdLink | None = None
+        self._joins: set[asyncio.Task] = set()
 
     def make_client(self) -> httpx.AsyncClient:
         c = self.cfg
+        limits = httpx.Limits(max_connections=c.max_connections,
+                              max_keepalive_connections=min(256, c.max_connections),
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        # router -> instance traffic is internal: no proxies from the environment
+        transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+        if os.environ.get(LEG_BACKEND_ENV, "coalescing") == "coalescing":
+            # the same pool on kvpush.router.net's sockets: a request leaves in one send
+            # (docs/ROUTER.md, "The relay"); KVPUSH_ROUTER_LEG_BACKEND=anyio keeps
+            # httpx's own, for side-by-side measurements
+            transport._pool = httpcore.AsyncConnectionPool(
+                max_connections=limits.max_connections,
+                max_keepalive_connections=limits.max_keepalive_connections,
+                keepalive_expiry=limits.keepalive_expiry,
+                network_backend=CoalescingBackend())
         return httpx.AsyncClient(
             # every wait but connecting: the bound of an answer's start (each later read
             # of a stream has its own, shorter bound: Legs.relay)
             timeout=httpx.Timeout(c.first_byte_timeout_s, connect=c.connect_timeout_s),
-            limits=httpx.Limits(max_connections=c.max_connections,
-                                max_keepalive_connections=min(256, c.max_connections),
-                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
-            # router -> instance traffic is internal: no proxies from the environment
-            trust_env=False,
+            transport=transport, trust_env=False,
             headers=auth_header(c.api_key),  # /kv/info, health, legs, /kv/abort
         )
 
@@ -82,6 +141,9 @@ class Router:
         self.client = self.make_client()
         self.legs = Legs(self.cfg, self.pool, self.metrics, self.client)
         try:
+            if self.cfg.discover is not None:
+                await self._start_discovery()
+                wait = False  # instances come and go: serve now, /health says when ready
             if wait:
                 await self.pool.wait_ready(self.client, self.cfg.startup_timeout_s)
             else:
@@ -95,6 +157,60 @@ class Router:
             self.cache.start()
         self._health = asyncio.create_task(self.pool.health_loop(self.client))
 
+    def routing_state(self) -> RoutingState:
+        """Whether the router routes as configured: a cache-aware router is starting
+        until its tokenizer has loaded (or failed to: then it runs degraded, blind)."""
+        if self.cfg.policy != "cache-aware":
+            return RoutingState(self.cfg.policy, "the configured policy")
+        if self.cache is None:
+            return RoutingState("starting", "the cache-aware policy is not started yet")
+        tok = self.cache.tokenizer
+        if tok.state is TokenizerState.READY:
+            return RoutingState("cache-aware", f"tokenizer {tok.source} loaded")
+        if tok.state is TokenizerState.FAILED:
+            return RoutingState("blind", f"no tokenizer ({tok.why}): requests are routed "
+                                "round-robin with a prefill leg each, without the prefix "
+                                "caches")
+        return RoutingState("starting", f"loading the tokenizer {tok.source or ''}".strip())
+
+    async def wait_routing(self, timeout: float) -> RoutingState:
+        """Wait (at most ``timeout`` s) until the router routes as configured or is
+        known to run degraded; logs which, loudly when degraded."""
+        if self.cache is not None and self.cache.loading is not None:
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.cache.loading), timeout)
+        state = self.routing_state()
+        if state.degraded:
+            logger.warning("ROUTER DEGRADED: %s", state.why)
+        elif state.starting:
+            logger.warning("the tokenizer has not loaded within %g s; /health answers 503 "
+                           "until it has", timeout)
+        else:
+            logger.info("ready: %s routing (%s)", state.routing, state.why)
+        return state
+
+    async def _start_discovery(self) -> None:
+        """Watch the etcd prefix; each instance that joins is checked at once."""
+        from kvpush.router.discover import EtcdLink
+
+        def on_join(inst: Instance) -> None:
+            assert self.client is not None
+            task = asyncio.create_task(self.pool.check(self.client, inst))
+            self._joins.add(task)
+            task.add_done_callback(self._joins.discard)
+
+        self.discovery = EtcdLink(self.cfg.discover, self.pool, self.cfg.mode, on_join)
+        self.discovery.start()
+        # the first view, if etcd answers soon; else the router starts with what it has
+        # (the static instances, or none: /health 503) and the link catches up
+        try:
+            await asyncio.wait_for(self.discovery.synced.wait(),
+                                   min(FIRST_VIEW_S, self.cfg.startup_timeout_s))
+        except TimeoutError:
+            logger.warning("no view of %s yet: starting without it", self.cfg.discover)
+        if self._joins:
+            await asyncio.wait(set(self._joins), timeout=self.cfg.health_timeout_s * 2)
+
     def for_client(self, err: APIError) -> APIError:
         """``err`` as a client may see it: no internal address or engine id (the log has
         them)."""
@@ -102,6 +218,13 @@ class Router:
         return err
 
     async def close(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.close()
+            self.discovery = None
+        for task in list(self._joins):
+            task.cancel()
+        if self._joins:
+            await asyncio.wait(set(self._joins))
         if self._health is not None:
             self._health.cancel()
             await asyncio.wait({self._health})
@@ -123,8 +246,20 @@ class RelayStream(EventStreamResponse):
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        held: list[Message] = []
+
+        async def send_joined(message: Message) -> None:
+            # the headers wait for the first chunk: both are written in one loop turn,
+            # and the door's transport sends them as one segment
+            if message["type"] == "http.response.start":
+                held.append(message)
+                return
+            if held:
+                await send(held.pop())
+            await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_joined)
         finally:
             await self.on_close()
 
@@ -134,6 +269,16 @@ async def _handle(router: Router, request: Request,
     arrival = time.perf_counter()
     legs = router.legs
     assert legs is not None
+    # the body first (within its deadline), then a place: a slow client holds its own
+    # connection, never one of the --max-outstanding-requests places
+    try:
+        raw = await read_body_within(request, router.cfg.body_timeout_s)
+    except ClientDisconnect:
+        router.metrics.requests.labels(router.cfg.mode, "abort").inc()
+        return Response(status_code=499)
+    except APIError as err:  # 413, 408
+        router.metrics.requests.labels(router.cfg.mode, outcome_for(err.status_code)).inc()
+        return err.response(headers={"Connection": "close"})
     if not router.admission.enter():
         router.metrics.requests.labels(router.cfg.mode, "overloaded").inc()
         return full_error(router.admission.limit).response(
@@ -144,16 +289,19 @@ async def _handle(router: Router, request: Request,
               on_done=router.admission.leave)
     headers = {"X-Request-Id": job.rid}
     try:
-        try:
-            raw = await read_body(request)
-        except ClientDisconnect:
-            await legs.close(job, "abort", 499)
-            return Response(status_code=499)
-        body = parse_body(raw)
+        big = len(raw) > INLINE_PARSE_BYTES  # ~20 ms a MB: off the event loop
+        loop = asyncio.get_running_loop()
+        body = await loop.run_in_executor(None, load_body, raw) if big else load_body(raw)
         refused = client_kv_params_problem(body)
         if refused:
             raise APIError(refused, status_code=403, param="kv_transfer_params",
                            code="kv_transfer_params_not_allowed")
+        if legs.policy is not None:  # a prompt too long to route: refused by its size
+            legs.policy.check_size(kind, body)
+        if big:
+            await loop.run_in_executor(None, check_encodable, body)
+        else:
+            check_encodable(body)
         job.body, job.stream = body, body.get("stream") is True
         if legs.policy is not None:
             await legs.policy.plan(job, len(raw))
@@ -202,8 +350,13 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
                   lifespan=lifespan)
     app.state.router = router
     install_error_handlers(app)
-    if router.cfg.api_key:
+    admin = router.cfg.admin_key
+    if router.cfg.api_key:  # (with an admin key, the operator views take that one)
         app.add_middleware(APIKeyMiddleware, key=router.cfg.api_key,
+                           on_reject=lambda reason: router.auth_rejected.labels(reason).inc(),
+                           open_paths=OPEN_PATHS | (ADMIN_PATHS if admin else frozenset()))
+    if admin:
+        app.add_middleware(AdminKeyMiddleware, key=admin,
                            on_reject=lambda reason: router.auth_rejected.labels(reason).inc())
 
     @app.post("/v1/completions", summary="Text completion, through prefill and decode",
@@ -242,11 +395,23 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
     async def health() -> Response:
         pool = router.pool
         counts = {role: sum(i.healthy for i in group) for role, group in pool.by_role.items()}
-        if pool.ready():
-            return JSONResponse({"status": "ok", "mode": router.cfg.mode,
-                                 "healthy": counts})
-        return APIError(f"the router cannot serve: healthy instances {counts}",
-                        status_code=503).response()
+        extra = ({"membership": router.discovery.health()}
+                 if router.discovery is not None else {})
+        if not pool.ready():
+            err = APIError(f"the router cannot serve: healthy instances {counts}",
+                           status_code=503)
+            return JSONResponse({**err.body(), **extra}, status_code=err.status_code)
+        routing = router.routing_state()
+        if routing.starting:
+            err = APIError(f"the router is starting: {routing.why}", status_code=503,
+                           code="starting")
+            return JSONResponse({**err.body(), **extra}, status_code=err.status_code)
+        body = {"status": "degraded" if routing.degraded else "ok",
+                "mode": router.cfg.mode, "healthy": counts,
+                "routing": routing.routing, **extra}
+        if routing.degraded:
+            body["degraded"] = routing.why
+        return JSONResponse(body)
 
     @app.get("/router/instances", summary="The instances, their identity and health")
     async def instances() -> Response:
@@ -277,10 +442,16 @@ async def serve_forever(router: Router, host: str, port: int, log_level: str,
 
     await router.start(wait=True)
     try:
+        # --discover: decodes (and so the tokenizer's source) may join later; serve soon,
+        # /health says 503 "starting" until the tokenizer has loaded
+        await router.wait_routing(FIRST_VIEW_S if router.cfg.discover is not None
+                                  else router.cfg.startup_timeout_s)
         app = build_app(router, manage=False)
+        cfg = router.cfg
         server = uvicorn.Server(uvicorn.Config(
             app, host=host, port=port, log_level=log_level, access_log=False,
-            timeout_graceful_shutdown=5))
+            timeout_graceful_shutdown=5,
+            **uvicorn_options(cfg.header_timeout_s, cfg.max_client_connections)))
         await server.serve(sockets=sockets)
         return bool(server.started)
     finally:

@@ -18,12 +18,20 @@ from typing import Any
 import httpx
 
 from kvpush.router.config import RouterConfig
-from kvpush.router.decide import Decision, Route, cost_fn, decide, lacks_room
+from kvpush.router.decide import (
+    Decision,
+    Route,
+    answer_tokens,
+    cost_fn,
+    decide,
+    lacks_room,
+)
 from kvpush.router.job import Job
 from kvpush.router.kv_index import KVIndex, Snapshot, parse_snapshot
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, describe_error
-from kvpush.router.prompts import PromptTokenizer, model_source
+from kvpush.router.prompts import PromptTokenizer, model_max_len, model_source
+from kvpush.server.errors import APIError
 
 logger = logging.getLogger("kvpush.router")
 
@@ -33,9 +41,11 @@ class CachePolicy:
                  client: httpx.AsyncClient) -> None:
         self.cfg, self.pool, self.metrics, self.client = cfg, pool, metrics, client
         self.tokenizer = PromptTokenizer(cfg.tokenizer)
-        self.index = KVIndex(self._fetch_snapshot, retry_s=cfg.health_interval_s)
+        self.index = KVIndex(self._fetch_snapshot, retry_s=cfg.health_interval_s,
+                             keys=cfg.kv_secret.events if cfg.kv_secret else None)
         self._load: asyncio.Task | None = None
         pool.on_info = self._on_info
+        pool.on_remove = self._on_remove
         for inst in pool.instances:  # checked once already (start-up)
             if inst.healthy:
                 self._on_info(inst)
@@ -45,11 +55,19 @@ class CachePolicy:
     def _on_info(self, inst: Instance) -> None:
         self.index.update(inst, inst.url, inst.info)
 
+    def _on_remove(self, inst: Instance) -> None:  # left the pool: its index goes
+        self.index.update(inst, inst.url, None)
+
     async def _fetch_snapshot(self, url: str) -> Snapshot:
         r = await self.client.get(url + "/kv/cache_blocks", timeout=self.cfg.health_timeout_s)
         if r.status_code != 200:
             raise RuntimeError(f"/kv/cache_blocks answered HTTP {r.status_code}")
         return parse_snapshot(r.content)
+
+    @property
+    def loading(self) -> asyncio.Task | None:
+        """The tokenizer's load (None before ``start``)."""
+        return self._load
 
     def start(self) -> None:
         """Load the tokenizer in the background (the model's, from a decode's
@@ -58,17 +76,24 @@ class CachePolicy:
 
     async def _load_tokenizer(self) -> None:
         source = None
-        if self.cfg.tokenizer is None:
+        while True:
             for inst in self.pool.by_role["decode"]:
                 try:
                     r = await self.client.get(inst.url + "/v1/models",
                                               timeout=self.cfg.health_timeout_s)
-                    source = model_source(r.json()) if r.status_code == 200 else None
+                    models = r.json() if r.status_code == 200 else None
                 except (httpx.HTTPError, ValueError) as e:
                     logger.info("/v1/models of %s: %s", inst.url, describe_error(e))
+                    continue
+                source = model_source(models)
+                self.tokenizer.max_model_len = model_max_len(models)
                 if source is not None:
                     break
-        await self.tokenizer.load(source)
+            if source is not None or self.cfg.tokenizer or self.cfg.discover is None:
+                break
+            # --discover: no decode has joined yet; ask again when one may have
+            await asyncio.sleep(self.cfg.health_interval_s)
+        await self.tokenizer.load(None if self.cfg.tokenizer else source)
 
     async def close(self) -> None:
         if self._load is not None:
@@ -81,12 +106,22 @@ class CachePolicy:
     async def plan(self, job: Job, body_bytes: int) -> None:
         """Tokenize the job's prompt and attach its :class:`Route` (None: blind). A
         completion's string prompt is replaced by its ids for both legs."""
+        self.check_size(job.kind, job.body)
         ids = await self.tokenizer.prompt_ids(job.kind, job.body, body_bytes)
         if ids is None:
             return
-        job.route = Route(ids)
+        salt = job.body.get("cache_salt")
+        job.route = Route(ids, cache_salt=salt if isinstance(salt, str) else None)
         if job.kind == "completion" and not isinstance(job.body.get("prompt"), list):
             job.body = {**job.body, "prompt": ids}
+
+    def check_size(self, kind: str, body: dict[str, Any]) -> None:
+        """A 400 (``context_length_exceeded``) for a prompt whose text alone is more
+        tokens than the model's context, judged by its size, before any tokenizing."""
+        too_long = self.tokenizer.too_long(kind, body)
+        if too_long is not None:
+            raise APIError(too_long, param="messages" if kind == "chat" else "prompt",
+                           code="context_length_exceeded")
 
     def cached_tokens(self, inst: object, route: Route) -> int:
         blocks = self.index.longest_prefix(inst, route.chain)
@@ -108,7 +143,7 @@ class CachePolicy:
         if job.route is None:
             return None
         return cost_fn(job.route, self.cached_tokens, self.cfg.load_cost_tokens,
-                       self.no_room)
+                       self.no_room, self.cfg.load_weight)
 
     def decide(self, job: Job) -> Decision:
         """``local`` or ``remote`` for the decode instance the job would get now."""
@@ -135,6 +170,19 @@ class CachePolicy:
             r.p_cached_tokens = n
         else:
             r.d_cached_tokens = n
+            # the KV the decode leg will hold: the load others see (until ``released``)
+            self.released(job)
+            job.d_tokens = r.prompt_tokens + answer_tokens(job.body)
+            job.d_charged = inst
+            inst.tokens_in_flight += job.d_tokens
+
+    @staticmethod
+    def released(job: Job) -> None:
+        """The job's decode leg is over (or moves elsewhere): its tokens leave the load."""
+        inst = job.d_charged
+        if inst is not None:
+            inst.tokens_in_flight = max(0, inst.tokens_in_flight - job.d_tokens)
+            job.d_charged, job.d_tokens = None, 0
 
     def count(self, job: Job) -> None:
         """The decision and the cached token counts, into /metrics (once per request)."""

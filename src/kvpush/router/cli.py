@@ -76,6 +76,10 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                     metavar="N",
                     help="what one leg in flight on an instance weighs against prompt "
                          "tokens it has cached (default: 64)")
+    ca.add_argument("--load-weight", type=float, default=1.0, metavar="W",
+                    help="what one KV token (prompt + answer bound) of a decode leg in "
+                         "flight on an instance weighs against a prompt token it would "
+                         "compute (default: 1.0; docs/ROUTER.md, Placement)")
     net = p.add_argument_group("HTTP")
     net.add_argument("--host", default="127.0.0.1",
                      help="address to listen on (default: 127.0.0.1)")
@@ -91,6 +95,14 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "signs every leg's kv_transfer_params with it, and instances with "
                           "a secret act only on signed ones (default: $KVPUSH_KV_SECRET; "
                           "unset: unsigned, for instances run with --insecure-kv-params)")
+    net.add_argument("--admin-key", metavar="KEY", default=None,
+                     help="the key of the operator views (/router/instances, /metrics, "
+                          "which show what other users' requests found cached); the API "
+                          "key then no longer opens them (default: $KVPUSH_ADMIN_KEY; "
+                          "unset: the API key opens them). Prefer the environment variable")
+    net.add_argument("--allow-loose-secret-file", action="store_true",
+                     help="use a --kv-secret-file that group or others can read (refused "
+                          "otherwise; chmod 600 it instead)")
     t = p.add_argument_group("health and timeouts")
     t.add_argument("--health-interval", type=cli_types.seconds, default=2.0, metavar="SECONDS",
                    help="seconds between health checks (/health + /kv/info) of every "
@@ -111,10 +123,24 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(nothing comes before prefill is done), decode's first token, a "
                         "whole non-streaming answer; a frozen or dead instance ends its "
                         "legs sooner, at its first failed health check (default: 600)")
+    t.add_argument("--header-timeout", type=cli_types.seconds, default=10.0, metavar="SECONDS",
+                   help="a client's request line and headers must arrive within this many "
+                        "seconds of connecting (or of a later request's first byte); else "
+                        "the connection is closed (default: 10)")
+    t.add_argument("--body-timeout", type=cli_types.seconds, default=30.0, metavar="SECONDS",
+                   help="a client's request body must arrive within this many seconds of "
+                        "its headers; else 408 (default: 30)")
+    t.add_argument("--max-client-connections", type=cli_types.positive_int, default=4096,
+                   metavar="N",
+                   help="client connections open at once; more are answered 503 and closed "
+                        "at once (default: 4096)")
     t.add_argument("--max-outstanding-requests", type=cli_types.positive_int, default=512,
                    metavar="N",
                    help="requests held at once; more are answered 429 with Retry-After "
                         "(default: 512)")
+    from kvpush.discovery.cli_args import add_discover_args
+
+    add_discover_args(p)
     p.set_defaults(func=run_router, _router_parser=p)
     return p
 
@@ -126,25 +152,48 @@ def _fail(message: str, code: int = 2) -> int:
 
 def build_config(args: argparse.Namespace) -> Any:
     """The RouterConfig for parsed arguments (raises RouterConfigError)."""
+    from kvpush.router.admin_key import resolve_admin_key
     from kvpush.router.config import RouterConfig, RouterConfigError
     from kvpush.server.auth import SecretError, resolve_api_key, resolve_kv_secret
 
     try:
-        secret, warning = resolve_kv_secret(args.kv_secret_file)
+        secret, warning = resolve_kv_secret(
+            args.kv_secret_file, allow_loose=getattr(args, "allow_loose_secret_file", False))
     except SecretError as e:
         raise RouterConfigError(str(e)) from None
     if warning:
         print(f"kvpush router: warning: {warning}", file=sys.stderr)
-    return RouterConfig(
+    from kvpush.discovery.cli_args import resolve_target
+    from kvpush.discovery.target import TargetError
+
+    try:
+        discover = resolve_target(args.discover, args)
+    except TargetError as e:
+        raise RouterConfigError(str(e)) from None
+    return RouterConfig(discover=discover,
         mode=args.mode, prefill=tuple(args.prefill), decode=tuple(args.decode),
         policy=args.policy or ("cache-aware" if args.mode == "push" else "round-robin"),
         tokenizer=args.tokenizer, local_prefill_max_tokens=args.local_prefill_max_tokens,
-        load_cost_tokens=args.load_cost_tokens, fallback_local_prefill=args.fallback_local_prefill,
+        load_cost_tokens=args.load_cost_tokens, load_weight=args.load_weight,
+        fallback_local_prefill=args.fallback_local_prefill,
         health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
         startup_timeout_s=args.startup_timeout, connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout, first_byte_timeout_s=args.first_byte_timeout,
         max_outstanding_requests=args.max_outstanding_requests,
-        api_key=resolve_api_key(args.api_key), kv_secret=secret)
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+        max_client_connections=args.max_client_connections,
+        api_key=resolve_api_key(args.api_key), kv_secret=secret,
+        admin_key=resolve_admin_key(getattr(args, "admin_key", None)))
+
+
+def _loop_factory() -> Any:
+    """uvloop's event loop when it is installed (uvicorn's own choice too: its
+    transports cost less per write and per wake-up), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -171,8 +220,9 @@ def run_router(args: argparse.Namespace) -> int:
         return _fail(cannot_listen(args.host, args.port, e))
     log = logging.getLogger("kvpush.router")
     router = Router(cfg)
-    log.info("%s router, %s, %d prefill and %d decode instances%s; checking them",
+    log.info("%s router, %s, %d prefill and %d decode instances%s%s; checking them",
              cfg.mode, cfg.policy, len(cfg.prefill), len(cfg.decode),
+             f", more from {cfg.discover}" if cfg.discover else "",
              ", API key required" if cfg.api_key else "")
     from kvpush.cli_types import is_loopback
 
@@ -180,8 +230,14 @@ def run_router(args: argparse.Namespace) -> int:
         log.warning("listening on %s without an API key: anyone who reaches this address "
                     "can use the router (--api-key or KVPUSH_API_KEY)", args.host)
     try:
-        started = asyncio.run(serve_forever(router, args.host, listener.getsockname()[1],
-                                            args.log_level, sockets=[listener]))
+        main = serve_forever(router, args.host, listener.getsockname()[1], args.log_level,
+                             sockets=[listener])
+        factory = _loop_factory()
+        if factory is not None and hasattr(asyncio, "Runner"):  # Python 3.11+
+            with asyncio.Runner(loop_factory=factory) as runner:
+                started = runner.run(main)
+        else:
+            started = asyncio.run(main)
     except RouterConfigError as e:
         return _fail(f"misconfigured instance(s):\n{e}")
     except RouterStartupError as e:

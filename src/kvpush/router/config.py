@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
+from kvpush.kv_transfer.router_keys import RouterKeys
+
 Mode = Literal["push", "pull", "colocated"]
 Policy = Literal["round-robin", "least-outstanding", "cache-aware"]
 Role = Literal["prefill", "decode", "both"]
@@ -111,13 +113,25 @@ class RouterConfig:
     max_outstanding_requests: int = 512
     #: connections to all instances together (HTTP/1.1 keep-alive pool)
     max_connections: int = 1024
+    #: a client's request line and headers must be complete within this many seconds
+    #: of the connection opening (or of a later request's first byte): kvpush.router.door
+    header_timeout_s: float = 10.0
+    #: a client's body must be complete within this many seconds of its headers (408)
+    body_timeout_s: float = 30.0
+    #: client connections open at once; more are answered 503 and closed at once
+    max_client_connections: int = 4096
     #: clients must send ``Authorization: Bearer <api_key>``, and the router sends it to
     #: every instance (None: no key); never shown in reprs or logs
     api_key: str | None = field(default=None, repr=False)
+    #: the operator views (/router/instances, /metrics) need this key instead of the API
+    #: key (None: they take the API key; router/admin_key.py); never shown
+    admin_key: str | None = field(default=None, repr=False)
     #: the cluster secret (the instances' side-channel secret): the router signs the
     #: kv_transfer_params of every leg with it (None: unsigned, for instances started
-    #: with --insecure-kv-params); never shown in reprs or logs
-    kv_secret: bytes | None = field(default=None, repr=False)
+    #: with --insecure-kv-params); never shown in reprs or logs. Given as bytes, it is
+    #: replaced at once by the keys derived from it (RouterKeys): the router keeps no
+    #: raw secret, so it cannot join the side channel
+    kv_secret: bytes | RouterKeys | None = field(default=None, repr=False)
     #: cache-aware: the tokenizer to load (None: the one of the instances' model, from
     #: their /v1/models)
     tokenizer: str | None = None
@@ -126,6 +140,12 @@ class RouterConfig:
     local_prefill_max_tokens: int = 128
     #: cache-aware: what one leg in flight on an instance weighs, in prompt tokens
     load_cost_tokens: int = 64
+    #: cache-aware: what one KV token of a decode leg in flight on an instance weighs,
+    #: in prompt tokens (kvpush.router.decide)
+    load_weight: float = 1.0
+    #: --discover: the etcd prefix instances register under (a
+    #: kvpush.discovery.target.EtcdTarget; None: the static lists only)
+    discover: object | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -133,7 +153,7 @@ class RouterConfig:
         if self.policy not in POLICIES:
             raise RouterConfigError(
                 f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if not self.decode:
+        if not self.decode and self.discover is None:
             raise RouterConfigError("at least one decode instance is required (--decode URL)")
         if self.mode == "colocated":
             if self.prefill:
@@ -142,7 +162,7 @@ class RouterConfig:
                     "instances (role=both); it takes no --prefill instances")
             if self.fallback_local_prefill:
                 raise RouterConfigError("--fallback-local-prefill needs --mode push or pull")
-        elif not self.prefill:
+        elif not self.prefill and self.discover is None:
             raise RouterConfigError(
                 f"--mode {self.mode} needs at least one prefill instance (--prefill URL)")
         urls = [s.url for s in self.prefill + self.decode]
@@ -150,17 +170,22 @@ class RouterConfig:
         if dup:
             raise RouterConfigError(f"instance listed twice: {', '.join(dup)}")
         for name in ("health_interval_s", "health_timeout_s", "startup_timeout_s",
-                     "connect_timeout_s", "request_timeout_s", "first_byte_timeout_s"):
+                     "connect_timeout_s", "request_timeout_s", "first_byte_timeout_s",
+                     "header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise RouterConfigError(f"{name} must be positive")
-        if self.max_connections < 1:
-            raise RouterConfigError("max_connections must be at least 1")
-        if self.kv_secret is not None and len(self.kv_secret) < 16:
-            raise RouterConfigError("the cluster secret must be at least 16 bytes "
-                                    "(--kv-secret-file / KVPUSH_KV_SECRET)")
-        if self.local_prefill_max_tokens < 0 or self.load_cost_tokens < 0:
-            raise RouterConfigError("local_prefill_max_tokens and load_cost_tokens must be "
-                                    "0 or more")
+        if self.max_connections < 1 or self.max_client_connections < 1:
+            raise RouterConfigError("max_connections and max_client_connections must be at "
+                                    "least 1")
+        if isinstance(self.kv_secret, bytes):
+            if len(self.kv_secret) < 16:
+                raise RouterConfigError("the cluster secret must be at least 16 bytes "
+                                        "(--kv-secret-file / KVPUSH_KV_SECRET)")
+            object.__setattr__(self, "kv_secret", RouterKeys.from_secret(self.kv_secret))
+        if (self.local_prefill_max_tokens < 0 or self.load_cost_tokens < 0
+                or not self.load_weight >= 0):
+            raise RouterConfigError("local_prefill_max_tokens, load_cost_tokens and "
+                                    "load_weight must be 0 or more")
         if self.max_outstanding_requests < 1:
             raise RouterConfigError("max_outstanding_requests must be at least 1")
 

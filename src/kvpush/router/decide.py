@@ -2,10 +2,14 @@
 worth sending at all (docs/ROUTER.md, "Cache-aware routing").
 
 For a request whose prompt the router has tokenized, each instance's cost is the
-prompt tokens it would still have to compute, plus ``load_cost_tokens`` for each leg
-it has in flight::
+prompt tokens it would still have to compute, plus its load: ``load_cost_tokens`` for
+each leg it has in flight and ``load_weight`` for each KV token its decode legs in
+flight will hold (their prompts and answers, as the router sent them; in the spirit of
+Dynamo's KV router, whose cost adds a worker's active decode blocks to the blocks it
+would prefill)::
 
     cost(i) = (prompt_tokens - cached_tokens(i)) + load_cost_tokens * in_flight(i)
+              + load_weight * tokens_in_flight(i)
               (+ FULL_COST when i has no room for the prompt)
 
 An instance has no room when its last ``/kv/info`` (read by every health check) shows
@@ -39,6 +43,22 @@ DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 128
 #: default of --load-cost-tokens: what one leg in flight on an instance weighs against
 #: prompt tokens it holds
 DEFAULT_LOAD_COST_TOKENS = 64
+#: default of --load-weight: what one KV token of a decode leg in flight weighs against a
+#: prompt token to compute (docs/ROUTER.md, "Placement")
+DEFAULT_LOAD_WEIGHT = 1.0
+#: the answer length assumed for a request that names none (OpenAI's chat default is
+#: "up to the context"; this is what the load counts for it)
+DEFAULT_ANSWER_TOKENS = 256
+
+
+def answer_tokens(body: dict) -> int:
+    """The answer's length bound a request names (max_completion_tokens, max_tokens),
+    else ``DEFAULT_ANSWER_TOKENS``."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        n = body.get(key)
+        if type(n) is int and n > 0:
+            return n
+    return DEFAULT_ANSWER_TOKENS
 
 
 class Decision(str, enum.Enum):
@@ -56,6 +76,8 @@ class Route:
     ``prompt_tokens``, ``d_cached``, ``p_cached``)."""
 
     token_ids: list[int]
+    #: the request's cache_salt: its chain is salted as the instances salt theirs
+    cache_salt: str | None = None
     decision: Decision = Decision.REMOTE
     d_cached_tokens: int | None = None
     p_cached_tokens: int | None = None
@@ -71,7 +93,8 @@ class Route:
         """The prompt's full-block hashes for ``block_size`` (computed once per size)."""
         c = self._chains.get(block_size)
         if c is None:
-            c = self._chains[block_size] = hash_prefix_blocks(self.token_ids, block_size)
+            c = self._chains[block_size] = hash_prefix_blocks(self.token_ids, block_size,
+                                                              self.cache_salt)
         return c
 
     def cached_tokens(self, blocks: int, block_size: int) -> int:
@@ -79,9 +102,11 @@ class Route:
 
 
 def cost(prompt_tokens: int, cached_tokens: int, in_flight: int,
-         load_cost_tokens: int) -> float:
+         load_cost_tokens: int, tokens_in_flight: int = 0,
+         load_weight: float = 0.0) -> float:
     """Tokens left to compute, plus the load, in tokens."""
-    return float(prompt_tokens - cached_tokens + load_cost_tokens * in_flight)
+    return float(prompt_tokens - cached_tokens + load_cost_tokens * in_flight
+                 + load_weight * tokens_in_flight)
 
 
 #: added to the cost of an instance without room for the prompt (``lacks_room``): more
@@ -126,11 +151,12 @@ def decide(prompt_tokens: int, d_cached_tokens: int, p_cached_tokens: int | None
 def cost_fn(route: Route, cached_tokens: Callable[[object, Route], int],
             load_cost_tokens: int,
             no_room: Callable[[object, Route], bool] = lambda _i, _r: False,
-            ) -> Callable[[object], float]:
+            load_weight: float = 0.0) -> Callable[[object], float]:
     """``Pool.choose``'s cost for ``route``: ``cached_tokens(instance, route)`` from the
     KV index, ``in_flight`` from the instance, ``FULL_COST`` where ``no_room``."""
     def f(inst: object) -> float:
         c = cost(route.prompt_tokens, cached_tokens(inst, route),
-                 getattr(inst, "in_flight", 0), load_cost_tokens)
+                 getattr(inst, "in_flight", 0), load_cost_tokens,
+                 getattr(inst, "tokens_in_flight", 0), load_weight)
         return c + FULL_COST if no_room(inst, route) else c
     return f

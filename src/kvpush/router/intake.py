@@ -7,16 +7,21 @@ can send on, and a bound on the requests it holds at once.
 * **JSON the legs can carry.** Python's parser accepts what its encoder refuses: numbers
   that overflow a float (``1e999`` is ``inf``) and lone UTF-16 surrogates (``"\\ud800"``).
   The instances answer 400 to both; the router, which re-encodes the body for each leg,
-  used to fail with a 500. :func:`parse_body` parses once and checks the body encodes,
-  naming the first field that does not.
-* **Outstanding requests.** :class:`Admission` counts requests from arrival until
-  everything they started is over (a push prefill leg may drain after the client's
-  answer); above ``--max-outstanding-requests`` a request is a 429 with ``Retry-After``
-  at once, before its body is read.
+  used to fail with a 500. :func:`load_body` parses once and :func:`check_encodable`
+  checks the body encodes, naming the first field that does not.
+* **Body deadline.** :func:`read_body_within`: the whole body within
+  ``--body-timeout`` of the headers, else a 408 (the header deadline and the bound on
+  connections are kvpush.router.door's).
+* **Outstanding requests.** :class:`Admission` counts requests from the moment their body
+  has been read until everything they started is over (a push prefill leg may drain
+  after the client's answer); above ``--max-outstanding-requests`` a request is a 429
+  with ``Retry-After`` at once. The body is read first, so a slow client holds its
+  connection but no place.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -53,6 +58,17 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     return b"".join(chunks)
 
 
+async def read_body_within(request: Request, timeout: float,
+                           limit: int = MAX_BODY_BYTES) -> bytes:
+    """:func:`read_body`, or a 408 when the body is not all there within ``timeout``
+    seconds (a client that sends its body slowly, or not at all)."""
+    try:
+        return await asyncio.wait_for(read_body(request, limit), timeout)
+    except asyncio.TimeoutError:  # (3.10: not the builtin)
+        raise APIError(f"the request body did not arrive within {timeout:g} s",
+                       status_code=408, code="request_timeout") from None
+
+
 def _too_large(limit: int) -> APIError:
     return APIError(f"the request body is larger than {limit >> 20} MiB", status_code=413,
                     code="request_too_large")
@@ -62,9 +78,9 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """The client's JSON object, which the router can encode again for its legs; a 400
-    (``param``: the first field at fault) otherwise."""
+def load_body(raw: bytes) -> dict[str, Any]:
+    """The client's JSON object (a 400 when it is none); :func:`check_encodable` still
+    to do."""
     try:
         body = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
@@ -73,12 +89,17 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise APIError(f"could not parse the request body as JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
+    return body
+
+
+def check_encodable(body: dict[str, Any]) -> None:
+    """A 400 naming the first field the legs could not carry (``1e999``, a lone
+    surrogate), if any."""
     try:
         encode_json(body)
     except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
         path, why = _first_unencodable(body, "", 0) or ("", "cannot be encoded as JSON")
         raise APIError(f"{path}: {why}" if path else why, param=path or None) from None
-    return body
 
 
 def encode_json(obj: Any) -> bytes:

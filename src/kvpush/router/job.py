@@ -49,6 +49,10 @@ class Job:
     #: decode's open streaming answer and the instance it holds (closed by Legs.close)
     upstream: httpx.Response | None = None
     d_held: Instance | None = None
+    #: the decode instance whose ``tokens_in_flight`` carries this job's ``d_tokens``
+    #: (the cache-aware policy's load; released with the decode leg)
+    d_charged: Instance | None = None
+    d_tokens: int = 0
     #: parts still running: the client's answer, plus a prefill leg draining after it
     parts: int = 1
     closed: bool = False

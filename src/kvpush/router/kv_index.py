@@ -35,6 +35,7 @@ from typing import Any
 
 import msgspec
 
+from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.events import (
     TOPIC,
     AllBlocksCleared,
@@ -43,6 +44,7 @@ from kvpush.kv_cache.events import (
     KVEventBatch,
     decode_batch,
 )
+from kvpush.kv_transfer.curve import make_client
 
 logger = logging.getLogger("kvpush.router.kv_index")
 
@@ -184,6 +186,7 @@ class EventSource:
     engine_id: str
     endpoint: str
     block_size: int
+    keyed: bool = False  # members only (CURVE), hashes published as keyed tags
 
 
 def event_source(url: str, info: dict[str, Any] | None) -> EventSource | None:
@@ -196,7 +199,8 @@ def event_source(url: str, info: dict[str, Any] | None) -> EventSource | None:
     endpoint, bs = ev.get("endpoint"), ev.get("block_size")
     if not isinstance(endpoint, str) or not endpoint or not isinstance(bs, int) or bs < 1:
         return None
-    return EventSource(url, str(info.get("engine_id") or ""), endpoint, bs)
+    return EventSource(url, str(info.get("engine_id") or ""), endpoint, bs,
+                       ev.get("keyed") is True)
 
 
 #: fetches an instance's snapshot, given its URL
@@ -207,9 +211,10 @@ class _Follower:
     """The task that keeps one :class:`InstanceIndex` up to date from one endpoint."""
 
     def __init__(self, ctx: Any, src: EventSource, index: InstanceIndex,
-                 fetch: FetchSnapshot, retry_s: float) -> None:
+                 fetch: FetchSnapshot, retry_s: float, keys: EventKeys | None = None) -> None:
         self.src, self.index, self.fetch, self.retry_s = src, index, fetch, retry_s
         self.ctx = ctx
+        self.keys = keys  # set when the source is keyed (and we have the keys)
         self.malformed = 0
         self.snapshots = 0
         self._snap: asyncio.Task | None = None
@@ -221,6 +226,8 @@ class _Follower:
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        if self.keys is not None:
+            make_client(sock, self.keys.curve)
         try:
             sock.connect(self.src.endpoint)
             self._resync()
@@ -287,10 +294,16 @@ class KVIndex:
     (the pool's health checks): it starts following a new source, and drops the index
     when the engine id or endpoint changed (a restart)."""
 
-    def __init__(self, fetch: FetchSnapshot, retry_s: float = 1.0) -> None:
+    def __init__(self, fetch: FetchSnapshot, retry_s: float = 1.0,
+                 keys: EventKeys | None = None) -> None:
+        """``keys``: the cluster's event keys (from its secret), to follow instances
+        whose events are keyed (kvpush.kv_cache.event_keys); without them those are
+        not followed (logged once each)."""
         import zmq.asyncio
 
+        self.keys = keys
         self.ctx = zmq.asyncio.Context()
+        self._unkeyed_warned: set[str] = set()
         self.fetch = fetch
         self.retry_s = retry_s
         self._followers: dict[object, _Follower] = {}
@@ -308,9 +321,17 @@ class KVIndex:
             cur.task.cancel()
             self._stopping.add(cur.task)
             cur.task.add_done_callback(self._stopping.discard)
+        if src is not None and src.keyed and self.keys is None:
+            if src.endpoint not in self._unkeyed_warned:
+                self._unkeyed_warned.add(src.endpoint)
+                logger.warning("%s publishes members-only KV events and the router has no "
+                               "cluster secret: not followed (cache-aware routing ignores "
+                               "it)", url)
+            return
         if src is not None:
             idx = InstanceIndex(src.engine_id, src.block_size)
-            self._followers[key] = _Follower(self.ctx, src, idx, self.fetch, self.retry_s)
+            self._followers[key] = _Follower(self.ctx, src, idx, self.fetch, self.retry_s,
+                                             self.keys if src.keyed else None)
 
     def index(self, key: object) -> InstanceIndex | None:
         f = self._followers.get(key)
@@ -320,10 +341,13 @@ class KVIndex:
                        ) -> int:
         """Leading blocks of the prompt cached on ``key`` (0 when it publishes nothing);
         ``hashes_by_size(block_size)`` gives the prompt's chain for that block size."""
-        idx = self.index(key)
-        if idx is None:
+        f = self._followers.get(key)
+        if f is None:
             return 0
-        return idx.longest_prefix(hashes_by_size(idx.block_size))
+        hashes = hashes_by_size(f.index.block_size)
+        if f.keys is not None:  # the instance publishes keyed tags of its hashes
+            hashes = [f.keys.tag(h) for h in hashes]
+        return f.index.longest_prefix(hashes)
 
     def block_size(self, key: object) -> int | None:
         idx = self.index(key)

@@ -66,11 +66,28 @@ CONNECTION_LOST = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError,
 
 def _error_code(resp: httpx.Response) -> str | None:
     """The ``error.code`` of an OpenAI-style error body, if there is one."""
+    return _body_code(resp.content)
+
+
+def _body_code(content: bytes) -> str | None:
     try:
-        err = resp.json().get("error")
+        err = json.loads(content).get("error")
     except (ValueError, AttributeError):
         return None
     return err.get("code") if isinstance(err, dict) else None
+
+
+class DecodeCannotServe(Exception):
+    """A decode instance answered 503 ``unavailable``: it cannot serve at all (its step
+    loop or KV transfer thread died), and refused the request before doing anything."""
+
+    def __init__(self, content: bytes, retry_after: str | None) -> None:
+        try:
+            message = str(json.loads(content)["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            message = "unavailable"
+        super().__init__(message)
+        self.content, self.retry_after, self.message = content, retry_after, message
 
 
 class Legs:
@@ -297,7 +314,7 @@ class Legs:
         lease would free it later anyway)."""
         async def send() -> None:
             try:
-                await self.client.post(f"{p.url}/kv/abort", json={"transfer_id": tid},
+                await self.client.post(f"{p.url}/kv/abort", json=self.signer.abort(tid, p),
                                        timeout=5)
             except Exception:  # noqa: BLE001 - best effort
                 logger.debug("abort of transfer %s on %s failed", tid, p.url, exc_info=True)
@@ -359,9 +376,19 @@ class Legs:
         while True:
             try:
                 return await self._send_decode(job, d, body, tid)
-            except NEVER_SENT as e:
+            except (*NEVER_SENT, DecodeCannotServe) as e:
                 tried.add(d)
                 why = describe_error(e)
+                if isinstance(e, DecodeCannotServe):
+                    # it refused the request before doing anything (its step loop or
+                    # transfer thread is dead): out of rotation now, not at its next
+                    # health check, and the request goes to another decode
+                    why = "it cannot serve (HTTP 503: " + e.message + ")"
+                    if not any(i.healthy and i not in tried
+                               for i in self.pool.by_role["decode"]):
+                        self.pool.mark_failed(d, f"decode leg: {why}")
+                        return relay_error(503, e.content, "decode", d, job.rid,
+                                           self.pool.engine_ids(), e.retry_after)
                 self.pool.mark_failed(d, f"decode leg: {why}")
                 self._release_decode(job)
                 other = self.pool.pick("decode", tried, cost=self._cost(job))
@@ -409,6 +436,8 @@ class Legs:
         finally:
             await self.close_upstream(job)
         if resp.status_code != 200:
+            if resp.status_code == 503 and _body_code(content) == "unavailable":
+                raise DecodeCannotServe(content, resp.headers.get("retry-after"))
             return relay_error(resp.status_code, content, "decode", d, job.rid,
                                self.pool.engine_ids(), resp.headers.get("retry-after"))
         return Response(content, status_code=200,
@@ -491,6 +520,8 @@ class Legs:
     # ------------------------------------------------------------------ the end
 
     def _release_decode(self, job: Job) -> None:
+        if self.policy is not None:
+            self.policy.released(job)
         if job.d_held is not None:
             self.pool.release(job.d_held)
             job.d_held = None

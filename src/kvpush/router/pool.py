@@ -54,6 +54,9 @@ class Instance:
     #: the last /kv/info answer; None when the instance has no /kv/info (vLLM)
     info: dict[str, Any] | None = None
     in_flight: int = 0
+    #: KV tokens (prompt + answer bound) of the cache-aware router's decode legs in
+    #: flight on it: its load in kvpush.router.decide's cost
+    tokens_in_flight: int = 0
     requests: int = 0
     failures: int = 0
     #: bumped whenever a request marks it failed, so that a health check that started
@@ -64,6 +67,9 @@ class Instance:
     slow_checks: int = 0
     #: the legs waiting on it now (ended when a health check fails)
     watches: set[LegWatch] = field(default_factory=set)
+    #: its card in etcd when it joined through discovery (kvpush.router.discover): its
+    #: /kv/info must agree with it before it gets traffic
+    card: Any = None
 
     @property
     def url(self) -> str:
@@ -87,6 +93,7 @@ class Instance:
     def state(self) -> dict[str, Any]:
         return {"url": self.url, "role": self.role, "engine_id": self.engine_id,
                 "healthy": self.healthy, "in_flight": self.in_flight,
+                "tokens_in_flight": self.tokens_in_flight,
                 "requests": self.requests, "failures": self.failures,
                 "last_error": None if self.healthy else self.last_error,
                 "misconfigured": self.misconfigured,
@@ -121,10 +128,44 @@ class Pool:
         #: called with each instance whose check passed, its /kv/info just read (the
         #: router's KV index follows the instance's event source from it)
         self.on_info: Callable[[Instance], None] | None = None
+        #: called with each instance that left the pool (remove_instance)
+        self.on_remove: Callable[[Instance], None] | None = None
 
     @property
     def instances(self) -> list[Instance]:
         return self.by_role["prefill"] + self.by_role["decode"]
+
+    # ------------------------------------------------------------------ membership
+
+    def find(self, url: str) -> Instance | None:
+        return next((i for i in self.instances if i.url == url), None)
+
+    def add_instance(self, spec: InstanceSpec, role: str, card: Any = None) -> Instance:
+        """A new instance, out of rotation until a health check passes (the caller starts
+        one). Raises ValueError if its URL is in the pool already."""
+        if self.find(spec.url) is not None:
+            raise ValueError(f"instance {spec.url} is in the pool already")
+        group = self.by_role[role]
+        inst = Instance(spec, role, len(group), card=card)
+        group.append(inst)
+        return inst
+
+    def remove_instance(self, url: str) -> Instance | None:
+        """Take an instance out of the pool: no new legs; legs in flight on it go on (a
+        drained instance finishes them). Its KV index goes (``on_remove``)."""
+        inst = self.find(url)
+        if inst is None:
+            return None
+        group = self.by_role[inst.role]
+        group.remove(inst)
+        for k, other in enumerate(group):
+            other.index = k
+        self._cursor[inst.role] = self._cursor[inst.role] % len(group) if group else 0
+        inst.healthy = False
+        inst.last_error = "left the pool"
+        if self.on_remove is not None:
+            self.on_remove(inst)
+        return inst
 
     # ------------------------------------------------------------------ selection
 
@@ -192,6 +233,12 @@ class Pool:
                         "side channel before prefill answers: give it as "
                         "URL@ENGINE_ID@SIDE_HOST:SIDE_PORT")
             return None
+        if inst.card is not None:
+            from kvpush.discovery.card import mismatch
+
+            bad = mismatch(inst.card, info)
+            if bad is not None:
+                return bad
         role, kvt = info.get("role"), info.get("kv_transfer")
         want = "both" if mode == "colocated" else inst.role
         if role != want:
@@ -247,6 +294,8 @@ class Pool:
                     inst.checked_at, inst.last_error = time.monotonic(), why
                 return
             self._down(inst, why)
+            return
+        if inst not in self.by_role[inst.role]:  # left the pool while it was checked
             return
         inst.slow_checks = 0
         inst.checked_at = time.monotonic()

@@ -54,6 +54,65 @@ def model_source(models: Any) -> str | None:
     return mid if isinstance(mid, str) and mid else None
 
 
+def prompt_text_bytes(kind: str, body: dict[str, Any]) -> int:
+    """UTF-8 bytes of the text a prompt carries (completion prompt strings, chat message
+    contents; token id lists count 0): a lower bound on what the tokenizer gets."""
+    def size(text: Any) -> int:
+        return len(text.encode("utf-8", "replace")) if isinstance(text, str) else 0
+
+    if kind == "chat":
+        total = 0
+        messages = body.get("messages")
+        for msg in messages if isinstance(messages, list) else ():
+            content = msg.get("content") if isinstance(msg, dict) else None
+            if isinstance(content, list):
+                total += sum(size(part.get("text")) for part in content
+                             if isinstance(part, dict))
+            else:
+                total += size(content)
+        return total
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        return sum(size(p) for p in prompt)
+    return size(prompt)
+
+
+def prompt_too_long(kind: str, body: dict[str, Any], max_token_bytes: int,
+                    max_model_len: int) -> str | None:
+    """Why a prompt is too long for the model, judged by its size alone (no
+    tokenizing), or None. No token of the vocabulary spells more than
+    ``max_token_bytes`` bytes, so a text of B bytes is at least ceil(B /
+    max_token_bytes) tokens; above ``max_model_len`` no instance could take it."""
+    if max_token_bytes < 1 or max_model_len < 1:
+        return None
+    at_least = -(-prompt_text_bytes(kind, body) // max_token_bytes)
+    if at_least <= max_model_len:
+        return None
+    return (f"the prompt is too long: its text alone is at least {at_least} tokens, and "
+            f"the model's context is {max_model_len} tokens")
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the UTF-8 bytes one token spells: the longest vocabulary entry
+    as stored (byte-level BPE stores one character per byte, each 1-2 bytes in UTF-8;
+    SentencePiece's byte tokens are longer stored than spelled). 0: unknown."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary: no bound
+        return 0
+    return max((len(str(t).encode("utf-8", "replace")) for t in vocab), default=0)
+
+
+def model_max_len(models: Any) -> int:
+    """The model's context from a ``/v1/models`` answer (kvpush and vLLM both say
+    ``max_model_len``), 0 when it does not say."""
+    try:
+        n = models["data"][0].get("max_model_len")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return 0
+    return n if isinstance(n, int) and n > 0 else 0
+
+
 class PromptTokenizer:
     """Token ids of a request's prompt, once a tokenizer is loaded (``load``)."""
 
@@ -63,6 +122,11 @@ class PromptTokenizer:
         self.state = TokenizerState.NONE
         self.why: str | None = None
         self._tok: Any = None
+        #: the longest token in UTF-8 bytes (0: unknown), and the model's context
+        #: (0: unknown; from /v1/models): a prompt is refused by its size when its text
+        #: alone would exceed the context (``prompt_too_long``)
+        self.max_token_bytes = 0
+        self.max_model_len = 0
 
     @property
     def ready(self) -> bool:
@@ -82,6 +146,7 @@ class PromptTokenizer:
         try:
             tok = await asyncio.get_running_loop().run_in_executor(executor, load_tokenizer,
                                                                     src)
+            self.max_token_bytes = max_token_bytes(tok)
         except Exception as e:  # noqa: BLE001 - the router works without one
             self.state, self.why = TokenizerState.FAILED, f"{type(e).__name__}: {e}"
             logger.warning("cannot load the tokenizer %s (%s): routing without the prefix "
@@ -95,6 +160,13 @@ class PromptTokenizer:
     def use(self, tokenizer: Any, source: str = "given") -> None:
         """Use an already loaded tokenizer (tests)."""
         self._tok, self.source, self.state = tokenizer, source, TokenizerState.READY
+        self.max_token_bytes = max_token_bytes(tokenizer)
+
+    def too_long(self, kind: str, body: dict[str, Any]) -> str | None:
+        """Why the prompt cannot fit the model, by its size (see ``prompt_too_long``)."""
+        if not self.ready:
+            return None
+        return prompt_too_long(kind, body, self.max_token_bytes, self.max_model_len)
 
     async def prompt_ids(self, kind: str, body: dict[str, Any], body_bytes: int,
                          executor: Executor | None = None) -> list[int] | None:

@@ -7,13 +7,16 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, Response
 
 from kvpush.router.pool import Instance
 from kvpush.router.redact import scrub, scrub_error
 from kvpush.server.errors import APIError
+
+if TYPE_CHECKING:
+    from kvpush.kv_transfer.router_keys import RouterKeys
 
 logger = logging.getLogger("kvpush.router")
 
@@ -47,10 +50,10 @@ class LegSigner:
     (kvpush.kv_transfer.grants); vLLM instances (no /kv/info) get them unsigned, as
     their own proxies send them. Without the cluster secret nothing is signed."""
 
-    def __init__(self, secret: bytes | None) -> None:
+    def __init__(self, keys: RouterKeys | None) -> None:
         from kvpush.kv_transfer.grants import ParamsSigner
 
-        self._signer = ParamsSigner(secret) if secret else None
+        self._signer = ParamsSigner.from_key(keys.grant_key) if keys else None
 
     def sign(self, params: dict[str, Any], to: Instance, role: str,
              peer: Instance | None = None) -> dict[str, Any]:
@@ -58,6 +61,13 @@ class LegSigner:
             return params
         return self._signer.sign(params, role=role, engine_id=to.engine_id,
                                  peer_engine_id=peer.engine_id if peer else None)
+
+    def abort(self, tid: str, to: Instance) -> dict[str, Any]:
+        """The /kv/abort body for the prefill instance ``to`` (kvpush.server.kv_abort),
+        signed for it."""
+        from kvpush.server.kv_abort import abort_body
+
+        return self.sign(abort_body(tid), to, "prefill")
 
 
 def client_kv_params_problem(body: dict[str, Any]) -> str | None:

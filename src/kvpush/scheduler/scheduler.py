@@ -252,7 +252,8 @@ class Scheduler:
             j = len(req.block_hashes)
             parent = req.block_hashes[-1] if j else None
             req.block_hashes.append(
-                hash_block_tokens(parent, req.tokens_slice(j * bs, (j + 1) * bs))
+                hash_block_tokens(parent, req.tokens_slice(j * bs, (j + 1) * bs),
+                                  req.params.cache_salt)
             )
 
     def _preempt(self, req: Request) -> None:

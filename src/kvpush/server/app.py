@@ -30,6 +30,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from kvpush.engine.outputs import EngineStats, FinishReason, RequestOutput
+from kvpush.kv_transfer.grants import ParamsSigner
 from kvpush.sampling_params import SamplingParams
 from kvpush.server import chat
 from kvpush.server.admission import (
@@ -39,7 +40,9 @@ from kvpush.server.admission import (
     is_second_leg,
 )
 from kvpush.server.auth import APIKeyMiddleware
+from kvpush.server.body_limit import BodyLimitMiddleware
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
+from kvpush.server.kv_abort import parse_abort
 from kvpush.server.metrics import RequestTimer, ServerMetrics
 from kvpush.server.openapi import install_openapi, request_body
 from kvpush.server.protocol import (
@@ -171,6 +174,7 @@ class _Server:
         self.kv_role: str = getattr(kvt, "role", "both")
         self.kv_mode: str = getattr(kvt, "mode", "push")
         self.waiting = WaitingBound(max_waiting_requests)
+        self.abort_signer: ParamsSigner | None = None  # /kv/abort's check (kv_abort.py)
         self.model_name: str = cfg.served_model_name or Path(cfg.model.path).name
         self.max_model_len: int = cfg.scheduler.max_model_len
         self.token_texts = chat.TokenTexts(engine.tokenizer)
@@ -371,10 +375,11 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
             finally:
                 server.executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="kvpush", summary="OpenAI-compatible LLM serving", lifespan=lifespan,
-                  max_body_size=max_body_bytes)
+    # no max_body_size: Starlette's limit answers text/plain (BodyLimitMiddleware: JSON)
+    app = FastAPI(title="kvpush", summary="OpenAI-compatible LLM serving", lifespan=lifespan)
     app.state.server = server
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, key=api_key,
                            on_reject=server.metrics.count_auth_rejected)
@@ -400,7 +405,8 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
 
     @app.get("/health")
     async def health() -> Response:
-        problem = health_problem(engine)
+        starting = getattr(engine, "starting", None)  # start-up work still running
+        problem = health_problem(engine) or (starting() if starting else None)
         if problem is None:
             return JSONResponse({"status": "ok"})
         return APIError(problem, status_code=503, code="unhealthy").response()
@@ -434,14 +440,11 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
         if abort is None or getattr(engine.config.kv_transfer, "role", "both") == "both":
             return APIError("this instance takes no part in KV transfers",
                             status_code=404).response()
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None
-        tid = body.get("transfer_id") if isinstance(body, dict) else None
-        if not isinstance(tid, str) or not tid:
-            return APIError("transfer_id (a string) is required",
-                            param="transfer_id").response()
+        kvt = engine.config.kv_transfer
+        if kvt.params_signed and server.abort_signer is None:
+            server.abort_signer = ParamsSigner(kvt.side_channel_secret)
+        engine_id = getattr(engine, "engine_id", None) or kvt.engine_id
+        tid = parse_abort(await request.body(), server.abort_signer, kvt.role, engine_id)
         abort(tid)
         return JSONResponse({"transfer_id": tid, "status": "aborting"})
 

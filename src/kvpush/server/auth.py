@@ -113,12 +113,14 @@ class SecretError(ValueError):
     """The side-channel secret could not be read (the CLI prints it, exit 2)."""
 
 
-def resolve_kv_secret(path: str | None, env: dict[str, str] | None = None
-                      ) -> tuple[bytes | None, str | None]:
+def resolve_kv_secret(path: str | None, env: dict[str, str] | None = None,
+                      allow_loose: bool = False) -> tuple[bytes | None, str | None]:
     """(secret, warning) from ``--kv-secret-file PATH`` or else ``$KVPUSH_KV_SECRET``.
 
-    The file's content is the secret (surrounding whitespace stripped). ``warning`` is
-    set when the file can be read by group or others. No secret: (None, None).
+    The file's content is the secret (surrounding whitespace stripped). A file that
+    group or others can read (or write) is refused (SecretError), unless
+    ``allow_loose`` (``--allow-loose-secret-file``): then ``warning`` says so. No
+    secret: (None, None).
     """
     env = os.environ if env is None else env
     if path is not None:
@@ -134,6 +136,8 @@ def resolve_kv_secret(path: str | None, env: dict[str, str] | None = None
         if st.st_mode & 0o077:
             warning = (f"--kv-secret-file {path} is readable by other users "
                        f"(mode {st.st_mode & 0o777:o}); chmod 600 it")
+            if not allow_loose:
+                raise SecretError(f"{warning} (or pass --allow-loose-secret-file)")
         return secret, warning
     value = env.get(KV_SECRET_ENV, "").strip()
     return (value.encode() if value else None), None

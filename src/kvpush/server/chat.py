@@ -238,6 +238,7 @@ class PromptBuilder:
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            cache_salt=req.cache_salt,
             extra=extra,
         )
 

@@ -153,6 +153,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "decode instance: each side-channel message is signed with it and "
                          "unsigned or wrongly signed ones are refused (default: "
                          "$KVPUSH_KV_SECRET; unset: unsigned, for trusted networks only)")
+    pd.add_argument("--allow-loose-secret-file", action="store_true",
+                    help="use a --kv-secret-file that group or others can read (refused "
+                         "otherwise; chmod 600 it instead)")
     pd.add_argument("--insecure-kv-params", action="store_true",
                     help="act on kv_transfer_params that the router did not sign, and allow "
                          "--role prefill/decode without a cluster secret: only on a network "
@@ -189,6 +192,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "their request ended (its lease expired, the client left) stay "
                          "out of the pool until prefill answers or its connection drops, "
                          "or at most this long (default: 300)")
+    from kvpush.discovery.cli_args import add_register_args
+
+    add_register_args(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -287,6 +293,16 @@ def build_config(args: argparse.Namespace) -> Any:
     )
 
 
+def _registration(args: argparse.Namespace, port: int) -> tuple[Any, str] | None:
+    """(etcd target, advertised URL) for --register, or None (raises TargetError)."""
+    from kvpush.discovery.cli_args import advertise_url, resolve_target
+
+    target = resolve_target(args.register, args)
+    if target is None:
+        return None
+    return target, advertise_url(args, port)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -296,7 +312,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     api_key = resolve_api_key(args.api_key)
     try:
-        args.kv_secret, warning = resolve_kv_secret(args.kv_secret_file)
+        args.kv_secret, warning = resolve_kv_secret(
+            args.kv_secret_file, allow_loose=getattr(args, "allow_loose_secret_file", False))
     except SecretError as e:
         return _fail(str(e))
     if warning:
@@ -317,6 +334,11 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         return _fail(cannot_listen(args.host, args.port, e))
     port = listener.getsockname()[1]
+    try:
+        registration = _registration(args, port)
+    except ValueError as e:  # TargetError
+        listener.close()
+        return _fail(str(e))
     kvt = config.kv_transfer
     if kvt.enabled and kvt.transport == "nixl":
         # before NIXL is imported and its UCX agent created (in AsyncEngine)
@@ -349,10 +371,18 @@ def run_serve(args: argparse.Namespace) -> int:
     if api_key is None and not cli_types.is_loopback(args.host):
         log.warning("listening on %s without an API key: anyone who reaches this address "
                     "can use the server (--api-key or KVPUSH_API_KEY)", args.host)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=port, log_level=args.log_level,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    ))
+    uv_config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
+                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    if registration is None:
+        server = uvicorn.Server(uv_config)
+    else:  # card written once started; on SIGTERM withdrawn before the drain
+        from kvpush.discovery.card import card_from_info
+        from kvpush.discovery.serve_hook import RegisteredServer
+
+        target, url = registration
+        server = RegisteredServer(uv_config, target,
+                                  lambda: card_from_info(url, engine.kv_info()),
+                                  ttl_s=args.register_ttl, drain_grace_s=args.drain_grace)
     if kvt.enabled:
         log.info("role %s, %s mode, engine id %s, side channel %s (%s)", kvt.role, kvt.mode,
                  kvt.engine_id, engine.kv_info()["side_channel"],

@@ -129,7 +129,8 @@ class _TransferCollector(Collector):
         yield _labelled(CounterMetricFamily, st, "worker_side_channel_rejected_",
                         "kvpush_kv_side_channel_rejected", "Side-channel messages refused by "
                         "the shared-secret check (unsigned, bad_signature, replayed, stale, "
-                        "malformed)", "reason")
+                        "malformed; handshake_refused: a CURVE handshake broken off)",
+                        "reason")
         yield _labelled(CounterMetricFamily, st, "worker_side_channel_send_dropped_",
                         "kvpush_kv_side_channel_send_dropped",
                         "Side-channel messages not sent: the peer's queue was full "

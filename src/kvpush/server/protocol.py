@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator
 
 from kvpush.engine.outputs import FinishReason, RequestOutput
 from kvpush.sampling_params import (
@@ -38,6 +38,14 @@ Bool = Annotated[bool, Strict()]
 MAX_CHAT_MESSAGES = 4096
 #: Content parts one message may carry (each is checked in Python while parsing)
 MAX_CONTENT_PARTS = 256
+#: Longest cache_salt accepted (it is hashed with the first block of every request)
+MAX_CACHE_SALT_CHARS = 1024
+#: request fields this server cannot honour -> the values that ask for nothing
+UNHONOURED: dict[str, tuple[Any, ...]] = {
+    "min_p": (0, 0.0), "min_tokens": (0,), "response_format": ({"type": "text"},),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (), "priority": (0,), "prompt_logprobs": (),
+}
 
 # Lists and maps a request may carry, capped while the body is parsed (pydantic-core
 # stops at the first item over the cap; the 400 names the field and both counts).
@@ -77,6 +85,29 @@ class SamplingRequest(_Model):
     #: Opaque KV-transfer instructions from the disaggregation router; passed through to
     #: SamplingParams.extra["kv_transfer_params"].
     kv_transfer_params: dict[str, Any] | None = None
+    #: vLLM's field: requests share prefix-cache blocks only with the same salt
+    cache_salt: str | None = Field(default=None, min_length=1,
+                                   max_length=MAX_CACHE_SALT_CHARS)
+    # Fields other servers (vLLM) honour and this one cannot: refused when set to
+    # anything but their no-op value, never silently ignored (``_unhonoured``).
+    min_p: Any = None
+    min_tokens: Any = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    priority: Any = None
+    prompt_logprobs: Any = None
+
+    @field_validator(*UNHONOURED)
+    @classmethod
+    def _unhonoured(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None or v in UNHONOURED[info.field_name]:
+            return v
+        raise ValueError(f"{info.field_name} is not supported by this server (it would be "
+                         "ignored, so the request is refused)")
 
     @field_validator("stop", mode="before")
     @classmethod

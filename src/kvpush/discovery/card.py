@@ -1,0 +1,85 @@
+"""An instance's card: what it writes in etcd so that routers find it.
+
+Built from its own ``/kv/info`` (role, engine id, side channel, transfer mode, model, KV
+layout, whether it acts only on signed kv_transfer_params) plus the HTTP URL routers
+reach it at. A router takes an instance into rotation only when the instance's
+``/kv/info`` answers the same identity (:func:`mismatch`): a card is a claim, the
+instance's own answer is the evidence, and a stale or forged card cannot steer traffic
+to an instance that is not what it says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+
+CARD_VERSION = 1
+
+#: the /kv/info fields a card copies, and that must still agree when a router checks
+CHECKED_FIELDS = ("role", "engine_id", "side_channel", "kv_transfer", "model",
+                  "block_size", "layout", "kv_params_signed")
+
+
+class Card(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    version: int
+    url: str
+    role: str
+    engine_id: str
+    model: str
+    kv_transfer: str | None = None
+    side_channel: str | None = None
+    block_size: int | None = None
+    layout: dict[str, Any] | None = None
+    kv_params_signed: bool = False
+
+
+class CardError(ValueError):
+    """A card a router cannot use."""
+
+
+def card_from_info(url: str, info: dict[str, Any]) -> Card:
+    return Card(version=CARD_VERSION, url=url.rstrip("/"), role=str(info.get("role")),
+                engine_id=str(info.get("engine_id") or ""), model=str(info.get("model")),
+                kv_transfer=info.get("kv_transfer"), side_channel=info.get("side_channel"),
+                block_size=info.get("block_size"), layout=info.get("layout"),
+                kv_params_signed=bool(info.get("kv_params_signed")))
+
+
+def encode(card: Card) -> bytes:
+    return msgspec.json.encode(card)
+
+
+def decode(data: bytes) -> Card:
+    """The card in ``data`` (raises CardError: not a card, another version, a URL that
+    is not http(s)://HOST:PORT)."""
+    try:
+        card = msgspec.json.decode(data, type=Card)
+    except msgspec.DecodeError as e:
+        raise CardError(f"not an instance card: {e}") from None
+    if card.version != CARD_VERSION:
+        raise CardError(f"card version {card.version}, this router reads {CARD_VERSION}")
+    u = urlsplit(card.url)
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if u.scheme not in ("http", "https") or not u.hostname or port is None or u.path:
+        raise CardError(f"card URL {card.url!r}: expected http://HOST:PORT")
+    if card.role not in ("prefill", "decode", "both"):
+        raise CardError(f"card role {card.role!r}")
+    if not card.engine_id:
+        raise CardError("card without an engine id")
+    return card
+
+
+def mismatch(card: Card, info: dict[str, Any]) -> str | None:
+    """Why an instance whose ``/kv/info`` is ``info`` is not the one ``card`` names, or
+    None when they agree."""
+    have = card_from_info(card.url, info)
+    diffs = [f"{name}: card {getattr(card, name)!r}, /kv/info {getattr(have, name)!r}"
+             for name in CHECKED_FIELDS if getattr(card, name) != getattr(have, name)]
+    if not diffs:
+        return None
+    return "its card in etcd does not match its /kv/info (" + "; ".join(diffs) + ")"

@@ -1,0 +1,212 @@
+"""`kvpush router --discover etcd://HOST:PORT/PREFIX`: the pool follows the instances
+registered under PREFIX (kvpush.discovery.register).
+
+Lifecycle of the view (:class:`EtcdLink`)::
+
+    CONNECTING -> WATCHING -> UNREACHABLE -> WATCHING -> ...
+
+CONNECTING/UNREACHABLE: read every card under the prefix (a range), make the pool agree
+with them, then WATCHING: a watch from the range's revision on applies each change as it
+comes (a card put: the instance joins, out of rotation until its health check passes and
+its ``/kv/info`` agrees with the card; a key deleted, by drain or lease expiry: it
+leaves, its legs in flight go on). etcd is probed every ``PROBE_S`` while watching; when
+the watch breaks or the probe fails the router keeps its last view (UNREACHABLE, shown
+in ``/health`` and logged once), retries every ``RETRY_S``, and on reconnecting reads
+the whole prefix again, so changes missed meanwhile (or compacted away) are caught up.
+
+Several routers may watch one prefix: the view is read-only. Instances given on the
+command line (--prefill/--decode) stay as they are; a card naming one of their URLs is
+ignored (logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.discovery.card import Card, CardError, decode
+from kvpush.discovery.etcd import EtcdClient, EtcdError, KeyValue, WatchEvent
+from kvpush.discovery.target import EtcdTarget
+from kvpush.router.config import InstanceSpec
+from kvpush.router.pool import Instance, Pool
+
+logger = logging.getLogger("kvpush.router")
+
+#: seconds between liveness probes of etcd while watching
+PROBE_S = 1.0
+#: seconds between tries to reach etcd again
+RETRY_S = 0.5
+
+
+class LinkState(enum.Enum):
+    CONNECTING = "connecting"
+    WATCHING = "watching"
+    UNREACHABLE = "unreachable"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    revision: int
+    card: Card
+
+
+def group_for(mode: str, role: str) -> str | None:
+    """The pool group a card's role goes to under the router's mode (None: not used)."""
+    if mode == "colocated":
+        return "decode" if role == "both" else None
+    return role if role in ("prefill", "decode") else None
+
+
+class EtcdLink:
+    def __init__(self, target: EtcdTarget, pool: Pool, mode: str,
+                 on_join: Callable[[Instance], None]) -> None:
+        self.target, self.pool, self.mode, self.on_join = target, pool, mode, on_join
+        self.client = EtcdClient(target)
+        self.state = LinkState.CONNECTING
+        self.last_error: str | None = None
+        self.since = time.time()
+        #: every card under the prefix, by key
+        self.cards: dict[str, _Entry] = {}
+        #: the instances this link added, by URL
+        self.owned: dict[str, Instance] = {}
+        self._ignored: set[tuple[str, str]] = set()
+        self._task: asyncio.Task | None = None
+        #: set after each reconciliation with etcd (tests)
+        self.synced = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kvpush-discover")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task})
+            self._task = None
+        await self.client.aclose()
+
+    def health(self) -> dict[str, Any]:
+        return {"etcd": str(self.target), "state": self.state.value, "since": self.since,
+                "error": self.last_error, "instances": len(self.owned)}
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                rev, kvs = await self.client.get_prefix(self._instances_prefix)
+                self._replace(kvs)
+                if self.state is LinkState.UNREACHABLE:
+                    logger.warning("etcd %s answers again: view caught up (%d instances)",
+                                   self.target, len(self.owned))
+                self._set(LinkState.WATCHING, None)
+                await self._watch(rev + 1)
+            except EtcdError as e:
+                if self.state is not LinkState.UNREACHABLE:
+                    logger.warning("etcd %s unreachable (%s): keeping the last view of %d "
+                                   "instances, retrying every %g s", self.target, e,
+                                   len(self.owned), RETRY_S)
+                self._set(LinkState.UNREACHABLE, str(e))
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                logger.exception("discovery on %s failed; retrying", self.target)
+                self._set(LinkState.UNREACHABLE, "internal error (see the log)")
+            await asyncio.sleep(RETRY_S)
+
+    @property
+    def _instances_prefix(self) -> str:
+        return f"{self.target.prefix}instances/"
+
+    def _set(self, state: LinkState, error: str | None) -> None:
+        if state is not self.state:
+            self.since = time.time()
+        self.state, self.last_error = state, error
+
+    async def _watch(self, start: int) -> None:
+        watch = asyncio.create_task(self._consume(start))
+        try:
+            while True:
+                done, _ = await asyncio.wait({watch}, timeout=PROBE_S)
+                if done:
+                    watch.result()  # raises why it ended
+                    return
+                if not await self.client.healthy():
+                    raise EtcdError(f"{self.target}: not answering", unreachable=True)
+        finally:
+            watch.cancel()
+            await asyncio.wait({watch})
+
+    async def _consume(self, start: int) -> None:
+        async for events in self.client.watch_prefix(self._instances_prefix, start):
+            self._apply(events)
+
+    # ------------------------------------------------------------------ the view
+
+    def _replace(self, kvs: list[KeyValue]) -> None:
+        self.cards = {}
+        for kv in kvs:
+            self._put(kv.key, kv.value, kv.mod_revision)
+        self._reconcile()
+
+    def _apply(self, events: list[WatchEvent]) -> None:
+        for ev in events:
+            if ev.kind == "delete":
+                self.cards.pop(ev.key, None)
+            else:
+                self._put(ev.key, ev.value, ev.revision)
+        self._reconcile()
+
+    def _put(self, key: str, value: bytes, revision: int) -> None:
+        try:
+            card = decode(value)
+        except CardError as e:
+            if (key, str(e)) not in self._ignored:
+                self._ignored.add((key, str(e)))
+                logger.warning("etcd key %s ignored: %s", key, e)
+            self.cards.pop(key, None)
+            return
+        self.cards[key] = _Entry(revision, card)
+
+    def _reconcile(self) -> None:
+        """Make the instances this link owns agree with the cards (the newest card of a
+        URL wins: a restarted instance's new card before its old lease expires)."""
+        want: dict[str, Card] = {}
+        for entry in sorted(self.cards.values(), key=lambda e: e.revision):
+            want[entry.card.url] = entry.card
+        for url, inst in list(self.owned.items()):
+            card = want.get(url)
+            if card is None or group_for(self.mode, card.role) != inst.role:
+                del self.owned[url]
+                self.pool.remove_instance(url)
+                logger.info("%s instance %s (%s) left the pool (its key is gone from %s)",
+                            inst.role, url, inst.engine_id, self.target)
+            elif card != inst.card:
+                inst.card = card
+                logger.info("%s instance %s registered again (engine %s)", inst.role, url,
+                            card.engine_id)
+                self.on_join(inst)
+        for url, card in want.items():
+            if url in self.owned:
+                continue
+            group = group_for(self.mode, card.role)
+            if group is None:
+                self._note_ignored(url, f"role {card.role} is not used by a --mode "
+                                        f"{self.mode} router")
+                continue
+            if self.pool.find(url) is not None:
+                self._note_ignored(url, "it is on the command line already")
+                continue
+            inst = self.pool.add_instance(InstanceSpec(url), group, card=card)
+            self.owned[url] = inst
+            logger.info("%s instance %s (engine %s) joined from %s; checking it", group, url,
+                        card.engine_id, self.target)
+            self.on_join(inst)
+        self.synced.set()
+
+    def _note_ignored(self, url: str, why: str) -> None:
+        if (url, why) not in self._ignored:
+            self._ignored.add((url, why))
+            logger.info("registered instance %s ignored: %s", url, why)

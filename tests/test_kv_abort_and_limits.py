@@ -1,0 +1,136 @@
+"""Issue 40, finding 7: ``/kv/abort`` only from the router (signed for this instance,
+with an expiry), bounded and never a 500; an instance's 413 in OpenAI's JSON shape.
+The instance app on the fake engine, dressed as a prefill instance."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from fake_engine import FakeEngine, make_test_model
+from kvpush.config import KVTransferConfig
+from kvpush.kv_transfer.grants import ParamsSigner
+from kvpush.server.app import build_app
+from kvpush.server.kv_abort import abort_body
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+ENGINE_ID = "prefill-abc123"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    return make_test_model(tmp_path_factory.mktemp("model") / "tiny", max_model_len=128)
+
+
+class PrefillFake(FakeEngine):
+    """The fake engine with a prefill role and a cluster secret; records aborts."""
+
+    def __init__(self, config, tokenizer, secret: bytes | None) -> None:
+        kvt = KVTransferConfig(role="prefill", mode="pull", engine_id=ENGINE_ID,
+                               side_channel_secret=secret,
+                               accept_unsigned_params=secret is None)
+        super().__init__(dataclasses.replace(config, kv_transfer=kvt), tokenizer)
+        self.engine_id = ENGINE_ID
+        self.aborted: list[str] = []
+
+    def abort_transfer(self, transfer_id: str, why: str = "") -> None:
+        self.aborted.append(transfer_id)
+
+
+@asynccontextmanager
+async def running(app) -> AsyncIterator[httpx.AsyncClient]:
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test",
+                                     timeout=10) as client:
+            yield client
+
+
+def assert_openai_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+@pytest.mark.anyio
+async def test_kv_abort_takes_only_the_routers_signed_abort(model):
+    engine = PrefillFake(*model, secret=SECRET)
+    signer = ParamsSigner(SECRET)
+    async with running(build_app(engine)) as client:
+        # unsigned (any API-key holder used to release any transfer)
+        r = await client.post("/kv/abort", json={"transfer_id": "t1"})
+        assert_openai_error(r, 403, "kv_transfer_params_unsigned")
+        # another secret, another instance, expired, a leg's params replayed as an abort
+        other = ParamsSigner(b"another secret of 32 bytes......")
+        cases = [
+            (other.sign(abort_body("t1"), role="prefill", engine_id=ENGINE_ID),
+             "kv_transfer_params_bad_signature"),
+            (signer.sign(abort_body("t1"), role="prefill", engine_id="prefill-other"),
+             "kv_transfer_params_wrong_instance"),
+            (signer.sign(abort_body("t1"), role="prefill", engine_id=ENGINE_ID,
+                         now_ms=int(time.time() * 1000) - 120_000),
+             "kv_transfer_params_expired"),
+            (signer.sign({"do_remote_decode": True, "transfer_id": "t1"}, role="prefill",
+                         engine_id=ENGINE_ID), "kv_abort_not_signed_for_abort"),
+        ]
+        for body, code in cases:
+            assert_openai_error(await client.post("/kv/abort", json=body), 403, code)
+        assert engine.aborted == []
+        ok = signer.sign(abort_body("t1"), role="prefill", engine_id=ENGINE_ID)
+        r = await client.post("/kv/abort", json=ok)
+        assert r.status_code == 200 and r.json()["transfer_id"] == "t1"
+        assert engine.aborted == ["t1"]
+
+
+@pytest.mark.anyio
+async def test_kv_abort_bodies_are_bounded_and_never_a_500(model):
+    engine = PrefillFake(*model, secret=None)  # --insecure-kv-params: unsigned accepted
+    async with running(build_app(engine)) as client:
+        r = await client.post("/kv/abort", content=b"[" * 100_000 + b"]" * 100_000,
+                              headers={"content-type": "application/json"})
+        assert_openai_error(r, 413, "request_too_large")
+        r = await client.post("/kv/abort", content=b"[" * 2000 + b"]" * 2000)
+        assert_openai_error(r, 400)  # nested too deep for the parser: a 400, not a 500
+        r = await client.post("/kv/abort", json={"transfer_id": "x" * 1_000_000})
+        assert_openai_error(r, 413)
+        r = await client.post("/kv/abort", json={"transfer_id": "x" * 257})
+        assert_openai_error(r, 400)
+        for bad in ([], {"transfer_id": 3}, {"transfer_id": ""}, {"transfer_id": "a\nb"}):
+            assert_openai_error(await client.post("/kv/abort", json=bad), 400)
+        assert engine.aborted == []
+        r = await client.post("/kv/abort", json={"transfer_id": "fine"})
+        assert r.status_code == 200 and engine.aborted == ["fine"]
+
+
+@pytest.mark.anyio
+async def test_an_instances_413_is_openai_json(model):
+    engine = FakeEngine(*model)
+    async with running(build_app(engine, max_body_bytes=1000)) as client:
+        r = await client.post("/v1/completions", json={"prompt": "x" * 2000})
+        assert_openai_error(r, 413, "request_too_large")
+
+        async def chunks():  # no Content-Length: stopped while it is read
+            for _ in range(8):
+                yield b" " * 200
+            yield b'{"prompt": "hi"}'
+
+        r = await client.post("/v1/completions", content=chunks(),
+                              headers={"content-type": "application/json"})
+        assert_openai_error(r, 413, "request_too_large")
+        r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200
