@@ -240,7 +240,13 @@ class TransferWorker:
                     break
                 self._flush_events()  # (a WRITE done in its post) before the wait
                 timeout_ms = int(self._timeout(time.monotonic()) * 1000)
-                for sender, payload in self.channel.recv(timeout_ms):
+                arrived = self.channel.recv(timeout_ms)
+                # what the step loop queued during the wait goes before the peers'
+                # messages: one of them may answer it (a pull lend is Tracked at the
+                # step's end; decode's claim of it can come in the same wake-up)
+                if not self._drain_commands():
+                    break
+                for sender, payload in arrived:
                     self.receive(payload, sender)
                 for address in self.channel.take_dropped():
                     self.fences.peer_dropped(address)
