@@ -50,7 +50,7 @@ def bench_shape(name: str, shape: tuple, token_counts: list[int], iters: int,
                 seed: int) -> list[dict]:
     import torch
 
-    from kvpush.kv_transfer.loopback import LoopbackPair, kv_region
+    from kvpush.sim.loopback import LoopbackPair, kv_region
 
     layers, heads, dim, dtype, _ = shape
     rows: list[dict] = []

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from kvpush.config import EngineConfig, KVTransferConfig
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import FinishReason
-from kvpush.kv_transfer.faults import FaultPlan
 from kvpush.sampling_params import SamplingParams
+from kvpush_testing.faults import FaultPlan
 
 
 def make_instance(model_dir, role: str, mode: str, faults: FaultPlan | None = None,

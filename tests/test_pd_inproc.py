@@ -13,8 +13,8 @@ from kvpush.engine.inputs import AbortTransfer
 from kvpush.engine.outputs import FinishReason
 from kvpush.errors import ConfigError
 from kvpush.kv_cache.block_pool import hash_prefix_blocks
-from kvpush.kv_transfer.commands import PostWrite
-from kvpush.kv_transfer.faults import FaultPlan
+from kvpush.kv_transfer.commands import PostWrite, StepMessage, Stop
+from kvpush_testing.faults import FaultPlan
 from pd_helpers import PDDriver, make_instance
 
 LENGTHS = [7, 16, 33, 100, 161, 250]  # 1 to 16 blocks of 16, mostly not multiples
@@ -170,6 +170,11 @@ def test_registration_arriving_mid_step_starts_the_writes_there(model_factory, p
         pd.close()
 
 
+def commands_of(msg) -> tuple:
+    """The commands one hand-over to the transfer thread carries."""
+    return msg.commands if isinstance(msg, StepMessage) else (msg,)
+
+
 def _registration_mid_step(pd, model, during_forward: int) -> None:
     prompt, warm = random_prompts([250, 20], seed=8)  # 250: 15 full blocks and a part
     pd.submit("warm", warm, greedy(1))  # the instances meet (Hello) before the step
@@ -178,10 +183,11 @@ def _registration_mid_step(pd, model, during_forward: int) -> None:
     in_forward = [False]
     submit = pd.p.connector.worker.submit
 
-    def recording(cmd):
-        if isinstance(cmd, PostWrite):
-            writes.append(in_forward[0])
-        submit(cmd)
+    def recording(msg):
+        for cmd in commands_of(msg):
+            if isinstance(cmd, PostWrite):
+                writes.append(in_forward[0])
+        submit(msg)
 
     pd.p.connector.worker.submit = recording
     execute = pd.p.runner.execute
@@ -192,7 +198,7 @@ def _registration_mid_step(pd, model, during_forward: int) -> None:
             if layer == 1:  # decode's leg arrives; wait until its registration is here
                 pd.send_decode("r", prompt, greedy(6))
                 deadline = time.monotonic() + 10
-                while "r" not in pd.p.connector.worker.register_hints:
+                while pd.p.connector.worker.registrations.empty():
                     assert time.monotonic() < deadline, "registration never arrived"
                     outs = pd.d.process_inbox()
                     if pd.d.has_work():
@@ -233,17 +239,21 @@ def test_push_writes_layers_in_groups(model_factory, configured, expected_groups
         pd.submit("warm", warm, greedy(1))  # meet and register before the step we watch
         pd.run()
         assert p.kv_info()["push_layers_per_write"] == max(len(g) for g in expected_groups)
-        in_forward, groups = [False], []
+        in_forward, groups, messages = [False], [], [0]
         layer_bytes = p.runner.kv_region.layout.layer_bytes
         base = p.runner.kv_region.base_address
         submit, execute = p.connector.worker.submit, p.runner.execute
 
-        def recording(cmd):
-            if isinstance(cmd, PostWrite) and in_forward[0]:
-                # (address, length) per descriptor, layer-major
-                groups.append(tuple(sorted({(a - base) // layer_bytes
-                                            for a, _ in cmd.local})))
-            submit(cmd)
+        def recording(msg):
+            # the step loop hands over StepMessages only (shutdown's Stop aside)
+            assert isinstance(msg, StepMessage | Stop)
+            messages[0] += in_forward[0]
+            for cmd in commands_of(msg):
+                if isinstance(cmd, PostWrite) and in_forward[0]:
+                    # (address, length) per descriptor, layer-major
+                    groups.append(tuple(sorted({(a - base) // layer_bytes
+                                                for a, _ in cmd.local})))
+            submit(msg)
 
         def watched(plan, hook=None):
             in_forward[0] = True
@@ -256,6 +266,7 @@ def test_push_writes_layers_in_groups(model_factory, configured, expected_groups
         pd.submit_registered("r", prompt, greedy(5))  # registered before prefill's step
         pd.run(until=lambda: "r" in pd.d_legs and pd.d_legs["r"].finished)
         assert groups == expected_groups
+        assert messages[0] == len(expected_groups)  # one wake-up per group, mid-step
         assert pd.d_legs["r"].tokens == single_outputs(model, [prompt], 5)["r0"]
         pd.settle()
         hashes = hash_prefix_blocks(prompt, 16)
@@ -287,6 +298,14 @@ def _assert_clean(pd) -> None:
     for eng in (pd.p, pd.d):
         s = eng.stats()
         assert s.num_free_blocks == s.num_total_blocks
+    # every transfer's lease and fence ended too (the transfer thread owns them: it
+    # drops them itself on the event that ends a transfer, the step loop on the rest)
+    workers = [eng.connector.worker for eng in (pd.p, pd.d)]
+    deadline = time.monotonic() + 5
+    while any(w.leases or w.fences.fences for w in workers):
+        assert time.monotonic() < deadline, [(w.leases, w.fences.fences) for w in workers]
+        pd.pump()
+        time.sleep(0.005)
 
 
 @pytest.mark.parametrize("pd", [("push", {"lease": 0.6})], indirect=True)

@@ -96,9 +96,11 @@ def test_many_bogus_peer_addresses_are_capped_and_their_sockets_closed():
         refused: dict[str, str] = {}
         deadline = time.monotonic() + 8
         while len(refused) < n:
-            ev = events.get(timeout=max(0.01, deadline - time.monotonic()))
-            if isinstance(ev, c.PeerRefused):
-                refused[ev.address] = ev.reason
+            update = events.get(timeout=max(0.01, deadline - time.monotonic()))
+            assert isinstance(update, c.TransferUpdate)  # one per pass of the thread
+            for ev in update.events:
+                if isinstance(ev, c.PeerRefused):
+                    refused[ev.address] = ev.reason
         [(open_peers, fds)] = peak
         assert open_peers == MAX_PEERS
         assert fds - fd0 <= 4 * MAX_PEERS + 16  # 3 ZMQ sockets (+ a TCP attempt) each

@@ -20,8 +20,8 @@ from engine_helpers import greedy, make_engine, random_prompts, run_to_completio
 from kvpush.engine.outputs import FinishReason
 from kvpush.kv_transfer import commands as cmd
 from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.faults import FaultPlan
 from kvpush.kv_transfer.state import RecvState
+from kvpush_testing.faults import FaultPlan
 from pd_helpers import PDDriver, make_instance
 
 WRITE_S = 1.0  # each WRITE lands this long after its post (while prefill runs)

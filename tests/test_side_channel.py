@@ -13,8 +13,8 @@ import zmq
 
 from kvpush.cluster.launcher import free_port as launcher_free_port
 from kvpush.kv_transfer.curve import derive_curve_keys, make_client
-from kvpush.kv_transfer.faults import FaultPlan
 from kvpush.kv_transfer.side_channel import ChannelAuth, SideChannel, SideChannelError
+from kvpush_testing.faults import FaultPlan
 
 HOST = "127.0.0.1"
 

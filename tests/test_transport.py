@@ -18,8 +18,6 @@ import pytest
 import torch
 
 from kvpush.kv_cache.kv_region import KVLayout
-from kvpush.kv_transfer.faults import FaultPlan
-from kvpush.kv_transfer.inproc_transport import InProcTransport
 from kvpush.kv_transfer.transport import (
     KVTransport,
     TransferPostError,
@@ -28,6 +26,8 @@ from kvpush.kv_transfer.transport import (
     layer_block_descs,
     paired_runs,
 )
+from kvpush_testing.faults import FaultPlan
+from kvpush_testing.inproc_transport import InProcTransport
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -550,7 +550,7 @@ def test_package_imports_without_nixl_module():
     """kv_transfer modules other than nixl_transport never import nixl."""
     code = (
         "import sys; sys.modules['nixl'] = None; "
-        "import kvpush.kv_transfer.transport, kvpush.kv_transfer.inproc_transport, "
+        "import kvpush.kv_transfer.transport, kvpush_testing.inproc_transport, "
         "kvpush.kv_transfer.side_channel, kvpush.kv_transfer.nixl_transport; print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
@@ -599,7 +599,7 @@ def test_nixl_dead_peer_fails_bounded():
 def test_loopback_pair_measures_real_transfers_and_stops_its_peer():
     """The set-up shared by the transfer micro-benchmark and `kvpush simulate
     calibrate`: descriptors as the engine builds them, timed WRITE and READ, peer gone."""
-    from kvpush.kv_transfer.loopback import LoopbackPair
+    from kvpush.sim.loopback import LoopbackPair
 
     with LoopbackPair(layers=3, heads=2, head_dim=8, dtype="float32", blocks=16,
                       block_size=4, name="t-loop") as pair:

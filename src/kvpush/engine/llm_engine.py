@@ -132,6 +132,13 @@ class LLMEngine:
                       timeout: float | None = None) -> list[EngineOutput]:
         """Apply queued commands and transfer events; wait for one first when ``block``.
         Returns the outputs they produced; after a Shutdown, ``stopping`` is set."""
+        try:
+            return self._process_inbox(block, timeout)
+        finally:
+            if self.connector is not None:
+                self.connector.flush()  # the turn's transfer commands: one message
+
+    def _process_inbox(self, block: bool, timeout: float | None) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
         try:
             cmd = self.inbox.get(block=block, timeout=timeout)
@@ -266,6 +273,13 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         """One step: schedule, run the batch, and return its outputs."""
+        try:
+            return self._step()
+        finally:
+            if self.connector is not None:
+                self.connector.flush()  # the step's transfer commands: one message
+
+    def _step(self) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
         layer_hook = None
         if self.connector is not None:

@@ -3,11 +3,14 @@
 Three kinds of plain, frozen data cross between the two threads of an instance's KV
 transfer, each dispatched with ``match``:
 
-* **commands** (``Command``), step loop → transfer thread, through
-  ``TransferWorker.submit``: what to send, post, track or fence;
-* **events** (``TransferEvent``), transfer thread → step loop, through the engine's
-  inbox as ``("kv", event)``: what a peer said, which transfer ended, which lease ran
-  out;
+* **commands** (``Command``), step loop → transfer thread: what to send, post, track
+  or fence. The connector collects the commands of one engine turn (a step, or a pass
+  over the inbox) and hands them over as **one** ``StepMessage`` (one queue item, one
+  wake-up of the transfer thread); the layer hook hands over each layer group's WRITEs
+  as one ``StepMessage`` too, mid-step;
+* **events** (``TransferEvent``), transfer thread → step loop: what a peer said, which
+  transfer ended, which lease ran out. The events of one pass of the transfer thread go
+  to the engine's inbox as **one** ``TransferUpdate``, ``("kv", update)``;
 * **actions** (``EngineAction``), connector → engine, taken by the engine after each
   event or schedule: which request to fail, reject, abort, or to emit token #1 for.
 
@@ -83,14 +86,6 @@ class Finalize:
 
 
 @dataclass(frozen=True, slots=True)
-class CancelWrites:
-    """Push: decode aborted ``tid``; post nothing more, AbortAck once WRITEs drain."""
-
-    tid: str
-    address: str
-
-
-@dataclass(frozen=True, slots=True)
 class PostRead:
     """Pull: READ the peer's ``remote`` ranges into ``local`` for transfer ``tid``; tell
     prefill (PullDone) and the step loop (ReadDone) when it ends."""
@@ -121,8 +116,16 @@ class Stop:
     """End the transfer thread."""
 
 
-Command = (Send | EnsurePeer | Track | Untrack | PostWrite | Finalize | CancelWrites
-           | PostRead | FenceTransfer | Call | Stop)
+Command = (Send | EnsurePeer | Track | Untrack | PostWrite | Finalize | PostRead
+           | FenceTransfer | Call | Stop)
+
+
+@dataclass(frozen=True, slots=True)
+class StepMessage:
+    """What one engine turn (or one layer group of a step) asks of the transfer thread:
+    its commands, carried out in order."""
+
+    commands: tuple[Command, ...]
 
 
 # ---- events: transfer thread -> step loop -----------------------------------------------
@@ -242,6 +245,13 @@ TransferEvent = (PeerReady | PeerRefused | PeerEvicted | Registered | PushDoneRe
                  | PullDoneReceived | AbortReceived | AbortAckReceived | AwaitingRegistration
                  | WritesDone | ReadDone | LeaseExpired | FenceReleased | WorkerDied
                  | DeadHoldExpired)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferUpdate:
+    """The events of one pass of the transfer thread, in order (one inbox item)."""
+
+    events: tuple[TransferEvent, ...]
 
 
 # ---- actions: connector -> engine ---------------------------------------------------------

@@ -27,7 +27,7 @@ Push, decode side (``DecodeRecv``)::
            connection dropping, or --fence-timeout (counted): never at lease end,
            since a frozen prefill that resumes still finishes its WRITEs
 
-Pull: prefill finishes with max_tokens=1 and lends its blocks (``LENT``) under a lease
+Pull: prefill finishes with max_tokens=1 and lends its blocks (``PrefillSender.lent``) under a lease
 until PullDone; decode allocates, its transfer thread posts a READ (vLLM's connector posts
 it on the step loop), it waits, then computes the last prompt token itself for token #1.
 
@@ -167,6 +167,7 @@ class KVConnector:
         self.worker.start()
 
     def shutdown(self) -> None:
+        self.ctx.flush()  # what the last turn queued goes before the Stop
         self.worker.stop()
         self.dead_hold.cancel()
 
@@ -197,6 +198,11 @@ class KVConnector:
         }
 
     # ---- the step loop's hooks ------------------------------------------------------------
+    def flush(self) -> None:
+        """End of an engine turn (a step, a pass over the inbox): what it asked of the
+        transfer thread goes as one ``StepMessage``."""
+        self.ctx.flush()
+
     def add_request(self, req: Request, p: KVTransferParams | None) -> bool:
         """Take charge of a request that sends or receives KV; False: a local request.
         A prefill leg's params arrive already set for it (``LLMEngine.leg_params``)."""
@@ -245,11 +251,14 @@ class KVConnector:
         self.timeline.first_token(request_id)
 
     # ---- events from the transfer thread ----------------------------------------------
-    def handle_event(self, ev: c.TransferEvent) -> None:
-        """Apply one event of the transfer thread (on the step loop)."""
+    def handle_event(self, ev: c.TransferUpdate | c.TransferEvent) -> None:
+        """Apply one update (or one event) of the transfer thread (on the step loop)."""
         self.receiver.unstall()
         sender, receiver = self.sender, self.receiver
         match ev:
+            case c.TransferUpdate(events):
+                for one in events:
+                    self.handle_event(one)
             case c.PeerReady(address, hello):
                 self._peer_ready(address, hello)
             case c.PeerRefused(address, reason):
@@ -331,52 +340,32 @@ class KVConnector:
         }
 
 
-#: Test-only: a JSON object of FaultPlan knobs (e.g. ``{"fail_posts": 1}``) armed in
-#: every connector of the process (``kvpush serve`` under the fault tests). Never set it in
-#: production; a process that reads it logs a warning.
+#: Test-only: $KVPUSH_FAULTS arms a FaultPlan in every connector of the process
+#: (kvpush_testing.faults); a production process never sets it
 FAULTS_ENV = "KVPUSH_FAULTS"
 
 
 def faults_from_env():
-    """The FaultPlan described by $KVPUSH_FAULTS, or None when it is unset or empty."""
-    import json
+    """The FaultPlan $KVPUSH_FAULTS describes (kvpush_testing), or None when unset."""
     import os
 
-    raw = os.environ.get(FAULTS_ENV, "").strip()
-    if not raw:
+    if not os.environ.get(FAULTS_ENV, "").strip():
         return None
-    from kvpush.kv_transfer.faults import FaultPlan
+    from kvpush_testing.faults import faults_from_env as from_env
 
-    plan = FaultPlan()
-    plan.arm(**json.loads(raw))
-    log.warning("%s is set: injecting faults %s (test only)", FAULTS_ENV, raw)
-    return plan
-
-
-class _FaultyPosts:
-    """Wraps a transport that knows no FaultPlan (NIXL): ``fail_posts`` makes ``post``
-    raise TransferPostError; everything else goes to the real transport."""
-
-    def __init__(self, transport, faults) -> None:
-        self._transport, self._faults = transport, faults
-
-    def post(self, op, peer, local, remote):
-        from kvpush.kv_transfer.transport import TransferPostError
-
-        if self._faults.take_post_failure():
-            raise TransferPostError(f"injected {op} post failure ({FAULTS_ENV})")
-        return self._transport.post(op, peer, local, remote)
-
-    def __getattr__(self, name):
-        return getattr(self._transport, name)
+    return from_env(FAULTS_ENV)
 
 
 def _make_transport(kind: str, name: str, faults):
     if kind == "inproc":
-        from kvpush.kv_transfer.inproc_transport import InProcTransport
+        from kvpush_testing.inproc_transport import InProcTransport
 
         return InProcTransport(name, faults=faults)
     from kvpush.kv_transfer.nixl_transport import NixlTransport
 
     transport = NixlTransport(name)
-    return transport if faults is None else _FaultyPosts(transport, faults)
+    if faults is None:
+        return transport
+    from kvpush_testing.faults import FaultyPosts
+
+    return FaultyPosts(transport, faults)

@@ -64,6 +64,8 @@ class TransferContext:
     record_sink: Callable[[TransferRecord], None] | None = None
     #: set once the transfer thread died (thread_death.py): why, as requests are told
     dead: str | None = None
+    #: commands of the current engine turn, handed over as one StepMessage by flush()
+    outbox: list[c.Command] = field(default_factory=list)
 
     @property
     def role(self) -> str:
@@ -78,8 +80,18 @@ class TransferContext:
         return self.region.layout
 
     def submit(self, cmd: c.Command) -> None:
+        """Queue ``cmd`` for the transfer thread; it leaves with the turn's ``flush``."""
         if self.dead is None:  # a dead thread reads no commands
-            self.worker.submit(cmd)
+            self.outbox.append(cmd)
+
+    def flush(self) -> None:
+        """Hand the queued commands to the transfer thread as one StepMessage (one
+        wake-up); nothing to do when none were queued."""
+        if not self.outbox:
+            return
+        cmds, self.outbox = tuple(self.outbox), []
+        if self.dead is None:
+            self.worker.submit(c.StepMessage(cmds))
 
     def descs(self, local_blocks: list[int], remote_blocks: list[int], address: str,
               layers) -> tuple[list, list]:

@@ -255,24 +255,29 @@ class DecodeReceiver:
         recv.state = RecvState.AWAITING_KV
         self.ctx.submit(c.PostRead(recv.tid, recv.address, local, remote))
 
-    def _end_recv(self, recv: DecodeRecv, ok: bool, why: str | None = None) -> None:
+    def _end_recv(self, recv: DecodeRecv, ok: bool, why: str | None = None,
+                  untrack: bool = True) -> None:
+        """``untrack=False``: prefill's answer ended it, and the transfer thread, which
+        got that answer, has already dropped its lease and fence (worker.py)."""
         self.recvs.pop(recv.tid, None)
         self.ctx.by_request.pop(recv.request_id, None)
-        self.ctx.submit(c.Untrack(recv.tid))
+        if untrack:
+            self.ctx.submit(c.Untrack(recv.tid))
         if recv.held:
             self.ctx.scheduler.release_blocks(recv.held)
             recv.held = []
         if not ok:
             self.ctx.counters["transfers_failed"] += 1
 
-    def _recv_failed(self, recv: DecodeRecv, why: str, client_error: bool = False) -> None:
+    def _recv_failed(self, recv: DecodeRecv, why: str, client_error: bool = False,
+                     untrack: bool = True) -> None:
         """Remote KV will not come: fail the request or prefill it here (policy).
         ``client_error``: the request's own kv_transfer_params are wrong: it is refused
         as a bad request (HTTP 400, nothing has been sent yet) whatever the policy."""
         source = recv.remote_engine_id or recv.address
         msg = f"KV transfer {recv.tid} from prefill {source} failed: {why}"
         log.warning(msg)
-        self._end_recv(recv, ok=False)
+        self._end_recv(recv, ok=False, untrack=untrack)
         self.ctx.record(TransferRecord(recv.tid, "decode", recv.mode, False, error=why))
         if recv.request_id not in self.ctx.scheduler.requests:
             return
@@ -352,7 +357,7 @@ class DecodeReceiver:
 
     def _kv_arrived(self, recv: DecodeRecv, num_computed: int,
                     first: SampledToken | None, record: TransferRecord) -> None:
-        self._end_recv(recv, ok=True)
+        self._end_recv(recv, ok=True, untrack=False)  # (on prefill's answer)
         self.ctx.counters["transfers_ok"] += 1
         record.transfer_s = time.perf_counter() - recv.t_start
         self.ctx.record(record)
@@ -366,16 +371,16 @@ class DecodeReceiver:
         if recv is None:
             return
         if recv.state is RecvState.QUARANTINED:
-            self._end_recv(recv, ok=False)
+            self._end_recv(recv, ok=False, untrack=False)
             return
         if not done.ok:
-            self._recv_failed(recv, done.error or "prefill reported a failure")
+            self._recv_failed(recv, done.error or "prefill reported a failure", untrack=False)
             return
         first = self._first_token(done)
         if first is None:
             self._recv_failed(recv, f"prefill sent an invalid first token "
                                     f"{done.first_token} (logprob {done.first_logprob}, top "
-                                    f"{done.first_top_logprobs})")
+                                    f"{done.first_top_logprobs})", untrack=False)
             return
         req = self.ctx.scheduler.requests.get(recv.request_id)
         record = TransferRecord(recv.tid, "decode", "push", True, done.num_bytes,
@@ -401,10 +406,10 @@ class DecodeReceiver:
         if recv is None:
             return
         if recv.state is RecvState.QUARANTINED:
-            self._end_recv(recv, ok=False)
+            self._end_recv(recv, ok=False, untrack=False)
             return
         if not done.ok:
-            self._recv_failed(recv, done.error or "READ failed")
+            self._recv_failed(recv, done.error or "READ failed", untrack=False)
             return
         req = self.ctx.scheduler.requests[recv.request_id]
         record = TransferRecord(done.tid, "decode", "pull", True, done.num_bytes,
@@ -433,5 +438,4 @@ class DecodeReceiver:
     def on_abort_ack(self, ack: m.AbortAck) -> None:
         recv = self.recvs.get(ack.transfer_id)
         if recv is not None and recv.state is RecvState.QUARANTINED:
-            self._end_recv(recv, ok=False)
-
+            self._end_recv(recv, ok=False, untrack=False)

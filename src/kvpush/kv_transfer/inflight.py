@@ -1,7 +1,7 @@
 """TransfersInFlight: the WRITEs and READs the transfer thread has posted (transfer thread).
 
 The transfer thread's ``TransferWorker`` owns one and hands it the engine's transfer
-commands (``PostWrite``, ``Finalize``, ``CancelWrites``, ``PostRead``) and decode's
+commands (``PostWrite``, ``Finalize``, ``PostRead``) and decode's
 ``Abort``; this object owns the transport handles of what it posts, from the post to the
 completion it polls for and the release of the handle. Nothing here touches the block
 pool, and nothing here runs on another thread.
@@ -10,7 +10,8 @@ Push, prefill side: the WRITEs of one transfer are a ``WriteGroup``. The step lo
 ``Finalize`` gives the ``PushDone`` to send; it goes to decode once every WRITE of the
 group has completed (then the step loop gets ``WritesDone``). A failed post or
 completion, or no ready peer, makes the group fail: its ``PushDone`` says ok=False.
-Decode's ``Abort`` (or the step loop's ``CancelWrites``) cancels the group: no more
+Decode's ``Abort`` cancels the group (here, as it arrives: the step loop, told
+afterwards, sends nothing back): no more
 WRITEs are posted for it, and once those in flight have drained decode gets ``AbortAck``
 instead; an id with no group gets its ``AbortAck`` at once, whether this instance never
 had it or has finished with it. Ended ids (finished, or aborted by either side) are
@@ -159,14 +160,6 @@ class TransfersInFlight:
         group.address = address
         group.finish = done
         self._maybe_finish(tid)
-
-    def cancel_writes(self, tid: str, address: str) -> None:
-        """Decode aborted: post nothing more; AbortAck once in-flight WRITEs drain."""
-        if tid in self.writes:
-            self.writes_aborted(tid, address)  # writes_done once they have drained
-        elif not self._ended(tid):  # its Abort forgotten already (bounded memory)
-            self.writes_aborted(tid, address)
-            self._ended(tid)
 
     def writes_aborted(self, tid: str, address: str) -> None:
         """Decode aborted push ``tid``: post no more WRITEs for it, and answer AbortAck

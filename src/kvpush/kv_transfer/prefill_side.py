@@ -12,10 +12,11 @@ Decode's registration usually lands a few milliseconds after prefill's step for 
 request began (both legs leave the router together), so the step loop would see it only
 after that step, and a prompt prefilled in one step would have all of its KV written
 after the forward pass, on the path to token #1. The transfer thread therefore also
-leaves each registration in ``worker.register_hints``; the layer hook takes one there
-mid-step, at the end of a layer group (on the step-loop thread, where all connector
-state lives), writes the layers already computed at once and the rest group by group.
-The registration's inbox event comes later and finds it applied.
+puts each registration on the ``worker.registrations`` queue (before its inbox event);
+the layer hook drains it mid-step, at the end of a layer group (on the step-loop
+thread, where all connector state lives), writes the layers already computed at once
+and the rest group by group. The registration's inbox event comes later and finds it
+applied.
 Pull: a finished request's blocks are lent (``lent``) until decode's ``PullDone`` or the
 lease ends.
 """
@@ -62,6 +63,8 @@ class PrefillSender:
         self.lent: dict[str, list[int]] = {}  # pull: tid -> blocks lent to decode
         self.early_regs: dict[str, m.PushRegister] = {}  # registrations before the request
         self._step_writes: list[tuple[PushSend, list[int], list[int]]] = []
+        #: registrations taken off the transfer thread's queue, not applied yet
+        self._hints: dict[str, m.PushRegister] = {}
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, req: Request, tid: str) -> None:
@@ -155,13 +158,13 @@ class PrefillSender:
         ctx.remember_ended(tid, why)  # a leg that arrives later is refused
 
     def on_abort(self, ab: m.Abort) -> None:
-        """Decode gave up on one of ours: stop, drain, acknowledge."""
+        """Decode gave up on one of ours: stop. The transfer thread has already
+        cancelled its WRITEs as the Abort arrived (acknowledging once they drained):
+        a sending transfer ends with its ``WritesDone``."""
         ctx, tid = self.ctx, ab.transfer_id
         if tid in self.sends:
             send = self.sends[tid]
-            address = send.reg.address if send.reg else None
-            if send.state in (SendState.SENDING, SendState.DRAINING) and address:
-                ctx.submit(c.CancelWrites(tid, address))
+            if send.state in (SendState.SENDING, SendState.DRAINING) and send.reg:
                 if send.request_id in ctx.scheduler.requests:
                     ctx.actions.append(c.AbortRequest(send.request_id,
                                                       f"decode: {ab.reason}"))
@@ -172,7 +175,7 @@ class PrefillSender:
             ctx.submit(c.Untrack(tid))
             ctx.remember_ended(tid, f"aborted by decode: {ab.reason}")
         elif tid in self.lent:
-            self.on_pull_done(m.PullDone(tid, ok=False))
+            self.on_pull_done(m.PullDone(tid, ok=False), from_peer=False)
 
     def on_lease_expired(self, tid: str) -> None:
         ctx = self.ctx
@@ -217,7 +220,8 @@ class PrefillSender:
         for tid in self.early_regs:
             ctx.remember_ended(tid, why)
         self.early_regs.clear()
-        ctx.worker.register_hints.clear()
+        self._take_hints()
+        self._hints.clear()
         return bool(self.lent)
 
     def release_dead_hold(self) -> None:
@@ -316,7 +320,7 @@ class PrefillSender:
         if not self._step_writes and not waiting:
             return None
         cuda = self.ctx.region.kv.is_cuda
-        hints = self.ctx.worker.register_hints
+        hints = self._hints
         group, last = self.layers_per_write, self.ctx.layout.num_layers - 1
         first = 0  # the first layer of the group being computed
 
@@ -332,12 +336,22 @@ class PrefillSender:
                 address = send.reg.address
                 local, remote = self.ctx.descs(local_blocks, remote_blocks, address, layers)
                 self.ctx.submit(c.PostWrite(send.tid, address, local, remote, ready))
+            if waiting:
+                self._take_hints()
             if waiting and hints:
                 for item in [w for w in waiting if w[0].tid in hints]:
                     waiting.remove(item)
                     self._register_mid_step(*item, hints.pop(item[0].tid), layer, ready)
+            self.ctx.flush()  # the group's WRITEs: one StepMessage, one wake-up
 
         return on_layer
+
+    def _take_hints(self) -> None:
+        """Move the registrations the transfer thread queued into ``_hints``."""
+        regs = self.ctx.worker.registrations
+        while not regs.empty():
+            reg = regs.get_nowait()
+            self._hints[reg.transfer_id] = reg
 
     def _add_step_write(self, send: PushSend, chunk: ScheduledChunk) -> tuple | None:
         """Note the blocks ``chunk`` completes for the layer hook to WRITE, layer by layer."""
@@ -408,7 +422,8 @@ class PrefillSender:
         send.retired.clear()
 
     def on_register(self, reg: m.PushRegister) -> None:
-        self.ctx.worker.register_hints.pop(reg.transfer_id, None)  # not applied mid-step
+        self._take_hints()
+        self._hints.pop(reg.transfer_id, None)  # not applied mid-step
         send = self.sends.get(reg.transfer_id)
         if send is None:
             why = self.ctx.ended.get(reg.transfer_id)
@@ -429,7 +444,7 @@ class PrefillSender:
         send = self.sends.pop(tid, None)
         if send is None:
             return
-        self.ctx.submit(c.Untrack(tid))
+        # (its lease went with the WritesDone, on the transfer thread: no Untrack)
         ok = failed is None and send.finished
         self.ctx.counters["transfers_ok" if ok else "transfers_failed"] += 1
         self.ctx.record(TransferRecord(tid, "prefill", "push", ok, ev.num_bytes,
@@ -440,9 +455,12 @@ class PrefillSender:
         for blocks in send.retired:
             self.ctx.scheduler.release_blocks(blocks)
 
-    def on_pull_done(self, done: m.PullDone) -> None:
+    def on_pull_done(self, done: m.PullDone, from_peer: bool = True) -> None:
+        """Decode read the lent blocks (or gave up). ``from_peer``: its PullDone, on
+        which the transfer thread already dropped the lease."""
         blocks = self.lent.pop(done.transfer_id, None)
         if blocks is not None:
-            self.ctx.submit(c.Untrack(done.transfer_id))
+            if not from_peer:
+                self.ctx.submit(c.Untrack(done.transfer_id))
             self.ctx.scheduler.release_blocks(blocks)
             self.ctx.counters["transfers_ok" if done.ok else "transfers_failed"] += 1

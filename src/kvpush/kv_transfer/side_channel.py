@@ -32,7 +32,7 @@ silent (frozen: its kernel keeps the connection open). A drop ends a waiting ``r
 **Threading:** apart from :meth:`wake`, an instance is used from ONE thread (the
 instance's transfer thread): ZMQ sockets are not thread-safe.
 
-Faults (a shared :class:`~kvpush.kv_transfer.faults.FaultPlan`) act on send: a
+Faults (a shared :class:`~kvpush_testing.faults.FaultPlan`) act on send: a
 dropped message is silently lost (``send`` still returns True, as on a lossy
 network); a delayed one is held in an outbox that ``send``/``recv`` flush when due.
 Message types for ``drop_messages`` come from ``type_of(payload)``.
@@ -70,6 +70,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -82,8 +83,10 @@ from kvpush.kv_transfer.curve import (
     make_client,
     make_server,
 )
-from kvpush.kv_transfer.faults import FaultPlan
 from kvpush.kv_transfer.link_watch import LinkWatch
+
+if TYPE_CHECKING:  # test-only (kvpush_testing): a type here, never imported
+    from kvpush_testing.faults import FaultPlan
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ class SendState(enum.Enum):
     AWAITING_REGISTRATION = "awaiting_registration"
     SENDING = "sending"
     DRAINING = "draining"
-    LENT = "lent"  # pull: blocks lent to decode until PullDone
 
 
 class RecvState(enum.Enum):

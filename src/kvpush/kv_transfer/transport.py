@@ -13,7 +13,7 @@ peer announced it in its metadata*; a range outside either raises
 :class:`TransferPostError` before any memory is touched.
 
 Implementations: :class:`kvpush.kv_transfer.nixl_transport.NixlTransport` (NIXL over
-UCX, between processes) and :class:`kvpush.kv_transfer.inproc_transport.InProcTransport`
+UCX, between processes) and :class:`kvpush_testing.inproc_transport.InProcTransport`
 (memmove between engines of one process, with fault injection, for tests).
 """
 

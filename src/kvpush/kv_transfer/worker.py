@@ -78,6 +78,18 @@ class Lease:
     renewable: bool = True  # False: a fixed deadline, heartbeats do not extend it
 
 
+def _ended_by(ev: c.TransferEvent) -> str | None:
+    """The transfer ``ev`` ends on both threads whatever the step loop's state, or None."""
+    match ev:
+        case c.WritesDone(tid) | c.ReadDone(tid):
+            return tid
+        case c.PushDoneReceived(done) | c.PullDoneReceived(done):
+            return done.transfer_id
+        case c.AbortAckReceived(ack):
+            return ack.transfer_id
+    return None
+
+
 class TransferWorker:
     def __init__(
         self,
@@ -101,6 +113,9 @@ class TransferWorker:
         #: used by this thread only once it runs (posts, states, progress, peers)
         self.transport = transport
         self.post_event = post_event
+        #: events of the running pass of the thread's loop, posted as one TransferUpdate
+        #: at its end (None outside the loop: tests calling methods get them one by one)
+        self._batch: list[c.TransferEvent] | None = None
         self.lease_timeout_s = lease_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.busy_poll_s = busy_poll_s
@@ -110,18 +125,18 @@ class TransferWorker:
         self._reader = hello.role == "decode" and hello.kv_transfer == "pull"
         self.commands: queue.SimpleQueue[c.Command] = queue.SimpleQueue()
         self.peers = PeerTable(
-            hello, channel, transport, post_event, self._dispatch,
+            hello, channel, transport, self._post, self._dispatch,
             handshake_timeout_s=lease_timeout_s, refusal_ttl_s=lease_timeout_s,
             idle_timeout_s=(peer_idle_timeout_s if peer_idle_timeout_s is not None
                             else 4 * lease_timeout_s),
             busy=self._busy_addresses, max_peers=max_peers)
         self.leases: dict[str, Lease] = {}
         #: decode: pushes whose blocks wait for prefill's word (fences.py)
-        self.fences = FenceKeeper(channel, post_event, self.peers.is_ready,
+        self.fences = FenceKeeper(channel, self._post, self.peers.is_ready,
                                   lease_timeout_s, fence_timeout_s)
-        #: push prefill: transfer id -> decode's registration, set here as it arrives and
-        #: taken (popped) by the step-loop thread, mid-step or with its inbox event
-        self.register_hints: dict[str, m.PushRegister] = {}
+        #: push prefill: decode's registrations as they arrive, for the layer hook of a
+        #: step already under way (prefill_side.py drains it; a queue, not shared state)
+        self.registrations: queue.SimpleQueue[m.PushRegister] = queue.SimpleQueue()
         # every key exists from the start: other threads read this dict (metrics)
         self.counters = {"leases_expired": 0, "transfers_failed": 0, "messages_bad": 0,
                          "writes_refused": 0}
@@ -136,9 +151,9 @@ class TransferWorker:
         self.timeline: HandoffTimeline | None = None
         #: the WRITEs and READs posted, with their transport handles (inflight.py)
         self.inflight = TransfersInFlight(transport, self.peers, self.peers.send,
-                                          post_event, self._stamp, self.counters)
+                                          self._post, self._stamp, self.counters)
         #: pull: lends claimed before they are READ (lend_claims.py)
-        self.claims = LendClaims(self.peers.send, post_event)
+        self.claims = LendClaims(self.peers.send, self._post)
         self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
         self._stopped = False
         self._stop_requested = False
@@ -195,14 +210,43 @@ class TransferWorker:
             return "the transfer thread is not running"
         return None
 
+    def _post(self, ev: c.TransferEvent) -> None:
+        """Post ``ev`` for the step loop: with the pass's others when the loop runs.
+        An event that ends its transfer for good (our WRITEs over, the peer's final
+        answer, our READ over) ends its lease and fence here, where they live: the step
+        loop sends no Untrack for it."""
+        tid = _ended_by(ev)
+        if tid is not None:
+            self.leases.pop(tid, None)
+            self.fences.drop(tid)
+            self.claims.forget(tid)
+        if self._batch is None:
+            self.post_event(ev)
+        else:
+            self._batch.append(ev)
+
+    def _flush_events(self) -> None:
+        """Post the pass's events as one TransferUpdate (one inbox item)."""
+        if self._batch:
+            events, self._batch = tuple(self._batch), []
+            self.post_event(c.TransferUpdate(events))
+
     def _run(self) -> None:
         why = None
+        self._batch = []
         try:
             while True:
                 if not self._drain_commands():
                     break
+                self._flush_events()  # (a WRITE done in its post) before the wait
                 timeout_ms = int(self._timeout(time.monotonic()) * 1000)
-                for sender, payload in self.channel.recv(timeout_ms):
+                arrived = self.channel.recv(timeout_ms)
+                # what the step loop queued during the wait goes before the peers'
+                # messages: one of them may answer it (a pull lend is Tracked at the
+                # step's end; decode's claim of it can come in the same wake-up)
+                if not self._drain_commands():
+                    break
+                for sender, payload in arrived:
                     self.receive(payload, sender)
                 for address in self.channel.take_dropped():
                     self.fences.peer_dropped(address)
@@ -217,6 +261,7 @@ class TransferWorker:
                 if beat:  # after the leases: a request ends on its lease first
                     self.peers.sweep(now)
                     self._sync_peer_counters()  # (metrics: a heartbeat period late at most)
+                self._flush_events()
             if not self._stop_requested:  # a Stop the engine did not send
                 why = "the transfer thread ended without being asked to stop"
         except BaseException as e:  # noqa: BLE001 - any end of the loop is a death
@@ -230,6 +275,11 @@ class TransferWorker:
         loop only once the transport is closed: from then on no transfer this instance
         posted touches its memory, which is what lets the step loop free blocks
         (thread_death.py says which, and which must wait)."""
+        try:
+            self._flush_events()  # what the last pass saw goes before any death
+        except Exception:  # noqa: BLE001 - going down anyway
+            log.exception("posting the transfer thread's last events failed")
+        self._batch = None
         if why is not None:
             self._death = why  # /health fails from now on
         if why is None:  # stopped: nothing to tell anyone
@@ -289,6 +339,12 @@ class TransferWorker:
     def handle(self, cmd: c.Command) -> None:
         """Carry out one command (on the transfer thread; tests call it directly)."""
         match cmd:
+            case c.StepMessage(commands):
+                for one in commands:  # one failing command does not drop the others
+                    try:
+                        self.handle(one)
+                    except Exception:
+                        log.exception("transfer command %s failed", type(one).__name__)
             case c.Send(address, msg):
                 self._send(address, msg)
             case c.PostWrite(tid, address, local, remote, ready):
@@ -304,8 +360,6 @@ class TransferWorker:
                 self.claims.forget(tid)
             case c.EnsurePeer(address):
                 self._ensure_peer(address)
-            case c.CancelWrites(tid, address):
-                self.inflight.cancel_writes(tid, address)
             case c.PostRead(tid, address, local, remote):
                 if self._reader:  # only once prefill says the lend is live (lend_claims)
                     self.claims.request(cmd)
@@ -385,14 +439,14 @@ class TransferWorker:
         for tid in msg.transfer_ids:
             self._renew(tid)
         if msg.awaiting_registration:
-            self.post_event(c.AwaitingRegistration(list(msg.awaiting_registration)))
+            self._post(c.AwaitingRegistration(list(msg.awaiting_registration)))
 
     def _on_PushRegister(self, msg: m.PushRegister) -> None:
         self._stamp(msg.transfer_id, "p_reg")
         self._renew(msg.transfer_id)
         if self._writer:  # for the layer hook of a step already under way (prefill_side)
-            self.register_hints[msg.transfer_id] = msg
-        self.post_event(c.Registered(msg))
+            self.registrations.put(msg)  # before the event: the step loop finds it there
+        self._post(c.Registered(msg))
 
     def _stamp(self, tid: str, stage: str) -> None:
         if self.timeline is not None:
@@ -400,7 +454,7 @@ class TransferWorker:
 
     def _on_PushDone(self, msg: m.PushDone) -> None:
         self._stamp(msg.transfer_id, "d_done")
-        self.post_event(c.PushDoneReceived(msg))
+        self._post(c.PushDoneReceived(msg))
 
     def _on_lend_message(self, msg: m.PullClaim | m.PullClaimed | m.PullDone,
                          sender: str) -> None:
@@ -415,7 +469,7 @@ class TransferWorker:
             if read is not None:
                 self.inflight.post_read(read.tid, read.address, read.local, read.remote)
         elif self.claims.from_claimer(tid, sender):
-            self.post_event(c.PullDoneReceived(msg))
+            self._post(c.PullDoneReceived(msg))
         else:
             self.counters["messages_bad"] += 1
 
@@ -425,10 +479,10 @@ class TransferWorker:
         if not self.claims.from_claimer(msg.transfer_id, sender):
             self.counters["messages_bad"] += 1  # a lend claimed by another decode
             return
-        self.post_event(c.AbortReceived(msg))
+        self._post(c.AbortReceived(msg))
 
     def _on_AbortAck(self, msg: m.AbortAck) -> None:
-        self.post_event(c.AbortAckReceived(msg))
+        self._post(c.AbortAckReceived(msg))
 
     # ---- heartbeats and leases ----------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
@@ -468,6 +522,6 @@ class TransferWorker:
                               "(unreachable, not a kvpush instance, or it refuses our "
                               "messages: a different side-channel secret?)", tid,
                               lease.address)
-            self.post_event(c.LeaseExpired(tid))
+            self._post(c.LeaseExpired(tid))
         self.fences.expire(now)
 

@@ -1,6 +1,6 @@
 """Calibration's transfer probe: NIXL WRITEs between two local processes.
 
-:class:`kvpush.kv_transfer.loopback.LoopbackPair` (kvpush's region layout and descriptor
+:class:`kvpush.sim.loopback.LoopbackPair` (kvpush's region layout and descriptor
 builder, a peer in a spawned process, as ``benchmarks/transfer_micro.py`` uses it): a
 few sizes, contiguous and fragmented, fitted as ``latency + bytes / bandwidth + descs *
 per_desc``.
@@ -22,8 +22,8 @@ def probe_transfer(shape: dict[str, Any], tokens: Sequence[int] = (256, 1024, 40
     """(profile ``transfer`` block, raw rows)."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from kvpush.kv_transfer.loopback import LoopbackPair
     from kvpush.sim.calibrate import nnls_fit
+    from kvpush.sim.loopback import LoopbackPair
 
     blocks = max(tokens) // BLOCK * 2
     rows: list[dict] = []

@@ -29,7 +29,6 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvpush.kv_transfer.faults import FaultPlan
 from kvpush.kv_transfer.transport import (
     METADATA_VERSION,
     KVTransport,
@@ -44,6 +43,7 @@ from kvpush.kv_transfer.transport import (
     encode_metadata,
     validate_post,
 )
+from kvpush_testing.faults import FaultPlan
 
 KIND = "inproc"
 
