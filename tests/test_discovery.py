@@ -421,3 +421,31 @@ def test_registrar_survives_an_answer_that_is_not_etcd_json(monkeypatch):
 
     asyncio.run(go())
     assert calls[:4] == ["/v3/lease/grant"] * 4
+
+
+def test_a_router_start_cut_short_stops_its_etcd_watch():
+    """Ctrl-C while a --discover router waits for its first view of etcd: start()
+    closed the HTTP client but left the etcd link running (its task retrying an
+    unreachable etcd every 0.5 s, its own client open) with nobody to close it (failed
+    before: the link's task still running)."""
+    from kvpush.router.app import Router
+    from server_helpers import free_port
+
+    async def go() -> None:
+        router = Router(RouterConfig(mode="push", prefill=(), decode=(), discover=parse_target(
+            f"etcd://127.0.0.1:{free_port()}/x")))
+        start = asyncio.create_task(router.start())
+        for _ in range(200):  # bounded: the link starts at once
+            if router.discovery is not None:
+                break
+            await asyncio.sleep(0.01)
+        link = router.discovery
+        assert link is not None and link._task is not None
+        task = link._task
+        start.cancel()
+        await asyncio.wait({start})
+        await asyncio.sleep(0.05)
+        assert task.done(), "the etcd link outlived a cancelled start"
+        assert router.discovery is None
+
+    asyncio.run(go())
