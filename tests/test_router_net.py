@@ -44,3 +44,38 @@ def test_a_fast_sender_is_held_back_while_the_router_does_not_read():
             await server.wait_closed()
 
     asyncio.run(main())
+
+
+def test_the_same_on_uvloop_with_the_peer_gone_before_the_router_reads():
+    """The router runs on uvloop when installed (router/cli.py): pausing and resuming
+    work on its transports, also when the peer closed while reading was paused."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> None:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"y" * (1 << 20))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        stream = await CoalescingBackend().connect_tcp("127.0.0.1", port, timeout=5)
+        try:
+            await asyncio.sleep(0.3)  # paused above the high-water mark; the peer closes
+            got = 0
+            for _ in range(1 << 20):
+                data = await stream.read(1 << 16, timeout=5)
+                if not data:
+                    break
+                got += len(data)
+            assert got == 1 << 20
+        finally:
+            await stream.aclose()
+            server.close()
+            await server.wait_closed()
+
+    loop = uvloop.new_event_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()

@@ -66,9 +66,11 @@ class _Protocol(asyncio.Protocol):
     def took(self, n: int) -> None:
         """``n`` bytes were read out of ``chunks``."""
         self.buffered -= n
-        if self.paused and self.buffered < LOW_WATER and self.transport is not None:
+        t = self.transport
+        if self.paused and self.buffered < LOW_WATER and t is not None:
             self.paused = False
-            self.transport.resume_reading()
+            if not t.is_closing():  # (uvloop's refuses a closed transport)
+                t.resume_reading()
 
     def eof_received(self) -> bool:
         self.eof = True
