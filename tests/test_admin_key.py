@@ -50,3 +50,12 @@ def test_the_admin_key_comes_from_the_flag_or_the_environment():
     assert resolve_admin_key(None, {"KVPUSH_ADMIN_KEY": "e"}) == "e"
     assert resolve_admin_key("f", {"KVPUSH_ADMIN_KEY": "e"}) == "f"
     assert resolve_admin_key("", {}) is None
+
+
+def test_the_admin_key_is_stripped_like_the_api_key():
+    """A key from a secret mount or env file often ends in a newline. The API key is
+    stripped; the admin key was not, and since a header cannot carry the newline (the
+    token is stripped too) every operator request was a 401 (failed before)."""
+    assert resolve_admin_key(None, {"KVPUSH_ADMIN_KEY": "s3cret-admin\n"}) == "s3cret-admin"
+    assert resolve_admin_key(" s3cret-admin ", {}) == "s3cret-admin"
+    assert resolve_admin_key(None, {"KVPUSH_ADMIN_KEY": " \n"}) is None

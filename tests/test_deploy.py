@@ -69,3 +69,22 @@ def test_kvpush_command_lines_parse():
             assert ns.kv_secret_file, where
         # secrets reach the process through files and the environment, never argv
         assert not any("api-key" in a or "password" in a for a in argv), where
+
+
+def test_the_secret_file_is_mounted_owner_only():
+    """kvpush refuses a --kv-secret-file that group or others can read (issue 40), and a
+    Kubernetes secret volume's files are 0644 unless the volume says otherwise: the
+    pods of these manifests refused to start (failed before: no mode given)."""
+    seen = 0
+    for name, doc in _docs():
+        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+        for vol in spec.get("volumes", []):
+            secret = vol.get("secret")
+            if not secret or not any(i.get("key") == "kv-secret"
+                                     for i in secret.get("items", [])):
+                continue
+            seen += 1
+            for item in secret["items"]:
+                mode = item.get("mode", secret.get("defaultMode", 0o644))
+                assert mode & 0o077 == 0, (name, vol["name"], oct(mode))
+    assert seen >= 3

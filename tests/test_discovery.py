@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -378,3 +379,73 @@ def test_register_and_discover_over_tls(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_registrar_survives_an_answer_that_is_not_etcd_json(monkeypatch):
+    """Something at the etcd address answers 200 with HTML (a web server on that port, a
+    proxy's page), or TLS 1.3 delivers etcd's refusal of the client certificate as a bare
+    ssl.SSLError after the handshake (test_register_and_discover_over_tls failed now
+    and then on it): call() let either escape, the registration task died with it
+    and the instance stayed unregistered for good, nothing logged (failed before: never
+    registered). Now it is an EtcdError: logged, retried, registered once etcd answers."""
+    from kvpush.discovery import register
+    from kvpush.discovery.register import Registrar
+
+    monkeypatch.setattr(register, "RETRY_S", 0.05)
+    calls: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if len(calls) == 1:  # what a refused client certificate looks like under TLS 1.3
+            raise ssl.SSLError(1, "[SSL: SSLV3_ALERT_BAD_CERTIFICATE] sslv3 alert bad "
+                               "certificate")
+        if len(calls) <= 3:
+            return httpx.Response(200, text="<html>not etcd</html>")
+        if request.url.path == "/v3/lease/grant":
+            return httpx.Response(200, json={"ID": "7", "TTL": "3"})
+        if request.url.path == "/v3/lease/keepalive":
+            return httpx.Response(200, json={"result": {"TTL": "3"}})
+        return httpx.Response(200, json={"header": {"revision": "1"}})
+
+    async def go() -> None:
+        reg = Registrar(parse_target("etcd://127.0.0.1:1/p"),
+                        card_from_info("http://127.0.0.1:8002", INFO), ttl_s=3)
+        await reg.client._http.aclose()
+        reg.client._http = httpx.AsyncClient(base_url="http://127.0.0.1:1",
+                                             transport=httpx.MockTransport(answer))
+        reg.start()
+        try:
+            await asyncio.wait_for(reg.registered.wait(), 5)
+        finally:
+            await reg.close()
+
+    asyncio.run(go())
+    assert calls[:4] == ["/v3/lease/grant"] * 4
+
+
+def test_a_router_start_cut_short_stops_its_etcd_watch():
+    """Ctrl-C while a --discover router waits for its first view of etcd: start()
+    closed the HTTP client but left the etcd link running (its task retrying an
+    unreachable etcd every 0.5 s, its own client open) with nobody to close it (failed
+    before: the link's task still running)."""
+    from kvpush.router.app import Router
+    from server_helpers import free_port
+
+    async def go() -> None:
+        router = Router(RouterConfig(mode="push", prefill=(), decode=(), discover=parse_target(
+            f"etcd://127.0.0.1:{free_port()}/x")))
+        start = asyncio.create_task(router.start())
+        for _ in range(200):  # bounded: the link starts at once
+            if router.discovery is not None:
+                break
+            await asyncio.sleep(0.01)
+        link = router.discovery
+        assert link is not None and link._task is not None
+        task = link._task
+        start.cancel()
+        await asyncio.wait({start})
+        await asyncio.sleep(0.05)
+        assert task.done(), "the etcd link outlived a cancelled start"
+        assert router.discovery is None
+
+    asyncio.run(go())

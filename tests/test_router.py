@@ -558,3 +558,14 @@ def test_cli_serves_colocated(cluster, refs, tmp_path):
     rid = r.headers["x-request-id"]
     assert f"request {rid} completion mode=colocated" in text, text
     assert "outcome=ok" in text and "HTTP Request" not in text  # no httpx line per check
+
+
+def test_load_weight_must_be_finite():
+    """--load-weight inf passed the check (inf >= 0) and made an idle instance's cost
+    inf * 0 = nan, which no comparison orders (failed before: no error)."""
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(RouterConfigError, match="load_weight"):
+            RouterConfig(mode="colocated", prefill=(), decode=(parse_instance("h:1"),),
+                         load_weight=bad)
+    assert RouterConfig(mode="colocated", prefill=(), decode=(parse_instance("h:1"),),
+                        load_weight=0.0).load_weight == 0.0

@@ -268,3 +268,38 @@ def test_a_decode_that_cannot_serve_sends_the_request_elsewhere(tiny_llama):
             router.stop()
         d1.stop()
         d2.stop()
+
+
+def test_a_body_trickled_after_its_answer_is_closed_at_the_header_deadline():
+    """A client without the key sends headers announcing a 100 kB body, gets its 401, and
+    goes on sending the body a byte every 0.3 s. uvicorn discards that body and each byte
+    cancels its keep-alive timer: on old main the connection stayed open (12 s checked by
+    hand; 6 s here); now the rest of the body has the header deadline (1 s)."""
+    router = RouterThread("colocated", [], ["http://127.0.0.1:9"], kv_secret=None,
+                          wait=False, header_timeout_s=1.0, api_key="k" * 20)
+    s = _connect(router.url)
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 100000"
+                  b"\r\n\r\n{")
+        s.settimeout(0.3)
+        got, closed, t0 = b"", False, time.monotonic()
+        while not closed and time.monotonic() - t0 < 6:
+            try:
+                chunk = s.recv(65536)
+                closed = not chunk
+                got += chunk
+            except TimeoutError:
+                pass
+            except ConnectionResetError:
+                closed = True
+            if not closed:
+                try:
+                    s.sendall(b" ")
+                except OSError:
+                    closed = True
+        assert got.startswith(b"HTTP/1.1 401"), got
+        assert closed, "a trickled body kept the connection open past the header deadline"
+        assert time.monotonic() - t0 < 4
+    finally:
+        s.close()
+        router.stop()

@@ -111,7 +111,7 @@ class EtcdClient:
             # the body names the reason ("authentication failed, invalid user ID or
             # password"), never the password
             raise EtcdError(f"etcd refused user {a.user!r}: {self._reason(r)}")
-        self._token = r.json().get("token")
+        self._token = self._json(r, "/v3/auth/authenticate").get("token")
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": self._token} if self._token else {}
@@ -134,12 +134,22 @@ class EtcdClient:
             if expired and self.target.auth.user:  # once more with a new token
                 await self._authenticate()
                 r = await self._http.post(path, json=body, headers=self._headers())
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, OSError) as e:  # (an SSL alert after the handshake, such
+            # as a refused client certificate under TLS 1.3, is a bare ssl.SSLError)
             raise EtcdError(f"{self.target}: {describe(e)}", unreachable=True) from None
         if r.status_code != 200:
             raise EtcdError(f"{self.target} {path}: {self._reason(r)}",
                             unreachable=r.status_code >= 500)
-        out = r.json()
+        return self._json(r, path)
+
+    def _json(self, r: httpx.Response, path: str) -> dict[str, Any]:
+        """A 200 answer's JSON object; EtcdError when it is none (not etcd there)."""
+        try:
+            out = r.json()
+        except ValueError:
+            raise EtcdError(f"{self.target} {path}: the answer is not etcd's JSON "
+                            f"({r.headers.get('content-type', 'no content type')})",
+                            unreachable=True) from None
         return out if isinstance(out, dict) else {}
 
     # ------------------------------------------------------------------ API
@@ -154,6 +164,8 @@ class EtcdClient:
 
     async def grant(self, ttl_s: int) -> int:
         out = await self.call("/v3/lease/grant", {"TTL": ttl_s})
+        if "ID" not in out:
+            raise EtcdError(f"{self.target} /v3/lease/grant: no lease in the answer")
         return int(out["ID"])
 
     async def keepalive(self, lease: int) -> int:
@@ -211,7 +223,7 @@ class EtcdClient:
                               for e in res.get("events", [])]
                     if events:
                         yield events
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, OSError) as e:  # (ssl.SSLError: see call)
             raise EtcdError(f"{self.target} watch: {describe(e)}", unreachable=True) from None
         except ValueError as e:
             raise EtcdError(f"{self.target} watch: bad answer: {e}") from None

@@ -23,10 +23,12 @@ ADMIN_KEY_ENV = "KVPUSH_ADMIN_KEY"
 
 
 def resolve_admin_key(flag: str | None, env: dict[str, str] | None = None) -> str | None:
-    """``--admin-key`` or else ``$KVPUSH_ADMIN_KEY`` (empty: none)."""
+    """``--admin-key`` or else ``$KVPUSH_ADMIN_KEY``, stripped like the API key (a
+    bearer token is compared stripped, so a trailing newline could never match; empty:
+    none)."""
     env = os.environ if env is None else env
     value = flag if flag is not None else env.get(ADMIN_KEY_ENV, "")
-    return value or None
+    return value.strip() or None
 
 
 class AdminKeyMiddleware:

@@ -149,6 +149,11 @@ class Router:
             else:
                 await self.pool.check_all(self.client)
         except BaseException:
+            if self.discovery is not None:  # (cut short in its first-view wait: Ctrl-C)
+                await self.discovery.close()
+                self.discovery = None
+            for task in list(self._joins):  # checks of joined instances, on this client
+                task.cancel()
             await self.client.aclose()
             raise
         if self.cfg.policy == "cache-aware":
@@ -206,7 +211,7 @@ class Router:
         try:
             await asyncio.wait_for(self.discovery.synced.wait(),
                                    min(FIRST_VIEW_S, self.cfg.startup_timeout_s))
-        except TimeoutError:
+        except asyncio.TimeoutError:  # (3.10: not the builtin)
             logger.warning("no view of %s yet: starting without it", self.cfg.discover)
         if self._joins:
             await asyncio.wait(set(self._joins), timeout=self.cfg.health_timeout_s * 2)

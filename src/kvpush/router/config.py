@@ -8,6 +8,7 @@ in the URL itself, ``URL@ENGINE_ID@SIDE_HOST:SIDE_PORT``, which is used only whe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
@@ -183,9 +184,9 @@ class RouterConfig:
                                         "(--kv-secret-file / KVPUSH_KV_SECRET)")
             object.__setattr__(self, "kv_secret", RouterKeys.from_secret(self.kv_secret))
         if (self.local_prefill_max_tokens < 0 or self.load_cost_tokens < 0
-                or not self.load_weight >= 0):
+                or not 0 <= self.load_weight < math.inf):
             raise RouterConfigError("local_prefill_max_tokens, load_cost_tokens and "
-                                    "load_weight must be 0 or more")
+                                    "load_weight must be 0 or more (load_weight finite)")
         if self.max_outstanding_requests < 1:
             raise RouterConfigError("max_outstanding_requests must be at least 1")
 

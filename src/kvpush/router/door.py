@@ -10,7 +10,10 @@ reads its headers before it answers 503. So the router serves HTTP with
 * **Header deadline.** From the moment a connection opens, and from the first byte of
   every later request on it, the request line and headers must be complete within
   ``header_timeout_s``; else the connection is closed. Between requests uvicorn's
-  keep-alive timeout applies as before.
+  keep-alive timeout applies as before. An answer sent before its request's body was
+  all in (a 401, a 404: the app did not read it) gives the rest of the body the same
+  deadline: uvicorn discards such a body and each byte of it cancels the keep-alive
+  timer, so a client trickling it held the connection forever.
 * **Connection bound.** A connection beyond ``max_connections`` open ones is answered
   ``503`` (OpenAI's error shape, ``Connection: close``) at once and closed, before
   anything is read from it, so descriptors and memory stay bounded whatever clients do.
@@ -115,6 +118,16 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[Http
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._disarm()  # (the body of a request answered before it was all in)
+            super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            cycle = self.cycle
+            if cycle is not None and cycle.more_body and not self.transport.is_closing():
+                self._arm()  # the rest of the body, within the header deadline
+            super().on_response_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -308,6 +308,9 @@ class KVIndex:
         self.retry_s = retry_s
         self._followers: dict[object, _Follower] = {}
         self._stopping: set[asyncio.Task] = set()
+        #: the chain last looked up (the very list: Route.chain keeps it) and its tags
+        #: so far (all keyed followers share the cluster's keys)
+        self._tags: tuple[Sequence[bytes], list[bytes]] | None = None
 
     def update(self, key: object, url: str, info: dict[str, Any] | None) -> None:
         src = event_source(url, info)
@@ -345,9 +348,23 @@ class KVIndex:
         if f is None:
             return 0
         hashes = hashes_by_size(f.index.block_size)
-        if f.keys is not None:  # the instance publishes keyed tags of its hashes
-            hashes = [f.keys.tag(h) for h in hashes]
-        return f.index.longest_prefix(hashes)
+        if f.keys is None:
+            return f.index.longest_prefix(hashes)
+        # the instance publishes keyed tags of its hashes: tag the chain as far as the
+        # walk goes, and keep the tags for the next look-up of the same chain (one
+        # routing decision looks it up on every instance, and several times)
+        memo = self._tags
+        if memo is None or memo[0] is not hashes:
+            memo = self._tags = (hashes, [])
+        tags, have, tag = memo[1], f.index.hashes, f.keys.tag
+        n = 0
+        for h in hashes:
+            if n == len(tags):
+                tags.append(tag(h))
+            if tags[n] not in have:
+                break
+            n += 1
+        return n
 
     def block_size(self, key: object) -> int | None:
         idx = self.index(key)

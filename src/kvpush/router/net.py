@@ -12,7 +12,10 @@ router does with it (timeouts, pool, errors), and changes only the bottom layer:
   goes out at the end of the current loop turn (``call_soon``), so a request's headers
   and body leave in one segment;
 * ``read`` waits on the protocol's ``data_received`` (no anyio task-group machinery,
-  no checkpoint per call).
+  no checkpoint per call). Past ``HIGH_WATER`` bytes received and not yet read, the
+  socket stops being read until ``read`` takes them below ``LOW_WATER``: an instance
+  streaming faster than a client takes the answer waits in TCP, as with httpx's own
+  backend, instead of filling the router's memory.
 
 Errors are httpcore's (ConnectError, ConnectTimeout, ReadError, ReadTimeout,
 WriteError), which httpx maps to its own as with its default backend.
@@ -28,6 +31,11 @@ from typing import Any
 import httpcore
 from httpcore import AsyncNetworkBackend, AsyncNetworkStream
 
+#: bytes received and not yet read above which the socket is no longer read
+HIGH_WATER = 256 << 10
+#: ... and below which it is read again
+LOW_WATER = 64 << 10
+
 
 class _Protocol(asyncio.Protocol):
     """One TCP connection's receive side, and its write buffer."""
@@ -36,6 +44,8 @@ class _Protocol(asyncio.Protocol):
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.chunks: list[bytes] = []
+        self.buffered = 0  # bytes in ``chunks``
+        self.paused = False
         self.eof = False
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -47,7 +57,20 @@ class _Protocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.chunks.append(data)
+        self.buffered += len(data)
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
         self._wake()
+
+    def took(self, n: int) -> None:
+        """``n`` bytes were read out of ``chunks``."""
+        self.buffered -= n
+        t = self.transport
+        if self.paused and self.buffered < LOW_WATER and t is not None:
+            self.paused = False
+            if not t.is_closing():  # (uvloop's refuses a closed transport)
+                t.resume_reading()
 
     def eof_received(self) -> bool:
         self.eof = True
@@ -106,6 +129,7 @@ class CoalescingStream(AsyncNetworkStream):
         if len(data) > max_bytes:
             p.chunks.insert(0, data[max_bytes:])
             data = data[:max_bytes]
+        p.took(len(data))
         return data
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:
