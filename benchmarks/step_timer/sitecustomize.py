@@ -28,11 +28,15 @@ if _DIR:
 
     _mr = None
     if "serve" in sys.argv:  # instances only (not router, bench)
+        # the engine core child (kvpush.engine.core_proc, no --role on its command
+        # line) inherits the tag through the environment
+        os.environ["KVPUSH_STEP_TIMER_TAG"] = _tag()
+    if "serve" in sys.argv or os.environ.get("KVPUSH_STEP_TIMER_TAG"):
         import kvpush.engine.model_runner as _mr
     if _mr is not None:
         _orig = _mr.ModelRunner.execute
         _out = open(os.path.join(_DIR, f"steps.{os.getpid()}.txt"), "a", buffering=1)  # noqa: SIM115
-        _t = _tag()
+        _t = os.environ.get("KVPUSH_STEP_TIMER_TAG") or _tag()
 
         def execute(self, plan, layer_hook=None):
             t0, c0 = time.perf_counter(), time.thread_time()
