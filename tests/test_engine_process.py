@@ -186,3 +186,38 @@ def test_core_client_in_process_app(tiny_llama):
     finally:
         client.close()
     assert deaths == ["the engine core process was killed by SIGKILL"]
+
+
+def test_a_parameter_over_64_bits_is_a_400_not_a_500(tiny_llama):
+    """What crosses to the core is msgpack (64-bit ints): a top_k over that is clamped
+    (it keeps every token either way), and any other value the wire cannot carry is the
+    client's 400 with nothing left queued, not the server's 500 (found by
+    test_fuzz_real_instance: top_k 1e20 answered 500 with the core in its own process)."""
+    from engine_helpers import make_engine
+    from kvpush.engine.front import FrontEnd
+    from kvpush.engine.outputs import RequestError
+    from kvpush.sampling_params import MAX_TOP_K
+
+    eng = make_engine(tiny_llama)
+    sent: list[bytes] = []
+
+    class WireFront(FrontEnd):
+        def _send(self, cmd: EngineCommand) -> None:
+            sent.append(msgspec.msgpack.encode(cmd))
+
+        def _core_problem(self) -> str | None:
+            return None
+
+    front = WireFront(eng.config, eng.tokenizer, eng.snapshot())
+    huge = SamplingParams(max_tokens=2, temperature=1.0, top_k=10**20)
+    assert huge.top_k == MAX_TOP_K
+    msgspec.msgpack.encode(AddRequest("r#0", [1, 2], huge))
+
+    async def first(params: SamplingParams) -> None:
+        async for _ in front.generate("r", [1, 2, 3], params):
+            break
+
+    with pytest.raises(RequestError) as e:
+        asyncio.run(first(SamplingParams(max_tokens=2, seed=2**70)))
+    assert e.value.status_code == 400 and "out of range" in str(e.value)
+    assert sent == [] and not front._streams and not front._internal

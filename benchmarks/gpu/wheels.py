@@ -51,7 +51,8 @@ NIXL_VERSION = "1.5.1"
 #: known to fit), with their own needs; versions come from requirements.txt
 CARRIED = ("fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
            "annotated-doc", "typing-inspection", "typing-extensions", "opentelemetry-api",
-           "anyio", "idna", "h11", "click", "uvicorn", "msgspec", "pyzmq", "nixl", "nixl-cu13")
+           "anyio", "idna", "h11", "click", "uvicorn", "msgspec", "pyzmq", "nixl", "nixl-cu13",
+           "httptools")  # the door of the router and of the instances (httptools' parser)
 
 #: what the GPU machine has, with the version pip resolves against. "kinds": read off
 #: such a machine (the device tool's KINDS.md, 2026-11); "assumed": the package is
@@ -66,6 +67,7 @@ PROVIDED: dict[str, tuple[str, str]] = {
     "huggingface-hub": ("1.33.0", "kinds"),
     "jinja2": ("3.1.6", "assumed"),
     "httpx": ("0.28.1", "assumed"),
+    "httpcore": ("1.0.9", "assumed"),  # httpx's own dependency, so there with it
     "prometheus-client": ("0.26.0", "assumed"),
     # nixl (the meta package) requires both CUDA builds; it imports nixl_cu13 when torch
     # is built for CUDA 13, so the CUDA 12 build stays behind

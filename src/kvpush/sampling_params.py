@@ -60,6 +60,10 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+#: top_k above this keeps every token of any vocabulary: it is clamped here, so the
+#: value fits the engine core's wire format (64-bit ints)
+MAX_TOP_K = 2**31 - 1
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -112,6 +116,8 @@ class SamplingParams:
                 f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}",
                 "top_k",
             )
+        if self.top_k > MAX_TOP_K:  # keeps every token, as any top_k >= the vocabulary
+            object.__setattr__(self, "top_k", MAX_TOP_K)
         top = self.top_logprobs
         if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise SamplingParamsError(

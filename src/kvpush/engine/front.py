@@ -16,6 +16,8 @@ import itertools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
+
 from kvpush.config import EngineConfig
 from kvpush.engine.checks import RequestChecker
 from kvpush.engine.inputs import (
@@ -138,9 +140,13 @@ class FrontEnd:
         self._streams[internal] = queue
         self._internal[request_id] = internal
         text = RequestStream(request_id, self.tokenizer, params)
-        self._send(AddRequest(internal, list(prompt_token_ids), params, kv))
         finished = False
         try:
+            try:
+                self._send(AddRequest(internal, list(prompt_token_ids), params, kv))
+            except (OverflowError, msgspec.EncodeError) as e:  # e.g. an int over 64 bits
+                finished = True  # nothing reached the core
+                raise RequestError(f"a request parameter is out of range: {e}") from e
             while True:
                 out = await queue.get()
                 failure = out.failure
