@@ -5,6 +5,7 @@ The instance app on the fake engine, dressed as a prefill instance."""
 from __future__ import annotations
 
 import dataclasses
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,7 +18,8 @@ from fake_engine import FakeEngine, make_test_model
 from kvpush.config import KVTransferConfig
 from kvpush.kv_transfer.grants import ParamsSigner
 from kvpush.server.app import build_app
-from kvpush.server.kv_abort import abort_body
+from kvpush.server.kv_abort import MAX_ABORT_BODY_BYTES, abort_body
+from server_helpers import uvicorn_server
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 ENGINE_ID = "prefill-abc123"
@@ -134,3 +136,45 @@ async def test_an_instances_413_is_openai_json(model):
         assert_openai_error(r, 413, "request_too_large")
         r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         assert r.status_code == 200
+
+
+def _answer_within(url: str, head: bytes, first: bytes, seconds: float) -> bytes:
+    """Send ``head`` and ``first`` (never the rest of the body) and return what the
+    server answers within ``seconds`` (b"" if nothing)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=seconds) as s:
+        s.sendall(head + first)
+        got = b""
+        deadline = time.monotonic() + seconds
+        while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data = s.recv(65536)
+            except TimeoutError:
+                break
+            if not data:
+                break
+            got += data
+        return got
+
+
+def test_kv_abort_stops_reading_a_body_over_its_cap(model):
+    """A /kv/abort body is refused (413, OpenAI's shape) as soon as more than the 4 KiB
+    cap arrived, without waiting for the rest: on old main the instance read the whole
+    body (up to the 32 MiB instance limit) first, so this unfinished one got no answer."""
+    engine = PrefillFake(*model, secret=None)
+    with uvicorn_server(build_app(engine)) as url:
+        chunk = b" " * (MAX_ABORT_BODY_BYTES + 100)
+        head = (b"POST /kv/abort HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\n"
+                b"transfer-encoding: chunked\r\n\r\n")
+        got = _answer_within(url, head, b"%x\r\n" % len(chunk) + chunk + b"\r\n", 5)
+        assert got.startswith(b"HTTP/1.1 413"), got[:200]
+        assert b'"code":"request_too_large"' in got
+        # a declared length over the cap is refused before any of the body arrives
+        head = (b"POST /kv/abort HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\n"
+                b"content-length: 1000000\r\n\r\n")
+        got = _answer_within(url, head, b"", 5)
+        assert got.startswith(b"HTTP/1.1 413"), got[:200]
+        assert httpx.post(url + "/kv/abort", json={"transfer_id": "fine"},
+                          timeout=10).status_code == 200
+        assert engine.aborted == ["fine"]

@@ -42,7 +42,7 @@ from kvpush.server.admission import (
 from kvpush.server.auth import APIKeyMiddleware
 from kvpush.server.body_limit import BodyLimitMiddleware
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
-from kvpush.server.kv_abort import parse_abort
+from kvpush.server.kv_abort import parse_abort, read_abort_body
 from kvpush.server.metrics import RequestTimer, ServerMetrics
 from kvpush.server.openapi import install_openapi, request_body
 from kvpush.server.protocol import (
@@ -415,7 +415,7 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
         if kvt.params_signed and server.abort_signer is None:
             server.abort_signer = ParamsSigner(kvt.side_channel_secret)
         engine_id = getattr(engine, "engine_id", None) or kvt.engine_id
-        tid = parse_abort(await request.body(), server.abort_signer, kvt.role, engine_id)
+        tid = parse_abort(await read_abort_body(request), server.abort_signer, kvt.role, engine_id)
         engine.abort_transfer(tid)
         return JSONResponse({"transfer_id": tid, "status": "aborting"})
 

@@ -4,15 +4,18 @@ Only the router may call it: with the cluster secret, the body must be signed by
 router for this instance like ``kv_transfer_params`` (kvpush.kv_transfer.grants: the
 grant names this instance and expires), and carry ``"kvpush_action": "abort"``, so that
 a signed leg's params cannot be replayed as an abort. The body is small and flat:
-at most ``MAX_ABORT_BODY_BYTES`` (a 413 beyond), JSON that parses (a 400 for anything
-else, deep nesting included), a ``transfer_id`` of at most ``MAX_ID_CHARS`` printable
-characters. Every refusal is in OpenAI's error shape.
+at most ``MAX_ABORT_BODY_BYTES`` (a 413 beyond: :func:`read_abort_body` stops reading
+once more than that has arrived, so no one makes the instance buffer 32 MiB here),
+JSON that parses (a 400 for anything else, deep nesting included), a ``transfer_id``
+of at most ``MAX_ID_CHARS`` printable characters. Every refusal is in OpenAI's error shape.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+from starlette.requests import Request
 
 from kvpush.kv_transfer.grants import ParamsForbidden, ParamsSigner
 from kvpush.kv_transfer.state import MAX_ID_CHARS
@@ -29,12 +32,30 @@ def abort_body(transfer_id: str) -> dict[str, Any]:
     return {"transfer_id": transfer_id, ACTION_KEY: ABORT}
 
 
+def _too_large() -> APIError:
+    return APIError(f"a /kv/abort body is at most {MAX_ABORT_BODY_BYTES} bytes",
+                    status_code=413, code="request_too_large")
+
+
+async def read_abort_body(request: Request) -> bytes:
+    """The body, read only up to the cap: a declared or arriving body over
+    ``MAX_ABORT_BODY_BYTES`` is a 413 as soon as that is known."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_ABORT_BODY_BYTES:
+        raise _too_large()
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_ABORT_BODY_BYTES:
+            raise _too_large()
+    return bytes(body)
+
+
 def parse_abort(raw: bytes, signer: ParamsSigner | None, role: str,
                 engine_id: str) -> str:
     """The transfer id of a /kv/abort body this instance may act on; APIError if not."""
     if len(raw) > MAX_ABORT_BODY_BYTES:
-        raise APIError(f"a /kv/abort body is at most {MAX_ABORT_BODY_BYTES} bytes",
-                       status_code=413, code="request_too_large")
+        raise _too_large()
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):
