@@ -27,7 +27,13 @@ instead.
 Link watch (link_watch.py): every DEALER has a ZMQ socket monitor, read by ``recv``, so
 the owner can tell a peer whose process is gone (it closed its sockets, or TCP keepalive
 gave up on the path: :meth:`take_dropped`, :meth:`peer_gone`) from one that is merely
-silent (frozen: its kernel keeps the connection open). A drop ends a waiting ``recv``.
+slow. A peer whose process stops answering (SIGSTOP, a stalled host: its kernel keeps
+the TCP connection open) misses ZMTP heartbeats (``heartbeat=``), so ZMQ closes the
+connection within ``HEARTBEAT_TIMEOUT_MS`` and the link watch reports it as a drop like
+a death (fences released, transfers failed); the DEALER keeps reconnecting and its next
+handshake, once the peer answers again, brings the link back up. A peer whose transfer
+thread alone is blocked still answers heartbeats (ZMQ's I/O thread does) and stays up.
+A drop ends a waiting ``recv``.
 
 **Threading:** apart from :meth:`wake`, an instance is used from ONE thread (the
 instance's transfer thread): ZMQ sockets are not thread-safe.
@@ -107,6 +113,17 @@ SEND_DROP_REASONS = ("queue_full", "connect_failed", "send_failed", "closed")
 #: connection attempt per second at most, not ten.
 RECONNECT_IVL_MAX_MS = 1000
 
+#: ZMTP heartbeats on every side-channel connection (both ends): a PING each
+#: ``HEARTBEAT_IVL_MS``; a connection that brings nothing back (no PONG, no message)
+#: for ``HEARTBEAT_TIMEOUT_MS`` is closed by ZMQ, which the link watch reports as a
+#: drop, and the DEALER reconnects by itself (a fresh CURVE handshake) once the peer
+#: answers again. They are answered by ZMQ's I/O thread, not by Python: a peer process
+#: that is stopped (SIGSTOP) or a host that stalls is dropped, a busy or blocked Python
+#: thread is not (the transfer leases and fence timeouts cover that). Nothing waits on
+#: them: they only end connections that are already silent.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
+
 _warned_unsigned_bind = False
 
 
@@ -157,9 +174,13 @@ class SideChannel:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         auth_window_s: float = 60.0,
         keepalive: tuple[int, int, int] | None = (10, 5, 3),
+        heartbeat: tuple[int, int] | None = (HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS),
     ):
         """``keepalive``: TCP keepalive of the DEALERs as (idle s, interval s, probes),
-        so that a peer behind a broken path is seen to drop; None: the system's."""
+        so that a peer behind a broken path is seen to drop; None: the system's.
+        ``heartbeat``: ZMTP heartbeats as (interval ms, timeout ms) on the ROUTER and
+        every DEALER, so that a peer gone silent is dropped (see HEARTBEAT_IVL_MS);
+        None: none."""
         self.faults = faults
         self.type_of = type_of
         self.auth = ChannelAuth(secret, auth_window_s) if secret else None
@@ -168,6 +189,7 @@ class SideChannel:
         self._last_log: dict[str, float] = {}  # reject reason -> when last logged
         self._sndhwm = sndhwm
         self._keepalive = keepalive
+        self._heartbeat = heartbeat
         self._ctx = zmq.Context(io_threads=1)
         self._curve = derive_curve_keys(secret) if secret else None
         self._zap = ZapGuard(self._ctx, self._curve) if self._curve is not None else None
@@ -176,6 +198,7 @@ class SideChannel:
         # a restarted peer takes over its id (with CURVE: only a member can)
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._set_heartbeat(self._router)
         self._router_mon: zmq.Socket | None = None
         if self._curve is not None:
             make_server(self._router, self._curve)
@@ -291,6 +314,7 @@ class SideChannel:
                 sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, idle)
                 sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, interval)
                 sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, count)
+            self._set_heartbeat(sock)
             try:
                 self._links.attach(sock, address)
             except zmq.ZMQError:
@@ -304,6 +328,13 @@ class SideChannel:
                 raise
             self._dealers[address] = sock
         return sock
+
+    def _set_heartbeat(self, sock: zmq.Socket) -> None:
+        if self._heartbeat is not None:
+            interval_ms, timeout_ms = self._heartbeat
+            sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)  # the peer's side, too
 
     # -- link watch -------------------------------------------------------------------
 
