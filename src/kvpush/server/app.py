@@ -148,7 +148,10 @@ class _Server:
         self.kv_role: str = cfg.kv_transfer.role if cfg.kv_transfer.enabled else "both"
         self.kv_mode: str = cfg.kv_transfer.mode
         self.waiting = WaitingBound(max_waiting_requests)
-        self.abort_signer: ParamsSigner | None = None  # /kv/abort's check (kv_abort.py)
+        #: /kv/abort's check (kv_abort.py): the router's signature, where params are signed
+        self.abort_signer: ParamsSigner | None = (
+            ParamsSigner(cfg.kv_transfer.side_channel_secret)
+            if cfg.kv_transfer.enabled and cfg.kv_transfer.params_signed else None)
         self.model_name: str = cfg.served_model_name or Path(cfg.model.path).name
         self.max_model_len: int = cfg.scheduler.max_model_len
         self.token_texts = chat.TokenTexts(engine.tokenizer)
@@ -411,11 +414,9 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
         if server.kv_role == "both":
             return APIError("this instance takes no part in KV transfers",
                             status_code=404).response()
-        kvt = engine.config.kv_transfer
-        if kvt.params_signed and server.abort_signer is None:
-            server.abort_signer = ParamsSigner(kvt.side_channel_secret)
-        engine_id = getattr(engine, "engine_id", None) or kvt.engine_id
-        tid = parse_abort(await read_abort_body(request), server.abort_signer, kvt.role, engine_id)
+        kvt = engine.config.kv_transfer  # (P/D roles: the config names the engine id)
+        tid = parse_abort(await read_abort_body(request), server.abort_signer, kvt.role,
+                          kvt.engine_id)
         engine.abort_transfer(tid)
         return JSONResponse({"transfer_id": tid, "status": "aborting"})
 
