@@ -174,6 +174,8 @@ def test_up_serves_and_stops_cleanly(tiny_llama, up_factory):
     up.proc.send_signal(signal.SIGTERM)
     assert up.wait_exit(STOP_S) == 0, up.err
     assert "stopped in" in up.out
+    # every child stopped on SIGTERM (the engine cores too, which get it from killpg)
+    assert "SIGKILLed" not in up.out, up.out
     _children_gone(up)
 
 

@@ -177,7 +177,14 @@ class CoreClient(FrontEnd):
     def _send(self, cmd: EngineCommand) -> None:
         if self._death is not None:
             return  # its streams have ended with the error already
-        self._to_core.send(self._enc.encode(cmd))
+        try:
+            # never block: a PUSH socket with no peer (the core exiting, e.g. it took
+            # the SIGTERM that killpg sent the whole group) would wait forever; the
+            # pidfd watch reports the core's exit and ends its streams
+            self._to_core.send(self._enc.encode(cmd), zmq.NOBLOCK)
+        except zmq.Again:
+            (log.info if self._stopping else log.warning)(
+                "the engine core is not connected; %s dropped", type(cmd).__name__)
 
     # ---- the core's reports (event loop callbacks) --------------------------------------
     def _drain(self) -> None:

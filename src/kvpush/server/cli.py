@@ -426,6 +426,12 @@ def _serve(args: argparse.Namespace, config, engine, listener, api_key, log,
     core_died: list[str] = []
 
     def on_core_death(why: str) -> None:
+        if server.should_exit and getattr(engine, "proc", None) is not None \
+                and engine.proc.returncode == 0:
+            # a stop signal sent to the whole process group (`kvpush up`, systemd)
+            # reached the core too, and it stopped cleanly: not a failure
+            log.info("the engine core stopped with the server")
+            return
         core_died.append(why)
         server.should_exit = True  # uvicorn drains and runs the lifespan's shutdown
 
