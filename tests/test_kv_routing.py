@@ -311,6 +311,8 @@ class FakeInstance:
         self.refuse_local = False
         #: answer every completion 503 "unavailable" (a dead step loop or transfer thread)
         self.cannot_serve = False
+        #: answer /v1/models 503 (an instance not ready to name its model)
+        self.models_fail = False
         app = FastAPI()
 
         @app.get("/health")
@@ -322,6 +324,7 @@ class FakeInstance:
             return {"engine_id": self.pub.engine_id, "role": role, "kv_transfer": "push",
                     "side_channel_host": "127.0.0.1", "side_channel_port": 9,
                     "block_size": BS, "num_free_blocks": 10, "num_total_blocks": 10,
+                    "max_model_len": 128,
                     "kv_events": {"endpoint": self.pub.endpoint, "block_size": BS}}
 
         @app.get("/kv/cache_blocks")
@@ -330,6 +333,8 @@ class FakeInstance:
 
         @app.get("/v1/models")
         async def models() -> Any:
+            if self.models_fail:
+                return JSONResponse({"error": {"message": "not ready"}}, status_code=503)
             return {"object": "list", "data": [{"id": "tiny", "root": self.root,
                                                 "max_model_len": 128}]}
 

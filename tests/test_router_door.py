@@ -303,3 +303,32 @@ def test_a_body_trickled_after_its_answer_is_closed_at_the_header_deadline():
     finally:
         s.close()
         router.stop()
+
+
+def test_the_context_is_learned_from_kv_info_when_v1_models_does_not_answer(tiny_llama):
+    """With --tokenizer the router does not need /v1/models for its tokenizer, and an
+    instance that joins later (--discover) may never have answered it: the model's
+    context comes from any instance's /kv/info too, so a huge prompt is still refused by
+    its size. Before, max_model_len stayed 0 and the size check never refused."""
+    p = FakeInstance("prefill", "prefill-1", str(tiny_llama))
+    d = FakeInstance("decode", "decode-1", str(tiny_llama))
+    d.models_fail = p.models_fail = True
+    router = None
+    try:
+        router = RouterThread("push", [p.url], [d.url], kv_secret=None, policy="cache-aware",
+                              tokenizer=str(tiny_llama))
+        wait_until(lambda: httpx.get(router.url + "/health", timeout=5).json().get("routing")
+                   == "cache-aware", 20, "tokenizer loaded")
+        cache = router.router.cache
+        assert cache is not None and cache.tokenizer.max_model_len == 128
+        body = json.dumps({"prompt": "hello world " * 200_000, "max_tokens": 4}).encode()
+        r = httpx.post(router.url + "/v1/completions", content=body, timeout=30,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        assert not d.bodies and not p.bodies
+    finally:
+        if router is not None:
+            router.stop()
+        p.stop()
+        d.stop()

@@ -374,6 +374,7 @@ class LLMEngine:
             "dtype": dtype_name(self.config.dtype),
             "dtype_reason": self.config.dtype_reason,
             "block_size": self.config.cache.block_size,
+            "max_model_len": self.max_model_len,
             "layout": dataclasses.asdict(self.runner.kv_region.layout),
             "num_free_blocks": s.num_free_blocks,
             "num_total_blocks": s.num_total_blocks,

@@ -54,6 +54,11 @@ class CachePolicy:
 
     def _on_info(self, inst: Instance) -> None:
         self.index.update(inst, inst.url, inst.info)
+        # the model's context, from any instance's /kv/info: with --tokenizer the
+        # router may have started before any decode answered /v1/models (--discover)
+        n = inst.info.get("max_model_len") if inst.info else None
+        if isinstance(n, int) and n > self.tokenizer.max_model_len:
+            self.tokenizer.max_model_len = n
 
     def _on_remove(self, inst: Instance) -> None:  # left the pool: its index goes
         self.index.update(inst, inst.url, None)
@@ -86,7 +91,8 @@ class CachePolicy:
                     logger.info("/v1/models of %s: %s", inst.url, describe_error(e))
                     continue
                 source = model_source(models)
-                self.tokenizer.max_model_len = model_max_len(models)
+                self.tokenizer.max_model_len = max(self.tokenizer.max_model_len,
+                                                   model_max_len(models))
                 if source is not None:
                     break
             if source is not None or self.cfg.tokenizer or self.cfg.discover is None:
