@@ -60,6 +60,11 @@ def test_policy_reaches_the_router_of_pd_modes_only(tmp_path):
     assert _up_args(cfg, ModeSpec("colocated")).policy is None
     default = CompareConfig(modes=[ModeSpec("push")], rates=[1.0], out_dir=tmp_path)
     assert _up_args(default, ModeSpec("push")).policy is None  # the router's default
+    weighted = CompareConfig(modes=[ModeSpec("push")], rates=[1.0], out_dir=tmp_path,
+                             load_weight=2.0)
+    assert _up_args(weighted, ModeSpec("push")).load_weight == 2.0
+    assert _up_args(weighted, ModeSpec("colocated")).load_weight is None
+    assert _up_args(default, ModeSpec("pull")).load_weight is None
     # MODE@POLICY: that configuration's own policy, beside the others in one run set
     rr = ModeSpec.parse("push@round-robin")
     assert (rr.mode, rr.policy, rr.label) == ("push", "round-robin", "push-round-robin")

@@ -256,6 +256,11 @@ def test_plan_colocated_and_router_argv():
     assert argv[2:4] == ["kvpush", "router"] and "--prefill" not in argv
     assert argv[argv.index("--decode") + 1] == "http://a"
     assert argv[argv.index("--policy") + 1] == "least-outstanding"
+    assert "--load-weight" not in argv  # the router's own default
+    argv = up_cli.router_argv(_parse("--load-weight", "2.5"), 8000, ["http://p"], ["http://d"])
+    assert argv[argv.index("--load-weight") + 1] == "2.5"
+    with pytest.raises(SystemExit):
+        _parse("--load-weight", "-1")
     assert up_cli.usage_problem(_parse("--mode", "colocated", "--prefill", "2"))
 
 

@@ -80,6 +80,7 @@ def _up_args(cfg: CompareConfig, spec: ModeSpec) -> argparse.Namespace:
         decode_cache_memory=None,
         block_size=cfg.block_size, dtype=cfg.dtype, device=cfg.device,
         policy=None if colocated else (spec.policy or cfg.policy), health_interval=None,
+        load_weight=None if colocated else cfg.load_weight,
         shuffle_free_blocks=cfg.shuffle_free_blocks, prefix_hit_tail=cfg.prefix_hit_tail,
         push_layers_per_write=cfg.push_layers_per_write)
 
@@ -286,6 +287,7 @@ def comma_list(conv: Any) -> Any:
 def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     """`kvpush bench compare` (registered on the bench parser's sub-commands)."""
     from kvpush.bench.cli import DATASET_CHOICES, add_multi_turn_args
+    from kvpush.cli_types import non_negative_float as _non_negative_float
     from kvpush.cli_types import positive_int as _positive_int
     from kvpush.cli_types import seconds as _seconds
 
@@ -342,6 +344,9 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="the router's policy in P/D modes (default: the router's own, "
                           "cache-aware for push, which serves short or cached prompts on "
                           "decode alone; round-robin always sends a prefill leg)")
+    eng.add_argument("--load-weight", type=_non_negative_float, metavar="W",
+                     help="the router's --load-weight in P/D modes (cache-aware placement; "
+                          "default: the router's)")
     eng.add_argument("--prefix-hit-tail", choices=("prefill", "decode"),
                      help="push: who computes a prefix-hit tail (see kvpush serve --help)")
     eng.add_argument("--push-layers-per-write", type=int, metavar="N",
@@ -386,7 +391,7 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         block_size=args.block_size, dtype=args.dtype, device=args.device,
         run_timeout=args.run_timeout,
         shuffle_free_blocks=args.shuffle_free_blocks, prefix_hit_tail=args.prefix_hit_tail,
-        policy=args.policy,
+        policy=args.policy, load_weight=args.load_weight,
         push_layers_per_write=args.push_layers_per_write,
         vllm_bin=args.vllm_bin,
         vllm_dtype=args.vllm_dtype, request_timeout=args.request_timeout,

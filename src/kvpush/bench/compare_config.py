@@ -78,6 +78,8 @@ class CompareConfig:
     push_layers_per_write: int | None = None
     #: the router's --policy for P/D modes (None: its default, cache-aware for push)
     policy: str | None = None
+    #: the router's --load-weight for P/D modes (None: its default)
+    load_weight: float | None = None
     dtype: str | None = None
     #: kvpush serve's --device (None: its default, cpu)
     device: str | None = None

@@ -145,6 +145,10 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     rt.add_argument("--policy", choices=("round-robin", "least-outstanding", "cache-aware"),
                     help="how the router picks an instance (default: the router's: "
                          "cache-aware with --mode push)")
+    rt.add_argument("--load-weight", type=cli_types.non_negative_float, metavar="W",
+                    help="cache-aware placement: the weight of one KV token in flight on "
+                         "a decode against one prompt token to compute (default: the "
+                         "router's; docs/ROUTER.md)")
     rt.add_argument("--health-interval", type=cli_types.seconds, metavar="SECONDS",
                     help="how often the router checks its instances (default: the router's)")
     p.set_defaults(func=run_up)
@@ -207,6 +211,8 @@ def router_argv(args: argparse.Namespace, port: int, prefill: list[str],
         argv += ["--decode", *decode]
     if args.policy is not None:
         argv += ["--policy", args.policy]
+    if getattr(args, "load_weight", None) is not None:
+        argv += ["--load-weight", str(args.load_weight)]
     if args.health_interval is not None:
         argv += ["--health-interval", str(args.health_interval)]
     etcd = getattr(args, "etcd_url", None)
