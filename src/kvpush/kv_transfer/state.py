@@ -4,15 +4,19 @@ enums, and the checking of the wire fields a request brings (vLLM's names)."""
 from __future__ import annotations
 
 import enum
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Annotated, TypeVar
+
+import msgspec
 
 from kvpush.engine.outputs import RequestError, TransferRecord  # noqa: F401 (re-export)
 from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.grants import Grant, ParamsSigner
 from kvpush.sampling_params import SampledToken
+
+_T = TypeVar("_T")
 
 #: Re-sends of a registration that prefill says it never got, before decode gives up.
 MAX_REGISTER_RESENDS = 3
@@ -68,7 +72,8 @@ class DecodeRecv:
 MAX_ID_CHARS = 256
 #: Most remote_block_ids a request may carry (far above any context: a sanity bound).
 MAX_REMOTE_BLOCKS = 1 << 20
-_HOST_RE = re.compile(r"[A-Za-z0-9_.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
+#: A host name or a bracketed IPv6 address (msgspec searches: anchored).
+_HOST_PATTERN = r"^(?:[A-Za-z0-9_.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\])\Z"
 
 
 def block_ids_problem(ids: Sequence[int], num_blocks: int, what: str) -> str | None:
@@ -156,84 +161,90 @@ class KVTransferParams:
         """Check the wire fields a request brings for an instance of ``role``;
         RequestError (a 400) if malformed. Fields another role would read are ignored.
         With a ``signer`` (the instance has the cluster secret) the params must be the
-        router's, signed for this instance ``engine_id``: ParamsForbidden (403) if not."""
+        router's, signed for this instance ``engine_id``: ParamsForbidden (403) if not.
+        Types and bounds are msgspec's (``_LegFields``, ``_RemotePrefillFields``); what
+        a schema cannot say (printable ids, distinct blocks, the grant's peer) is here."""
         if not isinstance(params, dict):
             raise RequestError("kv_transfer_params must be an object", "kv_transfer_params")
         grant = signer.verify(params, role=role, engine_id=engine_id) if signer else None
-
-        def get(name, typ, required=True, default=None):
-            v = params.get(name, default)
-            if v is None:
-                if required:
-                    raise RequestError(f"kv_transfer_params.{name} is required",
-                                       "kv_transfer_params")
-                return default
-            if typ is int and isinstance(v, bool) or not isinstance(v, typ):
-                raise RequestError(
-                    f"kv_transfer_params.{name} must be {typ.__name__}", "kv_transfer_params"
-                )
-            return v
-
-        def ident(name, required=False):
-            v = get(name, str, required)
-            if v is not None and (len(v) > MAX_ID_CHARS or not v.isprintable()):
-                raise RequestError(f"kv_transfer_params.{name} must be at most "
-                                   f"{MAX_ID_CHARS} printable characters",
-                                   "kv_transfer_params")
-            return v
-
-        common = dict(do_remote_decode=get("do_remote_decode", bool, False, False),
-                      do_remote_prefill=get("do_remote_prefill", bool, False, False),
-                      transfer_id=ident("transfer_id"), grant=grant)
+        leg = _convert(params, _LegFields)
+        _printable(leg.transfer_id, "transfer_id")
+        common = dict(do_remote_decode=bool(leg.do_remote_decode),
+                      do_remote_prefill=bool(leg.do_remote_prefill),
+                      transfer_id=leg.transfer_id, grant=grant)
         if not (role == "decode" and common["do_remote_prefill"]):
             return cls(**common)
-        host = get("remote_host", str)
-        if not _HOST_RE.fullmatch(host):
-            raise RequestError("kv_transfer_params.remote_host must be a host name or an "
-                               "IP address", "kv_transfer_params")
-        port = get("remote_port", int)
-        if not 0 < port < 65536:
-            raise RequestError("kv_transfer_params.remote_port out of range",
-                               "kv_transfer_params")
-        blocks = get("remote_block_ids", list, False, None)
-        if blocks is not None and (len(blocks) > MAX_REMOTE_BLOCKS or not all(
-            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2**63 for b in blocks
-        )):
-            raise RequestError("kv_transfer_params.remote_block_ids must be block ids",
-                               "kv_transfer_params")
+        rp = _convert(params, _RemotePrefillFields)
+        _printable(rp.remote_engine_id, "remote_engine_id")
+        _printable(rp.remote_request_id, "remote_request_id")
+        blocks = rp.remote_block_ids
         if blocks is not None and len(set(blocks)) != len(blocks):
             raise RequestError("kv_transfer_params.remote_block_ids lists a block twice",
                                "kv_transfer_params")
-        engine = ident("remote_engine_id") or ""
+        engine = rp.remote_engine_id or ""
         if grant is not None and grant.peer_engine_id != engine:
             raise RequestError("kv_transfer_params.remote_engine_id is not the prefill "
                                "instance the router named", "kv_transfer_params")
-        hashes = get("prompt_hashes", list, False, None)
-        if hashes is not None:
-            hashes = _hash_chain(hashes)
+        hashes = None
+        if rp.prompt_hashes is not None:
+            try:
+                hashes = [bytes.fromhex(h) for h in rp.prompt_hashes]
+            except ValueError:
+                raise RequestError("kv_transfer_params.prompt_hashes must be hex block "
+                                   "hashes", "kv_transfer_params") from None
         elif grant is not None and blocks is not None:
             raise RequestError("kv_transfer_params.prompt_hashes is required with "
                                "remote_block_ids", "kv_transfer_params")
-        lend_expires_ms = get("lend_expires_ms", int, False, None)
-        return cls(**common, remote_host=host, remote_port=port, remote_engine_id=engine,
-                   remote_request_id=ident("remote_request_id"),
-                   remote_block_ids=list(blocks) if blocks is not None else None,
-                   prompt_hashes=hashes, lend_expires_ms=lend_expires_ms)
-
+        return cls(**common, remote_host=rp.remote_host, remote_port=rp.remote_port,
+                   remote_engine_id=engine, remote_request_id=rp.remote_request_id,
+                   remote_block_ids=blocks, prompt_hashes=hashes,
+                   lend_expires_ms=rp.lend_expires_ms)
 
 
 #: Hex digits of one hash of a prompt's chain (``hash_block_tokens``: 16 bytes).
 HASH_HEX_CHARS = 32
 
+_Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+_BlockId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
-def _hash_chain(items: list) -> list[bytes]:
-    """A prompt's hash chain as prefill's answer writes it (hex strings)."""
-    if len(items) > MAX_REMOTE_BLOCKS or not all(
-            isinstance(h, str) and len(h) == HASH_HEX_CHARS for h in items):
-        raise RequestError("kv_transfer_params.prompt_hashes must be hex block hashes",
-                           "kv_transfer_params")
+
+class _LegFields(msgspec.Struct):
+    """What every role reads of ``kv_transfer_params`` (null: absent)."""
+
+    do_remote_decode: bool | None = None
+    do_remote_prefill: bool | None = None
+    transfer_id: _Id | None = None
+
+
+class _RemotePrefillFields(msgspec.Struct):
+    """What a decode of a remote prefill reads besides (vLLM's names; the hash chain and
+    the lend's end come from prefill's answer)."""
+
+    remote_host: Annotated[str, msgspec.Meta(pattern=_HOST_PATTERN)]
+    remote_port: Annotated[int, msgspec.Meta(gt=0, lt=65536)]
+    remote_engine_id: _Id | None = None
+    remote_request_id: _Id | None = None
+    remote_block_ids: Annotated[list[_BlockId],
+                                msgspec.Meta(max_length=MAX_REMOTE_BLOCKS)] | None = None
+    prompt_hashes: Annotated[
+        list[Annotated[str, msgspec.Meta(min_length=HASH_HEX_CHARS,
+                                         max_length=HASH_HEX_CHARS)]],
+        msgspec.Meta(max_length=MAX_REMOTE_BLOCKS)] | None = None
+    lend_expires_ms: int | None = None
+
+
+def _convert(params: dict, fields: type[_T]) -> _T:
+    """``params`` as ``fields``, or a 400 that names the field (msgspec's words)."""
     try:
-        return [bytes.fromhex(h) for h in items]
-    except ValueError:
-        raise RequestError("kv_transfer_params.prompt_hashes must be hex block hashes",
+        return msgspec.convert(params, fields)
+    except msgspec.ValidationError as e:
+        where = str(e).replace("`$.", "`kv_transfer_params.").replace("`$`",
+                                                                       "`kv_transfer_params`")
+        raise RequestError(f"invalid kv_transfer_params: {where}",
                            "kv_transfer_params") from None
+
+
+def _printable(value: str | None, name: str) -> None:
+    if value is not None and not value.isprintable():
+        raise RequestError(f"kv_transfer_params.{name} must be printable characters",
+                           "kv_transfer_params")
