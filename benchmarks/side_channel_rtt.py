@@ -12,7 +12,7 @@ import argparse
 import statistics
 import time
 
-from kvpush.kv_transfer.side_channel import SideChannel
+from kvpush.kv_transfer.wire.side_channel import SideChannel
 
 
 def round_trips(secret: bytes | None, n: int, size: int) -> tuple[float, float]:

@@ -3,7 +3,7 @@ processes, against an in-process torch copy of the same bytes.
 
 Two processes on this host, each with a KV region of kvpush's layout
 (``kv[layer, block, K/V, token, kv_head, head_dim]``, 32-token blocks) registered with a
-:class:`kvpush.kv_transfer.nixl_transport.NixlTransport` (UCX; over loopback UCX copies
+:class:`kvpush.kv_transfer.transports.nixl_transport.NixlTransport` (UCX; over loopback UCX copies
 with cma). The initiator (this process) moves the KV of N tokens to (WRITE = push:
 prefill writes into decode's blocks) or from (READ = pull: decode reads prefill's blocks)
 the peer, with descriptors built by ``layer_block_descs`` exactly as the engine does:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from kvpush.cluster import launcher
-from kvpush.kv_transfer.grants import ParamsSigner
+from kvpush.kv_transfer.wire.auth import ParamsSigner
 
 _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from engine_helpers import greedy, random_prompts
-from kvpush.kv_transfer.state import SendState
+from kvpush.kv_transfer.step_loop.state import SendState
 from kvpush_testing.faults import FaultPlan
 from pd_helpers import PDDriver, make_instance
 from test_transfer_thread_death import CRASH, all_free, assert_failed, kill_transfer_thread

@@ -25,7 +25,7 @@ from kvpush.engine.outputs import (
     RequestFailure,
     TransferRecord,
 )
-from kvpush.kv_transfer.state import KVTransferParams
+from kvpush.kv_transfer.step_loop.state import KVTransferParams
 from kvpush.sampling_params import SamplingParams
 from server_helpers import ServerProcess
 

@@ -15,15 +15,15 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvpush.engine.outputs import RequestError
-from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.side_channel import ChannelAuth, SideChannel
-from kvpush.kv_transfer.state import (
+from kvpush.kv_transfer.step_loop.state import (
     MAX_ID_CHARS,
     KVTransferParams,
     block_ids_problem,
     registration_problem,
 )
-from kvpush.kv_transfer.transport import RegionInfo, TransferPostError, validate_post
+from kvpush.kv_transfer.transports.transport import RegionInfo, TransferPostError, validate_post
+from kvpush.kv_transfer.wire import messages as m
+from kvpush.kv_transfer.wire.side_channel import ChannelAuth, SideChannel
 from kvpush.sampling_params import SamplingParams, SamplingParamsError
 from kvpush.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -213,7 +213,7 @@ def test_random_frames_on_the_wire_are_dropped_and_counted():
 
     import zmq
 
-    from kvpush.kv_transfer.curve import derive_curve_keys, make_client
+    from kvpush.kv_transfer.wire.curve import derive_curve_keys, make_client
 
     rng = random.Random(7)
     secret = b"s" * 32

@@ -254,7 +254,7 @@ def test_nixl_calls_on_a_vram_region_make_its_device_current_once_per_thread(mon
 
     import torch
 
-    from kvpush.kv_transfer.nixl_transport import NixlTransport
+    from kvpush.kv_transfer.transports.nixl_transport import NixlTransport
 
     calls: list[tuple[str, int]] = []
     monkeypatch.setattr(torch.cuda, "set_device",

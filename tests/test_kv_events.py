@@ -25,7 +25,7 @@ from kvpush.kv_cache.events import (
     decode_batch,
     encode_batch,
 )
-from kvpush.kv_transfer.curve import make_client
+from kvpush.kv_transfer.wire.curve import make_client
 from server_helpers import TEST_KV_SECRET, ServerProcess, sign_kv
 
 KEYS = EventKeys.from_secret(TEST_KV_SECRET.encode())

@@ -15,8 +15,8 @@ from kvpush.config import EngineConfig, KVTransferConfig
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import FinishReason
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.lend_claims import LendClaims
+from kvpush.kv_transfer.transfer_thread.lend_claims import LendClaims
+from kvpush.kv_transfer.wire import messages as m
 from pd_helpers import PDDriver
 
 pytestmark = pytest.mark.timeout(120)

@@ -281,7 +281,7 @@ def test_push_writes_layers_in_groups(model_factory, configured, expected_groups
 
 
 def test_layers_per_write_auto_and_bounds():
-    from kvpush.kv_transfer.prefill_side import layers_per_write
+    from kvpush.kv_transfer.step_loop.prefill_side import layers_per_write
 
     assert layers_per_write(0, 30, cuda=True) == 1  # overlap the kernels still to run
     assert layers_per_write(0, 30, cuda=False) == 10
@@ -436,7 +436,7 @@ def test_prefill_lease_expiry_mid_prefill_drains_writes_before_freeing(pd):
     the WRITEs reading them have drained (then everything is free on both sides)."""
     import time
 
-    from kvpush.kv_transfer.state import SendState
+    from kvpush.kv_transfer.step_loop.state import SendState
 
     pd.submit_registered("r", random_prompts([300])[0], greedy(5))
     # decode silent: no heartbeats, and its own lease-end Abort lost too; the WRITEs take

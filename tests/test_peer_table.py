@@ -1,4 +1,4 @@
-"""The transfer thread's peer table (kv_transfer/peers.py): bounded whatever addresses
+"""The transfer thread's peer table (transfer_thread/peers.py): bounded whatever addresses
 requests name, refusals matched to their sender and expiring, connection errors
 reported at once, dropped sends counted in /metrics, idle peers evicted and met again.
 
@@ -18,10 +18,10 @@ from kvpush.config import EngineConfig, KVTransferConfig
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import FinishReason
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.peers import MAX_PEERS
-from kvpush.kv_transfer.side_channel import SideChannel
-from kvpush.kv_transfer.worker import TransferWorker
+from kvpush.kv_transfer.transfer_thread.peers import MAX_PEERS
+from kvpush.kv_transfer.transfer_thread.worker import TransferWorker
+from kvpush.kv_transfer.wire import messages as m
+from kvpush.kv_transfer.wire.side_channel import SideChannel
 from kvpush.server.metrics import ServerMetrics
 from pd_helpers import PDDriver, make_instance
 from router_helpers import metric_value

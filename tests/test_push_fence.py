@@ -19,8 +19,8 @@ import pytest
 from engine_helpers import greedy, make_engine, random_prompts, run_to_completion
 from kvpush.engine.outputs import FinishReason
 from kvpush.kv_transfer import commands as cmd
-from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.state import RecvState
+from kvpush.kv_transfer.step_loop.state import RecvState
+from kvpush.kv_transfer.wire import messages as m
 from kvpush_testing.faults import FaultPlan
 from pd_helpers import PDDriver, make_instance
 

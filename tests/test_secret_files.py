@@ -49,9 +49,8 @@ def test_the_router_keeps_only_keys_derived_from_the_secret(loose):
     and the event keys; grants it signs verify at an instance holding the secret."""
     import dataclasses
 
-    from kvpush.kv_transfer.curve import derive_curve_keys
-    from kvpush.kv_transfer.grants import ParamsSigner
-    from kvpush.kv_transfer.router_keys import RouterKeys
+    from kvpush.kv_transfer.wire.auth import ParamsSigner, RouterKeys
+    from kvpush.kv_transfer.wire.curve import derive_curve_keys
     from kvpush.router.wire import LegSigner
 
     secret = b"s" * 32

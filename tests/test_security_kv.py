@@ -14,10 +14,10 @@ from kvpush.config import EngineConfig, KVTransferConfig
 from kvpush.engine.inputs import TransferEvent
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import FinishReason
-from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.commands import PushDoneReceived, Registered
-from kvpush.kv_transfer.side_channel import SideChannel
-from kvpush.kv_transfer.state import registration_problem
+from kvpush.kv_transfer.step_loop.state import registration_problem
+from kvpush.kv_transfer.wire import messages as m
+from kvpush.kv_transfer.wire.side_channel import SideChannel
 from pd_helpers import PDDriver
 
 pytestmark = pytest.mark.timeout(120)

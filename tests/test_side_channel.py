@@ -12,8 +12,8 @@ import pytest
 import zmq
 
 from kvpush.cluster.launcher import free_port as launcher_free_port
-from kvpush.kv_transfer.curve import derive_curve_keys, make_client
-from kvpush.kv_transfer.side_channel import ChannelAuth, SideChannel, SideChannelError
+from kvpush.kv_transfer.wire.curve import derive_curve_keys, make_client
+from kvpush.kv_transfer.wire.side_channel import ChannelAuth, SideChannel, SideChannelError
 from kvpush_testing.faults import FaultPlan
 
 HOST = "127.0.0.1"

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-import kvpush.kv_transfer.side_channel as sc
-from kvpush.kv_transfer.curve import derive_curve_keys, make_client
-from kvpush.kv_transfer.side_channel import SideChannel
+import kvpush.kv_transfer.wire.side_channel as sc
+from kvpush.kv_transfer.wire.curve import derive_curve_keys, make_client
+from kvpush.kv_transfer.wire.side_channel import SideChannel
 
 HOST = "127.0.0.1"
 SECRET = b"a shared secret of 32 bytes....."

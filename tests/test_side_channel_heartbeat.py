@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from kvpush.kv_transfer.side_channel import SideChannel
+from kvpush.kv_transfer.wire.side_channel import SideChannel
 
 SECRET = b"heartbeat-test-secret-0123456789"
 HEARTBEAT = (100, 500)  # ms: interval, timeout (production: 1000, 5000)
 
 _ECHO = f"""
 import sys, time
-from kvpush.kv_transfer.side_channel import SideChannel
+from kvpush.kv_transfer.wire.side_channel import SideChannel
 ch = SideChannel("127.0.0.1", 0, secret={SECRET!r}, heartbeat={HEARTBEAT!r})
 print(ch.address, flush=True)
 deadline = time.monotonic() + 60

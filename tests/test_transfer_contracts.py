@@ -21,9 +21,9 @@ from kvpush.bench.handoff import (
 )
 from kvpush.bench.machine import cpu_flags
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer import messages as m
 from kvpush.kv_transfer.timeline import MAX_TRACKED, HandoffTimeline
-from kvpush.kv_transfer.transport import TransferPostError, XferState
+from kvpush.kv_transfer.transports.transport import TransferPostError, XferState
+from kvpush.kv_transfer.wire import messages as m
 from pd_helpers import PDDriver, make_instance
 from test_worker_fences import RANGES, D, P, kinds, worker
 
@@ -240,7 +240,7 @@ def test_write_waits_for_its_ready_event_before_posting():
 
 # ---- kv_transfer_params: checked once, typed ------------------------------------------------
 def test_kv_params_are_parsed_once_into_a_typed_object(tiny_qwen3):
-    from kvpush.kv_transfer.state import KVTransferParams
+    from kvpush.kv_transfer.step_loop.state import KVTransferParams
     from kvpush.sampling_params import SamplingParams
 
     p = make_instance(tiny_qwen3, "prefill", "push", max_model_len=256)
@@ -280,7 +280,7 @@ def test_connector_never_frees_blocks_or_edits_a_request_s_block_list():
     import inspect
     import re
 
-    from kvpush.kv_transfer import connector, decode_side, prefill_side
+    from kvpush.kv_transfer.step_loop import connector, decode_side, prefill_side
 
     for mod in (connector, decode_side, prefill_side):
         src = inspect.getsource(mod)

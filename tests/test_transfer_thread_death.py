@@ -23,8 +23,8 @@ from kvpush.engine.async_engine import AsyncEngine
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import FinishReason, RequestError
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer.state import RecvState, SendState
-from kvpush.kv_transfer.worker import TransferWorker
+from kvpush.kv_transfer.step_loop.state import RecvState, SendState
+from kvpush.kv_transfer.transfer_thread.worker import TransferWorker
 from kvpush.server.app import build_app
 from kvpush_testing.faults import FaultPlan
 from pd_helpers import PDDriver, make_instance

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvpush.kv_cache.kv_region import KVLayout
-from kvpush.kv_transfer.transport import (
+from kvpush.kv_transfer.transports.transport import (
     KVTransport,
     TransferPostError,
     XferState,
@@ -69,8 +69,8 @@ PEER_SCRIPT = textwrap.dedent(
     """
     import base64, hashlib, json, os, select, sys, time
     import torch
-    from kvpush.kv_transfer.nixl_transport import NixlTransport
-    from kvpush.kv_transfer.transport import TransferPostError, XferState
+    from kvpush.kv_transfer.transports.nixl_transport import NixlTransport
+    from kvpush.kv_transfer.transports.transport import TransferPostError, XferState
 
     size, name = int(sys.argv[1]), sys.argv[2]
     buf = torch.zeros(size, dtype=torch.uint8)
@@ -192,7 +192,7 @@ def nixl_pair() -> Iterator[tuple]:
     """(our NixlTransport, our region tensor, the peer process) with peers added both ways."""
     if NIXL_MISSING:
         pytest.skip(NIXL_MISSING)
-    from kvpush.kv_transfer.nixl_transport import NixlTransport
+    from kvpush.kv_transfer.transports.nixl_transport import NixlTransport
 
     buf = region(LOCAL_SIZE)
     ours = NixlTransport(f"test-local-{os.getpid()}")
@@ -550,8 +550,9 @@ def test_package_imports_without_nixl_module():
     """kv_transfer modules other than nixl_transport never import nixl."""
     code = (
         "import sys; sys.modules['nixl'] = None; "
-        "import kvpush.kv_transfer.transport, kvpush_testing.inproc_transport, "
-        "kvpush.kv_transfer.side_channel, kvpush.kv_transfer.nixl_transport; print('ok')"
+        "import kvpush.kv_transfer.transports.transport, kvpush_testing.inproc_transport, "
+        "kvpush.kv_transfer.wire.side_channel, "
+        "kvpush.kv_transfer.transports.nixl_transport; print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == b"ok", out.stderr.decode()[-2000:]
@@ -560,7 +561,7 @@ def test_package_imports_without_nixl_module():
 @requires_nixl
 def test_nixl_dead_peer_fails_bounded():
     """A peer process that dies: the next post raises (or the transfer ends FAILED)."""
-    from kvpush.kv_transfer.nixl_transport import NixlTransport
+    from kvpush.kv_transfer.transports.nixl_transport import NixlTransport
 
     buf = region(1 << 16, seed=9)
     ours = NixlTransport(f"test-dying-local-{os.getpid()}")

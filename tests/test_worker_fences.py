@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.transport import XferState
-from kvpush.kv_transfer.worker import Peer, TransferWorker
+from kvpush.kv_transfer.transfer_thread.worker import Peer, TransferWorker
+from kvpush.kv_transfer.transports.transport import XferState
+from kvpush.kv_transfer.wire import messages as m
 
 D, P = "10.0.0.2:5700", "10.0.0.1:5600"
 LEASE, FENCE = 2.0, 30.0

@@ -157,7 +157,7 @@ def nixl_step(device: str) -> dict[str, Any]:
                         ("fastapi", "uvicorn", "pydantic", "msgspec", "pyzmq", "nixl")}
     from nixl._api import nixl_agent, nixl_agent_config
 
-    from kvpush.kv_transfer.nixl_transport import nixl_mem
+    from kvpush.kv_transfer.transports.nixl_transport import nixl_mem
 
     mem, dev_id = nixl_mem(device)
     cfg = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])

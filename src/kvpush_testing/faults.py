@@ -125,7 +125,7 @@ def faults_from_env(var: str):
         return None
     plan = FaultPlan()
     plan.arm(**json.loads(raw))
-    logging.getLogger("kvpush.kv_transfer.connector").warning(
+    logging.getLogger("kvpush.kv_transfer.step_loop.connector").warning(
         "%s is set: injecting faults %s (test only)", var, raw)
     return plan
 
@@ -138,7 +138,7 @@ class FaultyPosts:
         self._transport, self._faults = transport, faults
 
     def post(self, op, peer, local, remote):
-        from kvpush.kv_transfer.transport import TransferPostError
+        from kvpush.kv_transfer.transports.transport import TransferPostError
 
         if self._faults.take_post_failure():
             raise TransferPostError(f"injected {op} post failure (a test's FaultPlan)")

@@ -1,6 +1,6 @@
 """InProcTransport: the KV transport between engines that live in one process (tests).
 
-Semantics match :class:`~kvpush.kv_transfer.nixl_transport.NixlTransport` (same
+Semantics match :class:`~kvpush.kv_transfer.transports.nixl_transport.NixlTransport` (same
 validation, same metadata envelope, same states), but a transfer is a
 ``ctypes.memmove`` between the two regions, so protocol tests with two or more engines
 run deterministically in milliseconds.
@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvpush.kv_transfer.transport import (
+from kvpush.kv_transfer.transports.transport import (
     METADATA_VERSION,
     KVTransport,
     Op,

@@ -163,7 +163,7 @@ class Cluster:
 
     def signed(self, params: dict, host: str, peer: str | None = None) -> dict:
         """kv_transfer_params as the router would sign them for instance ``host``."""
-        from kvpush.kv_transfer.grants import ParamsSigner
+        from kvpush.kv_transfer.wire.auth import ParamsSigner
 
         role = "prefill" if host == "P" else "decode"
         return ParamsSigner(CLUSTER_SECRET.encode()).sign(

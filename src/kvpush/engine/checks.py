@@ -14,7 +14,7 @@ import dataclasses
 from kvpush.config import EngineConfig
 from kvpush.engine.outputs import RequestError
 from kvpush.kv_cache.block_pool import hash_prompt_chain
-from kvpush.kv_transfer.state import KVTransferParams, chain_problem
+from kvpush.kv_transfer.step_loop.state import KVTransferParams, chain_problem
 from kvpush.sampling_params import SamplingParams
 
 
@@ -25,7 +25,7 @@ class RequestChecker:
         self.engine_id = kvt.engine_id if kvt.enabled else ""
         self.signer = None
         if kvt.enabled and kvt.params_signed:
-            from kvpush.kv_transfer.grants import ParamsSigner
+            from kvpush.kv_transfer.wire.auth import ParamsSigner
 
             self.signer = ParamsSigner(kvt.side_channel_secret)
         self.block_size = config.cache.block_size

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from kvpush.kv_transfer.state import KVTransferParams
+from kvpush.kv_transfer.step_loop.state import KVTransferParams
 from kvpush.sampling_params import SamplingParams
 
 

@@ -48,8 +48,8 @@ from kvpush.kv_transfer.commands import (
     FailRequest,
     RejectRequest,
 )
-from kvpush.kv_transfer.state import KVTransferParams
-from kvpush.kv_transfer.thread_death import died_message
+from kvpush.kv_transfer.step_loop.state import KVTransferParams
+from kvpush.kv_transfer.step_loop.thread_death import died_message
 from kvpush.sampling_params import SamplingParams, TopLogprobs
 from kvpush.scheduler.request import Request, RequestState
 from kvpush.scheduler.scheduler import Scheduler
@@ -105,7 +105,7 @@ class LLMEngine:
         self._replies: list[UtilityReply] = []
         self.connector = None
         if config.kv_transfer.enabled:
-            from kvpush.kv_transfer.connector import KVConnector
+            from kvpush.kv_transfer.step_loop.connector import KVConnector
 
             self.connector = KVConnector(
                 config,

@@ -7,28 +7,28 @@ leases and the fences. Once per engine turn the step loop hands the transfer thr
 ``StepMessage`` (its commands, in order) and gets back, through the engine's inbox, one
 ``TransferUpdate`` per pass of the transfer thread (its events, in order).
 
-Reading order, by concern:
+Reading order, one subpackage per concern:
 
-1. **The contract of the two threads**: ``commands.py`` (commands, ``StepMessage``,
-   events, ``TransferUpdate``, and the actions the connector hands the engine).
-2. **The step loop's side**: ``connector.py`` (``KVConnector``: the engine's hooks, and
-   the dispatch of each event), ``context.py`` (what its two halves share, the outbox),
-   ``prefill_side.py`` (push sends, the layer hook, pull lends), ``decode_side.py``
-   (receives, fenced blocks), ``thread_death.py`` (what a dead transfer thread's
-   transfers become), ``state.py`` (per-transfer records, their states, the request's
-   ``kv_transfer_params``).
-3. **The transfer thread**: ``worker.py`` (``TransferWorker``: its loop, leases,
+1. ``commands.py``: the contract of the two threads (commands, ``StepMessage``, events,
+   ``TransferUpdate``, the actions the connector hands the engine).
+2. ``step_loop/``: the engine's side. ``connector.py`` (``KVConnector``: the engine's
+   hooks and the dispatch of each event), ``context.py`` (what its two halves share,
+   the outbox), ``prefill_side.py`` (push sends, the layer hook, pull lends),
+   ``decode_side.py`` (receives, fenced blocks), ``thread_death.py`` (what a dead
+   transfer thread's transfers become), ``state.py`` (per-transfer records, their
+   states, the request's ``kv_transfer_params``).
+3. ``transfer_thread/``: ``worker.py`` (``TransferWorker``: its loop, leases,
    heartbeats, the messages of peers), ``peers.py`` (handshakes, refusals, eviction),
    ``inflight.py`` (WRITEs and READs posted, their completions, PushDone / AbortAck /
    PullDone), ``lend_claims.py`` (a pull lend claimed once before its READ),
-   ``fences.py`` (decode's wait for a push that may still land),
-   ``timeline.py`` (the hand-off's stage stamps).
-4. **Wire and authentication**: ``messages.py`` (the side channel's msgspec messages),
-   ``side_channel.py`` with ``link_watch.py`` (ZMQ ROUTER/DEALER, connection drops),
-   ``curve.py`` (CURVE keys derived from the secret, ZAP), ``channel_auth.py`` (signed
-   messages), ``grants.py`` (the router's signature on
-   ``kv_transfer_params``).
-5. **Transports**: ``transport.py`` (the interface, descriptors from block ids),
+   ``fences.py`` (decode's wait for a push that may still land). ``timeline.py`` (here,
+   beside ``commands.py``) holds the hand-off's stage stamps both threads write.
+4. ``wire/``: between instances. ``messages.py`` (the side channel's msgspec
+   messages), ``side_channel.py`` with ``link_watch.py`` (ZMQ ROUTER/DEALER,
+   connection drops), ``curve.py`` (CURVE keys derived from the secret, ZAP),
+   ``auth.py`` (grants: the router's signature on ``kv_transfer_params``; the HMAC on
+   every channel message; the router's share of the keys).
+5. ``transports/``: ``transport.py`` (the interface, descriptors from block ids),
    ``nixl_transport.py`` (NIXL over UCX). The in-process transport and the fault
    injection of the tests live outside this package, in ``kvpush_testing``.
 """

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.wire import messages as m
 
 #: (address, length) pairs: one NIXL descriptor each
 Ranges = list[tuple[int, int]]

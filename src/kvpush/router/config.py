@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
-from kvpush.kv_transfer.router_keys import RouterKeys
+from kvpush.kv_transfer.wire.auth import RouterKeys
 
 Mode = Literal["push", "pull", "colocated"]
 Policy = Literal["round-robin", "least-outstanding", "cache-aware"]

@@ -44,7 +44,7 @@ from kvpush.kv_cache.events import (
     KVEventBatch,
     decode_batch,
 )
-from kvpush.kv_transfer.curve import make_client
+from kvpush.kv_transfer.wire.curve import make_client
 
 logger = logging.getLogger("kvpush.router.kv_index")
 

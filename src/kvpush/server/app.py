@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvpush.engine.client import EngineClient
 from kvpush.engine.outputs import FinishReason, RequestOutput
-from kvpush.kv_transfer.grants import ParamsSigner
+from kvpush.kv_transfer.wire.auth import ParamsSigner
 from kvpush.server import chat
 from kvpush.server.admission import (
     DEFAULT_MAX_WAITING_REQUESTS,

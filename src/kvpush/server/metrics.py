@@ -262,7 +262,7 @@ class ServerMetrics:
         self.registry.register(_TransferCollector(kv_stats))
 
     def observe_transfer(self, rec) -> None:
-        """One finished transfer (kvpush.kv_transfer.connector.TransferRecord)."""
+        """One finished transfer (kvpush.kv_transfer.step_loop.connector.TransferRecord)."""
         lab = (rec.role, rec.mode, "ok" if rec.ok else "failed")
         self.kv_transfer_s.labels(*lab).observe(rec.transfer_s)
         self.kv_post_s.labels(*lab).observe(rec.post_s)

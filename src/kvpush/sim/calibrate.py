@@ -209,7 +209,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
               log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure and write a profile; returns its dict."""
     from kvpush.config import DEFAULT_BLOCK_SIZE
-    from kvpush.kv_transfer.prefill_side import layers_per_write
+    from kvpush.kv_transfer.step_loop.prefill_side import layers_per_write
     from kvpush.models.registry import DEFAULT_MODEL, resolve_model
     from kvpush.sim.profile import profile_from_dict
 

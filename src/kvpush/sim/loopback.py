@@ -2,7 +2,7 @@
 
 The initiator (this process) and a spawned peer each hold a KV region of kvpush's layout
 (``kv[layer, block, K/V, token, kv_head, head_dim]``) registered with a
-:class:`~kvpush.kv_transfer.nixl_transport.NixlTransport`; descriptors come from
+:class:`~kvpush.kv_transfer.transports.nixl_transport.NixlTransport`; descriptors come from
 ``layer_block_descs`` exactly as the engine builds them. Used by the transfer
 micro-benchmark (``benchmarks/transfer_micro.py``) and by ``kvpush simulate calibrate``.
 
@@ -49,7 +49,7 @@ def _peer_main(conn: Any, shape: tuple) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from kvpush.kv_transfer.nixl_transport import NixlTransport
+    from kvpush.kv_transfer.transports.nixl_transport import NixlTransport
 
     kv = kv_region(*shape)
     tr = NixlTransport("loopback-peer")
@@ -64,7 +64,7 @@ def _peer_main(conn: Any, shape: tuple) -> None:
 
 def wait_done(tr: Any, handle: int, timeout: float = 60.0) -> None:
     """Wait for a posted transfer (bench use: over cma it is done when posted)."""
-    from kvpush.kv_transfer.transport import XferState
+    from kvpush.kv_transfer.transports.transport import XferState
 
     deadline = time.monotonic() + timeout
     while (st := tr.state(handle)) is XferState.PENDING:
@@ -94,7 +94,7 @@ class LoopbackPair:
     def __enter__(self) -> LoopbackPair:
         import torch
 
-        from kvpush.kv_transfer.nixl_transport import NixlTransport
+        from kvpush.kv_transfer.transports.nixl_transport import NixlTransport
 
         torch.set_num_threads(1)
         ctx = mp.get_context("spawn")
@@ -121,7 +121,7 @@ class LoopbackPair:
     def descs(self, local_blocks: Sequence[int], remote_blocks: Sequence[int],
               layers: Iterable[int] | None = None) -> tuple[list, list]:
         """(local, remote) descriptors for these blocks, every layer unless given."""
-        from kvpush.kv_transfer.transport import layer_block_descs
+        from kvpush.kv_transfer.transports.transport import layer_block_descs
 
         return layer_block_descs(self.kv.data_ptr(), self.layout, list(local_blocks),
                                  self.remote_base, self.layout, list(remote_blocks),

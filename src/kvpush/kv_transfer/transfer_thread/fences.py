@@ -28,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.wire import messages as m
 
-log = logging.getLogger("kvpush.kv_transfer.worker")
+log = logging.getLogger("kvpush.kv_transfer.transfer_thread.worker")
 
 #: default of how long decode keeps a push's blocks fenced when prefill neither answers
 #: nor drops its connection (``--fence-timeout``)

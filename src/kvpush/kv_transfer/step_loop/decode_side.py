@@ -27,10 +27,8 @@ from collections import deque
 from kvpush.engine.outputs import RequestError
 from kvpush.kv_cache.block_pool import hash_prompt_chain
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.context import TransferContext
-from kvpush.kv_transfer.lend_claims import lend_ended
-from kvpush.kv_transfer.state import (
+from kvpush.kv_transfer.step_loop.context import TransferContext
+from kvpush.kv_transfer.step_loop.state import (
     MAX_REGISTER_RESENDS,
     DecodeRecv,
     KVTransferParams,
@@ -38,10 +36,12 @@ from kvpush.kv_transfer.state import (
     TransferRecord,
     block_ids_problem,
 )
+from kvpush.kv_transfer.transfer_thread.lend_claims import lend_ended
+from kvpush.kv_transfer.wire import messages as m
 from kvpush.sampling_params import MAX_TOP_LOGPROBS, SampledToken
 from kvpush.scheduler.request import Request
 
-log = logging.getLogger("kvpush.kv_transfer.connector")
+log = logging.getLogger("kvpush.kv_transfer.step_loop.connector")
 
 
 class DecodeReceiver:

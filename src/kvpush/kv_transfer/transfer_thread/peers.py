@@ -50,10 +50,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.side_channel import SideChannelError
+from kvpush.kv_transfer.wire import messages as m
+from kvpush.kv_transfer.wire.side_channel import SideChannelError
 
-log = logging.getLogger("kvpush.kv_transfer.worker")
+log = logging.getLogger("kvpush.kv_transfer.transfer_thread.worker")
 
 #: side-channel peers one instance keeps at most (three ZMQ sockets and fds each)
 MAX_PEERS = 128
@@ -114,8 +114,8 @@ class PeerTable(Mapping[str, Peer]):
     def __init__(
         self,
         own: m.Hello,
-        channel,  # kvpush.kv_transfer.side_channel.SideChannel
-        transport,  # kvpush.kv_transfer.transport.KVTransport
+        channel,  # kvpush.kv_transfer.wire.side_channel.SideChannel
+        transport,  # kvpush.kv_transfer.transports.transport.KVTransport
         post_event: Callable[[c.TransferEvent], None],
         deliver: Callable[[m.Message, str], None],
         *,

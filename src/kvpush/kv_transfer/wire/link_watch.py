@@ -1,6 +1,6 @@
 """LinkWatch: which of a SideChannel's outgoing connections have dropped.
 
-Every DEALER of a :class:`~kvpush.kv_transfer.side_channel.SideChannel` (one per
+Every DEALER of a :class:`~kvpush.kv_transfer.wire.side_channel.SideChannel` (one per
 destination address) gets a ZMQ socket monitor for its TCP connection's CONNECTED and
 DISCONNECTED events (a link is up once its ZMTP handshake succeeded: with CURVE, a TCP
 connection whose handshake is refused was never up, and its refusals are kept in
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvpush.kv_transfer.curve import HANDSHAKE_FAILED, handshake_reason
+from kvpush.kv_transfer.wire.curve import HANDSHAKE_FAILED, handshake_reason
 
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
 _ids = itertools.count()

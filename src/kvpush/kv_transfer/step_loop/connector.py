@@ -44,18 +44,23 @@ from collections.abc import Callable
 from kvpush.config import EngineConfig
 from kvpush.kv_cache.kv_region import KVLayout, KVRegion
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.context import TransferContext
-from kvpush.kv_transfer.decode_side import DecodeReceiver
-from kvpush.kv_transfer.grants import ParamsSigner
-from kvpush.kv_transfer.prefill_side import PrefillSender, layers_per_write
-from kvpush.kv_transfer.state import (
+from kvpush.kv_transfer.step_loop.context import TransferContext
+from kvpush.kv_transfer.step_loop.decode_side import DecodeReceiver
+from kvpush.kv_transfer.step_loop.prefill_side import PrefillSender, layers_per_write
+from kvpush.kv_transfer.step_loop.state import (
     KVTransferParams,
     TransferRecord,
 )
-from kvpush.kv_transfer.thread_death import DeadHold, died_message, hold_seconds, unavailable
+from kvpush.kv_transfer.step_loop.thread_death import (
+    DeadHold,
+    died_message,
+    hold_seconds,
+    unavailable,
+)
 from kvpush.kv_transfer.timeline import HandoffTimeline
-from kvpush.kv_transfer.worker import TransferWorker
+from kvpush.kv_transfer.transfer_thread.worker import TransferWorker
+from kvpush.kv_transfer.wire import messages as m
+from kvpush.kv_transfer.wire.auth import ParamsSigner
 from kvpush.scheduler.request import Request
 from kvpush.scheduler.scheduler import Scheduler, StepPlan
 
@@ -85,7 +90,7 @@ class KVConnector:
             faults = faults_from_env()
         self.transport = _make_transport(cfg.transport, cfg.engine_id, faults)
         self.transport.register_region(region.base_address, region.nbytes, config.device)
-        from kvpush.kv_transfer.side_channel import SideChannel
+        from kvpush.kv_transfer.wire.side_channel import SideChannel
 
         self.channel = SideChannel(
             cfg.side_channel_host, cfg.side_channel_port, faults=faults, type_of=m.type_name,
@@ -361,7 +366,7 @@ def _make_transport(kind: str, name: str, faults):
         from kvpush_testing.inproc_transport import InProcTransport
 
         return InProcTransport(name, faults=faults)
-    from kvpush.kv_transfer.nixl_transport import NixlTransport
+    from kvpush.kv_transfer.transports.nixl_transport import NixlTransport
 
     transport = NixlTransport(name)
     if faults is None:

@@ -12,7 +12,7 @@ Every post is validated against our region and against the peer's region *as the
 peer announced it in its metadata*; a range outside either raises
 :class:`TransferPostError` before any memory is touched.
 
-Implementations: :class:`kvpush.kv_transfer.nixl_transport.NixlTransport` (NIXL over
+Implementations: :class:`kvpush.kv_transfer.transports.nixl_transport.NixlTransport` (NIXL over
 UCX, between processes) and :class:`kvpush_testing.inproc_transport.InProcTransport`
 (memmove between engines of one process, with fault injection, for tests).
 """

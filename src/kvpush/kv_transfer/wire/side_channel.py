@@ -80,8 +80,8 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from kvpush.kv_transfer.channel_auth import REJECT_HINTS, REJECT_REASONS, ChannelAuth
-from kvpush.kv_transfer.curve import (
+from kvpush.kv_transfer.wire.auth import REJECT_HINTS, REJECT_REASONS, ChannelAuth
+from kvpush.kv_transfer.wire.curve import (
     HANDSHAKE_FAILED,
     ZapGuard,
     derive_curve_keys,
@@ -89,7 +89,7 @@ from kvpush.kv_transfer.curve import (
     make_client,
     make_server,
 )
-from kvpush.kv_transfer.link_watch import LinkWatch
+from kvpush.kv_transfer.wire.link_watch import LinkWatch
 
 if TYPE_CHECKING:  # test-only (kvpush_testing): a type here, never imported
     from kvpush_testing.faults import FaultPlan

@@ -12,8 +12,8 @@ from typing import Annotated, TypeVar
 import msgspec
 
 from kvpush.engine.outputs import RequestError, TransferRecord  # noqa: F401 (re-export)
-from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.grants import Grant, ParamsSigner
+from kvpush.kv_transfer.wire import messages as m
+from kvpush.kv_transfer.wire.auth import Grant, ParamsSigner
 from kvpush.sampling_params import SampledToken
 
 _T = TypeVar("_T")

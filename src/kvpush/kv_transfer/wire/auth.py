@@ -1,4 +1,17 @@
-"""Signed ``kv_transfer_params``: the cluster's capability to move one request's KV.
+"""Authentication of the cluster's members: who may move whose KV.
+
+Three keys are derived from the one cluster secret, each for one use:
+
+- **Grants** (``ParamsSigner``): the router's signature on ``kv_transfer_params``.
+- **Channel messages** (``ChannelAuth``): an HMAC frame on every side-channel message.
+- **The router's share** (``RouterKeys``): the grant key and the KV-event keys, and
+  nothing that lets the router join the side channel.
+
+docs/SECURITY.md has the threat model.
+
+Grants
+------
+Signed ``kv_transfer_params``: the cluster's capability to move one request's KV.
 
 ``kv_transfer_params`` name blocks, peers and transfer ids: whoever can hand an instance
 a set of them can make decode READ another request's blocks or store foreign KV under a
@@ -19,6 +32,22 @@ The MAC covers every other field, so block ids, addresses, the transfer id and (
 the prompt's hash chain from prefill's answer cannot be changed or added to. Clocks of
 the router and the instances must agree within the grant's lifetime (60 s by default),
 as they must for the side channel's signed messages.
+
+Channel messages
+----------------
+Every message of an authenticating ``SideChannel`` carries a second ZMQ frame made here:
+an HMAC-SHA256 over the sender's address, a per-connection stream id, a counter, a
+timestamp and the payload. The receiving channel asks :meth:`ChannelAuth.check` before
+anything decodes the payload; the reason of a refusal (``REJECT_REASONS``) is counted
+and logged with what it most likely means (``REJECT_HINTS``).
+
+The router's share
+------------------
+The router signs grants (``kv_transfer_params``, ``/kv/abort``) and follows members-only
+KV events; it needs nothing else of the secret. So it keeps only the keys derived for
+those two uses: the grant key (above) and the event keys (kv_cache/event_keys.py).
+Neither lets anyone join the side channel (CURVE keys and message MACs come from the
+secret by other derivations), so a compromised router is not a side-channel member.
 """
 
 from __future__ import annotations
@@ -26,12 +55,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvpush.engine.outputs import RequestError
+from kvpush.kv_cache.event_keys import EventKeys
 
 GRANT_KEY = "kvpush_grant"
 SIGNATURE_KEY = "kvpush_signature"
@@ -89,7 +120,7 @@ class ParamsSigner:
 
     @classmethod
     def from_key(cls, key: bytes, ttl_s: float = DEFAULT_TTL_S) -> ParamsSigner:
-        """A signer from the derived grant key alone (the router's: router_keys.py)."""
+        """A signer from the derived grant key alone (the router's: ``RouterKeys`` below)."""
         signer = cls.__new__(cls)
         signer._key = key
         signer.ttl_ms = int(ttl_s * 1000)
@@ -160,3 +191,109 @@ def _grant(g: object) -> Grant:
         raise ParamsForbidden("the grant of kv_transfer_params is malformed",
                               "kv_transfer_params", "kv_transfer_params_bad_signature")
     return Grant(role, engine_id, peer, exp)
+
+
+#: Why an authenticating channel refused a message (``stats.rejected_by_reason`` keys).
+REJECT_REASONS = ("unsigned", "bad_signature", "replayed", "stale", "malformed",
+                  "handshake_refused")
+
+REJECT_HINTS = {
+    "unsigned": "the peer has no side-channel secret configured while this instance has "
+                "one (--kv-secret-file / KVPUSH_KV_SECRET must be set on both)",
+    "bad_signature": "its signature does not verify: the peer uses a DIFFERENT side-channel "
+                     "secret (or the message was forged or altered)",
+    "replayed": "its counter is not above the last one seen from that sender: a replayed "
+                "or duplicated message",
+    "stale": "its timestamp is outside the accepted window: the two hosts' clocks differ "
+             "or the message was replayed",
+    "malformed": "its authentication frame is malformed",
+    "handshake_refused": "the connection broke off in the CURVE handshake: the peer has "
+                         "no side-channel secret or a DIFFERENT one",
+}
+
+
+class ChannelAuth:
+    """Signs and checks side-channel messages with a shared secret (see module docs).
+
+    The auth frame is ``MAGIC | stream (8) | counter (8) | time_ms (8) | mac (32)``;
+    the MAC is HMAC-SHA256(secret, frame header | len(sender) | sender | payload).
+    Each sending socket (one per destination) is its own stream with a random id and a
+    counter starting at 1; ZMQ delivers one connection's messages in order, so the
+    receiver accepts a stream's counters only going up. A stream it has not seen (or
+    forgot) must carry a timestamp within ``window_s`` of its clock; streams idle for
+    two windows are forgotten (their old messages are stale by then).
+    """
+
+    MAGIC = b"KVA1"
+    HEADER = struct.Struct(">4s8sQQ")
+    SIZE = HEADER.size + 32
+
+    def __init__(self, secret: bytes, window_s: float = 60.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        if not secret:
+            raise ValueError("empty side-channel secret")
+        self._secret = secret
+        self.window_s = window_s
+        self.clock = clock
+        self._streams: dict[tuple[bytes, bytes], tuple[int, float]] = {}  # -> (last, seen)
+        self._next_prune = 0.0
+
+    def __repr__(self) -> str:  # never show the secret
+        return f"ChannelAuth(window_s={self.window_s})"
+
+    def _mac(self, header: bytes, sender: bytes, payload: bytes) -> bytes:
+        h = hmac.new(self._secret, header, hashlib.sha256)
+        h.update(len(sender).to_bytes(2, "big"))
+        h.update(sender)
+        h.update(payload)
+        return h.digest()
+
+    def seal(self, sender: bytes, stream: bytes, counter: int, payload: bytes) -> bytes:
+        """The auth frame of ``payload`` sent by ``sender`` as ``counter`` on ``stream``."""
+        header = self.HEADER.pack(self.MAGIC, stream, counter, int(self.clock() * 1000))
+        return header + self._mac(header, sender, payload)
+
+    def check(self, sender: bytes, payload: bytes, frame: bytes | None) -> str | None:
+        """None if the message is authentic and fresh (and records it), else the reason."""
+        if frame is None:
+            return "unsigned"
+        if len(frame) != self.SIZE or not frame.startswith(self.MAGIC) or len(sender) > 65535:
+            return "malformed"
+        header = frame[: self.HEADER.size]
+        if not hmac.compare_digest(self._mac(header, sender, payload), frame[-32:]):
+            return "bad_signature"
+        _, stream, counter, ms = self.HEADER.unpack(header)
+        now = self.clock()
+        key = (sender, stream)
+        last = self._streams.get(key)
+        if last is None:
+            if abs(now - ms / 1000.0) > self.window_s:
+                return "stale"
+        elif counter <= last[0]:
+            return "replayed"
+        self._streams[key] = (counter, now)
+        if now >= self._next_prune:
+            self._prune(now)
+        return None
+
+    def _prune(self, now: float) -> None:
+        self._next_prune = now + self.window_s / 2
+        # idle for two windows: anything replayed from it now is stale even if the
+        # sender's clock runs up to one window ahead of ours
+        old = [k for k, (_, seen) in self._streams.items()
+               if now - seen > 2 * self.window_s + 1]
+        for k in old:
+            del self._streams[k]
+
+
+@dataclass(frozen=True, repr=False)
+class RouterKeys:
+    grant_key: bytes
+    events: EventKeys
+
+    def __repr__(self) -> str:  # never show a key
+        return "RouterKeys(...)"
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> RouterKeys:
+        return cls(grant_key(secret), EventKeys.from_secret(secret))

@@ -47,11 +47,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.fences import DEFAULT_FENCE_TIMEOUT_S, FenceKeeper
-from kvpush.kv_transfer.inflight import PostedRead, TransfersInFlight, WriteGroup
-from kvpush.kv_transfer.lend_claims import LendClaims
-from kvpush.kv_transfer.peers import (  # Peer re-exported: tests place peers
+from kvpush.kv_transfer.step_loop.thread_death import tell_peers
+from kvpush.kv_transfer.timeline import HandoffTimeline
+from kvpush.kv_transfer.transfer_thread.fences import DEFAULT_FENCE_TIMEOUT_S, FenceKeeper
+from kvpush.kv_transfer.transfer_thread.inflight import PostedRead, TransfersInFlight, WriteGroup
+from kvpush.kv_transfer.transfer_thread.lend_claims import LendClaims
+from kvpush.kv_transfer.transfer_thread.peers import (  # Peer re-exported: tests place peers
     DROP_REASONS,
     EVICT_REASONS,
     MAX_PEERS,
@@ -59,10 +60,9 @@ from kvpush.kv_transfer.peers import (  # Peer re-exported: tests place peers
     Peer,
     PeerTable,
 )
-from kvpush.kv_transfer.side_channel import SEND_DROP_REASONS
-from kvpush.kv_transfer.thread_death import tell_peers
-from kvpush.kv_transfer.timeline import HandoffTimeline
-from kvpush.kv_transfer.transport import KVTransport
+from kvpush.kv_transfer.transports.transport import KVTransport
+from kvpush.kv_transfer.wire import messages as m
+from kvpush.kv_transfer.wire.side_channel import SEND_DROP_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class TransferWorker:
     def __init__(
         self,
         hello: m.Hello,
-        channel,  # kvpush.kv_transfer.side_channel.SideChannel
+        channel,  # kvpush.kv_transfer.wire.side_channel.SideChannel
         transport: KVTransport,
         post_event: Callable[[c.TransferEvent], None],
         lease_timeout_s: float,

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.peers import PeerTable
-from kvpush.kv_transfer.transport import KVTransport, TransferPostError, XferState
+from kvpush.kv_transfer.transfer_thread.peers import PeerTable
+from kvpush.kv_transfer.transports.transport import KVTransport, TransferPostError, XferState
+from kvpush.kv_transfer.wire import messages as m
 
 #: how many ended transfer ids (aborted by either side, or whose WRITEs are all done)
 #: are remembered, to refuse a WRITE queued for one of them too late

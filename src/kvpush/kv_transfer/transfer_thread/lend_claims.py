@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.state import DecodeRecv
+from kvpush.kv_transfer.step_loop.state import DecodeRecv
+from kvpush.kv_transfer.wire import messages as m
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 from kvpush.config import KVTransferConfig
 from kvpush.kv_cache.kv_region import KVLayout, KVRegion
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.grants import MAX_AHEAD_MS
-from kvpush.kv_transfer.state import TransferRecord
+from kvpush.kv_transfer.step_loop.state import TransferRecord
 from kvpush.kv_transfer.timeline import HandoffTimeline
-from kvpush.kv_transfer.transport import layer_block_descs
-from kvpush.kv_transfer.worker import TransferWorker
+from kvpush.kv_transfer.transfer_thread.worker import TransferWorker
+from kvpush.kv_transfer.transports.transport import layer_block_descs
+from kvpush.kv_transfer.wire import messages as m
+from kvpush.kv_transfer.wire.auth import MAX_AHEAD_MS
 from kvpush.scheduler.scheduler import Scheduler
 
-log = logging.getLogger("kvpush.kv_transfer.connector")
+log = logging.getLogger("kvpush.kv_transfer.step_loop.connector")
 
 #: ended transfer ids remembered (a leg arriving after its transfer ended is refused,
 #: every time): each for as long as a signed grant naming it may be valid (its

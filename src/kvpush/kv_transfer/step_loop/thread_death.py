@@ -63,12 +63,12 @@ from typing import TYPE_CHECKING
 from kvpush.config import KVTransferConfig
 from kvpush.engine.outputs import RequestError
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer import messages as m
+from kvpush.kv_transfer.wire import messages as m
 
 if TYPE_CHECKING:
-    from kvpush.kv_transfer.worker import TransferWorker
+    from kvpush.kv_transfer.transfer_thread.worker import TransferWorker
 
-log = logging.getLogger("kvpush.kv_transfer.connector")
+log = logging.getLogger("kvpush.kv_transfer.step_loop.connector")
 
 #: the error code of a P/D request an instance with a dead transfer thread refuses
 UNAVAILABLE_CODE = "kv_transfer_unavailable"

@@ -32,19 +32,19 @@ import torch
 from kvpush.engine.outputs import RequestError
 from kvpush.kv_cache.block_pool import hash_prompt_chain
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer import messages as m
-from kvpush.kv_transfer.context import TransferContext
-from kvpush.kv_transfer.state import (
+from kvpush.kv_transfer.step_loop.context import TransferContext
+from kvpush.kv_transfer.step_loop.state import (
     PushSend,
     SendState,
     TransferRecord,
     registration_problem,
 )
+from kvpush.kv_transfer.wire import messages as m
 from kvpush.sampling_params import SampledToken
 from kvpush.scheduler.request import Request
 from kvpush.scheduler.scheduler import ScheduledChunk, StepPlan
 
-log = logging.getLogger("kvpush.kv_transfer.connector")
+log = logging.getLogger("kvpush.kv_transfer.step_loop.connector")
 
 
 def layers_per_write(configured: int, num_layers: int, cuda: bool) -> int:

@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.kv_transfer.transport import (
+from kvpush.kv_transfer.transports.transport import (
     METADATA_VERSION,
     KVTransport,
     Op,

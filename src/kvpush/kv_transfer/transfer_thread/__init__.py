@@ -1,0 +1,1 @@
+"""The transfer thread: peers, posted transfers, leases, fences (see ``kvpush.kv_transfer``)."""

@@ -1,0 +1,1 @@
+"""Transports that move KV blocks: the interface and NIXL."""

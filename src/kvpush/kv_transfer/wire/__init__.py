@@ -1,0 +1,1 @@
+"""Between instances: side-channel messages, sockets, CURVE and message authentication."""
