@@ -71,9 +71,13 @@ def _write(tr: Any, peer: str, local: Any, remote: Any, notif: bytes) -> None:
         agent = tr._agent
         xh = agent.initialize_xfer("WRITE", agent.get_xfer_descs(ld, "DRAM"),
                                    agent.get_xfer_descs(rd, "DRAM"), peer, notif)
+        state = agent.transfer(xh, notif)
         for _ in range(100_000):  # over cma DONE at once; bounded all the same
-            if agent.transfer(xh, notif) == "DONE" or agent.check_xfer_state(xh) == "DONE":
+            if state == "DONE":
                 break
+            if state == "ERR":
+                raise RuntimeError("WRITE failed")
+            state = agent.check_xfer_state(xh)
         xh.release()
 
 
@@ -87,12 +91,17 @@ def _decode_main(conn: Any) -> None:
     from kvpush.sim.loopback import kv_region
 
     kv = kv_region(*SHAPE)
+    # two agents: a WRITE with a notification leaves work on its endpoint that only the
+    # target's progress finishes, which would stall the next plain WRITE behind it
     tr = NixlTransport("token1-decode")
-    tr.register_region(kv.data_ptr(), kv.numel() * kv.element_size())
+    trn = NixlTransport("token1-decode-notif")
+    for agent in (tr, trn):
+        agent.register_region(kv.data_ptr(), kv.numel() * kv.element_size())
     chan = SideChannel("127.0.0.1", 0, secret=SECRET)
-    conn.send((tr.metadata(), chan.address))
+    conn.send((tr.metadata(), trn.metadata(), chan.address))
     while not conn.poll(0.001):  # progress until prefill is wired up
         tr.progress()
+        trn.progress()
     conn.recv()
     try:
         while True:
@@ -103,13 +112,15 @@ def _decode_main(conn: Any) -> None:
             c0 = time.process_time()
             done = None
             for _ in range(2_000_000):  # bounded: a hand-off arrives within seconds
-                if mode == MODES[0]:
+                if mode == MODES[0]:  # as the transfer thread waits: 20 ms, then progress
                     got = [p for _, p in chan.recv(20)]
+                    if not got:
+                        tr.progress()
                 elif mode == MODES[1]:
                     chan.recv(1)  # the transfer thread's 1 ms wait while it awaits
-                    got = _notifs(tr)
+                    got = _notifs(trn)
                 else:
-                    got = _notifs(tr)
+                    got = _notifs(trn)
                 if got:
                     done = m.decode(got[0])
                     break
@@ -121,6 +132,7 @@ def _decode_main(conn: Any) -> None:
     finally:
         chan.close()
         tr.close()
+        trn.close()
 
 
 def run(n: int, blocks: int) -> dict[str, tuple[list[float], list[float]]]:
@@ -140,19 +152,24 @@ def run(n: int, blocks: int) -> dict[str, tuple[list[float], list[float]]]:
     kv = kv_region(*SHAPE)
     layout = layout_of(kv)
     tr = NixlTransport("token1-prefill")
-    tr.register_region(kv.data_ptr(), kv.numel() * kv.element_size())
+    trn = NixlTransport("token1-prefill-notif")
+    for agent in (tr, trn):
+        agent.register_region(kv.data_ptr(), kv.numel() * kv.element_size())
     chan = SideChannel("127.0.0.1", 0, secret=SECRET)
     out: dict[str, tuple[list[float], list[float]]] = {mode: ([], []) for mode in MODES}
     try:
         if not conn.poll(120):
             raise TimeoutError("the decode process did not start")
-        meta, address = conn.recv()
+        meta, meta_n, address = conn.recv()
         peer = tr.add_peer(meta)
+        peer_n = trn.add_peer(meta_n)
         base = tr.peer_region(peer).base
         ids = list(range(blocks))
-        local, remote = layer_block_descs(kv.data_ptr(), layout, ids, ids, base, layout,
+        local, remote = layer_block_descs(kv.data_ptr(), layout, ids, base, layout, ids,
                                           range(layout.num_layers))
-        wait_done(tr, tr.post("WRITE", peer, local, remote))
+        for _ in range(20):  # UCX's wire-up completes while decode progresses
+            wait_done(tr, tr.post("WRITE", peer, local, remote))
+            wait_done(trn, trn.post("WRITE", peer_n, local, remote))
         conn.send("connected")
         order = [MODES[i % len(MODES)] for i in range(n * len(MODES))]
         for i, mode in enumerate(order):
@@ -167,7 +184,7 @@ def run(n: int, blocks: int) -> dict[str, tuple[list[float], list[float]]]:
                 wait_done(tr, tr.post("WRITE", peer, local, remote))
                 chan.send(address, done)
             else:
-                _write(tr, peer, local, remote, done)
+                _write(trn, peer_n, local, remote, done)
             if not conn.poll(10):
                 raise TimeoutError(f"{mode}: decode never got hand-off {i}")
             latency, cpu = conn.recv()
@@ -181,6 +198,7 @@ def run(n: int, blocks: int) -> dict[str, tuple[list[float], list[float]]]:
             proc.kill()
         chan.close()
         tr.close()
+        trn.close()
     return out
 
 
