@@ -213,9 +213,18 @@ def _registration_mid_step(pd, model, during_forward: int) -> None:
             in_forward[0] = False
 
     pd.p.runner.execute = registering_at_layer_1
+    applied_between_steps: list[str] = []  # each registration is applied once
+    on_register = pd.p.connector.sender.on_register
+
+    def counting(reg):
+        applied_between_steps.append(reg.transfer_id)
+        on_register(reg)
+
+    pd.p.connector.sender.on_register = counting
     pd.send_prefill("r", prompt, greedy(6))
     pd.run(until=lambda: "r" in pd.d_legs and pd.d_legs["r"].finished)
     assert pd.p.connector.counters["registrations_mid_step"] == 1
+    assert applied_between_steps == []  # the hook applied it; the event found nothing
     assert writes.count(True) == during_forward
     assert writes.count(False) == 1  # the partial last block, every layer in one WRITE
     assert pd.d_legs["r"].tokens == single_outputs(model, [prompt], 6)["r0"]

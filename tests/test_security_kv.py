@@ -14,7 +14,7 @@ from kvpush.config import EngineConfig, KVTransferConfig
 from kvpush.engine.inputs import TransferEvent
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import FinishReason
-from kvpush.kv_transfer.commands import PushDoneReceived, Registered
+from kvpush.kv_transfer.commands import PushDoneReceived, RegistrationsArrived
 from kvpush.kv_transfer.step_loop.state import registration_problem
 from kvpush.kv_transfer.wire import messages as m
 from kvpush.kv_transfer.wire.side_channel import SideChannel
@@ -223,7 +223,8 @@ def test_bad_registrations_write_nothing(tiny_qwen3):
             drv.send_prefill(tid, prompt, greedy(2))
             reg = m.PushRegister(tid, drv.d.connector.engine_id, drv.d.connector.address,
                                  blocks, skip, n)
-            drv.p.inbox.put(TransferEvent(Registered(reg)))
+            drv.p.connector.worker.registrations.put(reg)
+            drv.p.inbox.put(TransferEvent(RegistrationsArrived()))
             drv.run(until=lambda t=tid: drv.p_legs[t].finished, timeout=20)
             assert tid not in drv.p.connector.sender.sends
             assert "invalid registration" in drv.p.connector.ended[tid]

@@ -153,10 +153,11 @@ class PeerEvicted:
 
 
 @dataclass(frozen=True, slots=True)
-class Registered:
-    """Decode's registration of its blocks for a push (prefill side)."""
-
-    reg: m.PushRegister
+class RegistrationsArrived:
+    """Decode's registrations (``PushRegister``) wait on ``TransferWorker.registrations``
+    (prefill side). Each is applied once, by whichever drains it first: the layer hook of
+    a step under way, or the step loop on this event. The event carries nothing, so no
+    registration reaches the step loop twice."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +242,7 @@ class DeadHoldExpired:
     by thread_death.py's timer, not by the transfer thread."""
 
 
-TransferEvent = (PeerReady | PeerRefused | PeerEvicted | Registered | PushDoneReceived
+TransferEvent = (PeerReady | PeerRefused | PeerEvicted | RegistrationsArrived | PushDoneReceived
                  | PullDoneReceived | AbortReceived | AbortAckReceived | AwaitingRegistration
                  | WritesDone | ReadDone | LeaseExpired | FenceReleased | WorkerDied
                  | DeadHoldExpired)

@@ -272,8 +272,8 @@ class KVConnector:
             case c.PeerEvicted(address):
                 self.ctx.peers.pop(address, None)
                 self.ctx.peer_layouts.pop(address, None)
-            case c.Registered(reg) if self.role == "prefill":
-                sender.on_register(reg)
+            case c.RegistrationsArrived() if self.role == "prefill":
+                sender.apply_registrations()
             case c.PushDoneReceived(done):
                 receiver.on_push_done(done)
             case c.PullDoneReceived(done) if self.role == "prefill":
@@ -305,7 +305,7 @@ class KVConnector:
             case c.DeadHoldExpired():
                 sender.release_dead_hold()
                 receiver.release_dead_hold()
-            case c.Registered() | c.PullDoneReceived():
+            case c.RegistrationsArrived() | c.PullDoneReceived():
                 pass  # a prefill instance's messages, sent to this decode: ignored
             case _:
                 raise TypeError(f"not a transfer event: {ev!r}")

@@ -12,11 +12,12 @@ Decode's registration usually lands a few milliseconds after prefill's step for 
 request began (both legs leave the router together), so the step loop would see it only
 after that step, and a prompt prefilled in one step would have all of its KV written
 after the forward pass, on the path to token #1. The transfer thread therefore also
-puts each registration on the ``worker.registrations`` queue (before its inbox event);
-the layer hook drains it mid-step, at the end of a layer group (on the step-loop
-thread, where all connector state lives), writes the layers already computed at once
-and the rest group by group. The registration's inbox event comes later and finds it
-applied.
+puts each registration on the ``worker.registrations`` queue and posts a
+``RegistrationsArrived`` event that carries nothing. The layer hook drains the queue
+mid-step, at the end of a layer group (on the step-loop thread, where all connector
+state lives), writes the layers already computed at once and the rest group by group;
+what it did not apply, the step loop applies on the event (``apply_registrations``).
+Each registration is applied once.
 Pull: a finished request's blocks are lent (``lent``) until decode's ``PullDone`` or the
 lease ends.
 """
@@ -340,8 +341,9 @@ class PrefillSender:
                 self._take_hints()
             if waiting and hints:
                 for item in [w for w in waiting if w[0].tid in hints]:
-                    waiting.remove(item)
-                    self._register_mid_step(*item, hints.pop(item[0].tid), layer, ready)
+                    waiting.remove(item)  # one try: else the step loop applies it
+                    if self._register_mid_step(*item, hints[item[0].tid], layer, ready):
+                        del hints[item[0].tid]
             self.ctx.flush()  # the group's WRITEs: one StepMessage, one wake-up
 
         return on_layer
@@ -367,23 +369,25 @@ class PrefillSender:
         return item
 
     def _register_mid_step(self, send: PushSend, chunk: ScheduledChunk,
-                           reg: m.PushRegister, layer: int, ready=None) -> None:
+                           reg: m.PushRegister, layer: int, ready=None) -> bool:
         """Apply a registration that arrived during this step, after ``layer``: blocks of
         earlier steps go now (every layer), this step's blocks now for layers up to
         ``layer`` and from the hook for the rest. A registration that needs more than
-        that (a full hit, an unknown peer, a problem) waits for the step loop."""
+        that (a full hit, an unknown peer, a problem) waits for the step loop. True:
+        applied."""
         peer = self.ctx.peers.get(reg.address)
         req = self.ctx.scheduler.requests.get(send.request_id)
         if (reg.full_hit or peer is None or req is None or send.reg is not None
                 or registration_problem(reg, peer.num_blocks, self.ctx.block_size,
                                         req.num_prompt_tokens, send.prompt_hashes)):
-            return  # its inbox event applies it between steps
+            return False  # the step loop applies it between steps
         self.ctx.counters["registrations_mid_step"] += 1
         self._registered(send, reg)  # posts the blocks of earlier steps
         item = self._add_step_write(send, chunk)
         if item is not None:
             local, remote = self.ctx.descs(item[1], item[2], reg.address, range(layer + 1))
             self.ctx.submit(c.PostWrite(send.tid, reg.address, local, remote, ready))
+        return True
 
     def on_preempt(self, req: Request, blocks: list[int]) -> bool:
         """A push sender losing its blocks keeps them out of the pool while WRITEs from
@@ -421,9 +425,14 @@ class PrefillSender:
             self.ctx.scheduler.release_blocks(blocks)
         send.retired.clear()
 
-    def on_register(self, reg: m.PushRegister) -> None:
+    def apply_registrations(self) -> None:
+        """Apply every registration the transfer thread queued that no layer hook took."""
         self._take_hints()
-        self._hints.pop(reg.transfer_id, None)  # not applied mid-step
+        hints, self._hints = self._hints, {}
+        for reg in hints.values():
+            self.on_register(reg)
+
+    def on_register(self, reg: m.PushRegister) -> None:
         send = self.sends.get(reg.transfer_id)
         if send is None:
             why = self.ctx.ended.get(reg.transfer_id)

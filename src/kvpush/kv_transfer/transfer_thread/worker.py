@@ -444,9 +444,12 @@ class TransferWorker:
     def _on_PushRegister(self, msg: m.PushRegister) -> None:
         self._stamp(msg.transfer_id, "p_reg")
         self._renew(msg.transfer_id)
-        if self._writer:  # for the layer hook of a step already under way (prefill_side)
-            self.registrations.put(msg)  # before the event: the step loop finds it there
-        self._post(c.Registered(msg))
+        if not self._writer:  # only a prefill instance writes
+            log.warning("ignored a push registration from %s: this instance does not "
+                        "send KV", msg.address)
+            return
+        self.registrations.put(msg)  # the layer hook of a step under way may take it
+        self._post(c.RegistrationsArrived())  # else the step loop does, on this event
 
     def _stamp(self, tid: str, stage: str) -> None:
         if self.timeline is not None:
