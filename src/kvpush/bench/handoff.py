@@ -49,6 +49,8 @@ class HandoffConfig:
     seed: int = 0
     #: kvpush serve's --device for every instance (None: cpu)
     device: str | None = None
+    #: the push cluster's --push-layers-per-write (None: the instances' default)
+    push_layers_per_write: int | None = None
     startup_timeout: float = 300.0
     request_timeout: float = 30.0
 
@@ -62,6 +64,8 @@ class HandoffConfig:
             raise ValueError("prompt lengths must be at least 1")
         if self.requests < 1 or self.warmup < 0 or self.output_len < 1 or self.threads < 1:
             raise ValueError("requests, output_len and threads must be >= 1, warmup >= 0")
+        if self.push_layers_per_write is not None and self.push_layers_per_write < 0:
+            raise ValueError("--push-layers-per-write must be 0 (auto) or more")
 
 
 def tiny_model(out: Path) -> Path:
@@ -191,7 +195,8 @@ def run_handoff(cfg: HandoffConfig, log=print) -> dict[str, Any]:
         ccfg = CompareConfig(modes=[ModeSpec(m, cfg.threads) for m in cfg.modes],
                              rates=[1.0], out_dir=tmp, model=model,
                              startup_timeout=cfg.startup_timeout, policy="round-robin",
-                             device=cfg.device)
+                             device=cfg.device,
+                             push_layers_per_write=cfg.push_layers_per_write)
         clusters = {}
         for mode in cfg.modes:
             log(f"[handoff] starting {mode} cluster")
@@ -295,6 +300,9 @@ def add_handoff_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="every instance's --device: cpu or cuda[:N] (default: cpu)")
     p.add_argument("--log-dir", type=Path, metavar="DIR",
                    help="keep the clusters' logs (request and handoff lines) here")
+    p.add_argument("--push-layers-per-write", type=int, metavar="N",
+                   help="the push cluster's layers per WRITE during a prefill step (0: "
+                        "auto; default: the instances' own)")
     p.set_defaults(func=run_handoff_cli)
     return p
 
@@ -304,7 +312,8 @@ def run_handoff_cli(args: argparse.Namespace) -> int:
                         requests=args.requests, warmup=args.warmup,
                         output_len=args.output_len, threads=args.threads, model=args.model,
                         out_dir=args.out, seed=args.seed, log_dir=args.log_dir,
-                        device=args.device)
+                        device=args.device,
+                        push_layers_per_write=args.push_layers_per_write)
     try:
         summary = run_handoff(cfg, log=lambda s: print(s, flush=True))
     except ValueError as e:
