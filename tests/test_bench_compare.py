@@ -240,3 +240,21 @@ def test_vllm_modes_plan_pinned_instances_behind_the_router(tmp_path, monkeypatc
     with pytest.raises(CompareError, match="vLLM is not installed"), \
             Cluster(cfg, cfg.modes[0], "m", tmp_path / "logs"):
         pass
+
+
+def test_handoff_passes_push_layers_per_write_to_the_push_cluster(tmp_path):
+    """`bench handoff --push-layers-per-write N` reaches the push cluster's `kvpush up`
+    (not the others); a negative N is refused before any cluster starts."""
+    from kvpush.bench.compare import _up_args
+    from kvpush.bench.handoff import HandoffConfig, add_handoff_parser, compare_config
+
+    parser = add_handoff_parser(argparse.ArgumentParser().add_subparsers())
+    args = parser.parse_args(["--modes", "push,pull", "--push-layers-per-write", "3"])
+    assert args.push_layers_per_write == 3
+    assert parser.parse_args([]).push_layers_per_write is None
+    ccfg = compare_config(HandoffConfig(modes=["push", "pull"], push_layers_per_write=3),
+                          "m", tmp_path)
+    assert _up_args(ccfg, ModeSpec("push")).push_layers_per_write == 3
+    assert ccfg.policy == "round-robin"
+    with pytest.raises(ValueError, match="push-layers-per-write"):
+        HandoffConfig(push_layers_per_write=-1).validate()

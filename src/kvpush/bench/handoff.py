@@ -179,10 +179,22 @@ def timeline(log_dir: Path, mode: str) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- the run
+def compare_config(cfg: HandoffConfig, model: str, out_dir: Path):  # -> CompareConfig
+    """The clusters' configuration: round-robin, so every request takes the P/D path
+    being measured (the cache-aware default would serve these short prompts on decode
+    alone)."""
+    from kvpush.bench.compare import CompareConfig, ModeSpec
+
+    return CompareConfig(modes=[ModeSpec(m, cfg.threads) for m in cfg.modes],
+                         rates=[1.0], out_dir=out_dir, model=model,
+                         startup_timeout=cfg.startup_timeout, policy="round-robin",
+                         device=cfg.device, push_layers_per_write=cfg.push_layers_per_write)
+
+
 def run_handoff(cfg: HandoffConfig, log=print) -> dict[str, Any]:
     import httpx
 
-    from kvpush.bench.compare import Cluster, CompareConfig, ModeSpec
+    from kvpush.bench.compare import Cluster, ModeSpec
     from kvpush.bench.machine import cpu_flags
 
     cfg.validate()
@@ -190,13 +202,7 @@ def run_handoff(cfg: HandoffConfig, log=print) -> dict[str, Any]:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpush-handoff-")))
         logs = cfg.log_dir or tmp / "logs"
         model = cfg.model or str(tiny_model(tmp / "model"))
-        # round-robin: every request through the P/D path being measured (the
-        # cache-aware default would serve these short prompts on decode alone)
-        ccfg = CompareConfig(modes=[ModeSpec(m, cfg.threads) for m in cfg.modes],
-                             rates=[1.0], out_dir=tmp, model=model,
-                             startup_timeout=cfg.startup_timeout, policy="round-robin",
-                             device=cfg.device,
-                             push_layers_per_write=cfg.push_layers_per_write)
+        ccfg = compare_config(cfg, model, tmp)
         clusters = {}
         for mode in cfg.modes:
             log(f"[handoff] starting {mode} cluster")
