@@ -244,7 +244,7 @@ def test_vllm_modes_plan_pinned_instances_behind_the_router(tmp_path, monkeypatc
 
 def test_handoff_passes_push_layers_per_write_to_the_push_cluster(tmp_path):
     """`bench handoff --push-layers-per-write N` reaches the push cluster's `kvpush up`
-    (not the others); a negative N is refused before any cluster starts."""
+    command; a negative N is refused before any cluster starts."""
     from kvpush.bench.compare import _up_args
     from kvpush.bench.handoff import HandoffConfig, add_handoff_parser, compare_config
 
