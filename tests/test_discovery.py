@@ -284,6 +284,10 @@ def test_router_started_while_etcd_is_down_catches_up(tmp_path):
         assert time.monotonic() - t0 < 15
         h = httpx.get(rt.url + "/health", timeout=5)
         assert h.status_code == 503 and h.json()["membership"]["state"] == "unreachable"
+        etcd_port = str(server.client_port)
+        assert h.json()["membership"]["error"] and etcd_port not in h.text  # public
+        view = httpx.get(rt.url + "/router/instances", timeout=5).json()["membership"]
+        assert etcd_port in view["etcd"] and view["error"]  # the operator's view
         server.start()
         card = card_from_info("http://127.0.0.1:9", INFO)
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpcore
 import httpx
@@ -420,9 +420,12 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
 
     @app.get("/router/instances", summary="The instances, their identity and health")
     async def instances() -> Response:
-        return JSONResponse({"mode": router.cfg.mode, "policy": router.cfg.policy,
-                             "instances": [_instance_state(router, i)
-                                           for i in router.pool.instances]})
+        body: dict[str, Any] = {"mode": router.cfg.mode, "policy": router.cfg.policy,
+                                "instances": [_instance_state(router, i)
+                                              for i in router.pool.instances]}
+        if router.discovery is not None:  # where etcd is and what it last said
+            body["membership"] = router.discovery.health(detail=True)
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -89,9 +89,17 @@ class EtcdLink:
             self._task = None
         await self.client.aclose()
 
-    def health(self) -> dict[str, Any]:
-        return {"etcd": str(self.target), "state": self.state.value, "since": self.since,
-                "error": self.last_error, "instances": len(self.owned)}
+    def health(self, detail: bool = False) -> dict[str, Any]:
+        """The link's state for ``/health`` (public: no etcd address, no raw error) or,
+        with ``detail``, for the operator view ``/router/instances``."""
+        out: dict[str, Any] = {"state": self.state.value, "since": self.since,
+                               "instances": len(self.owned)}
+        if detail:
+            out.update(etcd=str(self.target), error=self.last_error)
+        else:
+            out["error"] = ("etcd did not answer (details: /router/instances)"
+                            if self.last_error else None)
+        return out
 
     # ------------------------------------------------------------------ the loop
 
