@@ -172,7 +172,7 @@ def test_claims_unit():
 
     sent.clear()
     reader = LendClaims(lambda a, msg: sent.append((a, msg)), events.append)
-    read = c.PostRead("t", "p:1", [(0, 8)], [(0, 8)])
+    read = c.PostRead("t", "p:1", [0], [3], range(1))
     reader.request(read)
     assert sent == [("p:1", m.PullClaim("t"))]
     assert reader.answered(m.PullClaimed("t", True), "other:1") is None  # not prefill

@@ -299,10 +299,8 @@ def test_prefill_refuses_writes_for_an_id_decode_aborted(make_pair):
     posts = pair.p.connector.transport.stats.posts
     assert "r" in worker.aborted and "r" not in worker.writes
     # a layer-hook WRITE the step loop queued before it heard of the abort
-    local = [(pair.p.connector.region.base_address, 64)]
-    remote = [(pair.d.connector.region.base_address, 64)]
     refused = worker.counters["writes_refused"]
-    worker.submit(cmd.PostWrite("r", pair.d.connector.address, local, remote))
+    worker.submit(cmd.PostWrite("r", pair.d.connector.address, [0], [0], range(1)))
     handled = threading.Event()
     worker.submit(cmd.Call(handled.set))  # commands run in order: the WRITE is handled then
     assert handled.wait(5)

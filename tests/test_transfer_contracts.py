@@ -25,7 +25,7 @@ from kvpush.kv_transfer.timeline import MAX_TRACKED, HandoffTimeline
 from kvpush.kv_transfer.transports.transport import TransferPostError, XferState
 from kvpush.kv_transfer.wire import messages as m
 from pd_helpers import PDDriver, make_instance
-from test_worker_fences import RANGES, D, P, kinds, worker
+from test_worker_fences import BLOCKS, D, P, kinds, worker
 
 
 # ---- HandoffTimeline ------------------------------------------------------------------
@@ -76,7 +76,7 @@ def test_write_done_inside_its_post_sends_push_done_at_finalize():
         return h
 
     tr.post = post_done
-    w.handle(c.PostWrite("t", D, *RANGES))
+    w.handle(c.PostWrite("t", D, *BLOCKS))
     assert not w.handles  # released at once
     w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=3)))
     assert [d.ok for d in ch.of(m.PushDone)] == [True]  # no inflight.poll() needed
@@ -85,7 +85,7 @@ def test_write_done_inside_its_post_sends_push_done_at_finalize():
 
 def test_pending_write_still_completes_at_the_poll():
     w, ch, tr, _ = worker("prefill")
-    w.handle(c.PostWrite("t", D, *RANGES))
+    w.handle(c.PostWrite("t", D, *BLOCKS))
     w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=3)))
     assert ch.of(m.PushDone) == []
     tr.states[1] = XferState.DONE
@@ -103,7 +103,7 @@ def test_read_done_inside_its_post_ends_at_once():
         return h
 
     tr.post = post_done
-    w.handle(c.PostRead("t", P, *RANGES))
+    w.handle(c.PostRead("t", P, *BLOCKS))
     assert ch.of(m.PullDone) == [m.PullDone("t", ok=True)]
     [done] = events
     assert done.tid == "t" and done.ok and done.error is None and not w.reads
@@ -114,7 +114,7 @@ def test_read_posted_by_the_transfer_thread_reports_its_failure():
     """A READ that cannot be posted (or reaches no ready peer) fails the transfer on
     both sides: PullDone(ok=False) to prefill, ReadDone with the reason to the step loop."""
     w, ch, tr, events = worker("decode")
-    w.handle(c.PostRead("t", "10.0.0.9:1", *RANGES))  # no such peer (yet)
+    w.handle(c.PostRead("t", "10.0.0.9:1", *BLOCKS))  # no such peer (yet)
     assert tr.posts == 0  # its PullDone waits for the handshake the send starts
     assert w.peers["10.0.0.9:1"].queued == [m.PullDone("t", ok=False)]
     assert not events[0].ok and "no connection" in events[0].error
@@ -123,7 +123,7 @@ def test_read_posted_by_the_transfer_thread_reports_its_failure():
         raise TransferPostError("refused")
 
     tr.post = refuse
-    w.handle(c.PostRead("u", P, *RANGES))
+    w.handle(c.PostRead("u", P, *BLOCKS))
     assert ch.of(m.PullDone) == [m.PullDone("u", ok=False)]
     assert not events[1].ok and events[1].error == "READ failed to post: refused"
     assert w.counters["transfers_failed"] == 2 and not w.reads
@@ -131,7 +131,7 @@ def test_read_posted_by_the_transfer_thread_reports_its_failure():
 
 def test_pending_read_ends_at_the_poll():
     w, ch, tr, events = worker("decode")
-    w.handle(c.PostRead("t", P, *RANGES))
+    w.handle(c.PostRead("t", P, *BLOCKS))
     assert w.reads and events == []
     tr.states[1] = XferState.FAILED
     w.inflight.poll()
@@ -234,7 +234,7 @@ def test_write_waits_for_its_ready_event_before_posting():
         def synchronize(self) -> None:
             order.append(f"synchronized at {tr.posts} posts")
 
-    w.handle(c.PostWrite("t", D, *RANGES, Event()))
+    w.handle(c.PostWrite("t", D, *BLOCKS, Event()))
     assert order == ["synchronized at 0 posts"] and tr.posts == 1
 
 

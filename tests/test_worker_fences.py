@@ -13,7 +13,8 @@ from kvpush.kv_transfer.wire import messages as m
 
 D, P = "10.0.0.2:5700", "10.0.0.1:5600"
 LEASE, FENCE = 2.0, 30.0
-RANGES = ([(4096, 64)], [(8192, 64)])
+#: a command's blocks (ours, the peer's) and layers: the one layer of hello() below
+BLOCKS = (list(range(8)), list(range(8)), range(1))
 
 
 class FakeChannel:
@@ -54,8 +55,10 @@ class FakeTransport:
     def __init__(self) -> None:
         self.states: dict[int, XferState] = {}
         self.posts = 0
+        self.posted: list[tuple] = []  # (op, peer, local, remote)
 
     def post(self, op, peer, local, remote) -> int:
+        self.posted.append((op, peer, local, remote))
         self.posts += 1
         self.states[self.posts] = XferState.PENDING
         return self.posts
@@ -105,18 +108,18 @@ def test_prefill_acks_an_abort_for_an_unknown_id_at_once_and_refuses_its_writes(
     assert ch.of(m.AbortAck) == [m.AbortAck("never-seen")]
     assert ch.sent[0][0] == D
     assert kinds(events) == ["AbortReceived"]  # the step loop hears of it too
-    w.handle(c.PostWrite("never-seen", D, *RANGES))
+    w.handle(c.PostWrite("never-seen", D, *BLOCKS))
     assert tr.posts == 0 and w.counters["writes_refused"] == 1
     assert "never-seen" not in w.writes
 
 
 def test_prefill_acks_only_once_its_in_flight_writes_drained():
     w, ch, tr, events = worker("prefill")
-    w.handle(c.PostWrite("t", D, *RANGES))
+    w.handle(c.PostWrite("t", D, *BLOCKS))
     assert tr.posts == 1
     w.receive(abort_frame("t"), D)
     assert ch.of(m.AbortAck) == []  # a WRITE may still land in decode's blocks
-    w.handle(c.PostWrite("t", D, *RANGES))  # a layer-hook WRITE queued before the step loop heard
+    w.handle(c.PostWrite("t", D, *BLOCKS))  # a layer-hook WRITE queued before the step loop heard
     assert tr.posts == 1 and w.counters["writes_refused"] == 1
     tr.states[1] = XferState.DONE
     w.inflight.poll()
@@ -125,7 +128,7 @@ def test_prefill_acks_only_once_its_in_flight_writes_drained():
     done = [ev for ev in events if isinstance(ev, c.WritesDone)]
     assert len(done) == 1 and done[0].failed == "aborted by decode"
     # the group is gone, the id is remembered: a WRITE queued later is still refused
-    w.handle(c.PostWrite("t", D, *RANGES))
+    w.handle(c.PostWrite("t", D, *BLOCKS))
     assert tr.posts == 1 and w.counters["writes_refused"] == 2
     # the transfer thread cancelled on the Abort itself: nothing comes back from the
     # step loop, decode has its one answer, the step loop its one WritesDone
@@ -135,12 +138,12 @@ def test_prefill_acks_only_once_its_in_flight_writes_drained():
 
 def test_prefill_refuses_writes_once_a_transfer_finished():
     w, ch, tr, _ = worker("prefill")
-    w.handle(c.PostWrite("t", D, *RANGES))
+    w.handle(c.PostWrite("t", D, *BLOCKS))
     w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=3)))
     tr.states[1] = XferState.DONE
     w.inflight.poll()
     assert [d.ok for d in ch.of(m.PushDone)] == [True]
-    w.handle(c.PostWrite("t", D, *RANGES))
+    w.handle(c.PostWrite("t", D, *BLOCKS))
     assert tr.posts == 1 and w.counters["writes_refused"] == 1 and "t" not in w.writes
     # an Abort arriving after PushDone is answered too (nothing is in flight)
     w.receive(abort_frame("t"), D)
@@ -154,7 +157,7 @@ def test_prefill_finalize_after_its_own_lease_abort_sends_nothing_more():
     w.handle(c.Track("t", D))
     w._expire(time.monotonic() + LEASE + 1)
     assert ch.of(m.Abort) == [m.Abort("t", "lease expired")]
-    w.handle(c.PostWrite("t", D, *RANGES))
+    w.handle(c.PostWrite("t", D, *BLOCKS))
     w.handle(c.Finalize("t", D, m.PushDone("t", ok=False, error="lease expired")))
     assert tr.posts == 0 and ch.of(m.PushDone) == []
     assert kinds(events) == ["LeaseExpired", "WritesDone"]
@@ -212,7 +215,7 @@ def test_prefill_polls_fast_only_once_a_completion_is_waited_for():
     are checked every millisecond."""
     w, ch, tr, events = worker("prefill")
     w._next_heartbeat = time.monotonic() + 60
-    w.handle(c.PostWrite("t", D, *RANGES))
+    w.handle(c.PostWrite("t", D, *BLOCKS))
     assert w.handles == {tr.posts: "t"}
     assert w._timeout(time.monotonic()) >= 0.02 - 1e-9  # nobody waits on it yet
     w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=5)))
@@ -221,6 +224,26 @@ def test_prefill_polls_fast_only_once_a_completion_is_waited_for():
     w.inflight.poll()
     assert ch.of(m.PushDone) and w._timeout(time.monotonic()) >= 0.02 - 1e-9
 
-    w.handle(c.PostWrite("u", D, *RANGES))  # decode aborts while a WRITE is in flight
+    w.handle(c.PostWrite("u", D, *BLOCKS))  # decode aborts while a WRITE is in flight
     w.receive(abort_frame("u"), D)
     assert w._timeout(time.monotonic()) == w.busy_poll_s  # the AbortAck waits on it
+
+
+def test_the_transfer_thread_builds_descriptors_from_block_ids():
+    """PostWrite / PostRead carry block ids and layers; the transfer thread turns them
+    into descriptors from the two Hellos (one per layer per run consecutive on both
+    sides), and a block outside a region fails the transfer instead of posting."""
+    w, ch, tr, _ = worker("prefill")
+    w.handle(c.PostWrite("t", D, [0, 1, 5], [2, 3, 4], range(1)))
+    [(op, _, local, remote)] = tr.posted
+    assert op == "WRITE"
+    assert local == [(4096, 16), (4096 + 40, 8)]  # blocks 0-1, then 5 (8 bytes a block)
+    assert remote == [(4096 + 16, 16), (4096 + 32, 8)]  # 2-3, then 4
+    w.handle(c.PostWrite("bad", D, [0], [8], range(1)))  # the peer has 8 blocks: 0-7
+    w.handle(c.Finalize("bad", D, m.PushDone("bad", ok=True, first_token=1)))
+    [done] = [msg for msg in ch.of(m.PushDone) if msg.transfer_id == "bad"]
+    assert not done.ok and "not posted" in done.error and len(tr.posted) == 1
+    r, _, rtr, events = worker("decode")
+    r.handle(c.PostRead("u", P, [3], [6], range(1)))
+    [(op, _, local, remote)] = rtr.posted
+    assert (op, local, remote) == ("READ", [(4096 + 24, 8)], [(4096 + 48, 8)])

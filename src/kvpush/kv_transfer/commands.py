@@ -14,8 +14,9 @@ transfer, each dispatched with ``match``:
 * **actions** (``EngineAction``), connector → engine, taken by the engine after each
   event or schedule: which request to fail, reject, abort, or to emit token #1 for.
 
-Nothing here holds a reference to mutable state of either side; block ids and
-descriptors travel as the lists the sender built and does not touch again.
+Nothing here holds a reference to mutable state of either side; block ids travel as
+the lists the sender built and does not touch again. Descriptors never cross: the
+transfer thread builds them from block ids, layers and the peers' Hellos.
 """
 
 from __future__ import annotations
@@ -25,9 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpush.kv_transfer.wire import messages as m
-
-#: (address, length) pairs: one NIXL descriptor each
-Ranges = list[tuple[int, int]]
 
 
 # ---- commands: step loop -> transfer thread ---------------------------------------------
@@ -65,14 +63,17 @@ class Untrack:
 
 @dataclass(frozen=True, slots=True)
 class PostWrite:
-    """Push: WRITE ``local`` into the peer's ``remote`` ranges for transfer ``tid``.
+    """Push: these blocks' KV is ready for ``layers``: WRITE our ``local_blocks`` into
+    the peer's ``remote_blocks`` (paired in order) for transfer ``tid``. The transfer
+    thread builds the descriptors from the two instances' Hellos (it owns the peers).
     ``ready``: on CUDA, the event recorded after the layers' KV was computed; the
     transfer thread waits on it (``synchronize()``) before it posts."""
 
     tid: str
     address: str
-    local: Ranges
-    remote: Ranges
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    layers: range
     ready: Any = None
 
 
@@ -87,13 +88,15 @@ class Finalize:
 
 @dataclass(frozen=True, slots=True)
 class PostRead:
-    """Pull: READ the peer's ``remote`` ranges into ``local`` for transfer ``tid``; tell
-    prefill (PullDone) and the step loop (ReadDone) when it ends."""
+    """Pull: READ the peer's ``remote_blocks`` into our ``local_blocks`` (paired in
+    order, every layer in ``layers``) for transfer ``tid``; tell prefill (PullDone) and
+    the step loop (ReadDone) when it ends."""
 
     tid: str
     address: str
-    local: Ranges
-    remote: Ranges
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    layers: range
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,7 @@ import logging
 from collections.abc import Callable
 
 from kvpush.config import EngineConfig
-from kvpush.kv_cache.kv_region import KVLayout, KVRegion
+from kvpush.kv_cache.kv_region import KVRegion
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer.step_loop.context import TransferContext
 from kvpush.kv_transfer.step_loop.decode_side import DecodeReceiver
@@ -271,7 +271,6 @@ class KVConnector:
                 receiver.on_peer_refused(address, reason)
             case c.PeerEvicted(address):
                 self.ctx.peers.pop(address, None)
-                self.ctx.peer_layouts.pop(address, None)
             case c.RegistrationsArrived() if self.role == "prefill":
                 sender.apply_registrations()
             case c.PushDoneReceived(done):
@@ -326,12 +325,7 @@ class KVConnector:
             self.dead_hold.start(hold_seconds(self.cfg))
 
     def _peer_ready(self, address: str, hello: m.Hello) -> None:
-        self.ctx.peers[address] = hello
-        self.ctx.peer_layouts[address] = (hello.base_address, KVLayout(
-            layout=hello.layout, num_layers=hello.num_layers, num_blocks=hello.num_blocks,
-            block_size=hello.block_size, num_kv_heads=hello.num_kv_heads,
-            head_dim=hello.head_dim, dtype=hello.dtype, block_bytes=hello.block_bytes,
-            layer_bytes=hello.layer_bytes))
+        self.ctx.peers[address] = hello  # to check requests' params against it
 
     # ---- visibility --------------------------------------------------------------------
     def stats(self) -> dict:

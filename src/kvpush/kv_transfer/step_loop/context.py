@@ -22,7 +22,6 @@ from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer.step_loop.state import TransferRecord
 from kvpush.kv_transfer.timeline import HandoffTimeline
 from kvpush.kv_transfer.transfer_thread.worker import TransferWorker
-from kvpush.kv_transfer.transports.transport import layer_block_descs
 from kvpush.kv_transfer.wire import messages as m
 from kvpush.kv_transfer.wire.auth import MAX_AHEAD_MS
 from kvpush.scheduler.scheduler import Scheduler
@@ -47,10 +46,9 @@ class TransferContext:
     block_size: int
     vocab_size: int  # bounds token #1 from a peer
     timeline: HandoffTimeline
-    #: address -> the peer's Hello, for ready peers
+    #: address -> the peer's Hello, for ready peers (to check requests against; the
+    #: transfer thread, which owns the peers, builds every descriptor)
     peers: dict[str, m.Hello] = field(default_factory=dict)
-    #: address -> (region base, layout) of ready peers
-    peer_layouts: dict[str, tuple[int, KVLayout]] = field(default_factory=dict)
     by_request: dict[str, str] = field(default_factory=dict)  # request id -> tid
     counters: dict[str, int] = field(default_factory=lambda: {
         "transfers_ok": 0, "transfers_failed": 0, "leases_expired": 0, "aborts_sent": 0,
@@ -92,13 +90,6 @@ class TransferContext:
         cmds, self.outbox = tuple(self.outbox), []
         if self.dead is None:
             self.worker.submit(c.StepMessage(cmds))
-
-    def descs(self, local_blocks: list[int], remote_blocks: list[int], address: str,
-              layers) -> tuple[list, list]:
-        """Descriptors for the given layers of paired block lists (ours, the peer's)."""
-        base, layout = self.peer_layouts[address]
-        return layer_block_descs(self.region.base_address, self.layout, local_blocks,
-                                 base, layout, remote_blocks, layers)
 
     def remember_ended(self, tid: str, why: str) -> None:
         now = time.monotonic()

@@ -237,15 +237,7 @@ class DecodeReceiver:
             return
         # pull: READ prefill's blocks for tokens [hit, n - 1); the last token is recomputed
         last = -(-(n - 1) // bs)
-        try:
-            local, remote = self.ctx.descs(req.block_ids[skip:last],
-                                        recv.remote_block_ids[skip:last], recv.address,
-                                        range(self.ctx.layout.num_layers))
-        except (IndexError, ValueError) as e:  # block ids outside prefill's region
-            self.ctx.submit(c.Send(recv.address, m.PullDone(recv.tid, ok=False)))
-            self._recv_failed(recv, f"bad remote_block_ids: {e}")
-            return
-        if not local:
+        if skip >= last:
             self._end_recv(recv, ok=True, why="nothing to read")
             self.ctx.submit(c.Send(recv.address, m.PullDone(recv.tid)))
             self.ctx.scheduler.remote_kv_arrived(req.request_id, n - 1, None)
@@ -253,7 +245,11 @@ class DecodeReceiver:
         # posted by the transfer thread, which owns the transport (a failed post comes
         # back as ReadDone(ok=False)); the blocks count as read into until it ends
         recv.state = RecvState.AWAITING_KV
-        self.ctx.submit(c.PostRead(recv.tid, recv.address, local, remote))
+        # (prefill's block ids were checked against its Hello when the blocks were had:
+        # _peer_problem; the transfer thread builds the descriptors)
+        self.ctx.submit(c.PostRead(recv.tid, recv.address, req.block_ids[skip:last],
+                                   recv.remote_block_ids[skip:last],
+                                   range(self.ctx.layout.num_layers)))
 
     def _end_recv(self, recv: DecodeRecv, ok: bool, why: str | None = None,
                   untrack: bool = True) -> None:

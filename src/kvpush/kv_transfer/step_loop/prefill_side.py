@@ -270,9 +270,8 @@ class PrefillSender:
         upto = min(upto, len(reg.block_ids), len(block_ids))
         if upto <= start:
             return
-        local, remote = self.ctx.descs(block_ids[start:upto], reg.block_ids[start:upto],
-                                    reg.address, layers)
-        self.ctx.submit(c.PostWrite(send.tid, reg.address, local, remote, self._ready()))
+        self.ctx.submit(c.PostWrite(send.tid, reg.address, block_ids[start:upto],
+                                    reg.block_ids[start:upto], layers, self._ready()))
         send.written_blocks = upto
 
     def _ready(self):
@@ -334,9 +333,8 @@ class PrefillSender:
             # thread waits on this event (CUDA), the forward pass goes on queueing
             ready = self._ready() if cuda else None
             for send, local_blocks, remote_blocks in self._step_writes:
-                address = send.reg.address
-                local, remote = self.ctx.descs(local_blocks, remote_blocks, address, layers)
-                self.ctx.submit(c.PostWrite(send.tid, address, local, remote, ready))
+                self.ctx.submit(c.PostWrite(send.tid, send.reg.address, local_blocks,
+                                            remote_blocks, layers, ready))
             if waiting:
                 self._take_hints()
             if waiting and hints:
@@ -385,8 +383,8 @@ class PrefillSender:
         self._registered(send, reg)  # posts the blocks of earlier steps
         item = self._add_step_write(send, chunk)
         if item is not None:
-            local, remote = self.ctx.descs(item[1], item[2], reg.address, range(layer + 1))
-            self.ctx.submit(c.PostWrite(send.tid, reg.address, local, remote, ready))
+            self.ctx.submit(c.PostWrite(send.tid, reg.address, item[1], item[2],
+                                        range(layer + 1), ready))
         return True
 
     def on_preempt(self, req: Request, blocks: list[int]) -> bool:

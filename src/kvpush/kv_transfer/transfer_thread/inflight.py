@@ -32,11 +32,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from kvpush.kv_cache.kv_region import KVLayout
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer.transfer_thread.peers import PeerTable
-from kvpush.kv_transfer.transports.transport import KVTransport, TransferPostError, XferState
+from kvpush.kv_transfer.transports.transport import (
+    KVTransport,
+    TransferPostError,
+    XferState,
+    layer_block_descs,
+)
 from kvpush.kv_transfer.wire import messages as m
 
 #: how many ended transfer ids (aborted by either side, or whose WRITEs are all done)
@@ -46,14 +51,27 @@ MAX_ABORTED_REMEMBERED = 4096
 __all__ = ["MAX_ABORTED_REMEMBERED", "PostedRead", "TransfersInFlight", "WriteGroup"]
 
 
+#: (address, length) pairs: one NIXL descriptor each
+Ranges = list[tuple[int, int]]
+
+
+def hello_layout(hello: m.Hello) -> KVLayout:
+    """The KV region layout an instance announced in its Hello."""
+    return KVLayout(layout=hello.layout, num_layers=hello.num_layers,
+                    num_blocks=hello.num_blocks, block_size=hello.block_size,
+                    num_kv_heads=hello.num_kv_heads, head_dim=hello.head_dim,
+                    dtype=hello.dtype, block_bytes=hello.block_bytes,
+                    layer_bytes=hello.layer_bytes)
+
+
 @dataclass
 class PostedRead:
     """A pull's READ, posted by this thread."""
 
     tid: str
     address: str  # prefill's side channel: told PullDone when it ends
-    num_descriptors: int
-    num_bytes: int
+    num_descriptors: int = 0
+    num_bytes: int = 0
     post_s: float = 0.0
 
 
@@ -119,24 +137,38 @@ class TransfersInFlight:
         return busy
 
     # ---- push: WRITEs --------------------------------------------------------------------
-    def post_write(self, tid: str, address: str, local: c.Ranges, remote: c.Ranges,
-                   ready: Any = None) -> None:
+    def descs(self, peer: m.Hello, cmd: c.PostWrite | c.PostRead) -> tuple[Ranges, Ranges]:
+        """(ours, the peer's) descriptors of a command's paired blocks and layers, from
+        the two Hellos (ValueError / IndexError: ids outside a region, layouts differ)."""
+        own = self.peers.own
+        return layer_block_descs(own.base_address, hello_layout(own), cmd.local_blocks,
+                                 peer.base_address, hello_layout(peer), cmd.remote_blocks,
+                                 cmd.layers)
+
+    def post_write(self, cmd: c.PostWrite) -> None:
+        tid, address = cmd.tid, cmd.address
         group = self.writes.get(tid)
         if group is None:
             if tid in self.aborted:  # ended: the peer may have freed the blocks
                 self.counters["writes_refused"] += 1
                 return
             group = self.writes[tid] = WriteGroup(address)
-        if group.cancelled or group.failed or not local:
-            if local and group.cancelled:
+        wanted = bool(cmd.local_blocks) and bool(cmd.layers)
+        if group.cancelled or group.failed or not wanted:
+            if wanted and group.cancelled:
                 self.counters["writes_refused"] += 1
             return
         peer = self.peers.get(address)
-        if peer is None or not peer.ready:
+        if peer is None or not peer.ready or peer.hello is None:
             group.failed = f"no connection to decode instance at {address}"
             return
-        if ready is not None:  # CUDA: the layers' KV is in memory once this fires
-            ready.synchronize()
+        try:
+            local, remote = self.descs(peer.hello, cmd)
+        except (IndexError, ValueError) as e:
+            group.failed = f"WRITE not posted: {e}"
+            return
+        if cmd.ready is not None:  # CUDA: the layers' KV is in memory once this fires
+            cmd.ready.synchronize()
         t0 = time.perf_counter()
         try:
             handle = self.transport.post("WRITE", peer.agent, local, remote)
@@ -262,21 +294,28 @@ class TransfersInFlight:
             self._read_ended(read, ok, None if ok else "READ failed")
 
     # ---- pull: READs ---------------------------------------------------------------------
-    def post_read(self, tid: str, address: str, local: c.Ranges, remote: c.Ranges) -> None:
+    def post_read(self, cmd: c.PostRead) -> None:
+        tid, address = cmd.tid, cmd.address
         peer = self.peers.get(address)
-        read = PostedRead(tid, address, len(local), sum(n for _, n in local))
+        read = PostedRead(tid, address)
 
         def when_ready(why: str | None) -> None:  # its handshake (again, after eviction)
             if why is None:
-                self.post_read(tid, address, local, remote)
+                self.post_read(cmd)
             else:
                 self._read_ended(read, False, why, notify=False)
 
         if peer is not None and not peer.ready and self.peers.defer(address, when_ready):
             return
-        if peer is None or not peer.ready:
+        if peer is None or not peer.ready or peer.hello is None:
             self._read_ended(read, False, f"no connection to prefill instance at {address}")
             return
+        try:
+            local, remote = self.descs(peer.hello, cmd)
+        except (IndexError, ValueError) as e:
+            self._read_ended(read, False, f"bad remote_block_ids: {e}")
+            return
+        read.num_descriptors, read.num_bytes = len(local), sum(n for _, n in local)
         t0 = time.perf_counter()
         try:
             handle = self.transport.post("READ", peer.agent, local, remote)

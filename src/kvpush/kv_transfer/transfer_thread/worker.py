@@ -347,8 +347,8 @@ class TransferWorker:
                         log.exception("transfer command %s failed", type(one).__name__)
             case c.Send(address, msg):
                 self._send(address, msg)
-            case c.PostWrite(tid, address, local, remote, ready):
-                self.inflight.post_write(tid, address, local, remote, ready)
+            case c.PostWrite():
+                self.inflight.post_write(cmd)
             case c.Finalize(tid, address, done):
                 self.inflight.finalize(tid, address, done)
             case c.Track(tid, address, renewable):
@@ -360,11 +360,11 @@ class TransferWorker:
                 self.claims.forget(tid)
             case c.EnsurePeer(address):
                 self._ensure_peer(address)
-            case c.PostRead(tid, address, local, remote):
+            case c.PostRead():
                 if self._reader:  # only once prefill says the lend is live (lend_claims)
                     self.claims.request(cmd)
                 else:
-                    self.inflight.post_read(tid, address, local, remote)
+                    self.inflight.post_read(cmd)
             case c.FenceTransfer(tid, address):
                 self.leases.pop(tid, None)  # the fence, not the lease, holds it now
                 self.fences.fence(tid, address)
@@ -470,7 +470,7 @@ class TransferWorker:
         elif isinstance(msg, m.PullClaimed):
             read = self.claims.answered(msg, sender) if self._reader else None
             if read is not None:
-                self.inflight.post_read(read.tid, read.address, read.local, read.remote)
+                self.inflight.post_read(read)
         elif self.claims.from_claimer(tid, sender):
             self._post(c.PullDoneReceived(msg))
         else:
