@@ -31,7 +31,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvpush.bench.compare import CompareConfig
 
 
 @dataclass
@@ -179,7 +182,7 @@ def timeline(log_dir: Path, mode: str) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- the run
-def compare_config(cfg: HandoffConfig, model: str, out_dir: Path):  # -> CompareConfig
+def compare_config(cfg: HandoffConfig, model: str, out_dir: Path) -> CompareConfig:
     """The clusters' configuration: round-robin, so every request takes the P/D path
     being measured (the cache-aware default would serve these short prompts on decode
     alone)."""
