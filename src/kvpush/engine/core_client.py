@@ -189,7 +189,10 @@ class CoreClient(FrontEnd):
     # ---- the core's reports (event loop callbacks) --------------------------------------
     def _drain(self) -> None:
         """Dispatch every batch queued on the output socket (its FD only says that
-        something may have changed: read until there is nothing)."""
+        something may have changed: read until there is nothing). Nothing once closed:
+        the exit watch's late drains can outlive a shutdown that already drained."""
+        if self._closed:
+            return
         sock = self._from_core
         while True:
             try:
