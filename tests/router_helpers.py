@@ -139,6 +139,7 @@ class RouterThread:
             build_app(self.router, wait=wait), log_level="warning", lifespan="on", access_log=False,
             timeout_graceful_shutdown=2,
             **uvicorn_options(self.cfg.header_timeout_s, self.cfg.max_client_connections)))
+        self._loop: Any = None
         self.thread = threading.Thread(target=self.server.run,
                                        kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
@@ -148,6 +149,7 @@ class RouterThread:
                 self.stop()
                 raise RuntimeError("the router did not start")
             time.sleep(0.02)
+        self._loop = self.server.servers[0].get_loop() if self.server.servers else None
 
     def instances(self) -> list[dict]:
         return httpx.get(self.url + "/router/instances", timeout=5).json()["instances"]
@@ -162,7 +164,26 @@ class RouterThread:
         self.server.should_exit = True
         self.thread.join(15)
         self.sock.close()
-        assert not self.thread.is_alive(), "the router thread did not stop"
+        assert not self.thread.is_alive(), ("the router thread did not stop; it is at:\n"
+                                            + thread_stack(self.thread, self._loop))
+
+
+def thread_stack(thread: threading.Thread, loop: Any = None) -> str:
+    """Where ``thread`` is now, and the tasks still pending on its asyncio ``loop`` (a
+    failure message: read from another thread, so a best effort)."""
+    import asyncio
+    import traceback
+
+    frame = sys._current_frames().get(thread.ident or -1)
+    lines = traceback.format_stack(frame) if frame is not None else ["(gone)\n"]
+    if loop is not None:
+        try:
+            tasks = list(asyncio.all_tasks(loop))
+        except RuntimeError as e:  # the set changed while read
+            tasks, lines = [], [*lines, f"(tasks unreadable: {e})\n"]
+        for t in tasks:
+            lines.append(f"pending: {t!r}\n")
+    return "".join(lines)
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:

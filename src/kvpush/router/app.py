@@ -43,6 +43,7 @@ from kvpush.router.net import CoalescingBackend
 from kvpush.router.pool import Instance, Pool, describe_error
 from kvpush.router.prompts import TokenizerState
 from kvpush.router.redact import scrub
+from kvpush.router.stopping import cancel_and_wait
 from kvpush.router.wire import client_kv_params_problem, relay_error
 from kvpush.server.app import EventStreamResponse, unless_disconnected
 from kvpush.server.auth import OPEN_PATHS, APIKeyMiddleware, auth_header
@@ -160,7 +161,8 @@ class Router:
             self.cache = self.legs.policy = CachePolicy(self.cfg, self.pool, self.metrics,
                                                         self.client)
             self.cache.start()
-        self._health = asyncio.create_task(self.pool.health_loop(self.client))
+        self._health = asyncio.create_task(self.pool.health_loop(self.client),
+                                           name="kvpush-health-loop")
 
     def routing_state(self) -> RoutingState:
         """Whether the router routes as configured: a cache-aware router is starting
@@ -226,13 +228,8 @@ class Router:
         if self.discovery is not None:
             await self.discovery.close()
             self.discovery = None
-        for task in list(self._joins):
-            task.cancel()
-        if self._joins:
-            await asyncio.wait(set(self._joins))
-        if self._health is not None:
-            self._health.cancel()
-            await asyncio.wait({self._health})
+        await cancel_and_wait(list(self._joins), "checks of joined instances")
+        await cancel_and_wait([self._health], "the health loop")
         if self.cache is not None:
             await self.cache.close()
             self.cache = None

@@ -31,6 +31,7 @@ from kvpush.router.kv_index import KVIndex, Snapshot, parse_snapshot
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, describe_error
 from kvpush.router.prompts import PromptTokenizer, model_max_len, model_source
+from kvpush.router.stopping import cancel_and_wait
 from kvpush.server.errors import APIError
 
 logger = logging.getLogger("kvpush.router")
@@ -77,7 +78,7 @@ class CachePolicy:
     def start(self) -> None:
         """Load the tokenizer in the background (the model's, from a decode's
         /v1/models, unless --tokenizer names one)."""
-        self._load = asyncio.create_task(self._load_tokenizer())
+        self._load = asyncio.create_task(self._load_tokenizer(), name="kvpush-tokenizer-load")
 
     async def _load_tokenizer(self) -> None:
         source = None
@@ -102,9 +103,7 @@ class CachePolicy:
         await self.tokenizer.load(None if self.cfg.tokenizer else source)
 
     async def close(self) -> None:
-        if self._load is not None:
-            self._load.cancel()
-            await asyncio.wait({self._load})
+        await cancel_and_wait([self._load], "the tokenizer's load")
         await self.index.close()
 
     # ------------------------------------------------------------------ per request

@@ -34,6 +34,7 @@ from kvpush.discovery.etcd import EtcdClient, EtcdError, KeyValue, WatchEvent
 from kvpush.discovery.target import EtcdTarget
 from kvpush.router.config import InstanceSpec
 from kvpush.router.pool import Instance, Pool
+from kvpush.router.stopping import cancel_and_wait
 
 logger = logging.getLogger("kvpush.router")
 
@@ -83,10 +84,8 @@ class EtcdLink:
         self._task = asyncio.create_task(self._run(), name="kvpush-discover")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait({self._task})
-            self._task = None
+        await cancel_and_wait([self._task], "the discovery link")
+        self._task = None
         await self.client.aclose()
 
     def health(self, detail: bool = False) -> dict[str, Any]:

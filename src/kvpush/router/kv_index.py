@@ -45,6 +45,7 @@ from kvpush.kv_cache.events import (
     decode_batch,
 )
 from kvpush.kv_transfer.wire.curve import make_client
+from kvpush.router.stopping import cancel_and_wait
 
 logger = logging.getLogger("kvpush.router.kv_index")
 
@@ -281,9 +282,6 @@ class _Follower:
                 return
             await asyncio.sleep(0)  # batches lost between snapshot and stream: again
 
-    async def stop(self) -> None:
-        self.task.cancel()
-        await asyncio.wait({self.task})
 
 
 class KVIndex:
@@ -381,8 +379,8 @@ class KVIndex:
 
     async def close(self) -> None:
         followers, self._followers = list(self._followers.values()), {}
-        for f in followers:
-            await f.stop()
-        if self._stopping:
-            await asyncio.wait(set(self._stopping))
-        self.ctx.term()
+        await cancel_and_wait([f.task for f in followers] + list(self._stopping),
+                              "KV event followers")
+        # destroy, not term: a follower that did not stop leaves its socket open, and
+        # term() would block the event loop until it closed
+        self.ctx.destroy(linger=0)
