@@ -40,6 +40,7 @@ class Leg:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
     rejected: bool = False  # refused as the client's mistake (the server answers 400)
+    code: str | None = None  # the error's code (e.g. prefill_not_needed)
 
     @property
     def finished(self) -> bool:
@@ -100,7 +101,7 @@ class PDDriver:
         waiting on prefill, so prefill writes each block as it computes it."""
         self.send_decode(rid, prompt, params)
         deadline = time.monotonic() + timeout
-        while rid not in self.p.connector.sender.early_regs:
+        while rid not in self.p.connector.worker.push.out:  # (its early registration)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"decode's registration of {rid} did not reach prefill")
             outs = self.d.process_inbox()
@@ -124,6 +125,7 @@ class PDDriver:
                 leg.error = o.failure.message if o.failure is not None else None
                 leg.kv_transfer_params = o.kv_transfer_params
                 leg.rejected = o.failure is not None and o.failure.rejected
+                leg.code = o.failure.code if o.failure is not None else None
 
     def pump(self) -> bool:
         """One round of both engines; True if either computed something."""
@@ -161,9 +163,18 @@ class PDDriver:
             c = e.connector
             return (s.num_free_blocks == s.num_total_blocks and not e.scheduler.requests
                     and not c.sender.sends and not c.receiver.recvs and not c.sender.lent
-                    and not c.sender.early_regs)
+                    and not (c.worker.push is not None and c.worker.push.out))
         self.run(until=lambda: idle(self.p) and idle(self.d), timeout=timeout)
 
     def close(self) -> None:
         self.p.shutdown()
         self.d.shutdown()
+
+
+def writes_posted(p: LLMEngine, tid: str, blocks: int) -> bool:
+    """Whether prefill ``p`` stated ``blocks`` blocks of push ``tid`` computed and its
+    transfer thread posted WRITEs for them (read across threads: a polling condition)."""
+    send = p.connector.sender.sends.get(tid)
+    group = p.connector.worker.writes.get(tid)
+    return (send is not None and send.stated_blocks >= blocks and group is not None
+            and group.num_descriptors > 0)

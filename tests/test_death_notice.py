@@ -9,9 +9,8 @@ import time
 import pytest
 
 from engine_helpers import greedy, random_prompts
-from kvpush.kv_transfer.step_loop.state import SendState
 from kvpush_testing.faults import FaultPlan
-from pd_helpers import PDDriver, make_instance
+from pd_helpers import PDDriver, make_instance, writes_posted
 from test_transfer_thread_death import CRASH, all_free, assert_failed, kill_transfer_thread
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,9 +26,7 @@ def test_decode_hears_of_prefills_death_at_once(tiny_qwen3):
     try:
         pf.arm(transfer_delay_s=60.0)  # no WRITE lands before the death
         drv.submit_registered("r", random_prompts([96], seed=2)[0], greedy(3))
-        drv.run(until=lambda: "r" in p.connector.sender.sends
-                and p.connector.sender.sends["r"].state is SendState.SENDING
-                and p.connector.sender.sends["r"].written_blocks >= 2, timeout=20)
+        drv.run(until=lambda: writes_posted(p, "r", 2), timeout=20)
         t0 = time.monotonic()
         kill_transfer_thread(p)
         drv.run(until=lambda: drv.d_legs["r"].finished, timeout=LEASE / 2)

@@ -19,8 +19,8 @@ from kvpush.kv_transfer.step_loop.state import (
     MAX_ID_CHARS,
     KVTransferParams,
     block_ids_problem,
-    registration_problem,
 )
+from kvpush.kv_transfer.transfer_thread.push_sends import registration_problem
 from kvpush.kv_transfer.transports.transport import RegionInfo, TransferPostError, validate_post
 from kvpush.kv_transfer.wire import messages as m
 from kvpush.kv_transfer.wire.side_channel import ChannelAuth, SideChannel

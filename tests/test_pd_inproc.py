@@ -13,9 +13,9 @@ from kvpush.engine.inputs import AbortTransfer
 from kvpush.engine.outputs import FinishReason
 from kvpush.errors import ConfigError
 from kvpush.kv_cache.block_pool import hash_prefix_blocks
-from kvpush.kv_transfer.commands import PostWrite, StepMessage, Stop
+from kvpush.kv_transfer.commands import BlocksComputed, StepMessage, Stop
 from kvpush_testing.faults import FaultPlan
-from pd_helpers import PDDriver, make_instance
+from pd_helpers import PDDriver, make_instance, writes_posted
 
 LENGTHS = [7, 16, 33, 100, 161, 250]  # 1 to 16 blocks of 16, mostly not multiples
 
@@ -152,20 +152,23 @@ def test_push_token1_goes_out_before_decode_runs_a_forward(pd):
     pd.settle()
 
 
-@pytest.mark.parametrize("preset,group,during_forward", [
-    ("tiny", 0, 1),  # 2 layers, one per WRITE: layers 0-1 at once, nothing after
-    ("small", 1, 3),  # 4 layers: layers 0-1 at once, then layer 2, then layer 3
-    ("small", 2, 2)])  # groups of 2: layers 0-1 at once (a group end), then 2-3
+@pytest.mark.parametrize("preset,group,posts", [
+    # WRITEs in the order the transfer thread posted them (their layers): those stated
+    # before the registration landed, each later group, then the partial last block
+    ("tiny", 0, [(0,), (1,), (0, 1)]),  # 2 layers, one per group: layer 0 was stated
+    ("small", 1, [(0,), (1,), (2,), (3,), (0, 1, 2, 3)]),
+    ("small", 2, [(0, 1), (2, 3), (0, 1, 2, 3)])])  # nothing stated yet at layer 1
 def test_registration_arriving_mid_step_starts_the_writes_there(model_factory, preset,
-                                                                 group, during_forward):
-    """Decode registers while prefill's one-step forward pass is at layer 1: the layers
-    already computed are written at once and every later layer group as it completes,
-    so that after the step only the partial last block is left to write."""
+                                                                 group, posts):
+    """Decode registers while prefill's one-step forward pass is at layer 1: the
+    transfer thread writes the layer groups already stated computed as the registration
+    lands (mid-step) and every later group as it is stated, so that after the step only
+    the partial last block is left to write."""
     model = model_factory("qwen3", preset)
     pd = PDDriver(make_instance(model, "prefill", "push", layers_per_write=group),
                   make_instance(model, "decode", "push", layers_per_write=group))
     try:
-        _registration_mid_step(pd, model, during_forward)
+        _registration_mid_step(pd, model, posts)
     finally:
         pd.close()
 
@@ -175,58 +178,47 @@ def commands_of(msg) -> tuple:
     return msg.commands if isinstance(msg, StepMessage) else (msg,)
 
 
-def _registration_mid_step(pd, model, during_forward: int) -> None:
+def _registration_mid_step(pd, model, posts: list[tuple[int, ...]]) -> None:
     prompt, warm = random_prompts([250, 20], seed=8)  # 250: 15 full blocks and a part
     pd.submit("warm", warm, greedy(1))  # the instances meet (Hello) before the step
     pd.run()
-    writes: list[bool] = []  # per WRITE submitted: during the forward pass?
-    in_forward = [False]
-    submit = pd.p.connector.worker.submit
+    worker = pd.p.connector.worker
+    late = worker.counters["registrations_after_blocks"]
+    posted: list[tuple[int, ...]] = []  # (transfer thread) each WRITE's layers
+    at_registration: list[int] = []  # WRITEs posted once the registration was matched
+    post_write = worker.inflight.post_write
 
-    def recording(msg):
-        for cmd in commands_of(msg):
-            if isinstance(cmd, PostWrite):
-                writes.append(in_forward[0])
-        submit(msg)
+    def recording(cmd):
+        posted.append(tuple(cmd.layers))
+        post_write(cmd)
 
-    pd.p.connector.worker.submit = recording
+    worker.inflight.post_write = recording
     execute = pd.p.runner.execute
 
     def registering_at_layer_1(plan, hook=None):
-        assert hook is not None  # a send awaits its registration: the hook watches
+        assert hook is not None  # a push send's blocks are stated per layer group
         def on_layer(layer):
-            if layer == 1:  # decode's leg arrives; wait until its registration is here
+            if layer == 1:  # decode's leg arrives; wait until prefill matched it
                 pd.send_decode("r", prompt, greedy(6))
                 deadline = time.monotonic() + 10
-                while pd.p.connector.worker.registrations.empty():
-                    assert time.monotonic() < deadline, "registration never arrived"
+                while getattr(worker.push.out.get("r"), "reg", None) is None:
+                    assert time.monotonic() < deadline, "registration never matched"
                     outs = pd.d.process_inbox()
                     if pd.d.has_work():
                         outs += pd.d.step()
                     pd._absorb(outs, pd.d_legs)
                     time.sleep(0.001)
+                at_registration.append(len(posted))
             hook(layer)
-        in_forward[0] = True
-        try:
-            return execute(plan, on_layer)
-        finally:
-            in_forward[0] = False
+        return execute(plan, on_layer)
 
     pd.p.runner.execute = registering_at_layer_1
-    applied_between_steps: list[str] = []  # each registration is applied once
-    on_register = pd.p.connector.sender.on_register
-
-    def counting(reg):
-        applied_between_steps.append(reg.transfer_id)
-        on_register(reg)
-
-    pd.p.connector.sender.on_register = counting
     pd.send_prefill("r", prompt, greedy(6))
     pd.run(until=lambda: "r" in pd.d_legs and pd.d_legs["r"].finished)
-    assert pd.p.connector.counters["registrations_mid_step"] == 1
-    assert applied_between_steps == []  # the hook applied it; the event found nothing
-    assert writes.count(True) == during_forward
-    assert writes.count(False) == 1  # the partial last block, every layer in one WRITE
+    stated_first = posts[0] == (0,)  # layer 0 was stated before the registration
+    assert worker.counters["registrations_after_blocks"] - late == int(stated_first)
+    assert at_registration == [1 if stated_first else 0]  # written as it landed
+    assert posted == posts
     assert pd.d_legs["r"].tokens == single_outputs(model, [prompt], 6)["r0"]
     _assert_clean(pd)
 
@@ -256,7 +248,7 @@ def test_push_writes_layers_in_groups(model_factory, configured, expected_groups
             assert isinstance(msg, StepMessage | Stop)
             messages[0] += in_forward[0]
             for cmd in commands_of(msg):
-                if isinstance(cmd, PostWrite) and in_forward[0]:
+                if isinstance(cmd, BlocksComputed) and in_forward[0]:
                     groups.append(tuple(cmd.layers))
             submit(msg)
 
@@ -375,7 +367,7 @@ def test_prefill_lease_expires_when_decode_never_registers(pd):
     pd.run(until=lambda: pd.p_legs["r"].finished, timeout=10)
     assert pd.p.stats().num_free_blocks < pd.p.stats().num_total_blocks  # held for D
     _assert_clean(pd)
-    assert pd.p.connector.counters["leases_expired"] == 1
+    assert pd.p.connector.worker.counters["leases_expired"] == 1
 
 
 @pytest.mark.parametrize("pd", [("pull", {"lease": 0.5})], indirect=True)
@@ -385,7 +377,7 @@ def test_pull_lease_expires_when_decode_never_reads(pd):
     assert pd.p_legs["r"].kv_transfer_params["remote_block_ids"]
     pd._pull_waiting.clear()
     _assert_clean(pd)
-    assert pd.p.connector.counters["leases_expired"] == 1
+    assert pd.p.connector.worker.counters["leases_expired"] == 1
 
 
 @pytest.mark.parametrize("pd", [("push", {"lease": 0.5})], indirect=True)
@@ -423,8 +415,7 @@ def test_prefill_abort_fails_decode(pd):
     # registered before prefill starts: one block written per 16-token step, so prefill
     # is still running (19 steps) when the second block goes out
     pd.submit_registered("r", random_prompts([300])[0], greedy(5))
-    pd.run(until=lambda: pd.p.connector.sender.sends.get("r") is not None
-           and pd.p.connector.sender.sends["r"].written_blocks >= 2, timeout=10)
+    pd.run(until=lambda: writes_posted(pd.p, "r", 2), timeout=10)
     assert "p-r" in pd.p.scheduler.requests  # still prefilling
     pd.p.abort_request("p-r")
     pd.run(timeout=10)
@@ -448,15 +439,14 @@ def test_prefill_lease_expiry_mid_prefill_drains_writes_before_freeing(pd):
     # far longer than the 0.5 s lease, so they are surely in flight when it ends (at
     # 0.4 s they sometimes completed first, and the send was gone before the check)
     pd.faults.arm(transfer_delay_s=2.0, drop_messages={"Heartbeat": 10**6, "Abort": 10**6})
-    pd.run(until=lambda: pd.p.connector.sender.sends.get("r") is not None
-           and pd.p.connector.sender.sends["r"].written_blocks >= 2, timeout=10)
+    pd.run(until=lambda: writes_posted(pd.p, "r", 2), timeout=10)
     deadline = time.monotonic() + 10
     while "p-r" in pd.p.scheduler.requests:  # prefill is held: handle events, no steps
         assert time.monotonic() < deadline, "prefill's lease did not expire"
         pd.p.process_inbox()
         time.sleep(0.005)
     send = pd.p.connector.sender.sends["r"]
-    assert send.state is SendState.DRAINING  # aborted, its WRITEs still draining
+    assert send.state is SendState.HELD  # aborted, its WRITEs still draining
     s = pd.p.stats()
     assert s.num_free_blocks < s.num_total_blocks  # the blocks they read are still held
     pd.faults.clear()
@@ -481,8 +471,7 @@ def test_prefill_lease_expiry_tells_decode_only_after_its_writes_drain(tiny_qwen
     try:
         pd.submit_registered("r", random_prompts([300])[0], greedy(5))
         faults.arm(transfer_delay_s=2.0, drop_messages={"Heartbeat": 10**6})
-        pd.run(until=lambda: "r" in p.connector.sender.sends
-               and p.connector.sender.sends["r"].written_blocks >= 2, timeout=10)
+        pd.run(until=lambda: writes_posted(p, "r", 2), timeout=10)
         deadline = time.monotonic() + 10
         while "p-r" in p.scheduler.requests:  # prefill held: events only, no steps
             assert time.monotonic() < deadline, "prefill's lease did not expire"
@@ -526,16 +515,18 @@ def test_decode_prefix_hit_trims_the_write(pd, tiny_qwen3):
     assert pd.d_legs["c"].tokens == pd.d_legs["a"].tokens
     _assert_clean(pd)
     assert len(pd.p.connector.records) == n_records
-    assert pd.p_legs["c"].finish_reason in (FinishReason.ABORT, FinishReason.LENGTH)
+    # prefill either finished first or was told to stop (a 400 the router expects)
+    assert (pd.p_legs["c"].finish_reason is FinishReason.LENGTH
+            or pd.p_legs["c"].code == "prefill_not_needed"), pd.p_legs["c"]
     # the full-hit registration may reach prefill before prefill's own leg: that leg is
-    # then refused at once instead of computing a prefill nobody needs
-    from kvpush.engine.outputs import RequestError
-
+    # then stopped with prefill_not_needed, and nothing is written either way
     pd.send_decode("e", list(first), greedy(3))
-    pd.run(until=lambda: "e" in pd.p.connector.sender.early_regs, timeout=10)
-    with pytest.raises(RequestError, match="nothing to prefill"):
-        pd.send_prefill("e", list(first), greedy(3))
+    pd.run(until=lambda: "e" in pd.p.connector.worker.push.out, timeout=10)
+    pd.send_prefill("e", list(first), greedy(3))
     pd.run()
+    e = pd.p_legs["e"]  # (a one-step prefill may finish before the answer is back)
+    assert e.finish_reason is FinishReason.LENGTH or (
+        e.rejected and e.code == "prefill_not_needed" and "nothing to prefill" in e.error), e
     assert pd.d_legs["e"].tokens == pd.d_legs["a"].tokens
     _assert_clean(pd)
 
@@ -609,11 +600,14 @@ def test_malformed_kv_transfer_params_are_refused(pd, bad):
 def test_registration_after_prefill_finished(pd, tiny_qwen3):
     """Side-channel messages delayed: prefill finishes first and holds its blocks until
     decode's registration arrives, then writes everything at once."""
+    from kvpush.kv_transfer.step_loop.state import SendState
+
     prompt = random_prompts([90], seed=12)[0]
     pd.faults.arm(message_delay_s=0.3)
     pd.submit("r", prompt, greedy(5))
     pd.run(until=lambda: pd.p_legs["r"].finished, timeout=10)
-    assert pd.p.connector.sender.sends["r"].reg is None  # finished, not registered yet
+    assert pd.p.connector.sender.sends["r"].state is SendState.HELD  # finished
+    assert pd.p.connector.worker.push.out["r"].reg is None  # and not registered yet
     pd.run(timeout=15)
     assert pd.d_legs["r"].tokens == single_outputs(tiny_qwen3, [prompt], 5)["r0"]
     assert pd.faults.count("message_delays") > 0
@@ -643,7 +637,7 @@ def test_push_sender_preempted_mid_prefill(tiny_qwen3):
         # registrations first, so every sender writes from its first chunk on
         for i, prompt in enumerate(prompts):
             drv.send_decode(f"r{i}", prompt, greedy(4))
-        drv.run(until=lambda: len(p.connector.sender.early_regs) == 3, timeout=10)
+        drv.run(until=lambda: len(p.connector.worker.push.out) == 3, timeout=10)
         for i, prompt in enumerate(prompts):
             drv.send_prefill(f"r{i}", prompt, greedy(4))
         drv.run(timeout=30)

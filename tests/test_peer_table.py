@@ -133,18 +133,20 @@ def test_idle_peers_are_evicted_and_met_again(tiny_qwen3):
         drv.run(timeout=20)
         drv.settle()
         assert p.connector.worker.peers.is_ready(d.connector.address)
-        # both evict: each side's table and the step loops' Hellos are emptied
+        # both evict: each side's table and decode's copy of the Hello are emptied
+        # (prefill's step loop keeps no peers: its transfer thread's table is read)
         for eng in (p, d):
             eng.connector.worker.peers.idle_timeout_s = 0.2
-        wait_for(lambda: not p.connector.peers and not d.connector.peers, 10,
-                 "both peers evicted", step=drv.pump)
+        wait_for(lambda: not p.connector.worker.peers.is_ready(d.connector.address)
+                 and not d.connector.peers, 10, "both peers evicted", step=drv.pump)
         assert len(p.connector.worker.peers) == len(d.connector.worker.peers) == 0
         drv.submit("r1", prompts[1], greedy(4))
         drv.run(timeout=20)
         drv.settle()
         # only prefill evicts: decode registers at once over its old handshake
         d.connector.worker.peers.idle_timeout_s = 1e9
-        wait_for(lambda: not p.connector.peers, 10, "prefill evicts decode", step=drv.pump)
+        wait_for(lambda: not p.connector.worker.peers.is_ready(d.connector.address), 10,
+                 "prefill evicts decode", step=drv.pump)
         assert d.connector.worker.peers.is_ready(p.connector.address)
         drv.submit("r2", prompts[2], greedy(4))
         drv.run(timeout=20)

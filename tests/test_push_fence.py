@@ -22,7 +22,7 @@ from kvpush.kv_transfer import commands as cmd
 from kvpush.kv_transfer.step_loop.state import RecvState
 from kvpush.kv_transfer.wire import messages as m
 from kvpush_testing.faults import FaultPlan
-from pd_helpers import PDDriver, make_instance
+from pd_helpers import PDDriver, make_instance, writes_posted
 
 WRITE_S = 1.0  # each WRITE lands this long after its post (while prefill runs)
 
@@ -114,8 +114,7 @@ def writes_in_flight(pair: Pair, rid: str = "r", prompt_len: int = 300) -> None:
     blocks' WRITEs are posted and prefill is still computing."""
     pair.submit_registered(rid, random_prompts([prompt_len], seed=21)[0], greedy(5))
     pair.faults.arm(transfer_delay_s=WRITE_S)
-    pair.run(until=lambda: rid in pair.p.connector.sender.sends
-             and pair.p.connector.sender.sends[rid].written_blocks >= 2, timeout=10)
+    pair.run(until=lambda: writes_posted(pair.p, rid, 2), timeout=10)
     assert f"p-{rid}" in pair.p.scheduler.requests
 
 
@@ -298,9 +297,9 @@ def test_prefill_refuses_writes_for_an_id_decode_aborted(make_pair):
     pair.run(until=lambda: "r" in acks, timeout=10)
     posts = pair.p.connector.transport.stats.posts
     assert "r" in worker.aborted and "r" not in worker.writes
-    # a layer-hook WRITE the step loop queued before it heard of the abort
+    # blocks the layer hook stated computed before the step loop heard of the abort
     refused = worker.counters["writes_refused"]
-    worker.submit(cmd.PostWrite("r", pair.d.connector.address, [0], [0], range(1)))
+    worker.submit(cmd.BlocksComputed("r", 0, [0], range(1)))
     handled = threading.Event()
     worker.submit(cmd.Call(handled.set))  # commands run in order: the WRITE is handled then
     assert handled.wait(5)

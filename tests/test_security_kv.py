@@ -14,8 +14,8 @@ from kvpush.config import EngineConfig, KVTransferConfig
 from kvpush.engine.inputs import TransferEvent
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import FinishReason
-from kvpush.kv_transfer.commands import PushDoneReceived, RegistrationsArrived
-from kvpush.kv_transfer.step_loop.state import registration_problem
+from kvpush.kv_transfer.commands import Call, PushDoneReceived
+from kvpush.kv_transfer.transfer_thread.push_sends import registration_problem
 from kvpush.kv_transfer.wire import messages as m
 from kvpush.kv_transfer.wire.side_channel import SideChannel
 from pd_helpers import PDDriver
@@ -85,7 +85,7 @@ def test_secret_mismatch_is_rejected_counted_and_named(tiny_qwen3, caplog, p_sec
         assert leg.finish_reason is FinishReason.ERROR
         assert "lease expired" in leg.error
         assert rejected(drv.p, reason) >= 1  # the Hello (and anything else) refused
-        assert not drv.p.connector.peers  # never acted on
+        assert not drv.p.connector.worker.peers.has_ready()  # never acted on
         text = caplog.text
         assert ("DIFFERENT side-channel secret" if reason == "bad_signature"
                 else "no side-channel secret configured") in text
@@ -133,7 +133,7 @@ def test_forged_registration_is_never_acted_on(tiny_qwen3):
             assert time.monotonic() < deadline
             drv.pump()
             time.sleep(0.005)
-        assert drv.p.connector.sender.sends["t"].reg is None  # still waiting for a real one
+        assert drv.p.connector.worker.push.out["t"].reg is None  # still waits for a real one
         drv.p.abort_request("p-t")
         assert_clean(drv)
     finally:
@@ -223,10 +223,10 @@ def test_bad_registrations_write_nothing(tiny_qwen3):
             drv.send_prefill(tid, prompt, greedy(2))
             reg = m.PushRegister(tid, drv.d.connector.engine_id, drv.d.connector.address,
                                  blocks, skip, n)
-            drv.p.connector.worker.registrations.put(reg)
-            drv.p.inbox.put(TransferEvent(RegistrationsArrived()))
-            drv.run(until=lambda t=tid: drv.p_legs[t].finished, timeout=20)
-            assert tid not in drv.p.connector.sender.sends
+            worker = drv.p.connector.worker  # as if it came on the side channel
+            worker.submit(Call(lambda r=reg, w=worker: w.push.on_register(r)))
+            drv.run(until=lambda t=tid: drv.p_legs[t].finished
+                    and t not in drv.p.connector.sender.sends, timeout=20)
             assert "invalid registration" in drv.p.connector.ended[tid]
         assert drv.p.connector.transport.stats.posts == posts  # not one WRITE
         assert_clean(drv)

@@ -25,7 +25,7 @@ from kvpush.kv_transfer.timeline import MAX_TRACKED, HandoffTimeline
 from kvpush.kv_transfer.transports.transport import TransferPostError, XferState
 from kvpush.kv_transfer.wire import messages as m
 from pd_helpers import PDDriver, make_instance
-from test_worker_fences import BLOCKS, D, P, kinds, worker
+from test_worker_fences import BLOCKS, P, kinds, prefilled, sending, worker
 
 
 # ---- HandoffTimeline ------------------------------------------------------------------
@@ -76,17 +76,17 @@ def test_write_done_inside_its_post_sends_push_done_at_finalize():
         return h
 
     tr.post = post_done
-    w.handle(c.PostWrite("t", D, *BLOCKS))
+    sending(w, "t")
     assert not w.handles  # released at once
-    w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=3)))
+    prefilled(w, "t")
     assert [d.ok for d in ch.of(m.PushDone)] == [True]  # no inflight.poll() needed
     assert kinds(events) == ["WritesDone"]
 
 
 def test_pending_write_still_completes_at_the_poll():
     w, ch, tr, _ = worker("prefill")
-    w.handle(c.PostWrite("t", D, *BLOCKS))
-    w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=3)))
+    sending(w, "t")
+    prefilled(w, "t")
     assert ch.of(m.PushDone) == []
     tr.states[1] = XferState.DONE
     w.inflight.poll()
@@ -234,7 +234,8 @@ def test_write_waits_for_its_ready_event_before_posting():
         def synchronize(self) -> None:
             order.append(f"synchronized at {tr.posts} posts")
 
-    w.handle(c.PostWrite("t", D, *BLOCKS, Event()))
+    sending(w, "t", computed=False)
+    w.handle(c.BlocksComputed("t", 0, BLOCKS[0], BLOCKS[2], Event()))
     assert order == ["synchronized at 0 posts"] and tr.posts == 1
 
 

@@ -27,7 +27,7 @@ from kvpush.kv_transfer.step_loop.state import RecvState, SendState
 from kvpush.kv_transfer.transfer_thread.worker import TransferWorker
 from kvpush.server.app import build_app
 from kvpush_testing.faults import FaultPlan
-from pd_helpers import PDDriver, make_instance
+from pd_helpers import PDDriver, make_instance, writes_posted
 from test_worker_fences import D, FakeChannel, FakeTransport, hello
 
 CRASH = "injected transport crash"
@@ -131,9 +131,9 @@ def test_prefill_push_death_fails_its_legs_and_frees_sends_at_once(pair):
     pf.arm(transfer_delay_s=60.0)  # no WRITE lands before the death
     drv.submit_registered("q", random_prompts([40], seed=1)[0], greedy(3))
     drv.run(until=lambda: "q" in p.connector.sender.sends
-            and p.connector.sender.sends["q"].state is SendState.DRAINING, timeout=10)
+            and p.connector.sender.sends["q"].state is SendState.HELD, timeout=10)
     drv.submit_registered("r", random_prompts([300], seed=2)[0], greedy(3))
-    drv.run(until=lambda: p.connector.sender.sends["r"].written_blocks >= 2, timeout=10)
+    drv.run(until=lambda: writes_posted(p, "r", 2), timeout=10)
     assert "p-r" in p.scheduler.requests and "p-q" not in p.scheduler.requests
     assert free(p) < p.stats().num_total_blocks
 
@@ -156,7 +156,7 @@ def test_decode_push_death_fails_its_receive_and_frees_fenced_blocks_after_the_h
     p, d = drv.p, drv.d
     pf.arm(transfer_delay_s=HOLD_S)
     drv.submit_registered("r", random_prompts([300], seed=3)[0], greedy(3))
-    drv.run(until=lambda: p.connector.sender.sends["r"].written_blocks >= 2, timeout=10)
+    drv.run(until=lambda: writes_posted(p, "r", 2), timeout=10)
     assert d.connector.receiver.recvs["r"].state is RecvState.AWAITING_KV
 
     kill_transfer_thread(d)

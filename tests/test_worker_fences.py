@@ -1,6 +1,7 @@
 """TransferWorker without its thread, on a fake channel and transport: how prefill
-answers Aborts and refuses late WRITEs, and how decode's fences end (peer gone,
-timeout) — deterministic, no sockets."""
+matches registrations to the blocks the step loop states computed, answers Aborts,
+refuses late WRITEs and ends a push on its lease, and how decode's fences end (peer
+gone, timeout) — deterministic, no sockets."""
 
 from __future__ import annotations
 
@@ -98,6 +99,31 @@ def abort_frame(tid: str) -> bytes:
     return m.encode(m.Abort(tid, "client gone"))
 
 
+#: a prompt of 8 blocks of hello()'s 16 tokens, and its (stand-in) hash chain
+PROMPT_TOKENS, CHAIN = 8 * 16, [bytes([i]) * 16 for i in range(8)]
+
+
+def registration(tid: str, blocks: list[int] | None = None, **kw) -> bytes:
+    """Decode's PushRegister for ``tid`` (a frame), into ``blocks`` (BLOCKS' theirs)."""
+    return m.encode(m.PushRegister(tid, "decode", D, list(BLOCKS[1] if blocks is None
+                                                            else blocks), 0,
+                                   PROMPT_TOKENS, prompt_hashes=CHAIN, **kw))
+
+
+def sending(w: TransferWorker, tid: str, *, computed: bool = True) -> None:
+    """Push ``tid`` as the step loop and decode state it: the leg added, decode's
+    registration, and (``computed``) BLOCKS' blocks computed: one WRITE posted."""
+    w.handle(c.PushAdded(tid, PROMPT_TOKENS, CHAIN))
+    w.receive(registration(tid), D)
+    if computed:
+        w.handle(c.BlocksComputed(tid, 0, BLOCKS[0], BLOCKS[2]))
+
+
+def prefilled(w: TransferWorker, tid: str, first_token: int = 3) -> None:
+    """The step loop: prefill of ``tid`` is over with token #1 ``first_token``."""
+    w.handle(c.PushPrefilled(tid, m.PushDone(tid, ok=True, first_token=first_token)))
+
+
 def kinds(events: list) -> list[str]:
     return [type(ev).__name__ for ev in events]
 
@@ -107,19 +133,20 @@ def test_prefill_acks_an_abort_for_an_unknown_id_at_once_and_refuses_its_writes(
     w.receive(abort_frame("never-seen"), D)
     assert ch.of(m.AbortAck) == [m.AbortAck("never-seen")]
     assert ch.sent[0][0] == D
-    assert kinds(events) == ["AbortReceived"]  # the step loop hears of it too
-    w.handle(c.PostWrite("never-seen", D, *BLOCKS))
+    assert kinds(events) == ["AbortReceived"]  # the step loop counts it
+    w.handle(c.BlocksComputed("never-seen", 0, *BLOCKS[::2]))
     assert tr.posts == 0 and w.counters["writes_refused"] == 1
     assert "never-seen" not in w.writes
 
 
 def test_prefill_acks_only_once_its_in_flight_writes_drained():
     w, ch, tr, events = worker("prefill")
-    w.handle(c.PostWrite("t", D, *BLOCKS))
+    sending(w, "t")
     assert tr.posts == 1
     w.receive(abort_frame("t"), D)
     assert ch.of(m.AbortAck) == []  # a WRITE may still land in decode's blocks
-    w.handle(c.PostWrite("t", D, *BLOCKS))  # a layer-hook WRITE queued before the step loop heard
+    assert kinds(events) == ["PushFailing", "AbortReceived"]  # the prefill stops now
+    w.handle(c.BlocksComputed("t", 0, *BLOCKS[::2]))  # stated before the step loop heard
     assert tr.posts == 1 and w.counters["writes_refused"] == 1
     tr.states[1] = XferState.DONE
     w.inflight.poll()
@@ -127,8 +154,9 @@ def test_prefill_acks_only_once_its_in_flight_writes_drained():
     assert ch.of(m.PushDone) == []
     done = [ev for ev in events if isinstance(ev, c.WritesDone)]
     assert len(done) == 1 and done[0].failed == "aborted by decode"
-    # the group is gone, the id is remembered: a WRITE queued later is still refused
-    w.handle(c.PostWrite("t", D, *BLOCKS))
+    # the group is gone, the id is remembered: blocks stated later are still refused
+    w.handle(c.BlocksComputed("t", 0, *BLOCKS[::2]))
+    w.handle(c.PushEnded("t", "aborted"))  # (the prefill's end, stated: nothing to do)
     assert tr.posts == 1 and w.counters["writes_refused"] == 2
     # the transfer thread cancelled on the Abort itself: nothing comes back from the
     # step loop, decode has its one answer, the step loop its one WritesDone
@@ -138,29 +166,88 @@ def test_prefill_acks_only_once_its_in_flight_writes_drained():
 
 def test_prefill_refuses_writes_once_a_transfer_finished():
     w, ch, tr, _ = worker("prefill")
-    w.handle(c.PostWrite("t", D, *BLOCKS))
-    w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=3)))
+    sending(w, "t")
+    prefilled(w, "t")
     tr.states[1] = XferState.DONE
     w.inflight.poll()
     assert [d.ok for d in ch.of(m.PushDone)] == [True]
-    w.handle(c.PostWrite("t", D, *BLOCKS))
+    w.handle(c.BlocksComputed("t", 0, *BLOCKS[::2]))
     assert tr.posts == 1 and w.counters["writes_refused"] == 1 and "t" not in w.writes
+    # a registration sent again (decode thought it lost) is told the transfer is over
+    w.receive(registration("t"), D)
+    assert [d.ok for d in ch.of(m.PushDone)] == [True, False] and tr.posts == 1
     # an Abort arriving after PushDone is answered too (nothing is in flight)
     w.receive(abort_frame("t"), D)
     assert ch.of(m.AbortAck) == [m.AbortAck("t")]
 
 
-def test_prefill_finalize_after_its_own_lease_abort_sends_nothing_more():
-    """Prefill's lease ended with no WRITE posted: it sent decode an Abort; the step
-    loop's finalize for that id only releases prefill's blocks."""
+def test_prefill_lease_ends_a_push_on_the_transfer_thread():
+    """Prefill's lease ends: with nothing of ours in flight decode gets PushDone(ok=False)
+    at once and the step loop one WritesDone; with WRITEs in flight, the prefill is told
+    to stop (PushFailing) and PushDone(ok=False) waits until they drained."""
     w, ch, tr, events = worker("prefill")
-    w.handle(c.Track("t", D))
+    sending(w, "t", computed=False)
     w._expire(time.monotonic() + LEASE + 1)
-    assert ch.of(m.Abort) == [m.Abort("t", "lease expired")]
-    w.handle(c.PostWrite("t", D, *BLOCKS))
-    w.handle(c.Finalize("t", D, m.PushDone("t", ok=False, error="lease expired")))
-    assert tr.posts == 0 and ch.of(m.PushDone) == []
-    assert kinds(events) == ["LeaseExpired", "WritesDone"]
+    [done] = ch.of(m.PushDone)
+    assert not done.ok and "lease expired" in done.error
+    assert kinds(events) == ["WritesDone"] and "lease expired" in events[0].failed
+    prefilled(w, "t")  # the step loop's facts that crossed it change nothing
+    w.handle(c.PushEnded("t", "aborted"))
+    assert tr.posts == 0 and len(ch.of(m.PushDone)) == 1 and len(events) == 1
+    w.handle(c.PushAdded("u", PROMPT_TOKENS, CHAIN))  # never registered
+    w._expire(time.monotonic() + LEASE + 1)
+    assert events[-1] == c.WritesDone("u", "lease expired: decode never registered")
+    assert len(ch.of(m.PushDone)) == 1  # nobody to tell
+    sending(w, "v")  # a WRITE in flight
+    w._expire(time.monotonic() + LEASE + 1)
+    assert kinds(events)[-1] == "PushFailing" and len(ch.of(m.PushDone)) == 1
+    tr.states[tr.posts] = XferState.DONE
+    w.inflight.poll()
+    assert not ch.of(m.PushDone)[-1].ok and kinds(events)[-1] == "WritesDone"
+    assert not w.leases and not w.push.out and not w.writes
+
+
+def test_prefill_matches_a_registration_that_came_first():
+    """Decode's registration before prefill's leg: held under a fixed deadline, then
+    matched when the leg is added; blocks computed before a registration are kept and
+    written as it lands, clipped to what decode registered (its cached blocks skipped)."""
+    w, ch, tr, events = worker("prefill")
+    w.receive(registration("t"), D)
+    assert w.push.out["t"].state.value == "early" and not w.leases["t"].renewable
+    w.handle(c.PushAdded("t", PROMPT_TOKENS, CHAIN))
+    assert w.leases["t"].renewable and w.leases["t"].address == D
+    w.handle(c.BlocksComputed("t", 0, [0, 1], range(1)))
+    assert tr.posted[-1][2:] == ([(4096, 16)], [(4096, 16)])
+    # registration second: blocks 0-1 and 2-3 stated, decode holds block 0 already
+    w.handle(c.PushAdded("u", PROMPT_TOKENS, CHAIN))
+    w.handle(c.BlocksComputed("u", 0, [0, 1], range(1)))
+    w.handle(c.BlocksComputed("u", 2, [2, 3], range(1)))
+    assert tr.posts == 1
+    w.receive(m.encode(m.PushRegister("u", "decode", D, [7, 6, 5, 4, 3, 2, 1, 0], 1,
+                                      PROMPT_TOKENS, prompt_hashes=CHAIN)), D)
+    assert [p[2:] for p in tr.posted[1:]] == [
+        ([(4096 + 8, 8)], [(4096 + 48, 8)]),  # block 1 -> 6 (0 skipped)
+        ([(4096 + 16, 8), (4096 + 24, 8)], [(4096 + 40, 8), (4096 + 32, 8)])]  # 2-3 -> 5, 4
+    assert w.counters["registrations_after_blocks"] == 1 and events == []
+
+
+def test_prefill_refuses_a_bad_registration_and_writes_nothing():
+    w, ch, tr, events = worker("prefill")
+    w.handle(c.PushAdded("t", PROMPT_TOKENS, CHAIN))
+    w.handle(c.BlocksComputed("t", 0, *BLOCKS[::2]))
+    w.receive(m.encode(m.PushRegister("t", "decode", D, [0, 1, 2, 3, 4, 5, 6, 99], 0,
+                                      PROMPT_TOKENS, prompt_hashes=CHAIN)), D)
+    [done] = ch.of(m.PushDone)
+    assert not done.ok and "outside" in done.error and tr.posts == 0
+    assert kinds(events) == ["WritesDone"] and "invalid registration" in events[0].failed
+    w.handle(c.PushAdded("u", PROMPT_TOKENS, CHAIN))  # another prompt than decode's
+    w.receive(m.encode(m.PushRegister("u", "decode", D, BLOCKS[1], 0, PROMPT_TOKENS,
+                                      prompt_hashes=CHAIN[:7] + [b"x" * 16])), D)
+    assert "differs from prefill's from block 7" in ch.of(m.PushDone)[-1].error
+    w.handle(c.PushAdded("v", PROMPT_TOKENS, CHAIN))  # decode has it all cached
+    w.receive(registration("v", full_hit=True), D)
+    assert events[-1] == c.WritesDone("v", None, prefill_not_needed=True)
+    assert len(ch.of(m.PushDone)) == 2 and tr.posts == 0 and not w.leases
 
 
 def test_decode_does_not_answer_aborts():
@@ -215,32 +302,36 @@ def test_prefill_polls_fast_only_once_a_completion_is_waited_for():
     are checked every millisecond."""
     w, ch, tr, events = worker("prefill")
     w._next_heartbeat = time.monotonic() + 60
-    w.handle(c.PostWrite("t", D, *BLOCKS))
+    sending(w, "t")
     assert w.handles == {tr.posts: "t"}
     assert w._timeout(time.monotonic()) >= 0.02 - 1e-9  # nobody waits on it yet
-    w.handle(c.Finalize("t", D, m.PushDone("t", ok=True, first_token=5)))
+    prefilled(w, "t", 5)
     assert w._timeout(time.monotonic()) == w.busy_poll_s
     tr.states[tr.posts] = XferState.DONE
     w.inflight.poll()
     assert ch.of(m.PushDone) and w._timeout(time.monotonic()) >= 0.02 - 1e-9
 
-    w.handle(c.PostWrite("u", D, *BLOCKS))  # decode aborts while a WRITE is in flight
+    sending(w, "u")  # decode aborts while a WRITE is in flight
     w.receive(abort_frame("u"), D)
     assert w._timeout(time.monotonic()) == w.busy_poll_s  # the AbortAck waits on it
 
 
 def test_the_transfer_thread_builds_descriptors_from_block_ids():
-    """PostWrite / PostRead carry block ids and layers; the transfer thread turns them
-    into descriptors from the two Hellos (one per layer per run consecutive on both
-    sides), and a block outside a region fails the transfer instead of posting."""
+    """Block ids and layers cross (BlocksComputed, the registration, PostRead); the
+    transfer thread turns them into descriptors from the two Hellos (one per layer per
+    run consecutive on both sides), and a block outside our region fails the transfer
+    instead of posting."""
     w, ch, tr, _ = worker("prefill")
-    w.handle(c.PostWrite("t", D, [0, 1, 5], [2, 3, 4], range(1)))
+    w.handle(c.PushAdded("t", PROMPT_TOKENS, CHAIN))
+    w.receive(registration("t", [2, 3, 4, 0, 1, 5, 6, 7]), D)
+    w.handle(c.BlocksComputed("t", 0, [0, 1, 5], range(1)))
     [(op, _, local, remote)] = tr.posted
     assert op == "WRITE"
     assert local == [(4096, 16), (4096 + 40, 8)]  # blocks 0-1, then 5 (8 bytes a block)
     assert remote == [(4096 + 16, 16), (4096 + 32, 8)]  # 2-3, then 4
-    w.handle(c.PostWrite("bad", D, [0], [8], range(1)))  # the peer has 8 blocks: 0-7
-    w.handle(c.Finalize("bad", D, m.PushDone("bad", ok=True, first_token=1)))
+    sending(w, "bad", computed=False)
+    w.handle(c.BlocksComputed("bad", 0, [8], range(1)))  # we have 8 blocks: 0-7
+    prefilled(w, "bad", 1)
     [done] = [msg for msg in ch.of(m.PushDone) if msg.transfer_id == "bad"]
     assert not done.ok and "not posted" in done.error and len(tr.posted) == 1
     r, _, rtr, events = worker("decode")

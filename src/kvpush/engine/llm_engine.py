@@ -200,9 +200,9 @@ class LLMEngine:
                 case FailRequest(_, why):
                     outputs.append(self._finish(req, FinishReason.ERROR, [], None,
                                                 RequestFailure(why)))
-                case RejectRequest(_, why):  # the request's kv_transfer_params were wrong
+                case RejectRequest(_, why, code):  # its kv_transfer_params were wrong
                     outputs.append(self._finish(req, FinishReason.ERROR, [], None,
-                                                RequestFailure(why, rejected=True,
+                                                RequestFailure(why, rejected=True, code=code,
                                                                param="kv_transfer_params")))
                 case AbortRequest(_, why):
                     outputs.append(self._finish(req, FinishReason.ABORT, [], None,

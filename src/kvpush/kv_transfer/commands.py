@@ -3,11 +3,15 @@
 Three kinds of plain, frozen data cross between the two threads of an instance's KV
 transfer, each dispatched with ``match``:
 
-* **commands** (``Command``), step loop → transfer thread: what to send, post, track
-  or fence. The connector collects the commands of one engine turn (a step, or a pass
+* **commands** (``Command``), step loop → transfer thread. On a push prefill instance
+  they are facts, each stated once: a leg was added (``PushAdded``), blocks hold their
+  KV for some layers (``BlocksComputed``), prefill is over (``PushPrefilled``) or the
+  leg ended otherwise (``PushEnded``); the transfer thread decides what they mean for
+  the transfer (push_sends.py). Pull and decode still use verbs: send, track, read,
+  fence. The connector collects the commands of one engine turn (a step, or a pass
   over the inbox) and hands them over as **one** ``StepMessage`` (one queue item, one
-  wake-up of the transfer thread); the layer hook hands over each layer group's WRITEs
-  as one ``StepMessage`` too, mid-step;
+  wake-up of the transfer thread); the layer hook hands over each layer group's
+  ``BlocksComputed`` as one ``StepMessage`` too, mid-step;
 * **events** (``TransferEvent``), transfer thread → step loop: what a peer said, which
   transfer ended, which lease ran out. The events of one pass of the transfer thread go
   to the engine's inbox as **one** ``TransferUpdate``, ``("kv", update)``;
@@ -62,28 +66,47 @@ class Untrack:
 
 
 @dataclass(frozen=True, slots=True)
-class PostWrite:
-    """Push: these blocks' KV is ready for ``layers``: WRITE our ``local_blocks`` into
-    the peer's ``remote_blocks`` (paired in order) for transfer ``tid``. The transfer
-    thread builds the descriptors from the two instances' Hellos (it owns the peers).
-    ``ready``: on CUDA, the event recorded after the layers' KV was computed; the
-    transfer thread waits on it (``synchronize()``) before it posts."""
+class PushAdded:
+    """Push, prefill: the leg of ``tid`` is in the engine. A registration must match its
+    prompt: ``num_prompt_tokens`` tokens whose block hash chain is ``prompt_hashes``."""
 
     tid: str
-    address: str
+    num_prompt_tokens: int
+    prompt_hashes: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksComputed:
+    """Push, prefill: prompt blocks ``first_block`` on (our ``local_blocks``) hold their
+    KV for ``layers`` now. The transfer thread WRITEs them into decode's blocks once it
+    has decode's registration (push_sends.py). ``ready``: on CUDA, the event recorded
+    after those layers' kernels were queued; the transfer thread waits on it before it
+    posts (None on CPU)."""
+
+    tid: str
+    first_block: int
     local_blocks: list[int]
-    remote_blocks: list[int]
     layers: range
     ready: Any = None
 
 
 @dataclass(frozen=True, slots=True)
-class Finalize:
-    """Push: send ``done`` once every WRITE of ``tid`` has completed."""
+class PushPrefilled:
+    """Push, prefill: the leg is over and every block was stated computed; ``done``
+    (token #1) goes to decode once every WRITE has landed."""
 
     tid: str
-    address: str
     done: m.PushDone
+
+
+@dataclass(frozen=True, slots=True)
+class PushEnded:
+    """Push, prefill: the step loop ended the leg (aborted, failed) or the router gave up
+    on the transfer; the transfer thread ends it unless decode already waits for WRITEs
+    of a finished prefill (then decode decides)."""
+
+    tid: str
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +142,8 @@ class Stop:
     """End the transfer thread."""
 
 
-Command = (Send | EnsurePeer | Track | Untrack | PostWrite | Finalize | PostRead
-           | FenceTransfer | Call | Stop)
+Command = (Send | EnsurePeer | Track | Untrack | PushAdded | BlocksComputed | PushPrefilled
+           | PushEnded | PostRead | FenceTransfer | Call | Stop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,14 +179,6 @@ class PeerEvicted:
 
 
 @dataclass(frozen=True, slots=True)
-class RegistrationsArrived:
-    """Decode's registrations (``PushRegister``) wait on ``TransferWorker.registrations``
-    (prefill side). Each is applied once, by whichever drains it first: the layer hook of
-    a step under way, or the step loop on this event. The event carries nothing, so no
-    registration reaches the step loop twice."""
-
-
-@dataclass(frozen=True, slots=True)
 class PushDoneReceived:
     done: m.PushDone
 
@@ -192,7 +207,10 @@ class AwaitingRegistration:
 
 @dataclass(frozen=True, slots=True)
 class WritesDone:
-    """Push: every WRITE of ``tid`` is over; ``failed``: why not all landed."""
+    """Push, prefill: transfer ``tid`` is over and nothing of ours reads its blocks any
+    more (its WRITEs drained, or none was posted): the step loop frees them. ``failed``:
+    why not all landed; ``prefill_not_needed``: decode has the whole prompt cached. One
+    per transfer the step loop added (push_sends.py)."""
 
     tid: str
     failed: str | None
@@ -200,6 +218,16 @@ class WritesDone:
     num_bytes: int = 0
     post_s: float = 0.0
     elapsed_s: float = 0.0
+    prefill_not_needed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PushFailing:
+    """Push, prefill: the transfer thread ended ``tid`` (``why``) while WRITEs of it are
+    still draining: stop its prefill now; ``WritesDone`` follows once they drained."""
+
+    tid: str
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,8 +273,8 @@ class DeadHoldExpired:
     by thread_death.py's timer, not by the transfer thread."""
 
 
-TransferEvent = (PeerReady | PeerRefused | PeerEvicted | RegistrationsArrived | PushDoneReceived
-                 | PullDoneReceived | AbortReceived | AbortAckReceived | AwaitingRegistration
+TransferEvent = (PeerReady | PeerRefused | PeerEvicted | PushDoneReceived | PullDoneReceived
+                 | AbortReceived | AbortAckReceived | AwaitingRegistration | PushFailing
                  | WritesDone | ReadDone | LeaseExpired | FenceReleased | WorkerDied
                  | DeadHoldExpired)
 
@@ -274,10 +302,12 @@ class FailRequest:
 
 @dataclass(frozen=True, slots=True)
 class RejectRequest:
-    """The request's own kv_transfer_params were wrong: a 400, not a 5xx."""
+    """The request's own kv_transfer_params were wrong, or it has nothing to do: a 400
+    with ``code`` (e.g. ``prefill_not_needed``), not a 5xx."""
 
     request_id: str
     why: str
+    code: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

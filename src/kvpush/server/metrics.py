@@ -103,7 +103,7 @@ class _TransferCollector(Collector):
             "kvpush_kv_transfers_failed": ("KV transfers that failed (post, completion, "
                                            "peer gone, refused)", "transfers_failed"),
             "kvpush_kv_leases_expired": ("Transfer leases that ran out (blocks freed)",
-                                         "leases_expired"),
+                                         "worker_leases_expired"),
             "kvpush_kv_aborts_sent": ("Aborts sent to a peer", "aborts_sent"),
             "kvpush_kv_aborts_received": ("Aborts received from a peer", "aborts_received"),
             "kvpush_kv_side_channel_bad_messages": ("Side-channel frames dropped as "
@@ -119,10 +119,10 @@ class _TransferCollector(Collector):
                                          "blocks freed anyway", "fence_timeouts"),
             "kvpush_kv_writes_refused": ("WRITEs not posted because their transfer had "
                                          "ended (aborted or done)", "worker_writes_refused"),
-            "kvpush_kv_registrations_mid_step": ("Push registrations applied by prefill in "
-                                                 "the middle of a forward pass (its WRITEs "
-                                                 "start there, not after the step)",
-                                                 "registrations_mid_step"),
+            "kvpush_kv_registrations_after_blocks": (
+                "Push registrations that reached prefill after some of the prompt's KV was "
+                "computed (those blocks were written as the registration arrived, mid-step "
+                "included)", "worker_registrations_after_blocks"),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(st.get(key, 0)))

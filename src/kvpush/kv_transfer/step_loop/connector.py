@@ -5,13 +5,15 @@ It decides, per request, whether the instance sends KV (prefill role), receives 
 turns transfer events into request progress. All its methods run on the step-loop
 thread; only ``TransferWorker.submit`` crosses to the transfer thread.
 
-Push, prefill side (``PushSend``)::
+Push, prefill side (``PushSend``: the blocks; the transfer is the transfer thread's,
+push_sends.py)::
 
-    AWAITING_REGISTRATION ──PushRegister──▶ SENDING ──prefill done──▶ DRAINING
-      │ (prefill may finish first: blocks    (each layer's new full      │ last WRITEs,
-      │  held under a lease until D          blocks WRITten while the    │ then PushDone
-      │  registers)                          forward pass goes on)       ▼ (token #1)
-      └── lease expires / abort ──────────────────────────────────▶ RELEASED (blocks freed)
+    PREFILLING ──request ends──▶ HELD ──WritesDone──▶ (blocks freed)
+      │ (blocks computed are         (PushPrefilled / PushEnded stated; the
+      │  stated per layer group)      transfer thread drains its WRITEs, sends PushDone)
+      └──WritesDone first (decode aborted, lease, bad registration, full hit)──▶ OVER
+           (the request is aborted, or rejected with prefill_not_needed; the scheduler
+            frees its blocks as it ends)
 
 Push, decode side (``DecodeRecv``)::
 
@@ -271,8 +273,6 @@ class KVConnector:
                 receiver.on_peer_refused(address, reason)
             case c.PeerEvicted(address):
                 self.ctx.peers.pop(address, None)
-            case c.RegistrationsArrived() if self.role == "prefill":
-                sender.apply_registrations()
             case c.PushDoneReceived(done):
                 receiver.on_push_done(done)
             case c.PullDoneReceived(done) if self.role == "prefill":
@@ -287,12 +287,13 @@ class KVConnector:
                 receiver.on_abort_ack(ack)
             case c.AwaitingRegistration(tids):
                 receiver.on_awaiting_registration(tids)
+            case c.PushFailing(tid, why):
+                sender.on_push_failing(tid, why)
             case c.WritesDone():
                 sender.on_writes_done(ev)
             case c.ReadDone():
                 receiver.on_read_done(ev)
             case c.LeaseExpired(tid):
-                self.counters["leases_expired"] += 1
                 if self.role == "prefill":
                     sender.on_lease_expired(tid)
                 else:
@@ -304,7 +305,7 @@ class KVConnector:
             case c.DeadHoldExpired():
                 sender.release_dead_hold()
                 receiver.release_dead_hold()
-            case c.RegistrationsArrived() | c.PullDoneReceived():
+            case c.PullDoneReceived():
                 pass  # a prefill instance's messages, sent to this decode: ignored
             case _:
                 raise TypeError(f"not a transfer event: {ev!r}")
@@ -325,7 +326,8 @@ class KVConnector:
             self.dead_hold.start(hold_seconds(self.cfg))
 
     def _peer_ready(self, address: str, hello: m.Hello) -> None:
-        self.ctx.peers[address] = hello  # to check requests' params against it
+        if self.role == "decode":  # to check requests' params against it (a prefill
+            self.ctx.peers[address] = hello  # instance's peers are its transfer thread's)
 
     # ---- visibility --------------------------------------------------------------------
     def stats(self) -> dict:

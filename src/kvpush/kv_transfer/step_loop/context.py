@@ -51,9 +51,8 @@ class TransferContext:
     peers: dict[str, m.Hello] = field(default_factory=dict)
     by_request: dict[str, str] = field(default_factory=dict)  # request id -> tid
     counters: dict[str, int] = field(default_factory=lambda: {
-        "transfers_ok": 0, "transfers_failed": 0, "leases_expired": 0, "aborts_sent": 0,
-        "aborts_received": 0, "fences": 0, "fences_peer_gone": 0, "fence_timeouts": 0,
-        "registrations_mid_step": 0})
+        "transfers_ok": 0, "transfers_failed": 0, "aborts_sent": 0,
+        "aborts_received": 0, "fences": 0, "fences_peer_gone": 0, "fence_timeouts": 0})
     actions: list[c.EngineAction] = field(default_factory=list)
     ended: OrderedDict[str, str] = field(default_factory=OrderedDict)  # tid -> why
     _ended_at: dict[str, float] = field(default_factory=dict)  # tid -> when (monotonic)

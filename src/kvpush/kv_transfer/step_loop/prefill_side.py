@@ -1,23 +1,17 @@
 """PrefillSender: the prefill side of KV transfer, owned by KVConnector (shared state in
-context.py). It owns the push sends, the pull lends and the registrations that came
-before their request.
+context.py). It owns the blocks of the push sends and the pull lends.
 
-Push: a ``PushSend`` per request waits for decode's registration, then WRITEs each
-layer's newly completed full blocks from the runner's layer hook while the forward pass
-goes on (``layers_per_write`` layers per WRITE: one on CUDA, a third of the model on CPU
-by default), the rest when prefill ends, and asks the transfer thread to send ``PushDone``
-(token #1) once every WRITE completed; its blocks are freed on ``writes_done``.
+Push: the transfer thread owns each push transfer (push_sends.py): decode's
+registration, which blocks go where, the WRITEs, the lease and the PushDone. The step
+loop states what happened, once each: the leg is added (``PushAdded``); the blocks a
+step completes hold their KV for a layer group (``BlocksComputed``, from the runner's
+layer hook while the forward pass goes on, ``layers_per_write`` layers per group: one
+on CUDA, a third of the model on CPU by default); prefill is over with token #1
+(``PushPrefilled``); or the leg ended otherwise (``PushEnded``). It gets back one
+``WritesDone`` per transfer, once nothing of the thread's reads the blocks any more,
+and frees them then. A registration that lands mid-step is matched on the transfer
+thread at once: blocks already computed are written as it arrives, not after the step.
 
-Decode's registration usually lands a few milliseconds after prefill's step for the
-request began (both legs leave the router together), so the step loop would see it only
-after that step, and a prompt prefilled in one step would have all of its KV written
-after the forward pass, on the path to token #1. The transfer thread therefore also
-puts each registration on the ``worker.registrations`` queue and posts a
-``RegistrationsArrived`` event that carries nothing. The layer hook drains the queue
-mid-step, at the end of a layer group (on the step-loop thread, where all connector
-state lives), writes the layers already computed at once and the rest group by group;
-what it did not apply, the step loop applies on the event (``apply_registrations``).
-Each registration is applied once.
 Pull: a finished request's blocks are lent (``lent``) until decode's ``PullDone`` or the
 lease ends.
 """
@@ -38,12 +32,11 @@ from kvpush.kv_transfer.step_loop.state import (
     PushSend,
     SendState,
     TransferRecord,
-    registration_problem,
 )
 from kvpush.kv_transfer.wire import messages as m
 from kvpush.sampling_params import SampledToken
 from kvpush.scheduler.request import Request
-from kvpush.scheduler.scheduler import ScheduledChunk, StepPlan
+from kvpush.scheduler.scheduler import StepPlan
 
 log = logging.getLogger("kvpush.kv_transfer.step_loop.connector")
 
@@ -60,12 +53,8 @@ class PrefillSender:
     def __init__(self, ctx: TransferContext, layers_per_write: int) -> None:
         self.ctx = ctx
         self.layers_per_write = layers_per_write
-        self.sends: dict[str, PushSend] = {}  # tid -> push transfer
+        self.sends: dict[str, PushSend] = {}  # tid -> push send (its blocks)
         self.lent: dict[str, list[int]] = {}  # pull: tid -> blocks lent to decode
-        self.early_regs: dict[str, m.PushRegister] = {}  # registrations before the request
-        self._step_writes: list[tuple[PushSend, list[int], list[int]]] = []
-        #: registrations taken off the transfer thread's queue, not applied yet
-        self._hints: dict[str, m.PushRegister] = {}
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, req: Request, tid: str) -> None:
@@ -73,31 +62,17 @@ class PrefillSender:
         ctx = self.ctx
         if tid in self.sends or tid in self.lent:
             raise RequestError(f"transfer id {tid!r} is already in use", "kv_transfer_params")
-        reg = None
         if ctx.mode == "push":
             reason = ctx.ended.get(tid)  # every replay, not just the first
             if reason is not None:
                 raise RequestError(f"transfer {tid} already ended: {reason}",
                                    "kv_transfer_params")
-            reg = self.early_regs.pop(tid, None)
-            if reg is not None and reg.full_hit:  # nothing for prefill to do
-                ctx.submit(c.Untrack(tid))
-                ctx.remember_ended(tid, "decode has the whole prompt cached")
-                raise RequestError(
-                    "decode holds the whole prompt in its prefix cache: nothing to "
-                    "prefill", "kv_transfer_params", "prefill_not_needed")
-            self.sends[tid] = PushSend(
-                tid, req.request_id,
-                prompt_hashes=hash_prompt_chain(req.prompt_token_ids, ctx.block_size,
-                                                salt=req.params.cache_salt))
+            self.sends[tid] = PushSend(tid, req.request_id)
+            ctx.submit(c.PushAdded(tid, req.num_prompt_tokens, hash_prompt_chain(
+                req.prompt_token_ids, ctx.block_size, salt=req.params.cache_salt)))
         ctx.by_request[req.request_id] = tid
         ctx.timeline.begin(tid, "p_added")
-        ctx.scheduler.add_request(req)  # before a registration may abort it
-        if ctx.mode == "push":
-            if reg is not None:
-                self._registered(self.sends[tid], reg)
-            else:
-                ctx.submit(c.Track(tid, None))
+        ctx.scheduler.add_request(req)
 
     def finish(self, req: Request, tid: str, ok: bool,
                error: str | None) -> tuple[bool, dict | None]:
@@ -108,17 +83,7 @@ class PrefillSender:
         ctx.timeline.stamp(tid, "p_first")
         send = self.sends.get(tid)
         if send is not None:
-            if not ok:
-                return self._send_aborted(send, req, error or "prefill request aborted"), None
-            send.finished = True
-            send.block_ids = list(req.block_ids)
-            send.num_prompt_tokens = req.num_prompt_tokens
-            send.first = SampledToken(
-                req.output_token_ids[0], req.output_logprobs[0] if req.output_logprobs else None,
-                req.output_top_logprobs[0] if req.output_top_logprobs else None)
-            if send.state is SendState.SENDING:
-                self._flush(send, final=True)
-            return True, None
+            return self._send_finished(send, req, ok, error), None
         if ctx.mode != "pull" or not ok:
             return False, None
         self.lent[tid] = list(req.block_ids)
@@ -139,69 +104,61 @@ class PrefillSender:
             "lend_expires_ms": int((time.time() + ctx.cfg.lease_timeout_s) * 1000),
         }
 
+    def _send_finished(self, send: PushSend, req: Request, ok: bool,
+                       error: str | None) -> bool:
+        """A push leg's request ends. True: its blocks stay here until WritesDone."""
+        if send.state is SendState.OVER:  # the transfer ended first: nothing reads them
+            self._forget(send)
+            return False
+        send.state, send.block_ids = SendState.HELD, list(req.block_ids)
+        if not ok:
+            self.ctx.submit(c.PushEnded(send.tid, error or "prefill request aborted"))
+            return True
+        n_blocks = -(-req.num_prompt_tokens // self.ctx.block_size)  # the partial one too
+        self._state_blocks(send, req.block_ids, n_blocks, range(self.ctx.layout.num_layers),
+                           self._ready())
+        first = SampledToken(
+            req.output_token_ids[0], req.output_logprobs[0] if req.output_logprobs else None,
+            req.output_top_logprobs[0] if req.output_top_logprobs else None)
+        top = [tuple(alt) for alt in first.top] if first.top is not None else None
+        self.ctx.submit(c.PushPrefilled(send.tid, m.PushDone(
+            send.tid, ok=True, first_token=first.token, first_logprob=first.logprob,
+            first_top_logprobs=top)))
+        return True
+
     def abort_transfer(self, tid: str, why: str) -> None:
         """The router gave up on ``tid``: release what is held for it now."""
         ctx = self.ctx
         send = self.sends.get(tid)
         if send is not None:
-            if send.request_id in ctx.scheduler.requests:
+            if send.state is SendState.PREFILLING:
                 ctx.actions.append(c.AbortRequest(send.request_id, why))
-            elif send.state is SendState.AWAITING_REGISTRATION:
-                self._drop_send(send, why)
-            return  # registered: decode is waiting for this KV and decides
+            else:  # the transfer thread decides (decode may be waiting for this KV)
+                ctx.submit(c.PushEnded(tid, why))
+            return
         if tid in self.lent:
             ctx.submit(c.Untrack(tid))
             ctx.scheduler.release_blocks(self.lent.pop(tid))
-        elif tid in self.early_regs:
-            reg = self.early_regs.pop(tid)
-            ctx.submit(c.Untrack(tid))
-            ctx.submit(c.Send(reg.address, m.Abort(tid, why)))
+        elif ctx.mode == "push":
+            ctx.submit(c.PushEnded(tid, why))  # an early registration, or none yet
         ctx.remember_ended(tid, why)  # a leg that arrives later is refused
 
     def on_abort(self, ab: m.Abort) -> None:
-        """Decode gave up on one of ours: stop. The transfer thread has already
-        cancelled its WRITEs as the Abort arrived (acknowledging once they drained):
-        a sending transfer ends with its ``WritesDone``."""
-        ctx, tid = self.ctx, ab.transfer_id
-        if tid in self.sends:
-            send = self.sends[tid]
-            if send.state in (SendState.SENDING, SendState.DRAINING) and send.reg:
-                if send.request_id in ctx.scheduler.requests:
-                    ctx.actions.append(c.AbortRequest(send.request_id,
-                                                      f"decode: {ab.reason}"))
-                return
-            self._drop_send(send, f"aborted by decode: {ab.reason}")
-        elif tid in self.early_regs:  # (the transfer thread has sent the AbortAck)
-            self.early_regs.pop(tid)
-            ctx.submit(c.Untrack(tid))
-            ctx.remember_ended(tid, f"aborted by decode: {ab.reason}")
-        elif tid in self.lent:
-            self.on_pull_done(m.PullDone(tid, ok=False), from_peer=False)
+        """Decode gave up on a lend (a push's Abort ends on the transfer thread, which
+        tells us as WritesDone)."""
+        if ab.transfer_id in self.lent:
+            self.on_pull_done(m.PullDone(ab.transfer_id, ok=False), from_peer=False)
 
     def on_lease_expired(self, tid: str) -> None:
-        ctx = self.ctx
-        if tid in self.sends:
-            send = self.sends[tid]
-            if send.state is SendState.DRAINING:
-                return  # the WRITEs' own completion (or failure) ends it
-            if send.state is SendState.SENDING and send.request_id in ctx.scheduler.requests:
-                # per-layer WRITEs may be in flight: abort the prefill; finish() drains
-                # them (DRAINING) before its blocks are freed
-                ctx.actions.append(c.AbortRequest(send.request_id,
-                                                  "lease expired: decode stopped answering"))
-                return
-            self._drop_send(send, "lease expired: decode never registered")
-        elif tid in self.early_regs:
-            del self.early_regs[tid]
-            ctx.remember_ended(tid, "lease expired: the request never reached prefill")
-        elif tid in self.lent:
-            ctx.scheduler.release_blocks(self.lent.pop(tid))
+        """A lend's lease ran out (a push's ends on the transfer thread: WritesDone)."""
+        if tid in self.lent:
+            self.ctx.scheduler.release_blocks(self.lent.pop(tid))
 
     def on_worker_died(self, why: str) -> bool:
         """The transfer thread died (thread_death.py): end every push send and free its
         blocks (our WRITEs, the only reader, ended with the transport), fail each leg
-        still in the engine, drop the early registrations; lent blocks stay lent until
-        ``release_dead_hold``. True: blocks are held."""
+        still in the engine; lent blocks stay lent until ``release_dead_hold``. True:
+        blocks are held."""
         ctx = self.ctx
         for send in list(self.sends.values()):
             del self.sends[send.tid]
@@ -209,8 +166,7 @@ class PrefillSender:
             ctx.record(TransferRecord(send.tid, "prefill", "push", False, error=why))
             ctx.timeline.emit(send.tid)
             ctx.remember_ended(send.tid, why)
-            if send.request_id not in ctx.scheduler.requests and (
-                    send.finished or send.state is SendState.DRAINING):
+            if send.state is SendState.HELD:
                 ctx.scheduler.release_blocks(send.block_ids)  # kept past its finish
             for blocks in send.retired:
                 ctx.scheduler.release_blocks(blocks)
@@ -218,11 +174,6 @@ class PrefillSender:
         for request_id in list(ctx.by_request):  # push and pull legs still prefilling
             if request_id in ctx.scheduler.requests:
                 ctx.actions.append(c.FailRequest(request_id, why))
-        for tid in self.early_regs:
-            ctx.remember_ended(tid, why)
-        self.early_regs.clear()
-        self._take_hints()
-        self._hints.clear()
         return bool(self.lent)
 
     def release_dead_hold(self) -> None:
@@ -234,45 +185,14 @@ class PrefillSender:
         self.lent.clear()
 
     # ---- push -------------------------------------------------------------------------
-    def _registered(self, send: PushSend, reg: m.PushRegister) -> None:
-        peer = self.ctx.peers.get(reg.address)
-        if peer is None:  # the Hello always precedes the registration on one socket
-            self._drop_send(send, f"registration from unknown decode {reg.address}")
-            return
-        req = self.ctx.scheduler.requests.get(send.request_id)
-        own = send.num_prompt_tokens if send.finished else (
-            req.num_prompt_tokens if req is not None else None)
-        problem = registration_problem(reg, peer.num_blocks, self.ctx.block_size, own,
-                                       send.prompt_hashes)
-        if problem:  # nothing is written: every block id and length is checked first
-            log.warning("transfer %s: refused decode %s's registration: %s", send.tid,
-                        reg.address, problem)
-            self.ctx.submit(c.Send(reg.address, m.PushDone(
-                send.tid, ok=False, error=f"invalid registration: {problem}")))
-            self._drop_send(send, f"invalid registration: {problem}")
-            return
-        send.reg = reg
-        send.state = SendState.SENDING
-        self.ctx.submit(c.Track(send.tid, reg.address))
-        if reg.full_hit:
-            self._drop_send(send, "decode has the whole prompt cached")
-            return
-        if send.finished:
-            self._flush(send, final=True)
-        elif req is not None:
-            # blocks computed before the registration arrived go now, every layer
-            self._post_blocks(send, req.block_ids, req.num_computed_tokens // self.ctx.block_size,
-                              range(self.ctx.layout.num_layers))
-
-    def _post_blocks(self, send: PushSend, block_ids: list[int], upto: int, layers) -> None:
-        reg = send.reg
-        start = max(send.written_blocks, reg.skip_blocks)
-        upto = min(upto, len(reg.block_ids), len(block_ids))
-        if upto <= start:
-            return
-        self.ctx.submit(c.PostWrite(send.tid, reg.address, block_ids[start:upto],
-                                    reg.block_ids[start:upto], layers, self._ready()))
-        send.written_blocks = upto
+    def _state_blocks(self, send: PushSend, block_ids: list[int], upto: int, layers: range,
+                      ready) -> None:
+        """State blocks ``send.stated_blocks`` up to ``upto`` computed for ``layers``."""
+        start = send.stated_blocks
+        if upto > start:
+            self.ctx.submit(c.BlocksComputed(send.tid, start, block_ids[start:upto], layers,
+                                             ready))
+            send.stated_blocks = upto
 
     def _ready(self):
         """On CUDA, an event recorded now: the transfer thread waits on it, so a WRITE
@@ -284,21 +204,9 @@ class PrefillSender:
         ready.record()
         return ready
 
-    def _flush(self, send: PushSend, final: bool) -> None:
-        """Prefill done: WRITE what is left (partial last block included), then PushDone."""
-        n_blocks = -(-send.num_prompt_tokens // self.ctx.block_size)
-        self._post_blocks(send, send.block_ids, n_blocks, range(self.ctx.layout.num_layers))
-        send.state = SendState.DRAINING
-        first = send.first
-        top = [tuple(alt) for alt in first.top] if first.top is not None else None
-        self.ctx.submit(c.Finalize(send.tid, send.reg.address,
-                           m.PushDone(send.tid, ok=True, first_token=first.token,
-                                      first_logprob=first.logprob, first_top_logprobs=top)))
-
     def layer_hook(self, plan: StepPlan) -> Callable[[int], None] | None:
-        """Per-layer WRITE of the blocks this step completes, for registered push sends
-        and for those whose registration arrives while the step runs."""
-        self._step_writes = []
+        """States, per layer group, the full blocks this step completes for each push
+        send (the transfer thread WRITEs those whose registration it has)."""
         if self.ctx.role != "prefill":
             return None
         for chunk in plan.chunks:
@@ -307,20 +215,21 @@ class PrefillSender:
                 self.ctx.timeline.stamp(tid, "p_step", first=True)
         if not self.sends:
             return None
-        waiting: list[tuple[PushSend, ScheduledChunk]] = []
+        bs = self.ctx.block_size
+        items: list[tuple[str, int, list[int]]] = []  # (tid, first block, our blocks)
         for chunk in plan.chunks:
             tid = self.ctx.by_request.get(chunk.request_id)
             send = self.sends.get(tid) if tid else None
-            if send is None:
+            if send is None or send.state is not SendState.PREFILLING:
                 continue
-            if send.state is SendState.SENDING:
-                self._add_step_write(send, chunk)
-            elif send.state is SendState.AWAITING_REGISTRATION and not send.finished:
-                waiting.append((send, chunk))
-        if not self._step_writes and not waiting:
+            upto = (chunk.start_pos + len(chunk.token_ids)) // bs
+            if upto > send.stated_blocks:
+                items.append((send.tid, send.stated_blocks,
+                              chunk.block_ids[send.stated_blocks:upto]))
+                send.stated_blocks = upto
+        if not items:
             return None
         cuda = self.ctx.region.kv.is_cuda
-        hints = self._hints
         group, last = self.layers_per_write, self.ctx.layout.num_layers - 1
         first = 0  # the first layer of the group being computed
 
@@ -332,135 +241,66 @@ class PrefillSender:
             # the WRITE must not read the layers before the GPU wrote them: the transfer
             # thread waits on this event (CUDA), the forward pass goes on queueing
             ready = self._ready() if cuda else None
-            for send, local_blocks, remote_blocks in self._step_writes:
-                self.ctx.submit(c.PostWrite(send.tid, send.reg.address, local_blocks,
-                                            remote_blocks, layers, ready))
-            if waiting:
-                self._take_hints()
-            if waiting and hints:
-                for item in [w for w in waiting if w[0].tid in hints]:
-                    waiting.remove(item)  # one try: else the step loop applies it
-                    if self._register_mid_step(*item, hints[item[0].tid], layer, ready):
-                        del hints[item[0].tid]
-            self.ctx.flush()  # the group's WRITEs: one StepMessage, one wake-up
+            for tid, first_block, blocks in items:
+                self.ctx.submit(c.BlocksComputed(tid, first_block, blocks, layers, ready))
+            self.ctx.flush()  # the group's facts: one StepMessage, one wake-up
 
         return on_layer
-
-    def _take_hints(self) -> None:
-        """Move the registrations the transfer thread queued into ``_hints``."""
-        regs = self.ctx.worker.registrations
-        while not regs.empty():
-            reg = regs.get_nowait()
-            self._hints[reg.transfer_id] = reg
-
-    def _add_step_write(self, send: PushSend, chunk: ScheduledChunk) -> tuple | None:
-        """Note the blocks ``chunk`` completes for the layer hook to WRITE, layer by layer."""
-        reg = send.reg
-        start = max(send.written_blocks, reg.skip_blocks)
-        upto = min((chunk.start_pos + len(chunk.token_ids)) // self.ctx.block_size,
-                   len(reg.block_ids))
-        if upto <= start:
-            return None
-        item = (send, chunk.block_ids[start:upto], reg.block_ids[start:upto])
-        self._step_writes.append(item)
-        send.written_blocks = upto
-        return item
-
-    def _register_mid_step(self, send: PushSend, chunk: ScheduledChunk,
-                           reg: m.PushRegister, layer: int, ready=None) -> bool:
-        """Apply a registration that arrived during this step, after ``layer``: blocks of
-        earlier steps go now (every layer), this step's blocks now for layers up to
-        ``layer`` and from the hook for the rest. A registration that needs more than
-        that (a full hit, an unknown peer, a problem) waits for the step loop. True:
-        applied."""
-        peer = self.ctx.peers.get(reg.address)
-        req = self.ctx.scheduler.requests.get(send.request_id)
-        if (reg.full_hit or peer is None or req is None or send.reg is not None
-                or registration_problem(reg, peer.num_blocks, self.ctx.block_size,
-                                        req.num_prompt_tokens, send.prompt_hashes)):
-            return False  # the step loop applies it between steps
-        self.ctx.counters["registrations_mid_step"] += 1
-        self._registered(send, reg)  # posts the blocks of earlier steps
-        item = self._add_step_write(send, chunk)
-        if item is not None:
-            self.ctx.submit(c.PostWrite(send.tid, reg.address, item[1], item[2],
-                                        range(layer + 1), ready))
-        return True
 
     def on_preempt(self, req: Request, blocks: list[int]) -> bool:
         """A push sender losing its blocks keeps them out of the pool while WRITEs from
         them may be in flight (True: they are the connector's now); its blocks are
-        written again after the recompute."""
+        stated again after the recompute."""
         tid = self.ctx.by_request.get(req.request_id)
         send = self.sends.get(tid) if tid else None
-        if send is None or send.written_blocks == 0:
+        if send is None or send.stated_blocks == 0 or send.state is SendState.OVER:
             return False
         send.retired.append(blocks)
-        send.written_blocks = 0
+        send.stated_blocks = 0
         return True
 
-    def _send_aborted(self, send: PushSend, req: Request, why: str) -> bool:
-        if send.state is SendState.SENDING:  # WRITEs may be in flight: drain, then tell D
-            send.block_ids = list(req.block_ids)
-            send.state = SendState.DRAINING
-            self.ctx.submit(c.Finalize(send.tid, send.reg.address,
-                               m.PushDone(send.tid, ok=False, error=why)))
-            return True
-        self._drop_send(send, why, free=False)
-        return False
-
-    def _drop_send(self, send: PushSend, why: str, free: bool = True) -> None:
-        """End a push send that has nothing in flight; frees what it holds."""
-        self.sends.pop(send.tid, None)
-        self.ctx.timeline.emit(send.tid)
-        self.ctx.submit(c.Untrack(send.tid))
-        self.ctx.remember_ended(send.tid, why)
-        if send.request_id in self.ctx.scheduler.requests:
+    def on_push_failing(self, tid: str, why: str) -> None:
+        """The transfer thread ended ``tid`` while its WRITEs drain: stop the prefill
+        (its blocks stay held until WritesDone)."""
+        send = self.sends.get(tid)
+        if send is not None and send.state is SendState.PREFILLING:
             self.ctx.actions.append(c.AbortRequest(send.request_id, why))
-        elif free and send.finished:
+
+    def on_writes_done(self, ev: c.WritesDone) -> None:
+        """The transfer thread is done with ``ev.tid``: nothing of it reads our blocks."""
+        tid, failed = ev.tid, ev.failed
+        send = self.sends.get(tid)
+        if send is None:
+            return
+        ok = failed is None and send.state is SendState.HELD and not ev.prefill_not_needed
+        if not ev.prefill_not_needed:
+            self.ctx.counters["transfers_ok" if ok else "transfers_failed"] += 1
+            self.ctx.record(TransferRecord(tid, "prefill", "push", ok, ev.num_bytes,
+                                           ev.num_descriptors, ev.post_s, ev.elapsed_s,
+                                           failed))
+        self.ctx.timeline.emit(tid)
+        self.ctx.remember_ended(tid, failed or ("decode has the whole prompt cached"
+                                                if ev.prefill_not_needed else "done"))
+        if send.state is SendState.PREFILLING:  # the request still runs: end it
+            send.state = SendState.OVER
+            why = failed or "decode has the whole prompt cached"
+            self.ctx.actions.append(
+                c.RejectRequest(send.request_id, "decode holds the whole prompt in its "
+                                "prefix cache: nothing to prefill", "prefill_not_needed")
+                if ev.prefill_not_needed else c.AbortRequest(send.request_id, why))
+            for blocks in send.retired:  # (nothing reads them now)
+                self.ctx.scheduler.release_blocks(blocks)
+            send.retired.clear()
+            return
+        if send.state is SendState.HELD:
             self.ctx.scheduler.release_blocks(send.block_ids)
+        self._forget(send)
+
+    def _forget(self, send: PushSend) -> None:
+        self.sends.pop(send.tid, None)
         for blocks in send.retired:
             self.ctx.scheduler.release_blocks(blocks)
         send.retired.clear()
-
-    def apply_registrations(self) -> None:
-        """Apply every registration the transfer thread queued that no layer hook took."""
-        self._take_hints()
-        hints, self._hints = self._hints, {}
-        for reg in hints.values():
-            self.on_register(reg)
-
-    def on_register(self, reg: m.PushRegister) -> None:
-        send = self.sends.get(reg.transfer_id)
-        if send is None:
-            why = self.ctx.ended.get(reg.transfer_id)
-            if why is not None:  # prefill already gave up on it: tell decode at once
-                self.ctx.submit(c.Send(reg.address,
-                                   m.PushDone(reg.transfer_id, ok=False, error=why)))
-                return
-            # the request has not arrived yet; it should come about when decode's did, so
-            # this wait has a fixed deadline (decode's heartbeats do not extend it)
-            self.early_regs[reg.transfer_id] = reg
-            self.ctx.submit(c.Track(reg.transfer_id, reg.address, False))
-            return
-        if send.reg is None:
-            self._registered(send, reg)
-
-    def on_writes_done(self, ev: c.WritesDone) -> None:
-        tid, failed = ev.tid, ev.failed
-        send = self.sends.pop(tid, None)
-        if send is None:
-            return
-        # (its lease went with the WritesDone, on the transfer thread: no Untrack)
-        ok = failed is None and send.finished
-        self.ctx.counters["transfers_ok" if ok else "transfers_failed"] += 1
-        self.ctx.record(TransferRecord(tid, "prefill", "push", ok, ev.num_bytes,
-                                    ev.num_descriptors, ev.post_s, ev.elapsed_s, failed))
-        self.ctx.timeline.emit(tid)
-        self.ctx.remember_ended(tid, failed or "done")
-        self.ctx.scheduler.release_blocks(send.block_ids)
-        for blocks in send.retired:
-            self.ctx.scheduler.release_blocks(blocks)
 
     def on_pull_done(self, done: m.PullDone, from_peer: bool = True) -> None:
         """Decode read the lent blocks (or gave up). ``from_peer``: its PullDone, on

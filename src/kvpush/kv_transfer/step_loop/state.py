@@ -14,7 +14,6 @@ import msgspec
 from kvpush.engine.outputs import RequestError, TransferRecord  # noqa: F401 (re-export)
 from kvpush.kv_transfer.wire import messages as m
 from kvpush.kv_transfer.wire.auth import Grant, ParamsSigner
-from kvpush.sampling_params import SampledToken
 
 _T = TypeVar("_T")
 
@@ -23,9 +22,12 @@ MAX_REGISTER_RESENDS = 3
 
 
 class SendState(enum.Enum):
-    AWAITING_REGISTRATION = "awaiting_registration"
-    SENDING = "sending"
-    DRAINING = "draining"
+    """A push send as the step loop sees it (the transfer itself is the transfer
+    thread's: push_sends.py)."""
+
+    PREFILLING = "prefilling"  # the request runs; the scheduler holds its blocks
+    HELD = "held"  # prefill over: its blocks are the connector's until WritesDone
+    OVER = "over"  # WritesDone came while the request still ran: it is being ended
 
 
 class RecvState(enum.Enum):
@@ -38,16 +40,11 @@ class RecvState(enum.Enum):
 class PushSend:
     tid: str
     request_id: str
-    state: SendState = SendState.AWAITING_REGISTRATION
-    reg: m.PushRegister | None = None
-    written_blocks: int = 0  # leading prompt blocks whose every layer is posted
-    finished: bool = False  # prefill done, token #1 known, blocks held here
-    block_ids: list[int] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    first: SampledToken = SampledToken(-1)
+    state: SendState = SendState.PREFILLING
+    #: leading prompt blocks stated computed for every layer (BlocksComputed)
+    stated_blocks: int = 0
+    block_ids: list[int] = field(default_factory=list)  # HELD: the blocks kept
     retired: list[list[int]] = field(default_factory=list)  # blocks of a preempted run
-    #: the hash chain of prefill's prompt; a registration must carry the same
-    prompt_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -84,36 +81,6 @@ def block_ids_problem(ids: Sequence[int], num_blocks: int, what: str) -> str | N
         return f"{what}: block ids outside [0, {num_blocks}): {bad[:4]}"
     if len(set(ids)) != len(ids):
         return f"{what}: a block id listed twice"
-    return None
-
-
-def registration_problem(reg: m.PushRegister, num_blocks: int, block_size: int,
-                         own_prompt_tokens: int | None,
-                         own_hashes: Sequence[bytes] | None = None) -> str | None:
-    """Why prefill must not act on decode's registration, or None.
-
-    ``num_blocks``: decode's region as its Hello announced it; ``own_prompt_tokens``:
-    the prompt length prefill has for the request (None while unknown); ``own_hashes``:
-    the hash chain of prefill's prompt (``hash_prompt_chain``), compared with the one
-    decode registered so that prefill writes KV only into blocks meant for its prompt.
-    """
-    problem = block_ids_problem(reg.block_ids, num_blocks, "registration")
-    if problem:
-        return problem
-    if not 0 <= reg.skip_blocks <= len(reg.block_ids):
-        return (f"registration skips {reg.skip_blocks} of its {len(reg.block_ids)} "
-                "blocks")
-    if reg.num_prompt_tokens < 1:
-        return f"registration has num_prompt_tokens {reg.num_prompt_tokens}"
-    if own_prompt_tokens is not None and reg.num_prompt_tokens != own_prompt_tokens:
-        return (f"decode's prompt has {reg.num_prompt_tokens} tokens, prefill's "
-                f"{own_prompt_tokens}: the two did not tokenize the same prompt")
-    needed = -(-reg.num_prompt_tokens // block_size)
-    if not reg.full_hit and len(reg.block_ids) < needed:
-        return (f"registration has {len(reg.block_ids)} blocks; "
-                f"{reg.num_prompt_tokens} prompt tokens need {needed}")
-    if own_hashes is not None:
-        return chain_problem(reg.prompt_hashes, own_hashes, "decode's", "prefill's")
     return None
 
 

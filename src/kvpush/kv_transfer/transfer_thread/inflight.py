@@ -1,22 +1,22 @@
 """TransfersInFlight: the WRITEs and READs the transfer thread has posted (transfer thread).
 
-The transfer thread's ``TransferWorker`` owns one and hands it the engine's transfer
-commands (``PostWrite``, ``Finalize``, ``PostRead``) and decode's
-``Abort``; this object owns the transport handles of what it posts, from the post to the
-completion it polls for and the release of the handle. Nothing here touches the block
-pool, and nothing here runs on another thread.
+The transfer thread's ``TransferWorker`` owns one. PushSends (push_sends.py) hands it
+the WRITEs to post (``PostWrite``) and each push's ``PushDone`` once prefill is over
+(``finalize``); the worker hands it pull READs (``PostRead``). This object owns the
+transport handles of what it posts, from the post to the completion it polls for and
+the release of the handle. Nothing here touches the block pool, and nothing here runs
+on another thread.
 
-Push, prefill side: the WRITEs of one transfer are a ``WriteGroup``. The step loop's
-``Finalize`` gives the ``PushDone`` to send; it goes to decode once every WRITE of the
-group has completed (then the step loop gets ``WritesDone``). A failed post or
-completion, or no ready peer, makes the group fail: its ``PushDone`` says ok=False.
-Decode's ``Abort`` cancels the group (here, as it arrives: the step loop, told
-afterwards, sends nothing back): no more
-WRITEs are posted for it, and once those in flight have drained decode gets ``AbortAck``
-instead; an id with no group gets its ``AbortAck`` at once, whether this instance never
-had it or has finished with it. Ended ids (finished, or aborted by either side) are
-remembered, boundedly, so that a WRITE the step loop queues for one too late is refused
-and counted (``writes_refused``): the peer may have freed those blocks.
+Push, prefill side: the WRITEs of one transfer are a ``WriteGroup``. ``finalize`` gives
+the ``PushDone`` to send; it goes to decode once every WRITE of the group has completed
+(then the step loop gets ``WritesDone``). A failed post or completion, or no ready peer,
+makes the group fail: its ``PushDone`` says ok=False; ``end_writes`` (prefill gave up)
+does the same. Decode's ``Abort`` cancels the group as it arrives: no more WRITEs are
+posted for it, and once those in flight have drained decode gets ``AbortAck`` instead;
+an id with no group gets its ``AbortAck`` at once, whether this instance never had it or
+has finished with it. Ended ids (finished, or aborted by either side) are remembered,
+boundedly, so that a WRITE stated too late is refused and counted (``writes_refused``):
+the peer may have freed those blocks.
 
 Pull, decode side: one ``PostedRead`` per transfer. Prefill is told ``PullDone`` when it
 ends, and the step loop ``ReadDone``; a READ for a peer whose handshake is under way
@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvpush.kv_cache.kv_region import KVLayout
 from kvpush.kv_transfer import commands as c
@@ -48,7 +49,7 @@ from kvpush.kv_transfer.wire import messages as m
 #: are remembered, to refuse a WRITE queued for one of them too late
 MAX_ABORTED_REMEMBERED = 4096
 
-__all__ = ["MAX_ABORTED_REMEMBERED", "PostedRead", "TransfersInFlight", "WriteGroup"]
+__all__ = ["MAX_ABORTED_REMEMBERED", "PostWrite", "PostedRead", "TransfersInFlight", "WriteGroup"]
 
 
 #: (address, length) pairs: one NIXL descriptor each
@@ -62,6 +63,21 @@ def hello_layout(hello: m.Hello) -> KVLayout:
                     num_kv_heads=hello.num_kv_heads, head_dim=hello.head_dim,
                     dtype=hello.dtype, block_bytes=hello.block_bytes,
                     layer_bytes=hello.layer_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class PostWrite:
+    """One WRITE to post: our ``local_blocks`` into the peer's ``remote_blocks`` (paired
+    in order), every layer in ``layers``, for push ``tid``. Built by PushSends from the
+    step loop's BlocksComputed and decode's registration; ``ready`` is the former's CUDA
+    event (None on CPU)."""
+
+    tid: str
+    address: str
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    layers: range
+    ready: Any = None
 
 
 @dataclass
@@ -137,7 +153,7 @@ class TransfersInFlight:
         return busy
 
     # ---- push: WRITEs --------------------------------------------------------------------
-    def descs(self, peer: m.Hello, cmd: c.PostWrite | c.PostRead) -> tuple[Ranges, Ranges]:
+    def descs(self, peer: m.Hello, cmd: PostWrite | c.PostRead) -> tuple[Ranges, Ranges]:
         """(ours, the peer's) descriptors of a command's paired blocks and layers, from
         the two Hellos (ValueError / IndexError: ids outside a region, layouts differ)."""
         own = self.peers.own
@@ -145,7 +161,7 @@ class TransfersInFlight:
                                  peer.base_address, hello_layout(peer), cmd.remote_blocks,
                                  cmd.layers)
 
-    def post_write(self, cmd: c.PostWrite) -> None:
+    def post_write(self, cmd: PostWrite) -> None:
         tid, address = cmd.tid, cmd.address
         group = self.writes.get(tid)
         if group is None:
@@ -208,6 +224,18 @@ class TransfersInFlight:
             return
         if address:  # (a peer not met yet, e.g. restarted on decode's old address,
             self.send(address, m.AbortAck(tid))  # gets it after a handshake)
+
+    def end_writes(self, tid: str, why: str) -> None:
+        """Prefill ended push ``tid`` before handing it over: post no more WRITEs; once
+        those in flight drained, decode gets PushDone(ok=False, ``why``) and the step
+        loop WritesDone."""
+        group = self.writes.get(tid)
+        if group is None:
+            return
+        group.cancelled = True
+        group.failed = group.failed or why
+        group.finish = group.finish or m.PushDone(tid, ok=False, error=why)
+        self._maybe_finish(tid)
 
     def lease_expired(self, tid: str, why: str) -> bool:
         """``tid``'s lease ran out: if it has WRITEs, post no more and fail it with

@@ -60,6 +60,7 @@ from kvpush.kv_transfer.transfer_thread.peers import (  # Peer re-exported: test
     Peer,
     PeerTable,
 )
+from kvpush.kv_transfer.transfer_thread.push_sends import PushSends
 from kvpush.kv_transfer.transports.transport import KVTransport
 from kvpush.kv_transfer.wire import messages as m
 from kvpush.kv_transfer.wire.side_channel import SEND_DROP_REASONS
@@ -134,9 +135,6 @@ class TransferWorker:
         #: decode: pushes whose blocks wait for prefill's word (fences.py)
         self.fences = FenceKeeper(channel, self._post, self.peers.is_ready,
                                   lease_timeout_s, fence_timeout_s)
-        #: push prefill: decode's registrations as they arrive, for the layer hook of a
-        #: step already under way (prefill_side.py drains it; a queue, not shared state)
-        self.registrations: queue.SimpleQueue[m.PushRegister] = queue.SimpleQueue()
         # every key exists from the start: other threads read this dict (metrics)
         self.counters = {"leases_expired": 0, "transfers_failed": 0, "messages_bad": 0,
                          "writes_refused": 0}
@@ -154,6 +152,10 @@ class TransferWorker:
                                           self._post, self._stamp, self.counters)
         #: pull: lends claimed before they are READ (lend_claims.py)
         self.claims = LendClaims(self.peers.send, self._post)
+        #: push prefill: its transfers, registrations matched to blocks (push_sends.py)
+        self.push = (PushSends(self.peers, self.inflight, self.peers.send, self._post,
+                               self._track, self._untrack, hello.block_size, self.counters)
+                     if self._writer else None)
         self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
         self._stopped = False
         self._stop_requested = False
@@ -347,17 +349,18 @@ class TransferWorker:
                         log.exception("transfer command %s failed", type(one).__name__)
             case c.Send(address, msg):
                 self._send(address, msg)
-            case c.PostWrite():
-                self.inflight.post_write(cmd)
-            case c.Finalize(tid, address, done):
-                self.inflight.finalize(tid, address, done)
+            case c.BlocksComputed() if self.push is not None:
+                self.push.computed(cmd)
+            case c.PushAdded() if self.push is not None:
+                self.push.added(cmd)
+            case c.PushPrefilled(tid, done) if self.push is not None:
+                self.push.prefilled(tid, done)
+            case c.PushEnded(tid, why) if self.push is not None:
+                self.push.ended_by_step_loop(tid, why)
             case c.Track(tid, address, renewable):
-                self.leases[tid] = Lease(time.monotonic() + self.lease_timeout_s, address,
-                                         renewable)
+                self._track(tid, address, renewable)
             case c.Untrack(tid):
-                self.leases.pop(tid, None)
-                self.fences.drop(tid)
-                self.claims.forget(tid)
+                self._untrack(tid)
             case c.EnsurePeer(address):
                 self._ensure_peer(address)
             case c.PostRead():
@@ -370,8 +373,18 @@ class TransferWorker:
                 self.fences.fence(tid, address)
             case c.Call(fn):
                 fn()
+            case c.BlocksComputed() | c.PushAdded() | c.PushPrefilled() | c.PushEnded():
+                log.warning("ignored %s: this instance does not push KV", type(cmd).__name__)
             case _:
                 raise TypeError(f"not a transfer command: {cmd!r}")
+
+    def _track(self, tid: str, address: str | None, renewable: bool) -> None:
+        self.leases[tid] = Lease(time.monotonic() + self.lease_timeout_s, address, renewable)
+
+    def _untrack(self, tid: str) -> None:
+        self.leases.pop(tid, None)
+        self.fences.drop(tid)
+        self.claims.forget(tid)
 
     # ---- peers and messages ----------------------------------------------------------
     def _busy_addresses(self) -> set[str]:
@@ -444,12 +457,11 @@ class TransferWorker:
     def _on_PushRegister(self, msg: m.PushRegister) -> None:
         self._stamp(msg.transfer_id, "p_reg")
         self._renew(msg.transfer_id)
-        if not self._writer:  # only a prefill instance writes
+        if self.push is None:  # only a push prefill instance writes
             log.warning("ignored a push registration from %s: this instance does not "
                         "send KV", msg.address)
             return
-        self.registrations.put(msg)  # the layer hook of a step under way may take it
-        self._post(c.RegistrationsArrived())  # else the step loop does, on this event
+        self.push.on_register(msg)  # its computed blocks go now, the rest as computed
 
     def _stamp(self, tid: str, stage: str) -> None:
         if self.timeline is not None:
@@ -477,8 +489,8 @@ class TransferWorker:
             self.counters["messages_bad"] += 1
 
     def _on_abort(self, msg: m.Abort, sender: str) -> None:
-        if self._writer:  # decode gave up on a push: answer once nothing of ours can land
-            self.inflight.writes_aborted(msg.transfer_id, sender)
+        if self.push is not None:  # decode gave up on a push: answer once nothing of
+            self.push.on_abort(msg, sender)  # ours can land (the step loop only counts it)
         if not self.claims.from_claimer(msg.transfer_id, sender):
             self.counters["messages_bad"] += 1  # a lend claimed by another decode
             return
@@ -510,6 +522,8 @@ class TransferWorker:
         for tid in expired:
             lease = self.leases.pop(tid)
             self.counters["leases_expired"] += 1
+            if self.push is not None and self.push.lease_expired(tid):
+                continue  # a push of ours: ended there (the step loop gets WritesDone)
             # with WRITEs, they may still be landing in the peer's blocks: post no more
             # and let the drain's PushDone (sent once they complete) tell the peer; an
             # Abort now would let it free blocks those WRITEs still reach. Failed, so
