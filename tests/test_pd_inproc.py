@@ -243,14 +243,14 @@ def test_push_writes_layers_in_groups(model_factory, configured, expected_groups
         in_forward, groups, messages = [False], [], [0]
         submit, execute = p.connector.worker.submit, p.runner.execute
 
-        def recording(msg):
+        def recording(msg, wake=True):
             # the step loop hands over StepMessages only (shutdown's Stop aside)
             assert isinstance(msg, StepMessage | Stop)
             messages[0] += in_forward[0]
             for cmd in commands_of(msg):
                 if isinstance(cmd, BlocksComputed) and in_forward[0]:
                     groups.append(tuple(cmd.layers))
-            submit(msg)
+            submit(msg, wake=wake)
 
         def watched(plan, hook=None):
             in_forward[0] = True

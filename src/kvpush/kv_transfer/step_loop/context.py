@@ -63,6 +63,8 @@ class TransferContext:
     dead: str | None = None
     #: commands of the current engine turn, handed over as one StepMessage by flush()
     outbox: list[c.Command] = field(default_factory=list)
+    #: whether a command of the outbox needs the transfer thread now (see submit)
+    _wake: bool = False
 
     @property
     def role(self) -> str:
@@ -76,19 +78,25 @@ class TransferContext:
     def layout(self) -> KVLayout:
         return self.region.layout
 
-    def submit(self, cmd: c.Command) -> None:
-        """Queue ``cmd`` for the transfer thread; it leaves with the turn's ``flush``."""
+    def submit(self, cmd: c.Command, wake: bool = True) -> None:
+        """Queue ``cmd`` for the transfer thread; it leaves with the turn's ``flush``.
+        ``wake=False``: a fact the transfer thread may take whenever it next wakes
+        (blocks computed while no push transfer is registered): handing it over costs
+        no wake-up of that thread in the middle of a step, and a registration that
+        arrives meanwhile wakes it anyway and finds the fact queued before it."""
         if self.dead is None:  # a dead thread reads no commands
             self.outbox.append(cmd)
+            self._wake = self._wake or wake
 
     def flush(self) -> None:
         """Hand the queued commands to the transfer thread as one StepMessage (one
-        wake-up); nothing to do when none were queued."""
+        wake-up, unless none of them needs one); nothing to do when none were queued."""
         if not self.outbox:
             return
         cmds, self.outbox = tuple(self.outbox), []
+        wake, self._wake = self._wake, False
         if self.dead is None:
-            self.worker.submit(c.StepMessage(cmds))
+            self.worker.submit(c.StepMessage(cmds), wake=wake)
 
     def remember_ended(self, tid: str, why: str) -> None:
         now = time.monotonic()

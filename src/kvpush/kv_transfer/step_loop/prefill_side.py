@@ -241,9 +241,14 @@ class PrefillSender:
             # the WRITE must not read the layers before the GPU wrote them: the transfer
             # thread waits on this event (CUDA), the forward pass goes on queueing
             ready = self._ready() if cuda else None
+            # a wake-up only when a registered transfer can WRITE them now; else they
+            # wait on the queue for the registration (which wakes the thread) or the
+            # step's end, and the forward pass is not interrupted
+            wake = self.ctx.worker.writes_wanted()
             for tid, first_block, blocks in items:
-                self.ctx.submit(c.BlocksComputed(tid, first_block, blocks, layers, ready))
-            self.ctx.flush()  # the group's facts: one StepMessage, one wake-up
+                self.ctx.submit(c.BlocksComputed(tid, first_block, blocks, layers, ready),
+                                wake=wake)
+            self.ctx.flush()  # the group's facts: one StepMessage
 
         return on_layer
 

@@ -118,6 +118,9 @@ class PushSends:
         counters.setdefault("registrations_after_blocks", 0)
         self.out: dict[str, Outgoing] = {}
         self.ended: OrderedDict[str, str] = OrderedDict()  # tid -> why
+        #: transfers in SENDING (registered, prefill not over): the step loop reads it
+        #: to know whether mid-step facts are worth a wake-up (TransferWorker.writes_wanted)
+        self.sending = 0
 
     # ---- the step loop's facts ---------------------------------------------------------
     def added(self, cmd: c.PushAdded) -> None:
@@ -203,7 +206,7 @@ class PushSends:
         """Decode gave up on ``ab.transfer_id``: no more WRITEs; AbortAck once those in
         flight drained (at once when none are, or the id is unknown)."""
         tid = ab.transfer_id
-        o = self.out.pop(tid, None)
+        o = self._pop(tid)
         why = f"aborted by decode: {ab.reason}"
         if o is not None:
             self.untrack(tid)
@@ -257,6 +260,7 @@ class PushSends:
             self._end(tid, o, FULL_HIT, not_needed=True)
             return
         o.reg, o.state = reg, OutState.SENDING
+        self.sending += 1
         self.track(tid, reg.address, True)
         if o.computed:
             self.counters["registrations_after_blocks"] += 1
@@ -281,14 +285,14 @@ class PushSends:
     def _hand_over(self, o: Outgoing) -> None:
         """Prefill is over and decode registered: TransfersInFlight sends the PushDone
         once every WRITE landed, and tells the step loop (WritesDone)."""
-        del self.out[o.tid]
+        self._pop(o.tid)
         self.inflight.finalize(o.tid, o.reg.address, o.done)
 
     def _end(self, tid: str, o: Outgoing | None, why: str, not_needed: bool = False) -> None:
         """End a transfer before its hand-over: WRITEs in flight drain first (decode gets
         PushDone(ok=False) then); the step loop hears it as WritesDone."""
         if o is not None:
-            del self.out[tid]
+            self._pop(tid)
             self.untrack(tid)
         self._remember(tid, why)
         if tid in self.inflight.writes:  # the prefill stops now, its blocks wait
@@ -305,9 +309,15 @@ class PushSends:
 
     def _drop(self, o: Outgoing, why: str) -> None:
         """Forget an early registration (no request, nothing held)."""
-        del self.out[o.tid]
+        self._pop(o.tid)
         self.untrack(o.tid)
         self._remember(o.tid, why)
+
+    def _pop(self, tid: str) -> Outgoing | None:
+        o = self.out.pop(tid, None)
+        if o is not None and o.state is OutState.SENDING:
+            self.sending -= 1
+        return o
 
     def _remember(self, tid: str, why: str) -> None:
         self.ended[tid] = why

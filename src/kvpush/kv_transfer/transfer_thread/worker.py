@@ -166,9 +166,19 @@ class TransferWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, cmd: c.Command) -> None:
+    def submit(self, cmd: c.Command, wake: bool = True) -> None:
+        """Queue ``cmd``; ``wake``: now (else at the thread's next wake-up: a message, a
+        timer, or another submit)."""
         self.commands.put(cmd)
-        self.channel.wake()
+        if wake:
+            self.channel.wake()
+
+    def writes_wanted(self) -> bool:
+        """Whether a push transfer is registered and still taking blocks, so that blocks
+        stated computed mid-step are worth waking this thread for. Read from the step
+        loop as a hint (one int): a registration landing just after it was read finds
+        the blocks queued when it wakes this thread, so nothing depends on it."""
+        return self.push is not None and self.push.sending > 0
 
     def stop(self, timeout: float = 5.0) -> None:
         if self._stopped:
