@@ -202,8 +202,6 @@ class TransfersInFlight:
 
     def finalize(self, tid: str, address: str, done: m.PushDone) -> None:
         """Send ``done`` to decode once every WRITE of the transfer has completed."""
-        if self._ended(tid):
-            return
         group = self.writes.setdefault(tid, WriteGroup(address))
         group.address = address
         group.finish = done
@@ -253,15 +251,6 @@ class TransfersInFlight:
         self.aborted.move_to_end(tid)
         while len(self.aborted) > MAX_ABORTED_REMEMBERED:
             self.aborted.popitem(last=False)
-
-    def _ended(self, tid: str) -> bool:
-        """Whether ``tid``'s WRITEs are over with none in flight (the peer has had its
-        answer: AbortAck, PushDone, or our Abort). Then the step loop is told at once,
-        so that it frees what the transfer held."""
-        if tid in self.writes or tid not in self.aborted:
-            return False
-        self.post_event(c.WritesDone(tid, "aborted"))
-        return True
 
     def _maybe_finish(self, tid: str) -> None:
         group = self.writes.get(tid)
