@@ -231,6 +231,48 @@ def test_prefill_matches_a_registration_that_came_first():
     assert w.counters["registrations_after_blocks"] == 1 and events == []
 
 
+def test_a_registration_sent_again_while_writes_drain_changes_nothing():
+    """Decode re-sends its registration (prefill's heartbeat still listed the transfer)
+    while the WRITEs of a handed-over or ended transfer drain: no early entry, no lease
+    replaced, no Abort or PushDone before they drained (decode would free blocks the
+    WRITEs still reach)."""
+    w, ch, tr, events = worker("prefill")
+    sending(w, "t")
+    prefilled(w, "t")  # handed over, its WRITE pending
+    lease = w.leases["t"]
+    w.receive(registration("t"), D)
+    assert "t" not in w.push.out and w.leases["t"] is lease and ch.sent == []
+    w.handle(c.PushEnded("t", "router gave up"))  # decode decides: nothing changes
+    assert ch.sent == []
+    sending(w, "u")
+    w._expire(time.monotonic() + LEASE + 1)  # "t" (draining) and "u" (prefilling) run out
+    w.receive(registration("u"), D)
+    assert ch.of(m.PushDone) == [] and ch.of(m.Abort) == []
+    for h in list(tr.states):
+        tr.states[h] = XferState.DONE
+    w.inflight.poll()
+    assert sorted((d.transfer_id, d.ok) for d in ch.of(m.PushDone)) == [("t", False),
+                                                                          ("u", False)]
+    assert kinds(events).count("WritesDone") == 2 and not w.push.out and not w.leases
+
+
+def test_decode_abort_before_the_leg_ends_the_transfer_for_good():
+    """Decode aborts before prefill's leg arrives: the leg, when it comes, is ended at
+    once (one WritesDone), and a registration overtaken by the Abort gets PushDone(ok=
+    False), never ok=True with nothing written."""
+    w, ch, tr, events = worker("prefill")
+    w.receive(abort_frame("t"), D)
+    assert ch.of(m.AbortAck) == [m.AbortAck("t")]
+    w.handle(c.PushAdded("t", PROMPT_TOKENS, CHAIN))
+    assert [ev for ev in events if isinstance(ev, c.WritesDone)][0].failed.startswith(
+        "transfer t already ended")
+    w.receive(registration("t"), D)
+    w.handle(c.BlocksComputed("t", 0, *BLOCKS[::2]))
+    prefilled(w, "t")
+    assert [d.ok for d in ch.of(m.PushDone)] == [False] and tr.posts == 0
+    assert kinds(events).count("WritesDone") == 1 and not w.push.out and not w.leases
+
+
 def test_prefill_refuses_a_bad_registration_and_writes_nothing():
     w, ch, tr, events = worker("prefill")
     w.handle(c.PushAdded("t", PROMPT_TOKENS, CHAIN))

@@ -130,6 +130,8 @@ class PushSends:
             log.error("transfer %s: added twice (ignored)", tid)  # a duplicate first)
             return
         why = self.ended.get(tid)
+        if why is None and tid in self.inflight.aborted:
+            why = "aborted"
         if why is not None:  # ended here before its leg came (decode's abort, a lease)
             self.post_event(c.WritesDone(tid, f"transfer {tid} already ended: {why}"))
             return
@@ -187,6 +189,8 @@ class PushSends:
     def on_register(self, reg: m.PushRegister) -> None:
         tid = reg.transfer_id
         o = self.out.get(tid)
+        if o is None and tid in self.inflight.writes:
+            return  # (sent again) its WRITEs drain: decode gets PushDone / AbortAck then
         if o is None:
             why = self.ended.get(tid)
             if why is None and tid in self.inflight.aborted:
@@ -220,6 +224,8 @@ class PushSends:
                 self.post_event(c.WritesDone(tid, why))
                 return
             self.post_event(c.PushFailing(tid, why))  # WRITEs drain first
+        elif tid not in self.inflight.writes:  # before its leg (a later one is refused)
+            self._remember(tid, why)
         self.inflight.writes_aborted(tid, sender)  # drains, AbortAck, WritesDone
 
     def lease_expired(self, tid: str) -> bool:
