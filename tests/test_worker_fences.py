@@ -273,6 +273,30 @@ def test_decode_abort_before_the_leg_ends_the_transfer_for_good():
     assert kinds(events).count("WritesDone") == 1 and not w.push.out and not w.leases
 
 
+def test_a_push_fact_that_raises_still_ends_its_transfer(monkeypatch, caplog):
+    """A bug in handling one of the step loop's facts must not leak the blocks: the
+    transfer is ended and the step loop hears it (WritesDone), decode gets its answer
+    once the WRITEs in flight drained, and the other commands of the message still
+    run."""
+    w, ch, tr, events = worker("prefill")
+    sending(w, "t")
+
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(w.push, "prefilled", broken)
+    w.handle(c.StepMessage((c.PushPrefilled("t", m.PushDone("t", ok=True)),
+                            c.PushAdded("u", PROMPT_TOKENS, CHAIN))))
+    assert "u" in w.push.out and "t" not in w.push.out  # the next command ran
+    assert "transfer command PushPrefilled failed" in caplog.text
+    tr.states[1] = XferState.DONE
+    w.inflight.poll()
+    [done] = ch.of(m.PushDone)
+    assert not done.ok and "transfer thread error: boom" in done.error
+    [ended] = [ev for ev in events if isinstance(ev, c.WritesDone)]
+    assert ended.tid == "t" and "boom" in ended.failed
+
+
 def test_prefill_refuses_a_bad_registration_and_writes_nothing():
     w, ch, tr, events = worker("prefill")
     w.handle(c.PushAdded("t", PROMPT_TOKENS, CHAIN))

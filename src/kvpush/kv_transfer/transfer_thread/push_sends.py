@@ -245,6 +245,20 @@ class PushSends:
         self._end(tid, o, why)
         return True
 
+    def abandon(self, tid: str, why: str) -> None:
+        """Handling a fact about ``tid`` raised (a bug): end the transfer anyway, so
+        that the step loop still gets its WritesDone and frees the blocks (a second one,
+        for a transfer already over, finds nothing there)."""
+        o = self._pop(tid)
+        if o is not None:
+            self.untrack(tid)
+        self._remember(tid, why)
+        if tid in self.inflight.writes:
+            self.inflight.end_writes(tid, why)  # WritesDone once they drained
+            return
+        self.inflight.remember_aborted(tid)
+        self.post_event(c.WritesDone(tid, why))
+
     # ---- inside -------------------------------------------------------------------------
     def _registered(self, o: Outgoing, reg: m.PushRegister) -> None:
         tid = o.tid

@@ -69,6 +69,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Peer", "TransferWorker"]
 
+#: the step loop's statements about a push transfer (PushSends handles them)
+PUSH_FACTS = (c.PushAdded, c.BlocksComputed, c.PushPrefilled, c.PushEnded)
+
 #: ``side_channel_send_dropped_<reason>`` counters: the channel's reasons and the table's
 SEND_DROPPED = tuple(dict.fromkeys((*SEND_DROP_REASONS, *DROP_REASONS)))
 
@@ -355,8 +358,11 @@ class TransferWorker:
                 for one in commands:  # one failing command does not drop the others
                     try:
                         self.handle(one)
-                    except Exception:
+                    except Exception as e:
                         log.exception("transfer command %s failed", type(one).__name__)
+                        if self.push is not None and isinstance(one, PUSH_FACTS):
+                            # (a bug) the step loop must still hear the end of it
+                            self.push.abandon(one.tid, f"transfer thread error: {e}")
             case c.Send(address, msg):
                 self._send(address, msg)
             case c.BlocksComputed() if self.push is not None:
