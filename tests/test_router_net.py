@@ -5,6 +5,7 @@ A plain asyncio server on 127.0.0.1 writes 32 MiB at once; the test reads slowly
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -79,3 +80,37 @@ def test_the_same_on_uvloop_with_the_peer_gone_before_the_router_reads():
         loop.run_until_complete(main())
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_a_read_cancelled_as_its_data_arrives_stays_cancelled(timeout):
+    """The relay's task is cancelled (its client hung up) in the very loop turn in which
+    decode's next bytes arrive: the read must raise CancelledError, not return the bytes
+    (Python 3.11's asyncio.wait_for dropped that cancellation, and the relay went on to
+    the end of decode's stream)."""
+    from kvpush.router.net import CoalescingStream, _Protocol
+
+    async def main() -> tuple[bool, bool]:
+        loop = asyncio.get_running_loop()
+        protocol = _Protocol(loop)
+        stream = CoalescingStream(protocol)
+        task = asyncio.ensure_future(stream.read(1024, timeout=timeout))
+        await asyncio.sleep(0)  # the read waits
+        assert protocol.waiter is not None
+        protocol.data_received(b"data: token\n\n")  # resolves the waiter ...
+        task.cancel()  # ... and the task is cancelled in the same turn
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        # and a read's deadline still ends it, as httpcore's ReadTimeout
+        late = asyncio.ensure_future(CoalescingStream(_Protocol(loop)).read(1, timeout=0.05))
+        try:
+            await late
+        except Exception as e:  # noqa: BLE001 - checked below
+            timed_out = type(e).__name__ == "ReadTimeout"
+        else:
+            timed_out = False
+        return task.cancelled(), timed_out
+
+    cancelled, timed_out = asyncio.run(main())
+    assert cancelled, "the cancellation was dropped: the read returned the data"
+    assert timed_out

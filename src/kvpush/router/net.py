@@ -103,6 +103,11 @@ class _Protocol(asyncio.Protocol):
             t.write(data)
 
 
+def _time_out(waiter: asyncio.Future[None], timeout: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(httpcore.ReadTimeout(f"no data within {timeout:g} s"))
+
+
 class CoalescingStream(AsyncNetworkStream):
     def __init__(self, protocol: _Protocol) -> None:
         self._p = protocol
@@ -115,16 +120,19 @@ class CoalescingStream(AsyncNetworkStream):
                 if p.error is not None:
                     raise httpcore.ReadError(str(p.error) or type(p.error).__name__)
                 return b""
-            p.waiter = p.loop.create_future()
+            # the future is awaited directly, its deadline a timer on the loop: Python
+            # 3.11's asyncio.wait_for returns the result and drops the task's own
+            # cancellation when both come in one loop turn (data arriving as the client
+            # hangs up), and a relay cancelled so went on to the end of decode's stream
+            waiter = p.waiter = p.loop.create_future()
+            timer = (p.loop.call_later(timeout, _time_out, waiter, timeout)
+                     if timeout is not None else None)
             try:
-                if timeout is None:
-                    await p.waiter
-                else:
-                    await asyncio.wait_for(p.waiter, timeout)
-            except asyncio.TimeoutError:  # (3.10: not the builtin)
-                raise httpcore.ReadTimeout(f"no data within {timeout:g} s") from None
+                await waiter
             finally:
                 p.waiter = None
+                if timer is not None:
+                    timer.cancel()
         data = p.chunks.pop(0)
         if len(data) > max_bytes:
             p.chunks.insert(0, data[max_bytes:])
