@@ -523,7 +523,7 @@ def test_decode_prefix_hit_trims_the_write(pd, tiny_qwen3):
     pd.send_decode("e", list(first), greedy(3))
     pd.run(until=lambda: "e" in pd.p.connector.worker.push.out, timeout=10)
     pd.send_prefill("e", list(first), greedy(3))
-    pd.run()
+    pd.run(until=lambda: pd.p_legs["e"].finished and pd.d_legs["e"].finished)
     e = pd.p_legs["e"]  # (a one-step prefill may finish before the answer is back)
     assert e.finish_reason is FinishReason.LENGTH or (
         e.rejected and e.code == "prefill_not_needed" and "nothing to prefill" in e.error), e

@@ -15,6 +15,7 @@ from kvpush.engine.inputs import TransferEvent
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import FinishReason
 from kvpush.kv_transfer.commands import Call, PushDoneReceived
+from kvpush.kv_transfer.step_loop.state import RecvState
 from kvpush.kv_transfer.transfer_thread.push_sends import registration_problem
 from kvpush.kv_transfer.wire import messages as m
 from kvpush.kv_transfer.wire.side_channel import SideChannel
@@ -129,11 +130,12 @@ def test_forged_registration_is_never_acted_on(tiny_qwen3):
         before = drv.p.connector.channel.stats.rejected
         forger.send(drv.p.connector.address, m.encode(reg))
         deadline = time.monotonic() + 5
-        while drv.p.connector.channel.stats.rejected == before:
+        out = drv.p.connector.worker.push.out  # (the transfer thread's: read to poll)
+        while drv.p.connector.channel.stats.rejected == before or "t" not in out:
             assert time.monotonic() < deadline
             drv.pump()
             time.sleep(0.005)
-        assert drv.p.connector.worker.push.out["t"].reg is None  # still waits for a real one
+        assert out["t"].reg is None  # still waits for a real one
         drv.p.abort_request("p-t")
         assert_clean(drv)
     finally:
@@ -293,8 +295,8 @@ def test_invalid_first_token_from_prefill_fails_the_request(tiny_qwen3, bad):
         prompt = random_prompts([40], seed=4)[0]
         drv.send_decode("t", prompt, greedy(3))
         deadline = time.monotonic() + 10
-        while "t" not in drv.d.connector.receiver.recvs or \
-                drv.d.connector.receiver.recvs["t"].register is None:
+        recvs = drv.d.connector.receiver.recvs
+        while "t" not in recvs or recvs["t"].state is not RecvState.AWAITING_KV:
             assert time.monotonic() < deadline
             drv.pump()
         vocab = drv.d.connector.ctx.vocab_size

@@ -316,6 +316,35 @@ def test_prefill_refuses_a_bad_registration_and_writes_nothing():
     assert len(ch.of(m.PushDone)) == 2 and tr.posts == 0 and not w.leases
 
 
+def test_decode_sends_a_lost_registration_again_then_gives_up():
+    """Prefill's heartbeat lists a transfer as awaiting its registration: decode's
+    transfer thread sends it again (at most every quarter lease, three times), then
+    tells prefill Abort and the step loop RegistrationLost; a transfer that ended is
+    never re-sent."""
+    from kvpush.kv_transfer.transfer_thread.registrations import MAX_REGISTER_RESENDS
+
+    w, ch, _, events = worker("decode")
+    reg = m.PushRegister("t", "decode", D, BLOCKS[1], 0, PROMPT_TOKENS, prompt_hashes=CHAIN)
+    w.handle(c.Register("t", P, reg))
+    w.handle(c.Register("u", P, m.PushRegister("u", "decode", D, BLOCKS[1], 0,
+                                               PROMPT_TOKENS)))
+    assert ch.of(m.PushRegister) == [reg, ch.of(m.PushRegister)[1]]
+    beat = m.encode(m.Heartbeat("prefill", [], ["t", "u", "other"]))
+    w.receive(beat, P)
+    assert len(ch.of(m.PushRegister)) == 2  # just sent: it may only be slow
+    w.handle(c.Untrack("u"))  # "u" ended here: never sent again
+    for i in range(MAX_REGISTER_RESENDS):
+        w.registered.sent["t"].at -= LEASE  # a quarter lease (and more) has passed
+        w.receive(beat, P)
+        assert [r.transfer_id for r in ch.of(m.PushRegister)[2:]] == ["t"] * (i + 1)
+    assert events == []
+    w.registered.sent["t"].at -= LEASE
+    w.receive(beat, P)
+    assert ch.of(m.Abort) == [m.Abort("t", "registration lost 4 times")]
+    assert events == [c.RegistrationLost("t", "registration lost 4 times")]
+    assert not w.registered.sent
+
+
 def test_decode_does_not_answer_aborts():
     w, ch, _, events = worker("decode")
     w.receive(abort_frame("t"), P)

@@ -110,6 +110,17 @@ class PushEnded:
 
 
 @dataclass(frozen=True, slots=True)
+class Register:
+    """Push, decode: the blocks of receive ``tid`` are registered: send ``register`` to
+    prefill at ``address``, and again if prefill says it never got it
+    (registrations.py)."""
+
+    tid: str
+    address: str
+    register: m.PushRegister
+
+
+@dataclass(frozen=True, slots=True)
 class PostRead:
     """Pull: READ the peer's ``remote_blocks`` into our ``local_blocks`` (paired in
     order, every layer in ``layers``) for transfer ``tid``; tell prefill (PullDone) and
@@ -143,7 +154,7 @@ class Stop:
 
 
 Command = (Send | EnsurePeer | Track | Untrack | PushAdded | BlocksComputed | PushPrefilled
-           | PushEnded | PostRead | FenceTransfer | Call | Stop)
+           | PushEnded | Register | PostRead | FenceTransfer | Call | Stop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +210,12 @@ class AbortAckReceived:
 
 
 @dataclass(frozen=True, slots=True)
-class AwaitingRegistration:
-    """Prefill has no registration for these transfers (decode re-sends)."""
+class RegistrationLost:
+    """Push, decode: prefill never got the registration of ``tid`` though it was sent
+    again (registrations.py); prefill has been told (Abort)."""
 
-    tids: list[str]
+    tid: str
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +287,7 @@ class DeadHoldExpired:
 
 
 TransferEvent = (PeerReady | PeerRefused | PeerEvicted | PushDoneReceived | PullDoneReceived
-                 | AbortReceived | AbortAckReceived | AwaitingRegistration | PushFailing
+                 | AbortReceived | AbortAckReceived | RegistrationLost | PushFailing
                  | WritesDone | ReadDone | LeaseExpired | FenceReleased | WorkerDied
                  | DeadHoldExpired)
 

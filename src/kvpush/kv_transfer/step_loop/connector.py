@@ -285,8 +285,8 @@ class KVConnector:
                     receiver.on_abort(ab)
             case c.AbortAckReceived(ack):
                 receiver.on_abort_ack(ack)
-            case c.AwaitingRegistration(tids):
-                receiver.on_awaiting_registration(tids)
+            case c.RegistrationLost(tid, why):
+                receiver.on_registration_lost(tid, why)
             case c.PushFailing(tid, why):
                 sender.on_push_failing(tid, why)
             case c.WritesDone():

@@ -29,7 +29,6 @@ from kvpush.kv_cache.block_pool import hash_prompt_chain
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer.step_loop.context import TransferContext
 from kvpush.kv_transfer.step_loop.state import (
-    MAX_REGISTER_RESENDS,
     DecodeRecv,
     KVTransferParams,
     RecvState,
@@ -222,12 +221,10 @@ class DecodeReceiver:
             # only when configured to (else prefill writes just the tail block)
             full_hit = (self.ctx.cfg.prefix_hit_tail == "decode" and skip > 0
                         and skip == (n - 1) // bs)
-            recv.register = m.PushRegister(
+            self.ctx.submit(c.Register(recv.tid, recv.address, m.PushRegister(
                 recv.tid, self.ctx.engine_id, self.ctx.address, list(req.block_ids), skip, n,
                 full_hit, hash_prompt_chain(req.prompt_token_ids, bs, req.block_hashes,
-                                            req.params.cache_salt))
-            recv.registered_at = time.monotonic()
-            self.ctx.submit(c.Send(recv.address, recv.register))
+                                            req.params.cache_salt))))
             self.ctx.timeline.stamp(recv.tid, "d_registered")
             if full_hit:  # everything prefill could send is here already: compute the rest
                 self._end_recv(recv, ok=True, why="full prefix hit on decode")
@@ -412,24 +409,13 @@ class DecodeReceiver:
                                 done.num_descriptors, done.post_s)
         self._kv_arrived(recv, req.num_prompt_tokens - 1, None, record)
 
-    def on_awaiting_registration(self, tids: list[str]) -> None:
-        """Prefill has no registration for these: re-send ours (it was lost)."""
-        for tid in tids:
-            recv = self.recvs.get(tid)
-            if recv is None or recv.register is None or recv.state is not RecvState.AWAITING_KV:
-                continue
-            # a registration may just be slow: re-send at most every quarter lease
-            now = time.monotonic()
-            if now - recv.registered_at < self.ctx.cfg.lease_timeout_s / 4:
-                continue
-            recv.registered_at = now
-            recv.resends += 1
-            if recv.resends > MAX_REGISTER_RESENDS:
-                why = f"registration lost {MAX_REGISTER_RESENDS + 1} times"
-                self.ctx.submit(c.Send(recv.address, m.Abort(tid, why)))
-                self._recv_failed_fenced(recv, why)  # one may yet arrive: wait for P
-            else:
-                self.ctx.submit(c.Send(recv.address, recv.register))
+    def on_registration_lost(self, tid: str, why: str) -> None:
+        """Prefill never got our registration (the transfer thread sent it again, then
+        told prefill Abort): fail the request; one may yet have arrived, so its blocks
+        wait for prefill's word."""
+        recv = self.recvs.get(tid)
+        if recv is not None and recv.state is RecvState.AWAITING_KV:
+            self._recv_failed_fenced(recv, why)
 
     def on_abort_ack(self, ack: m.AbortAck) -> None:
         recv = self.recvs.get(ack.transfer_id)

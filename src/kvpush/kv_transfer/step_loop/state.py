@@ -12,13 +12,9 @@ from typing import Annotated, TypeVar
 import msgspec
 
 from kvpush.engine.outputs import RequestError, TransferRecord  # noqa: F401 (re-export)
-from kvpush.kv_transfer.wire import messages as m
 from kvpush.kv_transfer.wire.auth import Grant, ParamsSigner
 
 _T = TypeVar("_T")
-
-#: Re-sends of a registration that prefill says it never got, before decode gives up.
-MAX_REGISTER_RESENDS = 3
 
 
 class SendState(enum.Enum):
@@ -57,9 +53,6 @@ class DecodeRecv:
     remote_block_ids: list[int] = field(default_factory=list)
     state: RecvState = RecvState.PENDING_BLOCKS
     held: list[int] = field(default_factory=list)  # fenced blocks (QUARANTINED)
-    register: m.PushRegister | None = None  # kept to re-send if it was lost
-    resends: int = 0
-    registered_at: float = 0.0  # monotonic time of the last (re)send of ``register``
     #: pull: when prefill's lend ends (wall clock, ms; signed in prefill's answer)
     lend_expires_ms: int | None = None
     t_start: float = field(default_factory=time.perf_counter)

@@ -61,6 +61,7 @@ from kvpush.kv_transfer.transfer_thread.peers import (  # Peer re-exported: test
     PeerTable,
 )
 from kvpush.kv_transfer.transfer_thread.push_sends import PushSends
+from kvpush.kv_transfer.transfer_thread.registrations import SentRegistrations
 from kvpush.kv_transfer.transports.transport import KVTransport
 from kvpush.kv_transfer.wire import messages as m
 from kvpush.kv_transfer.wire.side_channel import SEND_DROP_REASONS
@@ -155,6 +156,10 @@ class TransferWorker:
                                           self._post, self._stamp, self.counters)
         #: pull: lends claimed before they are READ (lend_claims.py)
         self.claims = LendClaims(self.peers.send, self._post)
+        #: push decode: the registrations it sent, sent again if lost (registrations.py)
+        self.registered = (SentRegistrations(self.peers.send, self._post, lease_timeout_s)
+                           if hello.role == "decode" and hello.kv_transfer == "push"
+                           else None)
         #: push prefill: its transfers, registrations matched to blocks (push_sends.py)
         self.push = (PushSends(self.peers, self.inflight, self.peers.send, self._post,
                                self._track, self._untrack, hello.block_size, self.counters)
@@ -232,9 +237,7 @@ class TransferWorker:
         loop sends no Untrack for it."""
         tid = _ended_by(ev)
         if tid is not None:
-            self.leases.pop(tid, None)
-            self.fences.drop(tid)
-            self.claims.forget(tid)
+            self._untrack(tid)
         if self._batch is None:
             self.post_event(ev)
         else:
@@ -373,6 +376,8 @@ class TransferWorker:
                 self.push.prefilled(tid, done)
             case c.PushEnded(tid, why) if self.push is not None:
                 self.push.ended_by_step_loop(tid, why)
+            case c.Register() if self.registered is not None:
+                self.registered.register(cmd, time.monotonic())
             case c.Track(tid, address, renewable):
                 self._track(tid, address, renewable)
             case c.Untrack(tid):
@@ -386,11 +391,13 @@ class TransferWorker:
                     self.inflight.post_read(cmd)
             case c.FenceTransfer(tid, address):
                 self.leases.pop(tid, None)  # the fence, not the lease, holds it now
+                self._forget_registration(tid)
                 self.fences.fence(tid, address)
             case c.Call(fn):
                 fn()
-            case c.BlocksComputed() | c.PushAdded() | c.PushPrefilled() | c.PushEnded():
-                log.warning("ignored %s: this instance does not push KV", type(cmd).__name__)
+            case c.BlocksComputed() | c.PushAdded() | c.PushPrefilled() | c.PushEnded() | \
+                    c.Register():
+                log.warning("ignored %s: not this instance's role", type(cmd).__name__)
             case _:
                 raise TypeError(f"not a transfer command: {cmd!r}")
 
@@ -401,6 +408,11 @@ class TransferWorker:
         self.leases.pop(tid, None)
         self.fences.drop(tid)
         self.claims.forget(tid)
+        self._forget_registration(tid)
+
+    def _forget_registration(self, tid: str) -> None:
+        if self.registered is not None:
+            self.registered.forget(tid)
 
     # ---- peers and messages ----------------------------------------------------------
     def _busy_addresses(self) -> set[str]:
@@ -467,8 +479,8 @@ class TransferWorker:
     def _on_Heartbeat(self, msg: m.Heartbeat) -> None:
         for tid in msg.transfer_ids:
             self._renew(tid)
-        if msg.awaiting_registration:
-            self._post(c.AwaitingRegistration(list(msg.awaiting_registration)))
+        if msg.awaiting_registration and self.registered is not None:
+            self.registered.awaited(msg.awaiting_registration, time.monotonic())
 
     def _on_PushRegister(self, msg: m.PushRegister) -> None:
         self._stamp(msg.transfer_id, "p_reg")

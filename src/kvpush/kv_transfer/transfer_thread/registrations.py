@@ -1,0 +1,63 @@
+"""SentRegistrations: decode's push registrations, sent and sent again (transfer thread
+of a push decode instance).
+
+The step loop states once that a receive's blocks are registered (``Register``, with
+the ``PushRegister`` to send). This object sends it, and keeps it while the transfer is
+live: when prefill's heartbeat lists the transfer as awaiting its registration (the
+message was lost, or prefill's peer table had evicted us), it is sent again, at most
+every quarter lease and ``MAX_REGISTER_RESENDS`` times; after that decode gives up: it
+tells prefill (``Abort``) and the step loop (``RegistrationLost``), which fails the
+request and fences its blocks (prefill may yet have got one). A registration is
+forgotten as soon as its transfer ends here (prefill's answer, an ``Untrack``, a fence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvpush.kv_transfer import commands as c
+from kvpush.kv_transfer.wire import messages as m
+
+#: Re-sends of a registration that prefill says it never got, before decode gives up.
+MAX_REGISTER_RESENDS = 3
+
+
+@dataclass
+class Sent:
+    address: str
+    reg: m.PushRegister
+    at: float  # monotonic time of the last (re)send
+    resends: int = 0
+
+
+class SentRegistrations:
+    def __init__(self, send: Callable[[str, m.Message], None],
+                 post_event: Callable[[c.TransferEvent], None],
+                 lease_timeout_s: float) -> None:
+        self.send, self.post_event = send, post_event
+        self.resend_after_s = lease_timeout_s / 4
+        self.sent: dict[str, Sent] = {}
+
+    def register(self, cmd: c.Register, now: float) -> None:
+        self.sent[cmd.tid] = Sent(cmd.address, cmd.register, now)
+        self.send(cmd.address, cmd.register)
+
+    def awaited(self, tids: Iterable[str], now: float) -> None:
+        """Prefill says it has no registration for ``tids``: send ours again."""
+        for tid in tids:
+            s = self.sent.get(tid)
+            if s is None or now - s.at < self.resend_after_s:
+                continue  # not ours, or just sent: it may only be slow
+            s.at = now
+            s.resends += 1
+            if s.resends <= MAX_REGISTER_RESENDS:
+                self.send(s.address, s.reg)
+                continue
+            why = f"registration lost {MAX_REGISTER_RESENDS + 1} times"
+            del self.sent[tid]
+            self.send(s.address, m.Abort(tid, why))
+            self.post_event(c.RegistrationLost(tid, why))
+
+    def forget(self, tid: str) -> None:
+        self.sent.pop(tid, None)
