@@ -33,6 +33,7 @@ from kvpush.kv_transfer.step_loop.state import (
     SendState,
     TransferRecord,
 )
+from kvpush.kv_transfer.transfer_thread.push_sends import FULL_HIT
 from kvpush.kv_transfer.wire import messages as m
 from kvpush.sampling_params import SampledToken
 from kvpush.scheduler.request import Request
@@ -161,16 +162,11 @@ class PrefillSender:
         blocks are held."""
         ctx = self.ctx
         for send in list(self.sends.values()):
-            del self.sends[send.tid]
             ctx.counters["transfers_failed"] += 1
             ctx.record(TransferRecord(send.tid, "prefill", "push", False, error=why))
             ctx.timeline.emit(send.tid)
             ctx.remember_ended(send.tid, why)
-            if send.state is SendState.HELD:
-                ctx.scheduler.release_blocks(send.block_ids)  # kept past its finish
-            for blocks in send.retired:
-                ctx.scheduler.release_blocks(blocks)
-            send.retired.clear()
+            self._forget(send)
         for request_id in list(ctx.by_request):  # push and pull legs still prefilling
             if request_id in ctx.scheduler.requests:
                 ctx.actions.append(c.FailRequest(request_id, why))
@@ -284,25 +280,28 @@ class PrefillSender:
                                            ev.num_descriptors, ev.post_s, ev.elapsed_s,
                                            failed))
         self.ctx.timeline.emit(tid)
-        self.ctx.remember_ended(tid, failed or ("decode has the whole prompt cached"
-                                                if ev.prefill_not_needed else "done"))
+        self.ctx.remember_ended(tid, failed or (FULL_HIT if ev.prefill_not_needed
+                                                else "done"))
         if send.state is SendState.PREFILLING:  # the request still runs: end it
             send.state = SendState.OVER
-            why = failed or "decode has the whole prompt cached"
             self.ctx.actions.append(
                 c.RejectRequest(send.request_id, "decode holds the whole prompt in its "
                                 "prefix cache: nothing to prefill", "prefill_not_needed")
-                if ev.prefill_not_needed else c.AbortRequest(send.request_id, why))
-            for blocks in send.retired:  # (nothing reads them now)
-                self.ctx.scheduler.release_blocks(blocks)
-            send.retired.clear()
+                if ev.prefill_not_needed
+                else c.AbortRequest(send.request_id, failed or FULL_HIT))
+            self._release_retired(send)  # (nothing reads them now)
             return
-        if send.state is SendState.HELD:
-            self.ctx.scheduler.release_blocks(send.block_ids)
         self._forget(send)
 
     def _forget(self, send: PushSend) -> None:
+        """Drop ``send``, freeing what the connector holds of it: its blocks kept past
+        the finish (HELD) and those of a preempted run."""
         self.sends.pop(send.tid, None)
+        if send.state is SendState.HELD:
+            self.ctx.scheduler.release_blocks(send.block_ids)
+        self._release_retired(send)
+
+    def _release_retired(self, send: PushSend) -> None:
         for blocks in send.retired:
             self.ctx.scheduler.release_blocks(blocks)
         send.retired.clear()

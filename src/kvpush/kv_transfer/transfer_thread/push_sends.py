@@ -129,9 +129,7 @@ class PushSends:
         if o is not None and o.state is not OutState.EARLY:  # (the step loop refuses
             log.error("transfer %s: added twice (ignored)", tid)  # a duplicate first)
             return
-        why = self.ended.get(tid)
-        if why is None and tid in self.inflight.aborted:
-            why = "aborted"
+        why = self._ended_why(tid)
         if why is not None:  # ended here before its leg came (decode's abort, a lease)
             self.post_event(c.WritesDone(tid, f"transfer {tid} already ended: {why}"))
             return
@@ -192,9 +190,7 @@ class PushSends:
         if o is None and tid in self.inflight.writes:
             return  # (sent again) its WRITEs drain: decode gets PushDone / AbortAck then
         if o is None:
-            why = self.ended.get(tid)
-            if why is None and tid in self.inflight.aborted:
-                why = "this transfer already ended"
+            why = self._ended_why(tid)
             if why is not None:  # prefill already gave up on it: tell decode at once
                 self.send(reg.address, m.PushDone(tid, ok=False, error=why))
                 return
@@ -246,18 +242,11 @@ class PushSends:
         return True
 
     def abandon(self, tid: str, why: str) -> None:
-        """Handling a fact about ``tid`` raised (a bug): end the transfer anyway, so
-        that the step loop still gets its WritesDone and frees the blocks (a second one,
-        for a transfer already over, finds nothing there)."""
-        o = self._pop(tid)
-        if o is not None:
-            self.untrack(tid)
-        self._remember(tid, why)
-        if tid in self.inflight.writes:
-            self.inflight.end_writes(tid, why)  # WritesDone once they drained
-            return
-        self.inflight.remember_aborted(tid)
-        self.post_event(c.WritesDone(tid, why))
+        """Handling a fact about ``tid`` raised (a bug): end the transfer anyway, as any
+        other end, so that the step loop still gets its WritesDone and frees the blocks
+        (a second one, for a transfer already over, finds nothing there) and a
+        registered decode its PushDone(ok=False)."""
+        self._end(tid, self.out.get(tid), why)
 
     # ---- inside -------------------------------------------------------------------------
     def _registered(self, o: Outgoing, reg: m.PushRegister) -> None:
@@ -338,6 +327,14 @@ class PushSends:
         if o is not None and o.state is OutState.SENDING:
             self.sending -= 1
         return o
+
+    def _ended_why(self, tid: str) -> str | None:
+        """Why ``tid`` ended here, if it did: ended before its hand-over (``ended``), or
+        its WRITEs over (``TransfersInFlight.aborted``: done, or aborted by decode)."""
+        why = self.ended.get(tid)
+        if why is None and tid in self.inflight.aborted:
+            why = "this transfer already ended"
+        return why
 
     def _remember(self, tid: str, why: str) -> None:
         self.ended[tid] = why

@@ -124,8 +124,7 @@ class TransferWorker:
         self.lease_timeout_s = lease_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.busy_poll_s = busy_poll_s
-        # prefill of a push: decode's blocks are written by us, Aborts are answered
-        self._writer = hello.role == "prefill" and hello.kv_transfer == "push"
+        # pull: prefill lends its blocks (claims answered), decode READs them
         self._lender = hello.role == "prefill" and hello.kv_transfer == "pull"
         self._reader = hello.role == "decode" and hello.kv_transfer == "pull"
         self.commands: queue.SimpleQueue[c.Command] = queue.SimpleQueue()
@@ -163,7 +162,7 @@ class TransferWorker:
         #: push prefill: its transfers, registrations matched to blocks (push_sends.py)
         self.push = (PushSends(self.peers, self.inflight, self.peers.send, self._post,
                                self._track, self._untrack, hello.block_size, self.counters)
-                     if self._writer else None)
+                     if hello.role == "prefill" and hello.kv_transfer == "push" else None)
         self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
         self._stopped = False
         self._stop_requested = False
