@@ -242,11 +242,19 @@ class PushSends:
         return True
 
     def abandon(self, tid: str, why: str) -> None:
-        """Handling a fact about ``tid`` raised (a bug): end the transfer anyway, as any
-        other end, so that the step loop still gets its WritesDone and frees the blocks
-        (a second one, for a transfer already over, finds nothing there) and a
-        registered decode its PushDone(ok=False)."""
-        self._end(tid, self.out.get(tid), why)
+        """Handling a fact about ``tid`` raised (a bug): end the transfer anyway, so
+        that the step loop still gets its WritesDone and frees the blocks (a second one,
+        for a transfer already over, finds nothing there). No PushFailing: the error
+        may be the transport's, and the thread's death, if it follows, fails the leg."""
+        o = self._pop(tid)
+        if o is not None:
+            self.untrack(tid)
+        self._remember(tid, why)
+        if tid in self.inflight.writes:
+            self.inflight.end_writes(tid, why)  # WritesDone once they drained
+            return
+        self.inflight.remember_aborted(tid)
+        self.post_event(c.WritesDone(tid, why))
 
     # ---- inside -------------------------------------------------------------------------
     def _registered(self, o: Outgoing, reg: m.PushRegister) -> None:
