@@ -18,6 +18,7 @@ from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer.transfer_thread.lend_claims import LendClaims
 from kvpush.kv_transfer.wire import messages as m
 from pd_helpers import PDDriver
+from test_worker_fences import P, worker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -155,11 +156,10 @@ def test_a_lend_is_read_once(tiny_qwen3):
 
 
 def test_claims_unit():
-    """LendClaims alone: once per lend, only while live, only the claimer ends it; an
-    answer from another sender is ignored; a claim unanswered at Untrack ends its READ."""
+    """LendClaims alone (prefill): once per lend, only while live, only the claimer
+    ends it."""
     sent: list[tuple[str, m.Message]] = []
-    events: list[c.Event] = []
-    lender = LendClaims(lambda a, msg: sent.append((a, msg)), events.append)
+    lender = LendClaims(lambda a, msg: sent.append((a, msg)))
     lender.claim(m.PullClaim("t"), "d1:1", live=True)
     lender.claim(m.PullClaim("t"), "d2:1", live=True)
     lender.claim(m.PullClaim("u"), "d1:1", live=False)
@@ -170,20 +170,25 @@ def test_claims_unit():
     lender.forget("t")
     assert lender.from_claimer("t", "d2:1")
 
-    sent.clear()
-    reader = LendClaims(lambda a, msg: sent.append((a, msg)), events.append)
-    read = c.PostRead("t", "p:1", [0], [3], range(1))
-    reader.request(read)
-    assert sent == [("p:1", m.PullClaim("t"))]
-    assert reader.answered(m.PullClaimed("t", True), "other:1") is None  # not prefill
-    assert reader.answered(m.PullClaimed("t", True), "p:1") is read
-    reader.request(read)
-    assert reader.answered(m.PullClaimed("t", False, "gone"), "p:1") is None
-    assert isinstance(events[-1], c.ReadDone) and not events[-1].ok
-    assert "refused the READ: gone" in events[-1].error
-    reader.request(read)
-    reader.forget("t")
-    assert isinstance(events[-1], c.ReadDone) and "before prefill answered" in events[-1].error
+
+def test_decode_claims_then_reads_or_gives_up():
+    """Decode's half (receives.py): the claim goes out once the blocks are allocated;
+    an answer from another sender is ignored; a refusal ends the receive with the
+    reason and nothing is READ; a receive that ends while claiming tells prefill."""
+    w, ch, tr, events = worker("decode", "pull")
+    for tid in ("t", "u"):
+        w.handle(c.ReceiveAdded(tid, P, "prefill", [3]))
+        w.handle(c.BlocksAllocated(tid, local_blocks=[0], remote_blocks=[3]))
+    assert ch.of(m.PullClaim) == [m.PullClaim("t"), m.PullClaim("u")]
+    w.receive(m.encode(m.PullClaimed("t", True)), "10.0.0.9:1")  # not prefill
+    assert tr.posts == 0 and events == []
+    w.receive(m.encode(m.PullClaimed("t", False, "gone")), P)
+    assert events == [c.ReceiveOver("t", False, "prefill refused the READ: gone")]
+    w.handle(c.ReceiveEnded("u", "client gone"))
+    assert ch.of(m.Abort) == [m.Abort("u", "client gone")]
+    assert events[-1] == c.ReceiveOver("u", False, "client gone")
+    w.receive(m.encode(m.PullClaimed("u", True)), P)  # too late: nothing is READ
+    assert tr.posts == 0 and not w.leases and not w.receives.recvs
 
 
 def test_a_finished_push_refuses_every_replayed_prefill_leg(tiny_qwen3):

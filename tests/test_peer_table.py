@@ -84,6 +84,7 @@ def test_many_bogus_peer_addresses_are_capped_and_their_sockets_closed():
     ch = SideChannel(HOST, 0)
     w = TransferWorker(hello("decode", ch.address), ch, PeerTransport(), events.put,
                        0.6, 0.1)
+    w.receives.on_notice = events.put  # the table's notices, as the worker routes them
     n = MAX_PEERS + 40
     addresses = [f"{HOST}:{port}" for port in closed_ports(n)]
     fd0 = fd_count()
@@ -91,16 +92,14 @@ def test_many_bogus_peer_addresses_are_capped_and_their_sockets_closed():
     w.start()
     try:
         for address in addresses:
-            w.submit(c.EnsurePeer(address))
+            w.submit(c.Call(lambda a=address: w.peers.ensure(a)))
         w.submit(c.Call(lambda: peak.append((len(w.peers), fd_count()))))
         refused: dict[str, str] = {}
         deadline = time.monotonic() + 8
         while len(refused) < n:
-            update = events.get(timeout=max(0.01, deadline - time.monotonic()))
-            assert isinstance(update, c.TransferUpdate)  # one per pass of the thread
-            for ev in update.events:
-                if isinstance(ev, c.PeerRefused):
-                    refused[ev.address] = ev.reason
+            ev = events.get(timeout=max(0.01, deadline - time.monotonic()))
+            if isinstance(ev, c.PeerRefused):
+                refused[ev.address] = ev.reason
         [(open_peers, fds)] = peak
         assert open_peers == MAX_PEERS
         assert fds - fd0 <= 4 * MAX_PEERS + 16  # 3 ZMQ sockets (+ a TCP attempt) each
@@ -119,8 +118,8 @@ def test_many_bogus_peer_addresses_are_capped_and_their_sockets_closed():
 
 
 def test_idle_peers_are_evicted_and_met_again(tiny_qwen3):
-    """A ready peer that no transfer uses is evicted once idle (sockets closed, step loop
-    told); the next request handshakes again. When only prefill evicted decode, decode's
+    """A ready peer that no transfer uses is evicted once idle (sockets closed); the next
+    request handshakes again. When only prefill evicted decode, decode's
     registration waits on prefill for the new handshake instead of being refused."""
     p = make_instance(tiny_qwen3, "prefill", "push", lease=2.0)
     d = make_instance(tiny_qwen3, "decode", "push", lease=2.0)
@@ -133,12 +132,12 @@ def test_idle_peers_are_evicted_and_met_again(tiny_qwen3):
         drv.run(timeout=20)
         drv.settle()
         assert p.connector.worker.peers.is_ready(d.connector.address)
-        # both evict: each side's table and decode's copy of the Hello are emptied
-        # (prefill's step loop keeps no peers: its transfer thread's table is read)
+        # both evict (the step loops keep no peers: the transfer threads' tables)
         for eng in (p, d):
             eng.connector.worker.peers.idle_timeout_s = 0.2
         wait_for(lambda: not p.connector.worker.peers.is_ready(d.connector.address)
-                 and not d.connector.peers, 10, "both peers evicted", step=drv.pump)
+                 and not d.connector.worker.peers.is_ready(p.connector.address), 10,
+                 "both peers evicted", step=drv.pump)
         assert len(p.connector.worker.peers) == len(d.connector.worker.peers) == 0
         drv.submit("r1", prompts[1], greedy(4))
         drv.run(timeout=20)
@@ -195,13 +194,14 @@ def test_a_refusal_applies_to_its_sender_only_and_expires():
     it); our own side channel is refused here without a word on the wire; a refusal
     fails requests at once while it lasts, then expires and the handshake is retried."""
     ch, events = FakeChannel(), []
-    w = TransferWorker(hello("decode", D), ch, PeerTransport(), events.append, LEASE, 0.5)
+    w = TransferWorker(hello("decode", D), ch, PeerTransport(), [].append, LEASE, 0.5)
+    w.receives.on_notice = events.append  # the table's notices, as the worker routes them
 
     def hellos_to(address: str) -> int:
         return sum(1 for a, msg in ch.sent if a == address and isinstance(msg, m.Hello))
 
-    w.handle(c.EnsurePeer(P))
-    w.handle(c.EnsurePeer(X))
+    w.peers.ensure(P)
+    w.peers.ensure(X)
     assert hellos_to(P) == hellos_to(X) == 1
     why = "peer decode at 10.0.0.2:5700 is incompatible: block_size: peer has 16, this 32"
     w.receive(m.encode(m.HelloRefused("x", why)), X)
@@ -218,16 +218,16 @@ def test_a_refusal_applies_to_its_sender_only_and_expires():
     w.receive(m.encode(m.HelloRefused("p", "late")), P)  # ready: ignored
     assert w.peers.is_ready(P)
     # a request naming our own side channel: refused here, nothing sent, P untouched
-    w.handle(c.EnsurePeer(D))
+    w.peers.ensure(D)
     assert events[-1].address == D and "own side channel" in events[-1].reason
     assert hellos_to(D) == 0 and D not in w.peers and w.peers.is_ready(P)
     # while X's refusal lasts a request for it fails at once, no new Hello
-    w.handle(c.EnsurePeer(X))
+    w.peers.ensure(X)
     assert events[-1] == c.PeerRefused(X, why) and hellos_to(X) == 1
     # it expires: the entry (and its socket) goes, the next request says Hello again
     w.peers.sweep(time.monotonic() + LEASE + 0.1)
     assert X not in w.peers and X in ch.forgotten and w.peers.is_ready(P)
-    w.handle(c.EnsurePeer(X))
+    w.peers.ensure(X)
     assert hellos_to(X) == 2
     fixed = hello("prefill", X)
     w.receive(m.encode(fixed), X)  # X, fixed, answers

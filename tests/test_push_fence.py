@@ -68,20 +68,19 @@ class Pair(PDDriver):
         return (s.num_free_blocks == s.num_total_blocks and not c.receiver.recvs
                 and not c.fenced_blocks)
 
-    def watch(self, event: type) -> list[str]:
-        """Transfer ids of each ``event`` (AbortAckReceived, PushDoneReceived) decode
-        handles."""
+    def watch(self, kind: type) -> list[str]:
+        """Transfer ids of each answer of prefill's (``m.AbortAck``, ``m.PushDone``)
+        that decode's transfer thread hands its receives."""
         seen: list[str] = []
-        conn = self.d.connector
-        orig = conn.handle_event
+        receives = self.d.connector.worker.receives
+        name = {m.AbortAck: "on_abort_ack", m.PushDone: "on_push_done"}[kind]
+        orig = getattr(receives, name)
 
-        def spy(ev):
-            if isinstance(ev, event):
-                msg = ev.ack if isinstance(ev, cmd.AbortAckReceived) else ev.done
-                seen.append(msg.transfer_id)
-            orig(ev)
+        def spy(msg, sender: str) -> None:
+            seen.append(msg.transfer_id)
+            orig(msg, sender)
 
-        conn.handle_event = spy
+        setattr(receives, name, spy)
         return seen
 
 
@@ -144,7 +143,7 @@ def test_lease_expiry_fences_until_prefill_acks_the_abort(make_pair):
     fails at the lease, its blocks stay fenced past the lease, prefill resumes, finishes
     its WRITEs into them, answers decode's Abort with AbortAck: then they are freed."""
     pair = make_pair()
-    acks = pair.watch(cmd.AbortAckReceived)
+    acks = pair.watch(m.AbortAck)
     writes_in_flight(pair)
     pair.freeze_prefill()
     lease_failed(pair)  # the client hears at the lease, as before
@@ -156,7 +155,7 @@ def test_lease_expiry_fences_until_prefill_acks_the_abort(make_pair):
     pair.settle()
     assert set(acks) == {"r"}  # (the fence repeats its Abort: acks may repeat too)
     assert pair.p.connector.transport.stats.done > landed  # late WRITEs landed, fenced
-    c = pair.d.connector.counters
+    c = pair.d.connector.worker.counters
     assert (c["fences"], c["fences_peer_gone"], c["fence_timeouts"]) == (1, 0, 0)
 
 
@@ -164,8 +163,8 @@ def test_lease_expiry_fence_ends_on_push_done(make_pair):
     """The same, decode's Aborts all lost: prefill's own lease on the transfer ends
     after it resumes, it drains its WRITEs and sends PushDone: the blocks are freed."""
     pair = make_pair(p_lease=1.0)
-    dones = pair.watch(cmd.PushDoneReceived)
-    acks = pair.watch(cmd.AbortAckReceived)
+    dones = pair.watch(m.PushDone)
+    acks = pair.watch(m.AbortAck)
     writes_in_flight(pair)
     pair.faults.arm(drop_messages={"Abort": 10**6})
     pair.freeze_prefill()
@@ -187,7 +186,7 @@ def test_fence_ends_when_prefill_connection_drops(make_pair):
     assert_fenced(pair)
     pair.kill_prefill_transfer_thread()
     pair.run(until=pair.d_clean, timeout=10)
-    c = pair.d.connector.counters
+    c = pair.d.connector.worker.counters
     assert (c["fences"], c["fences_peer_gone"], c["fence_timeouts"]) == (1, 1, 0)
 
 
@@ -199,7 +198,7 @@ def test_fence_ends_at_once_when_prefill_died_before_the_lease(make_pair):
     pair.p.connector.worker.stop()
     lease_failed(pair)
     pair.run(until=pair.d_clean, timeout=5)
-    c = pair.d.connector.counters
+    c = pair.d.connector.worker.counters
     assert (c["fences"], c["fences_peer_gone"], c["fence_timeouts"]) == (1, 1, 0)
 
 
@@ -212,7 +211,7 @@ def test_fence_times_out_when_prefill_stays_frozen(make_pair):
     lease_failed(pair)
     assert_fenced(pair)
     pair.run(until=pair.d_clean, timeout=5)
-    c = pair.d.connector.counters
+    c = pair.d.connector.worker.counters
     assert (c["fences"], c["fences_peer_gone"], c["fence_timeouts"]) == (1, 0, 1)
     pair.kill_prefill_transfer_thread()  # nothing of it lands now
 
@@ -221,7 +220,7 @@ def test_client_abort_quarantine_outlives_the_lease(make_pair):
     """Decode's client goes away while prefill (frozen) has WRITEs in flight: the
     blocks stay fenced past the lease, until prefill resumes and acks the Abort."""
     pair = make_pair()
-    acks = pair.watch(cmd.AbortAckReceived)
+    acks = pair.watch(m.AbortAck)
     writes_in_flight(pair)
     pair.freeze_prefill()
     out = pair.d.abort_request("d-r")
@@ -230,7 +229,7 @@ def test_client_abort_quarantine_outlives_the_lease(make_pair):
     assert_fenced(pair)
     pair.pump_for(1.5)  # three leases
     assert_fenced(pair)
-    assert pair.d.connector.counters["aborts_sent"] == 1
+    assert pair.d.connector.worker.counters["aborts_sent"] == 1
     pair.thaw_prefill()
     pair.settle()
     assert set(acks) == {"r"}
@@ -257,7 +256,7 @@ def test_lost_registrations_fence_until_prefill_acks(make_pair):
     """Every registration lost: decode gives up and fails the request, but a late one
     could still reach prefill, so the blocks wait for its AbortAck."""
     pair = make_pair(d_lease=0.6)
-    acks = pair.watch(cmd.AbortAckReceived)
+    acks = pair.watch(m.AbortAck)
     pair.faults.arm(drop_messages={"PushRegister": 1000})
     pair.submit("r", random_prompts([60])[0], greedy(5))
     pair.run(timeout=15)
@@ -265,21 +264,21 @@ def test_lost_registrations_fence_until_prefill_acks(make_pair):
     assert leg.finish_reason is FinishReason.ERROR and "registration lost" in leg.error
     pair.settle()
     assert set(acks) == {"r"}
-    assert pair.d.connector.counters["fences"] == 1
+    assert pair.d.connector.worker.counters["fences"] == 1
 
 
 def test_prefill_acks_an_abort_for_an_unknown_or_finished_transfer(make_pair):
     """Prefill answers an Abort for any id — one it never had, one long finished — so
     that decode, fencing until it hears, never waits for ever."""
     pair = make_pair()
-    acks = pair.watch(cmd.AbortAckReceived)
+    acks = pair.watch(m.AbortAck)
     pair.submit("done", random_prompts([40])[0], greedy(3))
     pair.run(timeout=15)
     assert pair.d_legs["done"].finish_reason is FinishReason.LENGTH
     pair.settle()
+    worker, prefill = pair.d.connector.worker, pair.p.connector.address
     for tid in ("never-was", "done"):
-        pair.d.connector.worker.submit(cmd.Send(pair.p.connector.address,
-                                              m.Abort(tid, "test")))
+        worker.submit(cmd.Call(lambda t=tid: worker.peers.send(prefill, m.Abort(t, "test"))))
     pair.run(until=lambda: set(acks) == {"done", "never-was"}, timeout=5)
     pair.settle()
 
@@ -289,7 +288,7 @@ def test_prefill_refuses_writes_for_an_id_decode_aborted(make_pair):
     and no WRITE for that id is posted afterwards, though its prefill step loop may
     still queue some (the layer hook of the step that was running)."""
     pair = make_pair()
-    acks = pair.watch(cmd.AbortAckReceived)
+    acks = pair.watch(m.AbortAck)
     writes_in_flight(pair)
     worker = pair.p.connector.worker
     pair.d.abort_request("d-r")

@@ -93,8 +93,16 @@ def test_pending_write_still_completes_at_the_poll():
     assert [d.ok for d in ch.of(m.PushDone)] == [True]
 
 
+def reading(w, tid: str) -> None:
+    """Pull decode: receive ``tid`` added, its blocks allocated (BLOCKS), and prefill's
+    answer to the claim: the READ is posted."""
+    w.handle(c.ReceiveAdded(tid, P, "prefill", BLOCKS[1]))
+    w.handle(c.BlocksAllocated(tid, local_blocks=BLOCKS[0], remote_blocks=BLOCKS[1]))
+    w.receive(m.encode(m.PullClaimed(tid, True)), P)
+
+
 def test_read_done_inside_its_post_ends_at_once():
-    w, ch, tr, events = worker("decode")
+    w, ch, tr, events = worker("decode", "pull")
     real_post = tr.post
 
     def post_done(*a):
@@ -103,40 +111,43 @@ def test_read_done_inside_its_post_ends_at_once():
         return h
 
     tr.post = post_done
-    w.handle(c.PostRead("t", P, *BLOCKS))
+    reading(w, "t")
     assert ch.of(m.PullDone) == [m.PullDone("t", ok=True)]
     [done] = events
-    assert done.tid == "t" and done.ok and done.error is None and not w.reads
+    assert isinstance(done, c.ReceiveOver) and done.tid == "t" and done.ok
+    assert done.why is None and not w.reads and not w.leases
     assert (done.num_descriptors, done.num_bytes) == (1, 64)
 
 
 def test_read_posted_by_the_transfer_thread_reports_its_failure():
     """A READ that cannot be posted (or reaches no ready peer) fails the transfer on
-    both sides: PullDone(ok=False) to prefill, ReadDone with the reason to the step loop."""
-    w, ch, tr, events = worker("decode")
-    w.handle(c.PostRead("t", "10.0.0.9:1", *BLOCKS))  # no such peer (yet)
-    assert tr.posts == 0  # its PullDone waits for the handshake the send starts
-    assert w.peers["10.0.0.9:1"].queued == [m.PullDone("t", ok=False)]
-    assert not events[0].ok and "no connection" in events[0].error
+    both sides: PullDone(ok=False) to prefill, ReceiveOver with the reason to the step
+    loop."""
+    w, ch, tr, events = worker("decode", "pull")
 
     def refuse(*a):
         raise TransferPostError("refused")
 
     tr.post = refuse
-    w.handle(c.PostRead("u", P, *BLOCKS))
+    reading(w, "u")
     assert ch.of(m.PullDone) == [m.PullDone("u", ok=False)]
-    assert not events[1].ok and events[1].error == "READ failed to post: refused"
+    assert [(e.tid, e.ok, e.why) for e in events] == [
+        ("u", False, "READ failed to post: refused")]
+    from kvpush.kv_transfer.transfer_thread.inflight import PostRead
+
+    w.inflight.post_read(PostRead("t", "10.0.0.9:1", *BLOCKS))  # no such peer (any more)
+    assert w.peers["10.0.0.9:1"].queued == [m.PullDone("t", ok=False)]  # after a handshake
     assert w.counters["transfers_failed"] == 2 and not w.reads
 
 
 def test_pending_read_ends_at_the_poll():
-    w, ch, tr, events = worker("decode")
-    w.handle(c.PostRead("t", P, *BLOCKS))
+    w, ch, tr, events = worker("decode", "pull")
+    reading(w, "t")
     assert w.reads and events == []
     tr.states[1] = XferState.FAILED
     w.inflight.poll()
     assert ch.of(m.PullDone) == [m.PullDone("t", ok=False)]
-    assert [(e.ok, e.error) for e in events] == [(False, "READ failed")]
+    assert [(e.ok, e.why) for e in events] == [(False, "READ failed")]
 
 
 # ---- both instances stamp a real push and pull ------------------------------------------

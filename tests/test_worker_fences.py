@@ -73,25 +73,29 @@ class FakeTransport:
     def progress(self) -> None:
         pass
 
+    def add_peer(self, metadata: bytes) -> str:
+        return "agent"
+
     def close(self) -> None:
         pass
 
 
-def hello(role: str, address: str) -> m.Hello:
+def hello(role: str, address: str, mode: str = "push") -> m.Hello:
     return m.Hello(version=m.PROTOCOL_VERSION, engine_id=role, role=role, address=address,
                    transport="inproc", agent_metadata=b"", model="x", dtype="float32",
                    block_size=16, layout="x", num_layers=1, num_kv_heads=1, head_dim=1,
-                   kv_transfer="push", base_address=4096, num_blocks=8, block_bytes=8,
+                   kv_transfer=mode, base_address=4096, num_blocks=8, block_bytes=8,
                    layer_bytes=64)
 
 
-def worker(role: str) -> tuple[TransferWorker, FakeChannel, FakeTransport, list[tuple]]:
+def worker(role: str, mode: str = "push"
+           ) -> tuple[TransferWorker, FakeChannel, FakeTransport, list[tuple]]:
     mine, theirs = (P, D) if role == "prefill" else (D, P)
     ch, tr, events = FakeChannel(), FakeTransport(), []
-    w = TransferWorker(hello(role, mine), ch, tr, events.append, LEASE, 0.5,
+    w = TransferWorker(hello(role, mine, mode), ch, tr, events.append, LEASE, 0.5,
                        fence_timeout_s=FENCE)
     other = "decode" if role == "prefill" else "prefill"
-    w.peers[theirs] = Peer(theirs, hello=hello(other, theirs), agent=other)
+    w.peers[theirs] = Peer(theirs, hello=hello(other, theirs, mode), agent=other)
     return w, ch, tr, events
 
 
@@ -119,6 +123,15 @@ def sending(w: TransferWorker, tid: str, *, computed: bool = True) -> None:
         w.handle(c.BlocksComputed(tid, 0, BLOCKS[0], BLOCKS[2]))
 
 
+def registered(w: TransferWorker, tid: str, address: str = P) -> m.PushRegister:
+    """Decode: receive ``tid`` from prefill at ``address`` added, its blocks allocated:
+    the registration goes out (the peer is ready)."""
+    reg = m.PushRegister(tid, "decode", D, BLOCKS[1], 0, PROMPT_TOKENS, prompt_hashes=CHAIN)
+    w.handle(c.ReceiveAdded(tid, address, "prefill"))
+    w.handle(c.BlocksAllocated(tid, register=reg))
+    return reg
+
+
 def prefilled(w: TransferWorker, tid: str, first_token: int = 3) -> None:
     """The step loop: prefill of ``tid`` is over with token #1 ``first_token``."""
     w.handle(c.PushPrefilled(tid, m.PushDone(tid, ok=True, first_token=first_token)))
@@ -133,7 +146,7 @@ def test_prefill_acks_an_abort_for_an_unknown_id_at_once_and_refuses_its_writes(
     w.receive(abort_frame("never-seen"), D)
     assert ch.of(m.AbortAck) == [m.AbortAck("never-seen")]
     assert ch.sent[0][0] == D
-    assert kinds(events) == ["AbortReceived"]  # the step loop counts it
+    assert events == [] and w.counters["aborts_received"] == 1  # counted, nothing to do
     w.handle(c.BlocksComputed("never-seen", 0, *BLOCKS[::2]))
     assert tr.posts == 0 and w.counters["writes_refused"] == 1
     assert "never-seen" not in w.writes
@@ -145,7 +158,7 @@ def test_prefill_acks_only_once_its_in_flight_writes_drained():
     assert tr.posts == 1
     w.receive(abort_frame("t"), D)
     assert ch.of(m.AbortAck) == []  # a WRITE may still land in decode's blocks
-    assert kinds(events) == ["PushFailing", "AbortReceived"]  # the prefill stops now
+    assert kinds(events) == ["PushFailing"]  # the prefill stops now
     w.handle(c.BlocksComputed("t", 0, *BLOCKS[::2]))  # stated before the step loop heard
     assert tr.posts == 1 and w.counters["writes_refused"] == 1
     tr.states[1] = XferState.DONE
@@ -319,20 +332,19 @@ def test_prefill_refuses_a_bad_registration_and_writes_nothing():
 def test_decode_sends_a_lost_registration_again_then_gives_up():
     """Prefill's heartbeat lists a transfer as awaiting its registration: decode's
     transfer thread sends it again (at most every quarter lease, three times), then
-    tells prefill Abort and the step loop RegistrationLost; a transfer that ended is
-    never re-sent."""
+    tells prefill Abort and the step loop ReceiveFailing, and fences the blocks (prefill
+    may have got one after all); a receive that ended is never re-sent."""
     from kvpush.kv_transfer.transfer_thread.registrations import MAX_REGISTER_RESENDS
 
     w, ch, _, events = worker("decode")
-    reg = m.PushRegister("t", "decode", D, BLOCKS[1], 0, PROMPT_TOKENS, prompt_hashes=CHAIN)
-    w.handle(c.Register("t", P, reg))
-    w.handle(c.Register("u", P, m.PushRegister("u", "decode", D, BLOCKS[1], 0,
-                                               PROMPT_TOKENS)))
+    reg = registered(w, "t")
+    registered(w, "u")
     assert ch.of(m.PushRegister) == [reg, ch.of(m.PushRegister)[1]]
     beat = m.encode(m.Heartbeat("prefill", [], ["t", "u", "other"]))
     w.receive(beat, P)
     assert len(ch.of(m.PushRegister)) == 2  # just sent: it may only be slow
-    w.handle(c.Untrack("u"))  # "u" ended here: never sent again
+    w.handle(c.ReceiveEnded("u", "client gone"))  # "u" ended here: never sent again
+    assert ch.of(m.Abort) == [m.Abort("u", "client gone")] and "u" in w.fences.fences
     for i in range(MAX_REGISTER_RESENDS):
         w.registered.sent["t"].at -= LEASE  # a quarter lease (and more) has passed
         w.receive(beat, P)
@@ -340,55 +352,114 @@ def test_decode_sends_a_lost_registration_again_then_gives_up():
     assert events == []
     w.registered.sent["t"].at -= LEASE
     w.receive(beat, P)
-    assert ch.of(m.Abort) == [m.Abort("t", "registration lost 4 times")]
-    assert events == [c.RegistrationLost("t", "registration lost 4 times")]
-    assert not w.registered.sent
+    assert ch.of(m.Abort)[1:] == [m.Abort("t", "registration lost 4 times")]
+    assert events == [c.ReceiveFailing("t", "registration lost 4 times")]
+    assert not w.registered.sent and "t" in w.fences.fences and "t" not in w.leases
 
 
-def test_decode_does_not_answer_aborts():
+def test_decode_checks_the_params_against_prefills_hello_before_anything_is_sent():
+    """A receive whose request names another engine, or lent blocks outside prefill's
+    region, ends as a client error (a 400) once prefill's Hello is known; nothing is
+    registered, claimed or READ."""
+    w, ch, tr, events = worker("decode", "pull")
+    w.handle(c.ReceiveAdded("t", P, "somebody-else", [0, 1]))
+    w.handle(c.ReceiveAdded("u", P, "prefill", [0, 8]))  # prefill has blocks 0-7
+    w.handle(c.BlocksAllocated("u", local_blocks=[0, 1], remote_blocks=[0, 8]))
+    assert [(ev.tid, ev.ok, ev.client_error) for ev in events] == [("t", False, True),
+                                                                    ("u", False, True)]
+    assert "not remote_engine_id 'somebody-else'" in events[0].why
+    assert "outside" in events[1].why
+    assert ch.sent == [] and tr.posts == 0 and not w.leases and not w.receives.recvs
+
+
+def test_decode_registers_once_a_new_prefill_answered_its_handshake():
     w, ch, _, events = worker("decode")
-    w.receive(abort_frame("t"), P)
-    assert ch.sent == [] and kinds(events) == ["AbortReceived"]
+    far = "10.0.0.9:1"
+    reg = m.PushRegister("t", "decode", D, BLOCKS[1], 0, PROMPT_TOKENS)
+    w.handle(c.ReceiveAdded("t", far, "prefill"))
+    w.handle(c.BlocksAllocated("t", register=reg))
+    assert [type(msg) for _, msg in ch.sent] == [m.Hello]  # our Hello only
+    w.receive(m.encode(hello("prefill", far)), far)
+    assert ch.of(m.PushRegister) == [reg] and events == []
+
+
+def test_decode_answers_no_abort_and_ends_the_receive_it_names():
+    w, ch, _, events = worker("decode")
+    w.receive(abort_frame("t"), P)  # no such receive: counted, nothing else
+    assert ch.sent == [] and events == [] and w.counters["aborts_received"] == 1
+    registered(w, "t")
+    w.receive(abort_frame("t"), "10.0.0.9:1")  # another instance: not its word
+    assert events == [] and w.counters["messages_bad"] == 1
+    w.receive(abort_frame("t"), P)  # prefill has nothing of its own in flight
+    assert events == [c.ReceiveOver("t", False, "aborted by prefill: client gone")]
+    assert not w.leases and ch.of(m.Abort) == []
 
 
 def test_decode_fence_repeats_its_abort_then_times_out():
     w, ch, _, events = worker("decode")
-    w.handle(c.Track("t", P))
+    registered(w, "t")
     t0 = time.monotonic()
-    w.handle(c.FenceTransfer("t", P))
+    w.handle(c.ReceiveEnded("t", "client gone"))
+    assert ch.of(m.Abort) == [m.Abort("t", "client gone")]
     assert "t" not in w.leases and "t" in w.fences.fences  # the lease ends, the fence holds
     w._expire(t0 + 1.5 * LEASE)
-    assert ch.of(m.Abort) == [m.Abort("t", "lease expired")] and events == []
+    assert ch.of(m.Abort)[1:] == [m.Abort("t", "lease expired")] and events == []
     w._expire(t0 + FENCE + 1)
-    assert events == [c.FenceReleased("t", "timeout")] and not w.fences.fences
+    assert events == [c.ReceiveOver("t", False, "client gone")] and not w.fences.fences
+    assert (w.counters["fences"], w.counters["fence_timeouts"]) == (1, 1)
+
+
+def test_decode_lease_expiry_fences_a_registered_receive():
+    """Prefill went silent: the request fails now (ReceiveFailing), its blocks stay
+    fenced until prefill's word; an unregistered receive just ends."""
+    w, ch, _, events = worker("decode")
+    registered(w, "t")
+    w.handle(c.ReceiveAdded("u", P, "prefill"))  # no blocks yet: nothing sent to land
+    w._expire(time.monotonic() + LEASE + 1)
+    assert sorted(events, key=lambda ev: ev.tid) == [
+        c.ReceiveFailing("t", "lease expired: prefill stopped answering"),
+        c.ReceiveOver("u", False, "lease expired: prefill stopped answering")]
+    assert "t" in w.fences.fences and {a.transfer_id for a in ch.of(m.Abort)} == {"t", "u"}
+    w.receive(m.encode(m.PushDone("t", ok=True, first_token=1)), P)  # its word, at last
+    assert events[-1] == c.ReceiveOver("t", False, "lease expired: prefill stopped "
+                                       "answering")
+    assert not w.fences.fences and not w.receives.recvs
 
 
 def test_decode_fence_released_when_prefill_connection_drops():
     w, ch, _, events = worker("decode")
-    w.handle(c.FenceTransfer("t", P))
-    w.handle(c.FenceTransfer("u", P))
-    w.handle(c.FenceTransfer("other", "10.0.0.9:1"))
+    other = "10.0.0.9:1"
+    w.peers[other] = Peer(other, hello=hello("prefill", other), agent="other")
+    for tid, address in (("t", P), ("u", P), ("other", other)):
+        registered(w, tid, address)
+        w.handle(c.ReceiveEnded(tid, "client gone"))
     w.fences.peer_dropped(P)
-    assert sorted(events, key=lambda ev: ev.tid) == [c.FenceReleased("t", "peer_gone"),
-                                                     c.FenceReleased("u", "peer_gone")]
-    assert list(w.fences.fences) == ["other"]
+    assert sorted(events, key=lambda ev: ev.tid) == [c.ReceiveOver("t", False, "client gone"),
+                                                     c.ReceiveOver("u", False, "client gone")]
+    assert list(w.fences.fences) == ["other"] and w.counters["fences_peer_gone"] == 2
     assert ch.forgotten == [P]  # nothing queued for it may reach it later
 
 
 def test_decode_fence_on_a_connection_already_down_ends_at_once():
     w, ch, _, events = worker("decode")
     ch.gone.add(P)
-    w.handle(c.FenceTransfer("t", P))
-    assert events == [c.FenceReleased("t", "peer_gone")] and not w.fences.fences
+    registered(w, "t")
+    w.handle(c.ReceiveEnded("t", "client gone"))
+    assert events == [c.ReceiveOver("t", False, "client gone")] and not w.fences.fences
 
 
-def test_untrack_ends_a_fence():
-    """Prefill answered (AbortAck / PushDone): the step loop frees and untracks."""
+def test_prefills_answer_ends_a_fence():
+    """Prefill answers (AbortAck): the receive is over, the fence gone; an answer from
+    another instance changes nothing."""
     w, _, _, events = worker("decode")
-    w.handle(c.FenceTransfer("t", P))
-    w.handle(c.Untrack("t"))
+    registered(w, "t")
+    w.handle(c.ReceiveEnded("t", "client gone"))
+    w.receive(m.encode(m.AbortAck("t")), "10.0.0.9:1")
+    assert events == [] and "t" in w.fences.fences
+    w.receive(m.encode(m.AbortAck("t")), P)
+    assert events == [c.ReceiveOver("t", False, "client gone")]
     w._expire(time.monotonic() + FENCE + 1)
-    assert not w.fences.fences and events == []
+    assert not w.fences.fences and len(events) == 1
 
 
 def test_prefill_polls_fast_only_once_a_completion_is_waited_for():
@@ -412,7 +483,7 @@ def test_prefill_polls_fast_only_once_a_completion_is_waited_for():
 
 
 def test_the_transfer_thread_builds_descriptors_from_block_ids():
-    """Block ids and layers cross (BlocksComputed, the registration, PostRead); the
+    """Block ids and layers cross (BlocksComputed, the registration, BlocksAllocated); the
     transfer thread turns them into descriptors from the two Hellos (one per layer per
     run consecutive on both sides), and a block outside our region fails the transfer
     instead of posting."""
@@ -429,7 +500,10 @@ def test_the_transfer_thread_builds_descriptors_from_block_ids():
     prefilled(w, "bad", 1)
     [done] = [msg for msg in ch.of(m.PushDone) if msg.transfer_id == "bad"]
     assert not done.ok and "not posted" in done.error and len(tr.posted) == 1
-    r, _, rtr, events = worker("decode")
-    r.handle(c.PostRead("u", P, [3], [6], range(1)))
+    r, rch, rtr, events = worker("decode", "pull")
+    r.handle(c.ReceiveAdded("u", P, "prefill", [6]))
+    r.handle(c.BlocksAllocated("u", local_blocks=[3], remote_blocks=[6]))
+    assert rch.of(m.PullClaim) == [m.PullClaim("u")] and rtr.posted == []
+    r.receive(m.encode(m.PullClaimed("u", True)), P)  # the lend is live: READ it
     [(op, _, local, remote)] = rtr.posted
     assert (op, local, remote) == ("READ", [(4096 + 24, 8)], [(4096 + 48, 8)])

@@ -3,20 +3,27 @@
 Three kinds of plain, frozen data cross between the two threads of an instance's KV
 transfer, each dispatched with ``match``:
 
-* **commands** (``Command``), step loop → transfer thread. On a push prefill instance
-  they are facts, each stated once: a leg was added (``PushAdded``), blocks hold their
-  KV for some layers (``BlocksComputed``), prefill is over (``PushPrefilled``) or the
-  leg ended otherwise (``PushEnded``); the transfer thread decides what they mean for
-  the transfer (push_sends.py). Pull and decode still use verbs: send, track, read,
-  fence. The connector collects the commands of one engine turn (a step, or a pass
-  over the inbox) and hands them over as **one** ``StepMessage`` (one queue item, one
-  wake-up of the transfer thread); the layer hook hands over each layer group's
-  ``BlocksComputed`` as one ``StepMessage`` too, mid-step;
-* **events** (``TransferEvent``), transfer thread → step loop: what a peer said, which
-  transfer ended, which lease ran out. The events of one pass of the transfer thread go
-  to the engine's inbox as **one** ``TransferUpdate``, ``("kv", update)``;
+* **commands** (``Command``), step loop → transfer thread: facts, each stated once,
+  about the transfers of one instance; the transfer thread decides what they mean.
+  Push prefill (push_sends.py): a leg was added (``PushAdded``), blocks hold their KV
+  for some layers (``BlocksComputed``), prefill is over (``PushPrefilled``) or the leg
+  ended otherwise (``PushEnded``). Decode (receives.py): a leg was added
+  (``ReceiveAdded``), it has its blocks (``BlocksAllocated``), its request ended
+  (``ReceiveEnded``). Pull prefill: blocks are lent (``Lent``), the router gave up on
+  them (``LendEnded``). The connector collects the commands of one engine turn (a
+  step, or a pass over the inbox) and hands them over as **one** ``StepMessage`` (one
+  queue item, one wake-up of the transfer thread); the layer hook hands over each
+  layer group's ``BlocksComputed`` as one ``StepMessage`` too, mid-step;
+* **events** (``TransferEvent``), transfer thread → step loop: the ends of transfers,
+  one per transfer (``WritesDone``, ``ReceiveOver``, ``LendOver``), and a warning
+  before it when the request must stop while KV still moves (``PushFailing``,
+  ``ReceiveFailing``). The events of one pass of the transfer thread go to the
+  engine's inbox as **one** ``TransferUpdate``, ``("kv", update)``;
 * **actions** (``EngineAction``), connector → engine, taken by the engine after each
   event or schedule: which request to fail, reject, abort, or to emit token #1 for.
+
+Peers, leases, fences, registrations and READs are the transfer thread's alone: what
+its parts tell one another (``Notice``) never reaches the step loop.
 
 Nothing here holds a reference to mutable state of either side; block ids travel as
 the lists the sender built and does not touch again. Descriptors never cross: the
@@ -26,45 +33,13 @@ transfer thread builds them from block ids, layers and the peers' Hellos.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.kv_transfer.wire import messages as m
 
 
 # ---- commands: step loop -> transfer thread ---------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Send:
-    """Send ``msg`` to the peer at ``address`` (after the handshake if it is new)."""
-
-    address: str
-    msg: m.Message
-
-
-@dataclass(frozen=True, slots=True)
-class EnsurePeer:
-    """Start the handshake with ``address`` unless it is done or under way."""
-
-    address: str
-
-
-@dataclass(frozen=True, slots=True)
-class Track:
-    """Cover ``tid`` with a lease renewed by ``address``'s heartbeats (None: any peer's);
-    ``renewable=False``: a fixed deadline."""
-
-    tid: str
-    address: str | None
-    renewable: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class Untrack:
-    """Drop ``tid``'s lease and fence: the step loop has ended it."""
-
-    tid: str
-
-
 @dataclass(frozen=True, slots=True)
 class PushAdded:
     """Push, prefill: the leg of ``tid`` is in the engine. A registration must match its
@@ -110,35 +85,54 @@ class PushEnded:
 
 
 @dataclass(frozen=True, slots=True)
-class Register:
-    """Push, decode: the blocks of receive ``tid`` are registered: send ``register`` to
-    prefill at ``address``, and again if prefill says it never got it
-    (registrations.py)."""
+class ReceiveAdded:
+    """Decode: the leg of ``tid`` is in the engine; its KV comes from the prefill
+    instance at ``address``, which the request says is engine ``engine_id`` and (pull)
+    lends ``remote_block_ids``. The transfer thread handshakes with it, checks those
+    against its Hello, and leases the transfer (receives.py)."""
 
     tid: str
     address: str
-    register: m.PushRegister
+    engine_id: str = ""
+    remote_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
-class PostRead:
-    """Pull: READ the peer's ``remote_blocks`` into our ``local_blocks`` (paired in
-    order, every layer in ``layers``) for transfer ``tid``; tell prefill (PullDone) and
-    the step loop (ReadDone) when it ends."""
+class BlocksAllocated:
+    """Decode: receive ``tid`` has its blocks. Push: ``register`` is the registration
+    that tells prefill where to WRITE (a full prefix hit: nothing comes, the step loop
+    has ended the receive). Pull: READ prefill's ``remote_blocks`` into our
+    ``local_blocks``, paired in order (none: nothing to read, prefill is told so)."""
 
     tid: str
-    address: str
-    local_blocks: list[int]
-    remote_blocks: list[int]
-    layers: range
+    register: m.PushRegister | None = None
+    local_blocks: list[int] = field(default_factory=list)
+    remote_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
-class FenceTransfer:
-    """Decode: keep waiting for prefill's word on push ``tid`` (fences.py)."""
+class ReceiveEnded:
+    """Decode: the step loop ended receive ``tid``'s request (``why``). Prefill is told;
+    the blocks the step loop kept for it go back on the ``ReceiveOver`` that follows,
+    once nothing of prefill's can land in them."""
 
     tid: str
-    address: str
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Lent:
+    """Pull, prefill: the blocks of ``tid`` are lent to decode (the answer went out): a
+    lease covers them until decode's PullDone, its Abort, or the lease's end."""
+
+    tid: str
+
+
+@dataclass(frozen=True, slots=True)
+class LendEnded:
+    """Pull, prefill: the router gave up on ``tid``; the step loop freed its blocks."""
+
+    tid: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +147,8 @@ class Stop:
     """End the transfer thread."""
 
 
-Command = (Send | EnsurePeer | Track | Untrack | PushAdded | BlocksComputed | PushPrefilled
-           | PushEnded | Register | PostRead | FenceTransfer | Call | Stop)
+Command = (PushAdded | BlocksComputed | PushPrefilled | PushEnded | ReceiveAdded
+           | BlocksAllocated | ReceiveEnded | Lent | LendEnded | Call | Stop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,58 +160,6 @@ class StepMessage:
 
 
 # ---- events: transfer thread -> step loop -----------------------------------------------
-@dataclass(frozen=True, slots=True)
-class PeerReady:
-    address: str
-    hello: m.Hello
-
-
-@dataclass(frozen=True, slots=True)
-class PeerRefused:
-    """The handshake with ``address`` failed or cannot be had now (either side refused,
-    no answer, no connection, the peer table full): ``reason`` says which."""
-
-    address: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class PeerEvicted:
-    """The transfer thread dropped ``address`` from its peer table (idle, or its place
-    was needed): a transfer with it handshakes again first (peers.py)."""
-
-    address: str
-
-
-@dataclass(frozen=True, slots=True)
-class PushDoneReceived:
-    done: m.PushDone
-
-
-@dataclass(frozen=True, slots=True)
-class PullDoneReceived:
-    done: m.PullDone
-
-
-@dataclass(frozen=True, slots=True)
-class AbortReceived:
-    abort: m.Abort
-
-
-@dataclass(frozen=True, slots=True)
-class AbortAckReceived:
-    ack: m.AbortAck
-
-
-@dataclass(frozen=True, slots=True)
-class RegistrationLost:
-    """Push, decode: prefill never got the registration of ``tid`` though it was sent
-    again (registrations.py); prefill has been told (Abort)."""
-
-    tid: str
-    why: str
-
-
 @dataclass(frozen=True, slots=True)
 class WritesDone:
     """Push, prefill: transfer ``tid`` is over and nothing of ours reads its blocks any
@@ -244,28 +186,41 @@ class PushFailing:
 
 
 @dataclass(frozen=True, slots=True)
-class ReadDone:
-    """Pull: the READ of ``tid`` ended (``error``: why it failed, posting included)."""
-
-    tid: str
-    ok: bool
-    error: str | None = None
-    num_descriptors: int = 0
-    num_bytes: int = 0
-    post_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseExpired:
-    tid: str
-
-
-@dataclass(frozen=True, slots=True)
-class FenceReleased:
-    """A fence ended without prefill's word: ``why`` is "peer_gone" or "timeout"."""
+class ReceiveFailing:
+    """Decode: receive ``tid`` failed (``why``: prefill went silent past its lease, its
+    registration was lost, it aborted while our READ runs) but prefill's KV may still
+    land in its blocks: end the request now (fail, or recompute in fresh blocks) and
+    keep the blocks until ``ReceiveOver``."""
 
     tid: str
     why: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveOver:
+    """Decode: receive ``tid`` is over and nothing of prefill's lands in its blocks any
+    more. ``ok``: the KV is in (push: ``done`` carries token #1; pull: the READ's
+    figures). Else ``why``; ``client_error``: the request's kv_transfer_params do not
+    fit the prefill instance that answered (a 400). One per receive the step loop
+    added (receives.py)."""
+
+    tid: str
+    ok: bool
+    why: str | None = None
+    done: m.PushDone | None = None
+    num_descriptors: int = 0
+    num_bytes: int = 0
+    post_s: float = 0.0
+    client_error: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LendOver:
+    """Pull, prefill: decode is done with the lend of ``tid`` (read it: ``ok``; gave
+    up; or its lease ran out): the step loop frees the blocks."""
+
+    tid: str
+    ok: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,10 +241,65 @@ class DeadHoldExpired:
     by thread_death.py's timer, not by the transfer thread."""
 
 
-TransferEvent = (PeerReady | PeerRefused | PeerEvicted | PushDoneReceived | PullDoneReceived
-                 | AbortReceived | AbortAckReceived | RegistrationLost | PushFailing
-                 | WritesDone | ReadDone | LeaseExpired | FenceReleased | WorkerDied
-                 | DeadHoldExpired)
+TransferEvent = (WritesDone | PushFailing | ReceiveFailing | ReceiveOver | LendOver
+                 | WorkerDied | DeadHoldExpired)
+
+
+# ---- notices inside the transfer thread (its parts -> the worker; never the step loop)
+@dataclass(frozen=True, slots=True)
+class PeerReady:
+    address: str
+    hello: m.Hello
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRefused:
+    """The handshake with ``address`` failed or cannot be had now (either side refused,
+    no answer, no connection, the peer table full): ``reason`` says which."""
+
+    address: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerEvicted:
+    """The peer table dropped ``address`` (idle, or its place was needed): a transfer
+    with it handshakes again first (peers.py)."""
+
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReadDone:
+    """Pull, decode: the READ of ``tid`` ended (``error``: why it failed, its claim's
+    refusal and its post included)."""
+
+    tid: str
+    ok: bool
+    error: str | None = None
+    num_descriptors: int = 0
+    num_bytes: int = 0
+    post_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrationLost:
+    """Push, decode: prefill never got the registration of ``tid`` though it was sent
+    again (registrations.py); prefill has been told (Abort)."""
+
+    tid: str
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class FenceReleased:
+    """A fence ended without prefill's word: ``why`` is "peer_gone" or "timeout"."""
+
+    tid: str
+    why: str
+
+
+Notice = PeerReady | PeerRefused | PeerEvicted | ReadDone | RegistrationLost | FenceReleased
 
 
 @dataclass(frozen=True, slots=True)

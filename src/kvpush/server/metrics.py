@@ -104,19 +104,19 @@ class _TransferCollector(Collector):
                                            "peer gone, refused)", "transfers_failed"),
             "kvpush_kv_leases_expired": ("Transfer leases that ran out (blocks freed)",
                                          "worker_leases_expired"),
-            "kvpush_kv_aborts_sent": ("Aborts sent to a peer", "aborts_sent"),
-            "kvpush_kv_aborts_received": ("Aborts received from a peer", "aborts_received"),
+            "kvpush_kv_aborts_sent": ("Aborts sent to a peer", "worker_aborts_sent"),
+            "kvpush_kv_aborts_received": ("Aborts received from a peer", "worker_aborts_received"),
             "kvpush_kv_side_channel_bad_messages": ("Side-channel frames dropped as "
                                                     "malformed", "worker_messages_bad"),
             "kvpush_kv_fences": ("Push transfers whose blocks were fenced when their "
                                  "request ended with prefill's WRITEs possibly in flight",
-                                 "fences"),
+                                 "worker_fences"),
             "kvpush_kv_fences_peer_gone": ("Fences ended by the prefill's connection "
                                            "dropping (its process ended)",
-                                           "fences_peer_gone"),
+                                           "worker_fences_peer_gone"),
             "kvpush_kv_fence_timeouts": ("Fences given up at --fence-timeout (prefill "
                                          "neither answered nor dropped its connection): "
-                                         "blocks freed anyway", "fence_timeouts"),
+                                         "blocks freed anyway", "worker_fence_timeouts"),
             "kvpush_kv_writes_refused": ("WRITEs not posted because their transfer had "
                                          "ended (aborted or done)", "worker_writes_refused"),
             "kvpush_kv_registrations_after_blocks": (

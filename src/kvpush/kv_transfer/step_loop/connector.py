@@ -15,23 +15,26 @@ push_sends.py)::
            (the request is aborted, or rejected with prefill_not_needed; the scheduler
             frees its blocks as it ends)
 
-Push, decode side (``DecodeRecv``)::
+Decode side, push and pull (``DecodeRecv``: the blocks; the transfer is the transfer
+thread's, receives.py)::
 
-    PENDING_BLOCKS ──blocks──▶ AWAITING_KV ──PushDone(token #1)──▶ request RUNNING
-       │  (PushRegister sent; or a full    │  (no recompute)
-       │   prefix hit: computed here)      ├─ PushDone(ok=False) / prefill's Abort:
-       │                                   │    fail or recompute (policy), blocks freed
-       └── failure: fail the request, or   └─ client abort, lease expiry, registration
-           recompute it locally (policy)        lost: the request ends (fails or
-                                                recomputes in fresh blocks) at once ──┐
-    QUARANTINED (blocks fenced out of the pool, Abort sent and repeated) ◀────────────┘
-       └── freed on AbortAck, PushDone, prefill's Abort, prefill's side-channel
-           connection dropping, or --fence-timeout (counted): never at lease end,
-           since a frozen prefill that resumes still finishes its WRITEs
+    PENDING_BLOCKS ──blocks (BlocksAllocated)──▶ AWAITING_KV ──ReceiveOver(ok)──▶ RUNNING
+       │  (a full prefix hit, or nothing to read:   │  (push: token #1 from prefill;
+       │   computed here, no wait)                  │   pull: the last token recomputed)
+       │                                            ├─ ReceiveOver(failed): fail or
+       └── ReceiveOver(failed): fail the request,   │    recompute (policy), blocks freed
+           or recompute it locally (policy)         └─ the request ends (ReceiveEnded), or
+                                                       ReceiveFailing (lease, registration
+                                                       lost): it fails at once ──┐
+    QUARANTINED (blocks fenced out of the pool) ◀───────────────────────────────────┘
+       └── freed on ReceiveOver: prefill answered, its connection dropped, our READ
+           ended, or --fence-timeout passed; never at lease end, since a frozen
+           prefill that resumes still finishes its WRITEs
 
-Pull: prefill finishes with max_tokens=1 and lends its blocks (``PrefillSender.lent``) under a lease
-until PullDone; decode allocates, its transfer thread posts a READ (vLLM's connector posts
-it on the step loop), it waits, then computes the last prompt token itself for token #1.
+Pull, prefill side: prefill finishes with max_tokens=1 and lends its blocks
+(``PrefillSender.lent``, stated ``Lent``) under a lease until ``LendOver`` (decode's
+PullDone, its Abort, or the lease's end). Decode's transfer thread claims the lend,
+then posts the READ (vLLM's connector posts it on the step loop).
 
 If the transfer thread dies (``WorkerDied``), every transfer ends at once and the
 requests they were for fail; blocks a peer may still reach wait for a hold
@@ -145,8 +148,7 @@ class KVConnector:
         #: after a death: frees the blocks a peer may still reach, later (thread_death.py)
         self.dead_hold = DeadHold(post_event)
         # the shared tables, by their names (tests and /metrics read them)
-        self.peers, self.counters, self.records = (self.ctx.peers, self.ctx.counters,
-                                                   self.ctx.records)
+        self.counters, self.records = self.ctx.counters, self.ctx.records
         self.by_request, self.ended = self.ctx.by_request, self.ctx.ended
 
     @property
@@ -266,47 +268,21 @@ class KVConnector:
             case c.TransferUpdate(events):
                 for one in events:
                     self.handle_event(one)
-            case c.PeerReady(address, hello):
-                self._peer_ready(address, hello)
-            case c.PeerRefused(address, reason):
-                self.ctx.peers.pop(address, None)  # new requests wait for a handshake
-                receiver.on_peer_refused(address, reason)
-            case c.PeerEvicted(address):
-                self.ctx.peers.pop(address, None)
-            case c.PushDoneReceived(done):
-                receiver.on_push_done(done)
-            case c.PullDoneReceived(done) if self.role == "prefill":
-                sender.on_pull_done(done)
-            case c.AbortReceived(ab):
-                self.counters["aborts_received"] += 1
-                if self.role == "prefill":
-                    sender.on_abort(ab)
-                else:
-                    receiver.on_abort(ab)
-            case c.AbortAckReceived(ack):
-                receiver.on_abort_ack(ack)
-            case c.RegistrationLost(tid, why):
-                receiver.on_registration_lost(tid, why)
-            case c.PushFailing(tid, why):
-                sender.on_push_failing(tid, why)
             case c.WritesDone():
                 sender.on_writes_done(ev)
-            case c.ReadDone():
-                receiver.on_read_done(ev)
-            case c.LeaseExpired(tid):
-                if self.role == "prefill":
-                    sender.on_lease_expired(tid)
-                else:
-                    receiver.on_lease_expired(tid)
-            case c.FenceReleased(tid, why):
-                receiver.on_fence_released(tid, why)
+            case c.PushFailing(tid, why):
+                sender.on_push_failing(tid, why)
+            case c.ReceiveOver():
+                receiver.on_over(ev)
+            case c.ReceiveFailing(tid, why):
+                receiver.on_failing(tid, why)
+            case c.LendOver(tid, ok):
+                sender.on_lend_over(tid, ok)
             case c.WorkerDied(why, transport_closed):
                 self._worker_died(why, transport_closed)
             case c.DeadHoldExpired():
                 sender.release_dead_hold()
                 receiver.release_dead_hold()
-            case c.PullDoneReceived():
-                pass  # a prefill instance's messages, sent to this decode: ignored
             case _:
                 raise TypeError(f"not a transfer event: {ev!r}")
 
@@ -324,10 +300,6 @@ class KVConnector:
         held = self.receiver.on_worker_died(msg, transport_closed) or held
         if held:
             self.dead_hold.start(hold_seconds(self.cfg))
-
-    def _peer_ready(self, address: str, hello: m.Hello) -> None:
-        if self.role == "decode":  # to check requests' params against it (a prefill
-            self.ctx.peers[address] = hello  # instance's peers are its transfer thread's)
 
     # ---- visibility --------------------------------------------------------------------
     def stats(self) -> dict:

@@ -3,7 +3,7 @@
 ``KVConnector`` composes a ``PrefillSender`` (prefill_side.py: push sends, pull lends)
 and a ``DecodeReceiver`` (decode_side.py). Each owns its own transfers; this object holds
 the rest, one instance per connector: the scheduler (every block goes through its
-ownership API), the transfer thread's handle, the peers met so far, the request ->
+ownership API), the transfer thread's handle, the request ->
 transfer map, the counters, the actions for the engine, the ended-transfer memory and
 the finished-transfer records.
 """
@@ -22,7 +22,6 @@ from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer.step_loop.state import TransferRecord
 from kvpush.kv_transfer.timeline import HandoffTimeline
 from kvpush.kv_transfer.transfer_thread.worker import TransferWorker
-from kvpush.kv_transfer.wire import messages as m
 from kvpush.kv_transfer.wire.auth import MAX_AHEAD_MS
 from kvpush.scheduler.scheduler import Scheduler
 
@@ -46,13 +45,9 @@ class TransferContext:
     block_size: int
     vocab_size: int  # bounds token #1 from a peer
     timeline: HandoffTimeline
-    #: address -> the peer's Hello, for ready peers (to check requests against; the
-    #: transfer thread, which owns the peers, builds every descriptor)
-    peers: dict[str, m.Hello] = field(default_factory=dict)
     by_request: dict[str, str] = field(default_factory=dict)  # request id -> tid
     counters: dict[str, int] = field(default_factory=lambda: {
-        "transfers_ok": 0, "transfers_failed": 0, "aborts_sent": 0,
-        "aborts_received": 0, "fences": 0, "fences_peer_gone": 0, "fence_timeouts": 0})
+        "transfers_ok": 0, "transfers_failed": 0})
     actions: list[c.EngineAction] = field(default_factory=list)
     ended: OrderedDict[str, str] = field(default_factory=OrderedDict)  # tid -> why
     _ended_at: dict[str, float] = field(default_factory=dict)  # tid -> when (monotonic)

@@ -12,8 +12,8 @@ on CUDA, a third of the model on CPU by default); prefill is over with token #1
 and frees them then. A registration that lands mid-step is matched on the transfer
 thread at once: blocks already computed are written as it arrives, not after the step.
 
-Pull: a finished request's blocks are lent (``lent``) until decode's ``PullDone`` or the
-lease ends.
+Pull: a finished request's blocks are lent (``lent``, stated ``Lent``) until the
+transfer thread's ``LendOver``: decode's PullDone or Abort, or the lease's end.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class PrefillSender:
         if ctx.mode != "pull" or not ok:
             return False, None
         self.lent[tid] = list(req.block_ids)
-        ctx.submit(c.Track(tid, None))
+        ctx.submit(c.Lent(tid))
         ctx.timeline.emit(tid)
         host, port = ctx.address.rsplit(":", 1)
         # the hash chain binds the lent KV to this prompt: decode READs only for the same
@@ -138,22 +138,11 @@ class PrefillSender:
                 ctx.submit(c.PushEnded(tid, why))
             return
         if tid in self.lent:
-            ctx.submit(c.Untrack(tid))
+            ctx.submit(c.LendEnded(tid))
             ctx.scheduler.release_blocks(self.lent.pop(tid))
         elif ctx.mode == "push":
             ctx.submit(c.PushEnded(tid, why))  # an early registration, or none yet
         ctx.remember_ended(tid, why)  # a leg that arrives later is refused
-
-    def on_abort(self, ab: m.Abort) -> None:
-        """Decode gave up on a lend (a push's Abort ends on the transfer thread, which
-        tells us as WritesDone)."""
-        if ab.transfer_id in self.lent:
-            self.on_pull_done(m.PullDone(ab.transfer_id, ok=False), from_peer=False)
-
-    def on_lease_expired(self, tid: str) -> None:
-        """A lend's lease ran out (a push's ends on the transfer thread: WritesDone)."""
-        if tid in self.lent:
-            self.ctx.scheduler.release_blocks(self.lent.pop(tid))
 
     def on_worker_died(self, why: str) -> bool:
         """The transfer thread died (thread_death.py): end every push send and free its
@@ -306,12 +295,9 @@ class PrefillSender:
             self.ctx.scheduler.release_blocks(blocks)
         send.retired.clear()
 
-    def on_pull_done(self, done: m.PullDone, from_peer: bool = True) -> None:
-        """Decode read the lent blocks (or gave up). ``from_peer``: its PullDone, on
-        which the transfer thread already dropped the lease."""
-        blocks = self.lent.pop(done.transfer_id, None)
+    def on_lend_over(self, tid: str, ok: bool) -> None:
+        """Decode read the lent blocks, gave up, or let the lease run out."""
+        blocks = self.lent.pop(tid, None)
         if blocks is not None:
-            if not from_peer:
-                self.ctx.submit(c.Untrack(done.transfer_id))
             self.ctx.scheduler.release_blocks(blocks)
-            self.ctx.counters["transfers_ok" if done.ok else "transfers_failed"] += 1
+            self.ctx.counters["transfers_ok" if ok else "transfers_failed"] += 1

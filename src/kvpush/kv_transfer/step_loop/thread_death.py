@@ -87,8 +87,9 @@ def tell_peers(worker: TransferWorker, why: str) -> int:
             shared.setdefault(lease.address, set()).add(tid)
     for tid, address in worker.claims.claimed.items():
         shared.setdefault(address, set()).add(tid)
-    for tid, pending in worker.claims.pending.items():
-        shared.setdefault(pending.read.address, set()).add(tid)
+    if worker.receives is not None:
+        for address, tids in worker.receives.shared().items():
+            shared.setdefault(address, set()).update(tids)
     for tid, fence in worker.fences.fences.items():
         shared.setdefault(fence.address, set()).add(tid)
     sent = 0

@@ -2,9 +2,9 @@
 
 The transfer thread's ``TransferWorker`` owns one. PushSends (push_sends.py) hands it
 the WRITEs to post (``PostWrite``) and each push's ``PushDone`` once prefill is over
-(``finalize``); the worker hands it pull READs (``PostRead``). This object owns the
-transport handles of what it posts, from the post to the completion it polls for and
-the release of the handle. Nothing here touches the block pool, and nothing here runs
+(``finalize``); Receives (receives.py) hands it pull READs (``PostRead``). This object
+owns the transport handles of what it posts, from the post to the completion it polls
+for and the release of the handle. Nothing here touches the block pool, and nothing here runs
 on another thread.
 
 Push, prefill side: the WRITEs of one transfer are a ``WriteGroup``. ``finalize`` gives
@@ -19,7 +19,7 @@ boundedly, so that a WRITE stated too late is refused and counted (``writes_refu
 the peer may have freed those blocks.
 
 Pull, decode side: one ``PostedRead`` per transfer. Prefill is told ``PullDone`` when it
-ends, and the step loop ``ReadDone``; a READ for a peer whose handshake is under way
+ends, and the receive ``ReadDone``; a READ for a peer whose handshake is under way
 waits for it (``PeerTable.defer``).
 
 Over cma the copy happens inside the post, so a transfer is checked at once after it is
@@ -49,7 +49,8 @@ from kvpush.kv_transfer.wire import messages as m
 #: are remembered, to refuse a WRITE queued for one of them too late
 MAX_ABORTED_REMEMBERED = 4096
 
-__all__ = ["MAX_ABORTED_REMEMBERED", "PostWrite", "PostedRead", "TransfersInFlight", "WriteGroup"]
+__all__ = ["MAX_ABORTED_REMEMBERED", "PostRead", "PostWrite", "PostedRead", "TransfersInFlight",
+           "WriteGroup"]
 
 
 #: (address, length) pairs: one NIXL descriptor each
@@ -78,6 +79,19 @@ class PostWrite:
     remote_blocks: list[int]
     layers: range
     ready: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class PostRead:
+    """One READ to post: the peer's ``remote_blocks`` into our ``local_blocks`` (paired
+    in order), every layer in ``layers``, for pull ``tid`` (receives.py builds it once
+    prefill has answered the lend's claim)."""
+
+    tid: str
+    address: str
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    layers: range
 
 
 @dataclass
@@ -153,7 +167,7 @@ class TransfersInFlight:
         return busy
 
     # ---- push: WRITEs --------------------------------------------------------------------
-    def descs(self, peer: m.Hello, cmd: PostWrite | c.PostRead) -> tuple[Ranges, Ranges]:
+    def descs(self, peer: m.Hello, cmd: PostWrite | PostRead) -> tuple[Ranges, Ranges]:
         """(ours, the peer's) descriptors of a command's paired blocks and layers, from
         the two Hellos (ValueError / IndexError: ids outside a region, layouts differ)."""
         own = self.peers.own
@@ -311,7 +325,7 @@ class TransfersInFlight:
             self._read_ended(read, ok, None if ok else "READ failed")
 
     # ---- pull: READs ---------------------------------------------------------------------
-    def post_read(self, cmd: c.PostRead) -> None:
+    def post_read(self, cmd: PostRead) -> None:
         tid, address = cmd.tid, cmd.address
         peer = self.peers.get(address)
         read = PostedRead(tid, address)

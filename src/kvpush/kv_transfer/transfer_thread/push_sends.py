@@ -228,8 +228,9 @@ class PushSends:
         """``tid``'s lease ran out (the worker popped it). True: a push transfer of
         ours, ended here (the step loop hears it as WritesDone)."""
         o = self.out.get(tid)
-        if o is None:
-            return False
+        if o is None:  # handed over: its WRITEs drain, and its PushDone says it failed
+            return self.inflight.lease_expired(tid, "lease expired: decode stopped "
+                                               "answering")
         if o.state is OutState.EARLY:  # decode waits for KV that will not come
             peer = self.peers.get(o.reg.address)
             if peer is not None and peer.ready:

@@ -1,14 +1,14 @@
 """SentRegistrations: decode's push registrations, sent and sent again (transfer thread
 of a push decode instance).
 
-The step loop states once that a receive's blocks are registered (``Register``, with
-the ``PushRegister`` to send). This object sends it, and keeps it while the transfer is
+Receives (receives.py) hands it a receive's ``PushRegister`` once its blocks are
+allocated and prefill checked. This object sends it, and keeps it while the transfer is
 live: when prefill's heartbeat lists the transfer as awaiting its registration (the
 message was lost, or prefill's peer table had evicted us), it is sent again, at most
 every quarter lease and ``MAX_REGISTER_RESENDS`` times; after that decode gives up: it
-tells prefill (``Abort``) and the step loop (``RegistrationLost``), which fails the
+tells prefill (``Abort``) and the receive (``RegistrationLost``), which fails the
 request and fences its blocks (prefill may yet have got one). A registration is
-forgotten as soon as its transfer ends here (prefill's answer, an ``Untrack``, a fence).
+forgotten as soon as its receive ends or is fenced.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ class SentRegistrations:
         self.resend_after_s = lease_timeout_s / 4
         self.sent: dict[str, Sent] = {}
 
-    def register(self, cmd: c.Register, now: float) -> None:
-        self.sent[cmd.tid] = Sent(cmd.address, cmd.register, now)
-        self.send(cmd.address, cmd.register)
+    def register(self, tid: str, address: str, reg: m.PushRegister, now: float) -> None:
+        self.sent[tid] = Sent(address, reg, now)
+        self.send(address, reg)
 
     def awaited(self, tids: Iterable[str], now: float) -> None:
         """Prefill says it has no registration for ``tids``: send ours again."""

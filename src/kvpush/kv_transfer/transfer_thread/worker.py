@@ -22,13 +22,14 @@ WRITEs and READs it has posted, with their transport handles, are a ``TransfersI
 end them.
 
 Per transfer it keeps a lease: a deadline renewed by the peer's heartbeats (or any
-message about the transfer). An expired lease becomes a ``LeaseExpired`` event for the
-engine and an ``Abort`` for the peer. Commands and events are the typed ones of
-commands.py.
+message about the transfer). An expired lease ends the transfer where it is owned: a
+push prefill's in push_sends.py, a receive's in receives.py, a pull lend here
+(``LendOver``). Commands and events are the typed ones of commands.py.
 
-Decode side, it keeps the fences of pushes whose blocks wait for prefill (fences.py).
-Prefill side, it answers an ``Abort`` with ``AbortAck`` for any transfer id once none of
-its WRITEs is in flight, and posts no WRITE for that id again (inflight.py).
+Decode side, its receives (receives.py) own each transfer into this instance's blocks,
+with their registrations (registrations.py) and fences (fences.py). Prefill side, it
+answers an ``Abort`` with ``AbortAck`` for any transfer id once none of its WRITEs is
+in flight, and posts no WRITE for that id again (inflight.py).
 
 If the thread ends other than by ``stop()`` (an exception escaping its loop, or a Stop
 the engine did not send), it closes the side channel and the transport and then posts
@@ -61,6 +62,7 @@ from kvpush.kv_transfer.transfer_thread.peers import (  # Peer re-exported: test
     PeerTable,
 )
 from kvpush.kv_transfer.transfer_thread.push_sends import PushSends
+from kvpush.kv_transfer.transfer_thread.receives import Receives
 from kvpush.kv_transfer.transfer_thread.registrations import SentRegistrations
 from kvpush.kv_transfer.transports.transport import KVTransport
 from kvpush.kv_transfer.wire import messages as m
@@ -72,6 +74,9 @@ __all__ = ["Peer", "TransferWorker"]
 
 #: the step loop's statements about a push transfer (PushSends handles them)
 PUSH_FACTS = (c.PushAdded, c.BlocksComputed, c.PushPrefilled, c.PushEnded)
+#: what the thread's parts tell one another (routed to Receives, never posted)
+NOTICES = (c.PeerReady, c.PeerRefused, c.PeerEvicted, c.ReadDone, c.RegistrationLost,
+           c.FenceReleased)
 
 #: ``side_channel_send_dropped_<reason>`` counters: the channel's reasons and the table's
 SEND_DROPPED = tuple(dict.fromkeys((*SEND_DROP_REASONS, *DROP_REASONS)))
@@ -81,18 +86,6 @@ class Lease:
     deadline: float
     address: str | None  # peer that renews it; None: any peer
     renewable: bool = True  # False: a fixed deadline, heartbeats do not extend it
-
-
-def _ended_by(ev: c.TransferEvent) -> str | None:
-    """The transfer ``ev`` ends on both threads whatever the step loop's state, or None."""
-    match ev:
-        case c.WritesDone(tid) | c.ReadDone(tid):
-            return tid
-        case c.PushDoneReceived(done) | c.PullDoneReceived(done):
-            return done.transfer_id
-        case c.AbortAckReceived(ack):
-            return ack.transfer_id
-    return None
 
 
 class TransferWorker:
@@ -140,7 +133,7 @@ class TransferWorker:
                                   lease_timeout_s, fence_timeout_s)
         # every key exists from the start: other threads read this dict (metrics)
         self.counters = {"leases_expired": 0, "transfers_failed": 0, "messages_bad": 0,
-                         "writes_refused": 0}
+                         "writes_refused": 0, "aborts_received": 0}
         stats = getattr(channel, "stats", None)
         self._rejected = getattr(stats, "rejected_by_reason", {})
         self._send_dropped = getattr(stats, "send_dropped_by_reason", {})
@@ -153,12 +146,15 @@ class TransferWorker:
         #: the WRITEs and READs posted, with their transport handles (inflight.py)
         self.inflight = TransfersInFlight(transport, self.peers, self.peers.send,
                                           self._post, self._stamp, self.counters)
-        #: pull: lends claimed before they are READ (lend_claims.py)
-        self.claims = LendClaims(self.peers.send, self._post)
+        #: pull prefill: which decode claimed each lend (lend_claims.py)
+        self.claims = LendClaims(self.peers.send)
         #: push decode: the registrations it sent, sent again if lost (registrations.py)
-        self.registered = (SentRegistrations(self.peers.send, self._post, lease_timeout_s)
-                           if hello.role == "decode" and hello.kv_transfer == "push"
-                           else None)
+        self.registered = SentRegistrations(self.peers.send, self._post, lease_timeout_s)
+        #: decode: its receives, from the leg's arrival to the end of the KV (receives.py)
+        self.receives = (Receives(self.peers, self.inflight, channel, self.registered,
+                                  self.fences, self._post, self._track_bound, self._untrack,
+                                  hello.num_layers, self.counters)
+                         if hello.role == "decode" else None)
         #: push prefill: its transfers, registrations matched to blocks (push_sends.py)
         self.push = (PushSends(self.peers, self.inflight, self.peers.send, self._post,
                                self._track, self._untrack, hello.block_size, self.counters)
@@ -229,14 +225,16 @@ class TransferWorker:
             return "the transfer thread is not running"
         return None
 
-    def _post(self, ev: c.TransferEvent) -> None:
-        """Post ``ev`` for the step loop: with the pass's others when the loop runs.
-        An event that ends its transfer for good (our WRITEs over, the peer's final
-        answer, our READ over) ends its lease and fence here, where they live: the step
-        loop sends no Untrack for it."""
-        tid = _ended_by(ev)
-        if tid is not None:
-            self._untrack(tid)
+    def _post(self, ev: c.TransferEvent | c.Notice) -> None:
+        """Post ``ev`` for the step loop: with the pass's others when the loop runs. A
+        notice of the thread's parts (peers, READs, fences, registrations) goes to the
+        receives instead; a push's WritesDone ends its lease here."""
+        if isinstance(ev, NOTICES):
+            if self.receives is not None:
+                self.receives.on_notice(ev)
+            return
+        if isinstance(ev, c.WritesDone):
+            self._untrack(ev.tid)
         if self._batch is None:
             self.post_event(ev)
         else:
@@ -365,8 +363,6 @@ class TransferWorker:
                         if self.push is not None and isinstance(one, PUSH_FACTS):
                             # (a bug) the step loop must still hear the end of it
                             self.push.abandon(one.tid, f"transfer thread error: {e}")
-            case c.Send(address, msg):
-                self._send(address, msg)
             case c.BlocksComputed() if self.push is not None:
                 self.push.computed(cmd)
             case c.PushAdded() if self.push is not None:
@@ -375,27 +371,21 @@ class TransferWorker:
                 self.push.prefilled(tid, done)
             case c.PushEnded(tid, why) if self.push is not None:
                 self.push.ended_by_step_loop(tid, why)
-            case c.Register() if self.registered is not None:
-                self.registered.register(cmd, time.monotonic())
-            case c.Track(tid, address, renewable):
-                self._track(tid, address, renewable)
-            case c.Untrack(tid):
+            case c.ReceiveAdded() if self.receives is not None:
+                self.receives.added(cmd)
+            case c.BlocksAllocated() if self.receives is not None:
+                self.receives.allocated(cmd)
+            case c.ReceiveEnded(tid, why) if self.receives is not None:
+                self.receives.ended_by_step_loop(tid, why)
+            case c.Lent(tid) if self._lender:
+                self._track(tid, None, True)  # renewed by any peer's heartbeat
+            case c.LendEnded(tid) if self._lender:
                 self._untrack(tid)
-            case c.EnsurePeer(address):
-                self._ensure_peer(address)
-            case c.PostRead():
-                if self._reader:  # only once prefill says the lend is live (lend_claims)
-                    self.claims.request(cmd)
-                else:
-                    self.inflight.post_read(cmd)
-            case c.FenceTransfer(tid, address):
-                self.leases.pop(tid, None)  # the fence, not the lease, holds it now
-                self._forget_registration(tid)
-                self.fences.fence(tid, address)
             case c.Call(fn):
                 fn()
             case c.BlocksComputed() | c.PushAdded() | c.PushPrefilled() | c.PushEnded() | \
-                    c.Register():
+                    c.ReceiveAdded() | c.BlocksAllocated() | c.ReceiveEnded() | c.Lent() | \
+                    c.LendEnded():
                 log.warning("ignored %s: not this instance's role", type(cmd).__name__)
             case _:
                 raise TypeError(f"not a transfer command: {cmd!r}")
@@ -403,15 +393,12 @@ class TransferWorker:
     def _track(self, tid: str, address: str | None, renewable: bool) -> None:
         self.leases[tid] = Lease(time.monotonic() + self.lease_timeout_s, address, renewable)
 
+    def _track_bound(self, tid: str, address: str) -> None:
+        self._track(tid, address, True)
+
     def _untrack(self, tid: str) -> None:
         self.leases.pop(tid, None)
-        self.fences.drop(tid)
         self.claims.forget(tid)
-        self._forget_registration(tid)
-
-    def _forget_registration(self, tid: str) -> None:
-        if self.registered is not None:
-            self.registered.forget(tid)
 
     # ---- peers and messages ----------------------------------------------------------
     def _busy_addresses(self) -> set[str]:
@@ -431,12 +418,6 @@ class TransferWorker:
             self.counters[f"side_channel_peers_evicted_{reason}"] = table.evicted[reason]
         for state, n in (table.counts() if table else dict.fromkeys(STATES, 0)).items():
             self.counters[f"side_channel_peers_{state}"] = n
-
-    def _send(self, address: str, msg: m.Message) -> None:
-        self.peers.send(address, msg)
-
-    def _ensure_peer(self, address: str) -> None:
-        self.peers.ensure(address)
 
     def receive(self, payload: bytes, sender: str = "") -> None:
         """Handle one side-channel frame from ``sender`` (a peer's message)."""
@@ -460,6 +441,8 @@ class TransferWorker:
     def _dispatch(self, msg: m.Message, sender: str) -> None:
         if isinstance(msg, m.Abort):
             self._on_abort(msg, sender)
+        elif isinstance(msg, m.PushDone | m.AbortAck):
+            self._on_answer(msg, sender)
         elif isinstance(msg, m.Hello):
             if not self.peers.on_hello(msg, sender):
                 self.counters["messages_bad"] += 1
@@ -478,7 +461,7 @@ class TransferWorker:
     def _on_Heartbeat(self, msg: m.Heartbeat) -> None:
         for tid in msg.transfer_ids:
             self._renew(tid)
-        if msg.awaiting_registration and self.registered is not None:
+        if msg.awaiting_registration and self.receives is not None:
             self.registered.awaited(msg.awaiting_registration, time.monotonic())
 
     def _on_PushRegister(self, msg: m.PushRegister) -> None:
@@ -494,9 +477,16 @@ class TransferWorker:
         if self.timeline is not None:
             self.timeline.stamp(tid, stage)
 
-    def _on_PushDone(self, msg: m.PushDone) -> None:
-        self._stamp(msg.transfer_id, "d_done")
-        self._post(c.PushDoneReceived(msg))
+    def _on_answer(self, msg: m.PushDone | m.AbortAck, sender: str) -> None:
+        """Prefill's last word on a push receive: done (token #1), or our Abort acked."""
+        if self.receives is None:
+            log.warning("ignored a %s from %s: this instance receives no KV",
+                        type(msg).__name__, sender)
+        elif isinstance(msg, m.PushDone):
+            self._stamp(msg.transfer_id, "d_done")
+            self.receives.on_push_done(msg, sender)
+        else:
+            self.receives.on_abort_ack(msg, sender)
 
     def _on_lend_message(self, msg: m.PullClaim | m.PullClaimed | m.PullDone,
                          sender: str) -> None:
@@ -507,24 +497,29 @@ class TransferWorker:
             if self._lender:
                 self.claims.claim(msg, sender, live=tid in self.leases)
         elif isinstance(msg, m.PullClaimed):
-            read = self.claims.answered(msg, sender) if self._reader else None
-            if read is not None:
-                self.inflight.post_read(read)
-        elif self.claims.from_claimer(tid, sender):
-            self._post(c.PullDoneReceived(msg))
-        else:
+            if self._reader:
+                self.receives.on_claimed(msg, sender)
+        elif not self.claims.from_claimer(tid, sender):
             self.counters["messages_bad"] += 1
+        elif self._lender and tid in self.leases:
+            self._end_lend(tid, msg.ok)
+
+    def _end_lend(self, tid: str, ok: bool) -> None:
+        self._untrack(tid)
+        self._post(c.LendOver(tid, ok))
 
     def _on_abort(self, msg: m.Abort, sender: str) -> None:
-        if self.push is not None:  # decode gave up on a push: answer once nothing of
-            self.push.on_abort(msg, sender)  # ours can land (the step loop only counts it)
-        if not self.claims.from_claimer(msg.transfer_id, sender):
+        tid = msg.transfer_id
+        if not self.claims.from_claimer(tid, sender):
             self.counters["messages_bad"] += 1  # a lend claimed by another decode
             return
-        self._post(c.AbortReceived(msg))
-
-    def _on_AbortAck(self, msg: m.AbortAck) -> None:
-        self._post(c.AbortAckReceived(msg))
+        self.counters["aborts_received"] += 1
+        if self.push is not None:  # decode gave up on a push: answer once nothing of
+            self.push.on_abort(msg, sender)  # ours can land
+        elif self.receives is not None:
+            self.receives.on_abort(msg, sender)
+        elif self._lender and tid in self.leases:
+            self._end_lend(tid, False)
 
     # ---- heartbeats and leases ----------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
@@ -547,25 +542,12 @@ class TransferWorker:
     def _expire(self, now: float) -> None:
         expired = [tid for tid, lease in self.leases.items() if lease.deadline <= now]
         for tid in expired:
-            lease = self.leases.pop(tid)
+            self.leases.pop(tid)
             self.counters["leases_expired"] += 1
             if self.push is not None and self.push.lease_expired(tid):
                 continue  # a push of ours: ended there (the step loop gets WritesDone)
-            # with WRITEs, they may still be landing in the peer's blocks: post no more
-            # and let the drain's PushDone (sent once they complete) tell the peer; an
-            # Abort now would let it free blocks those WRITEs still reach. Failed, so
-            # that PushDone says ok=False even if some WRITEs were never posted
-            if lease.address is not None and not self.inflight.lease_expired(
-                    tid, "lease expired: decode stopped answering"):
-                peer = self.peers.get(lease.address)
-                if peer is not None and peer.ready:
-                    self.channel.send(lease.address, m.encode(m.Abort(tid, "lease expired")))
-                    self.inflight.remember_aborted(tid)
-                elif peer is not None and peer.sent_hello and not peer.refused:
-                    log.error("transfer %s: no answer to the side-channel handshake from %s "
-                              "(unreachable, not a kvpush instance, or it refuses our "
-                              "messages: a different side-channel secret?)", tid,
-                              lease.address)
-            self._post(c.LeaseExpired(tid))
+            if self.receives is not None and self.receives.lease_expired(tid):
+                continue  # fenced, draining or over there (receives.py)
+            if self._lender:  # decode neither read the lend nor renewed it
+                self._end_lend(tid, False)
         self.fences.expire(now)
-
