@@ -269,6 +269,35 @@ def test_pull_params_checked_against_a_known_prefill(tiny_qwen3, kv, words):
         drv.close()
 
 
+def test_a_transfer_id_stays_taken_until_its_receive_is_over(tiny_qwen3):
+    """A decode leg ended before it had blocks is done on the step loop at once, but its
+    transfer thread still answers for it (ReceiveOver): a leg reusing the id before
+    that answer is refused (else it would take the old answer as its own, and free
+    blocks prefill then WRITEs into); after it, the id can be used again."""
+    from kvpush.engine.outputs import RequestError
+
+    drv = pair(tiny_qwen3, "push", lease=1.0)
+    try:
+        prompt = random_prompts([40], seed=6)[0]
+        params = drv.signed(drv.d, drv.d_params("t"), drv.p)
+        recvs = drv.d.connector.receiver.recvs
+        drv.d.add_request("d-t1", prompt, greedy(2), params)
+        drv.d.abort_request("d-t1")  # before the step loop gave it blocks
+        assert recvs["t"].state is RecvState.ENDED and not recvs["t"].held
+        with pytest.raises(RequestError, match="already in use"):
+            drv.d.add_request("d-t2", prompt, greedy(2), params)
+        deadline = time.monotonic() + 10
+        while "t" in recvs:
+            assert time.monotonic() < deadline
+            drv.pump()
+            time.sleep(0.005)
+        drv.d.add_request("d-t3", prompt, greedy(2), params)  # free again
+        drv.d.abort_request("d-t3")
+        assert_clean(drv)
+    finally:
+        drv.close()
+
+
 def test_duplicate_or_negative_remote_block_ids_are_a_400_at_once(tiny_qwen3):
     from kvpush.engine.outputs import RequestError
 

@@ -507,3 +507,61 @@ def test_the_transfer_thread_builds_descriptors_from_block_ids():
     r.receive(m.encode(m.PullClaimed("u", True)), P)  # the lend is live: READ it
     [(op, _, local, remote)] = rtr.posted
     assert (op, local, remote) == ("READ", [(4096 + 24, 8)], [(4096 + 48, 8)])
+
+
+def _reading(w: TransferWorker, tid: str = "u") -> None:
+    """Pull decode: receive ``tid`` claimed and its READ posted (handle 1)."""
+    w.handle(c.ReceiveAdded(tid, P, "prefill", [6]))
+    w.handle(c.BlocksAllocated(tid, local_blocks=[3], remote_blocks=[6]))
+    w.receive(m.encode(m.PullClaimed(tid, True)), P)
+
+
+def test_a_draining_read_outlives_its_lease():
+    """A pull whose request ended (or whose prefill aborted) while our READ is in
+    flight is over only when the READ ends, not at its lease: the READ may still land
+    in the blocks (a review found the lease freeing them)."""
+    for end in ("step loop", "prefill's Abort"):
+        w, ch, tr, events = worker("decode", "pull")
+        _reading(w)
+        if end == "step loop":
+            w.handle(c.ReceiveEnded("u", "client gone"))
+        else:
+            w.receive(m.encode(m.Abort("u", "gone")), P)
+        w._expire(time.monotonic() + LEASE + 1)
+        assert tr.states[1] is XferState.PENDING
+        assert not [ev for ev in events if isinstance(ev, c.ReceiveOver)], end
+        tr.states[1] = XferState.DONE
+        w.inflight.poll()
+        [over] = [ev for ev in events if isinstance(ev, c.ReceiveOver)]
+        assert not over.ok and ch.of(m.PullDone) == [m.PullDone("u", ok=True)], end
+
+
+def test_heartbeats_and_answers_count_only_from_the_receives_prefill():
+    """Another instance cannot keep a receive's lease alive, spend its registration
+    re-sends, or end it with an answer of its own."""
+    w, ch, _, events = worker("decode")
+    registered(w, "t")
+    other = "10.0.0.9:1"
+    deadline = w.leases["t"].deadline
+    time.sleep(0.01)
+    w.receive(m.encode(m.Heartbeat("x", ["t"], ["t"])), other)
+    assert w.leases["t"].deadline == deadline and len(ch.of(m.PushRegister)) == 1
+    w.receive(m.encode(m.PushDone("t", ok=True, first_token=1)), other)
+    w.receive(m.encode(m.Abort("t", "no")), other)
+    assert events == [] and w.counters["messages_bad"] == 2
+    assert w.counters["aborts_received"] == 0
+    w.receive(m.encode(m.Heartbeat("prefill", ["t"], [])), P)
+    assert w.leases["t"].deadline > deadline
+
+
+def test_a_refusal_met_while_telling_prefill_ends_the_receive_once():
+    """Ending a registered receive sends prefill an Abort; if that send finds the peer
+    refused (its state forced here), the refusal has ended the receive: exactly one
+    ReceiveOver, and no fence left behind for a receive that no longer exists."""
+    w, ch, tr, events = worker("decode")
+    registered(w, "t")
+    peer = w.peers[P]
+    peer.hello, peer.refused, peer.refused_until = None, "incompatible", 1e18
+    w.handle(c.ReceiveEnded("t", "client gone"))
+    assert kinds(events) == ["ReceiveOver"] and not w.receives.recvs
+    assert not w.fences.fences and w.counters["fences"] == 0

@@ -262,14 +262,6 @@ class PeerRefused:
 
 
 @dataclass(frozen=True, slots=True)
-class PeerEvicted:
-    """The peer table dropped ``address`` (idle, or its place was needed): a transfer
-    with it handshakes again first (peers.py)."""
-
-    address: str
-
-
-@dataclass(frozen=True, slots=True)
 class ReadDone:
     """Pull, decode: the READ of ``tid`` ended (``error``: why it failed, its claim's
     refusal and its post included)."""
@@ -299,7 +291,7 @@ class FenceReleased:
     why: str
 
 
-Notice = PeerReady | PeerRefused | PeerEvicted | ReadDone | RegistrationLost | FenceReleased
+Notice = PeerReady | PeerRefused | ReadDone | RegistrationLost | FenceReleased
 
 
 @dataclass(frozen=True, slots=True)

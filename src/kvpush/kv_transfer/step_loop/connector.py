@@ -30,6 +30,8 @@ thread's, receives.py)::
        └── freed on ReceiveOver: prefill answered, its connection dropped, our READ
            ended, or --fence-timeout passed; never at lease end, since a frozen
            prefill that resumes still finishes its WRITEs
+    ENDED: done here with no blocks held (ended before its blocks, a full prefix hit,
+       nothing to read); kept until its ReceiveOver so that its transfer id stays taken
 
 Pull, prefill side: prefill finishes with max_tokens=1 and lends its blocks
 (``PrefillSender.lent``, stated ``Lent``) under a lease until ``LendOver`` (decode's

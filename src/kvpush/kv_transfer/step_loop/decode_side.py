@@ -15,7 +15,10 @@ come (the request fails or is prefilled here: ``--kv-load-failure-policy``).
 A request that ends while KV may still land in its blocks (its own end, or the
 transfer thread's ``ReceiveFailing``: prefill silent past its lease, the registration
 lost) leaves its blocks *fenced* (``QUARANTINED``, ``held``) out of the pool until the
-``ReceiveOver`` that says nothing more lands.
+``ReceiveOver`` that says nothing more lands. A receive the step loop is done with
+before that (no blocks yet, a full prefix hit, nothing to read) waits for its
+``ReceiveOver`` as ``ENDED``, holding nothing: its transfer id stays taken, so that a
+leg reusing it never gets the last one's ``ReceiveOver``.
 """
 
 from __future__ import annotations
@@ -101,11 +104,11 @@ class DecodeReceiver:
     def finish(self, req: Request, tid: str, ok: bool, error: str | None) -> bool:
         """The decode leg ends; True: its blocks stay here, fenced until ReceiveOver."""
         recv = self.recvs.get(tid)
-        if recv is None or recv.state is RecvState.QUARANTINED:
+        if recv is None or recv.state in (RecvState.QUARANTINED, RecvState.ENDED):
             return False
         self.ctx.submit(c.ReceiveEnded(tid, error or "aborted"))
         if recv.state is RecvState.PENDING_BLOCKS:
-            self._end_recv(recv, ok=ok)
+            self._end_recv(recv, ok=ok, over=False)
             return False
         # KV may be landing in its blocks: hold them until the transfer thread says not
         recv.state = RecvState.QUARANTINED
@@ -120,7 +123,9 @@ class DecodeReceiver:
         self.pending.clear()
         for recv in list(self.recvs.values()):
             may_land = recv.mode == "push" or not transport_closed
-            if recv.state is RecvState.QUARANTINED:
+            if recv.state is RecvState.ENDED:  # no ReceiveOver will come
+                self.recvs.pop(recv.tid, None)
+            elif recv.state is RecvState.QUARANTINED:
                 if not may_land:  # our READ ended with the transport
                     self._end_recv(recv, ok=False)
             elif recv.state is RecvState.AWAITING_KV and may_land:
@@ -151,7 +156,7 @@ class DecodeReceiver:
             if late:  # never claimed, never READ: recompute or fail (the policy)
                 self.pending.popleft()
                 self.ctx.submit(c.ReceiveEnded(tid, late))
-                self._recv_failed(recv, late)
+                self._recv_failed(recv, late, over=False)
                 continue
             req = self.ctx.scheduler.requests[recv.request_id]
             if not self.ctx.scheduler.allocate_remote(req):
@@ -174,9 +179,8 @@ class DecodeReceiver:
                 recv.tid, self.ctx.engine_id, self.ctx.address, list(req.block_ids), skip, n,
                 full_hit, hash_prompt_chain(req.prompt_token_ids, bs, req.block_hashes,
                                             req.params.cache_salt))))
-            self.ctx.timeline.stamp(recv.tid, "d_registered")
             if full_hit:  # everything prefill could send is here already: compute the rest
-                self._end_recv(recv, ok=True)
+                self._end_recv(recv, ok=True, over=False)
                 self.ctx.scheduler.remote_kv_arrived(req.request_id, hit, None)
                 return
             recv.state = RecvState.AWAITING_KV
@@ -185,15 +189,21 @@ class DecodeReceiver:
         last = -(-(n - 1) // bs)
         if skip >= last:  # nothing to read: prefill is told the lend can go
             self.ctx.submit(c.BlocksAllocated(recv.tid))
-            self._end_recv(recv, ok=True)
+            self._end_recv(recv, ok=True, over=False)
             self.ctx.scheduler.remote_kv_arrived(req.request_id, n - 1, None)
             return
         recv.state = RecvState.AWAITING_KV
         self.ctx.submit(c.BlocksAllocated(recv.tid, local_blocks=req.block_ids[skip:last],
                                           remote_blocks=recv.remote_block_ids[skip:last]))
 
-    def _end_recv(self, recv: DecodeRecv, ok: bool) -> None:
-        self.recvs.pop(recv.tid, None)
+    def _end_recv(self, recv: DecodeRecv, ok: bool, over: bool = True) -> None:
+        """The step loop is done with ``recv``: its held blocks go back. ``over``: the
+        transfer thread is done too (its ReceiveOver came, or it died); else the
+        receive waits for that as ``ENDED``."""
+        if over:
+            self.recvs.pop(recv.tid, None)
+        else:
+            recv.state = RecvState.ENDED
         self.ctx.by_request.pop(recv.request_id, None)
         if recv.held:
             self.ctx.scheduler.release_blocks(recv.held)
@@ -208,12 +218,13 @@ class DecodeReceiver:
         self.ctx.record(TransferRecord(recv.tid, "decode", recv.mode, False, error=why))
         return msg
 
-    def _recv_failed(self, recv: DecodeRecv, why: str, client_error: bool = False) -> None:
+    def _recv_failed(self, recv: DecodeRecv, why: str, client_error: bool = False,
+                     over: bool = True) -> None:
         """Remote KV will not come: fail the request or prefill it here (policy).
         ``client_error``: the request's own kv_transfer_params are wrong: it is refused
         as a bad request (HTTP 400, nothing has been sent yet) whatever the policy."""
         msg = self._fail_message(recv, why)
-        self._end_recv(recv, ok=False)
+        self._end_recv(recv, ok=False, over=over)
         if recv.request_id not in self.ctx.scheduler.requests:
             return
         if client_error:
@@ -250,7 +261,8 @@ class DecodeReceiver:
     # ---- the transfer thread's word ------------------------------------------------------
     def on_failing(self, tid: str, why: str) -> None:
         recv = self.recvs.get(tid)
-        if recv is not None and recv.state is not RecvState.QUARANTINED:
+        if recv is not None and recv.state in (RecvState.PENDING_BLOCKS,
+                                               RecvState.AWAITING_KV):
             self._recv_failing(recv, why)
 
     def on_over(self, ev: c.ReceiveOver) -> None:
@@ -258,7 +270,9 @@ class DecodeReceiver:
         recv = self.recvs.get(ev.tid)
         if recv is None:
             return
-        if recv.state is RecvState.QUARANTINED:  # the request ended already
+        if recv.state is RecvState.ENDED:  # (the step loop was done with it)
+            self.recvs.pop(ev.tid)
+        elif recv.state is RecvState.QUARANTINED:  # the request ended already
             self._end_recv(recv, ok=False)
         elif not ev.ok:
             self._recv_failed(recv, ev.why or "the transfer failed", ev.client_error)

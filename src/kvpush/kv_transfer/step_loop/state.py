@@ -30,6 +30,7 @@ class RecvState(enum.Enum):
     PENDING_BLOCKS = "pending_blocks"
     AWAITING_KV = "awaiting_kv"
     QUARANTINED = "quarantined"  # request over, blocks fenced (held) until the KV can't land
+    ENDED = "ended"  # over here; its ReceiveOver awaited (the transfer id stays taken)
 
 
 @dataclass

@@ -17,8 +17,8 @@ addresses requests name, so it is what keeps them bounded:
   been lost, or the peer was not up yet).
 * **idle**: a ready peer that no transfer uses (lease, WRITE, READ or fence: ``busy``)
   and that nothing was sent to or heard from for ``idle_timeout_s`` is evicted: its
-  connection closed, its transport peer removed, ``PeerEvicted`` posted so that the
-  step loop forgets its ``Hello``. The next transfer with it handshakes again.
+  connection closed, its transport peer removed. The next transfer with it handshakes
+  again.
 * **cap**: at most ``max_peers`` entries. A new address beyond it first evicts a refused
   or a ready peer no transfer uses (refused first, then the least recently active); if
   none can go, the request that named it fails at once (``PeerRefused``, the reason says
@@ -35,8 +35,9 @@ addresses requests name, so it is what keeps them bounded:
 
 A registration (``PushRegister``) from a sender that is not ready here (this side
 evicted it as idle while the other side kept it) is held and a handshake started: it is
-delivered once the sender's ``Hello`` is in, so the step loop always knows the
-registering peer. A READ posted for a peer in handshake waits for it the same way.
+delivered once the sender's ``Hello`` is in, so the registration is always checked
+against the registering peer's ``Hello``. A READ posted for a peer in handshake waits
+for it the same way.
 
 The sweep (``sweep``) rides the transfer thread's heartbeat period; nothing here wakes a
 thread or polls. Same thread as the worker (it drives the side channel).
@@ -398,7 +399,7 @@ class PeerTable(Mapping[str, Peer]):
 
     def _evict(self, peer: Peer, why: str, reason: str | None = None) -> None:
         """Drop ``peer``: close its connection, remove its transport peer, tell what
-        waited on it (``reason``) and the step loop (it may hold its Hello)."""
+        waited on it (``reason``)."""
         del self._peers[peer.address]
         self.evicted[why] += 1
         if peer.queued:
@@ -415,8 +416,6 @@ class PeerTable(Mapping[str, Peer]):
                 log.exception("removing transport peer %s failed", peer.agent)
         self.channel.forget(peer.address)
         log.info("side-channel peer %s evicted (%s)", peer.address, why)
-        if peer.hello is not None:
-            self.post_event(c.PeerEvicted(peer.address))
 
     def _log_limited(self, key: str, msg: str) -> None:
         """log.error at most once per ``key`` per 10 s: bogus addresses must not flood."""

@@ -15,7 +15,8 @@ land (then it keeps the blocks until ``ReceiveOver``)::
        │                                    └─▶ CLAIMING (pull) ──claimed──▶ READING
        │                                             │ refused: over      │ READ ends:
        │ params misfit (client_error), peer                               ▼ over
-       │ refused, lease, Abort, ReceiveEnded: over (nothing was sent to land)
+       │ refused, lease, Abort, ReceiveEnded: over (nothing was sent to land);
+       │ a full prefix hit, nothing to read: over once prefill is told
     REGISTERED ──lease, registration lost: ReceiveFailing; ReceiveEnded──▶ FENCED
     FENCED ──prefill's PushDone / AbortAck / Abort, its connection drops, timeout──▶ over
     READING ──prefill's Abort, peer refused: ReceiveFailing; ReceiveEnded──▶ DRAINING
@@ -68,19 +69,22 @@ class Receive:
 
 class Receives:
     """``track(tid, address)`` / ``untrack(tid)``: the worker's leases; ``post`` hands an
-    event to the step loop; ``counters``: the worker's metrics dict."""
+    event to the step loop; ``stamp(tid, stage)``: the hand-off timeline;
+    ``counters``: the worker's metrics dict."""
 
     def __init__(self, peers: PeerTable, inflight: TransfersInFlight, channel,
                  registrations: SentRegistrations, fences: FenceKeeper,
                  post: Callable[[c.TransferEvent], None],
                  track: Callable[[str, str], None], untrack: Callable[[str], None],
-                 num_layers: int, counters: dict[str, int]) -> None:
+                 stamp: Callable[[str, str], None], num_layers: int,
+                 counters: dict[str, int]) -> None:
         self.peers, self.inflight, self.channel = peers, inflight, channel
         self.registrations, self.fences = registrations, fences
-        self.post, self.track, self.untrack = post, track, untrack
+        self.post, self.track, self.untrack, self.stamp = post, track, untrack, stamp
         self.layers = range(num_layers)
         self.counters = counters
-        for key in ("aborts_sent", "fences", "fences_peer_gone", "fence_timeouts"):
+        for key in ("aborts_sent", "aborts_received", "fences", "fences_peer_gone",
+                    "fence_timeouts"):
             counters.setdefault(key, 0)
         self.recvs: dict[str, Receive] = {}
 
@@ -112,12 +116,11 @@ class Receives:
         r.failed = why
         if r.phase is Phase.READING:  # the READ's end tells prefill (PullDone)
             r.phase = Phase.DRAINING
-            return
-        self._abort(r, why)
-        if r.phase is Phase.REGISTERED:
-            self._fence(r)
-        else:
-            self._over(r, False, why)
+        elif self._abort(r, why):
+            if r.phase is Phase.REGISTERED:
+                self._fence(r)
+            else:
+                self._over(r, False, why)
 
     # ---- what prefill says --------------------------------------------------------------
     def _ours(self, tid: str, sender: str) -> Receive | None:
@@ -139,6 +142,9 @@ class Receives:
 
     def on_abort(self, msg: m.Abort, sender: str) -> None:
         r = self._ours(msg.transfer_id, sender)
+        if r is None and self.recvs.get(msg.transfer_id) is not None:
+            return  # another instance's word on our transfer
+        self.counters["aborts_received"] += 1
         if r is None:
             return
         why = f"aborted by prefill: {msg.reason}"
@@ -201,12 +207,14 @@ class Receives:
         if r is None:
             return False
         why = "lease expired: prefill stopped answering"
+        if r.phase in (Phase.DRAINING, Phase.FENCED):
+            return True  # our READ still ends it (a fence has no lease)
+        if not self._abort(r, "lease expired"):
+            return True  # (the send found the peer refused: ended by that)
         if r.phase is Phase.REGISTERED:  # its WRITEs may still land: fence
-            self._abort(r, "lease expired")
             self._failing(r, why, Phase.FENCED)
             self._fence(r)
         elif r.phase is Phase.READING:
-            self._abort(r, "lease expired")
             self._failing(r, why, Phase.DRAINING)
         else:  # WAITING, CLAIMING: nothing was sent that could land
             peer = self.peers.get(r.address)
@@ -214,7 +222,6 @@ class Receives:
                 log.error("transfer %s: no answer to the side-channel handshake from %s "
                           "(unreachable, not a kvpush instance, or it refuses our "
                           "messages: a different side-channel secret?)", tid, r.address)
-            self._abort(r, "lease expired")
             self._over(r, False, why)
         return True
 
@@ -251,22 +258,25 @@ class Receives:
         """Blocks allocated and prefill checked: register, or claim the lend."""
         b = r.blocks
         if b.register is not None:
+            self.stamp(r.tid, "d_registered")
             if b.register.full_hit:  # prefill computes and sends nothing
                 self.peers.send(r.address, b.register)
-                self._forget(r)
+                self._over(r, True, None)
                 return
             r.phase = Phase.REGISTERED
             self.registrations.register(r.tid, r.address, b.register, time.monotonic())
         elif not b.local_blocks:  # pull, nothing to read: the lend can go
             self.peers.send(r.address, m.PullDone(r.tid))
-            self._forget(r)
+            self._over(r, True, None)
         else:
             r.phase = Phase.CLAIMING  # READ once prefill says the lend is live
             self.peers.send(r.address, m.PullClaim(r.tid))
 
-    def _abort(self, r: Receive, why: str) -> None:
+    def _abort(self, r: Receive, why: str) -> bool:
+        """Tell prefill; False: the send found the peer refused, which ended ``r``."""
         self.counters["aborts_sent"] += 1
         self.peers.send(r.address, m.Abort(r.tid, why))
+        return self.recvs.get(r.tid) is r
 
     def _failing(self, r: Receive, why: str, phase: Phase) -> None:
         r.phase = phase

@@ -43,12 +43,14 @@ class SentRegistrations:
         self.sent[tid] = Sent(address, reg, now)
         self.send(address, reg)
 
-    def awaited(self, tids: Iterable[str], now: float) -> None:
-        """Prefill says it has no registration for ``tids``: send ours again."""
+    def awaited(self, tids: Iterable[str], now: float, sender: str = "") -> None:
+        """Prefill at ``sender`` says it has no registration for ``tids``: send ours
+        again (only those sent to it)."""
         for tid in tids:
             s = self.sent.get(tid)
-            if s is None or now - s.at < self.resend_after_s:
-                continue  # not ours, or just sent: it may only be slow
+            if s is None or now - s.at < self.resend_after_s or (sender
+                                                                 and s.address != sender):
+                continue  # not ours, not its, or just sent: it may only be slow
             s.at = now
             s.resends += 1
             if s.resends <= MAX_REGISTER_RESENDS:

@@ -75,8 +75,7 @@ __all__ = ["Peer", "TransferWorker"]
 #: the step loop's statements about a push transfer (PushSends handles them)
 PUSH_FACTS = (c.PushAdded, c.BlocksComputed, c.PushPrefilled, c.PushEnded)
 #: what the thread's parts tell one another (routed to Receives, never posted)
-NOTICES = (c.PeerReady, c.PeerRefused, c.PeerEvicted, c.ReadDone, c.RegistrationLost,
-           c.FenceReleased)
+NOTICES = (c.PeerReady, c.PeerRefused, c.ReadDone, c.RegistrationLost, c.FenceReleased)
 
 #: ``side_channel_send_dropped_<reason>`` counters: the channel's reasons and the table's
 SEND_DROPPED = tuple(dict.fromkeys((*SEND_DROP_REASONS, *DROP_REASONS)))
@@ -153,7 +152,7 @@ class TransferWorker:
         #: decode: its receives, from the leg's arrival to the end of the KV (receives.py)
         self.receives = (Receives(self.peers, self.inflight, channel, self.registered,
                                   self.fences, self._post, self._track_bound, self._untrack,
-                                  hello.num_layers, self.counters)
+                                  self._stamp, hello.num_layers, self.counters)
                          if hello.role == "decode" else None)
         #: push prefill: its transfers, registrations matched to blocks (push_sends.py)
         self.push = (PushSends(self.peers, self.inflight, self.peers.send, self._post,
@@ -450,19 +449,24 @@ class TransferWorker:
             self.peers.on_refused(msg, sender)
         elif isinstance(msg, m.PullClaim | m.PullClaimed | m.PullDone):
             self._on_lend_message(msg, sender)
+        elif isinstance(msg, m.Heartbeat):
+            self._on_heartbeat(msg, sender)
         else:
             getattr(self, "_on_" + type(msg).__name__)(msg)
 
-    def _renew(self, tid: str) -> None:
+    def _renew(self, tid: str, sender: str = "") -> None:
+        """A message about ``tid`` from ``sender``: renew its lease, if it is the peer
+        the lease is bound to (an unbound lease: any peer's)."""
         lease = self.leases.get(tid)
-        if lease is not None and lease.renewable:
+        if lease is not None and lease.renewable and (
+                not sender or lease.address is None or lease.address == sender):
             lease.deadline = time.monotonic() + self.lease_timeout_s
 
-    def _on_Heartbeat(self, msg: m.Heartbeat) -> None:
+    def _on_heartbeat(self, msg: m.Heartbeat, sender: str) -> None:
         for tid in msg.transfer_ids:
-            self._renew(tid)
+            self._renew(tid, sender)
         if msg.awaiting_registration and self.receives is not None:
-            self.registered.awaited(msg.awaiting_registration, time.monotonic())
+            self.registered.awaited(msg.awaiting_registration, time.monotonic(), sender)
 
     def _on_PushRegister(self, msg: m.PushRegister) -> None:
         self._stamp(msg.transfer_id, "p_reg")
@@ -510,14 +514,15 @@ class TransferWorker:
 
     def _on_abort(self, msg: m.Abort, sender: str) -> None:
         tid = msg.transfer_id
+        if self.receives is not None:  # (counted there, if it is prefill's word)
+            self.receives.on_abort(msg, sender)
+            return
         if not self.claims.from_claimer(tid, sender):
             self.counters["messages_bad"] += 1  # a lend claimed by another decode
             return
         self.counters["aborts_received"] += 1
         if self.push is not None:  # decode gave up on a push: answer once nothing of
             self.push.on_abort(msg, sender)  # ours can land
-        elif self.receives is not None:
-            self.receives.on_abort(msg, sender)
         elif self._lender and tid in self.leases:
             self._end_lend(tid, False)
 
