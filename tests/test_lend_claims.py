@@ -27,14 +27,14 @@ LEASE = 1.0
 
 
 def instance(model_dir, role: str, policy: str = "recompute", num_blocks: int = 128,
-             lease: float = LEASE) -> LLMEngine:
+             lease: float = LEASE, faults=None) -> LLMEngine:
     kvt = KVTransferConfig(role=role, mode="pull", engine_id=f"{role}-{uuid.uuid4().hex[:6]}",
                            transport="inproc", lease_timeout_s=lease,
                            heartbeat_interval_s=0.1, side_channel_secret=SECRET,
                            load_failure_policy=policy)
     cfg = EngineConfig.build(model_dir, kv_transfer=kvt, block_size=16,
                              num_blocks=num_blocks, max_model_len=256)
-    return LLMEngine(cfg)
+    return LLMEngine(cfg, faults=faults)
 
 
 def prefill_only(drv: PDDriver, rid: str, prompt: list[int], timeout: float = 20) -> dict:
@@ -166,6 +166,8 @@ def test_claims_unit():
     assert [(a, x.ok) for a, x in sent] == [("d1:1", True), ("d2:1", False), ("d1:1", False)]
     assert "claimed already" in sent[1][1].error and "ended" in sent[2][1].error
     assert lender.from_claimer("t", "d1:1") and not lender.from_claimer("t", "d2:1")
+    lender.claim(m.PullClaim("t"), "d1:1", live=True)  # its answer was lost: again
+    assert sent[-1] == ("d1:1", m.PullClaimed("t", True))
     assert lender.from_claimer("v", "d2:1")  # not claimed: as before
     lender.forget("t")
     assert lender.from_claimer("t", "d2:1")
@@ -189,6 +191,54 @@ def test_decode_claims_then_reads_or_gives_up():
     assert events[-1] == c.ReceiveOver("u", False, "client gone")
     w.receive(m.encode(m.PullClaimed("u", True)), P)  # too late: nothing is READ
     assert tr.posts == 0 and not w.leases and not w.receives.recvs
+
+
+def test_decode_claims_again_when_prefill_does_not_answer_then_gives_up():
+    """A lost claim (or answer) would hang the receive: each side's heartbeats keep the
+    other's lease alive. Decode sends it again a quarter lease apart, three times, then
+    gives up: Abort to prefill, ReceiveOver(failed); a late answer posts nothing."""
+    from kvpush.kv_transfer.transfer_thread.receives import MAX_CLAIM_RESENDS
+
+    w, ch, tr, events = worker("decode", "pull")
+    w.handle(c.ReceiveAdded("t", P, "prefill", [3]))
+    w.handle(c.BlocksAllocated("t", local_blocks=[0], remote_blocks=[3]))
+    now = time.monotonic()
+    w.receives.claims_unanswered(now)  # just sent: it may only be slow
+    assert len(ch.of(m.PullClaim)) == 1
+    for i in range(MAX_CLAIM_RESENDS):
+        now += LEASE
+        w.receives.claims_unanswered(now)
+        assert len(ch.of(m.PullClaim)) == i + 2 and events == []
+    w.receives.claims_unanswered(now + LEASE)
+    assert ch.of(m.Abort) == [m.Abort("t", "claim unanswered")]
+    assert [(ev.tid, ev.ok) for ev in events] == [("t", False)]
+    assert "never answered the lend's claim (sent 4 times)" in events[0].why
+    w.receive(m.encode(m.PullClaimed("t", True)), P)
+    assert tr.posts == 0 and len(events) == 1 and not w.leases
+
+
+def test_a_lost_claim_answer_is_recovered(tiny_qwen3):
+    """End to end: prefill's answer to the claim is lost once; decode claims again,
+    prefill answers its claimer again, the READ happens and the answer is right."""
+    from kvpush_testing.faults import FaultPlan
+
+    faults = FaultPlan()
+    p = instance(tiny_qwen3, "prefill", faults=faults)
+    d = instance(tiny_qwen3, "decode", faults=faults)
+    drv = PDDriver(p, d)
+    try:
+        prompt = random_prompts([40], seed=12)[0]
+        faults.arm(drop_messages={"PullClaimed": 1})
+        drv.submit("r", prompt, greedy(4))
+        drv.run(timeout=20)
+        leg = drv.d_legs["r"]
+        assert leg.finish_reason is FinishReason.LENGTH, leg
+        assert faults.count("message_drops:PullClaimed") == 1
+        assert leg.tokens == hf_greedy(tiny_qwen3, prompt, 4)
+        drv.settle()
+        assert_clean(p, d)
+    finally:
+        drv.close()
 
 
 def test_a_finished_push_refuses_every_replayed_prefill_leg(tiny_qwen3):

@@ -14,8 +14,10 @@ Both halves run on the transfer thread (no step-loop round trip)::
     refused, or the receive ends first: ReceiveOver(ok=False, why): the request
     recomputes or fails (--kv-load-failure-policy); nothing is read or cached
 
-A lend is claimed once: a second claim (a replay, a retry elsewhere) is refused, and
-once claimed only its claimer's PullDone or Abort ends it (``from_claimer``). A lend
+A lend is claimed once: a claim from another decode (a replay, a retry elsewhere) is
+refused (its claimer's own claim, sent again because the answer was lost, is answered
+again), and once claimed only its claimer's PullDone or Abort ends it
+(``from_claimer``). A lend
 that ended (read, aborted, expired) has no lease any more, so every later claim is
 refused as well: nothing has to be remembered for that. Prefill's answer also carries
 ``lend_expires_ms`` (signed by the router with the rest): decode does not even ask once
@@ -43,7 +45,7 @@ class LendClaims:
         if not live:
             answer = m.PullClaimed(tid, False, "the lend has ended (its lease ran out, it "
                                    "was read or aborted) or never existed")
-        elif tid in self.claimed:
+        elif self.claimed.get(tid, sender) != sender:
             answer = m.PullClaimed(tid, False, "the lend was claimed already")
         else:
             self.claimed[tid] = sender

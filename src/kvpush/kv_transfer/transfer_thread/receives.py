@@ -22,6 +22,11 @@ land (then it keeps the blocks until ``ReceiveOver``)::
     READING ──prefill's Abort, peer refused: ReceiveFailing; ReceiveEnded──▶ DRAINING
     DRAINING ──our READ ends──▶ over
 
+A claim prefill never answered is sent again, like a lost registration (a quarter lease
+apart, ``MAX_CLAIM_RESENDS`` times), then given up (``Abort``, over): the two sides'
+heartbeats keep each other's leases alive, so a lost claim would otherwise hold the
+request and both sides' blocks for good.
+
 A registered push is fenced, never simply dropped: a prefill that is frozen, not dead,
 still finishes its WRITEs when it resumes (fences.py). Prefill's answers count only
 from the instance the receive names.
@@ -40,10 +45,16 @@ from kvpush.kv_transfer.step_loop.state import block_ids_problem
 from kvpush.kv_transfer.transfer_thread.fences import FenceKeeper
 from kvpush.kv_transfer.transfer_thread.inflight import PostRead, TransfersInFlight
 from kvpush.kv_transfer.transfer_thread.peers import PeerTable
-from kvpush.kv_transfer.transfer_thread.registrations import SentRegistrations
+from kvpush.kv_transfer.transfer_thread.registrations import (
+    MAX_REGISTER_RESENDS,
+    SentRegistrations,
+)
 from kvpush.kv_transfer.wire import messages as m
 
 log = logging.getLogger("kvpush.kv_transfer.transfer_thread.worker")
+
+#: Re-sends of a lend's claim prefill has not answered, before decode gives up.
+MAX_CLAIM_RESENDS = MAX_REGISTER_RESENDS
 
 
 class Phase(enum.Enum):
@@ -65,6 +76,8 @@ class Receive:
     checked: bool = False  # the params fit prefill's Hello
     blocks: c.BlocksAllocated | None = None
     failed: str | None = None  # why, once the step loop was told (Failing / Ended)
+    claimed_at: float = 0.0  # pull, CLAIMING: when the claim was last sent (monotonic)
+    claims: int = 0  # pull: claims sent
 
 
 class Receives:
@@ -82,6 +95,7 @@ class Receives:
         self.registrations, self.fences = registrations, fences
         self.post, self.track, self.untrack, self.stamp = post, track, untrack, stamp
         self.layers = range(num_layers)
+        self.resend_after_s = registrations.resend_after_s
         self.counters = counters
         for key in ("aborts_sent", "aborts_received", "fences", "fences_peer_gone",
                     "fence_timeouts"):
@@ -270,7 +284,21 @@ class Receives:
             self._over(r, True, None)
         else:
             r.phase = Phase.CLAIMING  # READ once prefill says the lend is live
-            self.peers.send(r.address, m.PullClaim(r.tid))
+            self._claim(r, time.monotonic())
+
+    def _claim(self, r: Receive, now: float) -> None:
+        r.claimed_at, r.claims = now, r.claims + 1
+        self.peers.send(r.address, m.PullClaim(r.tid))
+
+    def claims_unanswered(self, now: float) -> None:
+        """Claims with no answer a quarter lease on: sent again, or given up."""
+        for r in [r for r in self.recvs.values() if r.phase is Phase.CLAIMING
+                  and now - r.claimed_at >= self.resend_after_s]:
+            if r.claims <= MAX_CLAIM_RESENDS:
+                self._claim(r, now)
+            elif self._abort(r, "claim unanswered"):
+                self._over(r, False, f"prefill never answered the lend's claim (sent "
+                                     f"{r.claims} times)")
 
     def _abort(self, r: Receive, why: str) -> bool:
         """Tell prefill; False: the send found the peer refused, which ended ``r``."""

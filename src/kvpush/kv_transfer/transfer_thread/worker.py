@@ -271,6 +271,8 @@ class TransferWorker:
                 beat = now >= self._next_heartbeat
                 if beat:
                     self._heartbeat(now)
+                    if self.receives is not None:
+                        self.receives.claims_unanswered(now)
                 self._expire(now)
                 if beat:  # after the leases: a request ends on its lease first
                     self.peers.sweep(now)
