@@ -11,6 +11,7 @@ import os
 import time
 from typing import Any
 
+from kvpush.aio import within
 from kvpush.bench.metrics import RequestResult
 
 #: How much of an error body is kept.
@@ -106,7 +107,7 @@ async def send_one(client: Any, url: str, body: dict[str, Any], res: RequestResu
 
     res.start_time = time.perf_counter() - t0
     try:
-        await asyncio.wait_for(_stream(client, url, body, res, chat), timeout)
+        await within(_stream(client, url, body, res, chat), timeout)
     except asyncio.TimeoutError:
         res.error = f"timed out after {timeout:g} s (request timeout)"
     except httpx.HTTPError as e:

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from kvpush.aio import within
 from kvpush.config import EngineConfig
 from kvpush.engine.checks import RequestChecker
 from kvpush.engine.inputs import (
@@ -111,7 +112,7 @@ class FrontEnd:
         self._calls[call_id] = fut
         try:
             self._send(UtilityCall(call_id, method))
-            return await asyncio.wait_for(fut, UTILITY_TIMEOUT_S)
+            return await within(fut, UTILITY_TIMEOUT_S)
         finally:
             self._calls.pop(call_id, None)
 

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive, Scope, Send
 
+from kvpush.aio import within
 from kvpush.router.admin_key import ADMIN_PATHS, AdminKeyMiddleware
 from kvpush.router.cache_policy import CachePolicy
 from kvpush.router.config import RouterConfig
@@ -185,7 +186,7 @@ class Router:
         known to run degraded; logs which, loudly when degraded."""
         if self.cache is not None and self.cache.loading is not None:
             with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self.cache.loading), timeout)
+                await within(asyncio.shield(self.cache.loading), timeout)
         state = self.routing_state()
         if state.degraded:
             logger.warning("ROUTER DEGRADED: %s", state.why)
@@ -211,8 +212,8 @@ class Router:
         # the first view, if etcd answers soon; else the router starts with what it has
         # (the static instances, or none: /health 503) and the link catches up
         try:
-            await asyncio.wait_for(self.discovery.synced.wait(),
-                                   min(FIRST_VIEW_S, self.cfg.startup_timeout_s))
+            await within(self.discovery.synced.wait(),
+                         min(FIRST_VIEW_S, self.cfg.startup_timeout_s))
         except asyncio.TimeoutError:  # (3.10: not the builtin)
             logger.warning("no view of %s yet: starting without it", self.cfg.discover)
         if self._joins:

@@ -30,6 +30,7 @@ from typing import Any
 
 from fastapi import Request
 
+from kvpush.aio import within
 from kvpush.server.app import MAX_BODY_BYTES
 from kvpush.server.errors import APIError
 
@@ -63,7 +64,7 @@ async def read_body_within(request: Request, timeout: float,
     """:func:`read_body`, or a 408 when the body is not all there within ``timeout``
     seconds (a client that sends its body slowly, or not at all)."""
     try:
-        return await asyncio.wait_for(read_body(request, limit), timeout)
+        return await within(read_body(request, limit), timeout)
     except asyncio.TimeoutError:  # (3.10: not the builtin)
         raise APIError(f"the request body did not arrive within {timeout:g} s",
                        status_code=408, code="request_timeout") from None

@@ -31,6 +31,8 @@ from typing import Any
 import httpcore
 from httpcore import AsyncNetworkBackend, AsyncNetworkStream
 
+from kvpush.aio import within
+
 #: bytes received and not yet read above which the socket is no longer read
 HIGH_WATER = 256 << 10
 #: ... and below which it is read again
@@ -180,7 +182,7 @@ class CoalescingBackend(AsyncNetworkBackend):
         loop = asyncio.get_running_loop()
         local = (local_address, 0) if local_address else None
         try:
-            _, protocol = await asyncio.wait_for(
+            _, protocol = await within(
                 loop.create_connection(lambda: _Protocol(loop), host, port,
                                        local_addr=local), timeout)
         except asyncio.TimeoutError:
