@@ -21,8 +21,9 @@ Reading order, one subpackage per concern:
    ``decode_side.py`` (the blocks of receives, fenced ones too), ``thread_death.py`` (what a dead
    transfer thread's transfers become), ``state.py`` (per-transfer records, their
    states, the request's ``kv_transfer_params``).
-3. ``transfer_thread/``: ``worker.py`` (``TransferWorker``: its loop, leases,
-   heartbeats, the messages of peers), ``peers.py`` (handshakes, refusals, eviction),
+3. ``transfer_thread/``: ``worker.py`` (``TransferWorker``: its loop,
+   the messages of peers), ``leases.py`` (per-transfer deadlines, heartbeats),
+   ``peers.py`` (handshakes, refusals, eviction),
    ``push_sends.py`` (a push prefill's transfers: registrations, which blocks go
    where, the end of each), ``inflight.py`` (WRITEs and READs posted, their
    completions, PushDone / AbortAck / PullDone), ``receives.py`` (a decode's

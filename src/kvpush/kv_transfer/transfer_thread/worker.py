@@ -21,10 +21,10 @@ WRITEs and READs it has posted, with their transport handles, are a ``TransfersI
 (inflight.py): posts, completions, cancels, and the PushDone / AbortAck / PullDone that
 end them.
 
-Per transfer it keeps a lease: a deadline renewed by the peer's heartbeats (or any
-message about the transfer). An expired lease ends the transfer where it is owned: a
-push prefill's in push_sends.py, a receive's in receives.py, a pull lend here
-(``LendOver``). Commands and events are the typed ones of commands.py.
+Per transfer it keeps a lease (leases.py) and sends the heartbeats that renew the
+peers' own. An expired lease ends the transfer where it is owned: a push prefill's in
+push_sends.py, a receive's in receives.py, a pull lend here (``LendOver``). Commands
+and events are the typed ones of commands.py.
 
 Decode side, its receives (receives.py) own each transfer into this instance's blocks,
 with their registrations (registrations.py) and fences (fences.py). Prefill side, it
@@ -45,13 +45,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer.step_loop.thread_death import tell_peers
 from kvpush.kv_transfer.timeline import HandoffTimeline
 from kvpush.kv_transfer.transfer_thread.fences import DEFAULT_FENCE_TIMEOUT_S, FenceKeeper
 from kvpush.kv_transfer.transfer_thread.inflight import PostedRead, TransfersInFlight, WriteGroup
+from kvpush.kv_transfer.transfer_thread.leases import Leases
 from kvpush.kv_transfer.transfer_thread.lend_claims import LendClaims
 from kvpush.kv_transfer.transfer_thread.peers import (  # Peer re-exported: tests place peers
     DROP_REASONS,
@@ -79,13 +79,6 @@ NOTICES = (c.PeerReady, c.PeerRefused, c.ReadDone, c.RegistrationLost, c.FenceRe
 
 #: ``side_channel_send_dropped_<reason>`` counters: the channel's reasons and the table's
 SEND_DROPPED = tuple(dict.fromkeys((*SEND_DROP_REASONS, *DROP_REASONS)))
-
-@dataclass
-class Lease:
-    deadline: float
-    address: str | None  # peer that renews it; None: any peer
-    renewable: bool = True  # False: a fixed deadline, heartbeats do not extend it
-
 
 class TransferWorker:
     def __init__(
@@ -126,7 +119,8 @@ class TransferWorker:
             idle_timeout_s=(peer_idle_timeout_s if peer_idle_timeout_s is not None
                             else 4 * lease_timeout_s),
             busy=self._busy_addresses, max_peers=max_peers)
-        self.leases: dict[str, Lease] = {}
+        #: per transfer, how long without word from its peer (leases.py)
+        self.lease_table = Leases(lease_timeout_s)
         #: decode: pushes whose blocks wait for prefill's word (fences.py)
         self.fences = FenceKeeper(channel, self._post, self.peers.is_ready,
                                   lease_timeout_s, fence_timeout_s)
@@ -192,6 +186,11 @@ class TransferWorker:
         self._stopped = True
 
     # ---- views of the transfers in flight (tests, the heartbeat) ----------------------
+    @property
+    def leases(self) -> dict:
+        """Transfer id -> its ``Lease`` (``Leases.by_tid``)."""
+        return self.lease_table.by_tid
+
     @property
     def writes(self) -> dict[str, WriteGroup]:
         """Push: transfer id -> its WRITEs (``TransfersInFlight.writes``)."""
@@ -331,8 +330,9 @@ class TransferWorker:
         if self.inflight.awaited():
             return self.busy_poll_s  # a completion is waited for
         t = self._next_heartbeat - now
-        if self.leases:
-            t = min(t, min(lease.deadline for lease in self.leases.values()) - now)
+        lease_due = self.lease_table.next_deadline()
+        if lease_due is not None:
+            t = min(t, lease_due - now)
         fence_due = self.fences.next_deadline()
         if fence_due is not None:
             t = min(t, fence_due - now)
@@ -392,19 +392,19 @@ class TransferWorker:
                 raise TypeError(f"not a transfer command: {cmd!r}")
 
     def _track(self, tid: str, address: str | None, renewable: bool) -> None:
-        self.leases[tid] = Lease(time.monotonic() + self.lease_timeout_s, address, renewable)
+        self.lease_table.track(tid, address, renewable)
 
     def _track_bound(self, tid: str, address: str) -> None:
         self._track(tid, address, True)
 
     def _untrack(self, tid: str) -> None:
-        self.leases.pop(tid, None)
+        self.lease_table.untrack(tid)
         self.claims.forget(tid)
 
     # ---- peers and messages ----------------------------------------------------------
     def _busy_addresses(self) -> set[str]:
         """Peers that transfers still use (leases, WRITEs, READs, fences): never idle."""
-        busy = {lease.address for lease in self.leases.values() if lease.address}
+        busy = self.lease_table.addresses()
         busy.update(self.inflight.addresses())
         busy.update(fence.address for fence in self.fences.fences.values())
         return busy
@@ -456,23 +456,15 @@ class TransferWorker:
         else:
             getattr(self, "_on_" + type(msg).__name__)(msg)
 
-    def _renew(self, tid: str, sender: str = "") -> None:
-        """A message about ``tid`` from ``sender``: renew its lease, if it is the peer
-        the lease is bound to (an unbound lease: any peer's)."""
-        lease = self.leases.get(tid)
-        if lease is not None and lease.renewable and (
-                not sender or lease.address is None or lease.address == sender):
-            lease.deadline = time.monotonic() + self.lease_timeout_s
-
     def _on_heartbeat(self, msg: m.Heartbeat, sender: str) -> None:
         for tid in msg.transfer_ids:
-            self._renew(tid, sender)
+            self.lease_table.renew(tid, sender)
         if msg.awaiting_registration and self.receives is not None:
             self.registered.awaited(msg.awaiting_registration, time.monotonic(), sender)
 
     def _on_PushRegister(self, msg: m.PushRegister) -> None:
         self._stamp(msg.transfer_id, "p_reg")
-        self._renew(msg.transfer_id)
+        self.lease_table.renew(msg.transfer_id)
         if self.push is None:  # only a push prefill instance writes
             log.warning("ignored a push registration from %s: this instance does not "
                         "send KV", msg.address)
@@ -501,13 +493,13 @@ class TransferWorker:
         tid = msg.transfer_id
         if isinstance(msg, m.PullClaim):
             if self._lender:
-                self.claims.claim(msg, sender, live=tid in self.leases)
+                self.claims.claim(msg, sender, live=tid in self.lease_table.by_tid)
         elif isinstance(msg, m.PullClaimed):
             if self._reader:
                 self.receives.on_claimed(msg, sender)
         elif not self.claims.from_claimer(tid, sender):
             self.counters["messages_bad"] += 1
-        elif self._lender and tid in self.leases:
+        elif self._lender and tid in self.lease_table.by_tid:
             self._end_lend(tid, msg.ok)
 
     def _end_lend(self, tid: str, ok: bool) -> None:
@@ -525,31 +517,19 @@ class TransferWorker:
         self.counters["aborts_received"] += 1
         if self.push is not None:  # decode gave up on a push: answer once nothing of
             self.push.on_abort(msg, sender)  # ours can land
-        elif self._lender and tid in self.leases:
+        elif self._lender and tid in self.lease_table.by_tid:
             self._end_lend(tid, False)
 
     # ---- heartbeats and leases ----------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
         self._next_heartbeat = now + self.heartbeat_interval_s
-        by_peer: dict[str, list[str]] = {}
-        unbound: list[str] = []
-        for tid, lease in self.leases.items():
-            if lease.address is None:
-                unbound.append(tid)
-            else:
-                by_peer.setdefault(lease.address, []).append(tid)
-        for tid, group in self.writes.items():
-            by_peer.setdefault(group.address, []).append(tid)
-        for address, peer in self.peers.items():
-            tids = by_peer.get(address, []) + unbound
-            if tids and peer.ready:
-                hb = m.Heartbeat(self.hello.engine_id, sorted(set(tids)), sorted(unbound))
-                self.channel.send(address, m.encode(hb))
+        writes = [(tid, group.address) for tid, group in self.writes.items()]
+        ready = [address for address, peer in self.peers.items() if peer.ready]
+        for address, hb in self.lease_table.heartbeats(self.hello.engine_id, writes, ready):
+            self.channel.send(address, m.encode(hb))
 
     def _expire(self, now: float) -> None:
-        expired = [tid for tid, lease in self.leases.items() if lease.deadline <= now]
-        for tid in expired:
-            self.leases.pop(tid)
+        for tid in self.lease_table.take_expired(now):
             self.counters["leases_expired"] += 1
             if self.push is not None and self.push.lease_expired(tid):
                 continue  # a push of ours: ended there (the step loop gets WritesDone)
