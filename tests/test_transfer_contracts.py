@@ -270,6 +270,34 @@ def test_kv_params_are_parsed_once_into_a_typed_object(tiny_qwen3):
         p.shutdown()
 
 
+def test_a_push_prefill_hashes_its_prompt_once(tiny_qwen3, monkeypatch):
+    """The hash chain a push prefill states (PushAdded) and the scheduler's prefix-cache
+    keys are one computation: each block of the prompt is hashed once."""
+    from kvpush.kv_cache import block_pool
+    from kvpush.scheduler import scheduler as sched
+
+    calls = []
+    real = block_pool.hash_block_tokens
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(block_pool, "hash_block_tokens", counted)
+    monkeypatch.setattr(sched, "hash_block_tokens", counted)
+    p = make_instance(tiny_qwen3, "prefill", "push")
+    try:
+        prompt = random_prompts([100], seed=2)[0]  # 6 full blocks of 16 and a partial one
+        req = p.add_request("r", prompt, greedy(1),
+                            p.kv_params({"do_remote_decode": True, "transfer_id": "t"}))
+        p.step()  # the scheduler admits it: its prefix lookup needs the hashes
+        assert len(req.block_hashes) == 6 and len(calls) == 7
+        assert req.block_hashes == block_pool.hash_prompt_chain(prompt, 16)[:6]
+        p.abort_request("r")
+    finally:
+        p.shutdown()
+
+
 # ---- block ownership: the connector goes through the scheduler ---------------------------
 def test_scheduler_hands_blocks_over_and_takes_them_back(tiny_qwen3):
     from engine_helpers import make_engine

@@ -69,8 +69,12 @@ class PrefillSender:
                 raise RequestError(f"transfer {tid} already ended: {reason}",
                                    "kv_transfer_params")
             self.sends[tid] = PushSend(tid, req.request_id)
-            ctx.submit(c.PushAdded(tid, req.num_prompt_tokens, hash_prompt_chain(
-                req.prompt_token_ids, ctx.block_size, salt=req.params.cache_salt)))
+            chain = hash_prompt_chain(req.prompt_token_ids, ctx.block_size,
+                                      req.block_hashes, req.params.cache_salt)
+            # the full blocks' hashes are the scheduler's prefix-cache keys too: it finds
+            # them here instead of hashing the prompt a second time
+            req.block_hashes = chain[:req.num_prompt_tokens // ctx.block_size]
+            ctx.submit(c.PushAdded(tid, req.num_prompt_tokens, chain))
         ctx.by_request[req.request_id] = tid
         ctx.timeline.begin(tid, "p_added")
         ctx.scheduler.add_request(req)
