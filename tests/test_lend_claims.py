@@ -160,14 +160,17 @@ def test_claims_unit():
     ends it."""
     sent: list[tuple[str, m.Message]] = []
     lender = LendClaims(lambda a, msg: sent.append((a, msg)))
-    lender.claim(m.PullClaim("t"), "d1:1", live=True)
-    lender.claim(m.PullClaim("t"), "d2:1", live=True)
-    lender.claim(m.PullClaim("u"), "d1:1", live=False)
-    assert [(a, x.ok) for a, x in sent] == [("d1:1", True), ("d2:1", False), ("d1:1", False)]
+    lender.claim(m.PullClaim("t", 7), "d1:1", live=True)
+    lender.claim(m.PullClaim("t", 8), "d2:1", live=True)
+    lender.claim(m.PullClaim("u", 9), "d1:1", live=False)
+    assert [(a, x.ok, x.claim) for a, x in sent] == [("d1:1", True, 7), ("d2:1", False, 8),
+                                                     ("d1:1", False, 9)]
     assert "claimed already" in sent[1][1].error and "ended" in sent[2][1].error
     assert lender.from_claimer("t", "d1:1") and not lender.from_claimer("t", "d2:1")
-    lender.claim(m.PullClaim("t"), "d1:1", live=True)  # its answer was lost: again
-    assert sent[-1] == ("d1:1", m.PullClaimed("t", True))
+    lender.claim(m.PullClaim("t", 7), "d1:1", live=True)  # its answer was lost: again
+    assert sent[-1] == ("d1:1", m.PullClaimed("t", True, claim=7))
+    lender.claim(m.PullClaim("t", 5), "d1:1", live=True)  # another claim (a replay)
+    assert not sent[-1][1].ok and "claimed already" in sent[-1][1].error
     assert lender.from_claimer("v", "d2:1")  # not claimed: as before
     lender.forget("t")
     assert lender.from_claimer("t", "d2:1")
@@ -181,16 +184,39 @@ def test_decode_claims_then_reads_or_gives_up():
     for tid in ("t", "u"):
         w.handle(c.ReceiveAdded(tid, P, "prefill", [3]))
         w.handle(c.BlocksAllocated(tid, local_blocks=[0], remote_blocks=[3]))
-    assert ch.of(m.PullClaim) == [m.PullClaim("t"), m.PullClaim("u")]
-    w.receive(m.encode(m.PullClaimed("t", True)), "10.0.0.9:1")  # not prefill
+    assert [x.transfer_id for x in ch.of(m.PullClaim)] == ["t", "u"]
+    claim = w.receives.recvs["t"].claim
+    w.receive(m.encode(m.PullClaimed("t", True, claim=claim)), "10.0.0.9:1")  # not prefill
     assert tr.posts == 0 and events == []
-    w.receive(m.encode(m.PullClaimed("t", False, "gone")), P)
+    w.receive(m.encode(m.PullClaimed("t", False, "gone", claim)), P)
     assert events == [c.ReceiveOver("t", False, "prefill refused the READ: gone")]
     w.handle(c.ReceiveEnded("u", "client gone"))
     assert ch.of(m.Abort) == [m.Abort("u", "client gone")]
     assert events[-1] == c.ReceiveOver("u", False, "client gone")
     w.receive(m.encode(m.PullClaimed("u", True)), P)  # too late: nothing is READ
     assert tr.posts == 0 and not w.leases and not w.receives.recvs
+
+
+def test_an_answer_to_an_earlier_receives_claim_is_never_taken():
+    """A leg replayed with the same transfer id claims again; prefill's late "yes" to
+    the earlier receive's claim (that lend may be over and its blocks reused) is not
+    taken for the new one's (a review found it READ then): only the answer carrying
+    its own claim id is."""
+    w, ch, tr, events = worker("decode", "pull")
+
+    def claiming() -> int:
+        w.handle(c.ReceiveAdded("t", P, "prefill", [3]))
+        w.handle(c.BlocksAllocated("t", local_blocks=[0], remote_blocks=[3]))
+        return w.receives.recvs["t"].claim
+
+    first = claiming()
+    w.handle(c.ReceiveEnded("t", "client gone"))  # over while its claim is out
+    second = claiming()  # the replayed leg
+    assert first != second
+    w.receive(m.encode(m.PullClaimed("t", True, claim=first)), P)  # late, the first's
+    assert tr.posts == 0
+    w.receive(m.encode(m.PullClaimed("t", True, claim=second)), P)
+    assert tr.posts == 1
 
 
 def test_decode_claims_again_when_prefill_does_not_answer_then_gives_up():

@@ -98,7 +98,7 @@ def reading(w, tid: str) -> None:
     answer to the claim: the READ is posted."""
     w.handle(c.ReceiveAdded(tid, P, "prefill", BLOCKS[1]))
     w.handle(c.BlocksAllocated(tid, local_blocks=BLOCKS[0], remote_blocks=BLOCKS[1]))
-    w.receive(m.encode(m.PullClaimed(tid, True)), P)
+    w.receive(m.encode(m.PullClaimed(tid, True, claim=w.receives.recvs[tid].claim)), P)
 
 
 def test_read_done_inside_its_post_ends_at_once():

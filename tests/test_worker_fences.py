@@ -503,8 +503,9 @@ def test_the_transfer_thread_builds_descriptors_from_block_ids():
     r, rch, rtr, events = worker("decode", "pull")
     r.handle(c.ReceiveAdded("u", P, "prefill", [6]))
     r.handle(c.BlocksAllocated("u", local_blocks=[3], remote_blocks=[6]))
-    assert rch.of(m.PullClaim) == [m.PullClaim("u")] and rtr.posted == []
-    r.receive(m.encode(m.PullClaimed("u", True)), P)  # the lend is live: READ it
+    claim = r.receives.recvs["u"].claim
+    assert rch.of(m.PullClaim) == [m.PullClaim("u", claim)] and rtr.posted == []
+    r.receive(m.encode(m.PullClaimed("u", True, claim=claim)), P)  # live: READ it
     [(op, _, local, remote)] = rtr.posted
     assert (op, local, remote) == ("READ", [(4096 + 24, 8)], [(4096 + 48, 8)])
 
@@ -513,7 +514,7 @@ def _reading(w: TransferWorker, tid: str = "u") -> None:
     """Pull decode: receive ``tid`` claimed and its READ posted (handle 1)."""
     w.handle(c.ReceiveAdded(tid, P, "prefill", [6]))
     w.handle(c.BlocksAllocated(tid, local_blocks=[3], remote_blocks=[6]))
-    w.receive(m.encode(m.PullClaimed(tid, True)), P)
+    w.receive(m.encode(m.PullClaimed(tid, True, claim=w.receives.recvs[tid].claim)), P)
 
 
 def test_a_draining_read_outlives_its_lease():

@@ -85,7 +85,7 @@ def tell_peers(worker: TransferWorker, why: str) -> int:
     for tid, lease in worker.leases.items():
         if lease.address:
             shared.setdefault(lease.address, set()).add(tid)
-    for tid, address in worker.claims.claimed.items():
+    for tid, (address, _) in worker.claims.claimed.items():
         shared.setdefault(address, set()).add(tid)
     if worker.receives is not None:
         for address, tids in worker.receives.shared().items():

@@ -14,10 +14,12 @@ Both halves run on the transfer thread (no step-loop round trip)::
     refused, or the receive ends first: ReceiveOver(ok=False, why): the request
     recomputes or fails (--kv-load-failure-policy); nothing is read or cached
 
-A lend is claimed once: a claim from another decode (a replay, a retry elsewhere) is
-refused (its claimer's own claim, sent again because the answer was lost, is answered
-again), and once claimed only its claimer's PullDone or Abort ends it
-(``from_claimer``). A lend
+A lend is claimed once: another claim (a replay, a retry elsewhere, a decode restarted
+on the same address) is refused, while the claimer's own claim, sent again with its
+claim id because the answer was lost, is answered again; once claimed only its
+claimer's PullDone or Abort ends it (``from_claimer``). Each answer echoes the claim id,
+and decode takes only the answer to its own receive's claim: a late answer to an
+earlier receive of the same transfer id is ignored. A lend
 that ended (read, aborted, expired) has no lease any more, so every later claim is
 refused as well: nothing has to be remembered for that. Prefill's answer also carries
 ``lend_expires_ms`` (signed by the router with the rest): decode does not even ask once
@@ -37,26 +39,26 @@ class LendClaims:
 
     def __init__(self, send: Callable[[str, m.Message], None]) -> None:
         self._send = send
-        self.claimed: dict[str, str] = {}  # prefill: tid -> the claimer's address
+        #: tid -> (the claimer's address, its claim id)
+        self.claimed: dict[str, tuple[str, int]] = {}
 
     def claim(self, msg: m.PullClaim, sender: str, live: bool) -> None:
         """Answer decode's claim: ``live``: the lend is tracked (its lease runs)."""
-        tid = msg.transfer_id
+        tid, claim = msg.transfer_id, (sender, msg.claim)
         if not live:
             answer = m.PullClaimed(tid, False, "the lend has ended (its lease ran out, it "
-                                   "was read or aborted) or never existed")
-        elif self.claimed.get(tid, sender) != sender:
-            answer = m.PullClaimed(tid, False, "the lend was claimed already")
+                                   "was read or aborted) or never existed", msg.claim)
+        elif self.claimed.setdefault(tid, claim) != claim:
+            answer = m.PullClaimed(tid, False, "the lend was claimed already", msg.claim)
         else:
-            self.claimed[tid] = sender
-            answer = m.PullClaimed(tid, True)
+            answer = m.PullClaimed(tid, True, claim=msg.claim)
         self._send(sender, answer)
 
     def from_claimer(self, tid: str, sender: str) -> bool:
         """Whether a PullDone / Abort for ``tid`` from ``sender`` may end the lend: not
         when another decode claimed it."""
         claimer = self.claimed.get(tid)
-        return claimer is None or not sender or claimer == sender
+        return claimer is None or not sender or claimer[0] == sender
 
     def forget(self, tid: str) -> None:
         """The lend ended (read, aborted, its lease ran out)."""

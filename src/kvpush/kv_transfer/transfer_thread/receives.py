@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ class Receive:
     failed: str | None = None  # why, once the step loop was told (Failing / Ended)
     claimed_at: float = 0.0  # pull, CLAIMING: when the claim was last sent (monotonic)
     claims: int = 0  # pull: claims sent
+    claim: int = 0  # pull: this receive's claim id (random; prefill echoes it)
 
 
 class Receives:
@@ -175,8 +177,9 @@ class Receives:
     def on_claimed(self, msg: m.PullClaimed, sender: str) -> None:
         """Prefill's answer to the lend's claim (lend_claims.py): READ, or give up."""
         r = self.recvs.get(msg.transfer_id)
-        if r is None or r.phase is not Phase.CLAIMING or sender != r.address:
-            return
+        if (r is None or r.phase is not Phase.CLAIMING or sender != r.address
+                or msg.claim != r.claim):
+            return  # not ours, or the answer to an earlier receive's claim
         if not msg.ok:
             self._over(r, False, "prefill refused the READ: "
                        + (msg.error or "the lend has ended"))
@@ -284,11 +287,12 @@ class Receives:
             self._over(r, True, None)
         else:
             r.phase = Phase.CLAIMING  # READ once prefill says the lend is live
+            r.claim = secrets.randbits(63) or 1
             self._claim(r, time.monotonic())
 
     def _claim(self, r: Receive, now: float) -> None:
         r.claimed_at, r.claims = now, r.claims + 1
-        self.peers.send(r.address, m.PullClaim(r.tid))
+        self.peers.send(r.address, m.PullClaim(r.tid, r.claim))
 
     def claims_unanswered(self, now: float) -> None:
         """Claims with no answer a quarter lease on: sent again, or given up."""

@@ -93,15 +93,20 @@ class PullDone(msgspec.Struct, tag=True):
 
 
 class PullClaim(msgspec.Struct, tag=True):
-    """Decode asks to READ a lend: prefill says yes once, while the lend is live."""
+    """Decode asks to READ a lend: prefill says yes once, while the lend is live.
+    ``claim``: a random id of this receive's claim (sent again with it when the answer
+    is lost), echoed in the answer: an answer to an earlier claim of the same transfer
+    id (a replayed leg) is never taken for this one's."""
 
     transfer_id: str
+    claim: int = 0
 
 
 class PullClaimed(msgspec.Struct, tag=True):
     transfer_id: str
     ok: bool
     error: str | None = None
+    claim: int = 0  # the claim answered
 
 
 class AbortAck(msgspec.Struct, tag=True):
