@@ -19,7 +19,6 @@ def test_within_returns_in_time_and_times_out():
     asyncio.run(main())
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="3.10 falls back to wait_for")
 def test_a_cancellation_in_the_turn_the_result_arrives_is_kept():
     """asyncio.wait_for (3.10-3.11) returns the result and drops the cancellation when
     both arrive in one loop turn: the cancelled task runs on. within() raises."""

@@ -4,8 +4,8 @@
 caller's cancellation when both arrive in the same loop turn (fixed in 3.12, where it
 is built on ``asyncio.timeout``). A router task cancelled because its client hung up
 then ran on to the end (router/net.py met it in the relay's reads). ``within`` uses
-``asyncio.timeout`` where it exists (3.11+), which keeps the cancellation, and falls
-back to ``wait_for`` on 3.10.
+``asyncio.timeout`` where it exists (3.11+), which keeps the cancellation; on 3.10 it
+runs the awaitable as a task under ``asyncio.wait``, which does not swallow one either.
 """
 
 from __future__ import annotations
@@ -23,4 +23,13 @@ async def within(aw: Awaitable[_T], timeout: float | None) -> _T:
     if sys.version_info >= (3, 11):
         async with asyncio.timeout(timeout):
             return await aw
-    return await asyncio.wait_for(aw, timeout)  # pragma: no cover - 3.10 only
+    task = asyncio.ensure_future(aw)  # 3.10
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise asyncio.TimeoutError
+    return task.result()
