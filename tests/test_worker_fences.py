@@ -566,3 +566,14 @@ def test_a_refusal_met_while_telling_prefill_ends_the_receive_once():
     w.handle(c.ReceiveEnded("t", "client gone"))
     assert kinds(events) == ["ReceiveOver"] and not w.receives.recvs
     assert not w.fences.fences and w.counters["fences"] == 0
+
+
+def test_an_early_registration_whose_leg_never_comes_is_aborted_and_counted():
+    """Decode registered but prefill's leg never arrives: at the fixed deadline prefill
+    tells decode (Abort, counted in aborts_sent) and keeps nothing."""
+    w, ch, tr, events = worker("prefill")
+    w.receive(registration("t"), D)
+    w._expire(time.monotonic() + LEASE + 1)
+    assert ch.of(m.Abort) == [m.Abort("t", "lease expired")]
+    assert w.counters["aborts_sent"] == 1 and not w.push.out and not w.leases
+    assert events == []  # (the step loop never had the transfer)

@@ -21,15 +21,15 @@ Reading order, one subpackage per concern:
    ``decode_side.py`` (the blocks of receives, fenced ones too), ``thread_death.py`` (what a dead
    transfer thread's transfers become), ``state.py`` (per-transfer records, their
    states, the request's ``kv_transfer_params``).
-3. ``transfer_thread/``: ``worker.py`` (``TransferWorker``: its loop,
-   the messages of peers), ``leases.py`` (per-transfer deadlines, heartbeats),
-   ``peers.py`` (handshakes, refusals, eviction),
-   ``push_sends.py`` (a push prefill's transfers: registrations, which blocks go
-   where, the end of each), ``inflight.py`` (WRITEs and READs posted, their
-   completions, PushDone / AbortAck / PullDone), ``receives.py`` (a decode's
-   transfers: params checked, registration or claim and READ, fence, prefill's
-   answers) with ``registrations.py`` (re-sent when lost) and ``fences.py`` (the wait
-   for a push that may still land), ``lend_claims.py`` (a pull lend claimed once).
+3. ``transfer_thread/``: ``worker.py`` (``TransferWorker``: its loop, the messages
+   of peers), ``leases.py`` (per-transfer deadlines, heartbeats), ``peers.py``
+   (handshakes, refusals, eviction), ``push_sends.py`` (a push prefill's transfers:
+   registrations, which blocks go where, the end of each), ``inflight.py`` (WRITEs and
+   READs posted, their completions, PushDone / AbortAck / PullDone), ``receives.py`` (a
+   decode's transfers: params checked, registration or claim and READ, fence,
+   prefill's answers) with ``registrations.py`` (re-sent when lost) and ``fences.py``
+   (the wait for a push that may still land), ``lend_claims.py`` (a pull lend claimed
+   once), ``teardown.py`` (how the thread ends, and tells its peers when it dies).
    ``timeline.py`` (here, beside ``commands.py``) holds the hand-off's stage stamps
    both threads write.
 4. ``wire/``: between instances. ``messages.py`` (the side channel's msgspec

@@ -43,7 +43,7 @@ or already fenced)                     one-sided too, and with our thread gone n
 Before it closes its side channel, a dying thread whose transport closed cleanly (so
 nothing of its own can land or be read any more) tells each ready peer: an ``Abort``
 for every transfer it shares with it (its leases, claimed lends, pending claims and
-fences; ``tell_peers``), sent with a short linger. The peer then ends those transfers
+fences; transfer_thread/teardown.py), sent with a short linger. The peer then ends those transfers
 at once instead of at its lease (decode's client used to wait its 15 s lease).
 
 Every request a transfer was for and that is still in the engine fails with the
@@ -58,54 +58,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from kvpush.config import KVTransferConfig
 from kvpush.engine.outputs import RequestError
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer.wire import messages as m
-
-if TYPE_CHECKING:
-    from kvpush.kv_transfer.transfer_thread.worker import TransferWorker
 
 log = logging.getLogger("kvpush.kv_transfer.step_loop.connector")
 
 #: the error code of a P/D request an instance with a dead transfer thread refuses
 UNAVAILABLE_CODE = "kv_transfer_unavailable"
 
-
-#: how long the dying thread's side channel may take to send its Aborts (ms)
-NOTICE_LINGER_MS = 500
-
-
-def tell_peers(worker: TransferWorker, why: str) -> int:
-    """On the dying transfer thread: an Abort to each ready peer for every transfer it
-    shares with us; the linger (ms) the channel's close should give them (0: none)."""
-    shared: dict[str, set[str]] = {}
-    for tid, lease in worker.leases.items():
-        if lease.address:
-            shared.setdefault(lease.address, set()).add(tid)
-    for tid, (address, _) in worker.claims.claimed.items():
-        shared.setdefault(address, set()).add(tid)
-    if worker.receives is not None:
-        for address, tids in worker.receives.shared().items():
-            shared.setdefault(address, set()).update(tids)
-    for tid, fence in worker.fences.fences.items():
-        shared.setdefault(fence.address, set()).add(tid)
-    sent = 0
-    reason = f"the peer's KV transfer thread died: {why}"[:512]
-    for address, tids in shared.items():
-        if not worker.peers.is_ready(address):
-            continue
-        for tid in sorted(tids):
-            try:
-                sent += worker.channel.send(address, m.encode(m.Abort(tid, reason)))
-            except Exception:  # noqa: BLE001 - going down anyway: best effort
-                log.exception("telling %s of the death failed", address)
-                break
-    if sent:
-        log.warning("the dying transfer thread told its peers: %d transfers aborted", sent)
-    return NOTICE_LINGER_MS if sent else 0
 
 
 def died_message(why: str) -> str:

@@ -178,7 +178,7 @@ class PushSends:
                 self._remember(tid, why)  # a later registration is told at once
             return
         if o.state is OutState.EARLY:
-            self.send(o.reg.address, m.Abort(tid, why))
+            self._abort(o.reg.address, tid, why)
             self._drop(o, why)
             return
         self._end(tid, o, why)
@@ -234,7 +234,7 @@ class PushSends:
         if o.state is OutState.EARLY:  # decode waits for KV that will not come
             peer = self.peers.get(o.reg.address)
             if peer is not None and peer.ready:
-                self.send(o.reg.address, m.Abort(tid, "lease expired"))
+                self._abort(o.reg.address, tid, "lease expired")
             self._drop(o, "lease expired: the request never reached prefill")
             return True
         why = ("lease expired: decode stopped answering" if o.reg is not None
@@ -258,6 +258,10 @@ class PushSends:
         self.post_event(c.WritesDone(tid, why))
 
     # ---- inside -------------------------------------------------------------------------
+    def _abort(self, address: str, tid: str, why: str) -> None:
+        self.counters["aborts_sent"] += 1
+        self.send(address, m.Abort(tid, why))
+
     def _registered(self, o: Outgoing, reg: m.PushRegister) -> None:
         tid = o.tid
         peer = self.peers.get(reg.address)

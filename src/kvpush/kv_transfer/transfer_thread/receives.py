@@ -99,8 +99,7 @@ class Receives:
         self.layers = range(num_layers)
         self.resend_after_s = registrations.resend_after_s
         self.counters = counters
-        for key in ("aborts_sent", "aborts_received", "fences", "fences_peer_gone",
-                    "fence_timeouts"):
+        for key in ("fences", "fences_peer_gone", "fence_timeouts"):
             counters.setdefault(key, 0)
         self.recvs: dict[str, Receive] = {}
 

@@ -33,8 +33,9 @@ in flight, and posts no WRITE for that id again (inflight.py).
 
 If the thread ends other than by ``stop()`` (an exception escaping its loop, or a Stop
 the engine did not send), it closes the side channel and the transport and then posts
-``WorkerDied`` to the step loop, its last event; ``death`` says why from then on (for
-/health). What the step loop frees then, and what must wait, is thread_death.py's.
+``WorkerDied`` to the step loop, its last event (teardown.py); ``death`` says why from
+then on (for /health). What the step loop frees then, and what must wait, is
+step_loop/thread_death.py's.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer.step_loop.thread_death import tell_peers
 from kvpush.kv_transfer.timeline import HandoffTimeline
 from kvpush.kv_transfer.transfer_thread.fences import DEFAULT_FENCE_TIMEOUT_S, FenceKeeper
 from kvpush.kv_transfer.transfer_thread.inflight import PostedRead, TransfersInFlight, WriteGroup
@@ -64,6 +64,7 @@ from kvpush.kv_transfer.transfer_thread.peers import (  # Peer re-exported: test
 from kvpush.kv_transfer.transfer_thread.push_sends import PushSends
 from kvpush.kv_transfer.transfer_thread.receives import Receives
 from kvpush.kv_transfer.transfer_thread.registrations import SentRegistrations
+from kvpush.kv_transfer.transfer_thread.teardown import teardown
 from kvpush.kv_transfer.transports.transport import KVTransport
 from kvpush.kv_transfer.wire import messages as m
 from kvpush.kv_transfer.wire.side_channel import SEND_DROP_REASONS
@@ -126,7 +127,7 @@ class TransferWorker:
                                   lease_timeout_s, fence_timeout_s)
         # every key exists from the start: other threads read this dict (metrics)
         self.counters = {"leases_expired": 0, "transfers_failed": 0, "messages_bad": 0,
-                         "writes_refused": 0, "aborts_received": 0}
+                         "writes_refused": 0, "aborts_sent": 0, "aborts_received": 0}
         stats = getattr(channel, "stats", None)
         self._rejected = getattr(stats, "rejected_by_reason", {})
         self._send_dropped = getattr(stats, "send_dropped_by_reason", {})
@@ -283,45 +284,7 @@ class TransferWorker:
             log.exception("transfer thread died")
             why = f"{type(e).__name__}: {e}"
         finally:
-            self._teardown(why)
-
-    def _teardown(self, why: str | None) -> None:
-        """Close the side channel and the transport; on a death (``why``), tell the step
-        loop only once the transport is closed: from then on no transfer this instance
-        posted touches its memory, which is what lets the step loop free blocks
-        (thread_death.py says which, and which must wait)."""
-        try:
-            self._flush_events()  # what the last pass saw goes before any death
-        except Exception:  # noqa: BLE001 - going down anyway
-            log.exception("posting the transfer thread's last events failed")
-        self._batch = None
-        if why is not None:
-            self._death = why  # /health fails from now on
-        if why is None:  # stopped: nothing to tell anyone
-            self._close_channel(0)
-        transport_closed = True
-        try:
-            self.transport.close()
-        except Exception:  # noqa: BLE001 - the event says so: its transfers may live on
-            log.exception("closing the KV transport failed")
-            transport_closed = False
-        if why is not None:  # a death: tell the peers once nothing of ours moves any more
-            linger_ms = 0
-            try:
-                linger_ms = tell_peers(self, why) if transport_closed else 0
-            except Exception:  # noqa: BLE001 - going down anyway
-                log.exception("telling the peers of the death failed")
-            self._close_channel(linger_ms)
-            self.post_event(c.WorkerDied(why, transport_closed))
-
-    def _close_channel(self, linger_ms: int) -> None:
-        try:
-            if linger_ms:  # (test channels take no linger)
-                self.channel.close(linger_ms)
-            else:
-                self.channel.close()
-        except Exception:  # noqa: BLE001 - going down anyway
-            log.exception("closing the side channel failed")
+            teardown(self, why)
 
     def _timeout(self, now: float) -> float:
         """How long the next wait for messages may last (commands wake it early)."""
