@@ -354,6 +354,7 @@ def test_decode_sends_a_lost_registration_again_then_gives_up():
     w.receive(beat, P)
     assert ch.of(m.Abort)[1:] == [m.Abort("t", "registration lost 4 times")]
     assert events == [c.ReceiveFailing("t", "registration lost 4 times")]
+    assert w.counters["aborts_sent"] == 2  # "u"'s on its end, "t"'s on giving up
     assert not w.registered.sent and "t" in w.fences.fences and "t" not in w.leases
 
 
@@ -577,3 +578,15 @@ def test_an_early_registration_whose_leg_never_comes_is_aborted_and_counted():
     assert ch.of(m.Abort) == [m.Abort("t", "lease expired")]
     assert w.counters["aborts_sent"] == 1 and not w.push.out and not w.leases
     assert events == []  # (the step loop never had the transfer)
+
+
+def test_a_peer_of_another_protocol_version_is_refused_at_the_handshake():
+    """Version 2 changed what a pull claim's answer must carry: a version-1 peer is
+    refused plainly at its Hello instead of having every claim ignored."""
+    w, ch, _, _ = worker("decode", "pull")
+    old = m.Hello(**{**{f: getattr(hello("prefill", "10.0.0.9:1", "pull"), f)
+                        for f in m.Hello.__struct_fields__}, "version": 1})
+    w.receive(m.encode(old), "10.0.0.9:1")
+    [refusal] = ch.of(m.HelloRefused)
+    assert f"protocol version 1 != {m.PROTOCOL_VERSION}" in refusal.reason
+    assert not w.peers.is_ready("10.0.0.9:1")

@@ -104,7 +104,8 @@ class _TransferCollector(Collector):
                                            "peer gone, refused)", "transfers_failed"),
             "kvpush_kv_leases_expired": ("Transfer leases that ran out (blocks freed)",
                                          "worker_leases_expired"),
-            "kvpush_kv_aborts_sent": ("Aborts sent to a peer", "worker_aborts_sent"),
+            "kvpush_kv_aborts_sent": ("Aborts sent to a peer (a fence's repeats of one not "
+                                      "counted)", "worker_aborts_sent"),
             "kvpush_kv_aborts_received": ("Aborts received from a peer", "worker_aborts_received"),
             "kvpush_kv_side_channel_bad_messages": ("Side-channel frames dropped as "
                                                     "malformed", "worker_messages_bad"),

@@ -42,9 +42,9 @@ or already fenced)                     one-sided too, and with our thread gone n
 
 Before it closes its side channel, a dying thread whose transport closed cleanly (so
 nothing of its own can land or be read any more) tells each ready peer: an ``Abort``
-for every transfer it shares with it (its leases, claimed lends, pending claims and
-fences; transfer_thread/teardown.py), sent with a short linger. The peer then ends those transfers
-at once instead of at its lease (decode's client used to wait its 15 s lease).
+for every transfer it shares with it (its leases, claimed lends, receives and fences;
+transfer_thread/teardown.py), sent with a short linger. The peer then ends those
+transfers at once instead of at its lease (decode's client used to wait its 15 s lease).
 
 Every request a transfer was for and that is still in the engine fails with the
 reason (a decode request under ``--kv-load-failure-policy recompute`` is recomputed

@@ -16,8 +16,8 @@ Both halves run on the transfer thread (no step-loop round trip)::
 
 A lend is claimed once: another claim (a replay, a retry elsewhere, a decode restarted
 on the same address) is refused, while the claimer's own claim, sent again with its
-claim id because the answer was lost, is answered again; once claimed only its
-claimer's PullDone or Abort ends it (``from_claimer``). Each answer echoes the claim id,
+claim id because the answer was lost, is answered again; once claimed only a PullDone
+or Abort from its claimer's address ends it (``from_claimer``). Each answer echoes the claim id,
 and decode takes only the answer to its own receive's claim: a late answer to an
 earlier receive of the same transfer id is ignored. A lend
 that ended (read, aborted, expired) has no lease any more, so every later claim is

@@ -208,6 +208,7 @@ class Receives:
                     self._over(r, ok, None if ok else r.failed or error or "READ failed",
                                num_descriptors=n_desc, num_bytes=n_bytes, post_s=post_s)
             case c.RegistrationLost(tid, why):  # (prefill was sent Abort)
+                self.counters["aborts_sent"] += 1
                 r = self.recvs.get(tid)
                 if r is not None and r.phase is Phase.REGISTERED:
                     self._failing(r, why, Phase.FENCED)

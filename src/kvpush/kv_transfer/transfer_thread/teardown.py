@@ -57,7 +57,6 @@ def tell_peers(worker: TransferWorker, why: str) -> int:
     return NOTICE_LINGER_MS if sent else 0
 
 
-
 def teardown(worker: TransferWorker, why: str | None) -> None:
     """Close the side channel and the transport; on a death (``why``), tell the step
     loop only once the transport is closed: from then on no transfer this instance

@@ -32,7 +32,10 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+#: Raised when a message's meaning changes so that mixed versions would not work: the
+#: Hello then refuses the peer plainly. 2: pull claims carry a claim id that decode
+#: requires in the answer (an old prefill's answers would all be ignored).
+PROTOCOL_VERSION = 2
 
 
 class Hello(msgspec.Struct, tag=True):
