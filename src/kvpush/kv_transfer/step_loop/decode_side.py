@@ -229,10 +229,8 @@ class DecodeReceiver:
             return
         if client_error:
             self.ctx.actions.append(c.RejectRequest(recv.request_id, msg))
-        elif self.ctx.cfg.load_failure_policy == "recompute":
-            self.ctx.scheduler.remote_kv_failed(recv.request_id)
         else:
-            self.ctx.actions.append(c.FailRequest(recv.request_id, msg))
+            self._fail_or_recompute(recv, msg)
 
     def _recv_failing(self, recv: DecodeRecv, why: str) -> None:
         """``_recv_failed`` for a receive whose KV may still land: the request fails
@@ -246,8 +244,11 @@ class DecodeReceiver:
             recv.held = self.ctx.scheduler.detach_blocks(req)
         recv.state = RecvState.QUARANTINED
         self.ctx.by_request.pop(recv.request_id, None)
-        if req is None:
-            return
+        if req is not None:
+            self._fail_or_recompute(recv, msg)
+
+    def _fail_or_recompute(self, recv: DecodeRecv, msg: str) -> None:
+        """The request's remote KV will not come: --kv-load-failure-policy decides."""
         if self.ctx.cfg.load_failure_policy == "recompute":
             self.ctx.scheduler.remote_kv_failed(recv.request_id)
         else:

@@ -87,13 +87,13 @@ class Receives:
     event to the step loop; ``stamp(tid, stage)``: the hand-off timeline;
     ``counters``: the worker's metrics dict."""
 
-    def __init__(self, peers: PeerTable, inflight: TransfersInFlight, channel,
+    def __init__(self, peers: PeerTable, inflight: TransfersInFlight,
                  registrations: SentRegistrations, fences: FenceKeeper,
                  post: Callable[[c.TransferEvent], None],
                  track: Callable[[str, str], None], untrack: Callable[[str], None],
                  stamp: Callable[[str, str], None], num_layers: int,
                  counters: dict[str, int]) -> None:
-        self.peers, self.inflight, self.channel = peers, inflight, channel
+        self.peers, self.inflight = peers, inflight
         self.registrations, self.fences = registrations, fences
         self.post, self.track, self.untrack, self.stamp = post, track, untrack, stamp
         self.layers = range(num_layers)

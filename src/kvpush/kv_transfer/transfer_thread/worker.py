@@ -75,6 +75,9 @@ __all__ = ["Peer", "TransferWorker"]
 
 #: the step loop's statements about a push transfer (PushSends handles them)
 PUSH_FACTS = (c.PushAdded, c.BlocksComputed, c.PushPrefilled, c.PushEnded)
+#: every fact that belongs to one role (another role's instance logs and ignores it)
+ROLE_FACTS = (*PUSH_FACTS, c.ReceiveAdded, c.BlocksAllocated, c.ReceiveEnded, c.Lent,
+              c.LendEnded)
 #: what the thread's parts tell one another (routed to Receives, never posted)
 NOTICES = (c.PeerReady, c.PeerRefused, c.ReadDone, c.RegistrationLost, c.FenceReleased)
 
@@ -107,7 +110,6 @@ class TransferWorker:
         #: events of the running pass of the thread's loop, posted as one TransferUpdate
         #: at its end (None outside the loop: tests calling methods get them one by one)
         self._batch: list[c.TransferEvent] | None = None
-        self.lease_timeout_s = lease_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.busy_poll_s = busy_poll_s
         # pull: prefill lends its blocks (claims answered), decode READs them
@@ -145,13 +147,14 @@ class TransferWorker:
         #: push decode: the registrations it sent, sent again if lost (registrations.py)
         self.registered = SentRegistrations(self.peers.send, self._post, lease_timeout_s)
         #: decode: its receives, from the leg's arrival to the end of the KV (receives.py)
-        self.receives = (Receives(self.peers, self.inflight, channel, self.registered,
-                                  self.fences, self._post, self._track_bound, self._untrack,
+        self.receives = (Receives(self.peers, self.inflight, self.registered,
+                                  self.fences, self._post, self.lease_table.track, self._untrack,
                                   self._stamp, hello.num_layers, self.counters)
                          if hello.role == "decode" else None)
         #: push prefill: its transfers, registrations matched to blocks (push_sends.py)
         self.push = (PushSends(self.peers, self.inflight, self.peers.send, self._post,
-                               self._track, self._untrack, hello.block_size, self.counters)
+                               self.lease_table.track, self._untrack, hello.block_size,
+                               self.counters)
                      if hello.role == "prefill" and hello.kv_transfer == "push" else None)
         self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
         self._stopped = False
@@ -342,23 +345,15 @@ class TransferWorker:
             case c.ReceiveEnded(tid, why) if self.receives is not None:
                 self.receives.ended_by_step_loop(tid, why)
             case c.Lent(tid) if self._lender:
-                self._track(tid, None, True)  # renewed by any peer's heartbeat
+                self.lease_table.track(tid, None)  # renewed by any peer's heartbeat
             case c.LendEnded(tid) if self._lender:
                 self._untrack(tid)
             case c.Call(fn):
                 fn()
-            case c.BlocksComputed() | c.PushAdded() | c.PushPrefilled() | c.PushEnded() | \
-                    c.ReceiveAdded() | c.BlocksAllocated() | c.ReceiveEnded() | c.Lent() | \
-                    c.LendEnded():
+            case _ if isinstance(cmd, ROLE_FACTS):
                 log.warning("ignored %s: not this instance's role", type(cmd).__name__)
             case _:
                 raise TypeError(f"not a transfer command: {cmd!r}")
-
-    def _track(self, tid: str, address: str | None, renewable: bool) -> None:
-        self.lease_table.track(tid, address, renewable)
-
-    def _track_bound(self, tid: str, address: str) -> None:
-        self._track(tid, address, True)
 
     def _untrack(self, tid: str) -> None:
         self.lease_table.untrack(tid)
