@@ -4,15 +4,14 @@ A prefill and a decode LLMEngine in one process (the tests' ``PDDriver``, in-pro
 transport, a tiny random model), N push requests, a few at a time, both legs sent
 together as the router does. Per request it counts:
 
-* ``hand-overs``: calls of ``TransferWorker.submit`` (each one a queue item), those
-  that wake the transfer thread (an ``os.write`` on its pipe) and those that do not
-  (facts it takes at its next wake-up), per instance;
-* ``inbox items``: what the transfer thread put in the engine's inbox, per instance;
+* ``step messages``: calls of ``TransferWorker.submit`` (each a queue item and a
+  wake-up of the transfer thread: a byte on its pipe), per instance;
+* ``inbox items``: the transfer thread's ``TransferUpdate``s in the engine's inbox;
 * ``transfer CPU``: the transfer thread's own CPU time (``pthread_getcpuclockid``),
   per instance, in microseconds.
 
 Counts do not depend on the host's load; the CPU figure moves with it less than wall
-time does. Works on any kvpush tree (A/B: ``PYTHONPATH=<tree>/src``):
+time does. Run from this tree:
 
     PYTHONPATH=src python benchmarks/transfer_wakeups.py --requests 60 --batch 3
 """
@@ -52,30 +51,30 @@ def main() -> None:
         p = make_instance(model, "prefill", "push")
         d = make_instance(model, "decode", "push")
         pd = PDDriver(p, d)
-        counts = {"P": [0, 0, 0], "D": [0, 0, 0]}  # wake-ups, inbox items, quiet
+        counts = {"P": [0, 0], "D": [0, 0]}  # step messages (each a wake-up), inbox items
         for name, eng in (("P", p), ("D", d)):
             w = eng.connector.worker
             submit = w.submit
 
-            def counted_submit(cmd, wake=True, _submit=submit, _k=name):
-                counts[_k][0 if wake else 2] += 1
-                _submit(cmd) if wake else _submit(cmd, wake=False)
+            def counted_submit(msg, _submit=submit, _k=name):
+                counts[_k][0] += 1
+                _submit(msg)
 
             w.submit = counted_submit
-            post = w.post_event  # one inbox item of the engine per call
+            post = w.post_update  # one inbox item of the engine per call
 
-            def counted_post(ev, _post=post, _k=name):
+            def counted_post(update, _post=post, _k=name):
                 counts[_k][1] += 1
-                _post(ev)
+                _post(update)
 
-            w.post_event = counted_post
+            w.post_update = counted_post
         try:
             warm = random_prompts([args.prompt_len], seed=99)[0]
             pd.submit("warm", warm, greedy(2))
             pd.run()
             pd.settle()
             for k in counts:
-                counts[k][:] = [0, 0, 0]
+                counts[k][:] = [0, 0]
             cpu0 = {k: thread_cpu_s(e.connector.worker._thread) for k, e in (("P", p), ("D", d))}
             prompts = random_prompts([args.prompt_len] * args.requests, seed=1)
             t0 = time.perf_counter()
@@ -91,12 +90,12 @@ def main() -> None:
     n = args.requests
     print(f"{n} push requests, {args.batch} at a time, {args.prompt_len}-token prompts, "
           f"{wall:.2f} s")
-    print("| instance | hand-overs waking the transfer thread / request | without a wake-up "
-          "| inbox items / request | transfer thread CPU / request (us) |")
-    print("|---|---:|---:|---:|---:|")
+    print("| instance | step messages (wake-ups) / request | inbox items / request "
+          "| transfer thread CPU / request (us) |")
+    print("|---|---:|---:|---:|")
     for k in ("P", "D"):
-        print(f"| {k} | {counts[k][0] / n:.2f} | {counts[k][2] / n:.2f} | "
-              f"{counts[k][1] / n:.2f} | {(cpu1[k] - cpu0[k]) / n * 1e6:.0f} |")
+        print(f"| {k} | {counts[k][0] / n:.2f} | {counts[k][1] / n:.2f} | "
+              f"{(cpu1[k] - cpu0[k]) / n * 1e6:.0f} |")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 
 from kvpush.config import EngineConfig
 from kvpush.engine.outputs import EngineStats, FinishReason, RequestError, RequestOutput
+from kvpush.kv_transfer.params import KVTransferParams
 from kvpush.sampling_params import SamplingParams
 
 
@@ -101,8 +103,8 @@ class FakeEngine:
     def starting(self) -> str | None:
         return None
 
-    def kv_stats(self) -> dict[str, int]:
-        return {}
+    def kv_stats(self) -> None:
+        return None  # role both: no transfers
 
     async def kv_info(self) -> dict[str, Any]:
         return {"engine_id": "fake", "role": "both", "kv_transfer": None,
@@ -110,6 +112,10 @@ class FakeEngine:
 
     async def kv_cache_blocks(self) -> dict[str, Any] | None:
         return None  # no prefix caching here
+
+    def kv_params(self, raw: object) -> KVTransferParams | None:
+        """Checked as a prefill instance would (the fake has no role of its own)."""
+        return None if raw is None else KVTransferParams.parse(raw, "prefill")
 
     def abort_transfer(self, transfer_id: str, why: str = "aborted by the router") -> None:
         self.transfers_aborted.append(transfer_id)
@@ -126,7 +132,7 @@ class FakeEngine:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.started or self.shut_down:
             raise RuntimeError("engine is not running")
@@ -149,7 +155,7 @@ class FakeEngine:
         act = _Active(params, need)
         self.free_blocks -= need
         self.active[request_id] = act
-        self.requests.append((request_id, list(prompt_token_ids), params))
+        self.requests.append((request_id, list(prompt_token_ids), params, kv_transfer_params))
         reason: FinishReason | None = None
         try:
             eos = set(self.config.model.eos_token_ids)
@@ -192,8 +198,8 @@ class FakeEngine:
                 new_text = visible[len(emitted):] if visible.startswith(emitted) else ""
                 emitted += new_text
                 ktp = None
-                if step_reason is not None and "kv_transfer_params" in params.extra:
-                    ktp = {"echo": params.extra["kv_transfer_params"]}
+                if step_reason is not None and kv_transfer_params is not None:
+                    ktp = dataclasses.replace(kv_transfer_params, transfer_id="echo")
                 reason = step_reason
                 yield RequestOutput(
                     request_id, [tok], new_text, finished=reason is not None,

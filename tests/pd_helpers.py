@@ -12,23 +12,29 @@ from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import FinishReason
 from kvpush.sampling_params import SamplingParams
 from kvpush_testing.faults import FaultPlan
+from kvpush_testing.links import InProcLinks
 
 
 def make_instance(model_dir, role: str, mode: str, faults: FaultPlan | None = None,
                   lease: float = 5.0, heartbeat: float = 0.1, policy: str = "fail",
-                  transport: str = "inproc", prefix_hit_tail: str = "prefill",
+                  links=None, prefix_hit_tail: str = "prefill",
                   fence_timeout: float = 300.0, layers_per_write: int = 0,
                   **kw) -> LLMEngine:
     kw.setdefault("block_size", 16)
     kw.setdefault("num_blocks", 256)
     kw.setdefault("max_model_len", 1024)
     kvt = KVTransferConfig(
-        role=role, mode=mode, engine_id=f"{role}-{uuid.uuid4().hex[:6]}", transport=transport,
+        role=role, mode=mode, engine_id=f"{role}-{uuid.uuid4().hex[:6]}",
         lease_timeout_s=lease, heartbeat_interval_s=heartbeat, load_failure_policy=policy,
         prefix_hit_tail=prefix_hit_tail, fence_timeout_s=fence_timeout,
         push_layers_per_write=layers_per_write,
     )
-    return LLMEngine(EngineConfig.build(model_dir, kv_transfer=kvt, **kw), faults=faults)
+    if links is None:
+        links = InProcLinks(faults)
+    engine = LLMEngine(EngineConfig.build(model_dir, kv_transfer=kvt, **kw), links=links)
+    engine.transfer_records = []  # what /metrics would observe, in order
+    engine.connector.record_sink = engine.transfer_records.append
+    return engine
 
 
 @dataclass
@@ -66,7 +72,7 @@ class PDDriver:
     def signed(to: LLMEngine, params: dict, peer: LLMEngine | None) -> dict:
         """``params`` as the router sends them to ``to``: signed when it checks
         signatures (it has the cluster secret), with its own signer."""
-        signer = to.connector.params_signer
+        signer = to.checker.signer
         if signer is None:
             return params
         return signer.sign(params, role=to.connector.role, engine_id=to.connector.engine_id,
@@ -101,7 +107,7 @@ class PDDriver:
         waiting on prefill, so prefill writes each block as it computes it."""
         self.send_decode(rid, prompt, params)
         deadline = time.monotonic() + timeout
-        while rid not in self.p.connector.worker.push.out:  # (its early registration)
+        while self.p.connector.worker.table.get(rid) is None:  # (its early registration)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"decode's registration of {rid} did not reach prefill")
             outs = self.d.process_inbox()
@@ -123,7 +129,8 @@ class PDDriver:
             if o.finished:
                 leg.finish_reason = o.finish_reason
                 leg.error = o.failure.message if o.failure is not None else None
-                leg.kv_transfer_params = o.kv_transfer_params
+                ktp = o.kv_transfer_params  # as the server's answer carries it
+                leg.kv_transfer_params = ktp.to_wire() if ktp is not None else None
                 leg.rejected = o.failure is not None and o.failure.rejected
                 leg.code = o.failure.code if o.failure is not None else None
 
@@ -162,8 +169,7 @@ class PDDriver:
             s = e.stats()
             c = e.connector
             return (s.num_free_blocks == s.num_total_blocks and not e.scheduler.requests
-                    and not c.sender.sends and not c.receiver.recvs and not c.sender.lent
-                    and not (c.worker.push is not None and c.worker.push.out))
+                    and not c.holds.by_tid and not len(c.worker.table))
         self.run(until=lambda: idle(self.p) and idle(self.d), timeout=timeout)
 
     def close(self) -> None:
@@ -174,7 +180,7 @@ class PDDriver:
 def writes_posted(p: LLMEngine, tid: str, blocks: int) -> bool:
     """Whether prefill ``p`` stated ``blocks`` blocks of push ``tid`` computed and its
     transfer thread posted WRITEs for them (read across threads: a polling condition)."""
-    send = p.connector.sender.sends.get(tid)
-    group = p.connector.worker.writes.get(tid)
-    return (send is not None and send.stated_blocks >= blocks and group is not None
-            and group.num_descriptors > 0)
+    hold = p.connector.holds.by_tid.get(tid)
+    rec = p.connector.worker.table.get(tid)
+    return (hold is not None and hold.stated >= blocks and rec is not None
+            and rec.num_descriptors > 0)

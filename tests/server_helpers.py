@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from kvpush.cluster import launcher
-from kvpush.kv_transfer.wire.auth import ParamsSigner
+from kvpush.crypto.auth import ParamsSigner
 
 _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
@@ -141,3 +141,20 @@ def uvicorn_server(app: Any) -> Iterator[str]:
         thread.join(10)
         sock.close()
     assert not thread.is_alive()
+
+
+def child_pids(pid: int) -> list[int]:
+    """The child processes of ``pid`` (from /proc)."""
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

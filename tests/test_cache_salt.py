@@ -17,6 +17,7 @@ from kvpush.kv_cache.block_pool import hash_prefix_blocks, hash_prompt_chain
 from kvpush.router.decide import Route
 from kvpush.sampling_params import SamplingParams
 from kvpush.server.protocol import CompletionRequest
+from kvpush_testing.links import InProcLinks
 from pd_helpers import PDDriver
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,11 +71,12 @@ def test_a_salted_request_goes_through_both_legs(tiny_qwen3):
     def inst(role: str) -> LLMEngine:
         kvt = KVTransferConfig(role=role, mode="push",
                                engine_id=f"{role}-{uuid.uuid4().hex[:6]}",
-                               transport="inproc", lease_timeout_s=5.0,
+                               lease_timeout_s=5.0,
                                heartbeat_interval_s=0.1,
                                side_channel_secret=b"0123456789abcdef0123456789abcdef")
         return LLMEngine(EngineConfig.build(tiny_qwen3, kv_transfer=kvt, block_size=BS,
-                                            num_blocks=64, max_model_len=256))
+                                            num_blocks=64, max_model_len=256),
+                         links=InProcLinks())
 
     drv = PDDriver(inst("prefill"), inst("decode"))
     try:

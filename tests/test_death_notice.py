@@ -1,38 +1,146 @@
-"""Issue 40, finding 6: a dying transfer thread tells its ready peers first. Prefill's
-thread dies mid-push: decode's legs end at once with the reason, not at their lease
-(10 s here; decode's client used to wait its whole lease)."""
+"""A transfer thread that dies in a real ``kvpush serve`` (issue 50, point 3), as its
+clients and its peer notice it: the instance's streams fail with the reason, its log
+says why in one line, its API process exits 1 with its engine core; the peer decode
+instance, whose receive waited on it, fails that request at its lease (the connection
+to the vanished prefill is down) and has every block back, serving on.
+
+Prefill runs as ``python -m kvpush_testing.serve --die-when PATH``: kvpush's serve, its
+engine core given links whose side channel raises once PATH exists. Decode is a plain
+``kvpush serve``. NIXL moves nothing here: the death comes before any KV.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import json
+import os
+import subprocess
+import sys
 import time
+import uuid
+from pathlib import Path
 
+import httpx
 import pytest
 
-from engine_helpers import greedy, random_prompts
-from kvpush_testing.faults import FaultPlan
-from pd_helpers import PDDriver, make_instance, writes_posted
-from test_transfer_thread_death import CRASH, all_free, assert_failed, kill_transfer_thread
+from kvpush_testing.serve import CRASH
+from server_helpers import (
+    TEST_KV_SECRET,
+    ServerProcess,
+    child_pids,
+    free_port,
+    pid_alive,
+    sign_kv,
+)
 
-pytestmark = pytest.mark.timeout(120)
-LEASE = 10.0
+pytestmark = pytest.mark.timeout(180)
+
+LEASE = 2.0
+COMMON = ("--kv-transfer", "push", "--lease-timeout", str(LEASE), "--heartbeat-interval",
+          "0.2", "--block-size", "16", "--num-blocks", "128", "--max-model-len", "512")
 
 
-def test_decode_hears_of_prefills_death_at_once(tiny_qwen3):
-    pf = FaultPlan()
-    p = make_instance(tiny_qwen3, "prefill", "push", faults=pf, lease=LEASE,
-                      max_num_batched_tokens=16)
-    d = make_instance(tiny_qwen3, "decode", "push", lease=LEASE, fence_timeout=LEASE)
-    drv = PDDriver(p, d)
-    try:
-        pf.arm(transfer_delay_s=60.0)  # no WRITE lands before the death
-        drv.submit_registered("r", random_prompts([96], seed=2)[0], greedy(3))
-        drv.run(until=lambda: writes_posted(p, "r", 2), timeout=20)
-        t0 = time.monotonic()
-        kill_transfer_thread(p)
-        drv.run(until=lambda: drv.d_legs["r"].finished, timeout=LEASE / 2)
-        assert time.monotonic() - t0 < LEASE / 2  # not at its lease
-        assert_failed(drv.d_legs["r"], "aborted by prefill", "transfer thread died", CRASH)
-        drv.run(until=lambda: all_free(d) and not d.connector.fenced_blocks, timeout=10)
-        drv.run(until=lambda: all_free(p), timeout=10)
-    finally:
-        drv.close()
+class DyingServer:
+    """``python -m kvpush_testing.serve --die-when TRIGGER MODEL_DIR ...`` on a free
+    port, started as ServerProcess starts ``kvpush serve`` (the test secret, fp32)."""
+
+    def __init__(self, model_dir: Path, trigger: Path, *args: str, log_dir: Path,
+                 timeout: float = 90.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"dying-{self.port}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "UCX_NET_DEVICES": "lo",
+               "NIXL_LOG_LEVEL": "WARN", "KVPUSH_KV_SECRET": TEST_KV_SECRET}
+        cmd = [sys.executable, "-m", "kvpush_testing.serve", "--die-when", str(trigger),
+               str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+               "--threads", "1", "--log-level", "warning", "--dtype", "float32", *args]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, f"exited {self.proc.returncode}:\n{self.log()}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            assert time.monotonic() < deadline, f"not healthy in {timeout} s:\n{self.log()}"
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def get(self, path: str) -> dict:
+        r = httpx.get(self.url + path, timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def test_a_dead_transfer_thread_fails_its_streams_exits_and_its_peer_frees(tiny_qwen3,
+                                                                         tmp_path):
+    trigger = tmp_path / "die"
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # the two start together
+        dying = pool.submit(DyingServer, tiny_qwen3, trigger, "--role", "prefill", *COMMON,
+                            log_dir=tmp_path)
+        decode = pool.submit(ServerProcess, tiny_qwen3, "--role", "decode", *COMMON,
+                             log_dir=tmp_path, name="decode")
+        p, d = dying.result(), decode.result()
+        try:
+            [core] = child_pids(p.proc.pid)
+            p_info, d_info = p.get("/kv/info"), d.get("/kv/info")
+            # decode's leg: its blocks wait for prefill's KV (prefill's leg never comes)
+            tid = uuid.uuid4().hex
+            kv = sign_kv({"do_remote_prefill": True, "transfer_id": tid,
+                          "remote_host": p_info["side_channel_host"],
+                          "remote_port": p_info["side_channel_port"],
+                          "remote_engine_id": p_info["engine_id"],
+                          "remote_request_id": tid}, d_info, "decode", p_info)
+            leg = pool.submit(httpx.post, d.url + "/v1/completions", timeout=60, json={
+                "prompt": "the quick brown fox jumps over the lazy dog " * 4,
+                "max_tokens": 4, "kv_transfer_params": kv})
+            deadline = time.monotonic() + 20
+            while d.get("/kv/info")["num_free_blocks"] == d_info["num_total_blocks"]:
+                assert time.monotonic() < deadline and not leg.done(), leg
+                time.sleep(0.02)
+            # a stream on prefill: a few tokens out, then its transfer thread dies
+            lines: list[str] = []
+            body = {"prompt": [5, 6, 7, 8], "max_tokens": 500, "ignore_eos": True,
+                    "stream": True}
+            with httpx.stream("POST", p.url + "/v1/completions", json=body,
+                              timeout=30) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 6:
+                        trigger.touch()
+            events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+            error = events[-1].get("error")
+            assert error is not None, events[-3:]
+            assert "the KV transfer thread died" in error["message"], error
+            assert CRASH in error["message"], error
+            assert "data: [DONE]" in lines[-2:]
+            assert p.proc.wait(30) == 1
+            log = p.log()
+            assert log.count("the KV transfer thread died (") == 1, log
+            assert "kvpush serve: error: the engine core process exited with code 1" in log
+            assert "step loop died" not in log
+            deadline = time.monotonic() + 10
+            while pid_alive(core):
+                assert time.monotonic() < deadline, f"the engine core {core} is still there"
+                time.sleep(0.05)
+
+            # decode: the receive fails at its lease, every block comes back
+            r = leg.result(timeout=30)
+            assert r.status_code == 500, r.text
+            assert "lease expired" in r.json()["error"]["message"], r.text
+            info = d.wait_all_free(timeout=10)
+            assert info["num_free_blocks"] == info["num_total_blocks"]
+            assert httpx.get(d.url + "/health", timeout=5).status_code == 200
+        finally:
+            p.stop()
+            d.stop()

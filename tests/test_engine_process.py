@@ -25,35 +25,21 @@ from kvpush.engine.outputs import (
     RequestFailure,
     TransferRecord,
 )
-from kvpush.kv_transfer.step_loop.state import KVTransferParams
+from kvpush.kv_transfer.params import KVTransferParams
+from kvpush.kv_transfer.record import TransferCounters
 from kvpush.sampling_params import SamplingParams
-from server_helpers import ServerProcess
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+from server_helpers import ServerProcess, child_pids, pid_alive
 
 
 def _wait_gone(pids: list[int], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids):
-        assert time.monotonic() < deadline, [p for p in pids if _alive(p)]
+    while any(pid_alive(p) for p in pids):
+        assert time.monotonic() < deadline, [p for p in pids if pid_alive(p)]
         time.sleep(0.05)
 
 
 def _core_of(srv: ServerProcess) -> int:
-    kids = _children(srv.proc.pid)
+    kids = child_pids(srv.proc.pid)
     assert len(kids) == 1, kids
     assert "kvpush.engine.core_proc" in Path(f"/proc/{kids[0]}/cmdline").read_text()
     return kids[0]
@@ -70,10 +56,11 @@ def test_messages_round_trip():
         assert msgspec.msgpack.decode(enc.encode(cmd), type=EngineCommand) == cmd
     batch = EngineOutputs(
         [EngineOutput("r", [7], [-0.5], [((7, -0.5),)], FinishReason.ERROR,
-                      RequestFailure("no", True, "prompt", None, 400), {"k": 1}, 2, 1, 0,
+                      RequestFailure("no", True, "prompt", None, 400), kv, 2, 1, 0,
                       1.0, 0.5)],
         [TransferRecord("t", "decode", "push", True, 10)], [],
-        EngineSnapshot(EngineStats(1, 0, 5, 8, 0, 0, 0), {"transfers_ok": 1}, None))
+        EngineSnapshot(EngineStats(1, 0, 5, 8, 0, 0, 0),
+                       TransferCounters(transfers_ok=1, side_channel_rejected={"stale": 2})))
     assert msgspec.msgpack.decode(enc.encode(batch), type=EngineOutputs) == batch
 
 
@@ -201,7 +188,7 @@ def test_a_parameter_over_64_bits_is_a_400_not_a_500(tiny_llama):
     test_fuzz_real_instance: top_k 1e20 answered 500 with the core in its own process)."""
     from engine_helpers import make_engine
     from kvpush.engine.front import FrontEnd
-    from kvpush.engine.outputs import RequestError
+    from kvpush.errors import RequestError
     from kvpush.sampling_params import MAX_TOP_K
 
     eng = make_engine(tiny_llama)

@@ -14,16 +14,13 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvpush.engine.outputs import RequestError
-from kvpush.kv_transfer.step_loop.state import (
-    MAX_ID_CHARS,
-    KVTransferParams,
-    block_ids_problem,
-)
-from kvpush.kv_transfer.transfer_thread.push_sends import registration_problem
+from kvpush.crypto.auth import ChannelAuth
+from kvpush.errors import RequestError
+from kvpush.kv_transfer.params import MAX_ID_CHARS, KVTransferParams, block_ids_problem
+from kvpush.kv_transfer.transfer_thread.push_prefill import registration_problem
 from kvpush.kv_transfer.transports.transport import RegionInfo, TransferPostError, validate_post
 from kvpush.kv_transfer.wire import messages as m
-from kvpush.kv_transfer.wire.side_channel import ChannelAuth, SideChannel
+from kvpush.kv_transfer.wire.side_channel import SideChannel
 from kvpush.sampling_params import SamplingParams, SamplingParamsError
 from kvpush.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -169,15 +166,15 @@ def test_message_decode_only_raises_msgspec_errors(payload, flips):
 
 @FAST
 @given(ids=st.lists(st.integers(-3, 40), max_size=8), skip=st.integers(-2, 10),
-       n=st.integers(-1, 200), own=st.none() | st.integers(1, 200), full=st.booleans())
+       n=st.integers(-1, 200), own=st.integers(1, 200), full=st.booleans())
 def test_accepted_registrations_stay_inside_decodes_blocks(ids, skip, n, own, full):
     reg = m.PushRegister("t", "d", "h:1", ids, skip, n, full)
     num_blocks, bs = 32, 16
-    if registration_problem(reg, num_blocks, bs, own) is not None:
+    if registration_problem(reg, num_blocks, bs, own, ()) is not None:
         return
     assert all(0 <= b < num_blocks for b in ids) and len(set(ids)) == len(ids)
     assert 0 <= skip <= len(ids) and n >= 1
-    assert own is None or own == n
+    assert own == n
     assert full or len(ids) * bs >= n
     assert block_ids_problem(ids, num_blocks, "x") is None
 
@@ -213,7 +210,7 @@ def test_random_frames_on_the_wire_are_dropped_and_counted():
 
     import zmq
 
-    from kvpush.kv_transfer.wire.curve import derive_curve_keys, make_client
+    from kvpush.crypto.curve import derive_curve_keys, make_client
 
     rng = random.Random(7)
     secret = b"s" * 32

@@ -16,7 +16,7 @@ import pytest
 
 from fake_engine import FakeEngine, make_test_model
 from kvpush.config import KVTransferConfig
-from kvpush.kv_transfer.wire.auth import ParamsSigner
+from kvpush.crypto.auth import ParamsSigner
 from kvpush.server.app import build_app
 from kvpush.server.kv_abort import MAX_ABORT_BODY_BYTES, abort_body
 from server_helpers import uvicorn_server

@@ -12,6 +12,7 @@ import uuid
 import httpx
 import zmq
 
+from kvpush.crypto.curve import make_client
 from kvpush.kv_cache.block_pool import BlockPool, hash_prefix_blocks
 from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.event_publisher import KVEventPublisher
@@ -25,7 +26,6 @@ from kvpush.kv_cache.events import (
     decode_batch,
     encode_batch,
 )
-from kvpush.kv_transfer.wire.curve import make_client
 from server_helpers import TEST_KV_SECRET, ServerProcess, sign_kv
 
 KEYS = EventKeys.from_secret(TEST_KV_SECRET.encode())

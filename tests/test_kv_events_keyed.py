@@ -10,11 +10,11 @@ import time
 
 import zmq
 
+from kvpush.crypto.curve import make_client
 from kvpush.kv_cache.block_pool import hash_prompt_chain
 from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.event_publisher import KVEventPublisher
 from kvpush.kv_cache.events import TOPIC, BlockStored, decode_batch
-from kvpush.kv_transfer.wire.curve import make_client
 from kvpush.router.kv_index import KVIndex, Snapshot
 
 SECRET = b"0123456789abcdef0123456789abcdef"

@@ -29,8 +29,8 @@ import httpx
 import pytest
 
 import server_helpers
+from kvpush.crypto.auth import ParamsSigner
 from kvpush.kv_cache.block_pool import hash_prefix_blocks
-from kvpush.kv_transfer.wire.auth import ParamsSigner
 from kvpush.router.kv_index import BatchResult, InstanceIndex
 from router_helpers import Instance, RouterThread, metric_value, start_instances, wait_until
 

@@ -13,7 +13,7 @@ from kvpush.engine.inputs import AbortTransfer
 from kvpush.engine.outputs import FinishReason
 from kvpush.errors import ConfigError
 from kvpush.kv_cache.block_pool import hash_prefix_blocks
-from kvpush.kv_transfer.commands import BlocksComputed, StepMessage, Stop
+from kvpush.kv_transfer.commands import BlocksReady, StepMessage
 from kvpush_testing.faults import FaultPlan
 from pd_helpers import PDDriver, make_instance, writes_posted
 
@@ -50,8 +50,8 @@ def test_disaggregated_equals_single(pd, tiny_qwen3, decode_first):
         assert leg.error is None and leg.finish_reason is FinishReason.LENGTH
         assert leg.tokens == ref[f"r{i}"], f"r{i}"
     pd.settle()
-    assert pd.p.connector.counters["transfers_ok"] == len(prompts)
-    assert pd.d.connector.counters["transfers_ok"] == len(prompts)
+    assert pd.p.connector.counters.transfers_ok == len(prompts)
+    assert pd.d.connector.counters.transfers_ok == len(prompts)
 
 
 @pytest.mark.parametrize("pd", ["push", "pull"], indirect=True)
@@ -173,26 +173,21 @@ def test_registration_arriving_mid_step_starts_the_writes_there(model_factory, p
         pd.close()
 
 
-def commands_of(msg) -> tuple:
-    """The commands one hand-over to the transfer thread carries."""
-    return msg.commands if isinstance(msg, StepMessage) else (msg,)
-
-
 def _registration_mid_step(pd, model, posts: list[tuple[int, ...]]) -> None:
     prompt, warm = random_prompts([250, 20], seed=8)  # 250: 15 full blocks and a part
     pd.submit("warm", warm, greedy(1))  # the instances meet (Hello) before the step
     pd.run()
     worker = pd.p.connector.worker
-    late = worker.counters["registrations_after_blocks"]
+    late = pd.p.connector.counters.registrations_after_blocks
     posted: list[tuple[int, ...]] = []  # (transfer thread) each WRITE's layers
     at_registration: list[int] = []  # WRITEs posted once the registration was matched
-    post_write = worker.inflight.post_write
+    post = worker.ctx.posts.post
 
-    def recording(cmd):
-        posted.append(tuple(cmd.layers))
-        post_write(cmd)
+    def recording(op, rec, peer, agent, local, remote, layers, ready=None):
+        posted.append(tuple(layers))
+        return post(op, rec, peer, agent, local, remote, layers, ready)
 
-    worker.inflight.post_write = recording
+    worker.ctx.posts.post = recording
     execute = pd.p.runner.execute
 
     def registering_at_layer_1(plan, hook=None):
@@ -201,7 +196,7 @@ def _registration_mid_step(pd, model, posts: list[tuple[int, ...]]) -> None:
             if layer == 1:  # decode's leg arrives; wait until prefill matched it
                 pd.send_decode("r", prompt, greedy(6))
                 deadline = time.monotonic() + 10
-                while getattr(worker.push.out.get("r"), "reg", None) is None:
+                while getattr(worker.table.get("r"), "reg", None) is None:
                     assert time.monotonic() < deadline, "registration never matched"
                     outs = pd.d.process_inbox()
                     if pd.d.has_work():
@@ -216,7 +211,8 @@ def _registration_mid_step(pd, model, posts: list[tuple[int, ...]]) -> None:
     pd.send_prefill("r", prompt, greedy(6))
     pd.run(until=lambda: "r" in pd.d_legs and pd.d_legs["r"].finished)
     stated_first = posts[0] == (0,)  # layer 0 was stated before the registration
-    assert worker.counters["registrations_after_blocks"] - late == int(stated_first)
+    pd.settle()
+    assert pd.p.connector.counters.registrations_after_blocks - late == int(stated_first)
     assert at_registration == [1 if stated_first else 0]  # written as it landed
     assert posted == posts
     assert pd.d_legs["r"].tokens == single_outputs(model, [prompt], 6)["r0"]
@@ -243,14 +239,13 @@ def test_push_writes_layers_in_groups(model_factory, configured, expected_groups
         in_forward, groups, messages = [False], [], [0]
         submit, execute = p.connector.worker.submit, p.runner.execute
 
-        def recording(msg, wake=True):
-            # the step loop hands over StepMessages only (shutdown's Stop aside)
-            assert isinstance(msg, StepMessage | Stop)
+        def recording(msg):
+            assert isinstance(msg, StepMessage)  # the step loop hands over facts only
             messages[0] += in_forward[0]
-            for cmd in commands_of(msg):
-                if isinstance(cmd, BlocksComputed) and in_forward[0]:
-                    groups.append(tuple(cmd.layers))
-            submit(msg, wake=wake)
+            for fact in msg.facts:
+                if isinstance(fact, BlocksReady) and in_forward[0]:
+                    groups.append(tuple(fact.layers))
+            submit(msg)
 
         def watched(plan, hook=None):
             in_forward[0] = True
@@ -295,14 +290,10 @@ def _assert_clean(pd) -> None:
     for eng in (pd.p, pd.d):
         s = eng.stats()
         assert s.num_free_blocks == s.num_total_blocks
-    # every transfer's lease and fence ended too (the transfer thread owns them: it
-    # drops them itself on the event that ends a transfer, the step loop on the rest)
-    workers = [eng.connector.worker for eng in (pd.p, pd.d)]
-    deadline = time.monotonic() + 5
-    while any(w.leases or w.fences.fences for w in workers):
-        assert time.monotonic() < deadline, [(w.leases, w.fences.fences) for w in workers]
-        pd.pump()
-        time.sleep(0.005)
+    # every transfer's record ended too (its lease and fence with it): settle waits
+    # for the transfer threads' tables to empty
+    for eng in (pd.p, pd.d):
+        assert not eng.connector.holds.by_tid
 
 
 @pytest.mark.parametrize("pd", [("push", {"lease": 0.6})], indirect=True)
@@ -357,7 +348,7 @@ def test_recompute_policy_gives_correct_answer(pd, tiny_qwen3):
     pd.run(timeout=15)
     assert pd.d_legs["r"].tokens == ref
     assert pd.faults.count("transfer_failures") == 1
-    assert pd.d.connector.counters["transfers_failed"] == 1
+    assert pd.d.connector.counters.transfers_failed == 1
     _assert_clean(pd)
 
 
@@ -367,7 +358,7 @@ def test_prefill_lease_expires_when_decode_never_registers(pd):
     pd.run(until=lambda: pd.p_legs["r"].finished, timeout=10)
     assert pd.p.stats().num_free_blocks < pd.p.stats().num_total_blocks  # held for D
     _assert_clean(pd)
-    assert pd.p.connector.worker.counters["leases_expired"] == 1
+    assert pd.p.connector.counters.leases_expired == 1
 
 
 @pytest.mark.parametrize("pd", [("pull", {"lease": 0.5})], indirect=True)
@@ -377,7 +368,7 @@ def test_pull_lease_expires_when_decode_never_reads(pd):
     assert pd.p_legs["r"].kv_transfer_params["remote_block_ids"]
     pd._pull_waiting.clear()
     _assert_clean(pd)
-    assert pd.p.connector.worker.counters["leases_expired"] == 1
+    assert pd.p.connector.counters.leases_expired == 1
 
 
 @pytest.mark.parametrize("pd", [("push", {"lease": 0.5})], indirect=True)
@@ -430,10 +421,6 @@ def test_prefill_lease_expiry_mid_prefill_drains_writes_before_freeing(pd):
     """Decode goes silent while prefill is still computing and WRITEs are in flight:
     prefill's lease ends, the prefill request is aborted, and its blocks stay held until
     the WRITEs reading them have drained (then everything is free on both sides)."""
-    import time
-
-    from kvpush.kv_transfer.step_loop.state import SendState
-
     pd.submit_registered("r", random_prompts([300])[0], greedy(5))
     # decode silent: no heartbeats, and its own lease-end Abort lost too; the WRITEs take
     # far longer than the 0.5 s lease, so they are surely in flight when it ends (at
@@ -445,8 +432,8 @@ def test_prefill_lease_expiry_mid_prefill_drains_writes_before_freeing(pd):
         assert time.monotonic() < deadline, "prefill's lease did not expire"
         pd.p.process_inbox()
         time.sleep(0.005)
-    send = pd.p.connector.sender.sends["r"]
-    assert send.state is SendState.HELD  # aborted, its WRITEs still draining
+    hold = pd.p.connector.holds.by_tid["r"]
+    assert hold.request_id is None and hold.blocks  # aborted, its WRITEs still draining
     s = pd.p.stats()
     assert s.num_free_blocks < s.num_total_blocks  # the blocks they read are still held
     pd.faults.clear()
@@ -459,8 +446,6 @@ def test_prefill_lease_expiry_tells_decode_only_after_its_writes_drain(tiny_qwen
     """Prefill's lease on a push ends while its WRITEs are in flight and decode is
     still waiting (its own lease is longer): prefill sends no Abort (decode would free
     blocks those WRITEs still reach) but PushDone(ok=False) once they have drained."""
-    import time
-
     faults = FaultPlan()
     p = make_instance(tiny_qwen3, "prefill", "push", faults=faults, lease=0.5,
                       max_num_batched_tokens=16)
@@ -477,10 +462,10 @@ def test_prefill_lease_expiry_tells_decode_only_after_its_writes_drain(tiny_qwen
             assert time.monotonic() < deadline, "prefill's lease did not expire"
             p.process_inbox()
             time.sleep(0.005)
-        group = p.connector.worker.writes.get("r")
-        assert group is not None and group.pending  # WRITEs still in flight
+        rec = p.connector.worker.table.get("r")
+        assert rec is not None and rec.handles  # WRITEs still in flight
         d.process_inbox()
-        assert "r" in d.connector.receiver.recvs  # no Abort reached decode: its blocks are held
+        assert "r" in d.connector.holds.by_tid  # no Abort reached decode: its blocks are held
         faults.clear()
         pd.run(timeout=10)
         assert pd.d_legs["r"].finish_reason is FinishReason.ERROR
@@ -497,31 +482,31 @@ def test_decode_prefix_hit_trims_the_write(pd, tiny_qwen3):
     pd.submit("a", first, greedy(3))
     pd.run()
     pd.settle()
-    bytes_a = pd.p.connector.records[-1].num_bytes
+    bytes_a = pd.p.transfer_records[-1].num_bytes
     pd.submit("b", second, greedy(3))
     pd.run()
     ref = single_outputs(tiny_qwen3, [second], 3)["r0"]
     assert pd.d_legs["b"].tokens == ref
     pd.settle()
-    bytes_b = pd.p.connector.records[-1].num_bytes
+    bytes_b = pd.p.transfer_records[-1].num_bytes
     # 'a' sent 7 blocks (99 tokens); 'b' (116) only the 2 blocks after the 6 shared ones
     assert bytes_b * 7 == bytes_a * 2
     assert pd.d.stats().prefix_cache_hit_tokens == 96
     # a full hit (every full block cached), --prefix-hit-tail decode: decode computes the
     # 3-token tail itself and prefill stops without writing
-    n_records = len(pd.p.connector.records)
+    n_records = len(pd.p.transfer_records)
     pd.submit("c", list(first), greedy(3))
     pd.run()
     assert pd.d_legs["c"].tokens == pd.d_legs["a"].tokens
     _assert_clean(pd)
-    assert len(pd.p.connector.records) == n_records
+    assert len(pd.p.transfer_records) == n_records
     # prefill either finished first or was told to stop (a 400 the router expects)
     assert (pd.p_legs["c"].finish_reason is FinishReason.LENGTH
             or pd.p_legs["c"].code == "prefill_not_needed"), pd.p_legs["c"]
     # the full-hit registration may reach prefill before prefill's own leg: that leg is
     # then stopped with prefill_not_needed, and nothing is written either way
     pd.send_decode("e", list(first), greedy(3))
-    pd.run(until=lambda: "e" in pd.p.connector.worker.push.out, timeout=10)
+    pd.run(until=lambda: pd.p.connector.worker.table.get("e") is not None, timeout=10)
     pd.send_prefill("e", list(first), greedy(3))
     pd.run(until=lambda: pd.p_legs["e"].finished and pd.d_legs["e"].finished)
     e = pd.p_legs["e"]  # (a one-step prefill may finish before the answer is back)
@@ -539,13 +524,13 @@ def test_full_prefix_hit_tail_comes_from_prefill_by_default(pd, tiny_qwen3):
     pd.submit("a", first, greedy(3))
     pd.run()
     pd.settle()
-    bytes_a = pd.p.connector.records[-1].num_bytes  # 7 blocks
+    bytes_a = pd.p.transfer_records[-1].num_bytes  # 7 blocks
     pd.submit("c", list(first), greedy(3))
     pd.run()
     assert pd.d_legs["c"].tokens == pd.d_legs["a"].tokens
     assert pd.p_legs["c"].finish_reason is FinishReason.LENGTH
     pd.settle()
-    rec = pd.p.connector.records[-1]
+    rec = pd.p.transfer_records[-1]
     assert rec.ok and rec.num_bytes * 7 == bytes_a  # the tail block, nothing more
     assert pd.d.stats().prefix_cache_hit_tokens == 96
     _assert_clean(pd)
@@ -588,7 +573,7 @@ def test_pull_with_block_ids_outside_region_fails_cleanly(pd):
     "not a dict",
 ])
 def test_malformed_kv_transfer_params_are_refused(pd, bad):
-    from kvpush.engine.outputs import RequestError
+    from kvpush.errors import RequestError
 
     with pytest.raises(RequestError, match="kv_transfer_params"):
         pd.d.add_request("x", [5] * 20, greedy(3), bad)
@@ -600,14 +585,12 @@ def test_malformed_kv_transfer_params_are_refused(pd, bad):
 def test_registration_after_prefill_finished(pd, tiny_qwen3):
     """Side-channel messages delayed: prefill finishes first and holds its blocks until
     decode's registration arrives, then writes everything at once."""
-    from kvpush.kv_transfer.step_loop.state import SendState
-
     prompt = random_prompts([90], seed=12)[0]
     pd.faults.arm(message_delay_s=0.3)
     pd.submit("r", prompt, greedy(5))
     pd.run(until=lambda: pd.p_legs["r"].finished, timeout=10)
-    assert pd.p.connector.sender.sends["r"].state is SendState.HELD  # finished
-    assert pd.p.connector.worker.push.out["r"].reg is None  # and not registered yet
+    assert pd.p.connector.holds.by_tid["r"].request_id is None  # finished, held
+    assert pd.p.connector.worker.table.get("r").reg is None  # and not registered yet
     pd.run(timeout=15)
     assert pd.d_legs["r"].tokens == single_outputs(tiny_qwen3, [prompt], 5)["r0"]
     assert pd.faults.count("message_delays") > 0
@@ -637,7 +620,7 @@ def test_push_sender_preempted_mid_prefill(tiny_qwen3):
         # registrations first, so every sender writes from its first chunk on
         for i, prompt in enumerate(prompts):
             drv.send_decode(f"r{i}", prompt, greedy(4))
-        drv.run(until=lambda: len(p.connector.worker.push.out) == 3, timeout=10)
+        drv.run(until=lambda: len(p.connector.worker.table) == 3, timeout=10)
         for i, prompt in enumerate(prompts):
             drv.send_prefill(f"r{i}", prompt, greedy(4))
         drv.run(timeout=30)
@@ -655,8 +638,6 @@ def test_push_sender_preempted_mid_prefill(tiny_qwen3):
 def test_router_abort_releases_prefill_blocks_at_once(pd):
     """Decode refused the request: the router's /kv/abort frees prefill's blocks now,
     not when the (here 30 s) lease runs out, and a late leg for it is refused."""
-    from kvpush.engine.outputs import RequestError
-
     pd.send_prefill("r", random_prompts([70])[0], greedy(3))
     pd._pull_waiting.clear()
     pd.run(until=lambda: pd.p_legs["r"].finished, timeout=10)
@@ -664,8 +645,14 @@ def test_router_abort_releases_prefill_blocks_at_once(pd):
     pd.p.inbox.put(AbortTransfer("r", "decode refused the request"))
     pd.settle(timeout=5)
     if pd.mode == "push":  # a push leg for the same transfer id arriving late
-        with pytest.raises(RequestError, match="already ended"):
-            pd.send_prefill("r", random_prompts([70])[0], greedy(3))
+        pd.send_prefill("r", random_prompts([70])[0], greedy(3))
+        deadline = time.monotonic() + 10  # the transfer thread's verdict, before a step
+        while not pd.p_legs["r"].finished:
+            assert time.monotonic() < deadline, "the late leg was not refused"
+            pd._absorb(pd.p.process_inbox(block=True, timeout=0.05), pd.p_legs)
+        leg = pd.p_legs["r"]
+        assert leg.rejected and "already ended" in leg.error, leg
+        pd.settle(timeout=5)
 
 
 @pytest.mark.parametrize("pd", [("push", {"shuffle_free_blocks": 3}),
@@ -677,7 +664,7 @@ def test_fragmented_kv_transfers_correctly(pd, tiny_qwen3):
     pd.run()
     assert pd.d_legs["r"].tokens == single_outputs(tiny_qwen3, [prompt], 6)["r0"]
     pd.settle()
-    recs = (pd.p if pd.mode == "push" else pd.d).connector.records
+    recs = (pd.p if pd.mode == "push" else pd.d).transfer_records
     assert len(recs) == 1  # one record per transfer, bytes and descriptors in it
     rec = recs[0]
     layers = pd.p.runner.kv_region.layout.num_layers

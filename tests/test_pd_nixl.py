@@ -14,6 +14,7 @@ import time
 import pytest
 
 from engine_helpers import greedy, make_engine, random_prompts, run_to_completion
+from kvpush.kv_transfer.links import NixlLinks
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed (make venv installs it)")
 
@@ -30,7 +31,7 @@ def _instance_main(conn, model_dir: str, role: str, mode: str) -> None:
     from kvpush.kv_cache.block_pool import hash_prefix_blocks
     from pd_helpers import make_instance
 
-    eng = make_instance(model_dir, role, mode, transport="nixl", lease=10.0, heartbeat=0.2)
+    eng = make_instance(model_dir, role, mode, links=NixlLinks(), lease=10.0, heartbeat=0.2)
     conn.send(("ready", eng.connector.address, eng.connector.engine_id))
     outs: dict[str, dict] = {}
     try:
@@ -59,7 +60,8 @@ def _instance_main(conn, model_dir: str, role: str, mode: str) -> None:
                 if o.finished:
                     rec["done"] = True
                     rec["error"] = o.failure.message if o.failure is not None else None
-                    rec["kv"] = o.kv_transfer_params
+                    ktp = o.kv_transfer_params  # as the server's answer carries it
+                    rec["kv"] = ktp.to_wire() if ktp is not None else None
     finally:
         eng.shutdown()
 

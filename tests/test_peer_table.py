@@ -2,62 +2,51 @@
 requests name, refusals matched to their sender and expiring, connection errors
 reported at once, dropped sends counted in /metrics, idle peers evicted and met again.
 
-Real side channels on 127.0.0.1 (free ports), the in-process transport for engines;
-every wait is bounded in time, every instance stopped, free blocks checked."""
+Real side channels on 127.0.0.1 (free ports), the in-process transport for engines; a
+worker without its thread runs on an injected clock; every wait is bounded in time,
+every instance stopped, free blocks checked."""
 
 from __future__ import annotations
 
+import logging
 import os
-import queue
 import time
 import uuid
 
+from contract_fakes import (
+    CHAIN,
+    LEASE,
+    PROMPT_TOKENS,
+    Clock,
+    D,
+    FakeChannel,
+    FakeTransport,
+    P,
+    closed_ports,
+    hello,
+    step,
+    worker,
+)
 from engine_helpers import greedy, make_engine, random_prompts, run_to_completion
 from kvpush.cluster.launcher import free_port
 from kvpush.config import EngineConfig, KVTransferConfig
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import FinishReason
 from kvpush.kv_transfer import commands as c
-from kvpush.kv_transfer.transfer_thread.peers import MAX_PEERS
-from kvpush.kv_transfer.transfer_thread.worker import TransferWorker
+from kvpush.kv_transfer.transfer_thread.peers import MAX_PEERS, PeerTable
 from kvpush.kv_transfer.wire import messages as m
 from kvpush.kv_transfer.wire.side_channel import SideChannel
 from kvpush.server.metrics import ServerMetrics
+from kvpush_testing.links import InProcLinks
 from pd_helpers import PDDriver, make_instance
 from router_helpers import metric_value
-from test_worker_fences import FakeChannel, FakeTransport, hello
 
 HOST = "127.0.0.1"
-D, P, X = "10.0.0.2:5700", "10.0.0.1:5600", "10.0.0.3:5601"
-LEASE = 2.0
-
-
-class PeerTransport(FakeTransport):
-    """FakeTransport that also adds and removes peers (by their metadata)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.removed: list[str] = []
-
-    def add_peer(self, metadata: bytes) -> str:
-        return metadata.decode() or "agent"
-
-    def remove_peer(self, peer: str) -> None:
-        self.removed.append(peer)
+X = "10.0.0.3:5601"
 
 
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def closed_ports(n: int) -> list[int]:
-    """``n`` distinct ports on 127.0.0.1 that nothing listens on (bounded tries)."""
-    ports: set[int] = set()
-    for _ in range(20 * n):
-        ports.add(free_port(HOST))
-        if len(ports) == n:
-            return sorted(ports)
-    raise AssertionError(f"found only {len(ports)} free ports")
 
 
 def wait_for(cond, timeout: float, what: str, step=None) -> None:
@@ -68,6 +57,12 @@ def wait_for(cond, timeout: float, what: str, step=None) -> None:
             time.sleep(0.01)
 
 
+def ready(eng: LLMEngine, address: str) -> bool:
+    """Whether ``eng``'s transfer thread has ``address`` as a ready peer (read across
+    threads: a polling condition)."""
+    return eng.connector.worker.peers.ready_peer(address) is not None
+
+
 def assert_clean(*engines: LLMEngine) -> None:
     for eng in engines:
         s = eng.stats()
@@ -75,45 +70,47 @@ def assert_clean(*engines: LLMEngine) -> None:
 
 
 # ---- finding 3: the table is bounded -------------------------------------------------
-def test_many_bogus_peer_addresses_are_capped_and_their_sockets_closed():
+def test_many_bogus_peer_addresses_are_capped_and_their_sockets_closed(caplog):
     """Issue 30, finding 3: every address a request named kept a DEALER and its monitor
-    (3 fds) for ever. Now at most MAX_PEERS are open at once; an address beyond the cap
-    is refused at once with the reason; a handshake nobody answers is given up after
-    the lease and its sockets closed, so the fd count returns to its start."""
-    events: queue.SimpleQueue = queue.SimpleQueue()
+    (3 fds) for ever. Now at most MAX_PEERS are open at once; a transfer naming an
+    address beyond the cap fails at once with the reason; a handshake nobody answers
+    fails its transfer at the lease and is given up (its sockets closed, what was queued
+    for it counted) once no transfer uses it, so the fd count returns to its start."""
     ch = SideChannel(HOST, 0)
-    w = TransferWorker(hello("decode", ch.address), ch, PeerTransport(), events.put,
-                       0.6, 0.1)
-    w.receives.on_notice = events.put  # the table's notices, as the worker routes them
+    w, _, _, updates, clock = worker("decode", channel=ch, ready=False)
     n = MAX_PEERS + 40
     addresses = [f"{HOST}:{port}" for port in closed_ports(n)]
     fd0 = fd_count()
-    peak: list[tuple[int, int]] = []
-    w.start()
     try:
-        for address in addresses:
-            w.submit(c.Call(lambda a=address: w.peers.ensure(a)))
-        w.submit(c.Call(lambda: peak.append((len(w.peers), fd_count()))))
-        refused: dict[str, str] = {}
-        deadline = time.monotonic() + 8
-        while len(refused) < n:
-            ev = events.get(timeout=max(0.01, deadline - time.monotonic()))
-            if isinstance(ev, c.PeerRefused):
-                refused[ev.address] = ev.reason
-        [(open_peers, fds)] = peak
-        assert open_peers == MAX_PEERS
-        assert fds - fd0 <= 4 * MAX_PEERS + 16  # 3 ZMQ sockets (+ a TCP attempt) each
-        capped = [a for a, why in refused.items() if "peers (the limit)" in why]
-        unanswered = [a for a, why in refused.items()
-                      if "no answer to the side-channel handshake" in why]
-        assert capped == addresses[MAX_PEERS:]  # the requests beyond the cap, at once
-        assert sorted(unanswered) == sorted(addresses[:MAX_PEERS])
-        wait_for(lambda: fd_count() <= fd0 + 4, 10, f"fds back near {fd0}: {fd_count()}")
+        step(w, *[c.Begin(f"t{i}", PROMPT_TOKENS, CHAIN, c.PeerRef(a))
+                  for i, a in enumerate(addresses)])
+        assert len(w.peers) == MAX_PEERS
+        assert fd_count() - fd0 <= 4 * MAX_PEERS + 16  # 3 ZMQ sockets (+ a TCP attempt) each
+        capped = {ev.tid: ev.why for ev in updates.events()}
+        assert list(capped) == [f"t{i}" for i in range(MAX_PEERS, n)]  # at once
+        assert all("peers (the limit)" in why for why in capped.values()), capped
+        with caplog.at_level(logging.ERROR):
+            clock.advance(LEASE)  # nobody answered: the transfers end at their lease
+            w.tick()
+            w.flush()
+        assert "no answer to the side-channel handshake" in caplog.text
+        over = {ev.tid: ev for ev in updates.events()}
+        assert len(over) == n and len(w.table) == 0
+        assert all(over[f"t{i}"].why == "lease expired: prefill stopped answering"
+                   for i in range(MAX_PEERS))
+        clock.advance(1.0)  # the next heartbeat's sweep: no transfer uses them any more
+        w.tick()
+        w.flush()
         assert len(w.peers) == 0 and ch.num_destinations == 0
         assert not ch._links.links  # nothing remembered of links that never came up
-        assert w.counters["side_channel_peers_evicted_handshake_timeout"] == MAX_PEERS
+        k = updates.counters()
+        assert k.side_channel_peers_evicted["handshake_timeout"] == MAX_PEERS
+        # each transfer's Abort waited for its handshake: dropped with it, counted
+        assert k.side_channel_send_dropped["handshake_timeout"] == MAX_PEERS
+        assert k.side_channel_peers == {"handshake": 0, "ready": 0, "refused": 0}
+        wait_for(lambda: fd_count() <= fd0 + 4, 10, f"fds back near {fd0}: {fd_count()}")
     finally:
-        w.stop()
+        w.stop()  # (never started: closes the channel)
     assert fd_count() <= fd0 + 4
 
 
@@ -127,26 +124,25 @@ def test_idle_peers_are_evicted_and_met_again(tiny_qwen3):
     prompts = random_prompts([40, 60, 50], seed=31)
     ref = run_to_completion(make_engine(tiny_qwen3), {f"r{i}": q for i, q in
                                                       enumerate(prompts)}, greedy(4))
+    pa, da = p.connector.address, d.connector.address
     try:
         drv.submit("r0", prompts[0], greedy(4))
         drv.run(timeout=20)
         drv.settle()
-        assert p.connector.worker.peers.is_ready(d.connector.address)
-        # both evict (the step loops keep no peers: the transfer threads' tables)
+        assert ready(p, da)
+        # both evict (the tables are the transfer threads'; a float read each sweep)
         for eng in (p, d):
             eng.connector.worker.peers.idle_timeout_s = 0.2
-        wait_for(lambda: not p.connector.worker.peers.is_ready(d.connector.address)
-                 and not d.connector.worker.peers.is_ready(p.connector.address), 10,
-                 "both peers evicted", step=drv.pump)
+        wait_for(lambda: not ready(p, da) and not ready(d, pa), 10, "both peers evicted",
+                 step=drv.pump)
         assert len(p.connector.worker.peers) == len(d.connector.worker.peers) == 0
         drv.submit("r1", prompts[1], greedy(4))
         drv.run(timeout=20)
         drv.settle()
         # only prefill evicts: decode registers at once over its old handshake
         d.connector.worker.peers.idle_timeout_s = 1e9
-        wait_for(lambda: not p.connector.worker.peers.is_ready(d.connector.address), 10,
-                 "prefill evicts decode", step=drv.pump)
-        assert d.connector.worker.peers.is_ready(p.connector.address)
+        wait_for(lambda: not ready(p, da), 10, "prefill evicts decode", step=drv.pump)
+        assert ready(d, pa)
         drv.submit("r2", prompts[2], greedy(4))
         drv.run(timeout=20)
         for i in range(3):
@@ -154,8 +150,9 @@ def test_idle_peers_are_evicted_and_met_again(tiny_qwen3):
             assert leg.finish_reason is FinishReason.LENGTH, leg
             assert leg.tokens == ref[f"r{i}"]
         drv.settle()
-        assert p.connector.stats()["worker_side_channel_peers_evicted_idle"] >= 2
-        assert d.connector.stats()["worker_side_channel_peers_evicted_idle"] >= 1
+        wait_for(lambda: p.connector.stats().side_channel_peers_evicted.get("idle", 0) >= 2
+                 and d.connector.stats().side_channel_peers_evicted.get("idle", 0) >= 1,
+                 10, "the evictions in the counters", step=drv.pump)
         assert_clean(p, d)
     finally:
         drv.close()
@@ -193,54 +190,58 @@ def test_a_refusal_applies_to_its_sender_only_and_expires():
     Now it refuses only the peer that sent it (and only while we are in handshake with
     it); our own side channel is refused here without a word on the wire; a refusal
     fails requests at once while it lasts, then expires and the handshake is retried."""
-    ch, events = FakeChannel(), []
-    w = TransferWorker(hello("decode", D), ch, PeerTransport(), [].append, LEASE, 0.5)
-    w.receives.on_notice = events.append  # the table's notices, as the worker routes them
+    ch, clock, told = FakeChannel(D), Clock(), []
+    peers = PeerTable(hello("decode", D), ch, FakeTransport(),
+                      on_ready=lambda a, h: told.append(("ready", a)),
+                      on_refused=lambda a, why: told.append(("refused", a, why)),
+                      deliver=lambda msg, sender: None, busy=set,
+                      handshake_timeout_s=LEASE, idle_timeout_s=4 * LEASE,
+                      refusal_ttl_s=LEASE, clock=clock)
 
     def hellos_to(address: str) -> int:
         return sum(1 for a, msg in ch.sent if a == address and isinstance(msg, m.Hello))
 
-    w.peers.ensure(P)
-    w.peers.ensure(X)
+    peers.ensure(P)
+    peers.ensure(X)
     assert hellos_to(P) == hellos_to(X) == 1
     why = "peer decode at 10.0.0.2:5700 is incompatible: block_size: peer has 16, this 32"
-    w.receive(m.encode(m.HelloRefused("x", why)), X)
-    assert events == [c.PeerRefused(X, why)]
-    assert w.peers[P].refused is None  # P's handshake goes on
+    peers.on_refused_hello(m.HelloRefused("x", why), X)
+    assert told == [("refused", X, why)]
+    assert peers[P].refused is None  # P's handshake goes on
     # a refusal from nobody we said Hello to changes nothing
-    w.receive(m.encode(m.HelloRefused("y", "go away")), "10.0.0.7:1")
-    w.receive(m.encode(m.HelloRefused("y", "go away")), "")
-    assert len(events) == 1 and w.peers.refusals_ignored == 2
-    theirs = hello("prefill", P)
-    w.receive(m.encode(m.Hello(**{**{f: getattr(theirs, f) for f in theirs.__struct_fields__},
-                                  "reply": True})), P)
-    assert isinstance(events[-1], c.PeerReady) and w.peers.is_ready(P)
-    w.receive(m.encode(m.HelloRefused("p", "late")), P)  # ready: ignored
-    assert w.peers.is_ready(P)
+    peers.on_refused_hello(m.HelloRefused("y", "go away"), "10.0.0.7:1")
+    peers.on_refused_hello(m.HelloRefused("y", "go away"), "")
+    assert len(told) == 1 and "10.0.0.7:1" not in peers
+    assert peers.on_hello(hello("prefill", P, reply=True), P)
+    assert told[-1] == ("ready", P) and peers.ready_peer(P) is not None
+    peers.on_refused_hello(m.HelloRefused("p", "late"), P)  # ready: ignored
+    assert peers.ready_peer(P) is not None
     # a request naming our own side channel: refused here, nothing sent, P untouched
-    w.peers.ensure(D)
-    assert events[-1].address == D and "own side channel" in events[-1].reason
-    assert hellos_to(D) == 0 and D not in w.peers and w.peers.is_ready(P)
+    assert peers.ensure(D) is None
+    assert told[-1][:2] == ("refused", D) and "own side channel" in told[-1][2]
+    assert hellos_to(D) == 0 and D not in peers and peers.ready_peer(P) is not None
     # while X's refusal lasts a request for it fails at once, no new Hello
-    w.peers.ensure(X)
-    assert events[-1] == c.PeerRefused(X, why) and hellos_to(X) == 1
+    assert peers.ensure(X) is None
+    assert told[-1] == ("refused", X, why) and hellos_to(X) == 1
     # it expires: the entry (and its socket) goes, the next request says Hello again
-    w.peers.sweep(time.monotonic() + LEASE + 0.1)
-    assert X not in w.peers and X in ch.forgotten and w.peers.is_ready(P)
-    w.peers.ensure(X)
+    clock.advance(LEASE + 0.1)
+    peers.sweep(clock())
+    assert X not in peers and X in ch.forgotten and peers.ready_peer(P) is not None
+    assert peers.evicted["refusal_expired"] == 1
+    peers.ensure(X)
     assert hellos_to(X) == 2
-    fixed = hello("prefill", X)
-    w.receive(m.encode(fixed), X)  # X, fixed, answers
-    assert events[-1] == c.PeerReady(X, fixed) and w.peers.is_ready(X)
-    assert not any(isinstance(ev, c.PeerRefused) and ev.address == P for ev in events)
+    assert peers.on_hello(hello("prefill", X), X)  # X, fixed, answers
+    assert told[-1] == ("ready", X) and peers.ready_peer(X) is not None
+    assert not any(t[0] == "refused" and t[1] == P for t in told)
 
 
 def _instance(model_dir, role: str, port: int = 0, block_size: int = 16) -> LLMEngine:
     kvt = KVTransferConfig(role=role, mode="push", engine_id=f"{role}-{uuid.uuid4().hex[:6]}",
-                           transport="inproc", lease_timeout_s=0.5, heartbeat_interval_s=0.1,
+                           lease_timeout_s=0.5, heartbeat_interval_s=0.1,
                            side_channel_port=port)
     return LLMEngine(EngineConfig.build(model_dir, kv_transfer=kvt, block_size=block_size,
-                                        num_blocks=256, max_model_len=1024))
+                                        num_blocks=256, max_model_len=1024),
+                     links=InProcLinks())
 
 
 def test_a_refused_prefill_is_used_once_fixed(tiny_qwen3):
@@ -289,9 +290,12 @@ def test_dropped_sends_are_counted_in_metrics(tiny_qwen3):
     metrics = ServerMetrics(d.stats, lambda: True)
     metrics.register_kv_stats(d.connector.stats)
     drv = PDDriver(p, d)
+    name = "kvpush_kv_side_channel_send_dropped_total"
     try:
+        # the transfer thread's first heartbeat brings its figures, every reason at 0
+        wait_for(lambda: f'{name}{{reason="handshake_timeout"}}' in metrics.render().decode(),
+                 10, "the side channel's figures", step=drv.pump)
         text = metrics.render().decode()
-        name = "kvpush_kv_side_channel_send_dropped_total"
         for reason in ("queue_full", "connect_failed", "handshake_timeout", "peer_refused"):
             assert f'{name}{{reason="{reason}"}} 0.0' in text
         kv = {"do_remote_prefill": True, "transfer_id": "r", "remote_host": HOST,

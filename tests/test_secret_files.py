@@ -49,8 +49,9 @@ def test_the_router_keeps_only_keys_derived_from_the_secret(loose):
     and the event keys; grants it signs verify at an instance holding the secret."""
     import dataclasses
 
-    from kvpush.kv_transfer.wire.auth import ParamsSigner, RouterKeys
-    from kvpush.kv_transfer.wire.curve import derive_curve_keys
+    from kvpush.crypto.auth import ParamsSigner
+    from kvpush.crypto.curve import derive_curve_keys
+    from kvpush.router.config import RouterKeys
     from kvpush.router.wire import LegSigner
 
     secret = b"s" * 32

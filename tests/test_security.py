@@ -16,7 +16,7 @@ import pytest
 from fake_engine import FakeEngine, make_test_model
 from kvpush.cluster import cli as up_cli
 from kvpush.config import KVTransferConfig
-from kvpush.kv_transfer.wire.auth import ParamsSigner
+from kvpush.crypto.auth import ParamsSigner
 from kvpush.router import cli as router_cli
 from kvpush.router.app import Router
 from kvpush.router.app import build_app as build_router_app

@@ -29,7 +29,8 @@ from fake_engine import (
     make_test_model,
 )
 from kvpush.config import DEFAULT_BLOCK_SIZE
-from kvpush.engine.outputs import RequestError
+from kvpush.errors import RequestError
+from kvpush.kv_transfer.params import KVTransferParams
 from kvpush.server.app import build_app
 from kvpush.server.chat import INLINE_BODY_BYTES
 from kvpush.server.cli import add_serve_parser, build_config
@@ -135,7 +136,7 @@ async def test_completion(client: httpx.AsyncClient, engine: FakeEngine, tokeniz
     body = r.json()
     prompt_ids = tokenizer.encode("hello world")
     assert prompt_ids[0] == tokenizer.bos_token_id
-    rid, ids, params = engine.requests[-1]
+    rid, ids, params, _ = engine.requests[-1]
     assert ids == prompt_ids
     assert body["id"] == rid and rid.startswith("cmpl-")
     assert r.headers["x-request-id"] == rid
@@ -169,18 +170,20 @@ async def test_sampling_fields_pass_through(client: httpx.AsyncClient,
     r = await client.post(C, json={
         "prompt": "hello world", "max_tokens": 4, "temperature": 0, "top_p": 0.5, "top_k": 7,
         "seed": 11, "stop": "zzz", "stop_token_ids": [3], "ignore_eos": True,
-        "kv_transfer_params": {"do_remote_decode": True, "peer": [1, 2]},
+        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "t1", "peer": [1]},
         "user": "someone", "some_future_field": {"x": 1}, "stream_options": None,
     })
     assert r.status_code == 200, r.text
     p = engine.requests[-1][2]
     assert (p.temperature, p.top_p, p.top_k, p.seed) == (0.0, 0.5, 7, 11)
     assert p.stop == ("zzz",) and p.stop_token_ids == frozenset({3}) and p.ignore_eos
-    assert p.extra["kv_transfer_params"] == {"do_remote_decode": True, "peer": [1, 2]}
-    assert r.json()["kv_transfer_params"] == {"echo": p.extra["kv_transfer_params"]}
+    kv = engine.requests[-1][3]  # checked once by the server, typed
+    assert kv == KVTransferParams(do_remote_decode=True, transfer_id="t1")
+    assert r.json()["kv_transfer_params"] == {"do_remote_prefill": False,
+                                              "do_remote_decode": True, "transfer_id": "echo"}
     r = await client.post(C, json={"prompt": "hello", "max_tokens": 2, "stop": ["a", "b"]})
     assert engine.requests[-1][2].stop == ("a", "b")
-    assert "kv_transfer_params" not in engine.requests[-1][2].extra
+    assert engine.requests[-1][3] is None
     assert not engine.requests[-1][2].adjusts_logits  # no penalties, no bias by default
     r = await client.post(CHAT, json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
@@ -316,7 +319,7 @@ async def test_chat_template_applied(client: httpx.AsyncClient, engine: FakeEngi
     assert r.status_code == 200, r.text
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     want = tokenizer.encode(text, add_special_tokens=False)
-    rid, ids, params = engine.requests[-1]
+    rid, ids, params, _ = engine.requests[-1]
     assert ids == want
     # the template writes BOS itself: exactly one, not a second one from encode()
     assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1

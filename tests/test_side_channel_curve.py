@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 import kvpush.kv_transfer.wire.side_channel as sc
-from kvpush.kv_transfer.wire.curve import derive_curve_keys, make_client
+from kvpush.crypto.curve import derive_curve_keys, make_client
 from kvpush.kv_transfer.wire.side_channel import SideChannel
 
 HOST = "127.0.0.1"

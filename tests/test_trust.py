@@ -18,7 +18,7 @@ import uuid
 import httpx
 import pytest
 
-from kvpush.kv_transfer.wire.auth import GRANT_KEY, SIGNATURE_KEY, ParamsForbidden, ParamsSigner
+from kvpush.crypto.auth import GRANT_KEY, SIGNATURE_KEY, ParamsForbidden, ParamsSigner
 from router_helpers import RouterThread, start_instances
 from server_helpers import sign_kv
 

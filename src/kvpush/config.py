@@ -206,7 +206,6 @@ class KVTransferConfig:
     engine_id: str = ""
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0  # 0: pick a free port at start-up
-    transport: Literal["nixl", "inproc"] = "nixl"
     lease_timeout_s: float = 15.0
     heartbeat_interval_s: float = 1.0
     load_failure_policy: Literal["fail", "recompute"] = "fail"
@@ -252,8 +251,6 @@ class KVTransferConfig:
             raise ConfigError(f"--role must be both, prefill or decode, got {self.role!r}")
         if self.mode not in ("push", "pull"):
             raise ConfigError(f"--kv-transfer must be push or pull, got {self.mode!r}")
-        if self.transport not in ("nixl", "inproc"):
-            raise ConfigError(f"unknown KV transport {self.transport!r}")
         if self.load_failure_policy not in ("fail", "recompute"):
             raise ConfigError(
                 "--kv-load-failure-policy must be fail or recompute, "

@@ -7,7 +7,7 @@ an OpenAI-style error body naming the offending parameter.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 #: Temperatures below this sample greedily, and top_p is raised to at least this (as
@@ -92,7 +92,6 @@ class SamplingParams:
     #: vLLM's cache_salt: mixed into the first block's hash, so only requests with the
     #: same salt share prefix-cache blocks (tenant isolation); None: no salt
     cache_salt: str | None = None
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens):

@@ -110,39 +110,3 @@ class FaultPlan:
             if self.message_delay_s > 0:
                 self.injected["message_delays"] += 1
             return self.message_delay_s
-
-
-def faults_from_env(var: str):
-    """The FaultPlan described by ``$var``: a JSON object of FaultPlan knobs (e.g.
-    ``{"fail_posts": 1}``) armed in every connector of the process (``kvpush serve``
-    under the fault tests); None when it is unset or empty. Logs a warning: test only."""
-    import json
-    import logging
-    import os
-
-    raw = os.environ.get(var, "").strip()
-    if not raw:
-        return None
-    plan = FaultPlan()
-    plan.arm(**json.loads(raw))
-    logging.getLogger("kvpush.kv_transfer.step_loop.connector").warning(
-        "%s is set: injecting faults %s (test only)", var, raw)
-    return plan
-
-
-class FaultyPosts:
-    """Wraps a transport that knows no FaultPlan (NIXL): ``fail_posts`` makes ``post``
-    raise TransferPostError; everything else goes to the real transport."""
-
-    def __init__(self, transport, faults: FaultPlan) -> None:
-        self._transport, self._faults = transport, faults
-
-    def post(self, op, peer, local, remote):
-        from kvpush.kv_transfer.transports.transport import TransferPostError
-
-        if self._faults.take_post_failure():
-            raise TransferPostError(f"injected {op} post failure (a test's FaultPlan)")
-        return self._transport.post(op, peer, local, remote)
-
-    def __getattr__(self, name):
-        return getattr(self._transport, name)

@@ -65,6 +65,7 @@ class _Xfer:
 class InProcTransport(KVTransport):
     """memmove-based transport between engines of one process, with fault injection."""
 
+    kind = KIND
     _registry: ClassVar[dict[str, RegionInfo]] = {}
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 

@@ -8,6 +8,7 @@ process it started."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -124,24 +125,26 @@ class Cluster:
     def url(self, host: str) -> str:
         return f"http://{self.net.ip(host)}:{HTTP_PORT}"
 
-    def _start_instance(self, host: str, env_extra: dict | None = None,
+    def _start_instance(self, host: str, faults: dict | None = None,
                         policy: str | None = None) -> NsProcess:
+        """``faults``: FaultPlan knobs its engine core runs with (kvpush_testing.serve)."""
         # a fresh side-channel port for each start (a restarted instance is a new peer)
         self.side_port[host] += 1
         port = self.side_port[host]
         peer = "D" if host == "P" else "P"
         self.proxy.listen(self.net.ns[peer], self.net.side_ip(host), port, self.net.ns[host])
         role = "prefill" if host == "P" else "decode"
-        argv = [sys.executable, "-m", "kvpush", "serve", str(self.model), "--role", role,
+        serve = (["-m", "kvpush", "serve"] if faults is None else
+                 ["-m", "kvpush_testing.serve", "--faults", json.dumps(faults)])
+        argv = [sys.executable, *serve, str(self.model), "--role", role,
                 "--kv-transfer", self.mode, "--host", self.net.ip(host), "--port",
                 str(HTTP_PORT), "--side-channel-host", self.net.side_ip(host),
                 "--side-channel-port", str(port), "--lease-timeout", str(LEASE_S),
                 "--heartbeat-interval", str(HEARTBEAT_S), "--kv-load-failure-policy",
                 policy or self.policy, *ENGINE]
-        env = {k: v for k, v in os.environ.items() if k != "KVPUSH_FAULTS"}
-        env.update({"PYTHONUNBUFFERED": "1", "NIXL_LOG_LEVEL": "WARN", "UCX_TLS": "tcp",
-                    "KVPUSH_KV_SECRET": CLUSTER_SECRET,
-                    "UCX_NET_DEVICES": self.net.veth[host], **(env_extra or {})})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "NIXL_LOG_LEVEL": "WARN",
+               "UCX_TLS": "tcp", "KVPUSH_KV_SECRET": CLUSTER_SECRET,
+               "UCX_NET_DEVICES": self.net.veth[host]}
         self.starts += 1
         log = self.log_dir / f"{self.mode}-{host}-{self.starts}.log"
         return NsProcess(self.net, host, argv, env, log, self.url(host) + "/health")
@@ -163,7 +166,7 @@ class Cluster:
 
     def signed(self, params: dict, host: str, peer: str | None = None) -> dict:
         """kv_transfer_params as the router would sign them for instance ``host``."""
-        from kvpush.kv_transfer.wire.auth import ParamsSigner
+        from kvpush.crypto.auth import ParamsSigner
 
         role = "prefill" if host == "P" else "decode"
         return ParamsSigner(CLUSTER_SECRET.encode()).sign(
@@ -174,13 +177,13 @@ class Cluster:
     def router_url(self) -> str:
         return f"http://{self.net.ip('R')}:{HTTP_PORT}"
 
-    def restart(self, host: str, env_extra: dict | None = None,
+    def restart(self, host: str, faults: dict | None = None,
                 policy: str | None = None) -> None:
         """Start ``host`` again (after a kill), and wait until the router uses it."""
         old = self.procs.pop(host, None)
         if old is not None:
             old.stop()
-        self.procs[host] = self._start_instance(host, env_extra, policy)
+        self.procs[host] = self._start_instance(host, faults, policy)
         self.wait_in_rotation(host)
 
     def wait_in_rotation(self, host: str, timeout: float = 20) -> None:

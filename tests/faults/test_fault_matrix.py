@@ -421,10 +421,10 @@ def test_lease_expiry(cl, note):
 
 def test_injected_post_failure(cl, note):
     """The transfer fails to post (push: P's WRITE; pull: D's READ), injected with
-    KVPUSH_FAULTS={"fail_posts": 1}: a clear error within BOUND_IMMEDIATE, blocks free
+    FaultPlan(fail_posts=1): a clear error within BOUND_IMMEDIATE, blocks free
     on both; the next requests succeed (the fault is spent)."""
     host = "P" if cl.mode == "push" else "D"
-    cl.restart(host, env_extra={"KVPUSH_FAULTS": json.dumps({"fail_posts": 1})})
+    cl.restart(host, faults={"fail_posts": 1})
     c = Call(cl.router_url, body(200, 4))
     took = c.wait(BOUND_IMMEDIATE + 5)
     note(**seen(c))
@@ -440,10 +440,9 @@ def test_injected_post_failure_recompute(cl, note):
     (decode prefills locally) within BOUND_IMMEDIATE."""
     b = body(200, 6)
     cl.restart("D", policy="recompute",
-               env_extra={"KVPUSH_FAULTS": json.dumps({"fail_posts": 1})}
-               if cl.mode == "pull" else None)
+               faults={"fail_posts": 1} if cl.mode == "pull" else None)
     if cl.mode == "push":
-        cl.restart("P", env_extra={"KVPUSH_FAULTS": json.dumps({"fail_posts": 1})})
+        cl.restart("P", faults={"fail_posts": 1})
     c = Call(cl.router_url, b)
     took = c.wait(BOUND_IMMEDIATE + 5)
     note(**seen(c))

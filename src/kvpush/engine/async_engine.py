@@ -50,8 +50,8 @@ class AsyncEngine(FrontEnd):
         self._loop = asyncio.get_running_loop()
         if self.kv_events is not None:
             self.kv_events.start()
-        self._thread = threading.Thread(target=self.core.run, args=(self._post,),
-                                        name="kvpush-step-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kvpush-step-loop",
+                                        daemon=True)
         self._thread.start()
 
     async def shutdown(self) -> None:
@@ -63,13 +63,23 @@ class AsyncEngine(FrontEnd):
         if self.kv_events is not None:  # after the step loop: its last events go out
             await loop.run_in_executor(None, self.kv_events.close)
 
+    def _run(self) -> None:
+        self.core.run(self._post)
+        fatal, loop = self.core.fatal, self._loop
+        if fatal is not None and loop is not None and not loop.is_closed():
+            # as a dead core process is reported (CoreClient): the owner stops serving
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._died, str(fatal))
+
+    def _died(self, why: str) -> None:
+        if self.on_death is not None:
+            self.on_death(why)
+
     def _core_problem(self) -> str | None:
         if self.core.fatal is not None or self._thread is None \
                 or not self._thread.is_alive():
             return "the engine step loop is not running"
-        # the transfer thread's death, read as it happens (a thread-safe property), not
-        # only from the next snapshot
-        return self.engine.transfer_problem()
+        return None
 
     def _send(self, cmd: EngineCommand) -> None:
         self.engine.inbox.put(cmd)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 from kvpush.config import EngineConfig
-from kvpush.engine.outputs import RequestError
+from kvpush.errors import RequestError
 from kvpush.kv_cache.block_pool import hash_prompt_chain
-from kvpush.kv_transfer.step_loop.state import KVTransferParams, chain_problem
+from kvpush.kv_transfer.params import KVTransferParams, chain_problem
 from kvpush.sampling_params import SamplingParams
 
 
@@ -25,14 +25,14 @@ class RequestChecker:
         self.engine_id = kvt.engine_id if kvt.enabled else ""
         self.signer = None
         if kvt.enabled and kvt.params_signed:
-            from kvpush.kv_transfer.wire.auth import ParamsSigner
+            from kvpush.crypto.auth import ParamsSigner
 
             self.signer = ParamsSigner(kvt.side_channel_secret)
         self.block_size = config.cache.block_size
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = config.model.vocab_size
 
-    def kv_params(self, raw: dict | KVTransferParams | None) -> KVTransferParams | None:
+    def kv_params(self, raw: object) -> KVTransferParams | None:
         """A request's ``kv_transfer_params`` checked once, typed (RequestError: a 400)."""
         if raw is None or isinstance(raw, KVTransferParams):
             return raw

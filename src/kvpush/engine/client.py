@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from kvpush.config import EngineConfig
-from kvpush.engine.outputs import EngineStats, RequestOutput, TransferRecord
+from kvpush.engine.outputs import EngineStats, RequestOutput
+from kvpush.kv_transfer.params import KVTransferParams
+from kvpush.kv_transfer.record import TransferCounters, TransferRecord
 from kvpush.sampling_params import SamplingParams
 
 
@@ -41,8 +43,8 @@ class EngineClient(Protocol):
         """The scheduler's gauges as of the engine's last report."""
         ...
 
-    def kv_stats(self) -> dict[str, int]:
-        """Transfer counters as of the engine's last report (empty for role both)."""
+    def kv_stats(self) -> TransferCounters | None:
+        """Transfer counters as of the engine's last report (None for role both)."""
         ...
 
     def generate(
@@ -50,10 +52,15 @@ class EngineClient(Protocol):
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; RequestError (raised before the first output) if
         it is refused. Closing the stream early aborts the request."""
+        ...
+
+    def kv_params(self, raw: object) -> KVTransferParams | None:
+        """A request's ``kv_transfer_params`` checked once and typed (RequestError: a
+        400; 403 when not the router's); None when it has none."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

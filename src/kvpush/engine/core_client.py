@@ -32,6 +32,7 @@ from kvpush.engine.core_proc import CoreFailed, CoreReady, CoreSetup, Hello
 from kvpush.engine.front import FrontEnd
 from kvpush.engine.inputs import EngineCommand, Shutdown
 from kvpush.engine.outputs import EngineOutputs
+from kvpush.kv_transfer.links import TransferLinks
 
 log = logging.getLogger("kvpush.engine.core")
 
@@ -42,9 +43,11 @@ STOP_TIMEOUT_S = 30.0
 class CoreClient(FrontEnd):
     @classmethod
     def launch(cls, config: EngineConfig, tokenizer=None, log_level: str = "INFO",
-               start_timeout: float = 600.0) -> CoreClient:
+               start_timeout: float = 600.0, links: TransferLinks | None = None
+               ) -> CoreClient:
         """Start the engine core and wait until it is ready (model loaded, sockets
-        bound); ConfigError with the core's own message if it could not start."""
+        bound); ConfigError with the core's own message if it could not start.
+        ``links`` (picklable) go to the core with its config (default: NIXL)."""
         if tokenizer is None:
             from kvpush.engine.llm_engine import load_tokenizer
 
@@ -79,7 +82,7 @@ class CoreClient(FrontEnd):
 
         try:
             assert proc.stdin is not None
-            pickle.dump(CoreSetup(config, in_addr, out_addr, log_level), proc.stdin)
+            pickle.dump(CoreSetup(config, in_addr, out_addr, log_level, links), proc.stdin)
             proc.stdin.close()
         except OSError as e:
             raise give_up(f"the engine core did not start: {e}") from e

@@ -28,11 +28,12 @@ import torch
 import zmq
 
 from kvpush.config import ConfigError, EngineConfig
-from kvpush.engine.inputs import Utility
+from kvpush.engine.inputs import TransferThreadDied, Utility
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import EngineOutput, EngineOutputs, TransferRecord
 from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.event_publisher import KVEventPublisher
+from kvpush.kv_transfer.links import TransferLinks
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +48,15 @@ Post = Callable[[EngineOutputs], None]
 
 
 class CoreLoop:
-    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None,
+                 links: TransferLinks | None = None):
+        """``links``: how the engine it builds reaches its peers (LLMEngine's)."""
         #: torch threads the loop sets for itself (None: an engine built by the caller
         #: keeps the caller's setting)
         self.step_threads: int | None = None
         if engine is None:
             self.step_threads = config.threads or DEFAULT_THREADS
-            engine = LLMEngine(config, build_threads=1)
+            engine = LLMEngine(config, build_threads=1, links=links)
         self.engine = engine
         self.config = config
         connector = getattr(engine, "connector", None)  # (tests drive stub engines)
@@ -118,6 +121,8 @@ class CoreLoop:
                     self._post(post, outputs)
                 self._post(post, engine.step())
                 self._publish_events()
+        except TransferThreadDied as e:  # the transfer thread logged why
+            self.fatal = e
         except BaseException as e:  # reported through the front end's health
             log.exception("step loop died")
             self.fatal = e
@@ -151,9 +156,15 @@ class CoreLoop:
                 self.kv_events.publish(events)
 
     def _abort_all(self) -> list[EngineOutput]:
+        """End every request: aborted after a Shutdown, failed with the reason when the
+        loop died (its client gets an error, not a finish it could take for its own)."""
+        e = self.fatal
+        why = None if e is None else str(e) if isinstance(e, TransferThreadDied) else (
+            f"the engine step loop died: {type(e).__name__}: {e}")
         outs = []
         for rid in list(self.engine.scheduler.requests):
-            out = self.engine.abort_request(rid)
+            out = (self.engine.abort_request(rid) if why is None  # (stubs: the id only)
+                   else self.engine.abort_request(rid, why))
             if out is not None:
                 outs.append(out)
         return outs

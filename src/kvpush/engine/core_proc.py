@@ -36,6 +36,7 @@ import zmq
 from kvpush.config import EngineConfig
 from kvpush.engine.inputs import EngineCommand, Shutdown
 from kvpush.engine.outputs import EngineOutputs, EngineSnapshot
+from kvpush.kv_transfer.links import TransferLinks
 
 log = logging.getLogger("kvpush.engine.core")
 
@@ -46,6 +47,8 @@ class CoreSetup:
     input_address: str
     output_address: str
     log_level: str = "INFO"
+    #: how the engine reaches its peers (None: NIXL and a ZMQ side channel)
+    links: TransferLinks | None = None
 
 
 class CoreReady(msgspec.Struct, tag=True, frozen=True):
@@ -82,7 +85,7 @@ def main() -> int:
     from kvpush.engine.core_loop import CoreLoop
 
     try:
-        core = CoreLoop(setup.config)
+        core = CoreLoop(setup.config, links=setup.links)
     except Exception as e:  # noqa: BLE001 - the parent reports it and exits non-zero
         log.debug("engine core failed to start", exc_info=True)
         out.send(enc.encode(CoreFailed(str(e) or type(e).__name__)))

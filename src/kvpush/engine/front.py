@@ -41,6 +41,8 @@ from kvpush.engine.outputs import (
     RequestOutput,
     TransferRecord,
 )
+from kvpush.kv_transfer.params import KVTransferParams
+from kvpush.kv_transfer.record import TransferCounters
 from kvpush.sampling_params import SamplingParams
 
 #: how long a utility call (/kv/info, /kv/cache_blocks) waits for the core's reply
@@ -73,7 +75,7 @@ class FrontEnd:
 
     # ---- EngineClient ------------------------------------------------------------------
     def health_problem(self) -> str | None:
-        return self._core_problem() or self._snapshot.problem
+        return self._core_problem()
 
     def starting(self) -> str | None:
         """Start-up work the core still runs (/health is 503 "starting" until it is
@@ -86,8 +88,11 @@ class FrontEnd:
     def stats(self) -> EngineStats:
         return self._snapshot.stats
 
-    def kv_stats(self) -> dict[str, int]:
+    def kv_stats(self) -> TransferCounters | None:
         return self._snapshot.kv_stats
+
+    def kv_params(self, raw: object) -> KVTransferParams | None:
+        return self.checker.kv_params(raw)
 
     def set_transfer_sink(self, sink: Callable[[TransferRecord], None]) -> None:
         self._sink = sink
@@ -121,7 +126,7 @@ class FrontEnd:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. ``request_id`` is the caller's (X-Request-Id); the
         core runs it under a unique internal id, so an id reused right after an abort
@@ -130,8 +135,6 @@ class FrontEnd:
         if problem is not None:
             raise RequestError(f"this instance cannot serve requests: {problem}",
                                code="unavailable", status_code=503)
-        if kv_transfer_params is None:
-            kv_transfer_params = params.extra.get("kv_transfer_params")
         # checked and typed here, once, before anything is queued (a 400 if malformed)
         kv, params = self.checker.check(prompt_token_ids, params, kv_transfer_params)
         if request_id in self._internal:

@@ -9,19 +9,18 @@ tells them apart), applied by ``LLMEngine.process_inbox`` between two steps.
   ``/kv/cache_blocks``), answered in the batch of the turn that ran it;
 * :class:`Shutdown`: stop the loop.
 
-The transfer thread's events reach the same inbox wrapped in :class:`TransferEvent`
-(a local object, never sent to another process).
+The transfer thread's updates (``kv_transfer.commands.TransferUpdate``) reach the same
+inbox as they are, and so does :class:`TransferThreadDied`, which ends the step loop
+(and with it the engine core process): local objects, never sent to another process.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
-from kvpush.kv_transfer.step_loop.state import KVTransferParams
+from kvpush.kv_transfer.params import KVTransferParams
 from kvpush.sampling_params import SamplingParams
 
 
@@ -60,8 +59,10 @@ class Shutdown(msgspec.Struct, tag=True, frozen=True):
 EngineCommand = AddRequest | AbortRequests | AbortTransfer | UtilityCall | Shutdown
 
 
-@dataclass(frozen=True)
-class TransferEvent:
-    """An event of this process's transfer thread for the step loop (kv_transfer.commands)."""
+class TransferThreadDied(Exception):
+    """The transfer thread died (``why``): put in the inbox, raised by the step loop,
+    which ends (the core process exits 1; its peers' leases and fences cover it)."""
 
-    event: Any
+    def __init__(self, why: str) -> None:
+        super().__init__(f"the KV transfer thread died: {why}")
+        self.why = why

@@ -28,7 +28,7 @@ from kvpush.engine.inputs import (
     AbortTransfer,
     AddRequest,
     Shutdown,
-    TransferEvent,
+    TransferThreadDied,
     Utility,
     UtilityCall,
 )
@@ -42,14 +42,10 @@ from kvpush.engine.outputs import (
     RequestFailure,
     UtilityReply,
 )
-from kvpush.kv_transfer.commands import (
-    AbortRequest,
-    EmitFirstToken,
-    FailRequest,
-    RejectRequest,
-)
-from kvpush.kv_transfer.step_loop.state import KVTransferParams
-from kvpush.kv_transfer.step_loop.thread_death import died_message
+from kvpush.kv_transfer.actions import AbortRequest, EmitFirstToken, FailRequest, RejectRequest
+from kvpush.kv_transfer.commands import TransferUpdate
+from kvpush.kv_transfer.links import TransferLinks
+from kvpush.kv_transfer.params import KVTransferParams
 from kvpush.sampling_params import SamplingParams, TopLogprobs
 from kvpush.scheduler.request import Request, RequestState
 from kvpush.scheduler.scheduler import Scheduler
@@ -71,11 +67,12 @@ def load_tokenizer(path: str):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None, faults=None,
+    def __init__(self, config: EngineConfig, tokenizer=None, links: TransferLinks | None = None,
                  build_threads: int | None = None):
         """``build_threads``: torch threads of the calling thread while the engine is
         built (default ``config.threads``). AsyncEngine builds with 1 and gives the
-        step-loop thread ``config.threads``: see AsyncEngine."""
+        step-loop thread ``config.threads``: see AsyncEngine. ``links``: how a P/D
+        instance reaches its peers (default NIXL and a ZMQ side channel)."""
         threads = config.threads if build_threads is None else build_threads
         if threads:
             torch.set_num_threads(threads)
@@ -108,12 +105,10 @@ class LLMEngine:
             from kvpush.kv_transfer.step_loop.connector import KVConnector
 
             self.connector = KVConnector(
-                config,
-                self.runner.kv_region,
-                self.scheduler,
-                post_event=lambda ev: self.inbox.put(TransferEvent(ev)),
-                faults=faults,
-            )
+                config, self.runner.kv_region, self.scheduler,
+                post_update=self.inbox.put,
+                on_death=lambda why: self.inbox.put(TransferThreadDied(why)),
+                links=links)
             self.scheduler.on_preempt = self.connector.on_preempt
             self.connector.start()
 
@@ -156,9 +151,11 @@ class LLMEngine:
                         out = self.abort_request(rid)
                         if out is not None:
                             outputs.append(out)
-                case TransferEvent(event=ev) if self.connector is not None:
-                    self.connector.handle_event(ev)
+                case TransferUpdate() if self.connector is not None:
+                    self.connector.handle_update(cmd)
                     outputs += self._apply_connector_actions()
+                case TransferThreadDied():
+                    raise cmd  # the step loop ends: CoreLoop fails every request
                 case AbortTransfer(transfer_id=tid, why=why) if self.connector is not None:
                     self.connector.abort_transfer(tid, why)
                     outputs += self._apply_connector_actions()
@@ -210,25 +207,6 @@ class LLMEngine:
         return outputs
 
     # ---- requests ------------------------------------------------------------------
-    def kv_params(self, raw: dict | KVTransferParams | None) -> KVTransferParams | None:
-        """A request's ``kv_transfer_params`` checked, typed (RequestError: a 400)."""
-        return self.checker.kv_params(raw)
-
-    def leg_params(self, params: SamplingParams,
-                   kv: KVTransferParams | None) -> SamplingParams:
-        """The sampling parameters a request runs with (RequestChecker.leg_params)."""
-        return self.checker.leg_params(params, kv)
-
-    def validate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        kv_transfer_params: dict | KVTransferParams | None = None,
-    ) -> KVTransferParams | None:
-        """Raise RequestError for a request this engine can never serve; returns its
-        typed kv_transfer_params. Thread-safe."""
-        return self.checker.check(prompt_token_ids, params, kv_transfer_params)[0]
-
     def add_request(
         self,
         request_id: str,
@@ -259,10 +237,13 @@ class LLMEngine:
             self.scheduler.add_request(req)
         return req
 
-    def abort_request(self, request_id: str) -> EngineOutput | None:
+    def abort_request(self, request_id: str, why: str | None = None) -> EngineOutput | None:
+        """End a request: aborted (its client's doing), or failed with ``why``."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return None
+        if why is not None:
+            return self._finish(req, FinishReason.ERROR, [], None, RequestFailure(why))
         return self._finish(req, FinishReason.ABORT, [], None)
 
     def has_work(self) -> bool:
@@ -387,16 +368,10 @@ class LLMEngine:
         return info
 
     def snapshot(self) -> EngineSnapshot:
-        """The gauges, transfer counters and health as of now (step-loop thread)."""
+        """The gauges, transfer counters and start-up state as of now (step-loop thread)."""
         c = self.connector
-        return EngineSnapshot(self.stats(), c.stats() if c is not None else {},
-                              self.transfer_problem(), self.starting)
-
-    def transfer_problem(self) -> str | None:
-        """Why this instance takes no part in KV transfers any more (its transfer thread
-        died), or None. Thread-safe."""
-        death = self.connector.failure if self.connector is not None else None
-        return died_message(death) if death is not None else None
+        return EngineSnapshot(self.stats(), c.stats() if c is not None else None,
+                              self.starting)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -18,6 +18,9 @@ from typing import Any
 
 import msgspec
 
+from kvpush.errors import RequestError
+from kvpush.kv_transfer.params import KVTransferParams
+from kvpush.kv_transfer.record import TransferCounters, TransferRecord
 from kvpush.sampling_params import TopLogprobs
 
 
@@ -26,19 +29,6 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # client went away or abort() was called
     ERROR = "error"  # the engine failed this request (see RequestOutput.error)
-
-
-class RequestError(ValueError):
-    """A request the engine refuses up front (bad length, bad ids); maps to HTTP 400, or
-    to ``status_code`` when the refusal is the instance's state, not the client's
-    mistake (503: its KV transfer thread died)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 status_code: int = 400):
-        super().__init__(message)
-        self.param = param
-        self.code = code
-        self.status_code = status_code
 
 
 class RequestFailure(msgspec.Struct, frozen=True):
@@ -68,7 +58,7 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     finish_reason: FinishReason | None = None
     failure: RequestFailure | None = None
     #: what a finished leg answers its router with (a prefill leg's lend or push state)
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -96,28 +86,11 @@ class EngineSnapshot(msgspec.Struct, frozen=True):
     neither reaches into the step loop's live tables."""
 
     stats: EngineStats
-    #: transfer counters (KVConnector.stats(); empty for role both)
-    kv_stats: dict[str, int] = {}
-    #: why this instance cannot serve (its transfer thread died), or None
-    problem: str | None = None
+    #: transfer counters (KVConnector.stats(); None for role both)
+    kv_stats: TransferCounters | None = None
     #: start-up work still running on the stepping thread (the matmul autotune): /health
     #: is 503 "starting" meanwhile, requests are queued, not refused; None once done
     starting: str | None = None
-
-
-class TransferRecord(msgspec.Struct):
-    """One finished transfer, for /metrics and logs (the transfer thread's record, sent
-    to the front end with the step's outputs)."""
-
-    transfer_id: str
-    role: str
-    mode: str
-    ok: bool
-    num_bytes: int = 0
-    num_descriptors: int = 0
-    post_s: float = 0.0
-    transfer_s: float = 0.0
-    error: str | None = None
 
 
 class UtilityReply(msgspec.Struct, frozen=True):
@@ -159,4 +132,4 @@ class RequestOutput:
     first_token_time: float | None = None
     arrival_time: float = 0.0
     #: a finished leg's answer to its router (None for a plain request)
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None

@@ -6,7 +6,7 @@ PIN fell to 10,000 guesses in 1.6 s. With the cluster secret, an instance publis
 ``tag(h)`` instead, a keyed BLAKE2b of each hash under a key derived from the secret
 (and serves the same tags at ``/kv/cache_blocks``); the router, which holds the same
 derived keys, tags the prompt chain it looks up. The PUB socket is a CURVE server
-(kvpush.kv_transfer.wire.curve, its own key pairs, ZAP admitting the member key), so only a
+(kvpush.crypto.curve, its own key pairs, ZAP admitting the member key), so only a
 member can subscribe at all. Neither key is the secret: a router holding them can
 neither sign side-channel messages nor grants with them.
 """
@@ -17,8 +17,8 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
+from kvpush.crypto.curve import CurveKeys, derive_curve_keys
 from kvpush.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvpush.kv_transfer.wire.curve import CurveKeys, derive_curve_keys
 
 #: bytes of a published tag (a block hash is 16)
 TAG_BYTES = 16

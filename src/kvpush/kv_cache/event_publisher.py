@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 import zmq
 
+from kvpush.crypto.curve import ZapGuard, make_server
 from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.events import TOPIC, KVEvent, KVEventBatch, apply_events, encode_batch
-from kvpush.kv_transfer.wire.curve import ZapGuard, make_server
 
 log = logging.getLogger(__name__)
 

@@ -1,20 +1,14 @@
 """Per-transfer stage timestamps: where the milliseconds of a hand-off go.
 
-Each instance stamps the stages of every transfer it takes part in (prefill: request in
-the engine, its step starting, token #1, each WRITE posted, the completion sent; decode:
-request in the engine, blocks registered, the completion or the READ done, token #1
-out) and, when its part is over, logs one ``handoff`` line (logger
+Each instance stamps the stages of each transfer it takes part in (request in, step,
+WRITEs or READ, completion, token #1) and, when its part is over, logs one line (logger
 ``kvpush.kv_transfer.handoff``, INFO)::
 
     handoff transfer=T role=prefill t_p_added=812.004113 t_p_step=812.004398 ...
 
-Stamps are ``time.perf_counter()`` seconds: CLOCK_MONOTONIC on Linux, one clock for
-every process of a host, so the router's request line (``t_r_*``) and both instances'
-lines of one transfer id line up into one timeline (`kvpush bench handoff` does that;
-across hosts only each process's own differences are meaningful).
-
-Stamps come from the step-loop thread and the transfer thread; each is one dict store
-under the GIL. The table is bounded: the oldest transfer's stamps go first.
+Stamps are ``time.perf_counter()`` seconds (CLOCK_MONOTONIC: one clock per host), so the
+router's and both instances' lines of a transfer line up (`kvpush bench handoff`). The
+step loop owns the table (bounded); the transfer thread's stamps arrive with its ``Over``.
 """
 
 from __future__ import annotations
@@ -24,7 +18,6 @@ import time
 from collections import OrderedDict
 
 log = logging.getLogger("kvpush.kv_transfer.handoff")
-
 #: transfers whose stamps are kept at once (ended ones are logged and dropped)
 MAX_TRACKED = 4096
 
@@ -42,9 +35,8 @@ class HandoffTimeline:
             self._stamps.popitem(last=False)
 
     def stamp(self, tid: str, stage: str, t: float | None = None, first: bool = False) -> None:
-        """Record a later ``stage`` of ``tid`` now (or at ``t``), if its line is still
-        open (a stage after the end, or of a transfer never begun, is not kept);
-        ``first``: keep an earlier stamp of the stage."""
+        """Record a later ``stage`` of ``tid`` now (or at ``t``) if its line is open (begun,
+        not yet emitted); ``first``: keep an earlier stamp of the stage."""
         stamps = self._stamps.get(tid)
         if stamps is None or first and stage in stamps:
             return

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
-from kvpush.kv_transfer.wire.auth import RouterKeys
+from kvpush.crypto.auth import grant_key
+from kvpush.kv_cache.event_keys import EventKeys
 
 Mode = Literal["push", "pull", "colocated"]
 Policy = Literal["round-robin", "least-outstanding", "cache-aware"]
@@ -21,6 +22,22 @@ Role = Literal["prefill", "decode", "both"]
 
 MODES: tuple[str, ...] = ("push", "pull", "colocated")
 POLICIES: tuple[str, ...] = ("round-robin", "least-outstanding", "cache-aware")
+
+
+@dataclass(frozen=True, repr=False)
+class RouterKeys:
+    """The router's share of the cluster secret: the grant key and the KV-event keys,
+    nothing that lets it join the side channel (docs/SECURITY.md)."""
+
+    grant_key: bytes
+    events: EventKeys
+
+    def __repr__(self) -> str:  # never show a key
+        return "RouterKeys(...)"
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> RouterKeys:
+        return cls(grant_key(secret), EventKeys.from_secret(secret))
 
 
 class RouterConfigError(ValueError):

@@ -35,6 +35,7 @@ from typing import Any
 
 import msgspec
 
+from kvpush.crypto.curve import make_client
 from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.events import (
     TOPIC,
@@ -44,7 +45,6 @@ from kvpush.kv_cache.events import (
     KVEventBatch,
     decode_batch,
 )
-from kvpush.kv_transfer.wire.curve import make_client
 from kvpush.router.stopping import cancel_and_wait
 
 logger = logging.getLogger("kvpush.router.kv_index")

@@ -16,7 +16,7 @@ from kvpush.router.redact import scrub, scrub_error
 from kvpush.server.errors import APIError
 
 if TYPE_CHECKING:
-    from kvpush.kv_transfer.wire.auth import RouterKeys
+    from kvpush.router.config import RouterKeys
 
 logger = logging.getLogger("kvpush.router")
 
@@ -47,11 +47,11 @@ def relay_error(status: int, content: bytes, role: str, inst: Instance, rid: str
 
 class LegSigner:
     """Signs each leg's ``kv_transfer_params`` for the kvpush instance it goes to
-    (kvpush.kv_transfer.wire.auth); vLLM instances (no /kv/info) get them unsigned, as
+    (kvpush.crypto.auth); vLLM instances (no /kv/info) get them unsigned, as
     their own proxies send them. Without the cluster secret nothing is signed."""
 
     def __init__(self, keys: RouterKeys | None) -> None:
-        from kvpush.kv_transfer.wire.auth import ParamsSigner
+        from kvpush.crypto.auth import ParamsSigner
 
         self._signer = ParamsSigner.from_key(keys.grant_key) if keys else None
 

@@ -78,8 +78,13 @@ class Scheduler:
                               cache.shuffle_free_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # decode side of P/D: requests whose prompt KV comes from a prefill instance
+        # decode side of P/D: requests whose prompt KV comes from a prefill instance,
+        # waiting for blocks (in arrival order), then for their KV
+        self.remote_pending: deque[Request] = deque()
         self.remote_waiting: dict[str, Request] = {}
+        #: the last allocate_remote_pending could not serve the head of the queue, and
+        #: nothing freed blocks since (no spinning)
+        self._remote_stalled = False
         self.requests: dict[str, Request] = {}
         # set by the KV connector: returns True when it takes over a preempted request's
         # blocks (KV being sent from them must not be overwritten)
@@ -105,6 +110,25 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         req.state = RequestState.WAITING_FOR_REMOTE_KV
         self.requests[req.request_id] = req
+        self.remote_pending.append(req)
+        self._remote_stalled = False
+
+    def has_remote_pending(self) -> bool:
+        """Whether allocate_remote_pending could give blocks now."""
+        return bool(self.remote_pending) and not self._remote_stalled
+
+    def allocate_remote_pending(self) -> list[Request]:
+        """Blocks for the waiting remote-KV requests, in arrival order, while blocks and
+        the seq cap allow; the requests that got theirs."""
+        got = []
+        while self.remote_pending:
+            req = self.remote_pending[0]
+            if not self.allocate_remote(req):
+                break
+            self.remote_pending.popleft()
+            got.append(req)
+        self._remote_stalled = bool(self.remote_pending)
+        return got
 
     def has_work(self) -> bool:
         """Whether step() would compute anything (remote-KV waits are not work)."""
@@ -141,6 +165,8 @@ class Scheduler:
         """Give up on remote KV and prefill locally: the request queues like a new one
         (its blocks are freed; the prefix cache may still hold part of its prompt)."""
         req = self.remote_waiting.pop(request_id, None) or self.requests[request_id]
+        with contextlib.suppress(ValueError):
+            self.remote_pending.remove(req)
         if req.block_ids:
             self.pool.free(req.block_ids)
             req.block_ids = []
@@ -306,6 +332,7 @@ class Scheduler:
         """Give back blocks handed over by :meth:`detach_blocks`, ``finish(...,
         keep_blocks=True)`` or ``on_preempt``."""
         self.pool.free(blocks)
+        self._remote_stalled = False
 
     # ---- ending ------------------------------------------------------------------
     def finish(
@@ -324,6 +351,9 @@ class Scheduler:
         elif self.remote_waiting.pop(request_id, None) is None:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
+            with contextlib.suppress(ValueError):
+                self.remote_pending.remove(req)
+        self._remote_stalled = False
         blocks = self.detach_blocks(req)
         if blocks and not keep_blocks:
             self.pool.free(blocks)

@@ -22,8 +22,8 @@ Everything here runs on the event loop only, so the counter needs no lock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from kvpush.kv_transfer.params import KVTransferParams
 from kvpush.server.errors import APIError
 
 #: Default of ``kvpush serve --max-waiting-requests``: generous for a server whose
@@ -32,15 +32,15 @@ from kvpush.server.errors import APIError
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 
 
-def is_second_leg(role: str, mode: str, kv_transfer_params: Any) -> bool:
-    """Whether a request with these (raw, not yet checked) ``kv_transfer_params`` is the
-    second leg of a P/D pair on an instance of ``role`` in ``mode`` (see the module)."""
-    if not isinstance(kv_transfer_params, dict):
+def is_second_leg(role: str, mode: str, kv: KVTransferParams | None) -> bool:
+    """Whether a request with these (checked) ``kv_transfer_params`` is the second leg
+    of a P/D pair on an instance of ``role`` in ``mode`` (see the module)."""
+    if kv is None:
         return False
     if role == "prefill" and mode == "push":
-        return kv_transfer_params.get("do_remote_decode") is True
+        return kv.do_remote_decode
     if role == "decode" and mode == "pull":
-        return kv_transfer_params.get("do_remote_prefill") is True
+        return kv.do_remote_prefill
     return False
 
 

@@ -29,9 +29,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from kvpush.crypto.auth import ParamsSigner
 from kvpush.engine.client import EngineClient
 from kvpush.engine.outputs import FinishReason, RequestOutput
-from kvpush.kv_transfer.wire.auth import ParamsSigner
 from kvpush.server import chat
 from kvpush.server.admission import (
     DEFAULT_MAX_WAITING_REQUESTS,
@@ -194,9 +194,10 @@ class _Server:
                 return Response(status_code=499)
             req = await self.prompts.parse(kind, body)
             rid = self._request_id(request, "chatcmpl" if kind == "chat" else "cmpl")
+            # checked once and typed here (a 400, or a 403 unsigned), handed on as is
+            kv = self.engine.kv_params(req.kv_transfer_params)
             # admitted (or refused with a 429) before any tokenizing or allocating
-            slot = self.waiting.admit(exempt=is_second_leg(
-                self.kv_role, self.kv_mode, req.kv_transfer_params))
+            slot = self.waiting.admit(exempt=is_second_leg(self.kv_role, self.kv_mode, kv))
             job = await self.prompts.job(req, rid, arrival, len(body))
             problem = self.engine.health_problem()
             if problem is not None:
@@ -207,7 +208,7 @@ class _Server:
                 fmt = ChatFormat(job, self.model_name, self.token_texts)
             else:
                 fmt = CompletionFormat(job, self.model_name, self.token_texts)
-            gen = aiter(self.engine.generate(job.request_id, job.prompt_ids, job.params))
+            gen = aiter(self.engine.generate(job.request_id, job.prompt_ids, job.params, kv))
             timer = RequestTimer(self.metrics, arrival, len(job.prompt_ids))
 
             # Wait for the first output before answering: the engine refuses requests by

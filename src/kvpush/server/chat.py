@@ -219,9 +219,6 @@ class PromptBuilder:
     @staticmethod
     def _sampling_params(req: SamplingRequest, max_tokens: int, logprobs: bool,
                          top_logprobs: int = 0) -> SamplingParams:
-        extra: dict[str, Any] = {}
-        if req.kv_transfer_params is not None:
-            extra["kv_transfer_params"] = req.kv_transfer_params
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -239,7 +236,6 @@ class PromptBuilder:
             top_logprobs=top_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             cache_salt=req.cache_salt,
-            extra=extra,
         )
 
     def completion_job(self, req: CompletionRequest, request_id: str, arrival: float) -> Job:

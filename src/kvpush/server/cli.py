@@ -172,8 +172,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "does not sign (vLLM's). Without it a prefill/decode instance needs "
                          "the secret (--kv-secret-file; `kvpush make-secret PATH` writes one) "
                          "and answers 403 to kv_transfer_params not signed by the router")
-    pd.add_argument("--kv-transport", choices=("nixl", "inproc"), default="nixl",
-                    help=argparse.SUPPRESS)  # inproc only works within one process (tests)
     pd.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"),
                     default="fail",
                     help="decode side, when the KV does not arrive: fail the request with "
@@ -266,7 +264,6 @@ def build_config(args: argparse.Namespace) -> Any:
         engine_id=args.engine_id or "",
         side_channel_host=args.side_channel_host,
         side_channel_port=args.side_channel_port,
-        transport=args.kv_transport,
         lease_timeout_s=args.lease_timeout,
         heartbeat_interval_s=args.heartbeat_interval,
         fence_timeout_s=args.fence_timeout,
@@ -349,7 +346,7 @@ def run_serve(args: argparse.Namespace) -> int:
         listener.close()
         return _fail(str(e))
     kvt = config.kv_transfer
-    if kvt.enabled and kvt.transport == "nixl":
+    if kvt.enabled:
         # before NIXL is imported and its UCX agent created (in AsyncEngine)
         import os
 

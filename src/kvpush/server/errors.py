@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpush.engine.outputs import RequestError
+from kvpush.errors import RequestError
 from kvpush.sampling_params import SamplingParamsError
 
 logger = logging.getLogger("kvpush.server")

@@ -1,7 +1,7 @@
 """``POST /kv/abort``: the router releases what a prefill instance holds for a transfer.
 
 Only the router may call it: with the cluster secret, the body must be signed by the
-router for this instance like ``kv_transfer_params`` (kvpush.kv_transfer.wire.auth: the
+router for this instance like ``kv_transfer_params`` (kvpush.crypto.auth: the
 grant names this instance and expires), and carry ``"kvpush_action": "abort"``, so that
 a signed leg's params cannot be replayed as an abort. The body is small and flat:
 at most ``MAX_ABORT_BODY_BYTES`` (a 413 beyond: :func:`read_abort_body` stops reading
@@ -17,8 +17,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from kvpush.kv_transfer.step_loop.state import MAX_ID_CHARS
-from kvpush.kv_transfer.wire.auth import ParamsForbidden, ParamsSigner
+from kvpush.crypto.auth import ParamsForbidden, ParamsSigner
+from kvpush.kv_transfer.params import MAX_ID_CHARS
 from kvpush.server.errors import APIError
 
 #: the largest /kv/abort body accepted: a transfer id, a grant and a signature

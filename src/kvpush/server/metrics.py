@@ -22,6 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from kvpush.engine.outputs import EngineStats
+from kvpush.kv_transfer.record import TransferCounters, TransferRecord
 from kvpush.server.admission import WaitingBound
 
 logger = logging.getLogger("kvpush.server")
@@ -83,9 +84,43 @@ class _EngineCollector(Collector):
 
 
 class _TransferCollector(Collector):
-    """KV-transfer counters owned by the connector, read once per scrape."""
+    """KV-transfer counters (the engine core's last ``TransferCounters``), read once per
+    scrape."""
 
-    def __init__(self, kv_stats: Callable[[], dict]) -> None:
+    COUNTERS = {
+        "kvpush_kv_transfers_ok": ("KV transfers that completed", "transfers_ok"),
+        "kvpush_kv_transfers_failed": ("KV transfers that failed (post, completion, peer "
+                                       "gone, refused)", "transfers_failed"),
+        "kvpush_kv_leases_expired": ("Transfer leases that ran out (blocks freed)",
+                                     "leases_expired"),
+        "kvpush_kv_aborts_sent": ("Aborts sent to a peer (a fence's repeats of one not "
+                                  "counted)", "aborts_sent"),
+        "kvpush_kv_aborts_received": ("Aborts received from a peer", "aborts_received"),
+        "kvpush_kv_side_channel_bad_messages": ("Side-channel frames dropped as malformed",
+                                                "messages_bad"),
+        "kvpush_kv_fences": ("Push transfers whose blocks were fenced when their request "
+                             "ended with prefill's WRITEs possibly in flight", "fences"),
+        "kvpush_kv_fences_peer_gone": ("Fences ended by the prefill's connection dropping "
+                                       "(its process ended)", "fences_peer_gone"),
+        "kvpush_kv_fence_timeouts": ("Fences given up at --fence-timeout (prefill neither "
+                                     "answered nor dropped its connection): blocks freed "
+                                     "anyway", "fence_timeouts"),
+        "kvpush_kv_writes_refused": ("WRITEs not posted because their transfer had ended "
+                                     "(aborted or done)", "writes_refused"),
+        "kvpush_kv_registrations_after_blocks": (
+            "Push registrations that reached prefill after some of the prompt's KV was "
+            "computed (those blocks were written as the registration arrived, mid-step "
+            "included)", "registrations_after_blocks"),
+    }
+    GAUGES = {
+        "kvpush_kv_sends_in_flight": ("Prefill-side transfers in flight", "sends_in_flight"),
+        "kvpush_kv_recvs_in_flight": ("Decode-side transfers in flight", "recvs_in_flight"),
+        "kvpush_kv_blocks_lent": ("Blocks lent to decode instances (pull)", "blocks_lent"),
+        "kvpush_kv_blocks_fenced": ("Blocks held out of the pool until a transfer that may "
+                                    "still write or read them has ended", "blocks_fenced"),
+    }
+
+    def __init__(self, kv_stats: Callable[[], TransferCounters | None]) -> None:
         self._kv_stats = kv_stats
 
     def describe(self) -> Iterator[Metric]:
@@ -96,43 +131,16 @@ class _TransferCollector(Collector):
             st = self._kv_stats()
         except Exception:  # noqa: BLE001 - a scrape must never fail
             return
-        if not st:
+        if st is None:
             return
-        counters = {
-            "kvpush_kv_transfers_ok": ("KV transfers that completed", "transfers_ok"),
-            "kvpush_kv_transfers_failed": ("KV transfers that failed (post, completion, "
-                                           "peer gone, refused)", "transfers_failed"),
-            "kvpush_kv_leases_expired": ("Transfer leases that ran out (blocks freed)",
-                                         "worker_leases_expired"),
-            "kvpush_kv_aborts_sent": ("Aborts sent to a peer (a fence's repeats of one not "
-                                      "counted)", "worker_aborts_sent"),
-            "kvpush_kv_aborts_received": ("Aborts received from a peer", "worker_aborts_received"),
-            "kvpush_kv_side_channel_bad_messages": ("Side-channel frames dropped as "
-                                                    "malformed", "worker_messages_bad"),
-            "kvpush_kv_fences": ("Push transfers whose blocks were fenced when their "
-                                 "request ended with prefill's WRITEs possibly in flight",
-                                 "worker_fences"),
-            "kvpush_kv_fences_peer_gone": ("Fences ended by the prefill's connection "
-                                           "dropping (its process ended)",
-                                           "worker_fences_peer_gone"),
-            "kvpush_kv_fence_timeouts": ("Fences given up at --fence-timeout (prefill "
-                                         "neither answered nor dropped its connection): "
-                                         "blocks freed anyway", "worker_fence_timeouts"),
-            "kvpush_kv_writes_refused": ("WRITEs not posted because their transfer had "
-                                         "ended (aborted or done)", "worker_writes_refused"),
-            "kvpush_kv_registrations_after_blocks": (
-                "Push registrations that reached prefill after some of the prompt's KV was "
-                "computed (those blocks were written as the registration arrived, mid-step "
-                "included)", "worker_registrations_after_blocks"),
-        }
-        for name, (doc, key) in counters.items():
-            yield CounterMetricFamily(name, doc, value=float(st.get(key, 0)))
-        yield _labelled(CounterMetricFamily, st, "worker_side_channel_rejected_",
+        for name, (doc, key) in self.COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=float(getattr(st, key)))
+        yield _labelled(CounterMetricFamily, st.side_channel_rejected,
                         "kvpush_kv_side_channel_rejected", "Side-channel messages refused by "
                         "the shared-secret check (unsigned, bad_signature, replayed, stale, "
                         "malformed; handshake_refused: a CURVE handshake broken off)",
                         "reason")
-        yield _labelled(CounterMetricFamily, st, "worker_side_channel_send_dropped_",
+        yield _labelled(CounterMetricFamily, st.side_channel_send_dropped,
                         "kvpush_kv_side_channel_send_dropped",
                         "Side-channel messages not sent: the peer's queue was full "
                         "(queue_full), its connection could not be opened "
@@ -141,35 +149,27 @@ class _TransferCollector(Collector):
                         "peer table was full (peer_table_full), its handshake was given up "
                         "(handshake_timeout) or its handshake queue was full "
                         "(handshake_queue_full)", "reason")
-        yield _labelled(CounterMetricFamily, st, "worker_side_channel_peers_evicted_",
+        yield _labelled(CounterMetricFamily, st.side_channel_peers_evicted,
                         "kvpush_kv_side_channel_peers_evicted",
                         "Side-channel peers dropped from the peer table (their sockets "
                         "closed): handshake never answered (handshake_timeout), idle, "
                         "refusal expired, or their place needed for a new peer (room)",
                         "reason")
-        yield _labelled(GaugeMetricFamily, st, "worker_side_channel_peers_",
+        yield _labelled(GaugeMetricFamily, st.side_channel_peers,
                         "kvpush_kv_side_channel_peers",
                         "Side-channel peers in the peer table, by state", "state",
                         only=("handshake", "ready", "refused"))
-        gauges = {
-            "kvpush_kv_sends_in_flight": ("Prefill-side transfers in flight", "sends_in_flight"),
-            "kvpush_kv_recvs_in_flight": ("Decode-side transfers in flight", "recvs_in_flight"),
-            "kvpush_kv_blocks_lent": ("Blocks lent to decode instances (pull)", "blocks_lent"),
-            "kvpush_kv_blocks_fenced": ("Blocks held out of the pool until a transfer that "
-                                        "may still write or read them has ended",
-                                        "blocks_fenced"),
-        }
-        for name, (doc, key) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=float(st.get(key, 0)))
+        for name, (doc, key) in self.GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=float(getattr(st, key)))
 
 
-def _labelled(kind, st: dict, prefix: str, name: str, doc: str, label: str,
+def _labelled(kind, values: dict[str, int], name: str, doc: str, label: str,
               only: tuple[str, ...] | None = None) -> Metric:
-    """One labelled family from the ``<prefix><label value>`` keys of ``st``."""
+    """One labelled family from ``values`` (label value -> count)."""
     family = kind(name, doc, labels=[label])
-    for key, value in st.items():
-        if key.startswith(prefix) and (only is None or key[len(prefix):] in only):
-            family.add_metric([key[len(prefix):]], float(value))
+    for key, value in values.items():
+        if only is None or key in only:
+            family.add_metric([key], float(value))
     return family
 
 
@@ -259,11 +259,11 @@ class ServerMetrics:
         """Export the waiting-request bound: how many wait, the cap, and the 429s."""
         self.registry.register(_WaitingCollector(bound))
 
-    def register_kv_stats(self, kv_stats: Callable[[], dict]) -> None:
+    def register_kv_stats(self, kv_stats: Callable[[], TransferCounters | None]) -> None:
         self.registry.register(_TransferCollector(kv_stats))
 
-    def observe_transfer(self, rec) -> None:
-        """One finished transfer (kvpush.kv_transfer.step_loop.connector.TransferRecord)."""
+    def observe_transfer(self, rec: TransferRecord) -> None:
+        """One finished transfer."""
         lab = (rec.role, rec.mode, "ok" if rec.ok else "failed")
         self.kv_transfer_s.labels(*lab).observe(rec.transfer_s)
         self.kv_post_s.labels(*lab).observe(rec.post_s)

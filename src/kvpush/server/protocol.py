@@ -83,8 +83,8 @@ class SamplingRequest(_Model):
     frequency_penalty: Float | None = None
     repetition_penalty: Float | None = None  # extension (vLLM): 1 is off
     logit_bias: LogitBias | None = None
-    #: Opaque KV-transfer instructions from the disaggregation router; passed through to
-    #: SamplingParams.extra["kv_transfer_params"].
+    #: KV-transfer instructions from the disaggregation router (vLLM's names), checked
+    #: and typed once by the server (EngineClient.kv_params) and handed to generate
     kv_transfer_params: dict[str, Any] | None = None
     #: vLLM's field: requests share prefix-cache blocks only with the same salt
     cache_salt: str | None = Field(default=None, min_length=1,
@@ -372,9 +372,8 @@ class Format:
         self.num_tokens += len(out.new_token_ids)
         if out.finished:
             self.finish_reason = _reason(out)
-            ktp = out.kv_transfer_params
-            if isinstance(ktp, dict):
-                self.kv_transfer_params = ktp
+            if out.kv_transfer_params is not None:
+                self.kv_transfer_params = out.kv_transfer_params.to_wire()
 
     def _token_logprobs(self, out: RequestOutput
                         ) -> list[tuple[int, float | None, tuple[tuple[int, float], ...]]]:

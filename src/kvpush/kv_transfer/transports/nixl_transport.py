@@ -1,52 +1,20 @@
 """NixlTransport: the KV transport over NIXL (UCX backend), between processes or hosts.
 
-One NIXL agent per engine, named after the engine id, created **without NIXL's
-progress thread** (that thread busy-spins about a core per idle agent). Progress is
-driven by the owner instead:
+One NIXL agent per engine, named after the engine id, **without NIXL's progress thread**
+(it busy-spins a core per idle agent). ``transfer()`` and ``check_xfer_state()`` progress
+the initiator; the target of a WRITE must progress too while a new initiator connects
+(else that first transfer stays PROC forever), so the owner calls
+:meth:`~NixlTransport.progress` every few ms while it has peers. Over cma (one host;
+docs/MEASURED.md) ``post()`` does the copy and returns it DONE, blocking its thread (GIL
+released) meanwhile: post from the transfer thread, never the step loop. Each descriptor
+has a fixed cost, nearly all UCX's: coalesce small pieces.
 
-* ``transfer()`` (inside :meth:`NixlTransport.post`) and ``check_xfer_state()``
-  (inside :meth:`NixlTransport.state`) progress the initiator;
-* ``get_new_notifs()`` (our :meth:`NixlTransport.progress`) progresses the agent's
-  UCX worker when it has no transfer of its own to check. The *target* of a WRITE
-  must call it while a new initiator connects: with no progress on the target, the
-  initiator's first transfer stays PROC forever (the bytes land via cma, but UCX's
-  wire-up never completes). Once connected, cma WRITEs/READs complete with the
-  target idle. ``check_remote_metadata()`` does not progress anything.
-
-So the owning transfer thread calls ``progress()`` between its waits on the side
-channel (e.g. every few ms while it has peers); nothing spins.
-
-How it behaves between two processes on one host (UCX over cma, host memory; the
-figures are in docs/MEASURED.md):
-
-* over cma the copy happens inside ``transfer()``, so ``post()`` returns with the
-  transfer already DONE. The GIL is released during the copy, but the posting thread
-  is blocked for all of it: post from the transfer thread, never from the engine step
-  loop.
-* every descriptor has a fixed cost, nearly all of it UCX's per-descriptor work (our
-  validation and ``initialize_xfer`` are a small part): coalescing matters once pieces
-  get small.
-* ``add_peer`` (``add_remote_agent`` + ``make_connection``) sets up a connection, done
-  once per peer; an idle ``progress()`` call is cheap enough to make every few ms.
-
-Library facts relied on (nixl 1.5.1): ``add_remote_agent`` returns the name as
-*bytes*; adding the same metadata twice is fine; the target of a WRITE does not need
-the initiator's metadata; a transfer to a dead peer raises
-``nixlRemoteDisconnectError`` from ``transfer()``; descriptors outside a remote
-registration raise ``nixlNotFoundError`` from ``initialize_xfer`` (we reject them
-earlier). NIXL notifications are not used by kvpush (completion goes over the side
-channel); ``progress()`` discards any that arrive, counting them in
-``notifs_discarded``.
-
-GPU memory (VRAM): UCX's CUDA transports (cuda_copy, cuda_ipc) need a CUDA context
-current on the thread that calls into them, and a new thread has none (vLLM hit this:
-vllm-project/vllm#36475; without it UCX cannot use cuda_ipc between GPUs). Every agent
-call below first makes the region's device current on the calling thread, once per
-thread (:meth:`NixlTransport._bind_device`).
-
-Set ``UCX_NET_DEVICES`` (``lo`` on one machine) and ``NIXL_LOG_LEVEL=WARN`` in the
-environment of processes that use this. ``nixl`` is imported only when a
-NixlTransport is created, so the package imports without it.
+Relied on (nixl 1.5.1): ``add_remote_agent`` returns the name as *bytes*; adding the same
+metadata twice is fine; a WRITE's target needs no initiator metadata. NIXL notifications
+are not used. UCX's CUDA transports need a CUDA context current on the calling thread
+(vllm-project/vllm#36475), so each agent call first binds the region's device. Set
+``UCX_NET_DEVICES`` (``lo`` on one host) and ``NIXL_LOG_LEVEL=WARN``; ``nixl`` is imported
+only when a NixlTransport is created.
 """
 
 from __future__ import annotations
@@ -84,39 +52,30 @@ def nixl_mem(device: str) -> tuple[str, int]:
     """NIXL memory type and device id of a torch device string ("cpu", "cuda:1")."""
     if device == "cpu":
         return "DRAM", 0
-    if device == "cuda":
-        return "VRAM", 0
-    if device.startswith("cuda:"):
-        return "VRAM", int(device.split(":", 1)[1])
+    if device == "cuda" or device.startswith("cuda:"):
+        return "VRAM", 0 if device == "cuda" else int(device[5:])
     raise ValueError(f"unsupported device {device!r}")
 
 
 @dataclass
 class _Xfer:
-    """One posted NIXL transfer: the library handle and our view of its state."""
-
     handle: Any  # nixl_xfer_handle
     state: XferState
 
 
 class NixlTransport(KVTransport):
-    """KV transport over a NIXL agent with the progress thread disabled.
+    """KV transport over a NIXL agent without progress thread. Thread-safe (one lock
+    around every agent call), meant to be used from one transfer thread."""
 
-    Thread-safe (one lock around every agent call), meant to be used from one
-    transfer thread.
-    """
+    kind = KIND
 
     def __init__(self, name: str, backends: Sequence[str] = ("UCX",)):
         from nixl._api import nixl_agent, nixl_agent_config  # lazy: optional dependency
-
         self.name = name
         self.stats = TransportStats()
-        self.notifs_discarded = 0
         self._backends = list(backends)
         self._agent = nixl_agent(
-            name,
-            nixl_agent_config(enable_prog_thread=False, backends=self._backends),
-        )
+            name, nixl_agent_config(enable_prog_thread=False, backends=self._backends))
         self._lock = threading.Lock()
         self._bound = threading.local()  # threads that have the region's CUDA device
         self._region: RegionInfo | None = None
@@ -127,8 +86,6 @@ class NixlTransport(KVTransport):
         self._leaked: list[Any] = []  # library handles whose release failed
         self._next_handle = 1
         self._closed = False
-
-    # -- set-up -----------------------------------------------------------------------
 
     def register_region(self, base: int, nbytes: int, device: str = "cpu") -> None:
         """Register our KV region with NIXL (DRAM for cpu, VRAM for cuda)."""
@@ -141,8 +98,7 @@ class NixlTransport(KVTransport):
             self._mem = (mem_type, dev_id)
             self._bind_device()
             self._reg_descs = self._agent.register_memory(
-                [(base, nbytes, dev_id, "")], mem_type, backends=self._backends
-            )
+                [(base, nbytes, dev_id, "")], mem_type, backends=self._backends)
             self._region = RegionInfo(base, nbytes, device)
 
     def metadata(self) -> bytes:
@@ -150,17 +106,12 @@ class NixlTransport(KVTransport):
         with self._lock:
             if self._region is None:
                 raise RuntimeError(f"{self.name}: register_region first")
-            agent_md = self._agent.get_agent_metadata()
-        return encode_metadata(
-            PeerMetadata(METADATA_VERSION, KIND, self.name, self._region, agent_md)
-        )
+            md = self._agent.get_agent_metadata()
+        return encode_metadata(PeerMetadata(METADATA_VERSION, KIND, self.name, self._region, md))
 
     def add_peer(self, metadata: bytes) -> str:
-        """Load a peer's NIXL metadata and start connecting; returns its name.
-
-        Same metadata again: no-op. Different metadata under a known name (the peer
-        restarted): the old agent is removed first.
-        """
+        """Load a peer's NIXL metadata and start connecting; returns its name. New metadata
+        under a known name (the peer restarted) replaces the old agent."""
         meta = decode_metadata(metadata, KIND)
         if meta.name == self.name:
             raise ValueError(f"{self.name}: cannot add ourselves as a peer")
@@ -184,7 +135,6 @@ class NixlTransport(KVTransport):
         return meta.name
 
     def remove_peer(self, peer: str) -> None:
-        """Forget a peer and disconnect from it; unknown names are ignored."""
         with self._lock:
             self._remove_locked(peer)
 
@@ -201,20 +151,8 @@ class NixlTransport(KVTransport):
         except Exception as exc:  # already gone in the library
             logger.warning("%s: remove_remote_agent(%s): %s", self.name, peer, exc)
 
-    # -- transfers --------------------------------------------------------------------
-
-    def post(
-        self,
-        op: Op,
-        peer: str,
-        local: Sequence[Range],
-        remote: Sequence[Range],
-    ) -> int:
-        """Validate, create and start a transfer (see KVTransport.post).
-
-        Over cma the copy happens inside this call: it blocks for as long as the
-        copy of those bytes takes (docs/MEASURED.md).
-        """
+    def post(self, op: Op, peer: str, local: Sequence[Range], remote: Sequence[Range]) -> int:
+        """Validate, create and start a transfer (over cma: blocks for the copy)."""
         t0 = time.perf_counter()
         with self._lock:
             try:
@@ -222,14 +160,12 @@ class NixlTransport(KVTransport):
             except TransferPostError:
                 self.stats.post_failures += 1
                 raise
-            dt = time.perf_counter() - t0
-            self.stats.last_post_s = dt
+            self.stats.last_post_s = dt = time.perf_counter() - t0
             self.stats.max_post_s = max(self.stats.max_post_s, dt)
             return handle
 
-    def _post_locked(
-        self, op: Op, peer: str, local: Sequence[Range], remote: Sequence[Range]
-    ) -> int:
+    def _post_locked(self, op: Op, peer: str, local: Sequence[Range],
+                     remote: Sequence[Range]) -> int:
         if self._closed:
             raise TransferPostError(f"{self.name}: transport closed")
         meta = self._peers.get(peer)
@@ -247,13 +183,8 @@ class NixlTransport(KVTransport):
         xh = None
         try:
             xh = self._agent.initialize_xfer(
-                op,
-                self._agent.get_xfer_descs(ldesc, self._mem[0]),
-                self._agent.get_xfer_descs(rdesc, peer_mem),
-                peer,
-                b"",
-                self._backends,
-            )
+                op, self._agent.get_xfer_descs(ldesc, self._mem[0]),
+                self._agent.get_xfer_descs(rdesc, peer_mem), peer, b"", self._backends)
             status = self._agent.transfer(xh)
         except Exception as exc:  # every library error is a failed post
             self._release_lib(xh)
@@ -273,7 +204,6 @@ class NixlTransport(KVTransport):
         return handle
 
     def state(self, handle: int) -> XferState:
-        """State of a transfer (checking it progresses the agent). KeyError if unknown."""
         with self._lock:
             xfer = self._xfers[handle]
             if xfer.state is XferState.PENDING:
@@ -292,7 +222,6 @@ class NixlTransport(KVTransport):
             return xfer.state
 
     def release(self, handle: int) -> None:
-        """Free a transfer handle; NIXL tries to abort a PENDING one."""
         with self._lock:
             xfer = self._xfers.pop(handle, None)
             if xfer is not None:
@@ -304,16 +233,12 @@ class NixlTransport(KVTransport):
             if self._closed:
                 return
             self._bind_device()
-            notifs = self._agent.get_new_notifs()
-            if notifs:
-                self.notifs_discarded += sum(len(v) for v in notifs.values())
-            if self._leaked:
-                leaked, self._leaked = self._leaked, []
-                for xh in leaked:
-                    self._release_lib(xh)
+            self._agent.get_new_notifs()  # progresses; notifications are not used
+            leaked, self._leaked = self._leaked, []
+            for xh in leaked:
+                self._release_lib(xh)
 
     def close(self) -> None:
-        """Release transfers, disconnect peers, deregister the region, drop the agent."""
         with self._lock:
             if self._closed:
                 return
@@ -335,13 +260,10 @@ class NixlTransport(KVTransport):
             self._agent = None
 
     def _bind_device(self) -> None:
-        """With a VRAM region, make its device current on the calling thread (once per
-        thread): ``torch.cuda.set_device`` makes the device's primary context current,
-        which UCX's CUDA transports need. Nothing for host memory."""
+        """With a VRAM region, make its device current on the calling thread (once)."""
         if self._mem[0] != "VRAM" or getattr(self._bound, "device", None) == self._mem[1]:
             return
         import torch
-
         torch.cuda.set_device(self._mem[1])
         self._bound.device = self._mem[1]
 

@@ -1,20 +1,14 @@
 """The KV transport contract: one-sided WRITE/READ between registered KV regions.
 
-A transport belongs to one engine (its ``name`` is the engine id). At start-up the
-engine registers its one KV region (:meth:`KVTransport.register_region`), publishes
-:meth:`KVTransport.metadata` to peers over the side channel, and adds the peers it
-hears about (:meth:`KVTransport.add_peer`). A transfer is posted with absolute
-addresses on both sides and polled with :meth:`KVTransport.state`; nothing blocks and
-nothing spins: the owner (a transfer thread) calls :meth:`KVTransport.progress`
-between its other waits.
+A transport belongs to one engine (``name``: the engine id). The engine registers its KV
+region, publishes :meth:`KVTransport.metadata` over the side channel and adds the peers
+it hears about. A transfer is posted with absolute addresses on both sides, checked
+against our region and the peer's *as announced* (:class:`TransferPostError` before any
+memory is touched), then polled with :meth:`KVTransport.state`; nothing blocks or spins:
+the owning transfer thread calls :meth:`KVTransport.progress` between its waits.
 
-Every post is validated against our region and against the peer's region *as the
-peer announced it in its metadata*; a range outside either raises
-:class:`TransferPostError` before any memory is touched.
-
-Implementations: :class:`kvpush.kv_transfer.transports.nixl_transport.NixlTransport` (NIXL over
-UCX, between processes) and :class:`kvpush_testing.inproc_transport.InProcTransport`
-(memmove between engines of one process, with fault injection, for tests).
+Implementations: :class:`~kvpush.kv_transfer.transports.nixl_transport.NixlTransport`
+(NIXL over UCX) and ``kvpush_testing.inproc_transport.InProcTransport`` (memmove, tests).
 """
 
 from __future__ import annotations
@@ -37,18 +31,13 @@ METADATA_VERSION = 1
 
 
 class XferState(enum.Enum):
-    """State of a posted transfer."""
-
     PENDING = "PENDING"
     DONE = "DONE"
     FAILED = "FAILED"
 
 
 class TransferPostError(RuntimeError):
-    """A post that could not be made (bad ranges, unknown peer, library refused).
-
-    Nothing was written; the caller sends a failure notice to the peer.
-    """
+    """A post that could not be made (bad ranges, unknown peer, library refused)."""
 
 
 class RegionInfo(msgspec.Struct, frozen=True):
@@ -78,7 +67,6 @@ _DECODER = msgspec.msgpack.Decoder(PeerMetadata)
 
 
 def encode_metadata(meta: PeerMetadata) -> bytes:
-    """Serialize a metadata envelope (msgpack)."""
     return _ENCODER.encode(meta)
 
 
@@ -114,6 +102,7 @@ class TransportStats:
 class KVTransport(abc.ABC):
     """One engine's endpoint for one-sided KV transfers (see module docstring)."""
 
+    kind: str  # what the Hello announces (PeerMetadata.kind)
     name: str
     stats: TransportStats
 
@@ -134,19 +123,10 @@ class KVTransport(abc.ABC):
         """Forget a peer; unknown names are ignored."""
 
     @abc.abstractmethod
-    def post(
-        self,
-        op: Op,
-        peer: str,
-        local: Sequence[Range],
-        remote: Sequence[Range],
-    ) -> int:
-        """Post a transfer; returns a handle.
-
-        ``local[i]`` is (absolute address in our region, length), ``remote[i]`` the
-        same in the peer's region; lengths pairwise equal. WRITE copies local→remote,
-        READ remote→local. Raises TransferPostError if the post cannot be made.
-        """
+    def post(self, op: Op, peer: str, local: Sequence[Range], remote: Sequence[Range]) -> int:
+        """Post a transfer; returns a handle. ``local[i]`` is (absolute address in our
+        region, length), ``remote[i]`` the same in the peer's, lengths pairwise equal;
+        WRITE copies local→remote, READ remote→local. TransferPostError if it cannot."""
 
     @abc.abstractmethod
     def state(self, handle: int) -> XferState:
@@ -165,19 +145,11 @@ class KVTransport(abc.ABC):
         """Release everything; the transport is unusable afterwards. Idempotent."""
 
 
-def validate_post(
-    op: str,
-    local: Sequence[Range],
-    remote: Sequence[Range],
-    local_region: RegionInfo | None,
-    remote_region: RegionInfo | None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Check a post; returns (local, remote) as int64 arrays of shape (N, 2).
-
-    Raises TransferPostError unless: op is WRITE or READ; both sides have the same
-    non-zero number of ranges; every length is > 0 and equal pairwise; every local
-    range lies in ``local_region`` and every remote range in ``remote_region``.
-    """
+def validate_post(op: str, local: Sequence[Range], remote: Sequence[Range],
+                  local_region: RegionInfo | None,
+                  remote_region: RegionInfo | None) -> tuple[np.ndarray, np.ndarray]:
+    """Check a post against :meth:`KVTransport.post`'s contract and both regions (else
+    TransferPostError); returns (local, remote) as int64 arrays of shape (N, 2)."""
     if op not in ("WRITE", "READ"):
         raise TransferPostError(f"unknown op {op!r}")
     if local_region is None:
@@ -201,10 +173,9 @@ def validate_post(
         bad = (arr[:, 0] < region.base) | (arr[:, 0] + arr[:, 1] > region.base + region.nbytes)
         if bad.any():
             i = int(np.argmax(bad))
-            raise TransferPostError(
-                f"{side} range {i} [{arr[i, 0]:#x}, +{arr[i, 1]}) is outside the "
-                f"{side} region [{region.base:#x}, +{region.nbytes})"
-            )
+            raise TransferPostError(f"{side} range {i} [{arr[i, 0]:#x}, +{arr[i, 1]}) is "
+                                    f"outside the {side} region [{region.base:#x}, "
+                                    f"+{region.nbytes})")
     return loc, rem
 
 
@@ -226,13 +197,9 @@ def _pairs(ranges: Sequence[Range]) -> np.ndarray:
     return arr
 
 
-def paired_runs(
-    local_blocks: Sequence[int], remote_blocks: Sequence[int]
-) -> list[tuple[int, int, int]]:
-    """Runs where both sides are consecutive: [(local_first, remote_first, count), ...].
-
-    A run is split wherever either side's next id is not the previous one + 1.
-    """
+def paired_runs(local_blocks: Sequence[int],
+                remote_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs where both sides are consecutive: [(local_first, remote_first, count), ...]."""
     if len(local_blocks) != len(remote_blocks):
         raise ValueError(f"{len(local_blocks)} local blocks but {len(remote_blocks)} remote")
     runs: list[tuple[int, int, int]] = []
@@ -246,26 +213,14 @@ def paired_runs(
     return runs
 
 
-def layer_block_descs(
-    local_base: int,
-    local_layout: KVLayout,
-    local_blocks: Sequence[int],
-    remote_base: int,
-    remote_layout: KVLayout,
-    remote_blocks: Sequence[int],
-    layers: Sequence[int],
-) -> tuple[list[Range], list[Range]]:
-    """(local, remote) descriptor lists for the given layers of paired block lists.
-
-    ``local_blocks[i]`` pairs with ``remote_blocks[i]``. One descriptor per layer per
-    run of ids consecutive on *both* sides (see :func:`paired_runs`), ordered layer by
-    layer, then run by run. The two layouts must agree on ``block_bytes``.
-    """
+def layer_block_descs(local_base: int, local_layout: KVLayout, local_blocks: Sequence[int],
+                      remote_base: int, remote_layout: KVLayout, remote_blocks: Sequence[int],
+                      layers: Sequence[int]) -> tuple[list[Range], list[Range]]:
+    """(local, remote) descriptors of ``layers`` for blocks paired by index: one per layer
+    per :func:`paired_runs` run, layer by layer. The layouts must agree on block_bytes."""
     if local_layout.block_bytes != remote_layout.block_bytes:
-        raise ValueError(
-            f"block bytes differ: local {local_layout.block_bytes}, "
-            f"remote {remote_layout.block_bytes}"
-        )
+        raise ValueError(f"block bytes differ: local {local_layout.block_bytes}, "
+                         f"remote {remote_layout.block_bytes}")
     runs = paired_runs(local_blocks, remote_blocks)
     local: list[Range] = []
     remote: list[Range] = []

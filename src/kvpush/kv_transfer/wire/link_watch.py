@@ -1,22 +1,12 @@
 """LinkWatch: which of a SideChannel's outgoing connections have dropped.
 
-Every DEALER of a :class:`~kvpush.kv_transfer.wire.side_channel.SideChannel` (one per
-destination address) gets a ZMQ socket monitor for its TCP connection's CONNECTED and
-DISCONNECTED events (a link is up once its ZMTP handshake succeeded: with CURVE, a TCP
-connection whose handshake is refused was never up, and its refusals are kept in
-``refusals`` as (address, reject reason) for the channel to count), read without
-blocking by :meth:`LinkWatch.pump` (the channel's ``recv`` does, and its poller wakes
-on them). A peer whose process ends closes its
-sockets, so our connection to it drops; a peer that is only frozen (SIGSTOP, a stalled
-host) keeps it open, since its kernel still answers. TCP keepalive (set on the DEALER
-by the channel) makes a path that breaks drop too, eventually.
-
-What a link did is kept per address, also after the channel forgets the DEALER while
-the link is down: a peer seen gone stays gone until a connection to it is up again.
-Forgetting a link that never came up (an address nobody answered at) keeps nothing, and
-at most ``MAX_LINKS`` links no longer watched are remembered (oldest forgotten first), so
-that addresses tried once cannot grow this table without bound.
-Same thread as the channel (ZMQ sockets are not thread-safe).
+Each DEALER gets a ZMQ socket monitor, read without blocking by :meth:`LinkWatch.pump`. A
+link is up once its ZMTP handshake succeeded (refused CURVE handshakes go to ``refusals``
+for the channel to count). A peer whose process ends closes our link; a frozen one keeps
+it open until heartbeats or TCP keepalive give up. A peer seen gone stays gone, also after
+its DEALER is forgotten, until a link to it is up again; links that never came up are not
+kept, and at most ``MAX_LINKS`` unwatched ones are (oldest first out). Same thread as the
+channel (ZMQ sockets are not thread-safe).
 """
 
 from __future__ import annotations
@@ -24,26 +14,36 @@ from __future__ import annotations
 import contextlib
 import itertools
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import zmq
 
-from kvpush.kv_transfer.wire.curve import HANDSHAKE_FAILED, handshake_reason
+from kvpush.crypto.curve import HANDSHAKE_FAILED, handshake_reason
 
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
 _ids = itertools.count()
-
 #: links remembered once their DEALER is closed (peers seen gone), oldest dropped first
 MAX_LINKS = 4096
 
 
+def monitor_events(mon: zmq.Socket) -> Iterator[tuple[int, int]]:
+    """(event, value) of each event pending on a ZMQ monitor socket (never blocks)."""
+    while True:
+        try:
+            frames = mon.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if len(frames) == 2 and len(frames[0]) == 6:
+            yield struct.unpack("=HI", frames[0])
+
+
 @dataclass
 class Link:
-    """What the monitor of our DEALER to one address saw of its TCP connection."""
+    """What the monitor of our DEALER to one address saw of its connection."""
 
     up: bool = False
     ever_up: bool = False
-    drops: int = 0
 
 
 class LinkWatch:
@@ -66,7 +66,7 @@ class LinkWatch:
         self.links.setdefault(address, Link())
 
     def detach(self, sock: zmq.Socket | None, address: str, forget: bool) -> None:
-        """Stop watching the DEALER to ``address`` (before the channel closes it).
+        """Stop watching the DEALER to ``address`` (before the channel closes it);
         ``forget``: closed by us, so a link that was up says nothing of the peer."""
         mon = self._monitor_of.pop(address, None)
         if mon is not None:
@@ -87,21 +87,10 @@ class LinkWatch:
     def owns(self, sock: object) -> bool:
         return sock in self._monitors
 
-    @property
-    def active(self) -> bool:
-        return bool(self._monitors)
-
     def pump(self) -> None:
         """Apply every pending monitor event (never blocks)."""
         for mon, address in list(self._monitors.items()):
-            while True:
-                try:
-                    frames = mon.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if len(frames) != 2 or len(frames[0]) != 6:
-                    continue
-                event, value = struct.unpack("=HI", frames[0])
+            for event, value in monitor_events(mon):
                 link = self.links.setdefault(address, Link())
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     link.up = link.ever_up = True
@@ -110,7 +99,6 @@ class LinkWatch:
                         self.refusals.append((address, handshake_reason(event, value)))
                 elif event == zmq.EVENT_DISCONNECTED and link.up:
                     link.up = False
-                    link.drops += 1
                     self.drops += 1
                     if address not in self._dropped:
                         self._dropped.append(address)

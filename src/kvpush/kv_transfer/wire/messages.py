@@ -1,41 +1,30 @@
 """Side-channel messages between prefill and decode instances (msgspec, versioned).
 
 Every frame is one msgpack-encoded tagged struct. ``Hello`` opens a peer relation and
-carries what the compatibility check compares; everything else refers to a transfer
-by its ``transfer_id`` (the router's id in push mode, prefill's request id in pull).
+carries what the compatibility check compares; everything else names a transfer by its
+``transfer_id`` (the router's id in push mode, prefill's request id in pull)::
 
-Push, in the order things usually happen (registration and P's finish may swap)::
+    push   D → P  PushRegister (D's blocks, those it has cached, its prompt's hashes)
+           P ═▶ D NIXL WRITEs while P's forward pass runs, the rest at its end
+           P → D  PushDone (token #1) once every WRITE completed (ok=False: failed)
+    pull   (P's answer carries its lent block ids; the router signs them for D)
+           D → P  PullClaim; P → D PullClaimed(ok) once per lend, while it is live
+           D ═▶ P NIXL READ, then D → P PullDone: P frees its blocks
+    either Heartbeat (renews the peer's leases), Abort (at any moment)
 
-    D → P  PushRegister(transfer_id, D's block ids, blocks D already has)
-    P → D  Heartbeat(transfer ids)       while either side waits
-    P ═══▶ D  NIXL WRITE, per layer while P's forward pass runs, the rest at the end
-    P → D  PushDone(token #1, its logprob)   after every WRITE completed
-           (ok=False with an error when a WRITE failed to post or complete)
-
-Pull::
-
-    (P's HTTP answer carries remote_block_ids & co and lend_expires_ms; the router
-    signs them for D)
-    D → P  PullClaim(transfer_id)        before the READ (lend_claims.py)
-    P → D  PullClaimed(ok)               ok once per lend, while it is live
-    D ═══▶ P  NIXL READ posted by D, only after PullClaimed(ok=True)
-    D → P  PullDone(transfer_id)         P frees its blocks
-
-Either side may send ``Abort`` at any moment; a lease expiring sends one too. Decode
-keeps the blocks of a push it gave up on (aborted, or its lease ran out) fenced until
-prefill answers — ``AbortAck``, which prefill sends for any transfer id once none of
-its WRITEs is in flight, or ``PushDone`` — or prefill's connection drops, or the fence
-times out. Prefill never WRITEs for a transfer again once it has answered or aborted.
+Decode keeps the blocks of a push it gave up on fenced until prefill answers (``AbortAck``
+once none of its WRITEs is in flight, or ``PushDone``), prefill's connection drops, or the
+fence times out; prefill never WRITEs for a transfer it has answered or aborted.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-#: Raised when a message's meaning changes so that mixed versions would not work: the
-#: Hello then refuses the peer plainly. 2: pull claims carry a claim id that decode
-#: requires in the answer (an old prefill's answers would all be ignored).
-PROTOCOL_VERSION = 2
+from kvpush.kv_cache.kv_region import KVLayout
+
+#: Raised when mixed versions would not work, so that the Hello refuses the peer plainly.
+PROTOCOL_VERSION = 3
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -43,21 +32,21 @@ class Hello(msgspec.Struct, tag=True):
     engine_id: str
     role: str
     address: str  # side-channel "host:port" to answer to
-    transport: str  # "nixl" | "inproc"
+    transport: str  # the transport's kind ("nixl")
     agent_metadata: bytes
     model: str  # fingerprint of the weights' shape and name
-    dtype: str
-    block_size: int
-    layout: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
     kv_transfer: str  # "push" | "pull"
     base_address: int  # of the KV region, for the peer's descriptors
-    num_blocks: int
-    block_bytes: int
-    layer_bytes: int
+    layout: KVLayout
     reply: bool = False  # True when answering a Hello
+
+
+class HelloVersion(msgspec.Struct, tag="Hello"):
+    """Any version's Hello, read for its version only (to refuse a mixed pair)."""
+
+    version: int
+    engine_id: str = ""
+    address: str = ""
 
 
 class HelloRefused(msgspec.Struct, tag=True):
@@ -73,9 +62,7 @@ class PushRegister(msgspec.Struct, tag=True):
     skip_blocks: int  # leading blocks decode already holds (its prefix cache)
     num_prompt_tokens: int
     full_hit: bool = False  # decode computes the rest itself: prefill may stop
-    #: the hash chain of decode's prompt (hash_prompt_chain): prefill writes only when
-    #: its own prompt hashes the same
-    prompt_hashes: list[bytes] = []
+    prompt_hashes: list[bytes] = []  # prefill writes only when its prompt hashes the same
 
 
 class PushDone(msgspec.Struct, tag=True):
@@ -96,10 +83,8 @@ class PullDone(msgspec.Struct, tag=True):
 
 
 class PullClaim(msgspec.Struct, tag=True):
-    """Decode asks to READ a lend: prefill says yes once, while the lend is live.
-    ``claim``: a random id of this receive's claim (sent again with it when the answer
-    is lost), echoed in the answer: an answer to an earlier claim of the same transfer
-    id (a replayed leg) is never taken for this one's."""
+    """Decode asks to READ a lend. ``claim`` (random per receive, kept when sent again) is
+    echoed in the answer, so that an earlier claim's answer is never taken for this one."""
 
     transfer_id: str
     claim: int = 0
@@ -113,8 +98,7 @@ class PullClaimed(msgspec.Struct, tag=True):
 
 
 class AbortAck(msgspec.Struct, tag=True):
-    """Prefill will not touch decode's blocks for this transfer any more (the answer to
-    an ``Abort`` for any id, known or not, once no WRITE of it is in flight)."""
+    """Prefill will not touch decode's blocks for this transfer any more."""
 
     transfer_id: str
 
@@ -125,21 +109,19 @@ class Abort(msgspec.Struct, tag=True):
 
 
 class Heartbeat(msgspec.Struct, tag=True):
-    """Renews the receiver's leases on these transfers. ``awaiting_registration`` lists
-    push transfers prefill has no registration for: decode re-sends a lost one."""
+    """Renews the receiver's leases on these transfers."""
 
     engine_id: str
     transfer_ids: list[str]
-    awaiting_registration: list[str] = []
+    awaiting_registration: list[str] = []  # push ids prefill lacks a registration of: re-send
 
 
-Message = (
-    Hello | HelloRefused | PushRegister | PushDone | PullDone | Abort | AbortAck | Heartbeat
-    | PullClaim | PullClaimed
-)
+Message = (Hello | HelloRefused | PushRegister | PushDone | PullDone | Abort | AbortAck
+           | Heartbeat | PullClaim | PullClaimed)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+_version_decoder = msgspec.msgpack.Decoder(HelloVersion)
 
 
 def encode(msg: Message) -> bytes:
@@ -151,12 +133,26 @@ def decode(payload: bytes) -> Message:
     return _decoder.decode(payload)
 
 
+def other_version(payload: bytes) -> HelloVersion | None:
+    """A frame that did not decode: the Hello of another protocol version, or None."""
+    try:
+        hello = _version_decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return hello if hello.version != PROTOCOL_VERSION else None
+
+
 def type_name(payload: bytes) -> str:
-    """Message type of a frame without a full decode failure path (for fault plans)."""
+    """A frame's message type, "?" if it does not decode (for fault plans)."""
     try:
         return type(decode(payload)).__name__
     except (msgspec.DecodeError, msgspec.ValidationError):
         return "?"
+
+
+#: layout fields both instances must share (the region's size may differ)
+_SAME_LAYOUT = ("layout", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype",
+                "block_bytes")
 
 
 def compatibility_problems(mine: Hello, theirs: Hello) -> list[str]:
@@ -164,15 +160,12 @@ def compatibility_problems(mine: Hello, theirs: Hello) -> list[str]:
     problems = []
     if theirs.version != mine.version:
         problems.append(f"protocol version {theirs.version} != {mine.version}")
-    for field in ("model", "dtype", "block_size", "layout", "num_layers", "num_kv_heads",
-                  "head_dim", "kv_transfer", "transport"):
-        a, b = getattr(mine, field), getattr(theirs, field)
-        if a != b:
-            problems.append(f"{field}: peer has {b!r}, this instance {a!r}")
-    if theirs.block_bytes != mine.block_bytes:
-        problems.append(f"block_bytes: peer has {theirs.block_bytes}, this instance "
-                        f"{mine.block_bytes}")
-    if theirs.num_blocks < 1 or theirs.layer_bytes != theirs.num_blocks * theirs.block_bytes:
-        problems.append(f"the peer announces an inconsistent KV region ({theirs.num_blocks} "
-                        f"blocks of {theirs.block_bytes} bytes, {theirs.layer_bytes} per layer)")
+    pairs = [(f, getattr(mine, f), getattr(theirs, f))
+             for f in ("model", "kv_transfer", "transport")]
+    pairs += [(f, getattr(mine.layout, f), getattr(theirs.layout, f)) for f in _SAME_LAYOUT]
+    problems += [f"{f}: peer has {b!r}, this instance {a!r}" for f, a, b in pairs if a != b]
+    lay = theirs.layout
+    if lay.num_blocks < 1 or lay.layer_bytes != lay.num_blocks * lay.block_bytes:
+        problems.append(f"the peer announces an inconsistent KV region ({lay.num_blocks} "
+                        f"blocks of {lay.block_bytes} bytes, {lay.layer_bytes} per layer)")
     return problems

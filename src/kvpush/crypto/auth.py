@@ -45,7 +45,7 @@ The router's share
 ------------------
 The router signs grants (``kv_transfer_params``, ``/kv/abort``) and follows members-only
 KV events; it needs nothing else of the secret. So it keeps only the keys derived for
-those two uses: the grant key (above) and the event keys (kv_cache/event_keys.py).
+those two uses (``router.config.RouterKeys``): the grant key and the event keys.
 Neither lets anyone join the side channel (CURVE keys and message MACs come from the
 secret by other derivations), so a compromised router is not a side-channel member.
 """
@@ -61,8 +61,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpush.engine.outputs import RequestError
-from kvpush.kv_cache.event_keys import EventKeys
+from kvpush.errors import RequestError
 
 GRANT_KEY = "kvpush_grant"
 SIGNATURE_KEY = "kvpush_signature"
@@ -284,16 +283,3 @@ class ChannelAuth:
                if now - seen > 2 * self.window_s + 1]
         for k in old:
             del self._streams[k]
-
-
-@dataclass(frozen=True, repr=False)
-class RouterKeys:
-    grant_key: bytes
-    events: EventKeys
-
-    def __repr__(self) -> str:  # never show a key
-        return "RouterKeys(...)"
-
-    @classmethod
-    def from_secret(cls, secret: bytes) -> RouterKeys:
-        return cls(grant_key(secret), EventKeys.from_secret(secret))

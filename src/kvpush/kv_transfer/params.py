@@ -1,63 +1,18 @@
-"""Plain state of KV transfers: the per-transfer records both sides keep, their state
-enums, and the checking of the wire fields a request brings (vLLM's names)."""
+"""A request's ``kv_transfer_params`` (vLLM's names), checked once where it enters the
+instance, and the checks of block ids and hash chains a peer or a request brings."""
 
 from __future__ import annotations
 
-import enum
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, TypeVar
 
 import msgspec
 
-from kvpush.engine.outputs import RequestError, TransferRecord  # noqa: F401 (re-export)
-from kvpush.kv_transfer.wire.auth import Grant, ParamsSigner
+from kvpush.crypto.auth import Grant, ParamsSigner
+from kvpush.errors import RequestError
 
 _T = TypeVar("_T")
-
-
-class SendState(enum.Enum):
-    """A push send as the step loop sees it (the transfer itself is the transfer
-    thread's: push_sends.py)."""
-
-    PREFILLING = "prefilling"  # the request runs; the scheduler holds its blocks
-    HELD = "held"  # prefill over: its blocks are the connector's until WritesDone
-    OVER = "over"  # WritesDone came while the request still ran: it is being ended
-
-
-class RecvState(enum.Enum):
-    PENDING_BLOCKS = "pending_blocks"
-    AWAITING_KV = "awaiting_kv"
-    QUARANTINED = "quarantined"  # request over, blocks fenced (held) until the KV can't land
-    ENDED = "ended"  # over here; its ReceiveOver awaited (the transfer id stays taken)
-
-
-@dataclass
-class PushSend:
-    tid: str
-    request_id: str
-    state: SendState = SendState.PREFILLING
-    #: leading prompt blocks stated computed for every layer (BlocksComputed)
-    stated_blocks: int = 0
-    block_ids: list[int] = field(default_factory=list)  # HELD: the blocks kept
-    retired: list[list[int]] = field(default_factory=list)  # blocks of a preempted run
-
-
-@dataclass
-class DecodeRecv:
-    tid: str
-    request_id: str
-    mode: str
-    address: str  # prefill's side channel
-    remote_engine_id: str
-    remote_block_ids: list[int] = field(default_factory=list)
-    state: RecvState = RecvState.PENDING_BLOCKS
-    held: list[int] = field(default_factory=list)  # fenced blocks (QUARANTINED)
-    #: pull: when prefill's lend ends (wall clock, ms; signed in prefill's answer)
-    lend_expires_ms: int | None = None
-    t_start: float = field(default_factory=time.perf_counter)
-
 
 #: Longest transfer / request id accepted from a request (the router's are 32-40 chars).
 MAX_ID_CHARS = 256
@@ -87,14 +42,12 @@ def chain_problem(theirs: Sequence[bytes], ours: Sequence[bytes], who: str,
         return f"{who} side sent no hash chain of its prompt"
     first = next((i for i, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b),
                  min(len(theirs), len(ours)))
-    return (f"{who} prompt differs from {we} from block {first} on: the KV is not for "
-            "this prompt")
+    return f"{who} prompt differs from {we} from block {first} on: the KV is not for this prompt"
 
 
 @dataclass(frozen=True)
 class KVTransferParams:
-    """A request's ``kv_transfer_params`` (vLLM's field names), checked once where the
-    request enters the instance (``KVTransferParams.parse``) and handed on typed."""
+    """A request's ``kv_transfer_params``, checked once by :meth:`parse`, handed on typed."""
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
@@ -111,6 +64,24 @@ class KVTransferParams:
     #: what the router vouched for, when the instance checks signatures
     grant: Grant | None = None
 
+    def to_wire(self) -> dict:
+        """As a request or an answer carries it (vLLM's names; hashes in hex; a lend's
+        answer has no grant: the router signs what it forwards)."""
+        wire: dict = {"do_remote_prefill": self.do_remote_prefill,
+                      "do_remote_decode": self.do_remote_decode,
+                      "transfer_id": self.transfer_id}
+        if self.remote_host is not None:
+            wire.update(remote_host=self.remote_host, remote_port=self.remote_port,
+                        remote_engine_id=self.remote_engine_id,
+                        remote_request_id=self.remote_request_id, tp_size=1)
+        if self.remote_block_ids is not None:
+            wire["remote_block_ids"] = list(self.remote_block_ids)
+        if self.prompt_hashes is not None:
+            wire["prompt_hashes"] = [h.hex() for h in self.prompt_hashes]
+        if self.lend_expires_ms is not None:
+            wire["lend_expires_ms"] = self.lend_expires_ms
+        return wire
+
     @property
     def remote_address(self) -> str:
         """Prefill's side channel (decode of a remote prefill)."""
@@ -119,12 +90,10 @@ class KVTransferParams:
     @classmethod
     def parse(cls, params: object, role: str, signer: ParamsSigner | None = None,
               engine_id: str = "") -> KVTransferParams:
-        """Check the wire fields a request brings for an instance of ``role``;
-        RequestError (a 400) if malformed. Fields another role would read are ignored.
-        With a ``signer`` (the instance has the cluster secret) the params must be the
-        router's, signed for this instance ``engine_id``: ParamsForbidden (403) if not.
-        Types and bounds are msgspec's (``_LegFields``, ``_RemotePrefillFields``); what
-        a schema cannot say (printable ids, distinct blocks, the grant's peer) is here."""
+        """Check the wire fields an instance of ``role`` reads (RequestError, a 400, if
+        malformed). With a ``signer`` they must be the router's, signed for ``engine_id``
+        (ParamsForbidden, 403, if not). Types and bounds are the msgspec schemas'; what a
+        schema cannot say (printable ids, distinct blocks, the grant's peer) is here."""
         if not isinstance(params, dict):
             raise RequestError("kv_transfer_params must be an object", "kv_transfer_params")
         grant = signer.verify(params, role=role, engine_id=engine_id) if signer else None
@@ -167,6 +136,7 @@ HASH_HEX_CHARS = 32
 
 _Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 _BlockId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+_Hash = Annotated[str, msgspec.Meta(min_length=HASH_HEX_CHARS, max_length=HASH_HEX_CHARS)]
 
 
 class _LegFields(msgspec.Struct):
@@ -178,8 +148,7 @@ class _LegFields(msgspec.Struct):
 
 
 class _RemotePrefillFields(msgspec.Struct):
-    """What a decode of a remote prefill reads besides (vLLM's names; the hash chain and
-    the lend's end come from prefill's answer)."""
+    """What a decode of a remote prefill reads besides (pull: hashes, lend end from P's answer)."""
 
     remote_host: Annotated[str, msgspec.Meta(pattern=_HOST_PATTERN)]
     remote_port: Annotated[int, msgspec.Meta(gt=0, lt=65536)]
@@ -187,10 +156,7 @@ class _RemotePrefillFields(msgspec.Struct):
     remote_request_id: _Id | None = None
     remote_block_ids: Annotated[list[_BlockId],
                                 msgspec.Meta(max_length=MAX_REMOTE_BLOCKS)] | None = None
-    prompt_hashes: Annotated[
-        list[Annotated[str, msgspec.Meta(min_length=HASH_HEX_CHARS,
-                                         max_length=HASH_HEX_CHARS)]],
-        msgspec.Meta(max_length=MAX_REMOTE_BLOCKS)] | None = None
+    prompt_hashes: Annotated[list[_Hash], msgspec.Meta(max_length=MAX_REMOTE_BLOCKS)] | None = None
     lend_expires_ms: int | None = None
 
 
@@ -199,10 +165,9 @@ def _convert(params: dict, fields: type[_T]) -> _T:
     try:
         return msgspec.convert(params, fields)
     except msgspec.ValidationError as e:
-        where = str(e).replace("`$.", "`kv_transfer_params.").replace("`$`",
-                                                                       "`kv_transfer_params`")
-        raise RequestError(f"invalid kv_transfer_params: {where}",
-                           "kv_transfer_params") from None
+        where = str(e).replace("`$.", "`kv_transfer_params.")
+        where = where.replace("`$`", "`kv_transfer_params`")
+        raise RequestError(f"invalid kv_transfer_params: {where}", "kv_transfer_params") from None
 
 
 def _printable(value: str | None, name: str) -> None:
