@@ -452,8 +452,9 @@ def start_healthy(sup: Supervisor, specs: list[ChildSpec], timeout: float,
 
 def _serve(sup: Supervisor, args: argparse.Namespace, model: str, port: int,
            log_dir: Path, api_key: str | None = None) -> int:
-    from kvpush.cluster.launcher import ChildFailed, StopRequested, describe_exit
+    from kvpush.cluster.launcher import ChildFailed, StopRequested
     from kvpush.cluster.membership import ControlError, etcd_url
+    from kvpush.procs import describe_exit
 
     started = time.monotonic()
     specs = plan_instances(args, model, router_port=port)

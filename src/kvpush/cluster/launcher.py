@@ -4,28 +4,28 @@ them, and stop them all.
 Every child runs in its own session (so its own process group: a terminal's Ctrl-C
 reaches only the supervisor, which then stops the children in order) and, on Linux, with
 ``PR_SET_PDEATHSIG = SIGKILL``, so the kernel kills it if the supervisor dies without
-cleaning up (SIGKILL, OOM killer). PDEATHSIG fires when the *thread* that forked the child
-exits, so children must be spawned from a thread that lives as long as the supervisor (the
-main thread, here). It covers the direct child only; ``stop()`` signals whole process
-groups, so helpers a child may start are stopped too.
+cleaning up (SIGKILL, OOM killer; :mod:`kvpush.procs`). PDEATHSIG fires when the *thread*
+that forked the child exits, so children must be spawned from a thread that lives as long
+as the supervisor (the main thread, here). It covers the direct child only; ``stop()``
+signals whole process groups, so helpers a child may start are stopped too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
 import httpx
+
+from kvpush.procs import describe_exit, pdeathsig_preexec
 
 #: Lines of a child's log shown when it fails.
 LOG_TAIL_LINES = 40
@@ -33,8 +33,6 @@ LOG_TAIL_LINES = 40
 WATCH_INTERVAL_S = 0.25
 #: Seconds one /health probe may take.
 PROBE_TIMEOUT_S = 1.0
-
-_PR_SET_PDEATHSIG = 1
 
 
 class ChildFailed(Exception):
@@ -65,34 +63,6 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
     return True
-
-
-def _pdeathsig_preexec() -> Callable[[], None] | None:
-    """A preexec_fn that makes the child get SIGKILL when this process dies (Linux), or
-    None where prctl is not available."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not after fork
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 @dataclass
@@ -200,7 +170,7 @@ class Supervisor:
         self.signals = stop_signals or StopSignals()
         self.stop_timeout = stop_timeout
         self.children: list[Child] = []
-        self._preexec = _pdeathsig_preexec()
+        self._preexec = pdeathsig_preexec()
         self._codes: dict[str, int] | None = None
         #: Children that were still running when the stop timeout ran out (SIGKILLed).
         self.killed: list[str] = []

@@ -26,13 +26,13 @@ import time
 import msgspec
 import zmq
 
-from kvpush.cluster.launcher import _pdeathsig_preexec, describe_exit
 from kvpush.config import ConfigError, EngineConfig
 from kvpush.engine.core_proc import CoreFailed, CoreReady, CoreSetup, Hello
 from kvpush.engine.front import FrontEnd
 from kvpush.engine.inputs import EngineCommand, Shutdown
 from kvpush.engine.outputs import EngineOutputs
 from kvpush.kv_transfer.links import TransferLinks
+from kvpush.procs import describe_exit, pdeathsig_preexec
 
 log = logging.getLogger("kvpush.engine.core")
 
@@ -66,7 +66,7 @@ class CoreClient(FrontEnd):
         # the kernel kills the core if this process dies (PR_SET_PDEATHSIG); it stays
         # in this process group, so Ctrl-C and killpg reach it too
         proc = subprocess.Popen([sys.executable, "-m", "kvpush.engine.core_proc"],
-                                stdin=subprocess.PIPE, preexec_fn=_pdeathsig_preexec())
+                                stdin=subprocess.PIPE, preexec_fn=pdeathsig_preexec())
         pidfd = os.pidfd_open(proc.pid)
 
         def give_up(message: str) -> ConfigError:
