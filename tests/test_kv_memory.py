@@ -1,6 +1,6 @@
 """--kv-cache-memory is the total: the KV region and the dense decode cache fit inside it.
 
-The split (kv_cache/budget.py): a prefill instance, or one decoding with the paged decode
+The split (kv_budget.py): a prefill instance, or one decoding with the paged decode
 attention, gives the whole budget to blocks; an instance that decodes through the dense
 cache gives it half by default (capped at what max_num_seqs x max_model_len positions
 can use, and so that the region holds one request of max_model_len); an explicit
@@ -14,7 +14,7 @@ import pytest
 from engine_helpers import make_engine
 from kvpush.config import EngineConfig, KVTransferConfig, resolve_decode_attention
 from kvpush.errors import ConfigError
-from kvpush.kv_cache.budget import DECODE_CACHE_SHARE, DecodeCacheSizing
+from kvpush.kv_budget import DECODE_CACHE_SHARE, DecodeCacheSizing
 
 MiB = 1 << 20
 

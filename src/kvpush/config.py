@@ -18,7 +18,7 @@ import torch
 
 from kvpush.cli_types import parse_size
 from kvpush.errors import ConfigError
-from kvpush.kv_cache.budget import KVMemorySplit, split_kv_memory
+from kvpush.kv_budget import KVMemorySplit, split_kv_memory
 
 #: Default tokens per KV block. With the layer-major layout one layer of a run of
 #: consecutive blocks is one memory range, so the descriptor count of a transfer grows
@@ -173,7 +173,7 @@ class CacheConfig:
     #: allocations get scattered block ids (fragmented-KV benchmarks); None: in order
     shuffle_free_blocks: int | None = None
     #: cap of the dense decode cache (DecodeKVCache) in bytes, resolved by
-    #: EngineConfig.build (kv_cache/budget.py: inside --kv-cache-memory); None (a
+    #: EngineConfig.build (kv_budget.py: inside --kv-cache-memory); None (a
     #: CacheConfig built by hand): the KV region's size; 0: no dense cache (decode
     #: gathers from the paged region, or reads it with the paged decode attention)
     decode_cache_bytes: int | None = None

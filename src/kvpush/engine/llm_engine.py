@@ -359,7 +359,7 @@ class LLMEngine:
             "layout": dataclasses.asdict(self.runner.kv_region.layout),
             "num_free_blocks": s.num_free_blocks,
             "num_total_blocks": s.num_total_blocks,
-            # how --kv-cache-memory was split (kv_cache/budget.py)
+            # how --kv-cache-memory was split (kv_budget.py)
             "kv_memory": {
                 **(cache.memory.as_dict() if cache.memory is not None else {}),
                 "decode_attention": cache.decode_attention,

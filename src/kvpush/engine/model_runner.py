@@ -29,7 +29,7 @@ class ModelRunner:
         self.kv_region = KVRegion(config.model, config.cache, config.device)
         self.default_generator = torch.Generator().manual_seed(config.seed)
         # Dense copies of decoding requests' KV (see DecodeKVCache), capped at the share
-        # of --kv-cache-memory that config.build gave it (kv_cache/budget.py; 0: gather
+        # of --kv-cache-memory that config.build gave it (kv_budget.py; 0: gather
         # from the region, or read it through the block tables with the paged decode
         # attention).
         cap = config.cache.decode_cache_bytes

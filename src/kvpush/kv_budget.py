@@ -19,6 +19,9 @@ fit inside it.
   an error when what is left cannot hold one request of ``max_model_len``.
 * With ``--num-blocks`` there is no budget: the region is exactly that many blocks and
   the dense cache defaults to the region's size (capped as above), on top of it.
+
+:meth:`kvpush.config.EngineConfig.build` resolves the split with :func:`split_kv_memory`;
+this module sits below the config (it imports only :mod:`kvpush.errors`).
 """
 
 from __future__ import annotations
