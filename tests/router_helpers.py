@@ -18,8 +18,9 @@ from typing import Any
 import httpx
 
 import server_helpers
+from kvpush.discovery.instance_spec import parse_instance
 from kvpush.router.app import Router, build_app
-from kvpush.router.config import RouterConfig, parse_instance
+from kvpush.router.config import RouterConfig
 from server_helpers import ServerProcess
 
 

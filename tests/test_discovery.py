@@ -18,8 +18,9 @@ import pytest
 from etcd_helpers import EtcdServer, require_etcd
 from kvpush.discovery.card import Card, CardError, card_from_info, decode, encode, mismatch
 from kvpush.discovery.etcd import EtcdClient, EtcdError, prefix_end
+from kvpush.discovery.instance_spec import InstanceSpec
 from kvpush.discovery.target import EtcdAuth, TargetError, parse_target, resolve_auth
-from kvpush.router.config import InstanceSpec, RouterConfig, RouterConfigError
+from kvpush.router.config import RouterConfig, RouterConfigError
 
 INFO = {"role": "decode", "engine_id": "decode-1", "side_channel": "127.0.0.1:5000",
         "kv_transfer": "push", "model": "m", "block_size": 16,

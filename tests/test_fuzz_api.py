@@ -23,9 +23,10 @@ from schemathesis import GenerationMode
 from schemathesis.python import asgi as st_asgi
 
 from fake_engine import FakeEngine, make_test_model
+from kvpush.discovery.instance_spec import parse_instance
 from kvpush.router.app import Router
 from kvpush.router.app import build_app as build_router_app
-from kvpush.router.config import RouterConfig, parse_instance
+from kvpush.router.config import RouterConfig
 from kvpush.server.app import build_app
 from server_helpers import ServerProcess, uvicorn_server
 

@@ -19,6 +19,7 @@ import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from kvpush.discovery.instance_spec import parse_instance
 from kvpush.kv_cache.block_pool import hash_prefix_blocks
 from kvpush.kv_cache.events import (
     TOPIC,
@@ -29,7 +30,7 @@ from kvpush.kv_cache.events import (
     encode_batch,
 )
 from kvpush.router.cache_policy import CachePolicy
-from kvpush.router.config import RouterConfig, parse_instance
+from kvpush.router.config import RouterConfig
 from kvpush.router.decide import Decision, Route, cost, cost_fn, decide, lacks_room
 from kvpush.router.kv_index import BatchResult, InstanceIndex, KVIndex, Snapshot
 from kvpush.router.pool import Pool

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from kvpush.router.config import RouterConfig, RouterConfigError, parse_instance
+from kvpush.discovery.instance_spec import InstanceSpecError, parse_instance
+from kvpush.router.config import RouterConfig, RouterConfigError
 from kvpush.router.pool import Pool
 from kvpush.router.wire import ErrorFrames
 from router_helpers import (
@@ -230,7 +231,7 @@ def test_instance_specs():
     assert (s.explicit.engine_id, s.explicit.side_channel_host,
             s.explicit.side_channel_port) == ("vllm-p", "10.0.0.1", 5600)
     for bad in ("h", "http://h:1/v1", "h:1@only-engine", "h:1@e@h:99999", "ftp://h:1"):
-        with pytest.raises(RouterConfigError):
+        with pytest.raises(InstanceSpecError):
             parse_instance(bad)
     with pytest.raises(RouterConfigError, match="listed twice"):
         RouterConfig(mode="pull", prefill=(parse_instance("h:1"),),

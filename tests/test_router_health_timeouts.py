@@ -7,7 +7,8 @@ import asyncio
 
 import httpx
 
-from kvpush.router.config import RouterConfig, parse_instance
+from kvpush.discovery.instance_spec import parse_instance
+from kvpush.router.config import RouterConfig
 from kvpush.router.pool import Pool
 
 INFO = {"engine_id": "decode-x", "role": "decode", "kv_transfer": "push",

@@ -17,10 +17,11 @@ from fake_engine import FakeEngine, make_test_model
 from kvpush.cluster import cli as up_cli
 from kvpush.config import KVTransferConfig
 from kvpush.crypto.auth import ParamsSigner
+from kvpush.discovery.instance_spec import parse_instance
 from kvpush.router import cli as router_cli
 from kvpush.router.app import Router
 from kvpush.router.app import build_app as build_router_app
-from kvpush.router.config import RouterConfig, parse_instance
+from kvpush.router.config import RouterConfig
 from kvpush.server import cli as serve_cli
 from kvpush.server.app import build_app
 from kvpush.server.auth import (

@@ -211,7 +211,8 @@ def test_pd_roles_need_the_secret_unless_told_otherwise(tmp_path, monkeypatch, c
 
 
 def test_router_without_the_secret_refuses_instances_that_need_it():
-    from kvpush.router.config import RouterConfig, parse_instance
+    from kvpush.discovery.instance_spec import parse_instance
+    from kvpush.router.config import RouterConfig
     from kvpush.router.pool import Pool
 
     def problem(secret: bytes | None, signed: bool) -> str | None:

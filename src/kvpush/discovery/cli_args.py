@@ -27,11 +27,11 @@ def lease_ttl(text: str) -> int:
 
 def http_url(text: str) -> str:
     """An instance URL routers can reach (http(s)://HOST:PORT), normalized."""
-    from kvpush.router.config import RouterConfigError, parse_instance
+    from kvpush.discovery.instance_spec import InstanceSpecError, parse_instance
 
     try:
         return parse_instance(text).url
-    except RouterConfigError as e:
+    except InstanceSpecError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 

@@ -17,11 +17,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _instance(text: str) -> Any:
-    from kvpush.router.config import RouterConfigError, parse_instance
+    from kvpush.discovery.instance_spec import InstanceSpecError, parse_instance
 
     try:
         return parse_instance(text)
-    except RouterConfigError as e:
+    except InstanceSpecError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 

@@ -31,8 +31,8 @@ from typing import Any
 
 from kvpush.discovery.card import Card, CardError, decode
 from kvpush.discovery.etcd import EtcdClient, EtcdError, KeyValue, WatchEvent
+from kvpush.discovery.instance_spec import InstanceSpec
 from kvpush.discovery.target import EtcdTarget
-from kvpush.router.config import InstanceSpec
 from kvpush.router.pool import Instance, Pool
 from kvpush.router.stopping import cancel_and_wait
 

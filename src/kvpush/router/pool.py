@@ -27,7 +27,8 @@ from typing import Any
 
 import httpx
 
-from kvpush.router.config import Identity, InstanceSpec, RouterConfig, RouterConfigError
+from kvpush.discovery.instance_spec import Identity, InstanceSpec
+from kvpush.router.config import RouterConfig, RouterConfigError
 from kvpush.router.watch import LegWatch, end_all
 
 logger = logging.getLogger("kvpush.router")
