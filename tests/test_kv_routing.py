@@ -431,7 +431,7 @@ def test_router_sends_a_cached_prompt_to_its_decode_alone(cluster, tiny_llama, c
     router, p, d1, d2 = cluster
     cache = router.router.cache
     wait_until(lambda: cache.tokenizer.ready, 30, "tokenizer loaded from /v1/models")
-    from kvpush.engine.llm_engine import load_tokenizer
+    from kvpush.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(tiny_llama))
     prompt = "The capital of France is Paris. " * 6

@@ -46,6 +46,7 @@ from kvpush.kv_transfer.actions import AbortRequest, EmitFirstToken, FailRequest
 from kvpush.kv_transfer.commands import TransferUpdate
 from kvpush.kv_transfer.links import TransferLinks
 from kvpush.kv_transfer.params import KVTransferParams
+from kvpush.models.tokenizer import load_tokenizer
 from kvpush.sampling_params import SamplingParams, TopLogprobs
 from kvpush.scheduler.request import Request, RequestState
 from kvpush.scheduler.scheduler import Scheduler
@@ -58,12 +59,6 @@ _FINISH_STATE = {
     FinishReason.ABORT: RequestState.FINISHED_ABORTED,
     FinishReason.ERROR: RequestState.FINISHED_ERROR,
 }
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 class LLMEngine:

@@ -7,6 +7,9 @@ It has three special tokens, ChatML style: ``<|endoftext|>`` (id 0), ``<|im_star
 ``vocab_size`` decodes without error: byte-level BPE covers all 256 bytes, and when the
 corpus runs out of merges before ``vocab_size`` the remainder is filled with
 ``<|reserved_N|>`` tokens.
+
+:func:`load_tokenizer` is how every kvpush process loads a model's tokenizer (the engine,
+the API process and the router's cache-aware policy), so that their token ids agree.
 """
 
 from __future__ import annotations
@@ -23,6 +26,13 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 #: Token ids of the special tokens (trained first, so their ids are fixed).
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of the model folder (or Hugging Face name) ``path``."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 #: ChatML template (the format SmolLM2 and Qwen use), without a default system prompt.
 CHATML_TEMPLATE = (

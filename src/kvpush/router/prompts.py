@@ -5,7 +5,7 @@ Where the tokenizer comes from: ``--tokenizer PATH_OR_NAME``, else the model the
 instances serve, as their ``GET /v1/models`` says (``root``: the model directory, which
 ``kvpush up`` and a single-host cluster share; else the model's ``id``). It is loaded
 once, in the background after start-up, with the instances' own code
-(``kvpush.engine.llm_engine.load_tokenizer``, chat templates by
+(``kvpush.models.tokenizer.load_tokenizer``, chat templates by
 ``kvpush.server.chat``), so the router's token ids are the instances' token ids. A
 router that cannot load it logs why and routes as before it had one (no cache-aware
 choice, a prefill leg for every request).
@@ -141,7 +141,7 @@ class PromptTokenizer:
             logger.warning("no tokenizer (%s): routing without the prefix caches", self.why)
             return False
         self.state = TokenizerState.LOADING
-        from kvpush.engine.llm_engine import load_tokenizer
+        from kvpush.models.tokenizer import load_tokenizer
 
         try:
             tok = await asyncio.get_running_loop().run_in_executor(executor, load_tokenizer,
