@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpush.bench.client import BenchConfig, arrival_offsets, run_benchmark
+from kvpush.bench.client import run_benchmark
 from kvpush.bench.datasets import (
     DATASETS,
     DatasetError,
@@ -35,6 +35,7 @@ from kvpush.bench.metrics import (
     std,
     summarize,
 )
+from kvpush.bench.settings import BenchConfig, arrival_offsets
 from kvpush.cli import main
 from server_helpers import ServerProcess, free_port
 

@@ -77,7 +77,7 @@ def test_policy_reaches_the_router_of_pd_modes_only(tmp_path):
 
 
 def test_arrivals_per_repeat_give_each_repeat_its_own_poisson_draw():
-    from kvpush.bench.client import arrival_offsets
+    from kvpush.bench.settings import arrival_offsets
 
     same = CompareConfig(modes=[ModeSpec("push")], rates=[0.5, 2.0], out_dir="unused",
                          seed=3, repeats=3)

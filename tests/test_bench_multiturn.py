@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kvpush.bench.client import BenchConfig, BenchError, run_benchmark
+from kvpush.bench.client import run_benchmark
 from kvpush.bench.compare_report import markdown_report, summarize_runs
 from kvpush.bench.conversations import (
     QUESTION_HEAD,
@@ -22,6 +22,7 @@ from kvpush.bench.conversations import (
     think_times,
 )
 from kvpush.bench.datasets import DatasetError, PromptCodec, load_tokenizer
+from kvpush.bench.settings import BenchConfig, BenchError
 from kvpush.cli import main
 
 

@@ -326,7 +326,8 @@ def test_push_cluster_with_api_key_and_signed_side_channel(tiny_llama, tmp_path,
         d_metrics = httpx.get(d.url + "/metrics", headers=good, timeout=5).text
         assert metric_value(d_metrics, "kvpush_kv_transfers_ok_total") >= 1
         # kvpush bench sends $KVPUSH_API_KEY (set above) as the bearer token
-        from kvpush.bench.client import BenchConfig, run_benchmark
+        from kvpush.bench.client import run_benchmark
+        from kvpush.bench.settings import BenchConfig
 
         monkeypatch.delenv("OPENAI_API_KEY", raising=False)
         res = run_benchmark(BenchConfig(url=router.url, input_len=16, output_len=2,

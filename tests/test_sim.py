@@ -200,7 +200,7 @@ def test_deterministic_across_processes():
 
 
 def test_arrivals_are_the_bench_generators():
-    from kvpush.bench.client import arrival_offsets
+    from kvpush.bench.settings import arrival_offsets
 
     w = Workload(7, 2.0, 10, 2, seed=1000)
     assert w.arrivals() == arrival_offsets(7, 2.0, 1000)

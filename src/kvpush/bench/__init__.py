@@ -11,8 +11,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "BenchConfig": "kvpush.bench.client",
-    "BenchError": "kvpush.bench.client",
+    "BenchConfig": "kvpush.bench.settings",
+    "BenchError": "kvpush.bench.settings",
     "BenchResult": "kvpush.bench.client",
     "run_benchmark": "kvpush.bench.client",
     "arun_benchmark": "kvpush.bench.client",

@@ -174,7 +174,8 @@ def resolve_served_model(name: str | None) -> tuple[str, str]:
 
 def _prompts(cfg: CompareConfig, tokenizer: Any, rate_index: int) -> tuple[list, list]:
     """(measured prompts, warm-up prompts) for one rate; the same for every mode."""
-    from kvpush.bench.client import BenchConfig, prepare_requests
+    from kvpush.bench.client import prepare_requests
+    from kvpush.bench.settings import BenchConfig
 
     n = measured_count(cfg)
     bc = BenchConfig(url="http://x", **{**dataset_fields(cfg),
@@ -219,7 +220,8 @@ def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out:
              runs: list[dict[str, Any]], skipped: list[str], log) -> None:
     """Every configuration x rate x repeat: each run's result into ``runs`` (and its
     file), what the time limit cut into ``skipped``."""
-    from kvpush.bench.client import BenchConfig, run_benchmark
+    from kvpush.bench.client import run_benchmark
+    from kvpush.bench.settings import BenchConfig
 
     for rep in range(cfg.repeats):
         for spec in mode_order(cfg.modes, rep):
@@ -286,7 +288,7 @@ def comma_list(conv: Any) -> Any:
 
 def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     """`kvpush bench compare` (registered on the bench parser's sub-commands)."""
-    from kvpush.bench.cli import DATASET_CHOICES, add_multi_turn_args
+    from kvpush.bench.args import DATASET_CHOICES, add_multi_turn_args
     from kvpush.cli_types import non_negative_float as _non_negative_float
     from kvpush.cli_types import positive_int as _positive_int
     from kvpush.cli_types import seconds as _seconds
@@ -377,9 +379,9 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_compare_cli(args: argparse.Namespace) -> int:
     import sys
 
-    from kvpush.bench.cli import multi_turn_kwargs
-    from kvpush.bench.client import BenchError
+    from kvpush.bench.args import multi_turn_kwargs
     from kvpush.bench.datasets import DatasetError
+    from kvpush.bench.settings import BenchError
 
     cfg = CompareConfig(
         modes=args.modes, rates=args.rates, out_dir=args.out, model=args.model,

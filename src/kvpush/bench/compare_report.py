@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from kvpush.bench.metrics import mean, percentile
 
 if TYPE_CHECKING:
-    from kvpush.bench.compare import CompareConfig
+    from kvpush.bench.compare_config import CompareConfig
 
 #: Summary fields per mode x rate (name in summary.json, heading in the table, unit).
 COLUMNS: tuple[tuple[str, str], ...] = (

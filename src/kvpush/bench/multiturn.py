@@ -18,15 +18,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvpush.bench.conversations import Conversation, count_messages, think_times
 from kvpush.bench.datasets import PromptCodec
 from kvpush.bench.metrics import RequestResult, per_turn_metrics
+from kvpush.bench.settings import BenchConfig, arrival_offsets, request_body
 from kvpush.bench.stream import send_one
-
-if TYPE_CHECKING:
-    from kvpush.bench.client import BenchConfig
 
 
 def new_results(convs: Sequence[Conversation], codec: PromptCodec | None) -> list[RequestResult]:
@@ -81,8 +79,6 @@ def conversation_tasks(config: BenchConfig, model_id: str, convs: Sequence[Conve
                        bar: Any) -> list[asyncio.Future]:
     """Start one task per conversation (see the module docstring); they fill
     ``results``. The caller bounds them in time and cancels what is left."""
-    from kvpush.bench.client import arrival_offsets, request_body
-
     offsets = arrival_offsets(len(convs), config.request_rate, config.seed)
     pauses = think_times(len(convs), max(c.turns for c in convs), config.think_time,
                          config.think_time_dist, config.seed)

@@ -1,6 +1,6 @@
 """The simulated workload: `kvpush bench`'s arrival process and prompt/output lengths.
 
-Arrivals come from :func:`kvpush.bench.client.arrival_offsets` itself, so a simulated run
+Arrivals come from :func:`kvpush.bench.settings.arrival_offsets` itself, so a simulated run
 at (rate, seed) sends its requests at exactly the times `kvpush bench` would. Lengths are
 fixed per run as in the bench's random / shared-prefix data sets; a shared prefix is the
 same ``prefix_len`` tokens in every prompt (``prefix_id`` 0).
@@ -57,7 +57,7 @@ class Workload:
             raise ValueError(f"prefix_cached_on: unknown roles {sorted(bad)}")
 
     def arrivals(self) -> list[float]:
-        from kvpush.bench.client import arrival_offsets
+        from kvpush.bench.settings import arrival_offsets
 
         return arrival_offsets(self.num_prompts, self.rate, self.seed)
 
