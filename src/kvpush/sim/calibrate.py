@@ -24,33 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpush.sim.fit import nnls_fit
 from kvpush.sim.step_models import LINEAR_FIELDS, Chunk, LinearStepModel, step_features
 
 #: one timed step: its chunks and its seconds
 Sample = tuple[list[Chunk], float]
-
-
-def nnls_fit(rows: Sequence[Sequence[float]], targets: Sequence[float],
-             weights: Sequence[float]) -> list[float]:
-    """Weighted least squares with non-negative coefficients (active set: drop the most
-    negative coefficient and refit until none is negative)."""
-    import numpy as np
-
-    x = np.asarray(rows, dtype=float) * np.asarray(weights, dtype=float)[:, None]
-    y = np.asarray(targets, dtype=float) * np.asarray(weights, dtype=float)
-    active = list(range(x.shape[1]))
-    coef = np.zeros(x.shape[1])
-    while active:
-        scale = np.abs(x[:, active]).max(axis=0)
-        scale[scale == 0] = 1.0
-        sol, *_ = np.linalg.lstsq(x[:, active] / scale, y, rcond=None)
-        sol = sol / scale
-        if (sol >= 0).all():
-            coef[:] = 0
-            coef[active] = sol
-            return coef.tolist()
-        active.pop(int(np.argmin(sol)))
-    return coef.tolist()
 
 
 def fit_linear(samples: Sequence[Sample]) -> tuple[LinearStepModel, dict[str, float]]:

@@ -22,7 +22,7 @@ def probe_transfer(shape: dict[str, Any], tokens: Sequence[int] = (256, 1024, 40
     """(profile ``transfer`` block, raw rows)."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from kvpush.sim.calibrate import nnls_fit
+    from kvpush.sim.fit import nnls_fit
     from kvpush.sim.loopback import LoopbackPair
 
     blocks = max(tokens) // BLOCK * 2
