@@ -69,7 +69,7 @@ test-faults: venv
 soak: venv
 	$(PY) benchmarks/soak.py --modes push,pull
 
-## ruff, then the import contracts of pyproject.toml (docs/LAYERS.md: the layer order, no
+## ruff, then the import contracts of pyproject.toml (docs/ARCHITECTURE.md (Layers): the layer order, no
 ## import cycles inside a package, the router runs no engine).
 lint: venv
 	$(VENV)/bin/ruff check .
