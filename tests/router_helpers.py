@@ -134,7 +134,7 @@ class RouterThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        from kvpush.router.door import uvicorn_options
+        from kvpush.server.door import uvicorn_options
 
         self.server = uvicorn.Server(uvicorn.Config(
             build_app(self.router, wait=wait), log_level="warning", lifespan="on", access_log=False,

@@ -15,7 +15,7 @@ request's stage timestamps are read back from the clusters' request logs (the ro
 the median of each stage is printed as the hand-off timeline.
 
     kvpush bench handoff                          # tiny random model, 8 and 128 tokens
-    kvpush bench handoff --requests 40 --out benchmarks/results/s30_handoff_redesign/after-1
+    kvpush bench handoff --requests 40 --out /tmp/handoff
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ def add_handoff_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "handoff", help="idle-cluster time to first chunk: colocated vs push vs pull",
         description=(__doc__ or "").split("\n\n")[1].replace("\n", " "),
-        epilog="Example: kvpush bench handoff --requests 40 --out benchmarks/results/s30_handoff_redesign/after-1")
+        epilog="Example: kvpush bench handoff --requests 40 --out /tmp/handoff")
     p.add_argument("--modes", default="colocated,push,pull", type=comma_list(str.strip),
                    help="clusters to compare (default: colocated,push,pull)")
     p.add_argument("--prompt-lens", type=comma_list(positive_int), default=[8, 128],

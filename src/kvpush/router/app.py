@@ -28,7 +28,6 @@ from kvpush.aio import within
 from kvpush.router.admin_key import ADMIN_PATHS, AdminKeyMiddleware
 from kvpush.router.cache_policy import CachePolicy
 from kvpush.router.config import RouterConfig
-from kvpush.router.door import uvicorn_options
 from kvpush.router.intake import (
     RETRY_AFTER_S,
     Admission,
@@ -48,6 +47,7 @@ from kvpush.router.stopping import cancel_and_wait
 from kvpush.router.wire import client_kv_params_problem, relay_error
 from kvpush.server.app import EventStreamResponse, unless_disconnected
 from kvpush.server.auth import OPEN_PATHS, APIKeyMiddleware, auth_header
+from kvpush.server.door import uvicorn_options
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
 from kvpush.server.metrics import auth_rejected_counter
 from kvpush.server.openapi import install_openapi, request_body

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from kvpush import cli_types
+from kvpush.server.door import add_door_args
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -123,17 +124,7 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(nothing comes before prefill is done), decode's first token, a "
                         "whole non-streaming answer; a frozen or dead instance ends its "
                         "legs sooner, at its first failed health check (default: 600)")
-    t.add_argument("--header-timeout", type=cli_types.seconds, default=10.0, metavar="SECONDS",
-                   help="a client's request line and headers must arrive within this many "
-                        "seconds of connecting (or of a later request's first byte); else "
-                        "the connection is closed (default: 10)")
-    t.add_argument("--body-timeout", type=cli_types.seconds, default=30.0, metavar="SECONDS",
-                   help="a client's request body must arrive within this many seconds of "
-                        "its headers; else 408 (default: 30)")
-    t.add_argument("--max-client-connections", type=cli_types.positive_int, default=4096,
-                   metavar="N",
-                   help="client connections open at once; more are answered 503 and closed "
-                        "at once (default: 4096)")
+    add_door_args(t, max_connections=4096)
     t.add_argument("--max-outstanding-requests", type=cli_types.positive_int, default=512,
                    metavar="N",
                    help="requests held at once; more are answered 429 with Retry-After "

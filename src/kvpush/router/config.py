@@ -73,7 +73,7 @@ class RouterConfig:
     #: connections to all instances together (HTTP/1.1 keep-alive pool)
     max_connections: int = 1024
     #: a client's request line and headers must be complete within this many seconds
-    #: of the connection opening (or of a later request's first byte): kvpush.router.door
+    #: of the connection opening (or of a later request's first byte): kvpush.server.door
     header_timeout_s: float = 10.0
     #: a client's body must be complete within this many seconds of its headers (408)
     body_timeout_s: float = 30.0

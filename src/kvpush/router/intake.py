@@ -11,7 +11,7 @@ can send on, and a bound on the requests it holds at once.
   checks the body encodes, naming the first field that does not.
 * **Body deadline.** :func:`read_body_within`: the whole body within
   ``--body-timeout`` of the headers, else a 408 (the header deadline and the bound on
-  connections are kvpush.router.door's).
+  connections are kvpush.server.door's).
 * **Outstanding requests.** :class:`Admission` counts requests from the moment their body
   has been read until everything they started is over (a push prefill leg may drain
   after the client's answer); above ``--max-outstanding-requests`` a request is a 429

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from kvpush.aio import within
 from kvpush.crypto.auth import ParamsSigner
 from kvpush.engine.client import EngineClient
 from kvpush.engine.outputs import FinishReason, RequestOutput
@@ -142,8 +143,10 @@ class _Server:
     """Per-app state and the request handlers (closures would hide them from tests)."""
 
     def __init__(self, engine: EngineClient,
-                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> None:
+                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+                 body_timeout_s: float = 30.0) -> None:
         self.engine = engine
+        self.body_timeout_s = body_timeout_s
         cfg = engine.config
         self.kv_role: str = cfg.kv_transfer.role if cfg.kv_transfer.enabled else "both"
         self.kv_mode: str = cfg.kv_transfer.mode
@@ -189,9 +192,13 @@ class _Server:
         handed_over = False
         try:
             try:
-                body = await request.body()
+                body = await within(request.body(), self.body_timeout_s)
             except ClientDisconnect:
                 return Response(status_code=499)
+            except asyncio.TimeoutError:  # (3.10: not the builtin)
+                raise APIError(f"the request body did not arrive within "
+                               f"{self.body_timeout_s:g} s", status_code=408,
+                               code="request_timeout") from None
             req = await self.prompts.parse(kind, body)
             rid = self._request_id(request, "chatcmpl" if kind == "chat" else "cmpl")
             # checked once and typed here (a 400, or a 403 unsigned), handed on as is
@@ -334,14 +341,17 @@ class _Server:
 
 def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
               api_key: str | None = None,
-              max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> FastAPI:
+              max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+              body_timeout_s: float = 30.0) -> FastAPI:
     """The FastAPI app serving ``engine``; its lifespan starts and shuts down the engine.
 
     With ``api_key`` every path but ``/health`` needs ``Authorization: Bearer <key>``
     (see kvpush.server.auth). More than ``max_waiting_requests`` requests without a
     first output yet are refused with a 429 (0: no bound; see kvpush.server.admission).
+    A request body must be in within ``body_timeout_s`` of its headers, else 408 (the
+    header deadline and the connection bound are the door's: kvpush.server.door).
     """
-    server = _Server(engine, max_waiting_requests)
+    server = _Server(engine, max_waiting_requests, body_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpush import cli_types
+from kvpush.server.door import add_door_args
 
 if TYPE_CHECKING:
     from kvpush.engine.async_engine import AsyncEngine
@@ -118,6 +119,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     sch.add_argument("--max-num-batched-tokens", type=int, default=1024, metavar="TOKENS",
                      help="most tokens (prefill chunks + decodes) in one engine step "
                           "(default: 1024)")
+    add_door_args(net)
     sch.add_argument("--max-waiting-requests", type=cli_types.non_negative_int,
                      default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
                      help="most requests waiting for their first token (queued, being "
@@ -390,13 +392,17 @@ def _serve(args: argparse.Namespace, config, engine, listener, api_key, log,
     import uvicorn
 
     from kvpush.server.app import build_app
+    from kvpush.server.door import uvicorn_options
 
-    app = build_app(engine, api_key=api_key, max_waiting_requests=args.max_waiting_requests)
+    app = build_app(engine, api_key=api_key, max_waiting_requests=args.max_waiting_requests,
+                    body_timeout_s=args.body_timeout)
     if api_key is None and not cli_types.is_loopback(args.host):
         log.warning("listening on %s without an API key: anyone who reaches this address "
                     "can use the server (--api-key or KVPUSH_API_KEY)", args.host)
     uv_config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
-                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                               **uvicorn_options(args.header_timeout,
+                                                 args.max_client_connections))
     if registration is None:
         server = uvicorn.Server(uv_config)
     else:  # card written once started; on SIGTERM withdrawn before the drain

@@ -1,10 +1,11 @@
-"""The router's door: how long a client may take to send its request's headers, and how
-many client connections may be open at once.
+"""The door of the router and of every instance: how long a client may take to send its
+request's headers, and how many client connections may be open at once.
 
 uvicorn's own options do not cover either: ``timeout_keep_alive`` runs only between
 requests on a kept-alive connection (a connection that sends half its headers, or
 nothing, is held forever), and ``limit_concurrency`` still accepts every connection and
-reads its headers before it answers 503. So the router serves HTTP with
+reads its headers before it answers 503. So the router and ``kvpush serve`` serve HTTP
+with
 :func:`guarded_protocol`, uvicorn's httptools protocol with two additions:
 
 * **Header deadline.** From the moment a connection opens, and from the first byte of
@@ -18,12 +19,13 @@ reads its headers before it answers 503. So the router serves HTTP with
   ``503`` (OpenAI's error shape, ``Connection: close``) at once and closed, before
   anything is read from it, so descriptors and memory stay bounded whatever clients do.
 
-Its writes are coalesced (:class:`CoalescingTransport`): what the router writes to a
-client within one turn of the event loop leaves in one ``send``.
+Its writes are coalesced (:class:`CoalescingTransport`): what is written to a client
+within one turn of the event loop leaves in one ``send``.
 
-The body's deadline is the handler's (kvpush.router.intake.read_body_within): it is
-read before the request takes one of the ``--max-outstanding-requests`` places, so a
-slow body holds a connection, never a place.
+The body's deadline is the handler's (the router: kvpush.router.intake.read_body_within,
+before a request takes a place; an instance: its request handler, before admission), so
+a slow body holds a connection, never a place. :func:`add_door_args` gives both CLIs the
+same three flags.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+if TYPE_CHECKING:  # (uvicorn is imported when a door is made, not with the CLI)
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-logger = logging.getLogger("kvpush.router")
+logger = logging.getLogger("kvpush.server.door")
 
 #: at most one "connections refused" warning per this many seconds
 REFUSED_LOG_INTERVAL_S = 10.0
@@ -44,7 +47,7 @@ REFUSED_LOG_INTERVAL_S = 10.0
 
 def _busy_answer() -> bytes:
     body = json.dumps({"error": {
-        "message": "the router has too many open connections; try again shortly",
+        "message": "the server has too many open connections; try again shortly",
         "type": "server_error", "param": None, "code": "too_many_connections"}}).encode()
     return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
             b"retry-after: 1\r\nconnection: close\r\ncontent-length: "
@@ -92,6 +95,7 @@ class CoalescingTransport:
 def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with a header deadline and a connection bound (pass
     it as ``uvicorn.Config(http=...)``)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class GuardedProtocol(HttpToolsProtocol):
         _warned_at = -1e18
@@ -151,6 +155,41 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[Http
 
 
 def uvicorn_options(header_timeout_s: float, max_connections: int) -> dict[str, Any]:
-    """The ``uvicorn.Config`` keywords of the router's door."""
+    """The ``uvicorn.Config`` keywords of the door."""
     return {"http": guarded_protocol(header_timeout_s, max_connections),
             "backlog": min(2048, max(128, max_connections))}
+
+
+def default_max_connections(reserve: int = 256) -> int:
+    """Client connections an instance allows by default: its descriptor limit less what
+    the engine core's sockets, the KV transport and the logs may need (at least 64)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(64, min(4096, soft - reserve))
+
+
+def add_door_args(group: Any, max_connections: int | None = None) -> None:
+    """``--header-timeout``, ``--body-timeout`` and ``--max-client-connections`` on an
+    argparse group (``max_connections``: the default; None: from the descriptor limit)."""
+    from kvpush import cli_types
+
+    group.add_argument("--header-timeout", type=cli_types.seconds, default=10.0,
+                       metavar="SECONDS",
+                       help="a client's request line and headers must arrive within this "
+                            "many seconds of connecting (or of a later request's first "
+                            "byte); else the connection is closed (default: 10)")
+    group.add_argument("--body-timeout", type=cli_types.seconds, default=30.0,
+                       metavar="SECONDS",
+                       help="a client's request body must arrive within this many seconds "
+                            "of its headers; else 408 (default: 30)")
+    default = max_connections if max_connections is not None else default_max_connections()
+    group.add_argument("--max-client-connections", type=cli_types.positive_int,
+                       default=default, metavar="N",
+                       help="client connections open at once; more are answered 503 and "
+                            f"closed at once (default: {default}"
+                            + ("" if max_connections is not None else
+                               ", the descriptor limit less 256") + ")")
+
