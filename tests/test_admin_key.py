@@ -8,10 +8,10 @@ import httpx
 import pytest
 
 from kvpush.discovery.instance_spec import parse_instance
-from kvpush.router.admin_key import resolve_admin_key
 from kvpush.router.app import Router
 from kvpush.router.app import build_app as build_router_app
 from kvpush.router.config import RouterConfig
+from kvpush.server.admin_key import resolve_admin_key
 
 KEY, ADMIN = "client-key-123", "admin-key-456"
 

@@ -23,6 +23,7 @@ from kvpush.router.app import Router
 from kvpush.router.app import build_app as build_router_app
 from kvpush.router.config import RouterConfig
 from kvpush.server import cli as serve_cli
+from kvpush.server.admin_key import ADMIN_KEY_ENV
 from kvpush.server.app import build_app
 from kvpush.server.auth import (
     API_KEY_ENV,
@@ -37,6 +38,7 @@ from router_helpers import RouterThread, metric_value, start_instances
 pytestmark = pytest.mark.timeout(180)
 
 KEY = "sk-test-0123456789"
+ADMIN = "admin-test-9876543210"
 SECRET = "cluster-secret-0123456789abcdef"
 
 
@@ -151,7 +153,7 @@ def assert_401(r: httpx.Response) -> None:
     assert KEY not in r.text
 
 
-PROTECTED = [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/kv/info"),
+PROTECTED = [("GET", "/v1/models"), ("GET", "/kv/info"),
              ("GET", "/openapi.json"), ("POST", "/v1/completions"),
              ("POST", "/v1/chat/completions"), ("POST", "/kv/abort"), ("GET", "/nowhere")]
 
@@ -159,7 +161,7 @@ PROTECTED = [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/kv/info"),
 @pytest.mark.anyio
 async def test_instance_api_key(model):
     engine = FakeEngine(*model)
-    app = build_app(engine, api_key=KEY)
+    app = build_app(engine, api_key=KEY, admin_key=ADMIN)
     good = {"Authorization": f"Bearer {KEY}"}
     async for c in _client(app):
         assert (await c.get("/health")).status_code == 200  # open, for probes
@@ -177,12 +179,31 @@ async def test_instance_api_key(model):
         r = await c.post("/v1/chat/completions", headers=good, json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
-        text = (await c.get("/metrics", headers=good)).text
+        r = await c.get("/metrics", headers=good)  # an operator view: not the API key's
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_key"
+        text = (await c.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})).text
+        assert metric_value(text, "kvpush_http_auth_rejected_total",
+                            'reason="admin_invalid"') == 1
         missing = metric_value(text, "kvpush_http_auth_rejected_total", 'reason="missing"')
         invalid = metric_value(text, "kvpush_http_auth_rejected_total", 'reason="invalid"')
         assert (missing, invalid) == (len(PROTECTED), 2 * len(PROTECTED))
         assert missing + invalid == n
     assert engine.free_blocks == engine.num_blocks
+
+
+@pytest.mark.anyio
+async def test_instance_operator_views_are_closed_to_api_keys(model):
+    """An API key but no admin key: /metrics (what others found cached) is closed to
+    every caller, API-key holders included; the API is not."""
+    app = build_app(FakeEngine(*model), api_key=KEY)
+    good = {"Authorization": f"Bearer {KEY}"}
+    async for c in _client(app):
+        for headers in ({}, good, {"Authorization": "Bearer x"}):
+            r = await c.get("/metrics", headers=headers)
+            assert r.status_code == 403, r.text
+            assert r.json()["error"]["code"] == "operator_view_closed"
+            assert "--admin-key" in r.json()["error"]["message"]
+        assert (await c.get("/v1/models", headers=good)).status_code == 200
 
 
 @pytest.mark.anyio
@@ -197,18 +218,21 @@ async def test_instance_without_key_stays_open(model):
 @pytest.mark.anyio
 async def test_router_api_key_in_process():
     cfg = RouterConfig(mode="colocated", prefill=(), decode=(parse_instance("127.0.0.1:9"),),
-                       api_key=KEY, startup_timeout_s=1)
+                       api_key=KEY, admin_key=ADMIN, startup_timeout_s=1)
     router = Router(cfg)
     assert router.make_client().headers["authorization"] == f"Bearer {KEY}"
     app = build_router_app(router, manage=False)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://test", timeout=10) as c:
         assert (await c.get("/health")).status_code == 503  # open (no instance is up)
-        for method, path in [*PROTECTED, ("GET", "/router/instances")]:
+        for method, path in PROTECTED:
             assert_401(await c.request(method, path, json={"prompt": "x"}))
-        r = await c.get("/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        for path in ("/metrics", "/router/instances"):  # operator views: not the API key's
+            r = await c.get(path, headers={"Authorization": f"Bearer {KEY}"})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_key"
+        r = await c.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
         assert metric_value(r.text, "kvpush_router_auth_rejected_total",
-                            'reason="missing"') == len(PROTECTED) + 1
+                            'reason="missing"') == len(PROTECTED)
     assert Router(RouterConfig(mode="colocated", prefill=(),
                                decode=(parse_instance("h:1"),))).make_client().headers.get(
         "authorization") is None
@@ -260,6 +284,7 @@ def wait_free(url: str, headers: dict, timeout: float = 20.0) -> None:
 
 def test_push_cluster_with_api_key_and_signed_side_channel(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, KEY)
+    monkeypatch.setenv(ADMIN_KEY_ENV, ADMIN)  # the instances' /metrics take this one
     monkeypatch.setenv(KV_SECRET_ENV, SECRET)
     flags = ("--kv-transfer", "push", "--num-blocks", "64", "--block-size", "16",
              "--max-model-len", "512",
@@ -282,7 +307,9 @@ def test_push_cluster_with_api_key_and_signed_side_channel(tiny_llama, tmp_path,
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
         for inst in (p, d):
-            metrics = httpx.get(inst.url + "/metrics", headers=good, timeout=5).text
+            assert httpx.get(inst.url + "/metrics", headers=good, timeout=5).status_code == 401
+            metrics = httpx.get(inst.url + "/metrics", timeout=5,
+                                headers={"Authorization": f"Bearer {ADMIN}"}).text
             assert metric_value(metrics, "kvpush_kv_side_channel_rejected_total") == 0
             assert 'kvpush_kv_side_channel_rejected_total{reason="bad_signature"} 0.0' \
                 in metrics
@@ -323,7 +350,8 @@ def test_push_cluster_with_api_key_and_signed_side_channel(tiny_llama, tmp_path,
             assert "kv_transfer_params" in r.text
         r = httpx.post(router.url + "/v1/completions", json=body, headers=good, timeout=60)
         assert r.status_code == 200, r.text
-        d_metrics = httpx.get(d.url + "/metrics", headers=good, timeout=5).text
+        d_metrics = httpx.get(d.url + "/metrics", timeout=5,
+                              headers={"Authorization": f"Bearer {ADMIN}"}).text
         assert metric_value(d_metrics, "kvpush_kv_transfers_ok_total") >= 1
         # kvpush bench sends $KVPUSH_API_KEY (set above) as the bearer token
         from kvpush.bench.client import run_benchmark

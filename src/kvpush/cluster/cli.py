@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpush import cli_types
+from kvpush.server.admin_key import ADMIN_KEY_HELP
 
 if TYPE_CHECKING:
     from kvpush.cluster.launcher import Child, ChildSpec, Supervisor
@@ -123,6 +124,8 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on the router and every instance "
                         "(default: $KVPUSH_API_KEY; unset: no key)")
+    p.add_argument("--admin-key", metavar="KEY", default=None,
+                   help="the router's and every instance's " + ADMIN_KEY_HELP)
 
     mb = p.add_argument_group(
         "membership (etcd)",
@@ -255,11 +258,12 @@ def plan_router(args: argparse.Namespace, port: int, instances: list[Child]) -> 
     return ChildSpec("router", "router", argv, port)
 
 
-def child_env(api_key: str | None = None) -> dict[str, str]:
+def child_env(api_key: str | None = None, admin_key: str | None = None) -> dict[str, str]:
     """The children's environment: ours, plus the cluster's side-channel secret (a fresh
-    random one unless KVPUSH_KV_SECRET is set) and the API key (if any)."""
+    random one unless KVPUSH_KV_SECRET is set), the API key and the admin key (if any)."""
     import secrets
 
+    from kvpush.server.admin_key import ADMIN_KEY_ENV
     from kvpush.server.auth import API_KEY_ENV, KV_SECRET_ENV
 
     env = dict(os.environ)
@@ -271,6 +275,8 @@ def child_env(api_key: str | None = None) -> dict[str, str]:
     env.pop(API_KEY_ENV, None)
     if api_key:
         env[API_KEY_ENV] = api_key
+    if admin_key:
+        env[ADMIN_KEY_ENV] = admin_key
     return env
 
 
@@ -593,7 +599,8 @@ def run_up(args: argparse.Namespace) -> int:
     log_dir = _make_log_dir(args)
     signals = StopSignals().install()  # before any child exists: no window without cleanup
     try:
-        with Supervisor(log_dir, child_env(api_key), signals, args.stop_timeout) as sup:
+        env = child_env(api_key, (args.admin_key or "").strip() or None)
+        with Supervisor(log_dir, env, signals, args.stop_timeout) as sup:
             return _serve(sup, args, model, port, log_dir, api_key)
     finally:
         signals.restore()

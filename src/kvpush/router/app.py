@@ -25,7 +25,6 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive, Scope, Send
 
 from kvpush.aio import within
-from kvpush.router.admin_key import ADMIN_PATHS, AdminKeyMiddleware
 from kvpush.router.cache_policy import CachePolicy
 from kvpush.router.config import RouterConfig
 from kvpush.router.intake import (
@@ -45,8 +44,9 @@ from kvpush.router.prompts import TokenizerState
 from kvpush.router.redact import scrub
 from kvpush.router.stopping import cancel_and_wait
 from kvpush.router.wire import client_kv_params_problem, relay_error
+from kvpush.server.admin_key import ADMIN_PATHS, protect
 from kvpush.server.app import EventStreamResponse, unless_disconnected
-from kvpush.server.auth import OPEN_PATHS, APIKeyMiddleware, auth_header
+from kvpush.server.auth import auth_header
 from kvpush.server.door import uvicorn_options
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
 from kvpush.server.metrics import auth_rejected_counter
@@ -56,6 +56,9 @@ if TYPE_CHECKING:
     from kvpush.router.discover import EtcdLink
 
 logger = logging.getLogger("kvpush.router")
+
+#: the router's operator views: an instance's, and the instance list with its load
+ROUTER_ADMIN_PATHS = ADMIN_PATHS | {"/router/instances"}
 
 #: Idle keep-alive connections to instances are dropped before the instances' own
 #: keep-alive timeout (uvicorn's default is 5 s, in kvpush and vLLM alike), so the router
@@ -353,14 +356,8 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
                   lifespan=lifespan)
     app.state.router = router
     install_error_handlers(app)
-    admin = router.cfg.admin_key
-    if router.cfg.api_key:  # (with an admin key, the operator views take that one)
-        app.add_middleware(APIKeyMiddleware, key=router.cfg.api_key,
-                           on_reject=lambda reason: router.auth_rejected.labels(reason).inc(),
-                           open_paths=OPEN_PATHS | (ADMIN_PATHS if admin else frozenset()))
-    if admin:
-        app.add_middleware(AdminKeyMiddleware, key=admin,
-                           on_reject=lambda reason: router.auth_rejected.labels(reason).inc())
+    protect(app, router.cfg.api_key, router.cfg.admin_key, ROUTER_ADMIN_PATHS,
+            on_reject=lambda reason: router.auth_rejected.labels(reason).inc())
 
     @app.post("/v1/completions", summary="Text completion, through prefill and decode",
               openapi_extra=request_body("CompletionRequest"))

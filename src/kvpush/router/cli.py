@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from kvpush import cli_types
+from kvpush.server.admin_key import ADMIN_KEY_HELP
 from kvpush.server.door import add_door_args
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -96,11 +97,7 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "signs every leg's kv_transfer_params with it, and instances with "
                           "a secret act only on signed ones (default: $KVPUSH_KV_SECRET; "
                           "unset: unsigned, for instances run with --insecure-kv-params)")
-    net.add_argument("--admin-key", metavar="KEY", default=None,
-                     help="the key of the operator views (/router/instances, /metrics, "
-                          "which show what other users' requests found cached); the API "
-                          "key then no longer opens them (default: $KVPUSH_ADMIN_KEY; "
-                          "unset: the API key opens them). Prefer the environment variable")
+    net.add_argument("--admin-key", metavar="KEY", default=None, help=ADMIN_KEY_HELP)
     net.add_argument("--allow-loose-secret-file", action="store_true",
                      help="use a --kv-secret-file that group or others can read (refused "
                           "otherwise; chmod 600 it instead)")
@@ -143,8 +140,8 @@ def _fail(message: str, code: int = 2) -> int:
 
 def build_config(args: argparse.Namespace) -> Any:
     """The RouterConfig for parsed arguments (raises RouterConfigError)."""
-    from kvpush.router.admin_key import resolve_admin_key
     from kvpush.router.config import RouterConfig, RouterConfigError
+    from kvpush.server.admin_key import resolve_admin_key
     from kvpush.server.auth import SecretError, resolve_api_key, resolve_kv_secret
 
     try:

@@ -34,13 +34,13 @@ from kvpush.crypto.auth import ParamsSigner
 from kvpush.engine.client import EngineClient
 from kvpush.engine.outputs import FinishReason, RequestOutput
 from kvpush.server import chat
+from kvpush.server.admin_key import protect
 from kvpush.server.admission import (
     DEFAULT_MAX_WAITING_REQUESTS,
     WaitingBound,
     WaitingSlot,
     is_second_leg,
 )
-from kvpush.server.auth import APIKeyMiddleware
 from kvpush.server.body_limit import BodyLimitMiddleware
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
 from kvpush.server.kv_abort import parse_abort, read_abort_body
@@ -342,12 +342,14 @@ class _Server:
 def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
               api_key: str | None = None,
               max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
-              body_timeout_s: float = 30.0) -> FastAPI:
+              body_timeout_s: float = 30.0, admin_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``; its lifespan starts and shuts down the engine.
 
-    With ``api_key`` every path but ``/health`` needs ``Authorization: Bearer <key>``
-    (see kvpush.server.auth). More than ``max_waiting_requests`` requests without a
-    first output yet are refused with a 429 (0: no bound; see kvpush.server.admission).
+    With ``api_key`` every path but ``/health`` and ``/metrics`` needs ``Authorization:
+    Bearer <key>`` (see kvpush.server.auth); ``/metrics`` needs ``admin_key``, and is
+    closed with an API key but no admin key (kvpush.server.admin_key). More than
+    ``max_waiting_requests`` requests without a first output yet are refused with a 429
+    (0: no bound; see kvpush.server.admission).
     A request body must be in within ``body_timeout_s`` of its headers, else 408 (the
     header deadline and the connection bound are the door's: kvpush.server.door).
     """
@@ -369,9 +371,7 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
     app.state.server = server
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, key=api_key,
-                           on_reject=server.metrics.count_auth_rejected)
+    protect(app, api_key, admin_key, on_reject=server.metrics.count_auth_rejected)
     server.metrics.register_kv_stats(engine.kv_stats)
     engine.set_transfer_sink(server.metrics.observe_transfer)
 

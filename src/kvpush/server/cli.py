@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpush import cli_types
+from kvpush.server.admin_key import ADMIN_KEY_HELP
 from kvpush.server.door import add_door_args
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="require 'Authorization: Bearer KEY' on every path but /health "
                           "(default: $KVPUSH_API_KEY; unset: no key). Prefer the "
                           "environment variable: a flag shows in the process list")
+    net.add_argument("--admin-key", metavar="KEY", default=None, help=ADMIN_KEY_HELP)
 
     mdl = p.add_argument_group("model and KV cache")
     mdl.add_argument("--max-model-len", type=int, metavar="TOKENS",
@@ -391,11 +393,13 @@ def _serve(args: argparse.Namespace, config, engine, listener, api_key, log,
 
     import uvicorn
 
+    from kvpush.server.admin_key import resolve_admin_key
     from kvpush.server.app import build_app
     from kvpush.server.door import uvicorn_options
 
     app = build_app(engine, api_key=api_key, max_waiting_requests=args.max_waiting_requests,
-                    body_timeout_s=args.body_timeout)
+                    body_timeout_s=args.body_timeout,
+                    admin_key=resolve_admin_key(getattr(args, "admin_key", None)))
     if api_key is None and not cli_types.is_loopback(args.host):
         log.warning("listening on %s without an API key: anyone who reaches this address "
                     "can use the server (--api-key or KVPUSH_API_KEY)", args.host)
