@@ -46,6 +46,21 @@ async def test_operator_views_need_the_admin_key():
         assert (await c.get("/health")).status_code in (200, 503)  # open
 
 
+@pytest.mark.anyio
+async def test_operator_views_are_closed_with_an_api_key_and_no_admin_key():
+    cfg = RouterConfig(mode="colocated", prefill=(), decode=(parse_instance("127.0.0.1:9"),),
+                       api_key=KEY, startup_timeout_s=1)
+    app = build_router_app(Router(cfg), manage=False)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://test", timeout=10) as c:
+        for path in ("/router/instances", "/metrics"):
+            for headers in ({}, bearer(KEY)):
+                r = await c.get(path, headers=headers)
+                assert r.status_code == 403, (path, headers, r.text)
+                assert r.json()["error"]["code"] == "operator_view_closed"
+        assert (await c.get("/v1/models", headers=bearer("wrong"))).status_code == 401
+
+
 def test_the_admin_key_comes_from_the_flag_or_the_environment():
     assert resolve_admin_key(None, {}) is None
     assert resolve_admin_key(None, {"KVPUSH_ADMIN_KEY": "e"}) == "e"
