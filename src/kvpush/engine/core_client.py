@@ -20,13 +20,13 @@ import pickle
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import msgspec
 import zmq
 
 from kvpush.config import ConfigError, EngineConfig
+from kvpush.engine.core_dir import make_core_dir
 from kvpush.engine.core_proc import CoreFailed, CoreReady, CoreSetup, Hello
 from kvpush.engine.front import FrontEnd
 from kvpush.engine.inputs import EngineCommand, Shutdown
@@ -52,7 +52,7 @@ class CoreClient(FrontEnd):
             from kvpush.engine.llm_engine import load_tokenizer
 
             tokenizer = load_tokenizer(config.model.path)
-        tmp = tempfile.mkdtemp(prefix="kvpush-core-")
+        tmp = make_core_dir()  # removes the folders of dead processes first
         ctx = zmq.Context()
         to_core = ctx.socket(zmq.PUSH)
         to_core.setsockopt(zmq.SNDHWM, 0)
