@@ -79,6 +79,12 @@ class RouterConfig:
     body_timeout_s: float = 30.0
     #: client connections open at once; more are answered 503 and closed at once
     max_client_connections: int = 4096
+    #: largest answer of an instance read whole (non-streaming, an error, a prefill
+    #: leg's): past it the router stops reading and answers 502 (router/wire.py)
+    max_answer_bytes: int = 32 << 20
+    #: largest SSE frame of decode's stream held while its end has not come: past it the
+    #: stream ends with an error frame (kvpush and vLLM frames are a few KiB)
+    max_frame_bytes: int = 4 << 20
     #: clients must send ``Authorization: Bearer <api_key>``, and the router sends it to
     #: every instance (None: no key); never shown in reprs or logs
     api_key: str | None = field(default=None, repr=False)

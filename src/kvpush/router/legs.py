@@ -44,10 +44,13 @@ from kvpush.router.redact import scrub
 from kvpush.router.request_log import log_request
 from kvpush.router.watch import LegLost, LegWatch
 from kvpush.router.wire import (
+    AnswerTooLarge,
     ErrorFrames,
+    FrameTooLong,
     LegSigner,
     prefill_body,
     push_decode_params,
+    read_answer,
     relay_error,
 )
 from kvpush.server.errors import APIError
@@ -62,11 +65,6 @@ NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 #: the instance went away (or never answered): it leaves the rotation
 CONNECTION_LOST = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError,
                    httpx.WriteError, httpx.RemoteProtocolError)
-
-
-def _error_code(resp: httpx.Response) -> str | None:
-    """The ``error.code`` of an OpenAI-style error body, if there is one."""
-    return _body_code(resp.content)
 
 
 def _body_code(content: bytes) -> str | None:
@@ -333,19 +331,25 @@ class Legs:
         r = PrefillResult()
         outcome = "cancelled"
         try:
+            req = self.client.build_request("POST", p.url + job.path, json=body,
+                                            headers={"X-Request-Id": tid})
             with LegWatch(p.watches, "prefill leg"):  # nothing comes before prefill ends
-                resp = await self.client.post(p.url + job.path, json=body,
-                                              headers={"X-Request-Id": tid})
-            r.status, r.content = resp.status_code, resp.content
+                resp = await self.client.send(req, stream=True)
+                try:
+                    r.content = await read_answer(resp, self.cfg.max_answer_bytes)
+                finally:
+                    await resp.aclose()
+            r.status = resp.status_code
             r.content_type = resp.headers.get("content-type")
             outcome = "ok" if resp.status_code == 200 else "http_error"
             if resp.status_code != 200:
-                if job.mode == "push" and _error_code(resp) == "prefill_not_needed":
+                if job.mode == "push" and _body_code(r.content) == "prefill_not_needed":
                     # decode's registration (a full prefix hit) reached prefill before
                     # this leg did: nothing to compute, and nothing is wrong
                     outcome = "skipped"
                 else:
-                    r.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
+                    text = r.content[:300].decode("utf-8", "replace")
+                    r.error = f"HTTP {resp.status_code}: {text}"
         except CONNECTION_LOST as e:
             r.error = describe_error(e)
             r.never_sent = isinstance(e, NEVER_SENT)
@@ -356,6 +360,8 @@ class Legs:
             r.error, r.timed_out, outcome = describe_error(e), True, "timeout"
         except httpx.HTTPError as e:  # e.g. a malformed answer
             r.error, r.lost, outcome = describe_error(e), True, "connection_error"
+        except AnswerTooLarge as e:  # a broken (or hostile) instance: as malformed
+            r.error, r.lost, outcome = str(e), True, "connection_error"
         except LegLost as e:  # a health check failed on it meanwhile: out of rotation
             r.error, r.lost, outcome = e.reason, True, "connection_error"
         finally:
@@ -427,7 +433,7 @@ class Legs:
         self._first_byte(job)
         try:
             with LegWatch(d.watches, "decode's answer", self.cfg.request_timeout_s):
-                content = await resp.aread()
+                content = await read_answer(resp, self.cfg.max_answer_bytes)
         except BaseException as e:
             err = self._decode_failure(job, d, e)
             if err is e:
@@ -460,6 +466,9 @@ class Legs:
         if isinstance(e, httpx.HTTPError):
             return self._fail(job, 502, f"the decode instance failed: {describe_error(e)}",
                               f"{where} failed: {describe_error(e)}")
+        if isinstance(e, (AnswerTooLarge, FrameTooLong)):  # its message names no internals
+            return self._fail(job, 502, f"the decode instance's answer was cut: {e}",
+                              f"{where}: answer cut: {e}")
         return e
 
     # ------------------------------------------------------------------ streaming relay
@@ -470,7 +479,7 @@ class Legs:
         ``request_timeout_s``; a failed health check of decode ends it at once."""
         d = job.decode
         assert d is not None
-        frames = ErrorFrames(self.pool.engine_ids())
+        frames = ErrorFrames(self.pool.engine_ids(), self.cfg.max_frame_bytes)
         chunks = resp.aiter_bytes()
         try:
             while True:
@@ -492,7 +501,7 @@ class Legs:
                 job.error = job.error or f"decode reported an error in its stream: " \
                                          f"{frames.errors[0]}"
             job.outcome = "error" if job.error else "ok"
-        except (httpx.HTTPError, OSError, LegLost) as e:
+        except (httpx.HTTPError, OSError, LegLost, FrameTooLong) as e:
             err = self._decode_failure(job, d, e)
             job.outcome, job.error = "error", str(err)
             if isinstance(err, APIError):

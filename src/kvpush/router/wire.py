@@ -9,6 +9,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import httpx
 from fastapi.responses import JSONResponse, Response
 
 from kvpush.router.pool import Instance
@@ -79,32 +80,81 @@ def client_kv_params_problem(body: dict[str, Any]) -> str | None:
             "and a client may not send its own")
 
 
+class FrameTooLong(Exception):
+    """Decode's stream held more than the frame cap without a frame end."""
+
+
+class AnswerTooLarge(Exception):
+    """An instance's answer is larger than the router reads whole."""
+
+
+async def read_answer(resp: httpx.Response, limit: int) -> bytes:
+    """The body of an open (``stream=True``) answer, read until ``limit`` bytes at most:
+    AnswerTooLarge past it (by its Content-Length, before reading any)."""
+    size = resp.headers.get("content-length", "")
+    if size.isdigit() and int(size) > limit:
+        raise AnswerTooLarge(f"its answer is {int(size)} bytes, over the router's cap "
+                             f"of {limit >> 20} MiB")
+    parts: list[bytes] = []
+    total = 0
+    async for chunk in resp.aiter_bytes():
+        total += len(chunk)
+        if total > limit:
+            raise AnswerTooLarge(f"its answer is over the router's cap of {limit >> 20} MiB")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 class ErrorFrames:
     """Decode's SSE stream on its way to the client, cut at frame ends (a frame split
     over two chunks goes out whole, with the second), with each in-band error frame
     (``data: {"error": ...}``) scrubbed. ``errors`` keeps their messages as they came,
     for the router's log; ``done`` says the ``data: [DONE]`` frame has gone out (a client
-    that hangs up after it received the whole answer)."""
+    that hangs up after it received the whole answer). Each byte is scanned for a frame
+    end once; an unfinished frame longer than ``max_frame`` raises FrameTooLong."""
 
-    def __init__(self, engine_ids: Sequence[str] = ()) -> None:
+    def __init__(self, engine_ids: Sequence[str] = (), max_frame: int = 4 << 20) -> None:
         self.engine_ids = engine_ids
         self.errors: list[str] = []
         self.done = False
-        self._pending = b""
+        self.max_frame = max_frame
+        self._pending = bytearray()
 
     def feed(self, chunk: bytes) -> bytes:
         """What of the stream so far can go to the client now."""
-        data = self._pending + chunk if self._pending else chunk
-        end = data.rfind(b"\n\n")
+        pending = self._pending
+        if not pending:
+            end = chunk.rfind(b"\n\n")
+            if end < 0:
+                pending += chunk
+                self._check()
+                return b""
+            if end + 2 == len(chunk):
+                return self._clean(chunk)  # whole frames: the usual case
+            pending += memoryview(chunk)[end + 2:]
+            self._check()
+            return self._clean(chunk[:end + 2])
+        start = len(pending) - 1  # a frame end may straddle the old and the new bytes
+        pending += chunk
+        end = pending.rfind(b"\n\n", start)
         if end < 0:
-            self._pending = data
+            self._check()
             return b""
-        self._pending = data[end + 2:]
-        return self._clean(data[:end + 2])
+        out = bytes(pending[:end + 2])
+        del pending[:end + 2]
+        self._check()
+        return self._clean(out)
+
+    def _check(self) -> None:
+        if len(self._pending) > self.max_frame:
+            held = len(self._pending)
+            self._pending = bytearray()
+            raise FrameTooLong(f"a frame of its stream passed {held} bytes without an end "
+                               f"(the router's cap is {self.max_frame >> 20} MiB)")
 
     def flush(self) -> bytes:
         """The rest, once the stream has ended."""
-        data, self._pending = self._pending, b""
+        data, self._pending = bytes(self._pending), bytearray()
         return self._clean(data)
 
     def _clean(self, data: bytes) -> bytes:

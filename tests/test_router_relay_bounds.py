@@ -1,0 +1,172 @@
+"""The relay is bounded (issue 53, point 5): a stream frame without an end is cut at the
+frame cap with an error frame; a non-streaming answer (decode's, or a prefill leg's)
+above the answer cap is a 502; each stream byte is scanned for a frame end once; the
+router's memory stays within the caps and /health keeps answering meanwhile.
+
+The instances are small fake apps in this process (uvicorn threads); every wait is
+bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvpush.router.wire import ErrorFrames, FrameTooLong
+from router_helpers import RouterThread
+from server_helpers import free_port, uvicorn_server
+
+pytestmark = pytest.mark.timeout(120)
+
+MiB = 1 << 20
+FRAME = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+
+
+def endless_instance(role: str, kv_transfer: str, total: int) -> FastAPI:
+    """An instance whose answers never end a frame: a stream of one frame, then
+    ``total`` bytes without a frame end; a non-streaming answer of ``total`` bytes
+    (chunked, no Content-Length); with ``?declared``, an answer whose Content-Length
+    says ``total``."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/kv/info")
+    async def kv_info() -> Response:
+        return JSONResponse({"engine_id": f"{role}-1234abcd", "role": role,
+                             "kv_transfer": kv_transfer, "side_channel_host": "127.0.0.1",
+                             "side_channel_port": free_port()})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await request.json()
+        block = b"x" * (64 << 10)
+
+        async def endless(first: bytes) -> AsyncIterator[bytes]:
+            yield first
+            for _ in range(total // len(block)):
+                yield block
+
+        if body.get("stream"):
+            return StreamingResponse(endless(FRAME), media_type="text/event-stream")
+        if body.get("user") == "declared":
+            return Response(b"{}", media_type="application/json",
+                            headers={"content-length": str(total)})
+        return StreamingResponse(endless(b'{"choices": ["'), media_type="application/json")
+
+    return app
+
+
+@contextmanager
+def watched(url: str) -> Iterator[dict]:
+    """Meanwhile: /health polled (its slowest answer) and this process's peak RSS rise."""
+    seen = {"health_max_s": 0.0, "health_fails": 0, "rss_rise": 0}
+    stop = threading.Event()
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    base = rss()
+
+    def poll() -> None:
+        with httpx.Client(timeout=10) as c:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    ok = c.get(url + "/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                seen["health_max_s"] = max(seen["health_max_s"], time.monotonic() - t0)
+                seen["health_fails"] += not ok
+                seen["rss_rise"] = max(seen["rss_rise"], rss() - base)
+                stop.wait(0.05)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        t.join(15)
+
+
+def test_frame_scan_is_linear_and_capped():
+    """4 MiB fed in 64-byte chunks without a frame end: each byte scanned once (the old
+    scanner re-scanned and copied the whole pending frame per chunk: minutes); then the
+    cap; a frame end straddling two chunks still cuts."""
+    frames = ErrorFrames(max_frame=4 * MiB)
+    piece = b"y" * 64
+    t0 = time.monotonic()
+    for _ in range(4 * MiB // 64):
+        assert frames.feed(piece) == b""
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(FrameTooLong):
+        frames.feed(piece)
+    frames = ErrorFrames()
+    assert frames.feed(b"data: 1\n") == b""
+    assert frames.feed(b"\ndata: 2") == b"data: 1\n\n"
+    assert frames.feed(b"\n\n") == b"data: 2\n\n"
+    assert frames.feed(FRAME + b"data: [DO") == FRAME
+    assert frames.flush() == b"data: [DO"
+
+
+def test_endless_frame_and_huge_answers_are_cut():
+    """80 MiB of stream without a frame end: the client gets the first frame, then an
+    OpenAI error frame and [DONE]; a 300 MiB non-streaming answer, and one whose
+    Content-Length says 300 MiB, are 502s. Within seconds, /health answering all along,
+    the router's memory within the caps."""
+    inst = endless_instance("both", "none", 300 * MiB)
+    with uvicorn_server(inst) as url:
+        rt = RouterThread("colocated", [], [url])
+        try:
+            with watched(rt.url) as seen, httpx.Client(timeout=60) as c:
+                t0 = time.monotonic()
+                with c.stream("POST", rt.url + "/v1/completions",
+                              json={"prompt": "hi", "stream": True}) as r:
+                    assert r.status_code == 200
+                    sse = r.read().decode()
+                took = time.monotonic() - t0
+                frames = [f for f in sse.split("\n\n") if f]
+                assert frames[0] == FRAME.decode().strip()
+                err = json.loads(frames[1].removeprefix("data: "))["error"]
+                assert "without an end" in err["message"], err
+                assert frames[2] == "data: [DONE]" and len(frames) == 3, frames
+                assert took < 20, took
+                for user in ("chunked", "declared"):
+                    r = c.post(rt.url + "/v1/completions",
+                               json={"prompt": "hi", "user": user})
+                    assert r.status_code == 502, r.text
+                    assert "over the router's cap of 32 MiB" in r.json()["error"]["message"]
+                assert time.monotonic() - t0 < 40
+            assert seen["health_fails"] == 0, seen
+            assert seen["health_max_s"] < 2.0, seen
+            assert seen["rss_rise"] < 200 * MiB, seen  # 300 MiB took 720 MiB before
+        finally:
+            rt.stop()
+
+
+def test_huge_prefill_answer_is_a_502():
+    """Pull mode: a prefill leg whose answer passes the cap fails like a broken answer
+    (no other prefill: 502), and the router reads no more of it."""
+    p = endless_instance("prefill", "pull", 300 * MiB)
+    d = endless_instance("decode", "pull", 0)
+    with uvicorn_server(p) as p_url, uvicorn_server(d) as d_url:
+        rt = RouterThread("pull", [p_url], [d_url])
+        try:
+            with httpx.Client(timeout=60) as c:
+                r = c.post(rt.url + "/v1/completions", json={"prompt": "hi"})
+            assert r.status_code == 502, r.text
+            assert "cap of 32 MiB" in r.json()["error"]["message"], r.text
+        finally:
+            rt.stop()
