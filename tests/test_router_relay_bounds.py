@@ -33,8 +33,8 @@ FRAME = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
 def endless_instance(role: str, kv_transfer: str, total: int) -> FastAPI:
     """An instance whose answers never end a frame: a stream of one frame, then
     ``total`` bytes without a frame end; a non-streaming answer of ``total`` bytes
-    (chunked, no Content-Length); with ``?declared``, an answer whose Content-Length
-    says ``total``."""
+    (chunked, no Content-Length), /v1/models too; with ``user: declared``, an answer
+    whose Content-Length says ``total``."""
     app = FastAPI()
 
     @app.get("/health")
@@ -47,15 +47,20 @@ def endless_instance(role: str, kv_transfer: str, total: int) -> FastAPI:
                              "kv_transfer": kv_transfer, "side_channel_host": "127.0.0.1",
                              "side_channel_port": free_port()})
 
+    block = b"x" * (64 << 10)
+
+    async def endless(first: bytes) -> AsyncIterator[bytes]:
+        yield first
+        for _ in range(total // len(block)):
+            yield block
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return StreamingResponse(endless(b'{"data": ["'), media_type="application/json")
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await request.json()
-        block = b"x" * (64 << 10)
-
-        async def endless(first: bytes) -> AsyncIterator[bytes]:
-            yield first
-            for _ in range(total // len(block)):
-                yield block
 
         if body.get("stream"):
             return StreamingResponse(endless(FRAME), media_type="text/event-stream")
@@ -124,8 +129,8 @@ def test_frame_scan_is_linear_and_capped():
 def test_endless_frame_and_huge_answers_are_cut():
     """80 MiB of stream without a frame end: the client gets the first frame, then an
     OpenAI error frame and [DONE]; a 300 MiB non-streaming answer, and one whose
-    Content-Length says 300 MiB, are 502s. Within seconds, /health answering all along,
-    the router's memory within the caps."""
+    Content-Length says 300 MiB, are 502s; a 300 MiB /v1/models is not relayed (503).
+    Within seconds, /health answering all along, the router's memory within the caps."""
     inst = endless_instance("both", "none", 300 * MiB)
     with uvicorn_server(inst) as url:
         rt = RouterThread("colocated", [], [url])
@@ -148,10 +153,14 @@ def test_endless_frame_and_huge_answers_are_cut():
                                json={"prompt": "hi", "user": user})
                     assert r.status_code == 502, r.text
                     assert "over the router's cap of 32 MiB" in r.json()["error"]["message"]
+                r = c.get(rt.url + "/v1/models")
+                assert r.status_code == 503, r.text
+                assert "no decode instance answered" in r.json()["error"]["message"]
                 assert time.monotonic() - t0 < 40
             assert seen["health_fails"] == 0, seen
             assert seen["health_max_s"] < 2.0, seen
             assert seen["rss_rise"] < 200 * MiB, seen  # 300 MiB took 720 MiB before
+            print("relay bounds:", seen)
         finally:
             rt.stop()
 

@@ -43,7 +43,12 @@ from kvpush.router.pool import Instance, Pool, describe_error
 from kvpush.router.prompts import TokenizerState
 from kvpush.router.redact import scrub
 from kvpush.router.stopping import cancel_and_wait
-from kvpush.router.wire import client_kv_params_problem, relay_error
+from kvpush.router.wire import (
+    AnswerTooLarge,
+    client_kv_params_problem,
+    read_answer,
+    relay_error,
+)
 from kvpush.server.admin_key import ADMIN_PATHS, protect
 from kvpush.server.app import EventStreamResponse, unless_disconnected
 from kvpush.server.auth import auth_header
@@ -376,15 +381,20 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
         for inst in router.pool.by_role["decode"]:
             if not inst.healthy:
                 continue
+            req = router.client.build_request("GET", inst.url + "/v1/models",
+                                              timeout=router.cfg.health_timeout_s)
             try:
-                r = await router.client.get(inst.url + "/v1/models",
-                                            timeout=router.cfg.health_timeout_s)
-            except httpx.HTTPError as e:
+                r = await router.client.send(req, stream=True)
+                try:
+                    content = await read_answer(r, router.cfg.max_answer_bytes)
+                finally:
+                    await r.aclose()
+            except (httpx.HTTPError, AnswerTooLarge) as e:
                 tried.append(f"{inst.url}: {describe_error(e)}")
                 continue
             if r.status_code == 200:
-                return Response(r.content, media_type="application/json")
-            return relay_error(r.status_code, r.content, "decode", inst, "/v1/models",
+                return Response(content, media_type="application/json")
+            return relay_error(r.status_code, content, "decode", inst, "/v1/models",
                                router.pool.engine_ids())
         if tried:
             logger.warning("/v1/models: no decode instance answered: %s", "; ".join(tried))
