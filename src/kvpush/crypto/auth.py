@@ -194,7 +194,7 @@ def _grant(g: object) -> Grant:
 
 #: Why an authenticating channel refused a message (``stats.rejected_by_reason`` keys).
 REJECT_REASONS = ("unsigned", "bad_signature", "replayed", "stale", "malformed",
-                  "handshake_refused", "closed_by_peer")
+                  "handshake_refused")
 
 REJECT_HINTS = {
     "unsigned": "the peer has no side-channel secret configured while this instance has "
@@ -208,9 +208,6 @@ REJECT_HINTS = {
     "malformed": "its authentication frame is malformed",
     "handshake_refused": "the connection broke off in the CURVE handshake: the peer has "
                          "no side-channel secret or a DIFFERENT one",
-    "closed_by_peer": "no ZMQ socket listens there (it sent no greeting): the peer is gone "
-                      "and another program has its port, or the address is wrong; not a "
-                      "secret mismatch",
 }
 
 

@@ -15,8 +15,7 @@ Refused handshakes are visible: :func:`handshake_reason` maps a socket monitor's
 ``HANDSHAKE_FAILED_*`` event to the side channel's reject reasons (``unsigned``: the
 peer speaks without CURVE, i.e. has no secret; ``bad_signature``: a different secret;
 ``malformed``: anything else; a connection that broke off in the handshake:
-``handshake_refused``, which the link watch turns into ``closed_by_peer`` when no ZMQ
-socket listens at the far end), so a mismatch is counted and named as before. One refused
+``handshake_refused``), so a mismatch is counted and named as before. One refused
 connection may count twice (its refusal, then the broken connection).
 """
 

@@ -138,9 +138,7 @@ class _TransferCollector(Collector):
         yield _labelled(CounterMetricFamily, st.side_channel_rejected,
                         "kvpush_kv_side_channel_rejected", "Side-channel messages refused by "
                         "the shared-secret check (unsigned, bad_signature, replayed, stale, "
-                        "malformed; handshake_refused: a CURVE handshake broken off; "
-                        "closed_by_peer: our connection closed by something that is no "
-                        "ZMQ socket)",
+                        "malformed; handshake_refused: a CURVE handshake broken off)",
                         "reason")
         yield _labelled(CounterMetricFamily, st.side_channel_send_dropped,
                         "kvpush_kv_side_channel_send_dropped",

@@ -1,29 +1,19 @@
 """LinkWatch: which of a SideChannel's outgoing connections have dropped.
 
 Each DEALER gets a ZMQ socket monitor, read without blocking by :meth:`LinkWatch.pump`. A
-link is up once its ZMTP handshake succeeded. A peer whose process ends closes our link; a
-frozen one keeps it open until heartbeats or TCP keepalive give up. A peer seen gone stays
-gone, also after its DEALER is forgotten, until a link to it is up again; links that
-never came up are not kept, and at most ``MAX_LINKS`` unwatched ones are (oldest first
-out). Same thread as the channel (ZMQ sockets are not thread-safe).
-
-Handshakes that did not finish go to ``refusals`` for the channel to count. ZMQ reports a
-handshake that the far end closed the same way (``HANDSHAKE_FAILED_NO_DETAIL``) whether
-the far end is a side channel that refused our key or no ZMQ socket at all (a dead peer's
-port taken by another program), so such a one waits for a probe of the address
-(:func:`speaks_zmtp`, on a short-lived thread, one per address at a time, at most
-``MAX_PROBES``; its verdict kept ``VERDICT_TTL_S``): ``handshake_refused`` or
-``closed_by_peer``.
+link is up once its ZMTP handshake succeeded (refused CURVE handshakes go to ``refusals``
+for the channel to count). A peer whose process ends closes our link; a frozen one keeps
+it open until heartbeats or TCP keepalive give up. A peer seen gone stays gone, also after
+its DEALER is forgotten, until a link to it is up again; links that never came up are not
+kept, and at most ``MAX_LINKS`` unwatched ones are (oldest first out). Same thread as the
+channel (ZMQ sockets are not thread-safe).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import socket
 import struct
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -35,24 +25,6 @@ _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAI
 _ids = itertools.count()
 #: links remembered once their DEALER is closed (peers seen gone), oldest dropped first
 MAX_LINKS = 4096
-#: how long a probe waits to connect, then for the first byte
-PROBE_TIMEOUT_S = 1.0
-#: how long a probe's verdict on an address holds
-VERDICT_TTL_S = 30.0
-#: probes running at once at most (past it a closed handshake counts as refused)
-MAX_PROBES = 4
-
-
-def speaks_zmtp(address: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether a ZMQ socket listens at ``address`` (``host:port``): it sends its ZMTP
-    greeting, which starts with 0xFF, as soon as a connection opens; a program that
-    accepts and closes (or holds) sends nothing."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout) as s:
-            return s.recv(1) == b"\xff"
-    except (OSError, ValueError):
-        return False
 
 
 def monitor_events(mon: zmq.Socket) -> Iterator[tuple[int, int]]:
@@ -83,9 +55,6 @@ class LinkWatch:
         self._dropped: list[str] = []
         self.drops = 0  # every drop seen (the channel's stats.link_drops)
         self.refusals: list[tuple[str, str]] = []  # (address, reason): handshakes refused
-        self._verdicts: dict[str, tuple[str, float]] = {}  # address -> (reason, until)
-        self._held: dict[str, int] = {}  # address -> closed handshakes awaiting its probe
-        self._probed: list[tuple[str, str]] = []  # (address, reason), from probe threads
 
     def attach(self, sock: zmq.Socket, address: str) -> None:
         """Watch ``sock`` (a DEALER to ``address``); call before it connects."""
@@ -119,56 +88,20 @@ class LinkWatch:
         return sock in self._monitors
 
     def pump(self) -> None:
-        """Apply every pending monitor event and probe verdict (never blocks)."""
-        if self._probed:
-            probed, self._probed = self._probed, []
-            for address, reason in probed:
-                self._verdicts[address] = (reason, time.monotonic() + VERDICT_TTL_S)
-                for _ in range(self._held.pop(address, 0)):
-                    self._refuse(address, reason)
+        """Apply every pending monitor event (never blocks)."""
         for mon, address in list(self._monitors.items()):
             for event, value in monitor_events(mon):
                 link = self.links.setdefault(address, Link())
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     link.up = link.ever_up = True
                 elif event & HANDSHAKE_FAILED:
-                    reason = handshake_reason(event, value)
-                    if reason == "handshake_refused":  # or no ZMQ there at all?
-                        reason = self._closed_reason(address)
-                    if reason is not None:
-                        self._refuse(address, reason)
+                    if len(self.refusals) < 1024:  # the channel takes them on each recv
+                        self.refusals.append((address, handshake_reason(event, value)))
                 elif event == zmq.EVENT_DISCONNECTED and link.up:
                     link.up = False
                     self.drops += 1
                     if address not in self._dropped:
                         self._dropped.append(address)
-
-    def _refuse(self, address: str, reason: str) -> None:
-        if len(self.refusals) < 1024:  # the channel takes them on each recv
-            self.refusals.append((address, reason))
-
-    def _closed_reason(self, address: str) -> str | None:
-        """The reason of a handshake the far end at ``address`` closed: its probe's
-        verdict, or None (held: a probe runs)."""
-        now = time.monotonic()
-        verdict = self._verdicts.get(address)
-        if verdict is not None and verdict[1] > now:
-            return verdict[0]
-        if address in self._held:  # its probe runs
-            self._held[address] = min(self._held[address] + 1, 1024)
-            return None
-        if len(self._held) >= MAX_PROBES:
-            return "handshake_refused"
-        if len(self._verdicts) > MAX_LINKS:
-            self._verdicts = {a: v for a, v in self._verdicts.items() if v[1] > now}
-        self._held[address] = 1
-
-        def probe() -> None:
-            reason = "handshake_refused" if speaks_zmtp(address) else "closed_by_peer"
-            self._probed.append((address, reason))
-
-        threading.Thread(target=probe, name="kvpush-link-probe", daemon=True).start()
-        return None
 
     def take_dropped(self) -> list[str]:
         self.pump()

@@ -18,8 +18,7 @@ an instance: ZMQ sockets are not thread-safe.
 With ``secret=``, ZMQ's CURVE admits only holders of the secret (so nobody else can take a
 member's routing id over with ``ROUTER_HANDOVER``), and every message carries a
 :class:`ChannelAuth` HMAC frame: unsigned, forged, replayed or stale messages and refused
-handshakes are dropped before decoding, counted in ``stats.rejected_by_reason`` (our
-connection closed by something that is no side channel: ``closed_by_peer``) and logged
+handshakes are dropped before decoding, counted in ``stats.rejected_by_reason`` and logged
 rate-limited, and count toward ``MAX_BATCH`` so that a flood cannot hold ``recv``. Without
 a secret nothing is checked (trusted networks only; a non-loopback bind logs a warning).
 """
@@ -304,12 +303,11 @@ class SideChannel:
             os.write(self._wake_w, b"\0")
 
     def _take_refusals(self) -> None:
-        """Count and log the handshakes of our DEALERs that did not finish: refused
-        (CURVE mismatches), or closed by something that is no side channel."""
+        """Count and log the handshakes our DEALERs had refused (CURVE mismatches)."""
         refusals, self._links.refusals = self._links.refusals, []
         for address, reason in refusals:
-            if self.auth is not None or reason == "closed_by_peer":
-                self._refused(address, reason)
+            if self.auth is not None:
+                self._reject(address.encode(), reason)
             else:
                 self._log_limited("handshake_refused", "side channel %s: %r refused our "
                                   "connection's handshake: it has a side-channel secret "
@@ -351,16 +349,6 @@ class SideChannel:
         self.stats.rejected_by_reason[reason] += 1
         self._log_limited(reason, "side channel %s rejected a message from %r (%s so far): %s",
                           self.address, sender[:80].decode("ascii", "replace"),
-                          self.stats.rejected_by_reason[reason], REJECT_HINTS[reason])
-
-    def _refused(self, address: str, reason: str) -> None:
-        """Our connection to ``address`` lost its handshake (link_watch.py: the reason)."""
-        self.stats.rejected += 1
-        self.stats.rejected_by_reason[reason] += 1
-        what = ("closed our connection before any handshake" if reason == "closed_by_peer"
-                else "refused our connection's handshake")
-        self._log_limited(reason, "side channel %s: the far end at %s %s (%s so far): %s",
-                          self.address, address[:80], what,
                           self.stats.rejected_by_reason[reason], REJECT_HINTS[reason])
 
     def close(self, linger_ms: int = 0) -> None:
