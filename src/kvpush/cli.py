@@ -9,9 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvpush import __version__
+from kvpush.cli_types import Parser
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """Every sub-command's parser is a :class:`kvpush.cli_types.Parser` (through
+    ``add_subparsers``): no abbreviations, unknown flags reported by their sub-command."""
+    parser = Parser(
         prog="kvpush",
         description=(
             "kvpush: prefill/decode-disaggregated LLM serving whose KV cache moves by "
@@ -19,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
             "`kvpush serve MODEL_DIR`."
         ),
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from kvpush.server.cli import add_serve_parser
 

@@ -1,9 +1,172 @@
-"""argparse value types shared by every `kvpush` sub-command (torch-free, import-cheap)."""
+"""argparse pieces shared by every `kvpush` sub-command (torch-free, import-cheap): the
+parser class (no abbreviations; an unknown flag is reported by its own sub-command, with
+a "did you mean"), the refusal of vLLM flags kvpush does not take, and value types."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+
+class Parser(argparse.ArgumentParser):
+    """kvpush's argument parser, and (through ``add_subparsers``) every sub-command's.
+
+    * No abbreviations: ``--prefil`` is not ``--prefill`` (``allow_abbrev=False``).
+    * An unknown flag is an error of the sub-command it was given to: that sub-command's
+      usage, the flag, and the closest of its own flags ("did you mean"), exit status 2.
+      Also when the unknown flag made another error (its value taken for a positional).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self._parsing: list[str] = []
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None,
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        # A sub-command's parser is called with parse_known_args by its parent, which
+        # would report what is left over under the top-level usage: report it here.
+        self._parsing = list(sys.argv[1:] if args is None else args)
+        namespace, extras = super().parse_known_args(self._parsing, namespace)
+        if extras:
+            self.error(unrecognized_message(self, extras))
+        return namespace, extras
+
+    def error(self, message: str) -> NoReturn:
+        if not message.startswith("unrecognized arguments"):
+            unknown = unknown_flags(self, self._parsing)
+            if unknown:  # the unknown flag is the cause (e.g. its value read as a command)
+                message = unrecognized_message(self, unknown)
+        super().error(message)
+
+
+def _visible_flags(parser: argparse.ArgumentParser) -> list[str]:
+    return [s for a in parser._actions if a.help is not argparse.SUPPRESS
+            for s in a.option_strings]
+
+
+def did_you_mean(parser: argparse.ArgumentParser, flag: str) -> str | None:
+    """The flag of ``parser`` closest to the unknown ``flag`` (difflib), or None."""
+    close = difflib.get_close_matches(flag, _visible_flags(parser), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def unknown_flags(parser: argparse.ArgumentParser, args: Sequence[str]) -> list[str]:
+    """The flags in ``args`` that ``parser`` does not know, up to ``--`` or the first
+    token naming one of its sub-commands (what follows is the sub-command's)."""
+    commands: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            commands.update(action.choices)
+    out = []
+    for tok in args:
+        if tok == "--" or tok in commands:
+            break
+        if len(tok) < 2 or tok[0] not in parser.prefix_chars:
+            continue
+        if parser._negative_number_matcher.match(tok):
+            continue
+        name = tok.split("=", 1)[0]
+        if name not in parser._option_string_actions:
+            out.append(name)
+    return out
+
+
+def unrecognized_message(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """argparse's "unrecognized arguments" message, with a "did you mean" per flag."""
+    lines = [f"unrecognized arguments: {' '.join(extras)}"]
+    for flag in unknown_flags(parser, extras):
+        match = did_you_mean(parser, flag)
+        if match:
+            lines.append(f"  {flag}: did you mean {match}?")
+    return "\n".join(lines)
+
+
+class _Refused(argparse.Action):
+    """A vLLM flag this command does not take: an error that says what to use instead."""
+
+    def __init__(self, option_strings: list[str], dest: str, advice: str = "",
+                 **kwargs: Any) -> None:
+        kwargs.update(nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        super().__init__(option_strings, argparse.SUPPRESS, **kwargs)
+        self.advice = advice
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        parser.error(f"{parser.prog} does not take vLLM's {option_string}: "
+                     f"{self.advice}")
+
+
+#: vLLM flags that kvpush does not take, each with what to use instead (or why none is
+#: needed); :func:`refuse_vllm_flags` registers them on a parser
+VLLM_NOT_TAKEN: dict[str, str] = {
+    "--gpu-memory-utilization": "kvpush sizes the KV cache in bytes, not as a share of "
+                                "the GPU's memory: use --kv-cache-memory SIZE (e.g. 8GiB)",
+    "--pipeline-parallel-size": "pipeline parallelism is not implemented yet: a model "
+                                "runs on one device; run more instances instead",
+    "-pp": "pipeline parallelism is not implemented yet: a model runs on one device; run "
+           "more instances instead",
+    "--data-parallel-size": "run more instances instead (`kvpush up --prefill N "
+                            "--decode M`, or several `kvpush serve` behind `kvpush "
+                            "router`)",
+    "-dp": "run more instances instead (`kvpush up --prefill N --decode M`, or several "
+           "`kvpush serve` behind `kvpush router`)",
+    "--swap-space": "kvpush does not swap KV blocks to CPU memory: size the KV cache with "
+                    "--kv-cache-memory",
+    "--cpu-offload-gb": "kvpush does not offload weights: the whole model lives on "
+                        "--device",
+    "--enforce-eager": "kvpush always runs eagerly (no CUDA graphs): drop the flag",
+    "--trust-remote-code": "kvpush runs Llama and Qwen3 with its own code and never runs "
+                           "a model's code: drop the flag",
+    "--quantization": "quantized weights are not supported: use --dtype bfloat16, "
+                      "float16 or float32",
+    "-q": "quantized weights are not supported: use --dtype bfloat16, float16 or float32",
+    "--download-dir": "kvpush downloads nothing: `kvpush models install NAME` builds a "
+                      "model from files on this machine",
+    "--disable-log-stats": "kvpush logs no periodic statistics (they are on /metrics): "
+                           "drop the flag",
+}
+
+#: vLLM's `vllm bench serve` flags that `kvpush bench` does not take
+VLLM_BENCH_NOT_TAKEN: dict[str, str] = {
+    "--backend": "kvpush bench speaks the OpenAI API: --endpoint completions (vLLM's "
+                 "openai and vllm backends) or chat (openai-chat)",
+    "--host": "use --base-url http://HOST:PORT",
+    "--port": "use --base-url http://HOST:PORT",
+    "--random-range-ratio": "every prompt has exactly --input-len tokens and every answer "
+                            "--output-len",
+    "--random-prefix-len": "use --dataset shared-prefix --prefix-len N (kvpush counts the "
+                           "shared prefix inside --input-len)",
+    "--dataset-path": "kvpush bench's data sets are built in (--dataset random, sonnet, "
+                      "shared-prefix or multi-turn); it reads no files",
+    "--percentile-metrics": "kvpush bench reports TTFT, TPOT, ITL and end-to-end latency "
+                            "always",
+}
+
+
+def refuse_vllm_flags(parser: argparse.ArgumentParser,
+                      flags: dict[str, str] | None = None) -> None:
+    """Register ``flags`` (default :data:`VLLM_NOT_TAKEN`) on ``parser`` as errors that
+    say what to use instead; hidden from --help, never a "did you mean" answer."""
+    for flag, advice in (VLLM_NOT_TAKEN if flags is None else flags).items():
+        if flag not in parser._option_string_actions:
+            parser.add_argument(flag, action=_Refused, advice=advice)
+
+
+def tensor_parallel_size(text: str) -> int:
+    """vLLM's --tensor-parallel-size: 1 (a model on one device) is all kvpush runs."""
+    value = positive_int(text)
+    if value != 1:
+        raise argparse.ArgumentTypeError(
+            f"{value}: tensor parallelism is not implemented yet; kvpush runs each "
+            "instance's model on one device (1). Run more instances instead (`kvpush up "
+            "--prefill N --decode M`)")
+    return value
 
 
 def port(text: str) -> int:

