@@ -6,6 +6,7 @@ one, `kvpush up MODEL`, `kvpush --version`. Parser-level: nothing is started."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,162 @@ def test_hugging_face_id_not_installed(tmp_path, monkeypatch):
     monkeypatch.setenv("KVPUSH_HOME", str(tmp_path))
     with pytest.raises(ConfigError, match="kvpush models install smollm2-135m"):
         resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+# ---- serve: vLLM's names -------------------------------------------------------------
+@pytest.mark.parametrize("argv, says", [
+    (["serve", "m", "--gpu-memory-utilization", "0.9"], "--kv-cache-memory"),
+    (["serve", "--gpu-memory-utilization", "0.9", "m"], "--kv-cache-memory"),
+    (["serve", "m", "--trust-remote-code"], "never runs a model's code"),
+    (["serve", "m", "--pipeline-parallel-size", "2"], "not implemented yet"),
+    (["serve", "m", "--enforce-eager"], "drop the flag"),
+])
+def test_serve_refuses_vllm_flags_it_does_not_take(capsys, argv, says):
+    _refused(capsys, argv, says)
+
+
+def test_refused_flags_are_hidden_and_never_suggested(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--trust-remote-code" not in help_text and "--enforce-eager" not in help_text
+    assert "use --kv-cache-memory SIZE" in " ".join(help_text.split())  # the epilog
+    err = _usage_error(capsys, "serve", "m", "--enforce-eagr")
+    assert "did you mean" not in err
+
+
+def test_serve_tensor_parallel_size(capsys):
+    _tensor_parallel_size(capsys, ["serve", "m"])
+
+
+def _tensor_parallel_size(capsys, command):
+    assert _parse(*command).tensor_parallel_size == 1
+    assert _parse(*command, "--tensor-parallel-size", "1").tensor_parallel_size == 1
+    assert _parse(*command, "-tp", "1").tensor_parallel_size == 1
+    err = _usage_error(capsys, *command, "-tp", "2")
+    assert "tensor parallelism is not implemented yet" in err
+    err = _usage_error(capsys, *command, "--tensor-parallel-size", "8")
+    assert "tensor parallelism is not implemented yet" in err
+
+
+def test_prefix_caching_flags():
+    assert _parse("serve", "m").enable_prefix_caching is True
+    assert _parse("serve", "m", "--enable-prefix-caching").enable_prefix_caching is True
+    assert _parse("serve", "m", "--no-enable-prefix-caching").enable_prefix_caching is False
+    assert _parse("serve", "m", "--no-prefix-caching").enable_prefix_caching is False
+
+
+def test_kv_cache_dtype_is_kv_dtype(capsys):
+    assert _parse("serve", "m").kv_dtype is None
+    assert _parse("serve", "m", "--kv-cache-dtype", "bfloat16").kv_dtype == "bfloat16"
+    assert _parse("serve", "m", "--kv-dtype", "float16").kv_dtype == "float16"
+    assert _parse("serve", "m", "--kv-cache-dtype", "auto").kv_dtype is None  # = --dtype
+    err = _usage_error(capsys, "serve", "m", "--kv-cache-dtype", "fp8")
+    assert "fp8 KV cache is not implemented" in err
+
+
+def test_build_config_with_vllm_names(tiny_llama):
+    import torch
+
+    from kvpush.server.cli import build_config
+
+    cfg = build_config(_parse(
+        "serve", str(tiny_llama), "--dtype", "half", "--kv-cache-dtype", "auto",
+        "--num-blocks", "64", "--no-enable-prefix-caching", "--tokenizer", str(tiny_llama),
+        "-tp", "1"))
+    assert cfg.dtype is torch.float16 and cfg.cache.dtype is torch.float16
+    assert not cfg.cache.enable_prefix_caching
+    cfg = build_config(_parse("serve", str(tiny_llama), "--dtype", "float",
+                              "--kv-cache-dtype", "bf16", "--num-blocks", "64"))
+    assert cfg.dtype is torch.float32 and cfg.cache.dtype is torch.bfloat16
+
+
+def test_tokenizer_only_the_models_own(tiny_llama, tiny_qwen3):
+    from kvpush.server.cli import build_config
+
+    with pytest.raises(ConfigError, match="model folder's own tokenizer"):
+        build_config(_parse("serve", str(tiny_llama), "--tokenizer", str(tiny_qwen3),
+                            "--num-blocks", "64"))
+    with pytest.raises(ConfigError, match="model folder's own tokenizer"):
+        build_config(_parse("serve", str(tiny_llama), "--tokenizer", "no/such-tokenizer",
+                            "--num-blocks", "64"))
+
+
+def test_chat_template(tmp_path, tiny_llama):
+    from kvpush.models.tokenizer import load_tokenizer
+    from kvpush.server.chat import render_chat
+    from kvpush.server.cli import load_chat_template
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    f = tmp_path / "t.jinja"
+    f.write_text(template)
+    assert load_chat_template(str(f)) == template
+    assert load_chat_template(template) == template
+    assert _parse("serve", "m", "--chat-template", str(f)).chat_template == str(f)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ConfigError, match="not a valid Jinja template"):
+        load_chat_template("{% for m in messages %}")
+    # what run_serve does with it: the HTTP process's tokenizer renders chats
+    tok = load_tokenizer(str(tiny_llama))
+    tok.chat_template = load_chat_template(str(f))
+    assert render_chat(tok, [{"role": "user", "content": "hi"}]) == "<user>hi"
+
+
+def test_disable_log_requests():
+    assert _parse("serve", "m").disable_log_requests is False
+    assert _parse("serve", "m", "--disable-log-requests").disable_log_requests is True
+
+
+@pytest.mark.parametrize("connector, role, mode, kv_role", [
+    ("NixlConnector", "kv_producer", "pull", "prefill"),
+    ("NixlConnector", "kv_consumer", "pull", "decode"),
+    ("NixlConnector", "kv_both", "pull", "both"),
+    ("NixlPushConnector", "kv_producer", "push", "prefill"),
+    ("NixlPushConnector", "kv_consumer", "push", "decode"),
+    ("NixlPushConnector", "kv_both", "push", "both"),
+])
+def test_kv_transfer_config(connector, role, mode, kv_role):
+    cfg = json.dumps({"kv_connector": connector, "kv_role": role})
+    args = _parse("serve", "m", "--kv-transfer-config", cfg)
+    assert (args.kv_transfer, args.role) == (mode, kv_role)
+    # a later --role overrides it (it is an alias of --kv-transfer and --role)
+    assert _parse("serve", "m", "--kv-transfer-config", cfg, "--role", "decode").role == \
+        "decode"
+
+
+def test_kv_transfer_config_engine_id_and_buffer_device(tiny_llama):
+    from kvpush.server.cli import build_config
+
+    cfg = json.dumps({"kv_connector": "NixlPushConnector", "kv_role": "kv_consumer",
+                      "engine_id": "d-1", "kv_buffer_device": "cuda"})
+    args = _parse("serve", str(tiny_llama), "--kv-transfer-config", cfg, "--num-blocks",
+                  "64", "--insecure-kv-params")
+    assert args.engine_id == "d-1"
+    with pytest.raises(ConfigError, match="kv_buffer_device 'cuda'"):
+        build_config(args)  # the KV lives on --device, cpu here
+
+
+@pytest.mark.parametrize("value, says", [
+    ("{", "not JSON"),
+    ("[1]", "must be a JSON object"),
+    ('{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}', "NIXL only"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_other"}', "kv_role 'kv_other'"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_rank": 0}',
+     "does not take kv_rank"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
+     '"kv_connector_extra_config": {"x": 1}}', "kv_connector_extra_config is not taken"),
+])
+def test_kv_transfer_config_refused(capsys, value, says):
+    err = _usage_error(capsys, "serve", "m", "--kv-transfer-config", value)
+    assert "usage: kvpush serve" in err and says in err
+
+
+def test_serve_a_hugging_face_id(installed_smollm2):
+    from kvpush.server.cli import _resolve_model, build_config
+
+    hf_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # served under the name the user gave, as vLLM does
+    assert _resolve_model(hf_id) == (str(installed_smollm2), hf_id)
+    cfg = build_config(_parse("serve", hf_id, "--num-blocks", "64", "--tokenizer", hf_id))
+    assert cfg.served_model_name == hf_id

@@ -32,6 +32,83 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 
 
+VLLM_EPILOG = (
+    "vLLM's flags: --tensor-parallel-size/-tp (1 only), --enable-prefix-caching, "
+    "--no-enable-prefix-caching, --kv-cache-dtype, --tokenizer (the model's own), "
+    "--chat-template, --kv-transfer-config, --disable-log-requests, dtypes half, float "
+    "and bf16, and a Hugging Face id of an installed model are taken as vLLM takes them. "
+    "--gpu-memory-utilization is not: use --kv-cache-memory SIZE.")
+
+#: vLLM's kv_connector names, by the --kv-transfer they mean
+VLLM_CONNECTORS = {"NixlConnector": "pull", "NixlPushConnector": "push"}
+#: vLLM's kv_role names, by the --role they mean
+VLLM_KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+
+
+def vllm_kv_cache_dtype(text: str) -> str | None:
+    """--kv-cache-dtype: vLLM's auto is "the model's dtype" (None: --dtype's)."""
+    if text.strip().lower() == "auto":
+        return None
+    if text.strip().lower().startswith("fp8"):
+        raise argparse.ArgumentTypeError(
+            f"{text}: an fp8 KV cache is not implemented; use float32, bfloat16 or float16 "
+            "(or auto: the --dtype)")
+    return text
+
+
+def parse_kv_transfer_config(text: str) -> dict[str, str]:
+    """vLLM's --kv-transfer-config JSON as kvpush settings: ``kv_transfer``, ``role`` and,
+    when given, ``engine_id`` and ``kv_buffer_device`` (ValueError: what is wrong)."""
+    import json
+
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError("must be a JSON object")
+    known = {"kv_connector", "kv_role", "engine_id", "kv_buffer_device",
+             "kv_connector_extra_config"}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ValueError(f"kvpush does not take {', '.join(unknown)} (it takes "
+                         f"{', '.join(sorted(known))})")
+    if cfg.get("kv_connector_extra_config"):
+        raise ValueError("kv_connector_extra_config is not taken: kvpush's KV transfer "
+                         "settings are flags (see --help, prefill/decode disaggregation)")
+    connector = cfg.get("kv_connector")
+    if connector not in VLLM_CONNECTORS:
+        raise ValueError(f"kv_connector {connector!r}: kvpush moves KV with NIXL only: "
+                         f"{' or '.join(VLLM_CONNECTORS)}")
+    role = cfg.get("kv_role")
+    if role not in VLLM_KV_ROLES:
+        raise ValueError(f"kv_role {role!r}: one of {', '.join(VLLM_KV_ROLES)}")
+    out = {"kv_transfer": VLLM_CONNECTORS[connector], "role": VLLM_KV_ROLES[role]}
+    for key in ("engine_id", "kv_buffer_device"):
+        if cfg.get(key) is not None:
+            if not isinstance(cfg[key], str) or not cfg[key]:
+                raise ValueError(f"{key} must be a non-empty string")
+            out[key] = cfg[key]
+    return out
+
+
+class KVTransferConfigAction(argparse.Action):
+    """--kv-transfer-config: sets --kv-transfer, --role (and --engine-id) from vLLM's
+    JSON, so that it is an alias of those flags, not a second way to configure."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        try:
+            cfg = parse_kv_transfer_config(values)
+        except ValueError as e:
+            parser.error(f"argument {option_string}: {e}")
+        namespace.kv_transfer = cfg["kv_transfer"]
+        namespace.role = cfg["role"]
+        if "engine_id" in cfg:
+            namespace.engine_id = cfg["engine_id"]
+        namespace.kv_buffer_device = cfg.get("kv_buffer_device")
+
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the `serve` sub-command on ``subparsers`` (from add_subparsers)."""
     p = subparsers.add_parser(
@@ -41,11 +118,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
             "Load a Llama or Qwen3 model and serve /v1/completions, /v1/chat/completions, "
             "/v1/models, /health and /metrics (Prometheus) over HTTP."
         ),
+        epilog=VLLM_EPILOG,
     )
     p.add_argument(
         "model", metavar="MODEL_DIR",
-        help="model folder (config.json, tokenizer, *.safetensors) or the name of a model "
-             "installed with `kvpush models install`",
+        help="model folder (config.json, tokenizer, *.safetensors), the name of a model "
+             "installed with `kvpush models install`, or the Hugging Face id of one "
+             "(HuggingFaceTB/SmolLM2-135M-Instruct: smollm2-135m)",
     )
     net = p.add_argument_group("HTTP")
     net.add_argument("--host", default="127.0.0.1",
@@ -56,6 +135,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "model name, or the model folder's name)")
     net.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                      help="logging level (default: info)")
+    net.add_argument("--disable-log-requests", action="store_true",
+                     help="no log line per HTTP request (uvicorn's access log; on by "
+                          "default, at --log-level info)")
     net.add_argument("--api-key", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on every path but /health "
                           "(default: $KVPUSH_API_KEY; unset: no key). Prefer the "
@@ -95,13 +177,31 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "tables, no dense copy: all of --kv-cache-memory goes to "
                           "blocks) or auto: paged on CUDA, dense on CPU (default: auto)")
     mdl.add_argument("--dtype", default="auto", metavar="DTYPE",
-                     help="weight and activation dtype: auto, float32, bfloat16 or "
-                          "float16. auto: bfloat16 on a CPU with AVX512-BF16 or AMX and "
+                     help="weight and activation dtype: auto, float32 (or float, fp32), "
+                          "bfloat16 (bf16) or float16 (half, fp16). auto: bfloat16 on a "
+                          "CPU with AVX512-BF16 or AMX and "
                           "on a CUDA device that supports it, float32 elsewhere; P and D "
                           "must agree, so give it explicitly when they run on different "
                           "kinds of machine (default: auto)")
     mdl.add_argument("--kv-dtype", metavar="DTYPE",
                      help="KV-cache dtype, same choices (default: --dtype)")
+    mdl.add_argument("--kv-cache-dtype", dest="kv_dtype", type=vllm_kv_cache_dtype,
+                     metavar="DTYPE",
+                     help="vLLM's name for --kv-dtype; its auto means the --dtype (fp8 "
+                          "is not implemented)")
+    mdl.add_argument("--tensor-parallel-size", "-tp", type=cli_types.tensor_parallel_size,
+                     default=1, metavar="N",
+                     help="vLLM's flag: only 1, tensor parallelism is not implemented yet "
+                          "(each instance's model runs on one device)")
+    mdl.add_argument("--tokenizer", metavar="DIR_OR_NAME",
+                     help="the tokenizer: only the model's own is supported (the model "
+                          "folder, its name or its Hugging Face id; another is refused: "
+                          "prefill, decode and the router all tokenize with the model "
+                          "folder's)")
+    mdl.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                     help="the Jinja chat template for /v1/chat/completions, a file or the "
+                          "template itself (default: the tokenizer's, from the model "
+                          "folder). Give every instance of a P/D pair the same one")
     mdl.add_argument("--device", default="cpu",
                      help="cpu or cuda[:N] (default: cpu)")
     mdl.add_argument("--engine-core", choices=("process", "thread"), default="process",
@@ -134,8 +234,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="prefill each prompt in one step (then --max-num-batched-tokens "
                           "must be at least --max-model-len); chunked prefill is on by "
                           "default")
-    sch.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+    sch.add_argument("--no-prefix-caching", "--no-enable-prefix-caching",
+                     dest="enable_prefix_caching", action="store_false",
                      help="do not reuse KV blocks of shared prompt prefixes (on by default)")
+    sch.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                     action="store_true", default=True,
+                     help="reuse KV blocks of shared prompt prefixes (the default)")
     sch.add_argument("--shuffle-free-blocks", type=int, metavar="SEED", nargs="?", const=0,
                      help="hand out KV blocks in a random order (seeded) instead of by id, "
                           "so a request's block ids are scattered: measures transfers of "
@@ -152,6 +256,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="push: decode pre-allocates and prefill WRITEs the KV as it is "
                          "computed, token #1 travels with it (default); pull: decode READs "
                          "prefill's blocks after prefill finished (vLLM NixlConnector)")
+    pd.add_argument("--kv-transfer-config", action=KVTransferConfigAction, metavar="JSON",
+                    help="vLLM's JSON, as --kv-transfer and --role: kv_connector "
+                         "NixlConnector (pull) or NixlPushConnector (push); kv_role "
+                         "kv_producer (prefill), kv_consumer (decode) or kv_both (both: a "
+                         "plain instance, no KV transfer); optional engine_id (--engine-id)"
+                         " and kv_buffer_device (must be --device's kind). A later --role "
+                         "or --kv-transfer overrides it")
     pd.add_argument("--engine-id", metavar="ID",
                     help="this instance's id in transfers (default: ROLE-<random>)")
     pd.add_argument("--side-channel-host", default="127.0.0.1", metavar="HOST",
@@ -206,6 +317,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     from kvpush.discovery.cli_args import add_register_args
 
     add_register_args(p)
+    cli_types.refuse_vllm_flags(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -256,11 +368,59 @@ def _resolve_model(name_or_dir: str) -> tuple[str, str | None]:
     return path, (None if Path(name_or_dir).exists() else name_or_dir)
 
 
+def _check_tokenizer(tokenizer: str | None, model: str, model_dir: str) -> None:
+    """--tokenizer: only the model's own (ConfigError for another): the engine, the
+    detokenizer and the router's cache-aware routing all load the model folder's."""
+    from kvpush.errors import ConfigError
+
+    if tokenizer is None or tokenizer == model:
+        return
+    try:
+        same = Path(_resolve_model(tokenizer)[0]).resolve() == Path(model_dir).resolve()
+    except ConfigError:
+        same = False
+    if not same:
+        raise ConfigError(
+            f"--tokenizer {tokenizer}: kvpush serves with the model folder's own tokenizer "
+            f"({model_dir}); another one is not supported: put its files in the model "
+            "folder, or leave --tokenizer out")
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the template itself (it holds ``{{`` or
+    ``{%``); checked for Jinja syntax now rather than on the first chat request."""
+    from kvpush.errors import ConfigError
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--chat-template {value}: cannot read it: {e}") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ConfigError(f"--chat-template {value}: no such file (nor a Jinja template)")
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"--chat-template {value}: not a valid Jinja template: {e}"
+                          ) from None
+    return text
+
+
 def build_config(args: argparse.Namespace) -> Any:
     """The EngineConfig for parsed ``serve`` arguments (raises ConfigError)."""
-    from kvpush.config import EngineConfig, KVTransferConfig
+    from kvpush.config import ConfigError, EngineConfig, KVTransferConfig
 
     model_dir, default_name = _resolve_model(args.model)
+    _check_tokenizer(getattr(args, "tokenizer", None), args.model, model_dir)
+    buffer_device = getattr(args, "kv_buffer_device", None)
+    if buffer_device is not None and buffer_device != args.device.split(":")[0]:
+        raise ConfigError(f"--kv-transfer-config: kv_buffer_device {buffer_device!r}: "
+                          f"kvpush keeps the KV cache on --device ({args.device})")
     secret = getattr(args, "kv_secret", None)
     kv_transfer = KVTransferConfig(
         role=args.role,
@@ -337,6 +497,8 @@ def run_serve(args: argparse.Namespace) -> int:
             "without it")
     try:
         config = build_config(args)
+        chat_template = (load_chat_template(args.chat_template)
+                         if getattr(args, "chat_template", None) else None)
     except ConfigError as e:
         return _fail(str(e))
     try:
@@ -379,6 +541,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         listener.close()
         return _fail(str(e))
+    if chat_template is not None:  # the HTTP process renders chats with this tokenizer
+        engine.tokenizer.chat_template = chat_template
+        log.info("chat template from --chat-template")
     try:
         return _serve(args, config, engine, listener, api_key, log, registration)
     finally:
@@ -405,6 +570,7 @@ def _serve(args: argparse.Namespace, config, engine, listener, api_key, log,
                     "can use the server (--api-key or KVPUSH_API_KEY)", args.host)
     uv_config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                               access_log=not getattr(args, "disable_log_requests", False),
                                **uvicorn_options(args.header_timeout,
                                                  args.max_client_connections))
     if registration is None:
