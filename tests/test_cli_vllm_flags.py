@@ -288,3 +288,47 @@ def test_serve_a_hugging_face_id(installed_smollm2):
     assert _resolve_model(hf_id) == (str(installed_smollm2), hf_id)
     cfg = build_config(_parse("serve", hf_id, "--num-blocks", "64", "--tokenizer", hf_id))
     assert cfg.served_model_name == hf_id
+
+
+# ---- up: MODEL, --host, --served-model-name ------------------------------------------
+def test_up_model_positional_or_flag():
+    from kvpush.cluster.cli import model_arg
+
+    assert model_arg(_parse("up")) is None
+    assert model_arg(_parse("up", "smollm2-135m")) == "smollm2-135m"
+    assert model_arg(_parse("up", "--model", "smollm2-135m")) == "smollm2-135m"
+    assert model_arg(_parse("up", "a", "--model", "a")) == "a"
+    with pytest.raises(ValueError, match="give one"):
+        model_arg(_parse("up", "a", "--model", "b"))
+
+
+def test_up_two_models_is_a_usage_error(capsys):
+    assert main(["up", "a", "--model", "b"]) == 2
+    assert "two models" in capsys.readouterr().err
+
+
+def test_up_host_and_served_model_name():
+    from kvpush.cluster import cli as up_cli
+    from kvpush.cluster.launcher import Child, ChildSpec
+
+    args = _parse("up", "m", "--host", "0.0.0.0", "--served-model-name", "my-model")
+    argv = up_cli.serve_argv(args, "m", "decode", 1234, 1)
+    assert argv[argv.index("--served-model-name") + 1] == "my-model"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"  # instances stay on loopback
+    rargv = up_cli.router_argv(args, 8000, ["http://p"], ["http://d"])
+    assert rargv[rargv.index("--host") + 1] == "0.0.0.0"
+    inst = [Child(ChildSpec("decode-0", "decode", [], 1), Path("x"), None)]  # type: ignore
+    spec = up_cli.plan_router(args, 8000, inst)
+    assert spec.url == "http://127.0.0.1:8000"  # reached (health checks) over loopback
+    defaults = _parse("up")
+    assert defaults.host == "127.0.0.1"
+    assert "--served-model-name" not in up_cli.serve_argv(defaults, "m", "both", 1, 1)
+    assert up_cli.dial_host("10.0.0.5") == "10.0.0.5" and up_cli.dial_host("::") == "[::1]"
+
+
+def test_up_refuses_vllm_flags_it_does_not_take(capsys):
+    _refused(capsys, ["up", "--gpu-memory-utilization", "0.9"], "--kv-cache-memory")
+
+
+def test_up_tensor_parallel_size(capsys):
+    _tensor_parallel_size(capsys, ["up"])

@@ -44,11 +44,12 @@ Exit status: 0 after a requested stop (also during start-up); 1 if a child fails
 Children inherit the environment, plus PYTHONUNBUFFERED=1 and, unless set,
 UCX_NET_DEVICES=lo and NIXL_LOG_LEVEL=WARN (every instance is on this host).
 
-Security: every child binds 127.0.0.1. The instances sign their side-channel messages
-with a random secret made for this cluster (KVPUSH_KV_SECRET in the children's
-environment; an existing KVPUSH_KV_SECRET is used instead). With --api-key (or
-KVPUSH_API_KEY) the router and every instance require 'Authorization: Bearer KEY'; the
-key reaches the children through their environment, never their command line or logs.
+Security: every instance binds 127.0.0.1, the router --host (default 127.0.0.1). The
+instances sign their side-channel messages with a random secret made for this cluster
+(KVPUSH_KV_SECRET in the children's environment; an existing KVPUSH_KV_SECRET is used
+instead). With --api-key (or KVPUSH_API_KEY) the router and every instance require
+'Authorization: Bearer KEY'; the key reaches the children through their environment,
+never their command line or logs.
 """
 
 
@@ -69,9 +70,18 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("model_pos", nargs="?", metavar="MODEL",
+                   help="model folder, the name of a model installed with `kvpush models "
+                        "install` or its Hugging Face id, as for `kvpush serve` (default: "
+                        "the default model, smollm2-135m)")
     p.add_argument("--model", metavar="NAME_OR_DIR",
-                   help="model folder or the name of a model installed with `kvpush models "
-                        "install` (default: the default model, smollm2-135m)")
+                   help="the same as MODEL")
+    p.add_argument("--host", default=HOST,
+                   help="address the router listens on (default: 127.0.0.1; 0.0.0.0 for "
+                        "all); the instances listen on 127.0.0.1 whatever it is")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="model name clients send in `model` (default: MODEL as given, or "
+                        "the model folder's name)")
     p.add_argument("--mode", choices=("push", "pull", "colocated"), default="push",
                    help="push: prefill WRITEs the KV into decode's blocks as it is computed "
                         "(default); pull: decode READs it after prefill (vLLM "
@@ -82,7 +92,7 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--decode", type=cli_types.positive_int, metavar="M",
                    help="decode instances (default: 1; not with --mode colocated)")
     p.add_argument("--port", type=cli_types.port, default=8000,
-                   help="the router's port on 127.0.0.1 (default: 8000; 0: a free port)")
+                   help="the router's port (default: 8000; 0: a free port)")
     p.add_argument("--log-dir", type=Path, metavar="DIR",
                    help="folder for the children's logs (default: a new folder under "
                         "<kvpush cache>/logs, where the newest 20 and any written to in the "
@@ -111,6 +121,9 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--dtype", metavar="DTYPE",
                      help="auto, float32, bfloat16 or float16; every instance of one "
                           "host resolves auto alike (default: serve's, auto)")
+    eng.add_argument("--tensor-parallel-size", "-tp", type=cli_types.tensor_parallel_size,
+                     default=1, metavar="N",
+                     help="vLLM's flag: only 1, tensor parallelism is not implemented yet")
     eng.add_argument("--shuffle-free-blocks", type=int, nargs="?", const=0, metavar="SEED",
                      help="scatter every instance's KV block ids (fragmented-KV "
                           "benchmarks; see `kvpush serve --help`)")
@@ -154,6 +167,7 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "router's; docs/ROUTER.md)")
     rt.add_argument("--health-interval", type=cli_types.seconds, metavar="SECONDS",
                     help="how often the router checks its instances (default: the router's)")
+    cli_types.refuse_vllm_flags(p)
     p.set_defaults(func=run_up)
     return p
 
@@ -164,6 +178,23 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def model_arg(args: argparse.Namespace) -> str | None:
+    """The model named by MODEL or --model (ValueError when both, differing)."""
+    positional, flag = getattr(args, "model_pos", None), args.model
+    if positional and flag and positional != flag:
+        raise ValueError(f"two models: MODEL {positional} and --model {flag}; give one")
+    return positional or flag
+
+
+def dial_host(host: str) -> str:
+    """The address to reach a server listening on ``host`` from this host (URL form)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
 
 
 def instance_roles(args: argparse.Namespace) -> list[str]:
@@ -182,6 +213,8 @@ def serve_argv(args: argparse.Namespace, model: str, role: str, port: int,
                threads: int) -> list[str]:
     argv = [sys.executable, "-m", "kvpush", "serve", model, "--host", HOST,
             "--port", str(port), "--role", role, "--threads", str(threads)]
+    if getattr(args, "served_model_name", None):
+        argv += ["--served-model-name", args.served_model_name]
     if role != "both":
         argv += ["--kv-transfer", args.mode]
         if args.prefix_hit_tail is not None:
@@ -207,7 +240,7 @@ def serve_argv(args: argparse.Namespace, model: str, role: str, port: int,
 def router_argv(args: argparse.Namespace, port: int, prefill: list[str],
                 decode: list[str]) -> list[str]:
     argv = [sys.executable, "-m", "kvpush", "router", "--mode", args.mode,
-            "--host", HOST, "--port", str(port)]
+            "--host", getattr(args, "host", HOST), "--port", str(port)]
     if prefill:
         argv += ["--prefill", *prefill]
     if decode:
@@ -255,7 +288,7 @@ def plan_router(args: argparse.Namespace, port: int, instances: list[Child]) -> 
         argv = router_argv(args, port, [], urls["both"])
     else:
         argv = router_argv(args, port, urls["prefill"], urls["decode"])
-    return ChildSpec("router", "router", argv, port)
+    return ChildSpec("router", "router", argv, port, dial_host(getattr(args, "host", HOST)))
 
 
 def child_env(api_key: str | None = None, admin_key: str | None = None) -> dict[str, str]:
@@ -395,7 +428,9 @@ def _banner(args: argparse.Namespace, instances: list[Child], router: Child,
     body = '{%s"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}' % (
         f'"model": "{model}", ' if model else "")
     _say(f"\nkvpush up: ready in {time.monotonic() - started:.1f} s ({args.mode} mode)")
-    _say(f"  endpoint    {router.url}/v1")
+    listen = getattr(args, "host", HOST)
+    _say(f"  endpoint    {router.url}/v1"
+         + (f"  (listening on {listen})" if listen != router.spec.host else ""))
     for child in instances:
         _say(_describe(child, headers))
     _say(f"  {'router':<11} {router.url}  mode {args.mode}"
@@ -582,20 +617,26 @@ def run_up(args: argparse.Namespace) -> int:
     from kvpush.errors import ConfigError
     from kvpush.models.registry import DEFAULT_MODEL, resolve_model
 
-    name = args.model or DEFAULT_MODEL
+    try:
+        name = model_arg(args) or DEFAULT_MODEL
+    except ValueError as e:
+        return _fail(str(e))
     try:
         model_dir = resolve_model(name)
     except ConfigError as e:
         return _fail(str(e))
     # A folder is passed on absolute; a name is passed on so it is served under that name.
     model = str(model_dir.resolve()) if Path(name).expanduser().exists() else name
-    port = args.port or free_port(HOST)
-    if not port_is_free(port, HOST):
-        return _fail(f"port {port} on {HOST} is in use; choose another with --port "
+    port = args.port or free_port(args.host)
+    if not port_is_free(port, args.host):
+        return _fail(f"port {port} on {args.host} is in use; choose another with --port "
                      "(0: a free port)")
     from kvpush.server.auth import resolve_api_key
 
     api_key = resolve_api_key(args.api_key)
+    if api_key is None and not cli_types.is_loopback(args.host):
+        _say(f"kvpush up: warning: the router listens on {args.host} without an API key: "
+             "anyone who reaches this address can use it (--api-key or KVPUSH_API_KEY)")
     log_dir = _make_log_dir(args)
     signals = StopSignals().install()  # before any child exists: no window without cleanup
     try:
