@@ -230,6 +230,22 @@ def test_cli_run_writes_json(server, tmp_path, capsys):
     assert "Serving Benchmark Result" in capsys.readouterr().out
 
 
+def test_cli_run_with_vllm_flags(server, tmp_path, capsys):
+    """`vllm bench serve`'s names: --base-url, --dataset-name, --random-input-len,
+    --random-output-len, --metric-percentiles, --result-dir (the JSON under vLLM's kind
+    of name) and --endpoint as a path."""
+    rc = main(["bench", "--base-url", server.url + "/v1", "--dataset-name", "random",
+               "--random-input-len", "16", "--random-output-len", "4", "--num-prompts", "2",
+               "--metric-percentiles", "50", "--endpoint", "/v1/completions",
+               "--no-progress", "--result-dir", str(tmp_path / "res")])
+    assert rc == 0
+    (path,) = (tmp_path / "res").glob("kvpush-infqps-*.json")
+    d = json.loads(path.read_text())
+    assert d["completed"] == 2 and d["output_lens"] == [4] * 2
+    assert "p50_ttft_ms" in d and "p99_ttft_ms" not in d
+    assert f"result written to {path}" in capsys.readouterr().out
+
+
 def test_refused_requests_are_counted_and_json_written(server, tmp_path, capsys):
     out = tmp_path / "refused.json"
     rc = main(["bench", "--url", server.url, "--input-len", str(MAX_MODEL_LEN + 10),

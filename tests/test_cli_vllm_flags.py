@@ -332,3 +332,54 @@ def test_up_refuses_vllm_flags_it_does_not_take(capsys):
 
 def test_up_tensor_parallel_size(capsys):
     _tensor_parallel_size(capsys, ["up"])
+
+
+# ---- bench: vLLM's names -------------------------------------------------------------
+@pytest.mark.parametrize("argv, says", [
+    (["bench", "--backend", "vllm"], "--endpoint completions"),
+    (["bench", "--host", "h"], "--base-url http://HOST:PORT"),
+    (["bench", "--random-prefix-len", "8"], "--dataset shared-prefix"),
+])
+def test_bench_refuses_vllm_flags_it_does_not_take(capsys, argv, says):
+    _refused(capsys, argv, says)
+
+
+def test_bench_unknown_flag_whose_value_was_read_as_a_command(capsys):
+    # --bse-url's value went to bench's sub-command positional: the flag is the cause
+    err = _usage_error(capsys, "bench", "--bse-url", "http://127.0.0.1:8000")
+    assert err.startswith("usage: kvpush bench ")
+    assert "invalid choice" not in err
+    assert "unrecognized arguments: --bse-url" in err and "did you mean --base-url?" in err
+
+
+def test_bench_vllm_names():
+    args = _parse("bench", "--base-url", "http://h:8000/v1", "--dataset-name", "sonnet",
+                  "--random-input-len", "64", "--random-output-len", "8",
+                  "--metric-percentiles", "50,99", "--endpoint", "/v1/chat/completions")
+    assert args.url == "http://h:8000" and args.dataset == "sonnet"
+    assert (args.input_len, args.output_len) == (64, 8)
+    assert args.percentiles == (50.0, 99.0) and args.endpoint == "chat"
+    assert _parse("bench", "--endpoint", "/v1/completions").endpoint == "completions"
+    assert _parse("bench", "--endpoint", "chat").endpoint == "chat"
+
+
+def test_bench_result_dir_and_filename(tmp_path):
+    from kvpush.bench.cli import result_path
+
+    result = {"request_rate": 2.0, "model_id": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    assert result_path(_parse("bench"), result) is None
+    assert result_path(_parse("bench", "--out", "r.json"), result) == "r.json"
+    path = result_path(_parse("bench", "--result-dir", str(tmp_path)), result, now=0)
+    assert Path(path).parent == tmp_path
+    assert Path(path).name.startswith("kvpush-2.0qps-SmolLM2-135M-Instruct-")
+    path = result_path(_parse("bench", "--save-result", "--max-concurrency", "4"), result)
+    assert Path(path).parent == Path(".") and "-2.0qps-concurrency4-" in path
+    path = result_path(_parse("bench", "--result-dir", str(tmp_path), "--result-filename",
+                              "a.json"), result)
+    assert path == str(tmp_path / "a.json")
+
+
+def test_bench_out_and_result_dir_is_a_usage_error(capsys, tmp_path):
+    assert main(["bench", "--base-url", "http://127.0.0.1:9", "--out", "x.json",
+                 "--result-dir", str(tmp_path)]) == 2
+    assert "not both" in capsys.readouterr().err

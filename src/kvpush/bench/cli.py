@@ -50,6 +50,14 @@ def _url(text: str) -> str:
     return url
 
 
+#: vLLM's --endpoint paths, by the kvpush --endpoint they mean
+ENDPOINT_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def _endpoint(text: str) -> str:
+    return ENDPOINT_PATHS.get(text.strip().rstrip("/"), text)
+
+
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the `bench` sub-command on ``subparsers`` (from add_subparsers); returns
     its parser. ``--url`` is checked by the command, not by argparse, so that sub-commands
@@ -71,23 +79,27 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
             "--url http://127.0.0.1:8000 --dataset sonnet --input-len 2048 --output-len 128 "
             "--num-prompts 100 --request-rate 2 --out rate2.json"),
     )
-    p.add_argument("--url", type=_url, metavar="URL",
-                   help="the server, e.g. http://127.0.0.1:8000 (required)")
+    p.add_argument("--url", "--base-url", type=_url, metavar="URL",
+                   help="the server, e.g. http://127.0.0.1:8000 (required; --base-url is "
+                        "vLLM's name)")
     p.add_argument("--model", metavar="NAME",
                    help="served model name (default: the first one in GET /v1/models)")
-    p.add_argument("--endpoint", choices=("completions", "chat"),
-                   help="/v1/completions or /v1/chat/completions (default: completions; "
-                        "chat for --dataset multi-turn)")
+    p.add_argument("--endpoint", choices=("completions", "chat"), type=_endpoint,
+                   help="completions (/v1/completions) or chat (/v1/chat/completions; "
+                        "vLLM's paths are taken too) (default: completions; chat for "
+                        "--dataset multi-turn)")
     p.add_argument("--tokenizer", metavar="DIR_OR_MODEL",
                    help="tokenizer folder or kvpush model name (default: --model if it is "
                         "local, else the model root the server lists, if it is local)")
     d = p.add_argument_group("workload")
-    d.add_argument("--dataset", choices=DATASET_CHOICES, default="random",
+    d.add_argument("--dataset", "--dataset-name", choices=DATASET_CHOICES, default="random",
                    help="prompt source; multi-turn: conversations (see below) (default: "
                         "random)")
-    d.add_argument("--input-len", type=cli_types.positive_int, default=1024, metavar="TOKENS",
+    d.add_argument("--input-len", "--random-input-len", type=cli_types.positive_int,
+                   default=1024, metavar="TOKENS",
                    help="prompt tokens per request, exactly (default: 1024)")
-    d.add_argument("--output-len", type=cli_types.positive_int, default=128, metavar="TOKENS",
+    d.add_argument("--output-len", "--random-output-len", type=cli_types.positive_int,
+                   default=128, metavar="TOKENS",
                    help="output tokens per request (max_tokens, ignore_eos; default: 128)")
     d.add_argument("--prefix-len", type=cli_types.positive_int, metavar="TOKENS",
                    help="shared leading tokens: shared-prefix (default: input-len / 2); "
@@ -111,11 +123,21 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_multi_turn_args(p)
     out = p.add_argument_group("output")
     out.add_argument("--out", metavar="FILE", help="write the result JSON here")
+    out.add_argument("--save-result", action="store_true",
+                     help="vLLM's: write the result JSON to --result-dir/--result-filename "
+                          "(implied by either of them; default: off unless --out)")
+    out.add_argument("--result-dir", metavar="DIR",
+                     help="vLLM's: folder for the result JSON (default: the current one)")
+    out.add_argument("--result-filename", metavar="NAME",
+                     help="vLLM's: the result JSON's file name (default: "
+                          "kvpush-<rate>qps[-concurrency<N>]-<model>-<date-time>.json)")
     out.add_argument("--label", help="a name for this run, stored in the JSON")
-    out.add_argument("--percentiles", type=_percentiles, default=(90.0, 99.0),
-                     metavar="LIST", help="percentiles to report (default: 90,99)")
+    out.add_argument("--percentiles", "--metric-percentiles", type=_percentiles,
+                     default=(90.0, 99.0), metavar="LIST",
+                     help="percentiles to report, comma-separated (default: 90,99)")
     out.add_argument("--no-progress", dest="progress", action="store_false",
                      help="no progress bar")
+    cli_types.refuse_vllm_flags(p, cli_types.VLLM_BENCH_NOT_TAKEN)
     p.set_defaults(func=run_bench, _bench_parser=p)
     from kvpush.bench.compare import add_compare_parser
     from kvpush.bench.handoff import add_handoff_parser
@@ -139,9 +161,39 @@ def _error_summary(errors: list[str], limit: int = 5) -> list[str]:
     return lines
 
 
+def _wants_result_file(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "save_result", False) or getattr(args, "result_dir", None)
+                or getattr(args, "result_filename", None))
+
+
+def result_path(args: argparse.Namespace, result: dict[str, Any],
+                now: float | None = None) -> str | None:
+    """Where the result JSON goes: --out, else (vLLM's way) --result-dir/--result-filename
+    with vLLM's kind of default name, else nowhere."""
+    import time
+    from pathlib import Path
+
+    if args.out:
+        return str(args.out)
+    if not _wants_result_file(args):
+        return None
+    name = args.result_filename
+    if not name:
+        rate = result.get("request_rate", "inf")
+        conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+        model = str(result.get("model_id") or "model").rstrip("/").split("/")[-1]
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+        name = f"kvpush-{rate}qps{conc}-{model}-{stamp}.json"
+    return str(Path(args.result_dir or ".") / name)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.url is None:
-        return _error("--url is required (the server, e.g. http://127.0.0.1:8000)")
+        return _error("--url is required (or vLLM's --base-url: the server, e.g. "
+                      "http://127.0.0.1:8000)")
+    if args.out and _wants_result_file(args):
+        return _error("--out FILE, or --save-result/--result-dir/--result-filename: "
+                      "not both")
     from kvpush.bench.client import run_benchmark
     from kvpush.bench.datasets import DatasetError
     from kvpush.bench.settings import BenchConfig, BenchError
@@ -166,7 +218,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print("\n".join(_error_summary([r.error for r in result.outputs])))
     for w in result.warnings:
         print(f"warning: {w}", file=sys.stderr)
-    if args.out:
-        path = result.save(args.out)
+    out = result_path(args, result.to_dict())
+    if out:
+        path = result.save(out)
         print(f"result written to {path}")
     return 1 if result.failed else 0
