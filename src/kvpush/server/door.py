@@ -30,13 +30,14 @@ same three flags.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # (uvicorn is imported when a door is made, not with the CLI)
+if TYPE_CHECKING:  # (uvicorn and asyncio are imported when a door is made, not by a CLI)
+    import asyncio
+
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 logger = logging.getLogger("kvpush.server.door")
