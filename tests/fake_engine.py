@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,6 +154,10 @@ class FakeEngine:
         error_after, self.error_after = self.error_after, None
         raise_after, self.raise_after = self.raise_after, None
         act = _Active(params, need)
+        # the engine's own clock (time.perf_counter), as the real one reports it: arrival,
+        # first scheduled (blocks reserved), first token
+        arrival = scheduled = time.perf_counter()
+        first_time: float | None = None
         self.free_blocks -= need
         self.active[request_id] = act
         self.requests.append((request_id, list(prompt_token_ids), params, kv_transfer_params))
@@ -179,6 +184,8 @@ class FakeEngine:
                 if raise_after is not None and i >= raise_after:
                     raise RuntimeError("injected engine crash")
                 tok = fake_token(prompt_token_ids, i)
+                if first_time is None:
+                    first_time = time.perf_counter()
                 step_reason = None
                 if tok in params.stop_token_ids or (tok in eos and not params.ignore_eos):
                     step_reason = FinishReason.STOP
@@ -208,6 +215,8 @@ class FakeEngine:
                     new_top_logprobs=([fake_top_logprobs(params.top_logprobs)]
                                       if params.top_logprobs else None),
                     num_prompt_tokens=plen, num_output_tokens=i + 1, kv_transfer_params=ktp,
+                    first_token_time=first_time, arrival_time=arrival,
+                    scheduled_time=scheduled,
                 )
                 if reason is not None:
                     return

@@ -87,6 +87,25 @@ def test_max_num_seqs_caps_running(tiny_llama):
     assert_all_blocks_free(engine)
 
 
+def test_outputs_carry_when_the_request_was_first_scheduled(tiny_llama):
+    """arrival <= first scheduled <= first token, on every output (vllm: queue and
+    prefill time); a request held back by max_num_seqs is scheduled later than one that
+    ran at once."""
+    engine = make_engine(tiny_llama, max_num_seqs=1)
+    for i, p in enumerate(random_prompts([10, 10])):
+        engine.add_request(f"r{i}", p, greedy(3))
+    assert engine.scheduler.requests["r0"].scheduled_time is None
+    seen: dict[str, tuple] = {}
+    while engine.has_work():
+        for o in engine.step():
+            assert o.scheduled_time is not None and o.first_token_time is not None
+            assert o.arrival_time <= o.scheduled_time <= o.first_token_time
+            times = (o.arrival_time, o.scheduled_time, o.first_token_time)
+            assert seen.setdefault(o.request_id, times) == times  # set once
+    assert seen["r1"][1] >= seen["r0"][2]  # r1 waited for r0's slot
+    assert_all_blocks_free(engine)
+
+
 @pytest.mark.parametrize("when", ["waiting", "prefilling", "decoding"])
 def test_abort_frees_blocks_at_any_moment(tiny_qwen3, when):
     engine = make_engine(tiny_qwen3, max_num_batched_tokens=32)

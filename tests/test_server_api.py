@@ -690,6 +690,86 @@ async def test_metrics(client: httpx.AsyncClient, engine: FakeEngine) -> None:
         u["prompt_tokens"] for u in usage)
 
 
+#: vLLM's families the server must export (vLLM v1's types), docs/METRICS.md
+VLLM_FAMILIES = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge", "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter", "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
+}
+
+
+@pytest.mark.anyio
+async def test_vllm_metrics(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    """vLLM's names, types and model_name label, parsed with prometheus_client's parser,
+    moving as the requests served say they must."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    model = (await client.get("/v1/models")).json()["data"][0]["id"]
+    rs = [await client.post(C, json={"prompt": "hello world", "max_tokens": 3}),
+          await client.post(CHAT, json={"messages": U}),
+          await client.post(C, json={"prompt": "hello there", "max_tokens": 1})]
+    usage = [r.json()["usage"] for r in rs]
+    r = await client.post(C, json={"prompt": "hello", "max_tokens": 5, "stream": True})
+    assert r.status_code == 200 and sse(r.text)[-1] == "[DONE]"
+    ntok = [u["completion_tokens"] for u in usage] + [5]
+    nprompt = [u["prompt_tokens"] for u in usage] + [len(engine.requests[-1][1])]
+    await client.post(C, json={"prompt": "hi", "max_tokens": 0})  # rejected: not counted
+    await wait_until(lambda: not engine.active)
+    text = (await client.get("/metrics")).text
+    fams = {f.name: f for f in text_string_to_metric_families(text)
+            if f.name.startswith("vllm:")}
+    assert {n: f.type for n, f in fams.items()} == VLLM_FAMILIES
+    v: dict[str, float] = {}
+    for f in fams.values():
+        for smp in f.samples:
+            assert smp.labels.get("model_name") == model, smp  # on every series
+            if smp.name.endswith(("_sum", "_count", "_total")) or f.type == "gauge":
+                v[smp.name] = smp.value
+    assert v["vllm:generation_tokens_total"] == sum(ntok)
+    assert v["vllm:prompt_tokens_total"] == sum(nprompt)
+    assert v["vllm:prefix_cache_queries_total"] == engine.stats().prefix_cache_query_tokens
+    assert v["vllm:prefix_cache_hits_total"] == 0
+    assert v["vllm:num_requests_running"] == 0 and v["vllm:num_requests_waiting"] == 0
+    assert v["vllm:kv_cache_usage_perc"] == 0.0
+    for h in ("time_to_first_token", "e2e_request_latency", "request_queue_time",
+              "request_prefill_time", "request_decode_time", "request_inference_time"):
+        assert v[f"vllm:{h}_seconds_count"] == 4, h
+        assert v[f"vllm:{h}_seconds_sum"] >= 0, h
+    # one gap per token after a request's first; their sum is the requests' decode time
+    assert v["vllm:inter_token_latency_seconds_count"] == sum(ntok) - 4
+    assert v["vllm:inter_token_latency_seconds_sum"] == pytest.approx(
+        v["vllm:request_decode_time_seconds_sum"])
+    assert v["vllm:request_decode_time_seconds_sum"] > 0  # the fake waits between tokens
+    assert v["vllm:e2e_request_latency_seconds_sum"] >= (
+        v["vllm:request_decode_time_seconds_sum"])
+    # kvpush's own names are still there, moving together with vLLM's
+    assert f"kvpush_generation_tokens_total {float(sum(ntok))}" in text
+
+
+@pytest.mark.anyio
+async def test_kv_cache_usage_while_a_request_runs(client: httpx.AsyncClient,
+                                                   engine: FakeEngine) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine.token_delay = 0.05
+    task = asyncio.create_task(client.post(C, json={"prompt": "hello", "max_tokens": 20}))
+    await wait_until(lambda: bool(engine.active))
+    text = (await client.get("/metrics")).text
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    used = engine.num_blocks - engine.free_blocks
+    assert got["vllm:kv_cache_usage_perc"] == pytest.approx(used / engine.num_blocks)
+    assert got["vllm:num_requests_running"] == 1
+    assert (await task).status_code == 200
+
+
 @pytest.mark.anyio
 async def test_two_apps_have_separate_metrics(model: tuple[Any, Any]) -> None:
     e1, e2 = FakeEngine(*model), FakeEngine(*model)

@@ -302,7 +302,7 @@ class LLMEngine:
         return EngineOutput(
             req.request_id, [token], logprobs, top, None, None, None,
             req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens,
-            req.first_token_time, req.arrival_time,
+            req.first_token_time, req.arrival_time, req.scheduled_time,
         )
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
@@ -333,7 +333,7 @@ class LLMEngine:
         return EngineOutput(
             req.request_id, new_tokens, logprobs, top, reason, failure, kv_params or None,
             req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens,
-            req.first_token_time, req.arrival_time,
+            req.first_token_time, req.arrival_time, req.scheduled_time,
         )
 
     def kv_info(self) -> dict:

@@ -58,5 +58,6 @@ class RequestStream:
             error=failure.message if failure is not None else None,
             first_token_time=out.first_token_time,
             arrival_time=out.arrival_time,
+            scheduled_time=out.scheduled_time,
             kv_transfer_params=out.kv_transfer_params,
         )

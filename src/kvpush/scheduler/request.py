@@ -63,6 +63,8 @@ class Request:
     num_preemptions: int = 0
     num_registered_blocks: int = 0  # leading full blocks already in the prefix cache
     first_token_time: float | None = None
+    #: when the scheduler first gave it blocks (kept across preemptions)
+    scheduled_time: float | None = None
     error: str | None = None
     generator: torch.Generator | None = None
     # Extension point for KV transfer: the connector keeps its per-request state here.

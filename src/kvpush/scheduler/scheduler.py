@@ -20,6 +20,7 @@ sampled tokens. Finishing and aborting free every block of the request at once.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -254,6 +255,8 @@ class Scheduler:
             req.num_cached_tokens = num_computed
             self.prefix_hit_tokens += num_computed
             self.prefix_query_tokens += len(tokens)
+        if req.scheduled_time is None:
+            req.scheduled_time = time.perf_counter()
         return num_new
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:

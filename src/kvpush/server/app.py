@@ -159,7 +159,8 @@ class _Server:
         self.max_model_len: int = cfg.scheduler.max_model_len
         self.token_texts = chat.TokenTexts(engine.tokenizer)
         self.metrics = ServerMetrics(engine.stats,
-                                     lambda: engine.health_problem() is None)
+                                     lambda: engine.health_problem() is None,
+                                     self.model_name)
         self.metrics.register_waiting(self.waiting)
         self.created = int(time.time())
         self.executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
@@ -282,7 +283,7 @@ class _Server:
                        first: RequestOutput | None, timer: RequestTimer) -> dict[str, Any]:
         out = first
         while out is not None:
-            timer.on_output(len(out.new_token_ids), time.perf_counter())
+            timer.on_output(len(out.new_token_ids), time.perf_counter(), out)
             fmt.add(out)
             if out.finished:
                 break
@@ -306,7 +307,7 @@ class _Server:
                 yield frame
             out = first
             while out is not None:
-                timer.on_output(len(out.new_token_ids), time.perf_counter())
+                timer.on_output(len(out.new_token_ids), time.perf_counter(), out)
                 frame = fmt.stream_chunk(out)
                 if frame is not None:
                     yield frame

@@ -1,6 +1,10 @@
 """Prometheus metrics of one server: request outcomes, latencies, token counts, and
 engine gauges read from ``engine.stats()`` at scrape time.
 
+Beside kvpush's own ``kvpush_*`` families, the ones vLLM's dashboards, llm-d's scheduler
+and Dynamo's planner read are exported under vLLM's names (``vllm:*``, labelled with
+``model_name``), with vLLM v1's meanings and types; docs/METRICS.md lists them all.
+
 Each app gets its own :class:`CollectorRegistry`, so several apps in one process (tests,
 a prefill and a decode server side by side) never clash on metric names.
 """
@@ -21,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from kvpush.engine.outputs import EngineStats
+from kvpush.engine.outputs import EngineStats, RequestOutput
 from kvpush.kv_transfer.record import TransferCounters, TransferRecord
 from kvpush.server.admission import WaitingBound
 
@@ -40,12 +44,24 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
                30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-class _EngineCollector(Collector):
-    """Gauges and counters owned by the engine, read once per scrape."""
+# vLLM v1's buckets for its ``vllm:`` histograms (so its dashboards' quantiles line up).
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+VLLM_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                        50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
-    def __init__(self, stats: Callable[[], EngineStats], healthy: Callable[[], bool]) -> None:
+
+class _EngineCollector(Collector):
+    """Gauges and counters owned by the engine, read once per scrape (kvpush's names and
+    vLLM's, from the same ``EngineStats``)."""
+
+    def __init__(self, stats: Callable[[], EngineStats], healthy: Callable[[], bool],
+                 model_name: str) -> None:
         self._stats = stats
         self._healthy = healthy
+        self._model = model_name
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # unchecked collector: names are not known to clash
@@ -81,6 +97,32 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(value))
+        yield from self._vllm(s)
+
+    def _vllm(self, s: EngineStats) -> Iterator[Metric]:
+        """vLLM's names for the same figures, labelled with the served model's name."""
+        lab = ["model_name"]
+        usage = 1.0 - s.num_free_blocks / s.num_total_blocks if s.num_total_blocks else 0.0
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Number of requests in model execution "
+                 "batches", s.num_running),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed",
+                 s.num_waiting),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage "
+                 "(fraction of KV blocks not free)", usage)):
+            g = GaugeMetricFamily(name, doc, labels=lab)
+            g.add_metric([self._model], float(value))
+            yield g
+        for name, doc, value in (
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                 "queried tokens", s.prefix_cache_query_tokens),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                 "tokens", s.prefix_cache_hit_tokens),
+                ("vllm:num_preemptions", "Cumulative number of preemptions from the engine",
+                 s.num_preemptions)):
+            c = CounterMetricFamily(name, doc, labels=lab)
+            c.add_metric([self._model], float(value))
+            yield c
 
 
 class _TransferCollector(Collector):
@@ -216,7 +258,8 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, stats: Callable[[], EngineStats], healthy: Callable[[], bool]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], healthy: Callable[[], bool],
+                 model_name: str = "") -> None:
         # The *_created series double the exposition for no use here (vLLM drops them too);
         # the switch is process-wide.
         disable_created_metrics()
@@ -239,7 +282,8 @@ class ServerMetrics:
                                      "engine started generating for", registry=r)
         self.generation_tokens = Counter("kvpush_generation_tokens", "Generated tokens",
                                          registry=r)
-        r.register(_EngineCollector(stats, healthy))
+        r.register(_EngineCollector(stats, healthy, model_name))
+        self._vllm_metrics(model_name)
         self.auth_rejected = auth_rejected_counter(r, "kvpush_http_auth_rejected")
         labels = ["role", "mode", "outcome"]
         self.kv_transfer_s = Histogram(
@@ -254,6 +298,38 @@ class ServerMetrics:
         self.kv_descs = Histogram("kvpush_kv_transfer_descriptors",
                                   "Descriptors (memory ranges) of one KV transfer", labels,
                                   buckets=TRANSFER_DESC_BUCKETS, registry=r)
+
+    def _vllm_metrics(self, model: str) -> None:
+        """The request-level families under vLLM's names (children bound to ``model``)."""
+        r, lab = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, lab, buckets=buckets, registry=r).labels(model)
+
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens "
+                                          "processed", lab, registry=r).labels(model)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Number of "
+                                              "generation tokens processed", lab,
+                                              registry=r).labels(model)
+        self.vllm_ttft = hist("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds", VLLM_TTFT_BUCKETS)
+        self.vllm_itl = hist("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds", VLLM_ITL_BUCKETS)
+        self.vllm_e2e = hist("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds",
+                             VLLM_REQUEST_BUCKETS)
+        self.vllm_queue = hist("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request",
+                               VLLM_REQUEST_BUCKETS)
+        self.vllm_prefill = hist("vllm:request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request",
+                                 VLLM_REQUEST_BUCKETS)
+        self.vllm_decode = hist("vllm:request_decode_time_seconds",
+                                "Histogram of time spent in DECODE phase for request",
+                                VLLM_REQUEST_BUCKETS)
+        self.vllm_inference = hist("vllm:request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request",
+                                   VLLM_REQUEST_BUCKETS)
 
     def register_waiting(self, bound: WaitingBound) -> None:
         """Export the waiting-request bound: how many wait, the cap, and the 429s."""
@@ -281,10 +357,15 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Per-request timing and token accounting; reports once, in :meth:`finish`."""
+    """Per-request timing and token accounting; reports once, in :meth:`finish`.
+
+    Server-side times (``arrival``, each output's arrival) give TTFT, inter-token latency,
+    end-to-end and decode time; the engine's own times (its arrival, first scheduling and
+    first token, all ``time.perf_counter``) give queue and prefill time.
+    """
 
     __slots__ = ("_m", "arrival", "first_token", "last_token", "num_tokens", "_started",
-                 "_done", "_prompt_tokens")
+                 "_done", "_prompt_tokens", "engine_arrival", "scheduled", "engine_first")
 
     def __init__(self, metrics: ServerMetrics, arrival: float, prompt_tokens: int) -> None:
         self._m = metrics
@@ -295,27 +376,63 @@ class RequestTimer:
         self._started = False
         self._done = False
         self._prompt_tokens = prompt_tokens
+        self.engine_arrival: float | None = None
+        self.scheduled: float | None = None
+        self.engine_first: float | None = None
 
-    def on_output(self, num_new_tokens: int, now: float) -> None:
+    def on_output(self, num_new_tokens: int, now: float,
+                  out: RequestOutput | None = None) -> None:
+        m = self._m
+        if out is not None:
+            if out.arrival_time:
+                self.engine_arrival = out.arrival_time
+            if out.scheduled_time is not None:
+                self.scheduled = out.scheduled_time
+            if out.first_token_time is not None:
+                self.engine_first = out.first_token_time
         if not self._started:
             self._started = True
-            self._m.prompt_tokens.inc(self._prompt_tokens)
+            m.prompt_tokens.inc(self._prompt_tokens)
+            m.vllm_prompt_tokens.inc(self._prompt_tokens)
         if num_new_tokens <= 0:
             return
         if self.first_token is None:
             self.first_token = now
-            self._m.ttft.observe(now - self.arrival)
+            m.ttft.observe(now - self.arrival)
+            m.vllm_ttft.observe(now - self.arrival)
+            gaps = num_new_tokens - 1  # tokens that came with the first: no time between
+            gap = 0.0
+        else:
+            assert self.last_token is not None
+            gaps = num_new_tokens
+            gap = (now - self.last_token) / num_new_tokens
+        for _ in range(gaps):
+            m.vllm_itl.observe(gap)
         self.last_token = now
         self.num_tokens += num_new_tokens
-        self._m.generation_tokens.inc(num_new_tokens)
+        m.generation_tokens.inc(num_new_tokens)
+        m.vllm_generation_tokens.inc(num_new_tokens)
 
     def finish(self, outcome: str, now: float) -> None:
         if self._done:
             return
         self._done = True
-        self._m.count(outcome)
+        m = self._m
+        m.count(outcome)
         if outcome not in ("stop", "length"):
             return
-        self._m.e2e.observe(now - self.arrival)
-        if self.first_token is not None and self.last_token is not None and self.num_tokens > 1:
-            self._m.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))
+        m.e2e.observe(now - self.arrival)
+        m.vllm_e2e.observe(now - self.arrival)
+        if self.first_token is not None and self.last_token is not None:
+            m.vllm_decode.observe(self.last_token - self.first_token)
+            if self.num_tokens > 1:
+                m.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))
+        if self.scheduled is not None:
+            # engine times only: the engine core may run in another process
+            if self.engine_arrival is not None:
+                m.vllm_queue.observe(max(0.0, self.scheduled - self.engine_arrival))
+            if self.engine_first is not None:
+                prefill = max(0.0, self.engine_first - self.scheduled)
+                m.vllm_prefill.observe(prefill)
+                if self.first_token is not None and self.last_token is not None:
+                    m.vllm_inference.observe(prefill + self.last_token - self.first_token)
