@@ -752,6 +752,11 @@ async def test_vllm_metrics(client: httpx.AsyncClient, engine: FakeEngine) -> No
         v["vllm:request_decode_time_seconds_sum"])
     # kvpush's own names are still there, moving together with vLLM's
     assert f"kvpush_generation_tokens_total {float(sum(ntok))}" in text
+    # docs/METRICS.md lists every family the instance exports
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "METRICS.md").read_text()
+    missing = [f.name for f in text_string_to_metric_families(text)
+               if f"`{f.name}`" not in doc and f"`{f.name}_total`" not in doc]
+    assert not missing, missing
 
 
 @pytest.mark.anyio
