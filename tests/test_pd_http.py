@@ -10,6 +10,7 @@ import uuid
 import httpx
 import pytest
 
+from router_helpers import metric_value
 from server_helpers import ServerProcess, sign_kv
 
 PROMPTS = [
@@ -103,6 +104,12 @@ def test_pd_over_http_equals_single(tiny_llama, single, tmp_path, mode):
         assert "kvpush_kv_transfers_ok_total 6.0" in metrics
         assert f'kvpush_kv_transfer_bytes_count{{mode="{mode}",outcome="ok",role="decode"}}' \
             in metrics
+        # vLLM's phases on decode: every request was scheduled (blocks for its KV) and its
+        # queue and prefill (the KV's arrival) times observed, from the engine core's clock
+        for h in ("request_queue_time", "request_prefill_time", "request_decode_time"):
+            assert metric_value(metrics, f"vllm:{h}_seconds_count", "model_name=") == 6, h
+        pm = httpx.get(p.url + "/metrics").text
+        assert metric_value(pm, "vllm:request_prefill_time_seconds_count", "model_name=") == 6
         # logprobs with 3 alternatives per token: token #1's from prefill (push) or
         # decode's recompute (pull), the rest from decode; all equal the single instance's
         # (pull's recompute batches token #1 differently: logprobs agree to ~2e-5)
