@@ -87,8 +87,8 @@ def test_max_num_seqs_caps_running(tiny_llama):
     assert_all_blocks_free(engine)
 
 
-def test_outputs_carry_when_the_request_was_first_scheduled(tiny_llama):
-    """arrival <= first scheduled <= first token, on every output (vllm: queue and
+def test_outputs_carry_when_the_request_was_scheduled(tiny_llama):
+    """arrival <= scheduled <= first token, on every output (vllm: queue and
     prefill time); a request held back by max_num_seqs is scheduled later than one that
     ran at once."""
     engine = make_engine(tiny_llama, max_num_seqs=1)
@@ -103,6 +103,29 @@ def test_outputs_carry_when_the_request_was_first_scheduled(tiny_llama):
             times = (o.arrival_time, o.scheduled_time, o.first_token_time)
             assert seen.setdefault(o.request_id, times) == times  # set once
     assert seen["r1"][1] >= seen["r0"][2]  # r1 waited for r0's slot
+    assert_all_blocks_free(engine)
+
+
+def test_scheduled_time_is_the_last_admission_before_the_first_token(tiny_llama):
+    """As vLLM's queue/prefill intervals: a request preempted before its first token
+    counts from its new admission; one preempted while decoding keeps its time."""
+    engine = make_engine(tiny_llama)
+    req = engine.add_request("r", random_prompts([10])[0], greedy(4))
+    sched = engine.scheduler
+    sched.schedule()  # admitted, then preempted before its prefill ran
+    t1 = req.scheduled_time
+    assert t1 is not None
+    sched.running.remove(req)
+    sched._preempt(req)
+    (out,) = engine.step()
+    t2 = req.scheduled_time
+    assert t2 is not None and t2 > t1 and out.scheduled_time == t2
+    assert out.first_token_time is not None and t2 <= out.first_token_time
+    sched.running.remove(req)
+    sched._preempt(req)  # while decoding: recomputed, not re-timed
+    while engine.has_work():
+        for o in engine.step():
+            assert o.scheduled_time == t2
     assert_all_blocks_free(engine)
 
 

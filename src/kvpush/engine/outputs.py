@@ -65,8 +65,8 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     #: monotonic time (time.perf_counter) of the request's first output token
     first_token_time: float | None = None
     arrival_time: float = 0.0
-    #: monotonic time the scheduler first gave the request blocks to run (or, decode
-    #: role, to receive its KV); None until then
+    #: monotonic time the scheduler gave the request blocks to run (or, decode role, to
+    #: receive its KV), the last time before its first token; None until then
     scheduled_time: float | None = None
 
     @property
@@ -134,8 +134,8 @@ class RequestOutput:
     #: monotonic time (time.perf_counter) of the first output token of this request
     first_token_time: float | None = None
     arrival_time: float = 0.0
-    #: monotonic time the engine first scheduled the request (None: not yet, or an engine
-    #: that does not say)
+    #: monotonic time the engine scheduled the request, the last time before its first
+    #: token (None: not yet, or an engine that does not say)
     scheduled_time: float | None = None
     #: a finished leg's answer to its router (None for a plain request)
     kv_transfer_params: KVTransferParams | None = None

@@ -63,7 +63,8 @@ class Request:
     num_preemptions: int = 0
     num_registered_blocks: int = 0  # leading full blocks already in the prefix cache
     first_token_time: float | None = None
-    #: when the scheduler first gave it blocks (kept across preemptions)
+    #: when the scheduler gave it blocks, the last time before its first token (a
+    #: preempted prefill, or a failed KV transfer, is scheduled again)
     scheduled_time: float | None = None
     error: str | None = None
     generator: torch.Generator | None = None

@@ -255,7 +255,7 @@ class Scheduler:
             req.num_cached_tokens = num_computed
             self.prefix_hit_tokens += num_computed
             self.prefix_query_tokens += len(tokens)
-        if req.scheduled_time is None:
+        if req.first_token_time is None:  # the last admission before token #1 (vLLM's)
             req.scheduled_time = time.perf_counter()
         return num_new
 
