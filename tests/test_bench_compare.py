@@ -258,3 +258,31 @@ def test_handoff_passes_push_layers_per_write_to_the_push_cluster(tmp_path):
     assert ccfg.policy == "round-robin"
     with pytest.raises(ValueError, match="push-layers-per-write"):
         HandoffConfig(push_layers_per_write=-1).validate()
+
+
+def test_report_marks_ratios_inside_the_noise_and_prints_min_max_over_repeats():
+    from kvpush.bench.compare_report import summarize_runs
+
+    cfg, runs = _canned()  # 3 requests a cell, one repeat
+    summary = summarize_runs(runs, cfg)
+    assert summary["ratios"]["pull/push@1"]["noise"] == ["fewer than 30 requests",
+                                                          "one repeat"]
+    md = markdown_report({**summary, "skipped": []})
+    assert ("inside the noise: fewer than 30 requests / one repeat — do not read a ratio "
+            "from it") in md
+    assert "TTFT med min-max" in md and "| 310.0-310.0 |" in md
+    # Two repeats of 20 requests each: 40 a cell, no note; min-max over the repeats.
+    cfg2 = CompareConfig(modes=[ModeSpec("pull"), ModeSpec("push")], rates=[1.0],
+                         out_dir="unused", num_prompts=20, repeats=2)
+    runs2 = [_run(m, m, 1.0, rep, [base + 0.01 * rep] * 20)
+             for rep in (0, 1) for m, base in (("pull", 0.3), ("push", 0.1))]
+    s2 = summarize_runs(runs2, cfg2)
+    assert s2["ratios"]["pull/push@1"]["noise"] == []
+    assert s2["cells"]["pull@1"]["median_ttft_ms_range"] == pytest.approx([300, 310])
+    md2 = markdown_report({**s2, "skipped": []})
+    assert "inside the noise" not in md2 and "| 300.0-310.0 |" in md2
+    # One repeat of 40: still one repeat.
+    runs3 = [_run(m, m, 1.0, 0, [b] * 40) for m, b in (("pull", 0.3), ("push", 0.1))]
+    s3 = summarize_runs(runs3, CompareConfig(modes=cfg2.modes, rates=[1.0],
+                                             out_dir="unused"))
+    assert s3["ratios"]["pull/push@1"]["noise"] == ["one repeat"]

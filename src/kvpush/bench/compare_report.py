@@ -23,6 +23,10 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 #: Fields whose ratio X / reference is reported.
 RATIO_FIELDS: tuple[str, ...] = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
                                  "mean_tpot_ms", "median_itl_ms")
+#: A cell with fewer completed requests than this (all repeats together) is too small
+#: for a ratio to mean anything.
+MIN_REQUESTS = 30
+NOISE_NOTE = "inside the noise: {why} — do not read a ratio from it"
 
 
 def rate_text(rate: float) -> str:
@@ -64,6 +68,11 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["completed"] = sum(r["completed"] for r in runs)
     out["failed"] = sum(r["failed"] for r in runs)
     out["repeats"] = len(runs)
+    # The spread over repeats: each repeat's own median TTFT and mean TPOT, min and max.
+    meds = [percentile(request_ttfts(r), 50) * 1e3 for r in runs if request_ttfts(r)]
+    tps = [mean(request_tpots(r)) * 1e3 for r in runs if request_tpots(r)]
+    out["median_ttft_ms_range"] = [min(meds), max(meds)] if meds else None
+    out["mean_tpot_ms_range"] = [min(tps), max(tps)] if tps else None
     if all("turns" in r for r in runs):  # multi-turn
         turns = sorted({t for r in runs for t in r["turns"]})
         out["per_turn"] = [{"turn": t, **turn_stats(runs, lambda x, t=t: x == t)}
@@ -86,6 +95,21 @@ def turn_stats(runs: list[dict[str, Any]], keep: Any) -> dict[str, Any]:
     return {"n": len(ttfts), "median_ttft_ms": percentile(ttfts, 50) * 1e3,
             "p90_ttft_ms": percentile(ttfts, 90) * 1e3, "mean_ttft_ms": mean(ttfts) * 1e3,
             "mean_tpot_ms": mean(tpots) * 1e3, "median_tpot_ms": percentile(tpots, 50) * 1e3}
+
+
+def noise_reasons(*cells: dict[str, Any]) -> list[str]:
+    """Why a comparison of ``cells`` is inside its noise: a cell with fewer than
+    :data:`MIN_REQUESTS` completed requests, or only one repeat; empty if neither."""
+    why = []
+    if any(c["completed"] < MIN_REQUESTS for c in cells):
+        why.append(f"fewer than {MIN_REQUESTS} requests")
+    if any(c["repeats"] < 2 for c in cells):
+        why.append("one repeat")
+    return why
+
+
+def noise_note(why: list[str]) -> str:
+    return NOISE_NOTE.format(why=" / ".join(why)) if why else ""
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -141,6 +165,7 @@ def summarize_runs(runs: list[dict[str, Any]], cfg: CompareConfig) -> dict[str, 
                 if ra and rb and rb[0]["median_ttft_ms"]:
                     per_rep.append(ra[0]["median_ttft_ms"] / rb[0]["median_ttft_ms"])
             entry["median_ttft_ratio_per_repeat"] = per_rep
+            entry["noise"] = noise_reasons(a, b)
             if "per_turn" in a and "per_turn" in b:
                 entry["turns"] = turn_ratios(a, b)
             ratios[f"{label}/{ref}@{rate}"] = entry
@@ -171,6 +196,10 @@ def _fmt(v: Any, digits: int = 1) -> str:
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
+def _span(r: list[float] | None) -> str:
+    return f"{r[0]:.1f}-{r[1]:.1f}" if r else "-"
+
+
 def markdown_report(summary: dict[str, Any]) -> str:
     c = summary["config"]
     threads = ", ".join(f"{k}: {v}" for k, v in (c.get("threads") or {}).items())
@@ -196,34 +225,45 @@ def markdown_report(summary: dict[str, Any]) -> str:
         f"{c['prefill']} prefill + {c['decode']} decode. Torch threads per instance: "
         f"{threads or '-'} (P/D: one share of the cores per instance; colocated: all on "
         "its one instance). Machine: " + summary["machine"] + ". Latencies in ms, "
-        "requests of all repeats pooled; req/s is the mean over repeats.",
+        "requests of all repeats pooled; req/s is the mean over repeats; min-max: the "
+        "lowest and highest of each repeat's own value.",
         "",
-        "| mode | rate | " + " | ".join(h for _, h in COLUMNS) + " | req/s | ok | failed |",
-        "|---|---|" + "---:|" * (len(COLUMNS) + 3),
+        "| mode | rate | " + " | ".join(h for _, h in COLUMNS)
+        + " | TTFT med min-max | TPOT mean min-max | req/s | ok | failed |",
+        "|---|---|" + "---:|" * (len(COLUMNS) + 5),
     ]
     for mode in summary["modes"]:
         for rate in summary["rates"]:
             cell = summary["cells"].get(f"{mode}@{rate}")
             if cell is None:
                 lines.append(f"| {mode} | {rate} | " + " | ".join("-" * 1 for _ in COLUMNS)
-                             + " | - | - | not run |")
+                             + " | - | - | - | - | not run |")
                 continue
             lines.append(f"| {mode} | {rate} | "
                          + " | ".join(_fmt(cell[k]) for k, _ in COLUMNS)
+                         + f" | {_span(cell.get('median_ttft_ms_range'))}"
+                         f" | {_span(cell.get('mean_tpot_ms_range'))}"
                          + f" | {cell['request_throughput']:.3f} | {cell['completed']} | "
                          f"{cell['failed']} |")
     if summary["ratios"]:
         ref = summary["reference"]
         lines += ["", f"Ratios against {ref} (> 1: {ref} is better):", "",
                   "| ratio | rate | TTFT med | TTFT p90 | TTFT p99 | TPOT mean | ITL med "
-                  "| TTFT med per repeat |",
-                  "|---|---|---:|---:|---:|---:|---:|---|"]
+                  "| TTFT med per repeat | noise |",
+                  "|---|---|---:|---:|---:|---:|---:|---|---|"]
         for key, r in summary["ratios"].items():
             pair, rate = key.rsplit("@", 1)
             per = ", ".join(f"{x:.2f}" for x in r["median_ttft_ratio_per_repeat"])
             lines.append(f"| {pair} | {rate} | "
                          + " | ".join(_fmt(r[f], 2) for f in RATIO_FIELDS)
-                         + f" | {per or '-'} |")
+                         + f" | {per or '-'} | {noise_note(r.get('noise', [])) or '-'} |")
+        noisy = [k for k, r in summary["ratios"].items() if r.get("noise")]
+        if noisy:
+            lines += ["", f"Note: {', '.join(noisy)}: "
+                      + "; ".join(sorted({noise_note(summary['ratios'][k]['noise'])
+                                          for k in noisy}))
+                      + f". A difference is only worth reading with {MIN_REQUESTS}+ "
+                      "requests a cell and 2+ repeats whose min-max ranges do not overlap."]
     lines += _turn_lines(summary)
     if summary.get("skipped"):
         lines += ["", "Skipped (time limit): " + "; ".join(summary["skipped"])]
