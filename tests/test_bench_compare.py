@@ -286,3 +286,31 @@ def test_report_marks_ratios_inside_the_noise_and_prints_min_max_over_repeats():
     s3 = summarize_runs(runs3, CompareConfig(modes=cfg2.modes, rates=[1.0],
                                              out_dir="unused"))
     assert s3["ratios"]["pull/push@1"]["noise"] == ["one repeat"]
+
+
+def test_plots_start_at_zero_carry_the_workload_and_draw_bars_for_one_rate(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvpush.bench.compare_report import summarize_runs
+    from kvpush.bench.plots import plot_summary
+
+    cfg, runs = _canned()
+    for rates, sel in (([1.0, math.inf], runs), ([1.0], runs[:2])):
+        cfg.rates = rates
+        summary = summarize_runs(sel, cfg)
+        figs: list = []
+        plot_summary(summary, sel, tmp_path, figures=figs)
+        line_fig, cdf_fig = figs
+        title = line_fig._suptitle.get_text()
+        for part in ("canned", "random 1024 in / 128 out", "3 prompts", "1P + 1D",
+                     "1 repeat"):
+            assert part in title, (part, title)
+        assert "canned" in cdf_fig._suptitle.get_text()
+        for ax in line_fig.axes:
+            assert ax.get_ylim()[0] == 0
+            assert bool(ax.patches) == (len(rates) == 1)  # bars only for one rate
+        for ax in cdf_fig.axes:
+            assert ax.get_xlim()[0] == 0 and ax.get_ylim()[0] == 0
+        import matplotlib.pyplot as plt
+
+        for f in figs:
+            plt.close(f)
