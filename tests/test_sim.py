@@ -416,3 +416,47 @@ def test_calibrate_quick_on_tiny_model(tiny_llama, tmp_path):
     assert data["sources"]["transfer"].startswith("assumed")
     r = simulate(p, Workload(3, 50.0, 32, 3), ClusterConfig("push")).requests
     assert all(x.done for x in r)
+
+
+def test_cli_run_help_names_the_default_profile_and_an_example(capsys):
+    from kvpush.cli import main
+    from kvpush.sim.cli import DEFAULT_PROFILE
+    from kvpush.sim.profile import builtin_profiles
+
+    assert DEFAULT_PROFILE in builtin_profiles()
+    with pytest.raises(SystemExit):
+        main(["simulate", "run", "--help"])
+    out = capsys.readouterr().out
+    assert f"default: {DEFAULT_PROFILE}" in out.replace("\n", " ").replace("  ", " ")
+    assert "example" in out and "kvpush simulate run --rate 1,4,8" in out
+
+
+def test_cli_run_table_has_units_explains_descs_and_marks_overloaded_rows(capsys):
+    from kvpush.cli import main
+
+    # 1P1D TP1 serves ~2.6 req/s of 2048-token prompts: rate 1
+    # keeps up, rate 8 does not (the row: seconds of TTFT at 2.6 req/s achieved).
+    rc = main(["simulate", "run", "--profile", "h200-tp1-qwen3-32b", "--rate", "1,8",
+               "--num-prompts", "40", "--modes", "push"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("| config"))
+    for h in ("offered (req/s)", "TTFT med (ms)", "TTFT p90 (ms)", "TPOT med (ms)",
+              "TPOT p90 (ms)", "achieved (req/s)", "descs (per transfer)",
+              "unfinished (requests)", "overloaded"):
+        assert h in header, h
+    rows = {line.split("|")[2].strip(): line for line in out.splitlines()
+            if line.startswith("| 1P1D push")}
+    assert "OVERLOADED" not in rows["1"] and "OVERLOADED" in rows["8"]
+    assert "descs: the mean number of NIXL descriptors per KV transfer" in out
+    assert "OVERLOADED: requests complete at under 0.9x the rate they arrive" in out
+
+
+def test_overloaded_rule():
+    from kvpush.sim.report import overloaded
+
+    assert not overloaded({"arrival_rate": 8.0, "completion_rate": 7.5, "unfinished": 0})
+    assert overloaded({"arrival_rate": 8.0, "completion_rate": 2.9, "unfinished": 0})
+    assert overloaded({"arrival_rate": math.nan, "completion_rate": 2.9, "unfinished": 3})
+    assert not overloaded({"arrival_rate": math.nan, "completion_rate": 2.9,
+                           "unfinished": 0})

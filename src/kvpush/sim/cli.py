@@ -28,9 +28,25 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
 
 
+#: The profile a run or plan uses without --profile: the announcement's 1P+1D hardware.
+DEFAULT_PROFILE = "h200-tp8-qwen3-32b"
+
+RUN_EXAMPLE = f"""\
+example (the default profile, {DEFAULT_PROFILE}; 1 prefill + 1 decode; 3 rates):
+  kvpush simulate run --rate 1,4,8 --modes pull,push --prefill 1 --decode 1 \\
+      --input-len 2048 --output-len 128 --num-prompts 200
+
+The table's latencies are in ms and rates in req/s; descs is the mean number of NIXL
+descriptors per KV transfer; a row whose requests complete at under 0.9x the rate they
+arrive (or are left unfinished) is marked OVERLOADED: its queue grows.
+`kvpush simulate profiles` lists the profiles.
+"""
+
+
 def _workload_args(p: argparse.ArgumentParser, rate_help: str) -> None:
-    p.add_argument("--profile", required=True, metavar="NAME_OR_FILE",
-                   help="a profile JSON file or a built-in name (`kvpush simulate profiles`)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME_OR_FILE",
+                   help="a profile JSON file or a built-in name (`kvpush simulate "
+                        f"profiles`; default: {DEFAULT_PROFILE})")
     p.add_argument("--rate", type=_floats, required=True, metavar="R[,R...]", help=rate_help)
     p.add_argument("--input-len", type=int, default=2048, metavar="TOKENS")
     p.add_argument("--output-len", type=int, default=128, metavar="TOKENS")
@@ -58,7 +74,10 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "smallest split for latency targets. See docs/SIMULATOR.md.")
     sub = p.add_subparsers(dest="sim_command", metavar="ACTION", required=True)
 
-    r = sub.add_parser("run", help="one workload on xPyD push / pull (or colocated)")
+    r = sub.add_parser("run", help="one workload on xPyD push / pull (or colocated)",
+                       description="Simulate one workload on xPyD push / pull (or "
+                                   "colocated) at each --rate.",
+                       epilog=RUN_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     _workload_args(r, "request rate(s) per second (inf: all at once)")
     r.add_argument("--modes", type=_words, default=["pull", "push"], metavar="M[,M]",
                    help="colocated, pull, push (default: pull,push)")
@@ -125,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
                 rows.append(s)
     except ValueError as e:
         return _fail(e)
-    print(f"profile {prof.name}: {args.input_len} in / {args.output_len} out, "
+    print(f"profile {prof.name}: {args.input_len} in / {args.output_len} out tokens, "
           f"{args.num_prompts} prompts, fragmentation {args.fragmentation}")
     print(format_rows(rows))
     if args.json:

@@ -72,6 +72,15 @@ class SimResult:
         span = max((r.token_times[-1] for r in done), default=0.0) - min(
             (r.arrival for r in self.requests), default=0.0)
         out["request_throughput"] = len(done) / span if span > 0 else 0.0
+        # Arrival and completion rates, first to last (req/s): the queue grows when
+        # requests complete more slowly than they arrive (nan for one request, or all at
+        # once).
+        arr = sorted(r.arrival for r in self.requests)
+        fin = sorted(r.token_times[-1] for r in done)
+        out["arrival_rate"] = ((len(arr) - 1) / (arr[-1] - arr[0])
+                               if len(arr) > 1 and arr[-1] > arr[0] else math.nan)
+        out["completion_rate"] = ((len(fin) - 1) / (fin[-1] - fin[0])
+                                  if len(fin) > 1 and fin[-1] > fin[0] else math.nan)
         out["utilization"] = {e.name: e.busy_time / self.end_time if self.end_time else 0.0
                               for e in self.engines}
         out["mean_descs"] = mean([r.descs for r in done])
