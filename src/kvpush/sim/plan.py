@@ -121,8 +121,9 @@ def format_plan(res: PlanResult) -> str:
              c.unfinished, "yes" if c.meets else "no"]
             for lst in res.frontier().values() for c in lst]
     rows.sort(key=lambda r: (r[1], r[0]))
-    table = markdown_table(["best per mode and size", "instances", "TTFT med", "TTFT p90",
-                            "TPOT p90", "unfinished", "meets"], rows)
+    table = markdown_table(["best per mode and size", "instances", "TTFT med (ms)",
+                            "TTFT p90 (ms)", "TPOT p90 (ms)", "unfinished (requests)",
+                            "meets"], rows)
     b = res.best
     verdict = (f"smallest configuration meeting the targets: **{b.label}** ({b.instances} "
                f"instances; p90 TTFT {b.ttft_p90_ms:.1f} ms, p90 TPOT {b.tpot_p90_ms:.1f} ms)"
