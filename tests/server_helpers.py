@@ -52,9 +52,11 @@ def sign_kv(params: dict, to: dict, role: str, peer: dict | None = None) -> dict
 
 class ServerProcess:
     def __init__(self, model_dir: Path, *args: str, log_dir: Path, name: str = "server",
-                 timeout: float = 90.0, unset_env: tuple[str, ...] = ()):
+                 timeout: float = 90.0, unset_env: tuple[str, ...] = (),
+                 command: tuple[str, ...] = ("-m", "kvpush", "serve")):
         """``unset_env``: variables the server starts without (UCX_NET_DEVICES is set
-        to lo otherwise)."""
+        to lo otherwise). ``command``: what the interpreter runs before MODEL_DIR
+        (e.g. ``-m kvpush_testing.serve --die-when PATH``)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}-{self.port}.log"
@@ -64,7 +66,7 @@ class ServerProcess:
             env.setdefault("KVPUSH_KV_SECRET", TEST_KV_SECRET)
         for var in unset_env:
             env.pop(var, None)
-        cmd = [sys.executable, "-m", "kvpush", "serve", str(model_dir), "--host", "127.0.0.1",
+        cmd = [sys.executable, *command, str(model_dir), "--host", "127.0.0.1",
                "--port", str(self.port), "--threads", "1", "--log-level", "warning",
                # serve's default is auto (bf16 on bf16 CPUs): pin fp32 so the tests'
                # token-for-token comparisons mean the same on every host
@@ -158,3 +160,40 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def closed_by_peer(s: socket.socket, timeout: float) -> bytes | None:
+    """What the peer sent on ``s`` before closing it, or None when it is still open
+    after ``timeout``."""
+    s.settimeout(timeout)
+    got = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return got
+            got += chunk
+    except (ConnectionResetError, BrokenPipeError):
+        return got
+    except TimeoutError:
+        return None
+
+
+@contextlib.contextmanager
+def raised_descriptor_limit(need: int) -> Iterator[None]:
+    """This process's soft descriptor limit raised to what the hard limit allows (up to
+    4,096) for the block, then put back; the test is skipped below ``need``."""
+    import resource
+
+    import pytest
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
+    if want < need:
+        pytest.skip(f"the hard descriptor limit ({hard}) is below the {need} this test needs")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+

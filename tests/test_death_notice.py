@@ -12,24 +12,17 @@ engine core given links whose side channel raises once PATH exists. Decode is a 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
-import os
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
 
 from kvpush_testing.serve import CRASH
 from server_helpers import (
-    TEST_KV_SECRET,
     ServerProcess,
     child_pids,
-    free_port,
     pid_alive,
     sign_kv,
 )
@@ -41,52 +34,13 @@ COMMON = ("--kv-transfer", "push", "--lease-timeout", str(LEASE), "--heartbeat-i
           "0.2", "--block-size", "16", "--num-blocks", "128", "--max-model-len", "512")
 
 
-class DyingServer:
-    """``python -m kvpush_testing.serve --die-when TRIGGER MODEL_DIR ...`` on a free
-    port, started as ServerProcess starts ``kvpush serve`` (the test secret, fp32)."""
-
-    def __init__(self, model_dir: Path, trigger: Path, *args: str, log_dir: Path,
-                 timeout: float = 90.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"dying-{self.port}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "UCX_NET_DEVICES": "lo",
-               "NIXL_LOG_LEVEL": "WARN", "KVPUSH_KV_SECRET": TEST_KV_SECRET}
-        cmd = [sys.executable, "-m", "kvpush_testing.serve", "--die-when", str(trigger),
-               str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
-               "--threads", "1", "--log-level", "warning", "--dtype", "float32", *args]
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.proc.poll() is None, f"exited {self.proc.returncode}:\n{self.log()}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            assert time.monotonic() < deadline, f"not healthy in {timeout} s:\n{self.log()}"
-            time.sleep(0.2)
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def get(self, path: str) -> dict:
-        r = httpx.get(self.url + path, timeout=10)
-        r.raise_for_status()
-        return r.json()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
 def test_a_dead_transfer_thread_fails_its_streams_exits_and_its_peer_frees(tiny_qwen3,
                                                                          tmp_path):
     trigger = tmp_path / "die"
     with concurrent.futures.ThreadPoolExecutor(3) as pool:  # the two start together
-        dying = pool.submit(DyingServer, tiny_qwen3, trigger, "--role", "prefill", *COMMON,
-                            log_dir=tmp_path)
+        dying = pool.submit(ServerProcess, tiny_qwen3, "--role", "prefill", *COMMON,
+                            log_dir=tmp_path, name="dying",
+                            command=("-m", "kvpush_testing.serve", "--die-when", str(trigger)))
         decode = pool.submit(ServerProcess, tiny_qwen3, "--role", "decode", *COMMON,
                              log_dir=tmp_path, name="decode")
         p, d = dying.result(), decode.result()
@@ -125,7 +79,7 @@ def test_a_dead_transfer_thread_fails_its_streams_exits_and_its_peer_frees(tiny_
             assert CRASH in error["message"], error
             assert "data: [DONE]" in lines[-2:]
             assert p.proc.wait(30) == 1
-            log = p.log()
+            log = p.log_path.read_text()
             assert log.count("the KV transfer thread died (") == 1, log
             assert "kvpush serve: error: the engine core process exited with code 1" in log
             assert "step loop died" not in log

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from router_helpers import RouterThread, wait_until
+from server_helpers import closed_by_peer, raised_descriptor_limit
 from test_kv_routing import FakeInstance
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,17 +30,8 @@ BODY = json.dumps({"prompt": "hello", "max_tokens": 4}).encode()
 def enough_descriptors() -> Iterator[None]:
     """This process holds both ends of every connection (up to ~2,100 descriptors):
     raise the soft limit to what the hard limit allows for the test, and put it back."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
-    if want < 2300:
-        pytest.skip(f"the hard descriptor limit ({hard}) is below the 2,300 this test needs")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
-    try:
+    with raised_descriptor_limit(2300):
         yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def _open_fds() -> int:
@@ -50,23 +42,6 @@ def _connect(url: str) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     s = socket.create_connection((host, int(port)), timeout=10)
     return s
-
-
-def _closed_by_peer(s: socket.socket, timeout: float) -> bytes | None:
-    """What the peer sent before closing, or None when it is still open after
-    ``timeout``."""
-    s.settimeout(timeout)
-    got = b""
-    try:
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                return got
-            got += chunk
-    except (ConnectionResetError, BrokenPipeError):
-        return got
-    except TimeoutError:
-        return None
 
 
 @pytest.fixture
@@ -109,7 +84,7 @@ def test_slow_bodies_hold_no_place_and_end_at_the_body_deadline(both):
         assert all(code == 200 for code, _ in during), during
         assert max(t for _, t in during) < max(1.0, 20 * usual)
         # the slow bodies end at their deadline with a 408 in OpenAI's shape
-        answers = [_closed_by_peer(s, 15) for s in slow[:8]]
+        answers = [closed_by_peer(s, 15) for s in slow[:8]]
         for a in answers:
             assert a is not None and a.startswith(b"HTTP/1.1 408"), a
             assert b'"code":"request_timeout"' in a
@@ -134,7 +109,7 @@ def test_half_sent_headers_are_closed_at_the_header_deadline(both):
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Ty")
             conns.append(s)
         t0 = time.monotonic()
-        closed = [_closed_by_peer(s, 20) for s in conns]
+        closed = [closed_by_peer(s, 20) for s in conns]
         elapsed = time.monotonic() - t0
         print(f"1000 half-sent headers closed {elapsed:.2f} s after the last was sent")
         assert all(c is not None for c in closed), sum(c is None for c in closed)
@@ -162,7 +137,7 @@ def test_connections_beyond_the_bound_are_refused_at_once(both):
         time.sleep(0.3)
         extra = _connect(router.url)
         conns.append(extra)
-        answer = _closed_by_peer(extra, 5)
+        answer = closed_by_peer(extra, 5)
         assert answer is not None and answer.startswith(b"HTTP/1.1 503"), answer
         assert b"too_many_connections" in answer
         for s in conns:

@@ -21,6 +21,7 @@ from fake_engine import FakeEngine, make_test_model
 from kvpush.server.app import build_app
 from kvpush.server.cli import add_serve_parser
 from kvpush.server.door import default_max_connections, uvicorn_options
+from server_helpers import closed_by_peer, raised_descriptor_limit
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,17 +31,8 @@ BODY = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
 @pytest.fixture(autouse=True)
 def enough_descriptors() -> Iterator[None]:
     """This process holds both ends of every connection (up to ~2,300 descriptors)."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
-    if want < 2400:
-        pytest.skip(f"the hard descriptor limit ({hard}) is below the 2,400 this test needs")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
-    try:
+    with raised_descriptor_limit(2400):
         yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 class Instance:
@@ -81,23 +73,6 @@ class Instance:
         assert not self.thread.is_alive()
 
 
-def _closed_by_peer(s: socket.socket, timeout: float) -> bytes | None:
-    """What the peer sent before closing, or None when it is still open after
-    ``timeout``."""
-    s.settimeout(timeout)
-    got = b""
-    try:
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                return got
-            got += chunk
-    except (ConnectionResetError, BrokenPipeError):
-        return got
-    except TimeoutError:
-        return None
-
-
 def test_half_sent_requests_do_not_keep_a_normal_client_out(tmp_path):
     inst = Instance(tmp_path, header_timeout_s=1.0, max_connections=1000)
     conns: list[socket.socket] = []
@@ -108,7 +83,7 @@ def test_half_sent_requests_do_not_keep_a_normal_client_out(tmp_path):
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: i\r\nContent-Ty")
             conns.append(s)
         t0 = time.monotonic()
-        answers = [_closed_by_peer(s, 20) for s in conns]
+        answers = [closed_by_peer(s, 20) for s in conns]
         elapsed = time.monotonic() - t0
         assert all(a is not None for a in answers), sum(a is None for a in answers)
         refused = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
@@ -135,7 +110,7 @@ def test_a_body_sent_too_slowly_is_a_408_and_the_instance_keeps_serving(tmp_path
     try:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: i\r\nContent-Type: "
                   b"application/json\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY[:5])
-        answer = _closed_by_peer(s, 10) or b""
+        answer = closed_by_peer(s, 10) or b""
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
         assert b"request_timeout" in answer
         assert inst.post().status_code == 200
