@@ -7,6 +7,8 @@ worker's private parts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvpush.kv_cache.kv_region import KVLayout
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer.record import TransferCounters
@@ -33,14 +35,18 @@ class Clock:
     def __call__(self) -> float:
         return self.now
 
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
 
 class FakeChannel:
     """Records each frame sent (decoded), hands ``inbox`` to ``recv`` (recording how
     long the worker would have waited), ``dropped`` to ``take_dropped``; ``gone``:
     peers whose connection is down."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str = "") -> None:
         self.address = address
+        self.log: list[str] = []  # "channel closed" (a test may share it with the transport)
         self.sent: list[tuple[str, m.Message]] = []
         self.inbox: list[tuple[str, bytes]] = []
         self.waits_ms: list[int] = []
@@ -53,6 +59,10 @@ class FakeChannel:
     def send(self, address: str, payload: bytes) -> bool:
         self.sent.append((address, m.decode(payload)))
         return True
+
+    def of(self, kind: type) -> list:
+        """The messages of ``kind`` sent, in order."""
+        return [msg for _, msg in self.sent if isinstance(msg, kind)]
 
     def recv(self, timeout_ms: int) -> list[tuple[str, bytes]]:
         self.waits_ms.append(timeout_ms)
@@ -77,6 +87,7 @@ class FakeChannel:
 
     def close(self) -> None:
         self.closed = True
+        self.log.append("channel closed")
 
 
 class FakeTransport:
@@ -88,6 +99,12 @@ class FakeTransport:
     def __init__(self) -> None:
         self.states: dict[int, XferState] = {}
         self.posted: list[tuple] = []  # (op, agent, local descriptors, remote ones)
+        self.removed: list[str] = []
+        self.log: list[str] = []  # "transport closed"
+
+    @property
+    def posts(self) -> int:
+        return len(self.posted)
 
     def post(self, op, peer, local, remote) -> int:
         self.posted.append((op, peer, list(local), list(remote)))
@@ -108,19 +125,20 @@ class FakeTransport:
         return metadata.decode() or "agent"
 
     def remove_peer(self, agent: str) -> None:
-        pass
+        self.removed.append(agent)
 
     def close(self) -> None:
-        pass
+        self.log.append("transport closed")
 
 
 def hello(role: str, address: str, mode: str = "push", *, reply: bool = False,
-          engine_id: str | None = None) -> m.Hello:
-    """An instance's Hello (its engine id is its role unless given)."""
+          engine_id: str | None = None, **layout) -> m.Hello:
+    """An instance's Hello (its engine id is its role unless given; ``layout``: fields
+    of LAYOUT to change)."""
     return m.Hello(version=m.PROTOCOL_VERSION, engine_id=engine_id or role, role=role,
                    address=address, transport="inproc", agent_metadata=role.encode(),
                    model="x", kv_transfer=mode, base_address=BASE,
-                   layout=LAYOUT, reply=reply)
+                   layout=dataclasses.replace(LAYOUT, **layout), reply=reply)
 
 
 class Harness:
