@@ -27,6 +27,9 @@ PATH = re.compile(rf"(?<![\w./:-])((?:\.\./)+[\w./-]+|(?:{TOP})/[\w./*-]*)")
 #: a backticked file name such as `RESULTS.md`, `Makefile`, `requirements.txt`: it must
 #: be at the root or beside the document
 TOP_FILE = re.compile(r"`([A-Z][\w.-]*\.md|requirements[\w-]*\.txt|pyproject\.toml|Makefile)`")
+#: a backticked module path inside the package (`router/decide.py`)
+MODULE = re.compile(r"`([a-z_]+/[\w/]*\.py)")
+PACKAGE = ROOT / "src" / "kvpush"
 
 
 def rel(p: Path) -> str:
@@ -37,7 +40,8 @@ def named_paths(doc: Path) -> set[str]:
     """Repository paths a document names, as written (a trailing `:NAME` dropped)."""
     text = doc.read_text()
     found = {m.group(1) for m in PATH.finditer(text)}
-    found |= {m.group(1) for m in TOP_FILE.finditer(text) if "/" not in m.group(1)}
+    found |= {m.group(1) for m in TOP_FILE.finditer(text)}
+    found |= {m.group(1) for m in MODULE.finditer(text)}
     out = set()
     for p in found:
         p = p.rstrip(".,;:").split(":")[0]
@@ -47,13 +51,14 @@ def named_paths(doc: Path) -> set[str]:
 
 
 def resolves(doc: Path, target: str) -> bool:
-    """A path resolves from the repository root or from the document's folder, and
-    stays inside the repository."""
+    """A path resolves from the repository root or the document's folder and stays
+    inside the repository; a module path may also be the tail of one in the package
+    (`transports/transport.py` in a section on kv_transfer)."""
     for base in (ROOT, doc.parent):
         p = (base / target).resolve()
         if p.is_relative_to(ROOT) and p.exists():
             return True
-    return False
+    return target.endswith(".py") and next(PACKAGE.glob(f"**/{target}"), None) is not None
 
 
 @pytest.mark.parametrize("doc", CHECKED, ids=rel)
