@@ -22,6 +22,7 @@ from kvpush.aio import within
 from kvpush.config import EngineConfig
 from kvpush.engine.checks import RequestChecker
 from kvpush.engine.inputs import (
+    REMOTE_MARK,
     AbortRequests,
     AbortTransfer,
     AddRequest,
@@ -50,10 +51,13 @@ UTILITY_TIMEOUT_S = 30.0
 
 
 class FrontEnd:
-    def __init__(self, config: EngineConfig, tokenizer: Any, snapshot: EngineSnapshot):
+    def __init__(self, config: EngineConfig | None, tokenizer: Any,
+                 snapshot: EngineSnapshot):
+        """``config``: the instance's (None: a front that does not check requests
+        itself, the core does: RemoteCore)."""
         self.config = config
         self.tokenizer = tokenizer
-        self.checker = RequestChecker(config)
+        self.checker = RequestChecker(config) if config is not None else None
         # internal engine id -> the request's stream of core outputs
         self._streams: dict[str, asyncio.Queue[EngineOutput]] = {}
         self._internal: dict[str, str] = {}  # caller's id -> internal id
@@ -72,6 +76,15 @@ class FrontEnd:
     def _core_problem(self) -> str | None:
         """Why the core is not running (its thread or process ended), or None."""
         raise NotImplementedError
+
+    def _add(self, internal: str, prompt_token_ids: list[int], params: SamplingParams,
+             kv_transfer_params: object) -> tuple[EngineCommand, SamplingParams]:
+        """The command that adds a request under ``internal`` and the sampling
+        parameters its stream runs with; RequestError if it is refused here. Here:
+        checked and typed once, before anything is queued."""
+        assert self.checker is not None
+        kv, params = self.checker.check(prompt_token_ids, params, kv_transfer_params)
+        return AddRequest(internal, list(prompt_token_ids), params, kv), params
 
     # ---- EngineClient ------------------------------------------------------------------
     def health_problem(self) -> str | None:
@@ -92,6 +105,7 @@ class FrontEnd:
         return self._snapshot.kv_stats
 
     def kv_params(self, raw: object) -> KVTransferParams | None:
+        assert self.checker is not None
         return self.checker.kv_params(raw)
 
     def set_transfer_sink(self, sink: Callable[[TransferRecord], None]) -> None:
@@ -104,7 +118,7 @@ class FrontEnd:
         return await self._utility(Utility.KV_INFO)
 
     async def kv_cache_blocks(self) -> dict[str, Any] | None:
-        if not self.config.cache.enable_prefix_caching:
+        if self.config is not None and not self.config.cache.enable_prefix_caching:
             return None
         return await self._utility(Utility.KV_CACHE_BLOCKS)
 
@@ -126,7 +140,7 @@ class FrontEnd:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: KVTransferParams | None = None,
+        kv_transfer_params: KVTransferParams | dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. ``request_id`` is the caller's (X-Request-Id); the
         core runs it under a unique internal id, so an id reused right after an abort
@@ -135,11 +149,12 @@ class FrontEnd:
         if problem is not None:
             raise RequestError(f"this instance cannot serve requests: {problem}",
                                code="unavailable", status_code=503)
-        # checked and typed here, once, before anything is queued (a 400 if malformed)
-        kv, params = self.checker.check(prompt_token_ids, params, kv_transfer_params)
+        internal = f"{request_id}#{next(self._seq)}"
+        if internal.startswith(REMOTE_MARK):  # the request plane's ids start with it
+            internal = "_" + internal
+        add, params = self._add(internal, prompt_token_ids, params, kv_transfer_params)
         if request_id in self._internal:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
-        internal = f"{request_id}#{next(self._seq)}"
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._streams[internal] = queue
         self._internal[request_id] = internal
@@ -147,7 +162,7 @@ class FrontEnd:
         finished = False
         try:
             try:
-                self._send(AddRequest(internal, list(prompt_token_ids), params, kv))
+                self._send(add)
             except (OverflowError, msgspec.EncodeError) as e:  # e.g. an int over 64 bits
                 finished = True  # nothing reached the core
                 raise RequestError(f"a request parameter is out of range: {e}") from e

@@ -9,6 +9,12 @@ tells them apart), applied by ``LLMEngine.process_inbox`` between two steps.
   ``/kv/cache_blocks``), answered in the batch of the turn that ran it;
 * :class:`Shutdown`: stop the loop.
 
+Other fronts (routers) reach the core over its request plane (``engine/request_plane.py``)
+with :data:`PlaneCommand`: :class:`SubmitRequest` (not yet checked: its
+``kv_transfer_params`` are the raw, router-signed wire dict), :class:`AbortRemote`,
+:class:`AbortTransfer` and :class:`UtilityCall`. The plane checks them and puts the
+commands above in the inbox, under ids that start with :data:`REMOTE_MARK`.
+
 The transfer thread's updates (``kv_transfer.commands.TransferUpdate``) reach the same
 inbox as they are, and so does :class:`TransferThreadDied`, which ends the step loop
 (and with it the engine core process): local objects, never sent to another process.
@@ -16,6 +22,7 @@ inbox as they are, and so does :class:`TransferThreadDied`, which ends the step 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 
 import msgspec
@@ -57,6 +64,41 @@ class Shutdown(msgspec.Struct, tag=True, frozen=True):
 
 
 EngineCommand = AddRequest | AbortRequests | AbortTransfer | UtilityCall | Shutdown
+
+#: the first character of the core's id of a request that came over the request plane
+#: (``~<front>/<its id>``); no other front's ids start with it (FrontEnd makes sure)
+REMOTE_MARK = "~"
+
+
+class SubmitRequest(msgspec.Struct, tag=True, frozen=True):
+    """A remote front's request: checked by the core's request plane (RequestChecker),
+    ``kv_transfer_params`` as the router signed them (the wire dict)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_transfer_params: dict | None = None
+
+
+class AbortRemote(msgspec.Struct, tag=True, frozen=True):
+    """End these requests of the front that sends it (its own ids)."""
+
+    request_ids: list[str]
+
+
+#: what a remote front sends the core's request plane
+PlaneCommand = SubmitRequest | AbortRemote | AbortTransfer | UtilityCall
+
+
+def submitted_id(payload: bytes) -> str | None:
+    """The request id of a SubmitRequest that does not decode (bad parameters, another
+    version's fields), if it has one: its front gets a refusal, not silence."""
+    with contextlib.suppress(msgspec.DecodeError):
+        raw = msgspec.msgpack.decode(payload)
+        if isinstance(raw, dict) and raw.get("type") == "SubmitRequest":
+            rid = raw.get("request_id")
+            return rid if isinstance(rid, str) else None
+    return None
 
 
 class TransferThreadDied(Exception):

@@ -41,6 +41,7 @@ from kvpush.engine.outputs import (
     RequestError,
     RequestFailure,
     UtilityReply,
+    rejected,
 )
 from kvpush.kv_transfer.actions import AbortRequest, EmitFirstToken, FailRequest, RejectRequest
 from kvpush.kv_transfer.commands import TransferUpdate
@@ -140,7 +141,7 @@ class LLMEngine:
                     try:
                         self._admit(cmd)
                     except RequestError as e:
-                        outputs.append(_rejected(cmd.request_id, e))
+                        outputs.append(rejected(cmd.request_id, e))
                 case AbortRequests(request_ids=ids):
                     for rid in ids:
                         out = self.abort_request(rid)
@@ -380,8 +381,3 @@ class LLMEngine:
             prefix_cache_query_tokens=s.prefix_query_tokens,
         )
 
-
-def _rejected(request_id: str, e: RequestError) -> EngineOutput:
-    """A request refused when the core tried to add it (its client gets an HTTP error)."""
-    return EngineOutput(request_id, [], finish_reason=FinishReason.ERROR,
-                        failure=RequestFailure(str(e), True, e.param, e.code, e.status_code))

@@ -74,6 +74,12 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
         return self.finish_reason is not None
 
 
+def rejected(request_id: str, e: RequestError) -> EngineOutput:
+    """A request refused before it ran (its front raises ``e`` again: an HTTP error)."""
+    return EngineOutput(request_id, [], finish_reason=FinishReason.ERROR,
+                        failure=RequestFailure(str(e), True, e.param, e.code, e.status_code))
+
+
 class EngineStats(msgspec.Struct, frozen=True):
     num_running: int
     num_waiting: int
