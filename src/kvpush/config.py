@@ -209,6 +209,9 @@ class KVTransferConfig:
     engine_id: str = ""
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0  # 0: pick a free port at start-up
+    #: the engine core's request plane (other fronts' requests, CURVE with the cluster
+    #: secret), bound on side_channel_host; 0: a free port at start-up
+    request_plane_port: int = 0
     lease_timeout_s: float = 15.0
     heartbeat_interval_s: float = 1.0
     load_failure_policy: Literal["fail", "recompute"] = "fail"
@@ -270,6 +273,8 @@ class KVTransferConfig:
                               "(--kv-secret-file / KVPUSH_KV_SECRET)")
         if not 0 <= self.side_channel_port < 65536:
             raise ConfigError(f"--side-channel-port out of range: {self.side_channel_port}")
+        if not 0 <= self.request_plane_port < 65536:
+            raise ConfigError(f"--request-plane-port out of range: {self.request_plane_port}")
         if not self.fence_timeout_s > 0:
             raise ConfigError(f"--fence-timeout must be positive, got {self.fence_timeout_s}")
         if self.heartbeat_interval_s <= 0 or self.lease_timeout_s <= self.heartbeat_interval_s:

@@ -1,8 +1,8 @@
 """An instance's card: what it writes in etcd so that routers find it.
 
-Built from its own ``/kv/info`` (role, engine id, side channel, transfer mode, model, KV
-layout, whether it acts only on signed kv_transfer_params) plus the HTTP URL routers
-reach it at. A router takes an instance into rotation only when the instance's
+Built from its own ``/kv/info`` (role, engine id, side channel, request plane, transfer
+mode, model, KV layout, whether it acts only on signed kv_transfer_params) plus the HTTP
+URL routers reach it at. A router takes an instance into rotation only when the instance's
 ``/kv/info`` answers the same identity (:func:`mismatch`): a card is a claim, the
 instance's own answer is the evidence, and a stale or forged card cannot steer traffic
 to an instance that is not what it says.
@@ -18,8 +18,8 @@ import msgspec
 CARD_VERSION = 1
 
 #: the /kv/info fields a card copies, and that must still agree when a router checks
-CHECKED_FIELDS = ("role", "engine_id", "side_channel", "kv_transfer", "model",
-                  "block_size", "layout", "kv_params_signed")
+CHECKED_FIELDS = ("role", "engine_id", "side_channel", "request_plane", "kv_transfer",
+                  "model", "block_size", "layout", "kv_params_signed")
 
 
 class Card(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -30,6 +30,8 @@ class Card(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     model: str
     kv_transfer: str | None = None
     side_channel: str | None = None
+    #: the engine core's request plane, "host:port" (engine/request_plane.py)
+    request_plane: str | None = None
     block_size: int | None = None
     layout: dict[str, Any] | None = None
     kv_params_signed: bool = False
@@ -43,6 +45,7 @@ def card_from_info(url: str, info: dict[str, Any]) -> Card:
     return Card(version=CARD_VERSION, url=url.rstrip("/"), role=str(info.get("role")),
                 engine_id=str(info.get("engine_id") or ""), model=str(info.get("model")),
                 kv_transfer=info.get("kv_transfer"), side_channel=info.get("side_channel"),
+                request_plane=info.get("request_plane"),
                 block_size=info.get("block_size"), layout=info.get("layout"),
                 kv_params_signed=bool(info.get("kv_params_signed")))
 

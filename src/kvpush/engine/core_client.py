@@ -111,6 +111,8 @@ class CoreClient(FrontEnd):
         super().__init__(config, tokenizer, hello.snapshot)
         self.engine_id = hello.engine_id
         self.side_channel = hello.side_channel
+        #: the core's request plane ("host:port"; None: role both, or no secret)
+        self.request_plane = hello.request_plane
         self.proc = proc
         self._pidfd = pidfd
         self._ctx = ctx

@@ -65,6 +65,8 @@ class CoreLoop:
                           else f"both-{uuid.uuid4().hex[:8]}")
         #: the transfer thread's address (P/D roles), for the start-up log
         self.side_channel = connector.address if connector is not None else None
+        #: the request plane's address (core_proc sets it; None: role both, no secret)
+        self.request_plane: str | None = None
         self.kv_events = self._make_publisher(config)
         self._records: list[TransferRecord] = []
         if connector is not None:
@@ -97,11 +99,13 @@ class CoreLoop:
         return publisher
 
     def kv_info(self) -> dict:
-        """What /kv/info shows: identity, role, transfer mode, layout, blocks, and where
-        the KV cache events are published (``kv_events``; null without prefix caching)."""
+        """What /kv/info shows: identity, role, transfer mode, layout, blocks, where the
+        KV cache events are published (``kv_events``; null without prefix caching) and
+        the request plane's "host:port" (``request_plane``; null for role both)."""
         info = self.engine.kv_info()
         info["engine_id"] = info.get("engine_id") or self.engine_id
         info["kv_events"] = self.kv_events.info() if self.kv_events is not None else None
+        info["request_plane"] = self.request_plane
         return info
 
     # ---- the loop (its own thread) ---------------------------------------------------

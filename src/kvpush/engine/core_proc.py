@@ -5,6 +5,8 @@
                                                      └─ LLMEngine.inbox
     dispatch ◀── EngineOutputs: PULL ipc:// ──── PUSH, posted by ``kvpush-step-loop``
     (the event loop watches the PULL socket's FD)
+    other fronts ◀── CURVE over TCP ──▶ ROUTER, ``kvpush-request-plane`` thread (P/D
+                                        roles with a secret: engine/request_plane.py)
 
 Messages are msgspec msgpack: kvpush.engine.inputs one way, kvpush.engine.outputs the
 other; the first message out is :class:`CoreReady` (or :class:`CoreFailed`: the
@@ -29,6 +31,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -37,6 +40,9 @@ from kvpush.config import EngineConfig
 from kvpush.engine.inputs import EngineCommand, Shutdown
 from kvpush.engine.outputs import EngineOutputs, EngineSnapshot
 from kvpush.kv_transfer.links import TransferLinks
+
+if TYPE_CHECKING:
+    from kvpush.engine.request_plane import RequestPlane
 
 log = logging.getLogger("kvpush.engine.core")
 
@@ -56,6 +62,8 @@ class CoreReady(msgspec.Struct, tag=True, frozen=True):
     side_channel: str | None
     snapshot: EngineSnapshot
     pid: int
+    #: the request plane's "host:port" (None: role both, or no cluster secret)
+    request_plane: str | None = None
 
 
 class CoreFailed(msgspec.Struct, tag=True, frozen=True):
@@ -84,21 +92,36 @@ def main() -> int:
 
     from kvpush.engine.core_loop import CoreLoop
 
-    try:
-        core = CoreLoop(setup.config, links=setup.links)
-    except Exception as e:  # noqa: BLE001 - the parent reports it and exits non-zero
-        log.debug("engine core failed to start", exc_info=True)
-        out.send(enc.encode(CoreFailed(str(e) or type(e).__name__)))
+    def failed(message: str) -> int:
+        out.send(enc.encode(CoreFailed(message)))
         out.close()
         inp.close()
         ctx.term()
         return 1
+
+    try:
+        core = CoreLoop(setup.config, links=setup.links)
+    except Exception as e:  # noqa: BLE001 - the parent reports it and exits non-zero
+        log.debug("engine core failed to start", exc_info=True)
+        return failed(str(e) or type(e).__name__)
     inbox = core.engine.inbox
+    try:
+        plane = _request_plane(setup.config, inbox)
+    except zmq.ZMQError as e:
+        if core.kv_events is not None:
+            core.kv_events.close()
+        core.engine.shutdown()
+        kvt = setup.config.kv_transfer
+        return failed(f"cannot bind the request plane on {kvt.side_channel_host}:"
+                      f"{kvt.request_plane_port}: {e}")
+    if plane is not None:
+        core.request_plane = plane.address
+        plane.start()
     signal.signal(signal.SIGTERM, lambda *_: inbox.put(Shutdown()))
     if core.kv_events is not None:
         core.kv_events.start()
     out.send(enc.encode(CoreReady(core.engine_id, core.side_channel,
-                                  core.engine.snapshot(), os.getpid())))
+                                  core.engine.snapshot(), os.getpid(), core.request_plane)))
 
     def read_commands() -> None:
         dec = msgspec.msgpack.Decoder(EngineCommand)
@@ -116,16 +139,35 @@ def main() -> int:
     threading.Thread(target=read_commands, name="kvpush-core-input", daemon=True).start()
 
     def post(batch: EngineOutputs) -> None:  # on the step loop
-        out.send(enc.encode(batch))  # (zero-copy costs more than it saves here)
+        local: EngineOutputs | None = batch
+        if plane is not None:  # the remote fronts' part goes to the plane's thread
+            local = plane.split(batch)
+            if local is None:
+                return
+        out.send(enc.encode(local))  # (zero-copy costs more than it saves here)
 
     step = threading.Thread(target=core.run, args=(post,), name="kvpush-step-loop")
     step.start()
     step.join()
+    if plane is not None:  # after the step loop: its last outputs go out
+        plane.close()
     if core.kv_events is not None:  # after the step loop: its last events go out
         core.kv_events.close()
     out.close()  # lingers until the last batch is sent (or 5 s)
     ctx.term()  # ends the input thread's recv, which closes its socket
     return 1 if core.fatal is not None else 0
+
+
+def _request_plane(config: EngineConfig, inbox) -> RequestPlane | None:
+    """The request plane of a P/D core with a cluster secret (not started), or None."""
+    kvt = config.kv_transfer
+    if not kvt.enabled or not kvt.side_channel_secret:
+        return None
+    from kvpush.engine.checks import RequestChecker
+    from kvpush.engine.request_plane import RequestPlane
+
+    return RequestPlane(inbox, RequestChecker(config), kvt.side_channel_host,
+                        kvt.request_plane_port, kvt.side_channel_secret)
 
 
 if __name__ == "__main__":

@@ -272,6 +272,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "already (0.0.0.0: left unset, all interfaces)")
     pd.add_argument("--side-channel-port", type=cli_types.port, default=0, metavar="PORT",
                     help="side-channel port (default: 0, a free port; /kv/info shows it)")
+    pd.add_argument("--request-plane-port", type=cli_types.port, default=0, metavar="PORT",
+                    help="port of the engine core's request plane on --side-channel-host: "
+                         "routers send requests straight to the engine core there (ZMQ, "
+                         "CURVE keys from the cluster secret; only with a secret). Default: "
+                         "0, a free port; /kv/info shows it as request_plane")
     pd.add_argument("--kv-secret-file", metavar="PATH",
                     help="file holding a secret (16+ bytes) shared by every prefill and "
                          "decode instance: each side-channel message is signed with it and "
@@ -428,6 +433,7 @@ def build_config(args: argparse.Namespace) -> Any:
         engine_id=args.engine_id or "",
         side_channel_host=args.side_channel_host,
         side_channel_port=args.side_channel_port,
+        request_plane_port=args.request_plane_port,
         lease_timeout_s=args.lease_timeout,
         heartbeat_interval_s=args.heartbeat_interval,
         fence_timeout_s=args.fence_timeout,
@@ -587,9 +593,10 @@ def _serve(args: argparse.Namespace, config, engine, listener, api_key, log,
         server = RegisteredServer(uv_config, target, make_card,
                                   ttl_s=args.register_ttl, drain_grace_s=args.drain_grace)
     if kvt.enabled:
-        log.info("role %s, %s mode, engine id %s, side channel %s (%s)", kvt.role, kvt.mode,
-                 kvt.engine_id, engine.side_channel,
-                 "messages signed" if kvt.side_channel_secret else "unsigned")
+        log.info("role %s, %s mode, engine id %s, side channel %s (%s), request plane %s",
+                 kvt.role, kvt.mode, kvt.engine_id, engine.side_channel,
+                 "messages signed" if kvt.side_channel_secret else "unsigned",
+                 getattr(engine, "request_plane", None) or "off")
         if not kvt.params_signed:
             log.warning("acting on unsigned kv_transfer_params (--insecure-kv-params or no "
                         "secret): any client that reaches this instance can name blocks "

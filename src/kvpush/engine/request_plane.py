@@ -1,0 +1,300 @@
+"""The engine core's request plane: other fronts (routers) send it the engine's typed
+requests and read its outputs, with no HTTP (P/D cores with a cluster secret).
+
+    front (RemoteCore: DEALER) ──CURVE/TCP──▶ ROUTER, ``kvpush-request-plane`` thread:
+      SubmitRequest: RequestChecker, then AddRequest("~<n>/<its id>") ─▶ engine.inbox
+    EngineOutputs, one per turn and front ◀── its queue ◀── ``split`` (on the step loop)
+
+CURVE keys come from the cluster secret (purpose ``request plane``) and ZAP admits only
+the cluster's client key: an endpoint that cannot finish the handshake reaches nothing.
+Each connection is a front numbered ``n``, whose requests run as ``~<n>/<its id>``
+(FrontEnd never starts an id with ``~``). ``split`` takes the remote outputs and utility
+replies (negative call ids, assigned here) out of each batch and hands them over through
+a queue and an eventfd; the local API process gets the rest as before. Only that queue
+and the inbox cross threads. A front that vanishes (its connection closes, or is silent
+past the ZMTP heartbeat timeout) or stops reading (``SNDHWM``) has its live requests
+aborted. (ROUTER_NOTIFY is a draft option, not in pyzmq's libzmq: the monitor's
+DISCONNECTED event, its value the fd, names the front whose first message had that
+ZMQ_SRCFD.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from kvpush.crypto.curve import ZapGuard, derive_curve_keys, make_server
+from kvpush.engine.checks import RequestChecker
+from kvpush.engine.inputs import (
+    REMOTE_MARK,
+    AbortRemote,
+    AbortRequests,
+    AbortTransfer,
+    AddRequest,
+    PlaneCommand,
+    SubmitRequest,
+    UtilityCall,
+    submitted_id,
+)
+from kvpush.engine.outputs import EngineOutputs, UtilityReply, rejected
+from kvpush.errors import RequestError
+from kvpush.kv_transfer.wire.link_watch import monitor_events
+
+log = logging.getLogger("kvpush.engine.request_plane")
+
+#: the CURVE keys' purpose (derive_curve_keys): other keys than the side channel's
+PURPOSE = b"request plane"
+#: ZMTP heartbeats (ms), both ends: a PING a second, a connection silent 3 s is closed
+HEARTBEAT = [(zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 3000),
+             (zmq.HEARTBEAT_TTL, 3000)]
+#: the largest message a front may send (a 1M-token prompt is about 5 MiB)
+MAX_MESSAGE_BYTES = 16 << 20
+#: batches queued for one front before it counts as gone (it stopped reading)
+SNDHWM = 10_000
+#: frames read per wake-up at most (the outputs' queue is served in between)
+MAX_BATCH = 1024
+#: ids of fronts seen gone, remembered so that their late frames are dropped
+MAX_GONE = 4096
+
+
+@dataclass(eq=False)
+class _Front:
+    n: int
+    ident: bytes
+    fd: int
+    live: set[str] = field(default_factory=set)  # its ids of requests in the core
+
+    @property
+    def prefix(self) -> str:  # of its requests' ids in the core
+        return f"{REMOTE_MARK}{self.n}/"
+
+
+class RequestPlane:
+    def __init__(self, inbox: queue.SimpleQueue, checker: RequestChecker, host: str,
+                 port: int, secret: bytes):
+        self._inbox = inbox
+        self._checker = checker
+        self._queue: queue.SimpleQueue[EngineOutputs | None] = queue.SimpleQueue()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._ctx = zmq.Context(io_threads=1)
+        keys = derive_curve_keys(secret, PURPOSE)
+        self._zap = ZapGuard(self._ctx, keys)
+        sock = self._sock = self._ctx.socket(zmq.ROUTER)
+        for opt, value in [(zmq.LINGER, 500), (zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES),
+                           (zmq.SNDHWM, SNDHWM), (zmq.ROUTER_MANDATORY, 1),
+                           *HEARTBEAT]:
+            sock.setsockopt(opt, value)
+        make_server(sock, keys)
+        self._mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED,
+                                            f"inproc://kvpush-request-plane-{id(self)}")
+        try:
+            sock.bind(f"tcp://{host}:{port or '*'}")
+        except zmq.ZMQError:
+            self._close_sockets()
+            os.close(self._wake)
+            raise
+        bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.address = f"{host}:{bound.rsplit(':', 1)[1]}"
+        #: set by the plane's thread before a front's first command reaches the inbox:
+        #: until then ``split`` hands every batch to the local front untouched
+        self.in_use = False
+        self._thread = threading.Thread(target=self._run, name="kvpush-request-plane",
+                                        daemon=True)
+        self._fronts: dict[bytes, _Front] = {}  # (the rest: the plane thread's own)
+        self._by_n: dict[int, _Front] = {}
+        self._by_fd: dict[int, _Front] = {}
+        self._gone: dict[bytes, None] = {}  # oldest first
+        self._calls: dict[int, tuple[int, int]] = {}  # our call id -> (front n, its id)
+        self._seq = itertools.count(1)
+        self._call_seq = itertools.count(1)
+        self._dec = msgspec.msgpack.Decoder(PlaneCommand)
+        self._enc = msgspec.msgpack.Encoder()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, stop the thread, close the socket (after the step loop)."""
+        if not self._thread.is_alive():
+            if self._thread.ident is None:  # never started
+                self._close_sockets()
+            os.close(self._wake)
+            return
+        self._queue.put(None)
+        os.eventfd_write(self._wake, 1)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            os.close(self._wake)
+
+    # ---- the step loop's side ---------------------------------------------------------
+    def split(self, batch: EngineOutputs) -> EngineOutputs | None:
+        """Hand the remote fronts' outputs and replies of ``batch`` to the plane's thread;
+        returns the rest, for the local front (None: nothing for it)."""
+        if not self.in_use:
+            return batch
+        mine = [o for o in batch.outputs if o.request_id.startswith(REMOTE_MARK)]
+        calls = [r for r in batch.replies if r.call_id < 0]
+        if not mine and not calls:
+            return batch
+        self._queue.put(EngineOutputs(mine, [], calls, batch.snapshot))
+        os.eventfd_write(self._wake, 1)
+        outputs = [o for o in batch.outputs if not o.request_id.startswith(REMOTE_MARK)]
+        replies = [r for r in batch.replies if r.call_id >= 0]
+        if not (outputs or replies or batch.transfers or batch.snapshot is not None):
+            return None
+        return EngineOutputs(outputs, batch.transfers, replies, batch.snapshot)
+
+    # ---- the plane's thread -----------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for s in (self._mon, self._sock, self._wake):
+            poller.register(s, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if self._mon in ready:
+                    self._events()
+                if self._sock in ready:
+                    self._read()
+                if self._wake in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(self._wake)
+                    if not self._deliver():
+                        return
+        except Exception:
+            log.exception("the request plane's thread died; remote fronts are cut off")
+        finally:
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._mon.close(linger=0)
+        self._sock.close()  # lingers (500 ms) for the last outputs
+        self._zap.stop()
+        self._ctx.term()
+
+    def _events(self) -> None:
+        for event, fd in monitor_events(self._mon):
+            front = self._by_fd.get(fd) if event == zmq.EVENT_DISCONNECTED else None
+            if front is not None:
+                self._drop(front, "its connection closed")
+
+    def _read(self) -> None:
+        for _ in range(MAX_BATCH):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) != 2:  # (not from a RemoteCore)
+                continue
+            ident = frames[0].bytes
+            front = self._fronts.get(ident)
+            if front is None and ident not in self._gone:  # a new connection
+                self._events()  # first the closes of older ones: their fd may be its
+                fd = frames[1].get(zmq.SRCFD)
+                if fd in self._by_fd:  # (a close missed: its fd is another's now)
+                    self._drop(self._by_fd[fd], "its connection closed")
+                front = _Front(next(self._seq), ident, fd)
+                self._fronts[ident] = self._by_n[front.n] = self._by_fd[fd] = front
+                log.info("request plane %s: front ~%d connected", self.address, front.n)
+            if front is not None:
+                self._handle(front, frames[1].bytes)
+
+    def _drop(self, front: _Front, why: str) -> None:
+        self._fronts.pop(front.ident, None)
+        self._by_n.pop(front.n, None)
+        if self._by_fd.get(front.fd) is front:
+            del self._by_fd[front.fd]
+        self._gone[front.ident] = None
+        if len(self._gone) > MAX_GONE:
+            del self._gone[next(iter(self._gone))]
+        if front.live:
+            self._inbox.put(AbortRequests([front.prefix + rid for rid in front.live]))
+        log.info("request plane %s: front ~%d gone (%s); %d of its requests aborted",
+                 self.address, front.n, why, len(front.live))
+        front.live.clear()
+
+    def _handle(self, front: _Front, payload: bytes) -> None:
+        try:
+            cmd = self._dec.decode(payload)
+        except msgspec.DecodeError as e:  # ValidationError too: e.g. bad sampling params
+            rid = submitted_id(payload)
+            if rid is not None:  # its front waits for an answer
+                self._send(front, EngineOutputs([rejected(rid, RequestError(str(e)))]))
+            log.warning("request plane: front ~%d sent what it cannot decode: %s", front.n, e)
+            return
+        match cmd:
+            case SubmitRequest():
+                self._submit(front, cmd)
+            case AbortRemote(request_ids=ids):
+                ids = [front.prefix + rid for rid in ids if rid in front.live]
+                if ids:
+                    self._inbox.put(AbortRequests(ids))
+            case AbortTransfer():
+                self._inbox.put(cmd)
+            case UtilityCall(call_id=call_id, method=method):
+                ours = -next(self._call_seq)
+                self._calls[ours] = (front.n, call_id)
+                self.in_use = True
+                self._inbox.put(UtilityCall(ours, method))
+
+    def _submit(self, front: _Front, cmd: SubmitRequest) -> None:
+        rid = cmd.request_id
+        try:
+            if rid in front.live:
+                raise RequestError(f"request id {rid!r} is already in use", "request_id")
+            kv, params = self._checker.check(cmd.prompt_token_ids, cmd.params,
+                                             cmd.kv_transfer_params)
+        except Exception as e:  # noqa: BLE001 - a malformed request is the front's 400
+            err = e if isinstance(e, RequestError) else RequestError(str(e))
+            self._send(front, EngineOutputs([rejected(rid, err)]))
+            return
+        front.live.add(rid)
+        self.in_use = True
+        self._inbox.put(AddRequest(front.prefix + rid, cmd.prompt_token_ids, params, kv))
+
+    def _deliver(self) -> bool:
+        """Send each front its part of the batches queued; False once told to stop."""
+        while True:
+            try:
+                batch = self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            if batch is None:
+                return False
+            per: dict[int, EngineOutputs] = {}
+            for out in batch.outputs:
+                n, _, rid = out.request_id[1:].partition("/")
+                front = self._by_n.get(int(n))
+                if front is not None:  # (else gone: its requests were aborted)
+                    if out.finished:
+                        front.live.discard(rid)
+                    part = per.get(front.n) or per.setdefault(
+                        front.n, EngineOutputs([], [], [], batch.snapshot))
+                    part.outputs.append(msgspec.structs.replace(out, request_id=rid))
+            for reply in batch.replies:
+                n, call_id = self._calls.pop(reply.call_id, (0, 0))
+                if n in self._by_n:
+                    part = per.get(n) or per.setdefault(
+                        n, EngineOutputs([], [], [], batch.snapshot))
+                    part.replies.append(UtilityReply(call_id, reply.result, reply.error))
+            for n, part in per.items():
+                self._send(self._by_n[n], part)
+
+    def _send(self, front: _Front, batch: EngineOutputs) -> None:
+        try:
+            self._sock.send_multipart([front.ident, self._enc.encode(batch)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("request plane %s: front ~%d stopped reading (%d batches queued)",
+                        self.address, front.n, SNDHWM)
+            self._drop(front, "it stopped reading")
+        except zmq.ZMQError as e:  # EHOSTUNREACH: gone before its DISCONNECTED arrived
+            self._drop(front, str(e))
+
