@@ -33,9 +33,9 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def launch(model_dir) -> CoreClient:
+def launch(model_dir, port: int = 0) -> CoreClient:
     kvt = KVTransferConfig(role="decode", engine_id=f"decode-{uuid.uuid4().hex[:6]}",
-                           side_channel_secret=SECRET)
+                           side_channel_secret=SECRET, request_plane_port=port)
     config = EngineConfig.build(model_dir, max_model_len=MAX_LEN, num_blocks=160,
                                 block_size=16, max_num_batched_tokens=256, kv_transfer=kvt)
     return CoreClient.launch(config, log_level="WARNING", links=InProcLinks())
@@ -291,9 +291,12 @@ def test_a_refusal_is_the_request_error_the_instance_would_raise(core):
 
 
 def test_the_core_killed_mid_stream_ends_the_stream_with_an_error(tiny_llama):
+    """The core killed: the open stream ends with an error within a second, requests
+    are refused (503) while no core answers, and once a core is back at the address
+    the front reconnects by itself and serves again."""
     victim = launch(tiny_llama)
-    deaths: list[str] = []
-    victim.on_death = deaths.append
+    port = int(victim.request_plane.rpartition(":")[2])
+    victim.on_death = lambda why: None
 
     async def main() -> None:
         link = await remote(victim)
@@ -310,6 +313,16 @@ def test_the_core_killed_mid_stream_ends_the_stream_with_an_error(tiny_llama):
             assert last.finish_reason == FinishReason.ERROR
             assert "engine core connection was lost" in last.error
             assert not link.connected and link.health_problem()
+            with pytest.raises(RequestError) as e:
+                await tokens(link, "k2", PROMPT, greedy(3))
+            assert e.value.status_code == 503
+            loop = asyncio.get_running_loop()
+            again = await loop.run_in_executor(None, launch, tiny_llama, port)
+            try:
+                assert await link.wait_connected(WAIT_S)
+                assert len((await tokens(link, "k3", PROMPT, greedy(3)))[0]) == 3
+            finally:
+                again.close()
         finally:
             link.close()
 
