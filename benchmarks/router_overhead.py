@@ -1,9 +1,11 @@
 """What the router adds to a request: direct vs through `kvpush router --mode colocated`.
 
-Starts one `kvpush serve` instance (role both, one torch thread) and a router in front
-of it (both as child processes on 127.0.0.1, free ports), sends the same greedy
-completion alternately to each, and prints the median / p90 of both and the difference,
-the router's overhead:
+Starts one `kvpush serve` instance (role both, one torch thread) and routers in front
+of it (child processes on 127.0.0.1, free ports, one cluster secret): ``router`` serves
+over the instance's engine core (its request plane, issue 51), ``http-legs`` the same
+router kept on the instance's HTTP API (``KVPUSH_ROUTER_PATH=http``). It sends the same
+greedy completion to each path in rotating order, and prints the median / p90 of each
+and its difference from direct, the router's overhead:
 
 * ``whole_answer``: a non-streaming answer of --max-tokens tokens;
 * ``first_chunk_P``: time to the first streamed chunk, prompt of P token ids (--prompts,
@@ -163,17 +165,21 @@ def main() -> int:
         sp = free_port()
         serve = [*kvpush, "serve", model, "--port", str(sp), "--threads", "1",
                  "--log-level", "warning"]
+        os.environ.setdefault("KVPUSH_KV_SECRET", os.urandom(16).hex())  # every child's
         with contextlib.ExitStack() as stack:
             paths = {"direct": stack.enter_context(
                 child(serve, tmpdir / "serve.log", f"http://127.0.0.1:{sp}"))}
             ports = {}
-            for name, env in [("router", {}), *args.variant]:
+            routers = [("router", {}), ("http-legs", {"KVPUSH_ROUTER_PATH": "http"}),
+                       *args.variant]
+            for name, env in routers:
                 ports[name] = rp = free_port()
                 router = [*kvpush, "router", "--mode", "colocated", "--decode",
                           f"http://127.0.0.1:{sp}", "--port", str(rp), "--log-level",
                           "warning"]
                 paths[name] = stack.enter_context(
                     child(router, tmpdir / f"{name}.log", f"http://127.0.0.1:{rp}", env=env))
+            wait_for_cores(paths["router"])
             stack.enter_context(profiled(args.profile, ports["router"]))
             c = stack.enter_context(httpx.Client(timeout=120, trust_env=False))
             base = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
@@ -202,6 +208,15 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
+
+
+def wait_for_cores(url: str, timeout: float = 30.0) -> None:
+    """Until the router serves over the engine core (its /health says so)."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(url + "/health", timeout=5).json().get("legs") != "engine cores":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} does not serve over the engine core")
+        time.sleep(0.2)
 
 
 def variant(text: str) -> tuple[str, dict[str, str]]:

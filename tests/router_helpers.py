@@ -239,3 +239,33 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
         if line.startswith(name) and (line[len(name)] in " {") and labels in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+# ---- one workload for the router tests: prompts, chats, their greedy references
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog " * 3, "a b c d e f g",
+           "hello world " * 20]
+CHATS = [[{"role": "user", "content": "hi there"}],
+         [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b c"}]]
+MAX_TOKENS = 10
+
+
+def body(prompt: str, **kw: Any) -> dict:
+    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+
+
+def chat_body(messages: list[dict], **kw: Any) -> dict:
+    return {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+
+
+def reference_answers(url: str) -> dict:
+    """Greedy answers of one instance: [("completion"|"chat", i)] -> text."""
+    out = {}
+    with httpx.Client(timeout=60) as c:
+        for i, prompt in enumerate(PROMPTS):
+            r = c.post(url + "/v1/completions", json=body(prompt))
+            out[("completion", i)] = answer_text(r.json())
+        for i, msgs in enumerate(CHATS):
+            r = c.post(url + "/v1/chat/completions", json=chat_body(msgs))
+            out[("chat", i)] = answer_text(r.json(), chat=True)
+    return out

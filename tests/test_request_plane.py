@@ -17,7 +17,7 @@ import pytest
 
 from kvpush.config import EngineConfig, KVTransferConfig
 from kvpush.engine.core_client import CoreClient
-from kvpush.engine.core_link import RemoteCore
+from kvpush.engine.core_link import RemoteCore, plane_keys
 from kvpush.engine.outputs import FinishReason, RequestError
 from kvpush.sampling_params import SamplingParams
 from kvpush_testing.links import InProcLinks
@@ -75,7 +75,7 @@ async def tokens(front, rid: str, prompt: list[int], params: SamplingParams,
 
 
 async def remote(core: CoreClient, secret: bytes = SECRET) -> RemoteCore:
-    link = RemoteCore(core.request_plane, secret, core.tokenizer)
+    link = RemoteCore(core.request_plane, plane_keys(secret), core.tokenizer)
     if secret == SECRET:
         assert await link.wait_connected(WAIT_S), link.health_problem()
         assert link.proven
@@ -175,12 +175,12 @@ def test_a_wrong_secret_never_proves_and_gets_nothing(core):
 
 FRONT = """
 import asyncio, sys
-from kvpush.engine.core_link import RemoteCore
+from kvpush.engine.core_link import RemoteCore, plane_keys
 from kvpush.models.tokenizer import load_tokenizer
 from kvpush.sampling_params import SamplingParams
 
 async def main():
-    link = RemoteCore(sys.argv[1], sys.argv[2].encode(), load_tokenizer(sys.argv[3]))
+    link = RemoteCore(sys.argv[1], plane_keys(sys.argv[2].encode()), load_tokenizer(sys.argv[3]))
     assert await link.wait_connected(20)
     params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
     outs = link.generate("long", [5, 6, 7, 8] * 8, params)

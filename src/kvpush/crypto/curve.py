@@ -28,6 +28,9 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils import z85
 
+#: the label the request planes' keys are derived under (the side channel's: the default)
+REQUEST_PLANE_PURPOSE = b"request plane"
+
 #: the ZAP domain of kvpush's CURVE servers
 ZAP_DOMAIN = b"kvpush"
 

@@ -27,6 +27,8 @@ import zmq
 
 from kvpush.crypto.curve import (
     HANDSHAKE_FAILED,
+    REQUEST_PLANE_PURPOSE,
+    CurveKeys,
     derive_curve_keys,
     handshake_reason,
     make_client,
@@ -48,7 +50,7 @@ from kvpush.engine.outputs import (
     RequestError,
     RequestFailure,
 )
-from kvpush.engine.request_plane import HEARTBEAT, MAX_MESSAGE_BYTES, PURPOSE
+from kvpush.engine.request_plane import HEARTBEAT, MAX_MESSAGE_BYTES
 from kvpush.kv_transfer.wire.link_watch import monitor_events
 from kvpush.sampling_params import SamplingParams
 
@@ -61,12 +63,18 @@ RECONNECT_IVL_MAX_MS = 1000
 NO_SNAPSHOT = EngineSnapshot(EngineStats(0, 0, 0, 0, 0, 0, 0))
 
 
+def plane_keys(secret: bytes) -> CurveKeys:
+    """The request planes' CURVE keys, from the cluster secret."""
+    return derive_curve_keys(secret, REQUEST_PLANE_PURPOSE)
+
+
 class RemoteCore(FrontEnd):
-    def __init__(self, address: str, secret: bytes, tokenizer: Any, *,
+    def __init__(self, address: str, keys: CurveKeys, tokenizer: Any, *,
                  ctx: zmq.Context | None = None):
         """``address``: the core's request plane, "host:port" (its /kv/info's
-        ``request_plane``); ``secret``: the cluster's; ``ctx``: a ZMQ context to share
-        (default: one of its own, terminated by ``close``)."""
+        ``request_plane``); ``keys``: the request planes' CURVE keys (``plane_keys``:
+        derived from the cluster secret); ``ctx``: a ZMQ context to share (default: one
+        of its own, terminated by ``close``)."""
         super().__init__(None, tokenizer, NO_SNAPSHOT)
         self.address = address
         #: a handshake with the core succeeded once: it holds the cluster secret
@@ -81,7 +89,7 @@ class RemoteCore(FrontEnd):
                            (zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS),
                            (zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES), *HEARTBEAT]:
             sock.setsockopt(opt, value)
-        make_client(sock, derive_curve_keys(secret, PURPOSE))
+        make_client(sock, keys)
         self._mon = sock.get_monitor_socket(_EVENTS, f"inproc://kvpush-core-link-{id(self)}")
         self._mon.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{address}")

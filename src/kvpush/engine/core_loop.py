@@ -101,7 +101,7 @@ class CoreLoop:
     def kv_info(self) -> dict:
         """What /kv/info shows: identity, role, transfer mode, layout, blocks, where the
         KV cache events are published (``kv_events``; null without prefix caching) and
-        the request plane's "host:port" (``request_plane``; null for role both)."""
+        the request plane's "host:port" (``request_plane``; null without a cluster secret)."""
         info = self.engine.kv_info()
         info["engine_id"] = info.get("engine_id") or self.engine_id
         info["kv_events"] = self.kv_events.info() if self.kv_events is not None else None

@@ -5,8 +5,8 @@
                                                      └─ LLMEngine.inbox
     dispatch ◀── EngineOutputs: PULL ipc:// ──── PUSH, posted by ``kvpush-step-loop``
     (the event loop watches the PULL socket's FD)
-    other fronts ◀── CURVE over TCP ──▶ ROUTER, ``kvpush-request-plane`` thread (P/D
-                                        roles with a secret: engine/request_plane.py)
+    other fronts ◀── CURVE over TCP ──▶ ROUTER, ``kvpush-request-plane`` thread (with a
+                                        cluster secret: engine/request_plane.py)
 
 Messages are msgspec msgpack: kvpush.engine.inputs one way, kvpush.engine.outputs the
 other; the first message out is :class:`CoreReady` (or :class:`CoreFailed`: the
@@ -159,9 +159,9 @@ def main() -> int:
 
 
 def _request_plane(config: EngineConfig, inbox) -> RequestPlane | None:
-    """The request plane of a P/D core with a cluster secret (not started), or None."""
+    """The request plane of a core with a cluster secret (not started), or None."""
     kvt = config.kv_transfer
-    if not kvt.enabled or not kvt.side_channel_secret:
+    if not kvt.side_channel_secret:
         return None
     from kvpush.engine.checks import RequestChecker
     from kvpush.engine.request_plane import RequestPlane

@@ -352,6 +352,7 @@ class LLMEngine:
             "dtype_reason": self.config.dtype_reason,
             "block_size": self.config.cache.block_size,
             "max_model_len": self.max_model_len,
+            "vocab_size": self.config.model.vocab_size,
             "layout": dataclasses.asdict(self.runner.kv_region.layout),
             "num_free_blocks": s.num_free_blocks,
             "num_total_blocks": s.num_total_blocks,

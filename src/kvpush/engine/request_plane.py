@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from kvpush.crypto.curve import ZapGuard, derive_curve_keys, make_server
+from kvpush.crypto.curve import REQUEST_PLANE_PURPOSE, ZapGuard, derive_curve_keys, make_server
 from kvpush.engine.checks import RequestChecker
 from kvpush.engine.inputs import (
     REMOTE_MARK,
@@ -51,7 +51,7 @@ from kvpush.kv_transfer.wire.link_watch import monitor_events
 log = logging.getLogger("kvpush.engine.request_plane")
 
 #: the CURVE keys' purpose (derive_curve_keys): other keys than the side channel's
-PURPOSE = b"request plane"
+PURPOSE = REQUEST_PLANE_PURPOSE
 #: ZMTP heartbeats (ms), both ends: a PING a second, a connection silent 3 s is closed
 HEARTBEAT = [(zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 3000),
              (zmq.HEARTBEAT_TTL, 3000)]

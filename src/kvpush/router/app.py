@@ -25,8 +25,9 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive, Scope, Send
 
 from kvpush.aio import within
-from kvpush.router.cache_policy import CachePolicy
+from kvpush.router.cache_policy import CachePolicy, load_model_tokenizer
 from kvpush.router.config import RouterConfig
+from kvpush.router.core_front import CoreFront
 from kvpush.router.intake import (
     RETRY_AFTER_S,
     Admission,
@@ -40,7 +41,7 @@ from kvpush.router.legs import Legs
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.net import CoalescingBackend
 from kvpush.router.pool import Instance, Pool, describe_error
-from kvpush.router.prompts import TokenizerState
+from kvpush.router.prompts import PromptTokenizer, TokenizerState
 from kvpush.router.redact import scrub
 from kvpush.router.stopping import cancel_and_wait
 from kvpush.router.wire import (
@@ -120,6 +121,11 @@ class Router:
         #: --discover: the etcd watch that adds and drops instances (kvpush.router.discover)
         self.discovery: EtcdLink | None = None
         self._joins: set[asyncio.Task] = set()
+        #: the front over the engine cores (kvpush.router.core_front)
+        self.cores = CoreFront(cfg, self.pool)
+        #: the model's tokenizer (the cache-aware policy's, or loaded for the front)
+        self.tokenizer: PromptTokenizer | None = None
+        self._tokenizer_load: asyncio.Task | None = None
 
     def make_client(self) -> httpx.AsyncClient:
         c = self.cfg
@@ -170,6 +176,12 @@ class Router:
             self.cache = self.legs.policy = CachePolicy(self.cfg, self.pool, self.metrics,
                                                         self.client)
             self.cache.start()
+            self.tokenizer = self.cache.tokenizer
+        elif self.cfg.kv_secret is not None:  # for the front over the engine cores
+            self.tokenizer = PromptTokenizer(self.cfg.tokenizer)
+            self._tokenizer_load = asyncio.create_task(
+                load_model_tokenizer(self.tokenizer, self.cfg, self.pool, self.client),
+                name="kvpush-tokenizer-load")
         self._health = asyncio.create_task(self.pool.health_loop(self.client),
                                            name="kvpush-health-loop")
 
@@ -239,6 +251,8 @@ class Router:
             self.discovery = None
         await cancel_and_wait(list(self._joins), "checks of joined instances")
         await cancel_and_wait([self._health], "the health loop")
+        await self.cores.close()
+        await cancel_and_wait([self._tokenizer_load], "the tokenizer's load")
         if self.cache is not None:
             await self.cache.close()
             self.cache = None
@@ -298,6 +312,8 @@ async def _handle(router: Router, request: Request,
     job = Job(rid=new_request_id(), kind=kind, path=path, body={}, stream=False,
               arrival=arrival, client_rid=request.headers.get("x-request-id"),
               on_done=router.admission.leave)
+    if router.cores.serving(router.legs, router.tokenizer):
+        return await router.cores.serve(request, kind, raw, job)
     headers = {"X-Request-Id": job.rid}
     try:
         big = len(raw) > INLINE_PARSE_BYTES  # ~20 ms a MB: off the event loop
@@ -418,7 +434,11 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
             return JSONResponse({**err.body(), **extra}, status_code=err.status_code)
         body = {"status": "degraded" if routing.degraded else "ok",
                 "mode": router.cfg.mode, "healthy": counts,
-                "routing": routing.routing, **extra}
+                "routing": routing.routing,
+                # how legs reach the instances: their engine cores' request planes, or
+                # their HTTP APIs (kvpush.router.core_front)
+                "legs": ("engine cores" if router.cores.serving(router.legs, router.tokenizer)
+                         else "http"), **extra}
         if routing.degraded:
             body["degraded"] = routing.why
         return JSONResponse(body)
@@ -434,7 +454,9 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(router.metrics.render(), media_type=router.metrics.content_type)
+        text = router.metrics.render()
+        text += router.cores.render_metrics()  # the front's (vllm:* included)
+        return Response(text, media_type=router.metrics.content_type)
 
     install_openapi(app)
     return app

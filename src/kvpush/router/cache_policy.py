@@ -78,29 +78,9 @@ class CachePolicy:
     def start(self) -> None:
         """Load the tokenizer in the background (the model's, from a decode's
         /v1/models, unless --tokenizer names one)."""
-        self._load = asyncio.create_task(self._load_tokenizer(), name="kvpush-tokenizer-load")
-
-    async def _load_tokenizer(self) -> None:
-        source = None
-        while True:
-            for inst in self.pool.by_role["decode"]:
-                try:
-                    r = await self.client.get(inst.url + "/v1/models",
-                                              timeout=self.cfg.health_timeout_s)
-                    models = r.json() if r.status_code == 200 else None
-                except (httpx.HTTPError, ValueError) as e:
-                    logger.info("/v1/models of %s: %s", inst.url, describe_error(e))
-                    continue
-                source = model_source(models)
-                self.tokenizer.max_model_len = max(self.tokenizer.max_model_len,
-                                                   model_max_len(models))
-                if source is not None:
-                    break
-            if source is not None or self.cfg.tokenizer or self.cfg.discover is None:
-                break
-            # --discover: no decode has joined yet; ask again when one may have
-            await asyncio.sleep(self.cfg.health_interval_s)
-        await self.tokenizer.load(None if self.cfg.tokenizer else source)
+        self._load = asyncio.create_task(
+            load_model_tokenizer(self.tokenizer, self.cfg, self.pool, self.client),
+            name="kvpush-tokenizer-load")
 
     async def close(self) -> None:
         await cancel_and_wait([self._load], "the tokenizer's load")
@@ -204,3 +184,27 @@ class CachePolicy:
 
     def state(self, inst: Instance) -> dict[str, Any] | None:
         return self.index.state(inst)
+
+
+async def load_model_tokenizer(tok: PromptTokenizer, cfg: RouterConfig, pool: Pool,
+                               client: httpx.AsyncClient) -> None:
+    """Load ``tok``: --tokenizer, else the model a decode instance's /v1/models names
+    (with --discover, asked again until a decode has joined)."""
+    source = None
+    while True:
+        for inst in pool.by_role["decode"]:
+            try:
+                r = await client.get(inst.url + "/v1/models", timeout=cfg.health_timeout_s)
+                models = r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError) as e:
+                logger.info("/v1/models of %s: %s", inst.url, describe_error(e))
+                continue
+            source = model_source(models)
+            tok.max_model_len = max(tok.max_model_len, model_max_len(models))
+            if source is not None:
+                break
+        if source is not None or cfg.tokenizer or cfg.discover is None:
+            break
+        # --discover: no decode has joined yet; ask again when one may have
+        await asyncio.sleep(cfg.health_interval_s)
+    await tok.load(None if cfg.tokenizer else source)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvpush.crypto.auth import grant_key
+from kvpush.crypto.curve import REQUEST_PLANE_PURPOSE, CurveKeys, derive_curve_keys
 from kvpush.discovery.instance_spec import InstanceSpec
 from kvpush.kv_cache.event_keys import EventKeys
 
@@ -30,13 +31,16 @@ class RouterKeys:
 
     grant_key: bytes
     events: EventKeys
+    #: the request plane's CURVE keys (the router is a client of the engine cores')
+    request_plane: CurveKeys
 
     def __repr__(self) -> str:  # never show a key
         return "RouterKeys(...)"
 
     @classmethod
     def from_secret(cls, secret: bytes) -> RouterKeys:
-        return cls(grant_key(secret), EventKeys.from_secret(secret))
+        return cls(grant_key(secret), EventKeys.from_secret(secret),
+                   derive_curve_keys(secret, REQUEST_PLANE_PURPOSE))
 
 
 class RouterConfigError(ValueError):

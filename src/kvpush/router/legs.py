@@ -110,28 +110,28 @@ class Legs:
                 job.route.decision = Decision.LOCAL  # there is no other way here
             return await self._single(job, job.body)
         if not self.pool.has_healthy("decode"):
-            raise self._unavailable(job, "decode")
+            raise self.unavailable(job, "decode")
         if self.policy is not None and self.policy.decide(job) is Decision.LOCAL:
             local = await self._local(job)
             if local is not None:
                 return local
-        p = self.pool.pick("prefill", cost=self._cost(job))
+        p = self.pool.pick("prefill", cost=self.cost(job))
         if p is None:
             if not self.cfg.fallback_local_prefill:
-                raise self._unavailable(job, "prefill")
+                raise self.unavailable(job, "prefill")
             return await self._fallback(job)
         job.mode = self.cfg.mode
         if self.cfg.mode == "pull":
             return await self._pull(job, p)
         return await self._push(job, p)
 
-    def _unavailable(self, job: Job, role: str) -> APIError:
+    def unavailable(self, job: Job, role: str) -> APIError:
         why = "; ".join(f"{i.url}: {i.last_error}" for i in self.pool.by_role[role])
-        return self._fail(job, 503, f"no healthy {role} instance; try again shortly",
+        return self.fail(job, 503, f"no healthy {role} instance; try again shortly",
                           f"no healthy {role} instance: {why}")
 
     @staticmethod
-    def _fail(job: Job, status: int, message: str, detail: str) -> APIError:
+    def fail(job: Job, status: int, message: str, detail: str) -> APIError:
         """The client's error (``message``: no internal names), with ``detail`` (which
         may name them) logged under the request id."""
         logger.warning("request %s: %s", job.rid, detail)
@@ -139,25 +139,25 @@ class Legs:
 
     # ------------------------------------------------------------------ paths
 
-    def _cost(self, job: Job) -> Callable[[Instance], float] | None:
+    def cost(self, job: Job) -> Callable[[Instance], float] | None:
         return self.policy.cost(job) if self.policy is not None else None
 
-    def _picked(self, job: Job, inst: Instance) -> None:
+    def picked(self, job: Job, inst: Instance) -> None:
         if self.policy is not None:
             self.policy.picked(job, inst)
 
-    def _pick_decode(self, job: Job) -> Instance:
+    def pick_decode(self, job: Job) -> Instance:
         """A decode instance for the job (held until Legs.close), or 503."""
-        self._release_decode(job)
+        self.release_decode(job)
         d = None
         if job.d_refused is not None:  # it answered "full" for this request already
-            d = self.pool.pick("decode", {job.d_refused}, cost=self._cost(job))
+            d = self.pool.pick("decode", {job.d_refused}, cost=self.cost(job))
         if d is None:
-            d = self.pool.pick("decode", cost=self._cost(job))
+            d = self.pool.pick("decode", cost=self.cost(job))
         if d is None:
-            raise self._unavailable(job, "decode")
+            raise self.unavailable(job, "decode")
         job.decode = job.d_held = d
-        self._picked(job, d)
+        self.picked(job, d)
         return d
 
     async def _local(self, job: Job) -> Response | httpx.Response | None:
@@ -180,7 +180,7 @@ class Legs:
         return result
 
     async def _single(self, job: Job, body: dict[str, Any]) -> Response | httpx.Response:
-        d = self._pick_decode(job)
+        d = self.pick_decode(job)
         return await self._decode_leg(job, d, body, job.new_transfer_id())
 
     async def _fallback(self, job: Job) -> Response | httpx.Response:
@@ -194,7 +194,7 @@ class Legs:
         while True:
             tid = job.new_transfer_id()
             job.prefill = p
-            self._picked(job, p)
+            self.picked(job, p)
             job.legs_sent = time.perf_counter()
             try:
                 r = await self._prefill_leg(
@@ -203,18 +203,18 @@ class Legs:
                 self.pool.release(p)
             if r.never_sent or r.lost:
                 tried.add(p)
-                other = self.pool.pick("prefill", tried, cost=self._cost(job))
+                other = self.pool.pick("prefill", tried, cost=self.cost(job))
                 if other is not None:
                     self.metrics.retries.labels("prefill").inc()
                     p = other
                     continue
                 if self.cfg.fallback_local_prefill:
                     return await self._fallback(job)
-                raise self._fail(job, 502, f"the prefill instance failed ({r.error}) and no "
+                raise self.fail(job, 502, f"the prefill instance failed ({r.error}) and no "
                                  "other prefill instance is healthy",
                                  f"prefill instance {p.url} failed: {r.error}")
             if r.timed_out:
-                raise self._fail(job, 504, f"the prefill instance did not answer ({r.error})",
+                raise self.fail(job, 504, f"the prefill instance did not answer ({r.error})",
                                  f"prefill instance {p.url} timed out: {r.error}")
             assert r.status is not None
             if r.status != 200:
@@ -225,11 +225,11 @@ class Legs:
             except (ValueError, AttributeError):
                 kv = None
             if not isinstance(kv, dict):
-                raise self._fail(job, 502, "the prefill instance answered without "
+                raise self.fail(job, 502, "the prefill instance answered without "
                                  "kv_transfer_params (is it a prefill instance in pull "
                                  "mode?)", f"prefill instance {p.url} answered without "
                                  "kv_transfer_params")
-            d = self._pick_decode(job)
+            d = self.pick_decode(job)
             try:
                 result = await self._decode_leg(
                     job, d, {**job.body, "kv_transfer_params": kv}, tid)
@@ -244,20 +244,20 @@ class Legs:
         tried: set[Instance] = set()
         while True:
             try:
-                d = self._pick_decode(job)
+                d = self.pick_decode(job)
             except APIError:
                 self.pool.release(p)
                 raise
             tid = job.new_transfer_id()
             job.prefill = p
-            self._picked(job, p)
+            self.picked(job, p)
             d_body = {**job.body, "kv_transfer_params": push_decode_params(p, tid)}
             job.legs_sent = time.perf_counter()
             p_task = asyncio.create_task(
                 self._prefill_leg(job, p, self._signed_prefill_body(job, p, tid), tid))
             job.p_task = p_task
             job.parts += 1
-            p_task.add_done_callback(lambda _t, j=job, i=p: self._prefill_done(j, i))
+            p_task.add_done_callback(lambda _t, j=job, i=p: self.prefill_done(j, i))
             d_task = asyncio.create_task(self._decode_leg(job, d, d_body, tid))
             try:
                 await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -268,7 +268,7 @@ class Legs:
                     # for it until its lease ends. Start again with another prefill
                     # instance, or let decode prefill locally.
                     tried.add(p)
-                    other = self.pool.pick("prefill", tried, cost=self._cost(job))
+                    other = self.pool.pick("prefill", tried, cost=self.cost(job))
                     if other is not None or self.cfg.fallback_local_prefill:
                         logger.info("request %s: prefill leg on %s failed before decode "
                                     "answered; starting again %s", job.rid, p.url,
@@ -396,15 +396,15 @@ class Legs:
                         return relay_error(503, e.content, "decode", d, job.rid,
                                            self.pool.engine_ids(), e.retry_after)
                 self.pool.mark_failed(d, f"decode leg: {why}")
-                self._release_decode(job)
-                other = self.pool.pick("decode", tried, cost=self._cost(job))
+                self.release_decode(job)
+                other = self.pool.pick("decode", tried, cost=self.cost(job))
                 if other is None:
-                    raise self._fail(job, 502, f"the decode instance could not be reached "
+                    raise self.fail(job, 502, f"the decode instance could not be reached "
                                      f"({why}) and no other decode instance is healthy",
                                      f"decode instance {d.url} unreachable: {why}") from None
                 self.metrics.retries.labels("decode").inc()
                 job.decode = job.d_held = d = other
-                self._picked(job, d)
+                self.picked(job, d)
 
     async def _send_decode(self, job: Job, d: Instance, body: dict[str, Any],
                            tid: str) -> Response | httpx.Response:
@@ -430,7 +430,7 @@ class Legs:
         job.upstream = resp
         if resp.status_code == 200 and job.stream:
             return resp  # the relay owns it now; Legs.close() closes it
-        self._first_byte(job)
+        self.first_byte(job)
         try:
             with LegWatch(d.watches, "decode's answer", self.cfg.request_timeout_s):
                 content = await read_answer(resp, self.cfg.max_answer_bytes)
@@ -454,20 +454,20 @@ class Legs:
         the like go through as they are)."""
         where = f"decode instance {d.url} ({d.engine_id})"
         if isinstance(e, LegLost):
-            return self._fail(job, 504 if e.timed_out else 502, e.reason, f"{where}: {e.reason}")
+            return self.fail(job, 504 if e.timed_out else 502, e.reason, f"{where}: {e.reason}")
         if isinstance(e, CONNECTION_LOST):
             why = describe_error(e)
             self.pool.mark_failed(d, f"decode leg: {why}")
-            return self._fail(job, 502, f"the decode instance failed during the request: "
+            return self.fail(job, 502, f"the decode instance failed during the request: "
                               f"{why}", f"{where} failed during the request: {why}")
         if isinstance(e, httpx.TimeoutException):
-            return self._fail(job, 504, f"the decode instance did not answer in time: "
+            return self.fail(job, 504, f"the decode instance did not answer in time: "
                               f"{describe_error(e)}", f"{where} timed out: {describe_error(e)}")
         if isinstance(e, httpx.HTTPError):
-            return self._fail(job, 502, f"the decode instance failed: {describe_error(e)}",
+            return self.fail(job, 502, f"the decode instance failed: {describe_error(e)}",
                               f"{where} failed: {describe_error(e)}")
         if isinstance(e, (AnswerTooLarge, FrameTooLong)):  # its message names no internals
-            return self._fail(job, 502, f"the decode instance's answer was cut: {e}",
+            return self.fail(job, 502, f"the decode instance's answer was cut: {e}",
                               f"{where}: answer cut: {e}")
         return e
 
@@ -490,7 +490,7 @@ class Legs:
                 if chunk is None:
                     break
                 if job.first_byte is None:
-                    self._first_byte(job)
+                    self.first_byte(job)
                 out = frames.feed(chunk)
                 if out:
                     yield out
@@ -517,7 +517,7 @@ class Legs:
             done = frames.done and not frames.errors and not job.error
             await self.close(job, job.outcome or ("ok" if done else "abort"))
 
-    def _first_byte(self, job: Job) -> None:
+    def first_byte(self, job: Job) -> None:
         now = time.perf_counter()
         job.first_byte = now
         if job.d_sent is not None:
@@ -528,7 +528,7 @@ class Legs:
 
     # ------------------------------------------------------------------ the end
 
-    def _release_decode(self, job: Job) -> None:
+    def release_decode(self, job: Job) -> None:
         if self.policy is not None:
             self.policy.released(job)
         if job.d_held is not None:
@@ -543,7 +543,7 @@ class Legs:
         except Exception:  # noqa: BLE001 - closing a broken connection
             logger.debug("closing decode's answer of %s failed", job.rid, exc_info=True)
         finally:
-            self._release_decode(job)
+            self.release_decode(job)
 
     async def close(self, job: Job, outcome: str, status: int | None = None) -> None:
         """The client's answer is done (or abandoned): free what the request holds,
@@ -567,7 +567,7 @@ class Legs:
         self.metrics.request_s.labels(mode, job.outcome).observe(job.ended - job.arrival)
         self._part_done(job)
 
-    def _prefill_done(self, job: Job, p: Instance) -> None:
+    def prefill_done(self, job: Job, p: Instance) -> None:
         self.pool.release(p)
         self._part_done(job)
 

@@ -132,6 +132,11 @@ class PromptTokenizer:
     def ready(self) -> bool:
         return self.state is TokenizerState.READY
 
+    @property
+    def tokenizer(self) -> Any:
+        """The loaded tokenizer (None until ``ready``)."""
+        return self._tok
+
     async def load(self, source: str | None, executor: Executor | None = None) -> bool:
         """Load ``source`` (the --tokenizer flag wins over it) on a worker thread; logs
         and returns False when it cannot."""

@@ -18,9 +18,10 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -30,6 +31,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from kvpush.aio import within
+from kvpush.config import EngineConfig
 from kvpush.crypto.auth import ParamsSigner
 from kvpush.engine.client import EngineClient
 from kvpush.engine.outputs import FinishReason, RequestOutput
@@ -139,26 +141,42 @@ def _outcome(out: RequestOutput) -> str:
     return "abort" if out.finish_reason is None else FinishReason(out.finish_reason).value
 
 
-class _Server:
-    """Per-app state and the request handlers (closures would hide them from tests)."""
+@dataclass(frozen=True)
+class FrontSettings:
+    """What the OpenAI front needs to know of the model it serves and of its place:
+    an instance's come from its config; the router's from its decode instances."""
 
-    def __init__(self, engine: EngineClient,
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    #: "both", "prefill", "decode" (an instance) or "router"
+    role: str = "both"
+    mode: str = "push"
+
+    @classmethod
+    def of(cls, cfg: EngineConfig) -> FrontSettings:
+        kvt = cfg.kv_transfer
+        return cls(cfg.served_model_name or Path(cfg.model.path).name,
+                   cfg.scheduler.max_model_len, cfg.model.vocab_size,
+                   kvt.role if kvt.enabled else "both", kvt.mode)
+
+
+class OpenAIFront:
+    """The OpenAI request handlers over one EngineClient: an instance's engine, or the
+    router's cluster of engine cores (kvpush.router.cluster_engine)."""
+
+    def __init__(self, engine: EngineClient, settings: FrontSettings,
                  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
-                 body_timeout_s: float = 30.0) -> None:
+                 body_timeout_s: float = 30.0, engine_gauges: bool = True) -> None:
         self.engine = engine
         self.body_timeout_s = body_timeout_s
-        cfg = engine.config
-        self.kv_role: str = cfg.kv_transfer.role if cfg.kv_transfer.enabled else "both"
-        self.kv_mode: str = cfg.kv_transfer.mode
+        self.kv_role = settings.role
+        self.kv_mode = settings.mode
         self.waiting = WaitingBound(max_waiting_requests)
-        #: /kv/abort's check (kv_abort.py): the router's signature, where params are signed
-        self.abort_signer: ParamsSigner | None = (
-            ParamsSigner(cfg.kv_transfer.side_channel_secret)
-            if cfg.kv_transfer.enabled and cfg.kv_transfer.params_signed else None)
-        self.model_name: str = cfg.served_model_name or Path(cfg.model.path).name
-        self.max_model_len: int = cfg.scheduler.max_model_len
+        self.model_name = settings.model_name
+        self.max_model_len = settings.max_model_len
         self.token_texts = chat.TokenTexts(engine.tokenizer)
-        self.metrics = ServerMetrics(engine.stats,
+        self.metrics = ServerMetrics(engine.stats if engine_gauges else None,
                                      lambda: engine.health_problem() is None,
                                      self.model_name)
         self.metrics.register_waiting(self.waiting)
@@ -166,8 +184,11 @@ class _Server:
         self.executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                            thread_name_prefix="kvpush-tokenize")
         self.prompts = chat.PromptBuilder(engine.tokenizer, self.model_name,
-                                          self.max_model_len, cfg.model.vocab_size,
+                                          self.max_model_len, settings.vocab_size,
                                           self.executor)
+        #: called with each request once parsed and tokenized, before it is generated
+        #: (the router notes whether its client streams)
+        self.on_job: Callable[[Job], None] | None = None
 
     @staticmethod
     def _request_id(request: Request, prefix: str) -> str:
@@ -186,11 +207,6 @@ class _Server:
 
     async def handle(self, request: Request, kind: Literal["completion", "chat"]) -> Response:
         arrival = time.perf_counter()
-        job: Job | None = None
-        gen: AsyncIterator[RequestOutput] | None = None
-        timer: RequestTimer | None = None
-        slot: WaitingSlot | None = None
-        handed_over = False
         try:
             try:
                 body = await within(request.body(), self.body_timeout_s)
@@ -200,13 +216,32 @@ class _Server:
                 raise APIError(f"the request body did not arrive within "
                                f"{self.body_timeout_s:g} s", status_code=408,
                                code="request_timeout") from None
+        except APIError as err:
+            self.metrics.count("rejected")
+            return err.response()
+        return await self.serve(request, kind, body, arrival)
+
+    async def serve(self, request: Request, kind: Literal["completion", "chat"],
+                    body: bytes, arrival: float, request_id: str | None = None) -> Response:
+        """Answer a request whose body has been read: parse, admit, tokenize, generate,
+        format. ``request_id``: the id to run it under (default: the client's
+        X-Request-Id or a fresh one)."""
+        job: Job | None = None
+        gen: AsyncIterator[RequestOutput] | None = None
+        timer: RequestTimer | None = None
+        slot: WaitingSlot | None = None
+        handed_over = False
+        try:
             req = await self.prompts.parse(kind, body)
-            rid = self._request_id(request, "chatcmpl" if kind == "chat" else "cmpl")
+            rid = request_id or self._request_id(request,
+                                                 "chatcmpl" if kind == "chat" else "cmpl")
             # checked once and typed here (a 400, or a 403 unsigned), handed on as is
             kv = self.engine.kv_params(req.kv_transfer_params)
             # admitted (or refused with a 429) before any tokenizing or allocating
             slot = self.waiting.admit(exempt=is_second_leg(self.kv_role, self.kv_mode, kv))
             job = await self.prompts.job(req, rid, arrival, len(body))
+            if self.on_job is not None:
+                self.on_job(job)
             problem = self.engine.health_problem()
             if problem is not None:
                 raise APIError(f"this instance cannot serve requests: {problem}",
@@ -354,7 +389,12 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
     A request body must be in within ``body_timeout_s`` of its headers, else 408 (the
     header deadline and the connection bound are the door's: kvpush.server.door).
     """
-    server = _Server(engine, max_waiting_requests, body_timeout_s)
+    server = OpenAIFront(engine, FrontSettings.of(engine.config), max_waiting_requests,
+                         body_timeout_s)
+    cfg = engine.config
+    #: /kv/abort's check (kv_abort.py): the router's signature, where params are signed
+    abort_signer = (ParamsSigner(cfg.kv_transfer.side_channel_secret)
+                    if cfg.kv_transfer.enabled and cfg.kv_transfer.params_signed else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -427,7 +467,7 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
             return APIError("this instance takes no part in KV transfers",
                             status_code=404).response()
         kvt = engine.config.kv_transfer  # (P/D roles: the config names the engine id)
-        tid = parse_abort(await read_abort_body(request), server.abort_signer, kvt.role,
+        tid = parse_abort(await read_abort_body(request), abort_signer, kvt.role,
                           kvt.engine_id)
         engine.abort_transfer(tid)
         return JSONResponse({"transfer_id": tid, "status": "aborting"})

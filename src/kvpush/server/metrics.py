@@ -258,8 +258,10 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, stats: Callable[[], EngineStats], healthy: Callable[[], bool],
+    def __init__(self, stats: Callable[[], EngineStats] | None, healthy: Callable[[], bool],
                  model_name: str = "") -> None:
+        """``stats``: the engine's gauges (None: a front over many engines, the router,
+        exports none of its own)."""
         # The *_created series double the exposition for no use here (vLLM drops them too);
         # the switch is process-wide.
         disable_created_metrics()
@@ -282,7 +284,8 @@ class ServerMetrics:
                                      "engine started generating for", registry=r)
         self.generation_tokens = Counter("kvpush_generation_tokens", "Generated tokens",
                                          registry=r)
-        r.register(_EngineCollector(stats, healthy, model_name))
+        if stats is not None:
+            r.register(_EngineCollector(stats, healthy, model_name))
         self._vllm_metrics(model_name)
         self.auth_rejected = auth_rejected_counter(r, "kvpush_http_auth_rejected")
         labels = ["role", "mode", "outcome"]

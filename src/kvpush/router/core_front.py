@@ -1,0 +1,86 @@
+"""Whether and how a request is served over the engine cores: the router's
+:class:`OpenAIFront` (kvpush.server.app) over a :class:`ClusterEngine`.
+
+A request takes this path when the router holds the cluster secret and the model's
+tokenizer, and every healthy instance has a request plane, a proven one for at least
+one decode; else it takes the HTTP legs (kvpush.router.legs: vLLM instances, a router
+whose tokenizer is still loading, or ``KVPUSH_ROUTER_PATH=http`` for side-by-side
+measurements). The front is built once, from a decode instance's ``/kv/info`` (the
+served model's name, its context, its vocabulary).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Literal
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvpush.router.cluster_engine import ClusterEngine
+from kvpush.router.config import RouterConfig
+from kvpush.router.job import Job, outcome_for
+from kvpush.router.pool import Pool
+from kvpush.server.app import FrontSettings, OpenAIFront
+
+if TYPE_CHECKING:
+    from kvpush.router.legs import Legs
+    from kvpush.router.prompts import PromptTokenizer
+
+#: environment variable that keeps kvpush instances on the HTTP legs (``http``)
+ROUTER_PATH_ENV = "KVPUSH_ROUTER_PATH"
+
+
+class CoreFront:
+    def __init__(self, cfg: RouterConfig, pool: Pool) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.cluster: ClusterEngine | None = None
+        self.front: OpenAIFront | None = None
+        self._legs: Legs | None = None
+
+    def serving(self, legs: Legs | None, tokenizer: PromptTokenizer | None) -> bool:
+        """Whether requests take the engine cores now (builds the front on first use)."""
+        keys = self.cfg.kv_secret
+        if (keys is None or legs is None or tokenizer is None or not tokenizer.ready
+                or os.environ.get(ROUTER_PATH_ENV) == "http"):
+            return False
+        if self.cluster is None:
+            self._legs = legs
+            self.cluster = ClusterEngine(legs, keys.request_plane, tokenizer.tokenizer)
+        if not self.cluster.serves():
+            return False
+        if self.front is None:
+            info = next(i.info for i in self.pool.by_role["decode"] if i.healthy and i.info)
+            settings = FrontSettings(str(info.get("model")), int(info["max_model_len"]),
+                                     int(info["vocab_size"]), "router", self.cfg.mode)
+            self.front = OpenAIFront(self.cluster, settings, max_waiting_requests=0,
+                                     body_timeout_s=self.cfg.body_timeout_s,
+                                     engine_gauges=False)
+            self.front.on_job = self.cluster.note_stream
+        return True
+
+    async def serve(self, request: Request, kind: Literal["completion", "chat"],
+                    raw: bytes, job: Job) -> Response:
+        """The request through the front; the job is closed by the cluster engine once
+        its legs are over, or here when no leg was placed (a 4xx from parsing or the
+        front's checks)."""
+        cluster, front, legs = self.cluster, self.front, self._legs
+        assert cluster is not None and front is not None and legs is not None
+        cluster.jobs[job.rid] = job
+        try:
+            resp = await front.serve(request, kind, raw, job.arrival, request_id=job.rid)
+        finally:
+            cluster.jobs.pop(job.rid, None)
+        if not job.mode:
+            await legs.close(job, outcome_for(resp.status_code), resp.status_code)
+        return resp
+
+    def render_metrics(self) -> bytes:
+        return self.front.metrics.render() if self.front is not None else b""
+
+    async def close(self) -> None:
+        if self.cluster is not None:
+            await self.cluster.close()
+        if self.front is not None:
+            self.front.executor.shutdown(wait=False, cancel_futures=True)

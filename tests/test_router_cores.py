@@ -1,0 +1,178 @@
+"""The router as the front of engine cores (issue 51): with the cluster secret and the
+model's tokenizer it sends each leg as the engine's typed request to the prefill and
+decode cores over their request planes, never through the instances' HTTP APIs. Outputs
+equal a single instance's, token for token; faults free every block. Every wait is
+bounded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from router_helpers import (
+    CHATS,
+    PROMPTS,
+    Instance,
+    RouterThread,
+    answer_text,
+    body,
+    chat_body,
+    metric_value,
+    reference_answers,
+    sse_text,
+    start_instances,
+    wait_until,
+)
+
+KV = ("--block-size", "16", "--num-blocks", "256")
+FAULTY = ("--lease-timeout", "2", "--heartbeat-interval", "0.2")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama, tmp_path_factory) -> Iterator[dict[str, Instance]]:
+    log_dir = tmp_path_factory.mktemp("router-cores-logs")
+    push = ("--kv-transfer", "push", *KV, *FAULTY)
+    pull = ("--kv-transfer", "pull", *KV, *FAULTY)
+    specs = [("single", KV),
+             ("P", ("--role", "prefill", *push)), ("D", ("--role", "decode", *push)),
+             ("pullP", ("--role", "prefill", *pull)), ("pullD", ("--role", "decode", *pull))]
+    insts = dict(zip([s[0] for s in specs], start_instances(tiny_llama, specs, log_dir),
+                     strict=True))
+    yield insts
+    for inst in insts.values():
+        inst.stop()
+
+
+@pytest.fixture(scope="module")
+def refs(cluster) -> dict:
+    return reference_answers(cluster["single"].url)
+
+
+_body, _chat = body, chat_body
+
+
+def _router(mode: str, p: Instance, d: Instance, tokenizer: str, **kw) -> RouterThread:
+    """A router with the tokenizer given, once it serves over the cores."""
+    rt = RouterThread(mode, [p.url], [d.url], tokenizer=tokenizer, **kw)
+    try:
+        wait_until(lambda: httpx.get(rt.url + "/health", timeout=5).json().get("legs")
+                   == "engine cores", 20, "the router serves over the engine cores")
+    except BaseException:
+        rt.stop()
+        raise
+    return rt
+
+
+def _api_requests(inst: Instance) -> float:
+    """Requests the instance's own HTTP API has finished (any outcome)."""
+    text = httpx.get(inst.url + "/metrics", timeout=10).text
+    return sum(metric_value(text, "kvpush_requests_total", f'outcome="{o}"')
+               for o in ("stop", "length", "abort", "error", "rejected"))
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_outputs_over_the_cores_equal_single_instance(cluster, refs, tiny_llama, mode):
+    p, d = (cluster["P"], cluster["D"]) if mode == "push" else (cluster["pullP"],
+                                                                  cluster["pullD"])
+    rt = _router(mode, p, d, str(tiny_llama))
+    try:
+        before = _api_requests(p) + _api_requests(d)
+
+        def one(kind: str, i: int, stream: bool) -> tuple[tuple[str, int], str]:
+            with httpx.Client(timeout=60) as c:
+                chat = kind == "chat"
+                body = _chat(CHATS[i]) if chat else _body(PROMPTS[i])
+                if stream:
+                    text, reason, frames = sse_text(c, rt.url, body, chat=chat)
+                    assert reason == "length" and not any("error" in f for f in frames)
+                    return (kind, i), text
+                path = "/v1/chat/completions" if chat else "/v1/completions"
+                r = c.post(rt.url + path, json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["id"] == r.headers["x-request-id"]
+                return (kind, i), answer_text(r.json(), chat=chat)
+
+        jobs = [("completion", i) for i in range(len(PROMPTS))] + [
+            ("chat", i) for i in range(len(CHATS))]
+        with ThreadPoolExecutor(4) as ex:
+            futs = [ex.submit(one, k, i, s) for k, i in jobs for s in (False, True)]
+            results = [f.result(timeout=90) for f in futs]
+        for key, text in results:
+            assert text == refs[key], key
+        # no leg went through an instance's HTTP API
+        assert _api_requests(p) + _api_requests(d) == before
+        # (a stream's request is counted once its generator closes, after [DONE])
+        wait_until(lambda: metric_value(rt.metrics(), "kvpush_router_requests_total",
+                                        f'mode="{mode}",outcome="ok"') == len(results),
+                   10, "every request counted ok")
+        m = rt.metrics()
+        assert metric_value(m, "vllm:e2e_request_latency_seconds_count") == len(results)
+        # the front's checks answer as an instance's do, and nothing is left held
+        r = httpx.post(rt.url + "/v1/completions", json=_body("x", max_tokens=0), timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        r = httpx.post(rt.url + "/v1/completions", timeout=30,
+                       json=_body("x", kv_transfer_params={"do_remote_decode": True}))
+        assert r.status_code == 403, r.text
+        r = httpx.post(rt.url + "/v1/completions", timeout=30,
+                       json=_body("word " * 5000))
+        assert r.status_code == 400 and r.json()["error"]["code"] == \
+            "context_length_exceeded"
+        assert metric_value(rt.metrics(), "kvpush_router_instance_in_flight") == 0
+        p.wait_all_free()
+        d.wait_all_free()
+    finally:
+        rt.stop()
+
+
+def test_router_gone_mid_stream_frees_every_block(cluster, tiny_llama):
+    p, d = cluster["P"], cluster["D"]
+    rt = _router("push", p, d, str(tiny_llama))
+    stopped = False
+    try:
+        long = _body(PROMPTS[2], max_tokens=1900, ignore_eos=True, stream=True)
+        with httpx.Client(timeout=30) as c, c.stream("POST", rt.url + "/v1/completions",
+                                                     json=long) as r:
+            assert r.status_code == 200
+            next(r.iter_raw())  # generating; now the router goes away
+            rt.stop()
+            stopped = True
+        p.wait_all_free(timeout=15)
+        d.wait_all_free(timeout=15)
+    finally:
+        if not stopped:
+            rt.stop()
+
+
+def test_decode_core_killed_mid_stream_ends_the_stream_with_an_error(tiny_llama, tmp_path):
+    push = ("--kv-transfer", "push", *KV, *FAULTY)
+    p, d = start_instances(tiny_llama, [("P2", ("--role", "prefill", *push)),
+                                        ("D2", ("--role", "decode", *push))], tmp_path)
+    rt = None
+    try:
+        rt = _router("push", p, d, str(tiny_llama))
+        long = _body(PROMPTS[0], max_tokens=1900, ignore_eos=True, stream=True)
+        with httpx.Client(timeout=30) as c, c.stream("POST", rt.url + "/v1/completions",
+                                                     json=long) as r:
+            assert r.status_code == 200
+            it = r.iter_lines()
+            next(it)
+            killed = time.monotonic()
+            os.killpg(d.proc.proc.pid, signal.SIGKILL)
+            rest = [line for line in it if line]
+            took = time.monotonic() - killed
+        assert any('"error"' in line for line in rest), rest[-3:]
+        assert rest[-1] == "data: [DONE]"
+        print(f"error frame {took * 1000:.0f} ms after the decode core was killed")
+        assert took < 5.0
+        p.wait_all_free(timeout=15)  # the transfer's fence frees prefill's blocks
+    finally:
+        if rt is not None:
+            rt.stop()
+        p.stop()
+        d.kill()
