@@ -222,7 +222,7 @@ def test_register_and_discover_with_auth(etcd_auth, caplog):
                 break
             await asyncio.sleep(0.02)
         inst = pool.find(card.url)
-        assert inst is not None and inst.card == card and joined == [inst]
+        assert inst is not None and inst.cards == (card,) and joined == [inst]
         assert link.state is LinkState.WATCHING
         await asyncio.sleep(2.5)  # longer than the TTL: the keep-alive holds it
         assert pool.find(card.url) is not None

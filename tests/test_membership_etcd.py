@@ -327,3 +327,34 @@ def test_router_started_before_its_instances(etcd, base):
         free_blocks_back([p0, d1])
     finally:
         rt.stop()
+
+
+def test_a_card_cannot_evict_a_working_instance(etcd, base, caplog):
+    """A card naming the working decode's URL as another engine (issue 53.2): ignored,
+    one log line, and the decode keeps getting every request."""
+    import logging
+
+    from kvpush.discovery.card import card_from_info, encode
+
+    caplog.set_level(logging.INFO, "kvpush.router")
+    p0, d1 = base.prefill, base.decode
+    rt = router(etcd)
+    try:
+        wait_until(lambda: {p0.url, d1.url} <= set(healthy(rt)), 15, "both in rotation")
+        t = Traffic(rt.url)
+        t.wait_count(4)
+        info = d1.get("/kv/info")
+        key = "/kvpush/instances/decode/impostor"
+        etcd.put(key, encode(card_from_info(d1.url, {**info, "engine_id": "impostor"})))
+        wait_until(lambda: "impostor" in caplog.text, 5, "the card seen")
+        before = next(i["requests"] for i in rt.instances() if i["url"] == d1.url)
+        t.wait_count(10)
+        after = next(i for i in rt.instances() if i["url"] == d1.url)
+        assert after["healthy"] and after["requests"] >= before + 5
+        lines = [r.getMessage() for r in caplog.records if "impostor" in r.getMessage()]
+        assert len(lines) == 1 and "ignored" in lines[0], lines
+        etcd.delete(key)
+        assert_all_ok(t.stop())
+        free_blocks_back([p0, d1])
+    finally:
+        rt.stop()

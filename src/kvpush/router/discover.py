@@ -14,6 +14,12 @@ the watch breaks or the probe fails the router keeps its last view (UNREACHABLE,
 in ``/health`` and logged once), retries every ``RETRY_S``, and on reconnecting reads
 the whole prefix again, so changes missed meanwhile (or compacted away) are caught up.
 
+Every card naming a URL stays with that URL's instance; the instance is in rotation
+while its ``/kv/info`` agrees with one of them. So a card naming a working instance's
+URL as another engine, side channel or role (stale, or someone else's) is ignored,
+logged once, and takes nothing out of rotation; a restarted instance's new card is
+followed as soon as the instance answers as it.
+
 Several routers may watch one prefix: the view is read-only. Instances given on the
 command line (--prefill/--decode) stay as they are; a card naming one of their URLs is
 ignored (logged).
@@ -29,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvpush.discovery.card import Card, CardError, decode
+from kvpush.discovery.card import Card, CardError, decode, mismatch
 from kvpush.discovery.etcd import EtcdClient, EtcdError, KeyValue, WatchEvent
 from kvpush.discovery.instance_spec import InstanceSpec
 from kvpush.discovery.target import EtcdTarget
@@ -71,8 +77,9 @@ class EtcdLink:
         self.state = LinkState.CONNECTING
         self.last_error: str | None = None
         self.since = time.time()
-        #: every card under the prefix, by key
+        #: every card under the prefix, by key, and by the URL it names
         self.cards: dict[str, _Entry] = {}
+        self.by_url: dict[str, dict[str, _Entry]] = {}
         #: the instances this link added, by URL
         self.owned: dict[str, Instance] = {}
         self._ignored: set[tuple[str, str]] = set()
@@ -153,65 +160,121 @@ class EtcdLink:
     # ------------------------------------------------------------------ the view
 
     def _replace(self, kvs: list[KeyValue]) -> None:
-        self.cards = {}
+        touched = set(self.owned) | set(self.by_url)
+        self.cards, self.by_url = {}, {}
         for kv in kvs:
-            self._put(kv.key, kv.value, kv.mod_revision)
-        self._reconcile()
+            touched |= self._put(kv.key, kv.value, kv.mod_revision)
+        self._reconcile(touched)
 
     def _apply(self, events: list[WatchEvent]) -> None:
+        touched: set[str] = set()
         for ev in events:
             if ev.kind == "delete":
-                self.cards.pop(ev.key, None)
+                touched |= self._drop(ev.key)
             else:
-                self._put(ev.key, ev.value, ev.revision)
-        self._reconcile()
+                touched |= self._put(ev.key, ev.value, ev.revision)
+        self._reconcile(touched)
 
-    def _put(self, key: str, value: bytes, revision: int) -> None:
+    def _drop(self, key: str) -> set[str]:
+        """Forget the card under ``key``; the URL it named (to reconcile)."""
+        entry = self.cards.pop(key, None)
+        if entry is None:
+            return set()
+        url = entry.card.url
+        of_url = self.by_url.get(url, {})
+        of_url.pop(key, None)
+        if not of_url:
+            self.by_url.pop(url, None)
+        return {url}
+
+    def _put(self, key: str, value: bytes, revision: int) -> set[str]:
+        touched = self._drop(key)
         try:
             card = decode(value)
         except CardError as e:
             if (key, str(e)) not in self._ignored:
                 self._ignored.add((key, str(e)))
                 logger.warning("etcd key %s ignored: %s", key, e)
-            self.cards.pop(key, None)
-            return
-        self.cards[key] = _Entry(revision, card)
+            return touched
+        entry = _Entry(revision, card)
+        self.cards[key] = entry
+        self.by_url.setdefault(card.url, {})[key] = entry
+        return touched | {card.url}
 
-    def _reconcile(self) -> None:
-        """Make the instances this link owns agree with the cards (the newest card of a
-        URL wins: a restarted instance's new card before its old lease expires)."""
-        want: dict[str, Card] = {}
-        for entry in sorted(self.cards.values(), key=lambda e: e.revision):
-            want[entry.card.url] = entry.card
-        for url, inst in list(self.owned.items()):
-            card = want.get(url)
-            if card is None or group_for(self.mode, card.role) != inst.role:
-                del self.owned[url]
-                self.pool.remove_instance(url)
-                logger.info("%s instance %s (%s) left the pool (its key is gone from %s)",
-                            inst.role, url, inst.engine_id, self.target)
-            elif card != inst.card:
-                inst.card = card
-                logger.info("%s instance %s registered again (engine %s)", inst.role, url,
-                            card.engine_id)
-                self.on_join(inst)
-        for url, card in want.items():
-            if url in self.owned:
-                continue
-            group = group_for(self.mode, card.role)
-            if group is None:
-                self._note_ignored(url, f"role {card.role} is not used by a --mode "
-                                        f"{self.mode} router")
-                continue
-            if self.pool.find(url) is not None:
-                self._note_ignored(url, "it is on the command line already")
-                continue
-            inst = self.pool.add_instance(InstanceSpec(url), group, card=card)
-            self.owned[url] = inst
-            logger.info("%s instance %s (engine %s) joined from %s; checking it", group, url,
-                        card.engine_id, self.target)
-            self.on_join(inst)
+    def _reconcile(self, urls: set[str]) -> None:
+        """Make the instances this link owns agree with the cards of ``urls``."""
+        for url in sorted(urls):
+            self._settle(url)
         self.synced.set()
+
+    def _usable(self, url: str) -> list[Card]:
+        """The cards naming ``url`` whose role the router's mode uses, newest first."""
+        entries = sorted(self.by_url.get(url, {}).values(), key=lambda e: -e.revision)
+        usable = []
+        for e in entries:
+            if group_for(self.mode, e.card.role) is None:
+                self._note_ignored(url, f"role {e.card.role} is not used by a --mode "
+                                        f"{self.mode} router")
+            else:
+                usable.append(e.card)
+        return usable
+
+    def _settle(self, url: str) -> None:
+        """One URL: the instance joins, leaves, or takes its new cards.
+
+        Every card naming the URL with the instance's role stays with it, and the
+        instance is in rotation while its /kv/info agrees with any one of them: a
+        restarted instance's new card (its old one's lease still running) and a card
+        someone else wrote for the URL (another engine id, side channel or role) sit
+        beside each other, and the latter cannot take a working instance out of
+        rotation (it is logged, once, as ignored)."""
+        usable = self._usable(url)
+        inst = self.owned.get(url)
+        if inst is not None:
+            same = tuple(c for c in usable if group_for(self.mode, c.role) == inst.role)
+            if same:
+                self._update(inst, same, usable)
+                return
+            del self.owned[url]
+            self.pool.remove_instance(url)
+            logger.info("%s instance %s (%s) left the pool (its key is gone from %s)",
+                        inst.role, url, inst.engine_id, self.target)
+        if not usable:
+            return
+        if self.pool.find(url) is not None:
+            self._note_ignored(url, "it is on the command line already")
+            return
+        group = group_for(self.mode, usable[0].role)
+        assert group is not None
+        cards = tuple(c for c in usable if group_for(self.mode, c.role) == group)
+        inst = self.pool.add_instance(InstanceSpec(url), group, cards=cards)
+        self.owned[url] = inst
+        logger.info("%s instance %s (engine %s) joined from %s; checking it", group, url,
+                    cards[0].engine_id, self.target)
+        self.on_join(inst)
+
+    def _update(self, inst: Instance, same: tuple[Card, ...], usable: list[Card]) -> None:
+        for card in usable:
+            if group_for(self.mode, card.role) != inst.role:
+                self._note_ignored(inst.url, f"a card names it as role {card.role}, but it "
+                                             f"is in the pool as {inst.role}")
+        if same == inst.cards:
+            return
+        new = [c for c in same if c not in inst.cards]
+        inst.cards = same
+        if not new:
+            return
+        for card in new:
+            bad = mismatch(card, inst.info) if inst.info is not None else None
+            if bad is not None:
+                self._note_ignored(inst.url, f"a card names it as engine {card.engine_id} "
+                                             f"(side channel {card.side_channel}), but it "
+                                             f"answers as engine {inst.engine_id}: kept as it "
+                                             "is while it does")
+            else:
+                logger.info("%s instance %s registered again (engine %s)", inst.role,
+                            inst.url, card.engine_id)
+        self.on_join(inst)
 
     def _note_ignored(self, url: str, why: str) -> None:
         if (url, why) not in self._ignored:

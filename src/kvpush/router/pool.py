@@ -68,9 +68,11 @@ class Instance:
     slow_checks: int = 0
     #: the legs waiting on it now (ended when a health check fails)
     watches: set[LegWatch] = field(default_factory=set)
-    #: its card in etcd when it joined through discovery (kvpush.router.discover): its
-    #: /kv/info must agree with it before it gets traffic
-    card: Any = None
+    #: its cards in etcd, newest first, when it joined through discovery
+    #: (kvpush.router.discover): its /kv/info must agree with one of them before it
+    #: gets traffic (several: a restarted instance's new card beside its old one, or a
+    #: card someone else wrote for its URL, which cannot take it out of rotation)
+    cards: tuple[Any, ...] = ()
 
     @property
     def url(self) -> str:
@@ -124,6 +126,7 @@ class Pool:
             "decode": [Instance(s, "decode", i) for i, s in enumerate(cfg.decode)],
         }
         self._cursor = {"prefill": 0, "decode": 0}
+        self._by_url = {i.url: i for i in self.instances}
         #: set once start-up is over (from then on, problems are logged, not raised)
         self.running = False
         #: called with each instance whose check passed, its /kv/info just read (the
@@ -139,16 +142,18 @@ class Pool:
     # ------------------------------------------------------------------ membership
 
     def find(self, url: str) -> Instance | None:
-        return next((i for i in self.instances if i.url == url), None)
+        return self._by_url.get(url)
 
-    def add_instance(self, spec: InstanceSpec, role: str, card: Any = None) -> Instance:
+    def add_instance(self, spec: InstanceSpec, role: str,
+                     cards: tuple[Any, ...] = ()) -> Instance:
         """A new instance, out of rotation until a health check passes (the caller starts
         one). Raises ValueError if its URL is in the pool already."""
         if self.find(spec.url) is not None:
             raise ValueError(f"instance {spec.url} is in the pool already")
         group = self.by_role[role]
-        inst = Instance(spec, role, len(group), card=card)
+        inst = Instance(spec, role, len(group), cards=cards)
         group.append(inst)
+        self._by_url[spec.url] = inst
         return inst
 
     def remove_instance(self, url: str) -> Instance | None:
@@ -159,6 +164,7 @@ class Pool:
             return None
         group = self.by_role[inst.role]
         group.remove(inst)
+        del self._by_url[url]
         for k, other in enumerate(group):
             other.index = k
         self._cursor[inst.role] = self._cursor[inst.role] % len(group) if group else 0
@@ -234,12 +240,12 @@ class Pool:
                         "side channel before prefill answers: give it as "
                         "URL@ENGINE_ID@SIDE_HOST:SIDE_PORT")
             return None
-        if inst.card is not None:
+        if inst.cards:  # one of its cards must name it as it is
             from kvpush.discovery.card import mismatch
 
-            bad = mismatch(inst.card, info)
-            if bad is not None:
-                return bad
+            bads = [mismatch(card, info) for card in inst.cards]
+            if None not in bads:
+                return bads[0]
         role, kvt = info.get("role"), info.get("kv_transfer")
         want = "both" if mode == "colocated" else inst.role
         if role != want:
