@@ -40,7 +40,7 @@ from kvpush.router.job import Job, new_request_id, outcome_for
 from kvpush.router.legs import Legs
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.net import CoalescingBackend
-from kvpush.router.pool import Instance, Pool, describe_error
+from kvpush.router.pool import CHECKS_AT_ONCE, Instance, Pool, describe_error
 from kvpush.router.prompts import PromptTokenizer, TokenizerState
 from kvpush.router.redact import scrub
 from kvpush.router.stopping import cancel_and_wait
@@ -114,6 +114,9 @@ class Router:
         self.metrics.track_outstanding(lambda: self.admission.outstanding,
                                        cfg.max_outstanding_requests)
         self.client: httpx.AsyncClient | None = None
+        #: the health checks' own client: a flood of instances to check never queues in
+        #: the legs' connection pool (Pool.check bounds how many run at once)
+        self.health_client: httpx.AsyncClient | None = None
         self.legs: Legs | None = None
         #: the cache-aware policy's tokenizer and KV index (--policy cache-aware)
         self.cache: CachePolicy | None = None
@@ -151,19 +154,29 @@ class Router:
             headers=auth_header(c.api_key),  # /kv/info, health, legs, /kv/abort
         )
 
+    def make_health_client(self) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=2 * CHECKS_AT_ONCE,
+                              max_keepalive_connections=2 * CHECKS_AT_ONCE,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        return httpx.AsyncClient(
+            timeout=httpx.Timeout(self.cfg.health_timeout_s),
+            transport=httpx.AsyncHTTPTransport(limits=limits, trust_env=False),
+            trust_env=False, headers=auth_header(self.cfg.api_key))
+
     async def start(self, wait: bool = True) -> None:
-        """Open the client, wait for the instances (see Pool.wait_ready; raises
+        """Open the clients, wait for the instances (see Pool.wait_ready; raises
         RouterConfigError / RouterStartupError), start the health loop."""
         self.client = self.make_client()
+        self.health_client = self.make_health_client()
         self.legs = Legs(self.cfg, self.pool, self.metrics, self.client)
         try:
             if self.cfg.discover is not None:
                 await self._start_discovery()
                 wait = False  # instances come and go: serve now, /health says when ready
             if wait:
-                await self.pool.wait_ready(self.client, self.cfg.startup_timeout_s)
+                await self.pool.wait_ready(self.health_client, self.cfg.startup_timeout_s)
             else:
-                await self.pool.check_all(self.client)
+                await self.pool.check_all(self.health_client)
         except BaseException:
             if self.discovery is not None:  # (cut short in its first-view wait: Ctrl-C)
                 await self.discovery.close()
@@ -171,6 +184,7 @@ class Router:
             for task in list(self._joins):  # checks of joined instances, on this client
                 task.cancel()
             await self.client.aclose()
+            await self.health_client.aclose()
             raise
         if self.cfg.policy == "cache-aware":
             self.cache = self.legs.policy = CachePolicy(self.cfg, self.pool, self.metrics,
@@ -182,7 +196,7 @@ class Router:
             self._tokenizer_load = asyncio.create_task(
                 load_model_tokenizer(self.tokenizer, self.cfg, self.pool, self.client),
                 name="kvpush-tokenizer-load")
-        self._health = asyncio.create_task(self.pool.health_loop(self.client),
+        self._health = asyncio.create_task(self.pool.health_loop(self.health_client),
                                            name="kvpush-health-loop")
 
     def routing_state(self) -> RoutingState:
@@ -222,12 +236,13 @@ class Router:
         from kvpush.router.discover import EtcdLink
 
         def on_join(inst: Instance) -> None:
-            assert self.client is not None
-            task = asyncio.create_task(self.pool.check(self.client, inst))
+            assert self.health_client is not None
+            task = asyncio.create_task(self.pool.check(self.health_client, inst))
             self._joins.add(task)
             task.add_done_callback(self._joins.discard)
 
-        self.discovery = EtcdLink(self.cfg.discover, self.pool, self.cfg.mode, on_join)
+        self.discovery = EtcdLink(self.cfg.discover, self.pool, self.cfg.mode, on_join,
+                                  self.cfg.max_instances)
         self.discovery.start()
         # the first view, if etcd answers soon; else the router starts with what it has
         # (the static instances, or none: /health 503) and the link catches up
@@ -258,6 +273,8 @@ class Router:
             self.cache = None
         if self.client is not None:
             await self.client.aclose()
+        if self.health_client is not None:
+            await self.health_client.aclose()
         self._health = None
 
 

@@ -129,6 +129,12 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     from kvpush.discovery.cli_args import add_discover_args
 
     add_discover_args(p)
+    p.add_argument("--max-instances", type=cli_types.positive_int, default=256, metavar="N",
+                   help="with --discover: take at most N instances from etcd (the command "
+                        "line's are not counted). Cards beyond are ignored, logged at a "
+                        "bounded rate, and taken in as places free up: whoever can write "
+                        "cards cannot make the router check and track without bound "
+                        "(default: 256)")
     p.set_defaults(func=run_router, _router_parser=p)
     return p
 
@@ -168,6 +174,7 @@ def build_config(args: argparse.Namespace) -> Any:
         startup_timeout_s=args.startup_timeout, connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout, first_byte_timeout_s=args.first_byte_timeout,
         max_outstanding_requests=args.max_outstanding_requests,
+        max_instances=args.max_instances,
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         max_client_connections=args.max_client_connections,
         api_key=resolve_api_key(args.api_key), kv_secret=secret,

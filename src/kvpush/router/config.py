@@ -115,6 +115,9 @@ class RouterConfig:
     #: --discover: the etcd prefix instances register under (a
     #: kvpush.discovery.target.EtcdTarget; None: the static lists only)
     discover: object | None = None
+    #: --discover: discovered instances taken at most; cards beyond are ignored (logged
+    #: at a bounded rate) until places free up
+    max_instances: int = 256
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -157,6 +160,8 @@ class RouterConfig:
                                     "load_weight must be 0 or more (load_weight finite)")
         if self.max_outstanding_requests < 1:
             raise RouterConfigError("max_outstanding_requests must be at least 1")
+        if self.max_instances < 1:
+            raise RouterConfigError("max_instances must be at least 1")
 
     @property
     def needs_prefill(self) -> bool:

@@ -40,6 +40,7 @@ from kvpush.discovery.etcd import EtcdClient, EtcdError, KeyValue, WatchEvent
 from kvpush.discovery.instance_spec import InstanceSpec
 from kvpush.discovery.target import EtcdTarget
 from kvpush.router.pool import Instance, Pool
+from kvpush.router.ratelog import LogBudget
 from kvpush.router.stopping import cancel_and_wait
 
 logger = logging.getLogger("kvpush.router")
@@ -48,6 +49,11 @@ logger = logging.getLogger("kvpush.router")
 PROBE_S = 1.0
 #: seconds between tries to reach etcd again
 RETRY_S = 0.5
+#: discovered instances a router takes at most (--max-instances)
+DEFAULT_MAX_INSTANCES = 256
+#: (key or URL, reason) pairs remembered so that each is logged once; past this many
+#: the memory starts again (a flood of ever new cards cannot grow it without bound)
+MAX_REMEMBERED = 4096
 
 
 class LinkState(enum.Enum):
@@ -71,8 +77,15 @@ def group_for(mode: str, role: str) -> str | None:
 
 class EtcdLink:
     def __init__(self, target: EtcdTarget, pool: Pool, mode: str,
-                 on_join: Callable[[Instance], None]) -> None:
+                 on_join: Callable[[Instance], None],
+                 max_instances: int = DEFAULT_MAX_INSTANCES) -> None:
         self.target, self.pool, self.mode, self.on_join = target, pool, mode, on_join
+        self.max_instances = max_instances
+        #: URLs with usable cards left out because the pool holds max_instances
+        #: discovered instances already (taken in, oldest first, as places free up)
+        self.waiting: dict[str, None] = {}
+        #: joins, leaves and ignored cards, logged at a bounded rate
+        self.log = LogBudget(logger)
         self.client = EtcdClient(target)
         self.state = LinkState.CONNECTING
         self.last_error: str | None = None
@@ -99,7 +112,8 @@ class EtcdLink:
         """The link's state for ``/health`` (public: no etcd address, no raw error) or,
         with ``detail``, for the operator view ``/router/instances``."""
         out: dict[str, Any] = {"state": self.state.value, "since": self.since,
-                               "instances": len(self.owned)}
+                               "instances": len(self.owned),
+                               "over_max_instances": len(self.waiting)}
         if detail:
             out.update(etcd=str(self.target), error=self.last_error)
         else:
@@ -161,7 +175,7 @@ class EtcdLink:
 
     def _replace(self, kvs: list[KeyValue]) -> None:
         touched = set(self.owned) | set(self.by_url)
-        self.cards, self.by_url = {}, {}
+        self.cards, self.by_url, self.waiting = {}, {}, {}
         for kv in kvs:
             touched |= self._put(kv.key, kv.value, kv.mod_revision)
         self._reconcile(touched)
@@ -192,9 +206,8 @@ class EtcdLink:
         try:
             card = decode(value)
         except CardError as e:
-            if (key, str(e)) not in self._ignored:
-                self._ignored.add((key, str(e)))
-                logger.warning("etcd key %s ignored: %s", key, e)
+            if self._first_time(key, str(e)):
+                self.log.warning("etcd key %s ignored: %s", key, e)
             return touched
         entry = _Entry(revision, card)
         self.cards[key] = entry
@@ -204,6 +217,10 @@ class EtcdLink:
     def _reconcile(self, urls: set[str]) -> None:
         """Make the instances this link owns agree with the cards of ``urls``."""
         for url in sorted(urls):
+            self._settle(url)
+        while self.waiting and len(self.owned) < self.max_instances:
+            url = next(iter(self.waiting))
+            del self.waiting[url]
             self._settle(url)
         self.synced.set()
 
@@ -237,20 +254,27 @@ class EtcdLink:
                 return
             del self.owned[url]
             self.pool.remove_instance(url)
-            logger.info("%s instance %s (%s) left the pool (its key is gone from %s)",
-                        inst.role, url, inst.engine_id, self.target)
+            self.log.info("%s instance %s (%s) left the pool (its key is gone from %s)",
+                          inst.role, url, inst.engine_id, self.target)
+        self.waiting.pop(url, None)
         if not usable:
             return
         if self.pool.find(url) is not None:
             self._note_ignored(url, "it is on the command line already")
+            return
+        if len(self.owned) >= self.max_instances:
+            self.waiting[url] = None
+            self.log.warning("registered instance %s ignored: the router takes at most "
+                             "%d discovered instances (--max-instances); %d card URL(s) "
+                             "wait for a place", url, self.max_instances, len(self.waiting))
             return
         group = group_for(self.mode, usable[0].role)
         assert group is not None
         cards = tuple(c for c in usable if group_for(self.mode, c.role) == group)
         inst = self.pool.add_instance(InstanceSpec(url), group, cards=cards)
         self.owned[url] = inst
-        logger.info("%s instance %s (engine %s) joined from %s; checking it", group, url,
-                    cards[0].engine_id, self.target)
+        self.log.info("%s instance %s (engine %s) joined from %s; checking it", group, url,
+                      cards[0].engine_id, self.target)
         self.on_join(inst)
 
     def _update(self, inst: Instance, same: tuple[Card, ...], usable: list[Card]) -> None:
@@ -272,11 +296,18 @@ class EtcdLink:
                                              f"answers as engine {inst.engine_id}: kept as it "
                                              "is while it does")
             else:
-                logger.info("%s instance %s registered again (engine %s)", inst.role,
-                            inst.url, card.engine_id)
+                self.log.info("%s instance %s registered again (engine %s)", inst.role,
+                              inst.url, card.engine_id)
         self.on_join(inst)
 
     def _note_ignored(self, url: str, why: str) -> None:
-        if (url, why) not in self._ignored:
-            self._ignored.add((url, why))
-            logger.info("registered instance %s ignored: %s", url, why)
+        if self._first_time(url, why):
+            self.log.info("registered instance %s ignored: %s", url, why)
+
+    def _first_time(self, what: str, why: str) -> bool:
+        if (what, why) in self._ignored:
+            return False
+        if len(self._ignored) >= MAX_REMEMBERED:
+            self._ignored.clear()
+        self._ignored.add((what, why))
+        return True

@@ -35,6 +35,12 @@ logger = logging.getLogger("kvpush.router")
 
 #: health checks in a row that may time out before an instance in rotation leaves it
 SLOW_CHECKS_TOLERATED = 1
+#: checks of instances out of rotation that run at once (a flood of cards naming dead
+#: addresses waits here; checks of instances in rotation never do)
+CHECKS_AT_ONCE = 32
+#: the longest wait between checks of a discovered instance that has never passed one
+#: (it doubles from --health-interval with each failed check)
+MAX_BACKOFF_S = 30.0
 
 
 class RouterStartupError(RuntimeError):
@@ -66,6 +72,10 @@ class Instance:
     checked_at: float = field(default=0.0)
     #: health checks in a row that timed out while the instance was in rotation
     slow_checks: int = 0
+    #: a discovered instance that has never passed a check is checked again only from
+    #: then on (backing off: a card naming a dead address costs little)
+    next_check_at: float = 0.0
+    failed_checks: int = 0
     #: the legs waiting on it now (ended when a health check fails)
     watches: set[LegWatch] = field(default_factory=set)
     #: its cards in etcd, newest first, when it joined through discovery
@@ -134,6 +144,7 @@ class Pool:
         self.on_info: Callable[[Instance], None] | None = None
         #: called with each instance that left the pool (remove_instance)
         self.on_remove: Callable[[Instance], None] | None = None
+        self._check_slots = asyncio.Semaphore(CHECKS_AT_ONCE)
 
     @property
     def instances(self) -> list[Instance]:
@@ -265,7 +276,17 @@ class Pool:
         return None
 
     async def check(self, client: httpx.AsyncClient, inst: Instance) -> None:
-        """One health check: /health then /kv/info; updates the instance in place."""
+        """One health check: /health then /kv/info; updates the instance in place.
+
+        Checks of instances out of rotation run at most CHECKS_AT_ONCE at once."""
+        if inst.healthy:
+            await self._check(client, inst)
+            return
+        async with self._check_slots:
+            if inst in self.by_role[inst.role]:  # (not gone while it waited)
+                await self._check(client, inst)
+
+    async def _check(self, client: httpx.AsyncClient, inst: Instance) -> None:
         epoch = inst.epoch
         timeout = self.cfg.health_timeout_s
         try:
@@ -306,6 +327,7 @@ class Pool:
             return
         inst.slow_checks = 0
         inst.checked_at = time.monotonic()
+        inst.failed_checks = 0
         bad = self.verify(inst, info)
         if bad is not None:
             if inst.misconfigured != bad and self.running:  # start-up raises it instead
@@ -333,6 +355,10 @@ class Pool:
         inst.slow_checks = 0
         inst.checked_at = time.monotonic()
         inst.last_error = why
+        if inst.cards and inst.info is None:  # discovered, never admitted: back off
+            inst.failed_checks += 1
+            inst.next_check_at = inst.checked_at + min(
+                MAX_BACKOFF_S, self.cfg.health_interval_s * 2 ** min(inst.failed_checks, 16))
         if inst.healthy:
             inst.healthy = False
             if not quiet:
@@ -352,7 +378,9 @@ class Pool:
         return sorted(ids)
 
     async def check_all(self, client: httpx.AsyncClient) -> None:
-        await asyncio.gather(*(self.check(client, i) for i in self.instances))
+        now = time.monotonic()
+        await asyncio.gather(*(self.check(client, i) for i in self.instances
+                               if i.next_check_at <= now))
 
     def ready(self) -> bool:
         """Whether requests can be served: a healthy decode, and a healthy prefill unless
