@@ -114,6 +114,18 @@ def start_instances(model_dir: Path, specs: list[tuple[str, tuple[str, ...]]],
     return out
 
 
+def cluster_secret() -> bytes:
+    """The secret of the tests' instances and routers (server_helpers)."""
+    return os.environ.get("KVPUSH_KV_SECRET", server_helpers.TEST_KV_SECRET).encode()
+
+
+def signed(card: Any) -> Any:
+    """``card`` (kvpush.discovery.card) signed as an instance of the tests' cluster would."""
+    from kvpush.discovery.card import sign
+
+    return sign(card, cluster_secret())
+
+
 class RouterThread:
     """`build_app(Router(cfg))` served by uvicorn on a free port in a daemon thread."""
 
@@ -125,8 +137,7 @@ class RouterThread:
         kw.setdefault("health_timeout_s", 1.0)
         kw.setdefault("startup_timeout_s", 20.0)
         kw.setdefault("request_timeout_s", 60.0)
-        kw.setdefault("kv_secret", os.environ.get("KVPUSH_KV_SECRET",
-                                                  server_helpers.TEST_KV_SECRET).encode())
+        kw.setdefault("kv_secret", cluster_secret())
         self.cfg = RouterConfig(mode=mode, prefill=tuple(parse_instance(u) for u in prefill),
                                 decode=tuple(parse_instance(u) for u in decode), **kw)
         self.router = Router(self.cfg)

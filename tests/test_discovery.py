@@ -16,12 +16,21 @@ import httpx
 import pytest
 
 from etcd_helpers import EtcdServer, require_etcd
-from kvpush.discovery.card import Card, CardError, card_from_info, decode, encode, mismatch
+from kvpush.discovery.card import (
+    Card,
+    CardError,
+    card_from_info,
+    decode,
+    encode,
+    mismatch,
+    sign,
+)
 from kvpush.discovery.etcd import EtcdClient, EtcdError, prefix_end
 from kvpush.discovery.instance_spec import InstanceSpec
 from kvpush.discovery.target import EtcdAuth, TargetError, parse_target, resolve_auth
 from kvpush.router.config import RouterConfig, RouterConfigError
 
+SECRET = b"discovery-test-secret"
 INFO = {"role": "decode", "engine_id": "decode-1", "side_channel": "127.0.0.1:5000",
         "kv_transfer": "push", "model": "m", "block_size": 16,
         "layout": {"num_layers": 2}, "kv_params_signed": True, "num_free_blocks": 3}
@@ -110,7 +119,7 @@ def test_card_round_trip_and_checks():
 def test_pool_add_remove_keeps_rotation_consistent():
     from kvpush.router.pool import Pool
 
-    cfg = RouterConfig(mode="push", prefill=(), decode=(), discover=object())
+    cfg = RouterConfig(mode="push", prefill=(), decode=(), discover=object(), kv_secret=SECRET)
     pool = Pool(cfg)
     removed = []
     pool.on_remove = removed.append
@@ -135,7 +144,11 @@ def test_pool_add_remove_keeps_rotation_consistent():
 def test_router_config_needs_instances_unless_discovering():
     with pytest.raises(RouterConfigError):
         RouterConfig(mode="push", prefill=(), decode=())
-    RouterConfig(mode="push", prefill=(), decode=(), discover=parse_target("etcd://h:1/x"))
+    RouterConfig(mode="push", prefill=(), decode=(), discover=parse_target("etcd://h:1/x"),
+                 kv_secret=SECRET)
+    with pytest.raises(RouterConfigError, match="needs the cluster secret"):
+        RouterConfig(mode="push", prefill=(), decode=(),
+                     discover=parse_target("etcd://h:1/x"))
 
 
 def test_cli_refuses_bad_membership_flags(tmp_path):
@@ -193,7 +206,7 @@ def test_register_and_discover_with_auth(etcd_auth, caplog):
     server, pw = etcd_auth
     auth = resolve_auth(_ns(etcd_user="root", etcd_password_file=str(pw)), env={})
     target = parse_target(server.url("auth"), auth)
-    card = card_from_info("http://127.0.0.1:8001", INFO)
+    card = sign(card_from_info("http://127.0.0.1:8001", INFO), SECRET)
     caplog.set_level(logging.DEBUG)
 
     async def go() -> None:
@@ -209,7 +222,8 @@ def test_register_and_discover_with_auth(etcd_auth, caplog):
         assert "wrong-pw-2" not in str(exc.value)
         await wrong.aclose()
 
-        pool = Pool(RouterConfig(mode="push", prefill=(), decode=(), discover=target))
+        pool = Pool(RouterConfig(mode="push", prefill=(), decode=(), discover=target,
+                                 kv_secret=SECRET))
         joined = []
         link = EtcdLink(target, pool, "push", joined.append)
         link.start()
@@ -274,7 +288,7 @@ def test_router_started_while_etcd_is_down_catches_up(tmp_path):
     within its first-view wait, and takes the cards in once etcd answers."""
     import time
 
-    from router_helpers import RouterThread, wait_until
+    from router_helpers import RouterThread, signed, wait_until
 
     require_etcd()
     server = EtcdServer(tmp_path / "data", tmp_path)
@@ -290,7 +304,7 @@ def test_router_started_while_etcd_is_down_catches_up(tmp_path):
         view = httpx.get(rt.url + "/router/instances", timeout=5).json()["membership"]
         assert etcd_port in view["etcd"] and view["error"]  # the operator's view
         server.start()
-        card = card_from_info("http://127.0.0.1:9", INFO)
+        card = signed(card_from_info("http://127.0.0.1:9", INFO))
 
         server.put("/kvpush/instances/decode/decode-1", encode(card))
         wait_until(lambda: [i["url"] for i in rt.instances()] == [card.url], 10,
@@ -352,7 +366,7 @@ def test_register_and_discover_over_tls(tmp_path):
                             etcd_key=str(tmp_path / "client.key")), env={})
     target = parse_target(f"etcd://127.0.0.1:{port}/tls", auth)
     assert target.endpoint.startswith("https://")
-    card = card_from_info("http://127.0.0.1:8003", INFO)
+    card = sign(card_from_info("http://127.0.0.1:8003", INFO), SECRET)
 
     async def go() -> None:
         c = EtcdClient(target)
@@ -366,7 +380,8 @@ def test_register_and_discover_over_tls(tmp_path):
         with pytest.raises(EtcdError):
             await no_cert.get_prefix("/tls/")
         await no_cert.aclose()
-        pool = Pool(RouterConfig(mode="push", prefill=(), decode=(), discover=target))
+        pool = Pool(RouterConfig(mode="push", prefill=(), decode=(), discover=target,
+                                 kv_secret=SECRET))
         link = EtcdLink(target, pool, "push", lambda inst: None)
         link.start()
         reg = Registrar(target, card, ttl_s=3)
@@ -438,7 +453,7 @@ def test_a_router_start_cut_short_stops_its_etcd_watch():
 
     async def go() -> None:
         router = Router(RouterConfig(mode="push", prefill=(), decode=(), discover=parse_target(
-            f"etcd://127.0.0.1:{free_port()}/x")))
+            f"etcd://127.0.0.1:{free_port()}/x"), kv_secret=SECRET))
         start = asyncio.create_task(router.start())
         for _ in range(200):  # bounded: the link starts at once
             if router.discovery is not None:

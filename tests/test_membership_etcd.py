@@ -21,7 +21,7 @@ import pytest
 
 from etcd_helpers import EtcdServer, require_etcd
 from kvpush.discovery.target import parse_target
-from router_helpers import Instance, RouterThread, start_instances, wait_until
+from router_helpers import Instance, RouterThread, signed, start_instances, wait_until
 
 require_etcd()  # skips the module, saying why, where no etcd binary can be had
 
@@ -242,7 +242,7 @@ def test_etcd_restart_keeps_view_and_catches_up(etcd, base):
         wait_until(lambda: len(etcd.registered()) == 2, 10, "both keys still there")
         ghost = card_from_info("http://127.0.0.1:9", {**d1.get("/kv/info"),
                                                       "engine_id": "ghost"})
-        etcd.put("/kvpush/instances/decode/ghost", encode(ghost))
+        etcd.put("/kvpush/instances/decode/ghost", encode(signed(ghost)))
         wait_until(lambda: ghost.url in pool(rt), 2, "a card written after the restart")
         assert ghost.url not in healthy(rt)  # it does not answer: no traffic
         etcd.delete("/kvpush/instances/decode/ghost")
@@ -280,10 +280,14 @@ def test_card_that_does_not_match_is_refused(etcd, base):
 
     p0, d1 = base.prefill, base.decode
     info = d1.get("/kv/info")
-    forged = card_from_info(d1.url, {**info, "engine_id": "not-d1"})
+    stale = card_from_info(d1.url, {**info, "engine_id": "not-d1"})
 
-    etcd.put("/forged/instances/decode/not-d1", encode(forged))
+    # signed (a stale card of the cluster's own), but the instance is not what it says
+    etcd.put("/forged/instances/decode/not-d1", encode(signed(stale)))
     etcd.put("/forged/instances/decode/junk", b"{not a card")
+    # unsigned: dropped before anything connects to the URL it names
+    etcd.put("/forged/instances/decode/unsigned",
+             encode(card_from_info("http://127.0.0.1:9", {**info, "engine_id": "u"})))
     rt = RouterThread("push", [p0.url], [], discover=parse_target(etcd.url("forged")))
     try:
         def state() -> dict:
@@ -293,6 +297,7 @@ def test_card_that_does_not_match_is_refused(etcd, base):
         assert "does not match its /kv/info" in state()["misconfigured"]
         assert "engine_id" in state()["misconfigured"]
         assert not state()["healthy"]
+        assert "http://127.0.0.1:9" not in {i["url"] for i in rt.instances()}
         r = httpx.post(rt.url + "/v1/completions", json=BODY, timeout=30)
         assert r.status_code == 503  # no usable decode: the forged one gets nothing
         h = httpx.get(rt.url + "/health", timeout=5)
@@ -316,7 +321,7 @@ def test_router_started_before_its_instances(etcd, base):
         for inst in (p0, d1):
             info = inst.get("/kv/info")
             etcd.put(f"/late/instances/{info['role']}/{info['engine_id']}",
-                     encode(card_from_info(inst.url, info)))
+                     encode(signed(card_from_info(inst.url, info))))
         wait_until(lambda: set(healthy(rt)) == {p0.url, d1.url}, 10, "both joined")
         tok = rt.router.cache.tokenizer
         wait_until(lambda: tok.state.value == "ready", 20, f"tokenizer loaded ({tok.why})")
@@ -345,7 +350,8 @@ def test_a_card_cannot_evict_a_working_instance(etcd, base, caplog):
         t.wait_count(4)
         info = d1.get("/kv/info")
         key = "/kvpush/instances/decode/impostor"
-        etcd.put(key, encode(card_from_info(d1.url, {**info, "engine_id": "impostor"})))
+        impostor = card_from_info(d1.url, {**info, "engine_id": "impostor"})
+        etcd.put(key, encode(signed(impostor)))
         wait_until(lambda: "impostor" in caplog.text, 5, "the card seen")
         before = next(i["requests"] for i in rt.instances() if i["url"] == d1.url)
         t.wait_count(10)
@@ -358,3 +364,64 @@ def test_a_card_cannot_evict_a_working_instance(etcd, base, caplog):
         free_blocks_back([p0, d1])
     finally:
         rt.stop()
+
+
+def test_a_fake_copying_a_real_instance_is_never_admitted(etcd, base):
+    """A fake decode whose /kv/info is the real decode's, and which relays the router's
+    challenge to the real decode (issue 53.1): given on the router's command line or by
+    a card (signed, naming the fake's URL with the real identity), it never gets into
+    rotation, never sees the router's API key, never receives a prompt."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
+
+    from kvpush.discovery.card import card_from_info, encode
+    from server_helpers import uvicorn_server
+
+    p0, d1 = base.prefill, base.decode
+    info = d1.get("/kv/info")
+    seen: list[tuple[str, str | None]] = []
+    app = FastAPI()
+
+    @app.middleware("http")
+    async def record(request: Request, call_next):  # noqa: ANN001, ANN202
+        seen.append((request.url.path, request.headers.get("authorization")))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/kv/info")
+    async def kv_info() -> Response:
+        return JSONResponse(info)
+
+    @app.post("/kv/prove")
+    async def relay(request: Request) -> Response:  # the real decode refuses the URL
+        async with httpx.AsyncClient() as c:
+            r = await c.post(d1.url + "/kv/prove", content=await request.body())
+        return Response(r.content, status_code=r.status_code,
+                        media_type="application/json")
+
+    with uvicorn_server(app) as fake_url:
+        etcd.put("/fake/instances/decode/copy",
+                 encode(signed(card_from_info(fake_url, info))))
+        static = RouterThread("push", [p0.url], [fake_url], wait=False, api_key="router-key")
+        found = RouterThread("push", [p0.url], [], discover=parse_target(etcd.url("fake")),
+                             api_key="router-key")
+        try:
+            for rt in (static, found):
+                def refused(rt: RouterThread = rt) -> bool:  # (the operator view needs
+                    inst = rt.router.pool.find(fake_url)   # an admin key: read it here)
+                    return inst is not None and "secret" in (inst.misconfigured or "")
+
+                wait_until(refused, 10, "the fake refused")
+                r = httpx.post(rt.url + "/v1/completions", json=BODY, timeout=30,
+                               headers={"Authorization": "Bearer router-key"})
+                assert r.status_code == 503, r.text
+            time.sleep(1.0)  # a few more health rounds
+            assert not any(rt.router.pool.find(fake_url).healthy for rt in (static, found))
+        finally:
+            static.stop()
+            found.stop()
+    assert {path for path, _ in seen} <= {"/health", "/kv/prove"}, seen
+    assert all(auth is None for _, auth in seen), seen

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from etcd_helpers import EtcdServer, require_etcd
 from kvpush.discovery.card import Card, encode
 from kvpush.discovery.target import parse_target
-from router_helpers import RouterThread, wait_until
+from router_helpers import RouterThread, signed, wait_until
 from server_helpers import uvicorn_server
 
 require_etcd()
@@ -57,9 +57,10 @@ def b64(data: bytes | str) -> str:
 
 
 def card(k: int) -> bytes:
-    """A well-formed card for a dead address (nothing listens on 127.0.0.1:1..)."""
-    return encode(Card(version=1, url=f"http://127.0.0.{1 + k // 60000}:{1 + k % 60000}",
-                       role="both", engine_id=f"flood-{k}", model="m"))
+    """A well-formed card for a dead address (nothing listens on 127.0.0.1:1..), signed
+    with the cluster's secret (unsigned ones are dropped at once: the cheap case)."""
+    return encode(signed(Card(version=1, role="both", engine_id=f"flood-{k}", model="m",
+                              url=f"http://127.0.0.{1 + k // 60000}:{1 + k % 60000}")))
 
 
 def put_all(etcd: EtcdServer, prefix: str, cards: list[bytes]) -> None:

@@ -81,7 +81,7 @@ def test_bad_input_is_a_4xx_in_openai_shape(model):
     never bothered, and the router serves the next request."""
     engine = FakeEngine(*model, token_delay=0)
     with uvicorn_server(build_app(engine)) as inst_url:
-        rt = RouterThread("colocated", [], [inst_url])
+        rt = RouterThread("colocated", [], [inst_url], kv_secret=None)
         try:
             with httpx.Client(timeout=30, headers={"content-type": "application/json"}) as c:
                 for path, raw, param in UNENCODABLE:
@@ -175,7 +175,7 @@ def test_client_hanging_up_after_done_counts_ok():
     inst = scripted_instance("both", "none", "both-1234abcd", free_port(),
                              {"answer": "done-then-hold"})
     with uvicorn_server(inst) as url:
-        rt = RouterThread("colocated", [], [url])
+        rt = RouterThread("colocated", [], [url], kv_secret=None)
         try:
             with httpx.Client(timeout=30) as c:
                 for _ in range(2):
@@ -223,7 +223,7 @@ def test_client_errors_name_no_internal_host_port_or_engine(caplog):
             u.rsplit(":", 1)[1] for u in (both_url, p_url, d_url)] + [
             str(side), "both-1234abcd", "vllm-prefill-east", "decode-77aa88bb", PEER_ENGINE,
             PEER_ADDR]
-        col = RouterThread("colocated", [], [both_url])
+        col = RouterThread("colocated", [], [both_url], kv_secret=None)
         try:
             with httpx.Client(timeout=30) as c:
                 body = {"prompt": "hi", "max_tokens": 2}
@@ -250,8 +250,9 @@ def test_client_errors_name_no_internal_host_port_or_engine(caplog):
                 texts.append(sse)
         finally:
             col.stop()
-        pull = RouterThread("pull", [p_url], [d_url])
-        dead = RouterThread("pull", [f"http://127.0.0.1:{free_port()}"], [d_url], wait=False)
+        pull = RouterThread("pull", [p_url], [d_url], kv_secret=None)
+        dead = RouterThread("pull", [f"http://127.0.0.1:{free_port()}"], [d_url], wait=False,
+                            kv_secret=None)
         try:
             with httpx.Client(timeout=30) as c:
                 r = c.post(pull.url + "/v1/completions", json={"prompt": "hi"})
@@ -355,7 +356,8 @@ def test_requests_beyond_the_bound_get_429(model):
     engine = FakeEngine(*model, token_delay=0.05)
     body = {"prompt": "one two three", "max_tokens": 60, "ignore_eos": True, "stream": True}
     with uvicorn_server(build_app(engine)) as inst_url:
-        rt = RouterThread("colocated", [], [inst_url], max_outstanding_requests=2)
+        rt = RouterThread("colocated", [], [inst_url], max_outstanding_requests=2,
+                          kv_secret=None)
         try:
             with httpx.Client(timeout=30) as c1, httpx.Client(timeout=30) as c2, \
                     c1.stream("POST", rt.url + "/v1/completions", json=body) as s1, \

@@ -3,7 +3,8 @@ frame cap with an error frame; a non-streaming answer (decode's, or a prefill le
 above the answer cap is a 502; each stream byte is scanned for a frame end once; the
 router's memory stays within the caps and /health keeps answering meanwhile.
 
-The instances are small fake apps in this process (uvicorn threads); every wait is
+The instances are small fake apps in this process (uvicorn threads), which hold no
+cluster secret: the routers here have none either and take them on trust; every wait is
 bounded.
 """
 
@@ -133,7 +134,7 @@ def test_endless_frame_and_huge_answers_are_cut():
     Within seconds, /health answering all along, the router's memory within the caps."""
     inst = endless_instance("both", "none", 300 * MiB)
     with uvicorn_server(inst) as url:
-        rt = RouterThread("colocated", [], [url])
+        rt = RouterThread("colocated", [], [url], kv_secret=None)
         try:
             with watched(rt.url) as seen, httpx.Client(timeout=60) as c:
                 t0 = time.monotonic()
@@ -171,7 +172,7 @@ def test_huge_prefill_answer_is_a_502():
     p = endless_instance("prefill", "pull", 300 * MiB)
     d = endless_instance("decode", "pull", 0)
     with uvicorn_server(p) as p_url, uvicorn_server(d) as d_url:
-        rt = RouterThread("pull", [p_url], [d_url])
+        rt = RouterThread("pull", [p_url], [d_url], kv_secret=None)
         try:
             with httpx.Client(timeout=60) as c:
                 r = c.post(rt.url + "/v1/completions", json={"prompt": "hi"})

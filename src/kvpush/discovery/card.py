@@ -2,18 +2,23 @@
 
 Built from its own ``/kv/info`` (role, engine id, side channel, request plane, transfer
 mode, model, KV layout, whether it acts only on signed kv_transfer_params) plus the HTTP
-URL routers reach it at. A router takes an instance into rotation only when the instance's
-``/kv/info`` answers the same identity (:func:`mismatch`): a card is a claim, the
-instance's own answer is the evidence, and a stale or forged card cannot steer traffic
-to an instance that is not what it says.
+URL routers reach it at, signed with a key derived from the cluster secret (:func:`sign`). A router
+drops a card whose signature does not verify (:func:`signature_problem`) before it
+connects to anything the card names, and takes an instance into rotation only when the
+instance has proved it holds the secret (kvpush.crypto.membership) and its ``/kv/info``
+answers the same identity (:func:`mismatch`): a card is a claim, the instance's own
+answer is the evidence.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
+
+from kvpush.crypto.membership import card_key, card_mac, card_mac_holds
 
 CARD_VERSION = 1
 
@@ -35,6 +40,8 @@ class Card(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     block_size: int | None = None
     layout: dict[str, Any] | None = None
     kv_params_signed: bool = False
+    #: card_mac over the rest (canonical JSON), keyed from the cluster secret
+    signature: str | None = None
 
 
 class CardError(ValueError):
@@ -48,6 +55,28 @@ def card_from_info(url: str, info: dict[str, Any]) -> Card:
                 request_plane=info.get("request_plane"),
                 block_size=info.get("block_size"), layout=info.get("layout"),
                 kv_params_signed=bool(info.get("kv_params_signed")))
+
+
+def _signed_bytes(card: Card) -> bytes:
+    body = msgspec.to_builtins(msgspec.structs.replace(card, signature=None))
+    return json.dumps(body, sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=True).encode()
+
+
+def sign(card: Card, secret: bytes) -> Card:
+    """``card`` signed with the card key of the cluster secret."""
+    return msgspec.structs.replace(card, signature=card_mac(card_key(secret),
+                                                            _signed_bytes(card)))
+
+
+def signature_problem(card: Card, key: bytes) -> str | None:
+    """Why ``card`` was not signed with the card key ``key``, or None."""
+    if card.signature is None:
+        return "the card is not signed (an instance without the cluster secret?)"
+    if not card_mac_holds(key, _signed_bytes(card), card.signature):
+        return ("its signature does not verify: written by someone without this "
+                "cluster's secret, or altered")
+    return None
 
 
 def encode(card: Card) -> bytes:

@@ -48,7 +48,10 @@ def add_register_args(p: argparse.ArgumentParser) -> None:
                         "(default: 10, at least 2)")
     g.add_argument("--advertise-url", type=http_url, metavar="URL",
                    help="the URL routers reach this instance at (default: http://HOST:PORT "
-                        "of --host/--port; needed when --host is a wildcard)")
+                        "of --host/--port; needed when --host is a wildcard). The instance "
+                        "proves its membership (POST /kv/prove) for this URL and for the "
+                        "address a router's challenge comes in on, no other: behind NAT "
+                        "(a Kubernetes Service) give the URL routers use")
     g.add_argument("--drain-grace", type=cli_types.seconds, default=1.0, metavar="SECONDS",
                    help="on SIGTERM, how long the instance keeps taking requests after its "
                         "key is deleted, for the routers to see it go (default: 1)")

@@ -151,7 +151,7 @@ class Router:
             # of a stream has its own, shorter bound: Legs.relay)
             timeout=httpx.Timeout(c.first_byte_timeout_s, connect=c.connect_timeout_s),
             transport=transport, trust_env=False,
-            headers=auth_header(c.api_key),  # /kv/info, health, legs, /kv/abort
+            headers=auth_header(c.api_key),  # legs, /kv/abort, /v1/models (proven instances)
         )
 
     def make_health_client(self) -> httpx.AsyncClient:
@@ -161,7 +161,9 @@ class Router:
         return httpx.AsyncClient(
             timeout=httpx.Timeout(self.cfg.health_timeout_s),
             transport=httpx.AsyncHTTPTransport(limits=limits, trust_env=False),
-            trust_env=False, headers=auth_header(self.cfg.api_key))
+            # no API key by default: an instance gets it only once it has proved that it
+            # holds the cluster secret (Pool.check adds it to /kv/info then)
+            trust_env=False)
 
     async def start(self, wait: bool = True) -> None:
         """Open the clients, wait for the instances (see Pool.wait_ready; raises

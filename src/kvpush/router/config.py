@@ -13,6 +13,7 @@ from typing import Literal
 
 from kvpush.crypto.auth import grant_key
 from kvpush.crypto.curve import REQUEST_PLANE_PURPOSE, CurveKeys, derive_curve_keys
+from kvpush.crypto.membership import card_key, proof_key
 from kvpush.discovery.instance_spec import InstanceSpec
 from kvpush.kv_cache.event_keys import EventKeys
 
@@ -26,13 +27,16 @@ POLICIES: tuple[str, ...] = ("round-robin", "least-outstanding", "cache-aware")
 
 @dataclass(frozen=True, repr=False)
 class RouterKeys:
-    """The router's share of the cluster secret: the grant key and the KV-event keys,
-    nothing that lets it join the side channel (docs/SECURITY.md)."""
+    """The router's share of the cluster secret: the grant key, the KV-event keys and
+    the membership keys (to check cards and instances' proofs), nothing that lets it
+    join the side channel (docs/SECURITY.md)."""
 
     grant_key: bytes
     events: EventKeys
     #: the request plane's CURVE keys (the router is a client of the engine cores')
     request_plane: CurveKeys
+    proof_key: bytes
+    card_key: bytes
 
     def __repr__(self) -> str:  # never show a key
         return "RouterKeys(...)"
@@ -40,7 +44,8 @@ class RouterKeys:
     @classmethod
     def from_secret(cls, secret: bytes) -> RouterKeys:
         return cls(grant_key(secret), EventKeys.from_secret(secret),
-                   derive_curve_keys(secret, REQUEST_PLANE_PURPOSE))
+                   derive_curve_keys(secret, REQUEST_PLANE_PURPOSE), proof_key(secret),
+                   card_key(secret))
 
 
 class RouterConfigError(ValueError):
@@ -160,6 +165,11 @@ class RouterConfig:
                                     "load_weight must be 0 or more (load_weight finite)")
         if self.max_outstanding_requests < 1:
             raise RouterConfigError("max_outstanding_requests must be at least 1")
+        if self.discover is not None and self.kv_secret is None:
+            raise RouterConfigError(
+                "--discover needs the cluster secret (--kv-secret-file or KVPUSH_KV_SECRET): "
+                "cards in etcd are signed with it, and instances prove they hold it before "
+                "they get traffic")
         if self.max_instances < 1:
             raise RouterConfigError("max_instances must be at least 1")
 

@@ -5,10 +5,12 @@ Lifecycle of the view (:class:`EtcdLink`)::
 
     CONNECTING -> WATCHING -> UNREACHABLE -> WATCHING -> ...
 
-CONNECTING/UNREACHABLE: read every card under the prefix (a range), make the pool agree
-with them, then WATCHING: a watch from the range's revision on applies each change as it
-comes (a card put: the instance joins, out of rotation until its health check passes and
-its ``/kv/info`` agrees with the card; a key deleted, by drain or lease expiry: it
+CONNECTING/UNREACHABLE: read every card under the prefix (a range; a card that is not
+signed with the cluster secret's card key is dropped, logged, before anything connects
+to what it names), make the pool agree with them, then WATCHING: a watch from the
+range's revision on applies each change as it comes (a card put: the instance joins,
+out of rotation until its health check passes, it has proved that it holds the cluster
+secret and its ``/kv/info`` agrees with the card; a key deleted, by drain or lease expiry: it
 leaves, its legs in flight go on). etcd is probed every ``PROBE_S`` while watching; when
 the watch breaks or the probe fails the router keeps its last view (UNREACHABLE, shown
 in ``/health`` and logged once), retries every ``RETRY_S``, and on reconnecting reads
@@ -35,10 +37,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvpush.discovery.card import Card, CardError, decode, mismatch
+from kvpush.discovery.card import Card, CardError, decode, mismatch, signature_problem
 from kvpush.discovery.etcd import EtcdClient, EtcdError, KeyValue, WatchEvent
 from kvpush.discovery.instance_spec import InstanceSpec
 from kvpush.discovery.target import EtcdTarget
+from kvpush.router.config import RouterKeys
 from kvpush.router.pool import Instance, Pool
 from kvpush.router.ratelog import LogBudget
 from kvpush.router.stopping import cancel_and_wait
@@ -205,6 +208,11 @@ class EtcdLink:
         touched = self._drop(key)
         try:
             card = decode(value)
+            keys = self.pool.cfg.kv_secret
+            bad = (signature_problem(card, keys.card_key) if isinstance(keys, RouterKeys)
+                   else "the router has no cluster secret to check its signature with")
+            if bad is not None:
+                raise CardError(bad)
         except CardError as e:
             if self._first_time(key, str(e)):
                 self.log.warning("etcd key %s ignored: %s", key, e)

@@ -2,9 +2,13 @@
 that picks one for each leg.
 
 Every instance is checked at start-up and every ``health_interval_s`` after:
-``GET /health`` must answer 200 and ``GET /kv/info`` must show the role and transfer mode
-the router uses it for (kvpush instances); an instance whose ``/kv/info`` answers 404
-(vLLM) is taken on the operator's word, with the identity given in its URL spec. An
+``GET /health`` must answer 200; with the cluster secret, the instance must prove it
+holds it (``POST /kv/prove``, kvpush.router.admit) before it gets the API key, once
+after it joins and again after any failed check; ``GET /kv/info`` must show the
+identity proved and the role and transfer mode the router uses it for (kvpush
+instances). An instance from the command line whose ``/kv/prove`` and ``/kv/info``
+answer 404 (vLLM) is taken on the operator's word, with the identity given in its URL
+spec; one from etcd never is. An
 instance that fails a check, or on which a request hits a connection error, leaves the
 rotation at once (but for one check in a row that only timed out: a busy instance, not
 a dead one); the next check that passes brings it back, with its identity read
@@ -28,8 +32,10 @@ from typing import Any
 import httpx
 
 from kvpush.discovery.instance_spec import Identity, InstanceSpec
-from kvpush.router.config import RouterConfig, RouterConfigError
+from kvpush.router.admit import CannotProve, ProofFailed, Proven, identity_problem, prove
+from kvpush.router.config import RouterConfig, RouterConfigError, RouterKeys
 from kvpush.router.watch import LegWatch, end_all
+from kvpush.server.auth import auth_header
 
 logger = logging.getLogger("kvpush.router")
 
@@ -76,6 +82,9 @@ class Instance:
     #: then on (backing off: a card naming a dead address costs little)
     next_check_at: float = 0.0
     failed_checks: int = 0
+    #: the identity it proved holding the cluster secret (kvpush.router.admit); None
+    #: until it has, and again after any failed check or failed request
+    proven: Proven | None = None
     #: the legs waiting on it now (ended when a health check fails)
     watches: set[LegWatch] = field(default_factory=set)
     #: its cards in etcd, newest first, when it joined through discovery
@@ -231,6 +240,7 @@ class Pool:
 
     def mark_failed(self, inst: Instance, why: str) -> None:
         """A request could not reach the instance: out of rotation until a check passes."""
+        inst.proven = None
         inst.failures += 1
         inst.epoch += 1
         inst.last_error = why
@@ -294,17 +304,28 @@ class Pool:
             if r.status_code != 200:
                 self._down(inst, f"/health answered HTTP {r.status_code}")
                 return
-            k = await client.get(inst.url + "/kv/info", timeout=timeout)
-            if k.status_code == 404:
-                info = None
-            elif k.status_code != 200:
-                self._down(inst, f"/kv/info answered HTTP {k.status_code}")
-                return
-            else:
-                info = k.json()
-                if not isinstance(info, dict):
-                    self._down(inst, "/kv/info did not answer a JSON object")
+            keys = self.cfg.kv_secret
+            if isinstance(keys, RouterKeys) and inst.proven is None:
+                # no API key, no prompt, no grant before the proof (kvpush.router.admit)
+                bad = await self._prove(client, inst, keys.proof_key)
+                if bad is not None:
+                    self._refuse(inst, bad)
                     return
+            if isinstance(keys, RouterKeys) and inst.proven is None:
+                info = None  # not kvpush, from the command line: /kv/info was 404
+            else:
+                k = await client.get(inst.url + "/kv/info", timeout=timeout,
+                                     headers=auth_header(self.cfg.api_key))
+                if k.status_code == 404:
+                    info = None
+                elif k.status_code != 200:
+                    self._down(inst, f"/kv/info answered HTTP {k.status_code}")
+                    return
+                else:
+                    info = k.json()
+                    if not isinstance(info, dict):
+                        self._down(inst, "/kv/info did not answer a JSON object")
+                        return
         except (httpx.HTTPError, ValueError) as e:
             why = f"not answering: {describe_error(e)}"
             if (isinstance(e, httpx.TimeoutException) and inst.epoch == epoch
@@ -329,11 +350,11 @@ class Pool:
         inst.checked_at = time.monotonic()
         inst.failed_checks = 0
         bad = self.verify(inst, info)
+        if bad is None and inst.proven is not None:
+            bad = identity_problem(inst.proven, info) if info is not None else (
+                "it proved an identity, then its /kv/info answered 404")
         if bad is not None:
-            if inst.misconfigured != bad and self.running:  # start-up raises it instead
-                logger.error("%s instance %s kept out of rotation: %s", inst.role, inst.url, bad)
-            inst.misconfigured = bad
-            self._down(inst, bad, quiet=True)
+            self._refuse(inst, bad)
             return
         inst.misconfigured = None
         if inst.epoch != epoch:  # a request failed on it meanwhile: wait for the next check
@@ -351,7 +372,38 @@ class Pool:
             logger.info("%s instance %s restarted: engine %s -> %s", inst.role, inst.url, old,
                         inst.engine_id)
 
+    async def _prove(self, client: httpx.AsyncClient, inst: Instance,
+                     key: bytes) -> str | None:
+        """Prove ``inst`` (sets ``inst.proven``); why it cannot be admitted, or None.
+        Raises httpx errors (a failed check)."""
+        timeout = self.cfg.health_timeout_s
+        try:
+            inst.proven = await prove(client, inst.url, key, timeout)
+            return None
+        except ProofFailed as e:
+            return f"it did not prove that it holds the cluster secret: {e}"
+        except CannotProve:
+            pass
+        if inst.cards:
+            return ("it cannot prove that it holds the cluster secret (/kv/prove: 404), and "
+                    "instances that cannot prove are admitted only from the router's own "
+                    "command line, never from etcd")
+        k = await client.get(inst.url + "/kv/info", timeout=timeout)  # without the key
+        if k.status_code == 404:  # not kvpush (vLLM): on the operator's word
+            return None
+        return ("it answers /kv/info like a kvpush instance but cannot prove that it holds "
+                "the cluster secret (/kv/prove: 404): give it the router's secret "
+                "(--kv-secret-file), or it is not the instance it claims to be")
+
+    def _refuse(self, inst: Instance, bad: str) -> None:
+        """Out of rotation until a later check finds it usable (logged once a reason)."""
+        if inst.misconfigured != bad and self.running:  # start-up raises it instead
+            logger.error("%s instance %s kept out of rotation: %s", inst.role, inst.url, bad)
+        inst.misconfigured = bad
+        self._down(inst, bad, quiet=True)
+
     def _down(self, inst: Instance, why: str, quiet: bool = False) -> None:
+        inst.proven = None  # proved again at its next check (a restart, another server)
         inst.slow_checks = 0
         inst.checked_at = time.monotonic()
         inst.last_error = why

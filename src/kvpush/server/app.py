@@ -56,6 +56,7 @@ from kvpush.server.protocol import (
     ModelCard,
     ModelList,
 )
+from kvpush.server.prove import PROVE_PATH, ProveError, Prover
 
 logger = logging.getLogger("kvpush.server")
 
@@ -378,7 +379,8 @@ class OpenAIFront:
 def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
               api_key: str | None = None,
               max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
-              body_timeout_s: float = 30.0, admin_key: str | None = None) -> FastAPI:
+              body_timeout_s: float = 30.0, admin_key: str | None = None,
+              advertise_url: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``; its lifespan starts and shuts down the engine.
 
     With ``api_key`` every path but ``/health`` and ``/metrics`` needs ``Authorization:
@@ -388,6 +390,8 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
     (0: no bound; see kvpush.server.admission).
     A request body must be in within ``body_timeout_s`` of its headers, else 408 (the
     header deadline and the connection bound are the door's: kvpush.server.door).
+    With the cluster secret, ``POST /kv/prove`` answers routers' challenges for this
+    server's own URLs (``advertise_url`` among them; kvpush.server.prove).
     """
     server = OpenAIFront(engine, FrontSettings.of(engine.config), max_waiting_requests,
                          body_timeout_s)
@@ -395,6 +399,8 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
     #: /kv/abort's check (kv_abort.py): the router's signature, where params are signed
     abort_signer = (ParamsSigner(cfg.kv_transfer.side_channel_secret)
                     if cfg.kv_transfer.enabled and cfg.kv_transfer.params_signed else None)
+    secret = cfg.kv_transfer.side_channel_secret
+    prover = Prover(secret, advertise_url) if secret else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -447,6 +453,22 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
             err = to_api_error(exc) or APIError(f"no KV info: {exc}", status_code=503)
             return err.response()
         return JSONResponse(info)
+
+    @app.post(PROVE_PATH, summary="Prove to a router that this instance holds the cluster "
+                                  "secret (a challenge: nonce and URL)")
+    async def kv_prove(request: Request) -> Response:
+        if prover is None:
+            return APIError("this instance holds no cluster secret: it cannot prove "
+                            "membership", status_code=404).response()
+        try:
+            proof = await prover.answer(await request.body(), request.scope.get("server"),
+                                        engine.kv_info)
+        except ProveError as e:
+            return APIError(str(e), status_code=e.status).response()
+        except Exception as exc:  # noqa: BLE001 - the core is gone or failed the call
+            err = to_api_error(exc) or APIError(f"no KV info: {exc}", status_code=503)
+            return err.response()
+        return JSONResponse(proof)
 
     @app.get("/kv/cache_blocks",
              summary="Every block hash in the prefix cache, as of KV event batch seq")

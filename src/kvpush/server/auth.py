@@ -23,8 +23,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 #: Environment variable read when --api-key is not given.
 API_KEY_ENV = "KVPUSH_API_KEY"
 
-#: Paths served without the key.
-OPEN_PATHS = frozenset({"/health"})
+#: Paths served without the key (/kv/prove: a router sends its key to an instance only
+#: once the instance has proved it holds the cluster secret, kvpush.server.prove).
+OPEN_PATHS = frozenset({"/health", "/kv/prove"})
 
 #: Reasons a request is refused (label of the rejection counters).
 REJECT_REASONS = ("missing", "invalid")

@@ -570,7 +570,9 @@ def _serve(args: argparse.Namespace, config, engine, listener, api_key, log,
 
     app = build_app(engine, api_key=api_key, max_waiting_requests=args.max_waiting_requests,
                     body_timeout_s=args.body_timeout,
-                    admin_key=resolve_admin_key(getattr(args, "admin_key", None)))
+                    admin_key=resolve_admin_key(getattr(args, "admin_key", None)),
+                    advertise_url=(registration[1] if registration is not None
+                                   else getattr(args, "advertise_url", None)))
     if api_key is None and not cli_types.is_loopback(args.host):
         log.warning("listening on %s without an API key: anyone who reaches this address "
                     "can use the server (--api-key or KVPUSH_API_KEY)", args.host)
@@ -582,13 +584,16 @@ def _serve(args: argparse.Namespace, config, engine, listener, api_key, log,
     if registration is None:
         server = uvicorn.Server(uv_config)
     else:  # card written once started; on SIGTERM withdrawn before the drain
-        from kvpush.discovery.card import card_from_info
+        from kvpush.discovery.card import card_from_info, sign
         from kvpush.discovery.serve_hook import RegisteredServer
 
         target, url = registration
 
         async def make_card():  # /kv/info is a call to the engine core
-            return card_from_info(url, await engine.kv_info())
+            card = card_from_info(url, await engine.kv_info())
+            # signed: routers drop unsigned cards (an instance without the secret
+            # cannot join through etcd, only from a router's command line)
+            return sign(card, kvt.side_channel_secret) if kvt.side_channel_secret else card
 
         server = RegisteredServer(uv_config, target, make_card,
                                   ttl_s=args.register_ttl, drain_grace_s=args.drain_grace)

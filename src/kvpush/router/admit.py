@@ -1,0 +1,95 @@
+"""Proof before traffic: an instance gets no API key, no prompt and no grant until it
+has shown that it holds the cluster secret (kvpush.crypto.membership).
+
+:func:`prove` sends ``POST /kv/prove`` with a fresh nonce and the URL the router reaches
+the instance at, without the API key, and checks the MAC of the answer (engine id,
+role, side channel) with the router's proof key. The pool (kvpush.router.pool) proves an
+instance before it reads its ``/kv/info`` with the API key, checks that ``/kv/info``
+names the identity proved (:func:`identity_problem`), and proves it again after any
+failed check (a restarted instance, or another server now at its address).
+
+Instances that cannot prove (``/kv/prove`` answers 404: vLLM, or a kvpush instance
+without the secret) are admitted only from the router's own command line, and then
+only when ``/kv/info`` answers 404 too (not kvpush: taken on the operator's word, as
+before); a card in etcd never admits one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvpush.crypto.membership import new_nonce, proof_holds
+from kvpush.server.prove import PROVE_PATH
+
+
+@dataclass(frozen=True)
+class Proven:
+    """The identity an instance proved."""
+
+    engine_id: str
+    role: str
+    side_channel: str | None
+
+
+class CannotProve(Exception):
+    """The instance has no ``/kv/prove`` to answer with (404)."""
+
+
+class ProofFailed(Exception):
+    """The instance answered, but its answer proves nothing."""
+
+
+async def prove(client: httpx.AsyncClient, url: str, key: bytes, timeout: float) -> Proven:
+    """Challenge the instance at ``url``; its proven identity (raises CannotProve,
+    ProofFailed, or httpx errors)."""
+    nonce = new_nonce()
+    r = await client.post(url + PROVE_PATH, json={"nonce": nonce, "url": url},
+                          timeout=timeout)
+    if r.status_code == 404:
+        raise CannotProve(f"{PROVE_PATH} answered HTTP 404")
+    if r.status_code != 200:
+        raise ProofFailed(f"{PROVE_PATH} answered HTTP {r.status_code}: {_message(r)}")
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise ProofFailed(f"{PROVE_PATH} did not answer a JSON object")
+    engine_id, role, side = body.get("engine_id"), body.get("role"), body.get("side_channel")
+    if not (isinstance(engine_id, str) and isinstance(role, str)
+            and (side is None or isinstance(side, str))):
+        raise ProofFailed(f"{PROVE_PATH} answered a malformed proof")
+    if body.get("url") != url or not proof_holds(
+            key, body.get("mac"), nonce=nonce, url=url, engine_id=engine_id, role=role,
+            side_channel=side):
+        raise ProofFailed("its proof does not verify: it does not hold this cluster's "
+                          "secret (or answered for another URL)")
+    return Proven(engine_id, role, side)
+
+
+def identity_problem(proven: Proven, info: dict[str, Any]) -> str | None:
+    """Why ``/kv/info`` does not name the identity proved, or None."""
+    side = info.get("side_channel")
+    host, port = info.get("side_channel_host"), info.get("side_channel_port")
+    if (host is not None or port is not None) and f"{host}:{port}" != side:
+        return (f"its /kv/info names side channel {side!r} and {host}:{port}: "
+                "not one address")
+    have = (str(info.get("engine_id") or ""), str(info.get("role")),
+            side if isinstance(side, str) else None)
+    if have != (proven.engine_id, proven.role, proven.side_channel):
+        return (f"its /kv/info (engine {have[0]!r}, role {have[1]}, side channel "
+                f"{have[2]!r}) is not the identity it proved (engine "
+                f"{proven.engine_id!r}, role {proven.role}, side channel "
+                f"{proven.side_channel!r})")
+    return None
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        err = r.json().get("error")
+        return str(err.get("message") if isinstance(err, dict) else err)[:200]
+    except (ValueError, AttributeError):
+        return r.text[:200]
