@@ -34,10 +34,11 @@ INFO = {"role": "decode", "engine_id": "decode-1", "side_channel": "127.0.0.1:50
 
 
 def answering(info: dict, secret: bytes | None = SECRET, prove: bool = True,
-              seen: list | None = None) -> httpx.AsyncClient:
+              seen: list | None = None, proved: dict | None = None) -> httpx.AsyncClient:
     """A client whose every instance answers /health 200, /kv/info ``info`` and, with
     ``prove``, /kv/prove: with ``secret`` (a real instance), else with a made-up MAC (a
-    fake); ``seen`` collects (path, Authorization header) of each request."""
+    fake), for the identity in ``proved`` (default: ``info``); ``seen`` collects (path,
+    Authorization header) of each request."""
     def handle(request: httpx.Request) -> httpx.Response:
         if seen is not None:
             seen.append((request.url.path, request.headers.get("authorization")))
@@ -46,9 +47,9 @@ def answering(info: dict, secret: bytes | None = SECRET, prove: bool = True,
         if request.url.path == "/kv/info":
             return httpx.Response(200, json=info)
         if request.url.path == "/kv/prove" and prove:
-            c = json.loads(request.content)
-            ident = {"url": c["url"], "engine_id": info["engine_id"], "role": info["role"],
-                     "side_channel": info.get("side_channel")}
+            c, who = json.loads(request.content), proved or info
+            ident = {"url": c["url"], "engine_id": who["engine_id"], "role": who["role"],
+                     "side_channel": who.get("side_channel")}
             mac = (proof_mac(proof_key(secret), nonce=c["nonce"], **ident)
                    if secret is not None else "0" * 64)
             return httpx.Response(200, json={**ident, "mac": mac})
@@ -166,8 +167,17 @@ def test_a_proven_instance_gets_the_key_and_a_vllm_one_only_from_the_command_lin
         assert inst.healthy and inst.proven is not None
         assert seen == [("/health", None), ("/kv/prove", None),
                         ("/kv/info", "Bearer the-api-key")]
+        # proved at every check, the key only after the proof
+        await pool.check(real, inst)
+        assert inst.healthy and [p for p, _ in seen[3:]] == ["/health", "/kv/prove",
+                                                             "/kv/info"]
+        # another server at its address, no failed check between: out at the next check
+        await pool.check(answering(INFO, secret=None), inst)
+        assert not inst.healthy and "did not prove" in inst.misconfigured
+        await pool.check(real, inst)
+        assert inst.healthy
         # its /kv/info names another identity than it proved: out
-        await pool.check(answering({**INFO, "engine_id": "other"}, prove=False), inst)
+        await pool.check(answering({**INFO, "engine_id": "other"}, proved=INFO), inst)
         assert not inst.healthy and "not the identity it proved" in inst.misconfigured
         # no /kv/prove and no /kv/info (vLLM): from the command line only
         def vllm(request: httpx.Request) -> httpx.Response:

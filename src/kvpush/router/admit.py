@@ -4,9 +4,9 @@ has shown that it holds the cluster secret (kvpush.crypto.membership).
 :func:`prove` sends ``POST /kv/prove`` with a fresh nonce and the URL the router reaches
 the instance at, without the API key, and checks the MAC of the answer (engine id,
 role, side channel) with the router's proof key. The pool (kvpush.router.pool) proves an
-instance before it reads its ``/kv/info`` with the API key, checks that ``/kv/info``
-names the identity proved (:func:`identity_problem`), and proves it again after any
-failed check (a restarted instance, or another server now at its address).
+instance at every health check, before it reads its ``/kv/info`` with the API key, and
+checks that ``/kv/info`` names the identity proved (:func:`identity_problem`): a
+restarted instance, or another server now at its address, is caught at the next check.
 
 Instances that cannot prove (``/kv/prove`` answers 404: vLLM, or a kvpush instance
 without the secret) are admitted only from the router's own command line, and then

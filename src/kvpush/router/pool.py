@@ -3,8 +3,8 @@ that picks one for each leg.
 
 Every instance is checked at start-up and every ``health_interval_s`` after:
 ``GET /health`` must answer 200; with the cluster secret, the instance must prove it
-holds it (``POST /kv/prove``, kvpush.router.admit) before it gets the API key, once
-after it joins and again after any failed check; ``GET /kv/info`` must show the
+holds it (``POST /kv/prove``, kvpush.router.admit) at every check, before it gets the
+API key; ``GET /kv/info`` must show the
 identity proved and the role and transfer mode the router uses it for (kvpush
 instances). An instance from the command line whose ``/kv/prove`` and ``/kv/info``
 answer 404 (vLLM) is taken on the operator's word, with the identity given in its URL
@@ -82,8 +82,8 @@ class Instance:
     #: then on (backing off: a card naming a dead address costs little)
     next_check_at: float = 0.0
     failed_checks: int = 0
-    #: the identity it proved holding the cluster secret (kvpush.router.admit); None
-    #: until it has, and again after any failed check or failed request
+    #: the identity it proved holding the cluster secret at its last check
+    #: (kvpush.router.admit); None until it has, and after a failed check or request
     proven: Proven | None = None
     #: the legs waiting on it now (ended when a health check fails)
     watches: set[LegWatch] = field(default_factory=set)
@@ -305,8 +305,10 @@ class Pool:
                 self._down(inst, f"/health answered HTTP {r.status_code}")
                 return
             keys = self.cfg.kv_secret
-            if isinstance(keys, RouterKeys) and inst.proven is None:
-                # no API key, no prompt, no grant before the proof (kvpush.router.admit)
+            if isinstance(keys, RouterKeys):
+                # no API key, no prompt, no grant before the proof (kvpush.router.admit);
+                # proved at every check: another server at its address is caught there
+                inst.proven = None
                 bad = await self._prove(client, inst, keys.proof_key)
                 if bad is not None:
                     self._refuse(inst, bad)
