@@ -161,9 +161,44 @@ class ModelConfig:
             h.update(f"{f.name}:{f.stat().st_size}".encode())
         return f"{self.arch}-{self.num_layers}x{self.hidden_size}-{h.hexdigest()}"
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+        """K and V of one token, all layers; at tensor parallelism, one rank's share
+        (its KV heads: ``tp_kv_heads``)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        heads = len(tp_kv_heads(self, tensor_parallel_size, 0))
+        return 2 * self.num_layers * heads * self.head_dim * elem
+
+
+def tp_problem(model: ModelConfig, n: int) -> str | None:
+    """Why ``model`` cannot be split over ``n`` tensor-parallel ranks (None: it can).
+
+    Every rank takes an equal share of the attention heads and of the MLP's columns; the
+    KV heads are split too when ``n`` divides them, and replicated when ``n`` is a
+    multiple of them (each rank then holds the one KV head its query heads use)."""
+    if n < 1:
+        return f"--tensor-parallel-size must be 1 or more, got {n}"
+    if n == 1:
+        return None
+    if model.num_heads % n:
+        return (f"--tensor-parallel-size {n}: the model's {model.num_heads} attention "
+                f"heads do not divide by {n} (each rank takes an equal share of them)")
+    if model.num_kv_heads % n and n % model.num_kv_heads:
+        return (f"--tensor-parallel-size {n}: the model's {model.num_kv_heads} KV heads "
+                f"neither divide by {n} nor divide {n} (each rank holds an equal share "
+                "of them, or one KV head shared by an equal number of ranks)")
+    if model.intermediate_size % n:
+        return (f"--tensor-parallel-size {n}: the model's MLP width "
+                f"{model.intermediate_size} does not divide by {n}")
+    return None
+
+
+def tp_kv_heads(model: ModelConfig, n: int, rank: int) -> range:
+    """The KV heads rank ``rank`` of ``n`` holds (the model checked by ``tp_problem``):
+    ``num_kv_heads / n`` of them, or the one its query heads use when ``n`` exceeds
+    them (replicated on ``n / num_kv_heads`` ranks)."""
+    hkv = model.num_kv_heads
+    first = rank * hkv // n
+    return range(first, first + max(1, hkv // n))
 
 
 @dataclass(frozen=True)
@@ -297,6 +332,9 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str = ""
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    #: ranks the model is split over (one process each: kvpush.engine.tp); with more
+    #: than one, ``threads`` is each rank's and the KV cache figures are each rank's
+    tensor_parallel_size: int = 1
 
     @classmethod
     def build(
@@ -321,15 +359,32 @@ class EngineConfig:
         shuffle_free_blocks: int | None = None,
         seed: int = 0,
         kv_transfer: KVTransferConfig | None = None,
+        tensor_parallel_size: int = 1,
     ) -> EngineConfig:
         """Validate every knob once and return the frozen tree.
 
         ``dtype``: float32, bfloat16, float16 or ``auto`` (``resolve_dtype``). ``kvpush
         serve`` defaults to ``auto``; this API stays at float32, so code that compares
-        the engine with an fp32 reference (tests, benchmarks) gets fp32 on every host."""
+        the engine with an fp32 reference (tests, benchmarks) gets fp32 on every host.
+
+        ``tensor_parallel_size`` > 1: the model is split over that many ranks; ``threads``
+        is then each rank's (default: torch's count divided among the ranks) and
+        ``kv_cache_memory`` each rank's (its slice of every block)."""
         model = ModelConfig.from_dir(model_dir)
         kv_transfer = kv_transfer or KVTransferConfig()
         kv_transfer.validate()
+        tp = tensor_parallel_size
+        problem = tp_problem(model, tp)
+        if problem is not None:
+            raise ConfigError(problem)
+        if tp > 1 and kv_transfer.enabled:
+            raise ConfigError(
+                f"--tensor-parallel-size {tp} with --role {kv_transfer.role}: prefill/"
+                "decode disaggregation with tensor parallelism is not supported yet; run "
+                "P/D instances at --tensor-parallel-size 1, or a TP instance with --role "
+                "both")
+        if tp > 1 and threads is None:
+            threads = max(1, torch.get_num_threads() // tp)
         if kv_transfer.enabled and not kv_transfer.engine_id:
             import uuid
 
@@ -340,6 +395,13 @@ class EngineConfig:
             raise ConfigError(f"unknown device {device!r}; use cpu or cuda[:N]")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device")
+        if device.startswith("cuda") and tp > 1:
+            first = int(device.partition(":")[2] or 0)
+            if first + tp > torch.cuda.device_count():
+                raise ConfigError(
+                    f"--tensor-parallel-size {tp} on {device} needs CUDA devices {first} to "
+                    f"{first + tp - 1} (one per rank); torch sees "
+                    f"{torch.cuda.device_count()}")
         torch_dtype, dtype_reason = resolve_dtype(dtype, device)
         cache_dtype = resolve_dtype(kv_dtype, device)[0] if kv_dtype else torch_dtype
         if block_size <= 0 or block_size & (block_size - 1):
@@ -367,7 +429,7 @@ class EngineConfig:
                 "without chunked prefill --max-num-batched-tokens must be at least "
                 f"--max-model-len ({max_model_len}) so every prompt fits in one step"
             )
-        per_block = model.kv_bytes_per_token(cache_dtype) * block_size
+        per_block = model.kv_bytes_per_token(cache_dtype, tp) * block_size
         if num_blocks is not None and kv_cache_memory is not None:
             raise ConfigError("give either --num-blocks or --kv-cache-memory, not both")
         if num_blocks is None:
@@ -389,7 +451,7 @@ class EngineConfig:
             # DecodeKVCache holds at most max_num_seqs x max_model_len positions, in
             # the model's dtype
             dense_usable_bytes=max_num_seqs * max_model_len * model.kv_bytes_per_token(
-                torch_dtype),
+                torch_dtype, tp),
             dense=attention == "dense" and kv_transfer.role != "prefill",
             decode_cache_memory=decode_cache_memory,
         )
@@ -426,6 +488,7 @@ class EngineConfig:
             seed=seed,
             served_model_name=served_model_name or Path(model_dir).name,
             kv_transfer=kv_transfer,
+            tensor_parallel_size=tp,
         )
 
 

@@ -93,6 +93,9 @@ class DecoderModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        #: tensor parallelism (model/parallel.py): sums, in place, the ranks' partial
+        #: outputs of the row-parallel o and down projections (None: one rank)
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
         # the matmul of each projection (linear_pick.py): a fixed table, or timed on
         # this machine from the thread that runs the steps (ensure_linears)
         self.linear_mode = linear_mode()
@@ -181,6 +184,7 @@ class DecoderModel:
         T = input_ids.shape[0]
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qs, kvs = self.q_size, self.kv_size
+        reduce = self.all_reduce
         for i, lw in enumerate(self.layers):
             lin_qkv, lin_o, lin_gu, lin_down = self.layer_linears[i]
             x = self._norm(h, lw.input_norm)
@@ -201,12 +205,20 @@ class DecoderModel:
             attn = paged_attention(q, kv_new, kv[i], md, self.scale, i)
             if layer_done is not None:
                 layer_done(i)
-            h = h + lin_o(attn.reshape(T, qs), lw.o, lw.o_bias)
+            o = lin_o(attn.reshape(T, qs), lw.o, lw.o_bias)
+            if reduce is not None:
+                reduce(o)
+            h = h + o
             x = self._norm(h, lw.post_norm)
             gu = lin_gu(x, lw.gate_up, lw.gate_up_bias)
             gate, up = gu.chunk(2, dim=-1)
-            h = h + lin_down(F.silu(gate) * up, lw.down, lw.down_bias)
+            down = lin_down(F.silu(gate) * up, lw.down, lw.down_bias)
+            if reduce is not None:
+                reduce(down)
+            h = h + down
         if logits_idx is not None:
+            if not len(logits_idx):  # (a tensor-parallel rank other than 0: no logits)
+                return torch.empty((0, self.lm_head.shape[0]), device=h.device)
             h = h[logits_idx]
         h = self._norm(h, self.final_norm)
         return self.head_linear(h, self.lm_head).float()

@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from kvpush.config import ConfigError, ModelConfig
 from kvpush.model.llama import DecoderModel, LayerWeights
+from kvpush.model.parallel import TPShard
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -24,8 +25,11 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(
-    cfg: ModelConfig, dtype: torch.dtype, device: str, max_positions: int
+    cfg: ModelConfig, dtype: torch.dtype, device: str, max_positions: int,
+    shard: TPShard | None = None,
 ) -> DecoderModel:
+    """The model in ``cfg.path``; with ``shard``, only that tensor-parallel rank's part
+    (model/parallel.py: the caller sets the model's ``all_reduce``)."""
     raw = _read_tensors(Path(cfg.path))
 
     def take(name: str, required: bool = True) -> torch.Tensor | None:
@@ -53,21 +57,19 @@ def load_model(
         ub = take(p + "mlp.up_proj.bias", required=False)
         qn = take(p + "self_attn.q_norm.weight", required=cfg.arch == "qwen3")
         kn = take(p + "self_attn.k_norm.weight", required=cfg.arch == "qwen3")
-        layers.append(
-            LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
-                qkv=cat(q, k, v),
-                qkv_bias=cat(qb, kb, vb),
-                o=take(p + "self_attn.o_proj.weight"),
-                o_bias=take(p + "self_attn.o_proj.bias", required=False),
-                q_norm=qn,
-                k_norm=kn,
-                post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=cat(gate, up),
-                gate_up_bias=cat(gb, ub),
-                down=take(p + "mlp.down_proj.weight"),
-                down_bias=take(p + "mlp.down_proj.bias", required=False),
-            )
+        layer = LayerWeights(
+            input_norm=take(p + "input_layernorm.weight"),
+            qkv=cat(q, k, v),
+            qkv_bias=cat(qb, kb, vb),
+            o=take(p + "self_attn.o_proj.weight"),
+            o_bias=take(p + "self_attn.o_proj.bias", required=False),
+            q_norm=qn,
+            k_norm=kn,
+            post_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up=cat(gate, up),
+            gate_up_bias=cat(gb, ub),
+            down=take(p + "mlp.down_proj.weight"),
+            down_bias=take(p + "mlp.down_proj.bias", required=False),
         )
         expect_q = cfg.num_heads * cfg.head_dim
         if q.shape[0] != expect_q or k.shape[0] != cfg.num_kv_heads * cfg.head_dim:
@@ -75,6 +77,7 @@ def load_model(
                 f"{cfg.path}: layer {i} projection shapes {tuple(q.shape)}/{tuple(k.shape)} "
                 "do not match config heads/head_dim"
             )
+        layers.append(layer if shard is None else shard.shard_layer(layer, cfg))
     embed = take("model.embed_tokens.weight")
     final_norm = take("model.norm.weight")
     lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
@@ -83,4 +86,5 @@ def load_model(
     leftover = [n for n in raw if not n.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise ConfigError(f"{cfg.path}: unexpected weights {leftover[:5]}")
-    return DecoderModel(cfg, embed, layers, final_norm, lm_head, max_positions, device)
+    local = cfg if shard is None else shard.local_config(cfg)
+    return DecoderModel(local, embed, layers, final_norm, lm_head, max_positions, device)

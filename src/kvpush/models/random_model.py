@@ -56,6 +56,7 @@ _GAINS = {"lm_head": LM_HEAD_GAIN, "o_proj": RESID_GAIN, "down_proj": RESID_GAIN
 #: =============  ======  ======  =====  ========  ========  =====  =======  ==========
 #: tiny           2       64      4      2 (GQA2)  16        128    2048     50000
 #: tiny-gqa4      2       64      8      2 (GQA4)  32 (!=8)  128    2048     1000000
+#: tiny-mqa       2       64      4      1 (MQA)   16        128    2048     20000
 #: small          4       256     8      4 (GQA2)  32        512    4096     500000
 #: qwen3-32b-kv   64      256     8      8 (MHA)   128       512    32768    1000000
 #: bench          3       128     4      2 (GQA2)  32        256    2048     1000000
@@ -77,6 +78,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_hidden_layers=2, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
         head_dim=32, intermediate_size=128, max_position_embeddings=2048,
         rope_theta=1000000.0, vocab_size=1024,
+    ),
+    # one KV head: tensor parallelism replicates it on every rank
+    "tiny-mqa": dict(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, intermediate_size=128, max_position_embeddings=2048,
+        rope_theta=20000.0, vocab_size=1024,
     ),
     "small": dict(
         num_hidden_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
