@@ -154,7 +154,12 @@ def test_refused_flags_are_hidden_and_never_suggested(capsys):
 
 
 def test_serve_tensor_parallel_size(capsys):
-    _tensor_parallel_size(capsys, ["serve", "m"])
+    """serve takes N (the model's shape is checked at start: test_tensor_parallel.py)."""
+    assert _parse("serve", "m").tensor_parallel_size == 1
+    assert _parse("serve", "m", "--tensor-parallel-size", "4").tensor_parallel_size == 4
+    assert _parse("serve", "m", "-tp", "2").tensor_parallel_size == 2
+    err = _usage_error(capsys, "serve", "m", "-tp", "0")
+    assert "must be at least 1, got 0" in err
 
 
 def _tensor_parallel_size(capsys, command):
@@ -162,9 +167,9 @@ def _tensor_parallel_size(capsys, command):
     assert _parse(*command, "--tensor-parallel-size", "1").tensor_parallel_size == 1
     assert _parse(*command, "-tp", "1").tensor_parallel_size == 1
     err = _usage_error(capsys, *command, "-tp", "2")
-    assert "tensor parallelism is not implemented yet" in err
+    assert "tensor parallelism is not supported yet" in err
     err = _usage_error(capsys, *command, "--tensor-parallel-size", "8")
-    assert "tensor parallelism is not implemented yet" in err
+    assert "tensor parallelism is not supported yet" in err
 
 
 def test_prefix_caching_flags():

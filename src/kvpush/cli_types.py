@@ -158,14 +158,15 @@ def refuse_vllm_flags(parser: argparse.ArgumentParser,
             parser.add_argument(flag, action=_Refused, advice=advice)
 
 
-def tensor_parallel_size(text: str) -> int:
-    """vLLM's --tensor-parallel-size: 1 (a model on one device) is all kvpush runs."""
+def up_tensor_parallel_size(text: str) -> int:
+    """`kvpush up`'s --tensor-parallel-size: 1. It starts prefill/decode instances, and
+    P/D with tensor parallelism is not implemented yet (`kvpush serve` takes N)."""
     value = positive_int(text)
     if value != 1:
         raise argparse.ArgumentTypeError(
-            f"{value}: tensor parallelism is not implemented yet; kvpush runs each "
-            "instance's model on one device (1). Run more instances instead (`kvpush up "
-            "--prefill N --decode M`)")
+            f"{value}: `kvpush up` starts prefill/decode instances, and prefill/decode "
+            "disaggregation with tensor parallelism is not supported yet (1 only); "
+            "`kvpush serve --tensor-parallel-size N` runs one tensor-parallel instance")
     return value
 
 

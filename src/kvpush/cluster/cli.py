@@ -121,9 +121,10 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--dtype", metavar="DTYPE",
                      help="auto, float32, bfloat16 or float16; every instance of one "
                           "host resolves auto alike (default: serve's, auto)")
-    eng.add_argument("--tensor-parallel-size", "-tp", type=cli_types.tensor_parallel_size,
+    eng.add_argument("--tensor-parallel-size", "-tp", type=cli_types.up_tensor_parallel_size,
                      default=1, metavar="N",
-                     help="vLLM's flag: only 1, tensor parallelism is not implemented yet")
+                     help="vLLM's flag: only 1, prefill/decode with tensor parallelism is "
+                          "not supported yet (`kvpush serve -tp N` is)")
     eng.add_argument("--shuffle-free-blocks", type=int, nargs="?", const=0, metavar="SEED",
                      help="scatter every instance's KV block ids (fragmented-KV "
                           "benchmarks; see `kvpush serve --help`)")

@@ -43,6 +43,7 @@ from kvpush.engine.outputs import (
     UtilityReply,
     rejected,
 )
+from kvpush.engine.tp.group import RankDied
 from kvpush.kv_transfer.actions import AbortRequest, EmitFirstToken, FailRequest, RejectRequest
 from kvpush.kv_transfer.commands import TransferUpdate
 from kvpush.kv_transfer.links import TransferLinks
@@ -88,6 +89,8 @@ class LLMEngine:
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = config.model.vocab_size
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # a tensor-parallel rank that dies ends the step loop, like the transfer thread
+        self.runner.on_rank_death(lambda why: self.inbox.put(RankDied(why)))
         #: set when a Shutdown command was applied: the loop ends
         self.stopping = False
         #: what a UtilityCall may ask for (the step loop's owner may add its own)
@@ -117,6 +120,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
+        self.runner.close()  # the other tensor-parallel ranks, if any
 
     # ---- the inbox -------------------------------------------------------------------
     def process_inbox(self, block: bool = False,
@@ -150,7 +154,7 @@ class LLMEngine:
                 case TransferUpdate() if self.connector is not None:
                     self.connector.handle_update(cmd)
                     outputs += self._apply_connector_actions()
-                case TransferThreadDied():
+                case TransferThreadDied() | RankDied():
                     raise cmd  # the step loop ends: CoreLoop fails every request
                 case AbortTransfer(transfer_id=tid, why=why) if self.connector is not None:
                     self.connector.abort_transfer(tid, why)
@@ -273,6 +277,8 @@ class LLMEngine:
             layer_hook = self.connector.layer_hook(plan)
         try:
             sampled = self.runner.execute(plan, layer_hook)
+        except RankDied:
+            raise  # tensor parallelism: the ranks are out of step; the loop ends
         except Exception as e:  # a bug or OOM fails this batch, not the engine
             log.exception("step failed; failing %d requests", len(plan.chunks))
             outs = []
@@ -353,7 +359,9 @@ class LLMEngine:
             "block_size": self.config.cache.block_size,
             "max_model_len": self.max_model_len,
             "vocab_size": self.config.model.vocab_size,
+            # one rank's KV region: its KV heads of every block (tensor_parallel)
             "layout": dataclasses.asdict(self.runner.kv_region.layout),
+            **self.runner.tp_info(),
             "num_free_blocks": s.num_free_blocks,
             "num_total_blocks": s.num_total_blocks,
             # how --kv-cache-memory was split (kv_budget.py)

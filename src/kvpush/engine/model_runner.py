@@ -1,4 +1,11 @@
-"""ModelRunner: owns the model and the KV region; turns a StepPlan into sampled tokens."""
+"""ModelRunner: owns the model and the KV region; turns a StepPlan into sampled tokens.
+
+With ``--tensor-parallel-size N`` > 1 each rank has one: rank 0's (the step loop's)
+starts the other ranks (kvpush.engine.tp.group) and sends them each step's chunks before
+running them itself; theirs (kvpush.engine.rank_proc) run the same ``run_chunks``
+without logits. Each holds its part of the model (kvpush.model.parallel) and a KV
+region of its KV heads only, under the block ids every rank shares.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +15,12 @@ from collections.abc import Callable
 import torch
 
 from kvpush.config import EngineConfig
+from kvpush.engine.tp.group import RankDied, RankGroup, all_reduce
+from kvpush.engine.tp.plan import StepChunk
 from kvpush.kv_cache.kv_region import KVRegion
 from kvpush.model.attention import DecodeKVCache, build_metadata
 from kvpush.model.loader import load_model
+from kvpush.model.parallel import TPShard
 from kvpush.model.sampler import sample
 from kvpush.sampling_params import SampledToken
 from kvpush.scheduler.scheduler import StepPlan
@@ -19,14 +29,37 @@ log = logging.getLogger("kvpush.engine")
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        """``rank``: this process's tensor-parallel rank (0: the step loop's, which
+        starts the others when ``config.tensor_parallel_size`` > 1)."""
         self.config = config
         self.device = config.device
         self.block_size = config.cache.block_size
+        n = config.tensor_parallel_size
+        #: this rank's part of the model (None: one rank holds it all)
+        self.shard = TPShard.of(config.model, n, rank) if n > 1 else None
+        #: rank 0's handle on the other ranks (None: one rank, or not rank 0)
+        self.group: RankGroup | None = None
+        if n > 1 and rank == 0:
+            # the other ranks load their parts while this one loads its own
+            self.group = RankGroup(config, logging.getLevelName(log.getEffectiveLevel()))
+        try:
+            self._build(config)
+            if self.group is not None:
+                self.group.wait_ready()
+        except BaseException:
+            if self.group is not None:
+                self.group.close()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         self.model = load_model(
-            config.model, config.dtype, config.device, config.scheduler.max_model_len
-        )
-        self.kv_region = KVRegion(config.model, config.cache, config.device)
+            config.model, config.dtype, config.device, config.scheduler.max_model_len,
+            self.shard)
+        if self.shard is not None:
+            self.model.all_reduce = all_reduce
+        # this rank's KV heads only (all of them on one rank)
+        self.kv_region = KVRegion(self.model.cfg, config.cache, config.device)
         self.default_generator = torch.Generator().manual_seed(config.seed)
         # Dense copies of decoding requests' KV (see DecodeKVCache), capped at the share
         # of --kv-cache-memory that config.build gave it (kv_budget.py; 0: gather
@@ -73,29 +106,48 @@ class ModelRunner:
         self, plan: StepPlan, layer_done: Callable[[int], None] | None = None
     ) -> torch.Tensor:
         """One forward pass over every chunk of the plan; returns float32 logits, one
-        row per chunk whose ``sample`` is set, in plan order."""
+        row per chunk whose ``sample`` is set, in plan order. At TP > 1 the other ranks
+        get the chunks first; a failure then raises RankDied (the instance ends)."""
+        chunks = [StepChunk(c.request_id, c.token_ids, c.start_pos, c.block_ids, c.sample,
+                            c.params.max_tokens) for c in plan.chunks]
+        if self.group is None:
+            return self.run_chunks(chunks, layer_done)
+        try:
+            self.group.send_step(chunks)
+            return self.run_chunks(chunks, layer_done)
+        except RankDied:
+            raise
+        except Exception as e:
+            raise self.group.failure(e) from e
+
+    def run_chunks(
+        self, chunks: list[StepChunk], layer_done: Callable[[int], None] | None = None,
+        logits: bool = True,
+    ) -> torch.Tensor:
+        """The forward pass of ``forward``, on every rank; ``logits=False`` (the ranks
+        but 0): no final norm, no LM head, an empty result."""
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
-        for c in plan.chunks:
+        for c in chunks:
             input_ids.extend(c.token_ids)
             positions.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
             if c.sample:
                 logits_rows.append(len(input_ids) - 1)
         md = build_metadata(
-            [(c.start_pos, len(c.token_ids), c.block_ids) for c in plan.chunks],
+            [(c.start_pos, len(c.token_ids), c.block_ids) for c in chunks],
             self.block_size,
             self.device,
         )
         try:
-            decodes = [c for c in plan.chunks if len(c.token_ids) == 1]
+            decodes = [c for c in chunks if len(c.token_ids) == 1]
             if self.paged_decode:
                 md.decode_paged = True
             else:
                 self.decode_cache.prepare(
                     md,
                     [(c.request_id, c.start_pos, c.block_ids) for c in decodes],
-                    [c.start_pos + c.params.max_tokens for c in decodes],
+                    [c.start_pos + c.max_tokens for c in decodes],
                 )
             return self.model.forward(
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),
@@ -103,8 +155,9 @@ class ModelRunner:
                 self.kv_region.kv,
                 md,
                 # every token sampled (a decode-only step): all rows, no gather
-                None if len(logits_rows) == len(input_ids)
-                else torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+                None if logits and len(logits_rows) == len(input_ids)
+                else torch.tensor(logits_rows if logits else [], dtype=torch.long,
+                                  device=self.device),
                 layer_done,
             )
         except BaseException:
@@ -131,3 +184,31 @@ class ModelRunner:
                                        tops[i] if tops is not None else None)
             for i, c in enumerate(sampled_chunks)
         }
+
+    # ---- tensor parallelism ---------------------------------------------------------
+    def on_rank_death(self, callback: Callable[[str], None]) -> None:
+        """``callback(why)`` when another rank dies unasked (not at TP 1)."""
+        if self.group is not None:
+            self.group.set_on_death(callback)
+
+    def tp_info(self) -> dict:
+        """The instance's tensor parallelism, as /kv/info shows it: its size and, above
+        1, each rank's heads (the KV region of each holds its ``kv_heads`` of every
+        block; ``layout`` describes one rank's region)."""
+        n = self.config.tensor_parallel_size
+        info: dict = {"tensor_parallel_size": n, "tensor_parallel": None}
+        if n > 1:
+            model = self.config.model
+            info["tensor_parallel"] = {
+                "backend": "nccl" if self.device.startswith("cuda") else "gloo",
+                "kv_heads_replicated": n > model.num_kv_heads,
+                "ranks": [TPShard.of(model, n, r).describe() for r in range(n)],
+                "embedding": "replicated",
+                "lm_head": "replicated; rank 0 computes the logits and samples",
+            }
+        return info
+
+    def close(self) -> None:
+        """Stop the other ranks (rank 0 at TP > 1; nothing otherwise)."""
+        if self.group is not None:
+            self.group.close()

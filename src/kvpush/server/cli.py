@@ -33,7 +33,7 @@ DEFAULT_MAX_WAITING_REQUESTS = 1024
 
 
 VLLM_EPILOG = (
-    "vLLM's flags: --tensor-parallel-size/-tp (1 only), --enable-prefix-caching, "
+    "vLLM's flags: --tensor-parallel-size/-tp, --enable-prefix-caching, "
     "--no-enable-prefix-caching, --kv-cache-dtype, --tokenizer (the model's own), "
     "--chat-template, --kv-transfer-config, --disable-log-requests, dtypes half, float "
     "and bf16, and a Hugging Face id of an installed model are taken as vLLM takes them. "
@@ -189,10 +189,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      metavar="DTYPE",
                      help="vLLM's name for --kv-dtype; its auto means the --dtype (fp8 "
                           "is not implemented)")
-    mdl.add_argument("--tensor-parallel-size", "-tp", type=cli_types.tensor_parallel_size,
+    mdl.add_argument("--tensor-parallel-size", "-tp", type=cli_types.positive_int,
                      default=1, metavar="N",
-                     help="vLLM's flag: only 1, tensor parallelism is not implemented yet "
-                          "(each instance's model runs on one device)")
+                     help="split the model over N rank processes (attention heads, KV "
+                          "heads and MLP columns; torch.distributed: gloo on CPU, NCCL on "
+                          "CUDA with one device per rank from --device on). --threads and "
+                          "--kv-cache-memory are then each rank's (default threads: "
+                          "torch's count divided by N). Not with --role prefill or decode "
+                          "yet (default: 1)")
     mdl.add_argument("--tokenizer", metavar="DIR_OR_NAME",
                      help="the tokenizer: only the model's own is supported (the model "
                           "folder, its name or its Hugging Face id; another is refused: "
@@ -465,6 +469,7 @@ def build_config(args: argparse.Namespace) -> Any:
         shuffle_free_blocks=args.shuffle_free_blocks,
         seed=args.seed,
         kv_transfer=kv_transfer,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         **kwargs,
     )
 

@@ -1,0 +1,80 @@
+"""A tensor-parallel rank other than 0 (``python -m kvpush.engine.rank_proc``), started
+by rank 0's RankGroup (kvpush.engine.tp.group) with a RankSetup pickled on stdin.
+
+It loads its part of the model and its KV region slice (a ModelRunner at its rank),
+times its matmul kernels at its thread count (``--threads``: each rank's), reports
+``ready`` in rank 0's store (or ``failed`` and why), joins the process group, then runs
+each RankStep it receives on its ZMQ socket (``ModelRunner.run_chunks``, no logits)
+until a RankStop. It owns no request, no block and no output: rank 0 does.
+
+Life: SIGINT and SIGTERM are ignored (they reach the whole process group; rank 0 stops
+the ranks once it stops); the kernel kills it if rank 0 dies (PR_SET_PDEATHSIG); a step
+that fails here ends this process with code 1, which ends the instance (rank 0 sees it).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+import sys
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from kvpush.engine.model_runner import ModelRunner
+from kvpush.engine.tp.group import STORE_HOST, failed_key, join_group, leave_group, ready_key
+from kvpush.engine.tp.plan import RankMessage, RankSetup, RankStop
+
+log = logging.getLogger("kvpush.engine.tp")
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    setup: RankSetup = pickle.load(sys.stdin.buffer)
+    sys.stdin.close()
+    logging.basicConfig(level=setup.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config, rank = setup.config, setup.rank
+    store = dist.TCPStore(STORE_HOST, setup.store_port, config.tensor_parallel_size,
+                          is_master=False)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if config.device.startswith("cuda"):
+            torch.cuda.set_device(config.device)
+        torch.set_num_threads(1)  # loading; the steps run at config.threads
+        runner = ModelRunner(config, rank=rank)
+        torch.set_num_threads(config.threads or 1)
+        runner.model.ensure_linears()  # timed at the steps' thread count
+        sock.connect(setup.plan_address)
+    except Exception as e:  # noqa: BLE001 - rank 0 reports it and does not start
+        log.exception("tensor-parallel rank %d could not start", rank)
+        store.set(failed_key(rank), str(e) or type(e).__name__)
+        return 1
+    store.set(ready_key(rank), "1")
+    join_group(store, rank, config.tensor_parallel_size, config.device)
+    log.debug("tensor-parallel rank %d ready (%s)", rank, runner.shard)
+    dec = msgspec.msgpack.Decoder(RankMessage)
+    try:
+        while True:
+            msg = dec.decode(sock.recv())
+            if isinstance(msg, RankStop):
+                return 0
+            runner.run_chunks(msg.chunks, logits=False)
+    except Exception:
+        log.exception("tensor-parallel rank %d: a step failed; the instance stops", rank)
+        return 1
+    finally:
+        leave_group()
+        sock.close()
+        ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""Rank 0's side of tensor parallelism: the rank processes, the process group, the plan.
+
+Rank 0 is the engine core's step loop. :class:`RankGroup` starts ranks ``1..N-1`` as
+child processes (``python -m kvpush.engine.rank_proc``, each with PR_SET_PDEATHSIG: the
+kernel kills them if the core dies), from a thread of its own that then watches their
+pidfds and lives as long as they do (PDEATHSIG fires when the forking *thread* exits).
+Each rank loads its part of the model, reports ``ready`` (or ``failed`` with why) in rank
+0's TCPStore (bound on 127.0.0.1 only), and all join one torch.distributed process group:
+gloo on CPU (over loopback), NCCL on CUDA (rank r on device ``cuda:(i+r)``).
+
+Per step rank 0 sends the plan (``plan.py``) on each rank's ZMQ socket, then runs its
+own forward pass; the all-reduces of the row-parallel projections keep the ranks in
+step. A rank waits for the next plan on its socket, never inside a collective, so an
+idle instance has no collective that could time out.
+
+Death: a rank that exits while rank 0 did not ask it to is a :class:`RankDied` in the
+engine's inbox (the watcher's callback), and a collective that fails mid-step raises
+one from the step; either ends the step loop, which fails every request with the reason
+and exits 1. Any other failure of a step at TP > 1 ends the instance too: the ranks
+could no longer agree on their collectives. ``close`` stops the ranks (a ``RankStop``,
+then SIGKILL after ``STOP_TIMEOUT_S``, at once after a failure) and leaves the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+import pickle
+import secrets
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from kvpush.config import ConfigError, EngineConfig, KVTransferConfig
+from kvpush.engine.tp.plan import RankSetup, RankStep, RankStop, StepChunk
+from kvpush.procs import describe_exit, pdeathsig_preexec
+
+log = logging.getLogger("kvpush.engine.tp")
+
+#: the longest one collective may wait for a peer (a safety net: a dead peer's closed
+#: connection fails it at once; ranks never wait inside a collective while idle)
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=600)
+#: how long the ranks may take to load their part of the model
+START_TIMEOUT_S = 600.0
+#: how long stopping ranks may take before they are killed
+STOP_TIMEOUT_S = 10.0
+#: how long a failed step waits for the watcher to name a rank that died
+DEATH_GRACE_S = 1.0
+STORE_HOST = "127.0.0.1"
+
+
+class RankDied(Exception):
+    """A tensor-parallel rank died, or a step failed so that the ranks are out of step:
+    put in the engine's inbox or raised by the step; the step loop ends."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank ``rank``'s device: the CPU for all, or the ``rank``-th CUDA device from
+    ``device`` on."""
+    if not device.startswith("cuda"):
+        return device
+    return f"cuda:{int(device.partition(':')[2] or 0) + rank}"
+
+
+def join_group(store: dist.Store, rank: int, size: int, device: str) -> None:
+    """Join the instance's process group (every rank calls it once all are ready)."""
+    backend = backend_for(device)
+    if backend == "gloo":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback only
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT)
+
+
+def all_reduce(t: torch.Tensor) -> None:
+    """Sum ``t`` over the ranks, in place (the row-parallel projections' outputs)."""
+    dist.all_reduce(t)
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def ready_key(rank: int) -> str:
+    return f"kvpush/ready/{rank}"
+
+
+def failed_key(rank: int) -> str:
+    return f"kvpush/failed/{rank}"
+
+
+class RankGroup:
+    """Rank 0's handle on ranks 1..N-1 (see the module's docstring)."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "INFO"):
+        self.size = config.tensor_parallel_size
+        self.device = config.device
+        #: why the group is dead (a rank exited unasked); None while it lives
+        self.dead: str | None = None
+        self._lock = threading.Lock()
+        self._died = threading.Event()
+        self._on_death: Callable[[str], None] | None = None
+        self._stopping = False
+        self._failed = False
+        self._closed = False
+        self._procs: list[subprocess.Popen] = []
+        listener = socket.socket()  # the store on loopback only
+        listener.bind((STORE_HOST, 0))
+        listener.listen(64)
+        port = listener.getsockname()[1]
+        self.store = dist.TCPStore(STORE_HOST, port, self.size, is_master=True,
+                                   wait_for_workers=False, master_listen_fd=listener.detach())
+        self._ctx = zmq.Context()
+        self._socks: list[zmq.Socket] = []
+        token = secrets.token_hex(8)
+        rank_config = dataclasses.replace(config, kv_transfer=KVTransferConfig())
+        setups = []
+        for r in range(1, self.size):
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never drop a plan
+            sock.setsockopt(zmq.LINGER, 0)
+            address = f"ipc://@kvpush-tp-{os.getpid()}-{token}-{r}"
+            sock.bind(address)
+            self._socks.append(sock)
+            setups.append(RankSetup(
+                dataclasses.replace(rank_config, device=rank_device(config.device, r)),
+                r, port, address, log_level))
+        self._enc = msgspec.msgpack.Encoder()
+        spawned = threading.Event()
+        self._thread = threading.Thread(target=self._own_ranks, args=(setups, spawned),
+                                        name="kvpush-tp-ranks", daemon=True)
+        self._thread.start()
+        spawned.wait()
+        if self.dead is not None:
+            why = self.dead
+            self.close()
+            raise ConfigError(why)
+
+    # ---- the watcher thread --------------------------------------------------------
+    def _own_ranks(self, setups: list[RankSetup], spawned: threading.Event) -> None:
+        """Start the ranks, then wait for their exits (this thread lives as long as they
+        do: their PDEATHSIG is tied to it)."""
+        try:
+            for s in setups:
+                proc = subprocess.Popen([sys.executable, "-m", "kvpush.engine.rank_proc"],
+                                        stdin=subprocess.PIPE, preexec_fn=pdeathsig_preexec())
+                self._procs.append(proc)
+                assert proc.stdin is not None
+                pickle.dump(s, proc.stdin)
+                proc.stdin.close()
+        except OSError as e:
+            self._report(f"tensor-parallel rank {len(self._procs)} did not start: {e}")
+        finally:
+            spawned.set()
+        fds = {os.pidfd_open(p.pid): (r, p) for r, p in enumerate(self._procs, 1)}
+        while fds:
+            ready, _, _ = select.select(list(fds), [], [])
+            for fd in ready:
+                r, proc = fds.pop(fd)
+                os.close(fd)
+                code = proc.wait()
+                if not self._stopping:
+                    self._report(f"tensor-parallel rank {r} {describe_exit(code)}")
+
+    def _report(self, why: str) -> None:
+        with self._lock:
+            if self.dead is not None:
+                return
+            self.dead = why
+            callback = self._on_death
+        log.error("%s: this instance cannot serve any more", why)
+        self._died.set()
+        if callback is not None:
+            callback(why)
+
+    def set_on_death(self, callback: Callable[[str], None]) -> None:
+        """``callback(why)`` once, on the watcher thread, when a rank dies unasked (at
+        once if one already has)."""
+        with self._lock:
+            self._on_death = callback
+            dead = self.dead
+        if dead is not None:
+            callback(dead)
+
+    # ---- start-up ------------------------------------------------------------------
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Wait until every rank has loaded its part, then join the process group
+        (ConfigError: a rank could not start, and why)."""
+        pending = set(range(1, self.size))
+        deadline = time.monotonic() + timeout
+        while pending:
+            for r in sorted(pending):
+                if self.store.check([failed_key(r)]):
+                    why = self.store.get(failed_key(r)).decode(errors="replace")
+                    raise ConfigError(f"tensor-parallel rank {r} could not start: {why}")
+                if self.store.check([ready_key(r)]):
+                    pending.discard(r)
+            if not pending:
+                break
+            if self.dead is not None:
+                raise ConfigError(f"{self.dead} while starting (see its log above)")
+            if time.monotonic() > deadline:
+                raise ConfigError(f"tensor-parallel ranks {sorted(pending)} were not ready "
+                                  f"in {timeout:.0f} s")
+            self._died.wait(0.05)
+        join_group(self.store, 0, self.size, self.device)
+
+    # ---- steps ---------------------------------------------------------------------
+    def send_step(self, chunks: list[StepChunk]) -> None:
+        """The step's plan to every other rank (before rank 0 runs it)."""
+        if self.dead is not None:
+            raise RankDied(self.dead)
+        frame = self._enc.encode(RankStep(chunks))
+        for r, sock in enumerate(self._socks, 1):
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                raise RankDied(f"tensor-parallel rank {r} is not connected") from None
+
+    def failure(self, e: BaseException) -> RankDied:
+        """What a failed step at TP > 1 means: the rank that died (the watcher names it
+        within ``DEATH_GRACE_S``), else rank 0's own failure; either way the ranks can
+        no longer agree, so the instance ends."""
+        self._failed = True
+        self._died.wait(DEATH_GRACE_S)
+        if self.dead is not None:
+            return RankDied(self.dead)
+        return RankDied(f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e});"
+                        " the ranks are out of step, so the instance stops")
+
+    # ---- the end -------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the ranks (cleanly unless a step failed or a rank died; killed after
+        ``STOP_TIMEOUT_S``) and leave the process group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping = True
+        if not self._failed and self.dead is None:
+            frame = self._enc.encode(RankStop())
+            for sock in self._socks:
+                with contextlib.suppress(zmq.Again):
+                    sock.send(frame, zmq.NOBLOCK)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for proc in self._procs:
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.error("tensor-parallel rank did not stop in %.0f s; killing it",
+                              STOP_TIMEOUT_S)
+                    break
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+        self._thread.join(STOP_TIMEOUT_S)
+        leave_group()
+        for sock in self._socks:
+            sock.close()
+        self._ctx.term()
