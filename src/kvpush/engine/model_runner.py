@@ -47,6 +47,9 @@ class ModelRunner:
             self._build(config)
             if self.group is not None:
                 self.group.wait_ready()
+                tp = self.tp_info()["tensor_parallel"]
+                log.info("tensor parallelism: %d ranks over %s; KV heads by rank: %s", n,
+                         tp["backend"], [r["kv_heads"] for r in tp["ranks"]])
         except BaseException:
             if self.group is not None:
                 self.group.close()
