@@ -84,6 +84,25 @@ def test_refused_at_start(tiny_llama, capsys):
     assert "not supported yet" in capsys.readouterr().err
 
 
+def test_a_rank_that_cannot_start_fails_the_start(tiny_llama, monkeypatch):
+    """Rank 1 fails while loading (here: a CUDA device on a CPU build): the engine is
+    not built, the error names the rank and why, and no rank process is left."""
+    from kvpush.engine.tp import group
+
+    started: list = []
+    real_init = group.RankGroup.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        started.extend(self._procs)
+
+    monkeypatch.setattr(group, "rank_device", lambda device, rank: "cuda:7" if rank else device)
+    monkeypatch.setattr(group.RankGroup, "__init__", init)
+    with pytest.raises(ConfigError, match="tensor-parallel rank 1 could not start: "):
+        make_engine(tiny_llama, tensor_parallel_size=2)
+    assert len(started) == 1 and started[0].poll() is not None
+
+
 # ---- equal outputs -------------------------------------------------------------------
 PROMPTS = {
     "long": [(7 * i + 3) % 1000 + 10 for i in range(70)],  # chunked: 3 steps of 32
