@@ -215,7 +215,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      "process)")
     mdl.add_argument("--threads", type=int, metavar="N",
                      help="CPU threads for torch (default: torch's own choice, usually one "
-                          "per physical core)")
+                          "per physical core); with --tensor-parallel-size N, each rank's "
+                          "(default: torch's choice divided by N)")
     mdl.add_argument("--seed", type=int, default=0,
                      help="engine random seed; requests may also send their own (default: 0)")
 
