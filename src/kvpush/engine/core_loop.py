@@ -31,6 +31,7 @@ from kvpush.config import ConfigError, EngineConfig
 from kvpush.engine.inputs import TransferThreadDied, Utility
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import EngineOutput, EngineOutputs, TransferRecord
+from kvpush.engine.tp.group import RankDied
 from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.event_publisher import KVEventPublisher
 from kvpush.kv_transfer.links import TransferLinks
@@ -125,7 +126,7 @@ class CoreLoop:
                     self._post(post, outputs)
                 self._post(post, engine.step())
                 self._publish_events()
-        except TransferThreadDied as e:  # the transfer thread logged why
+        except (TransferThreadDied, RankDied) as e:  # the thread or rank watch logged why
             self.fatal = e
         except BaseException as e:  # reported through the front end's health
             log.exception("step loop died")
@@ -163,8 +164,12 @@ class CoreLoop:
         """End every request: aborted after a Shutdown, failed with the reason when the
         loop died (its client gets an error, not a finish it could take for its own)."""
         e = self.fatal
-        why = None if e is None else str(e) if isinstance(e, TransferThreadDied) else (
-            f"the engine step loop died: {type(e).__name__}: {e}")
+        if e is None:
+            why = None
+        elif isinstance(e, (TransferThreadDied, RankDied)):
+            why = str(e)
+        else:
+            why = f"the engine step loop died: {type(e).__name__}: {e}"
         outs = []
         for rid in list(self.engine.scheduler.requests):
             out = (self.engine.abort_request(rid) if why is None  # (stubs: the id only)
