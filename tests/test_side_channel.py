@@ -193,7 +193,7 @@ def test_signing_rejects_unsigned_and_wrong_signatures(channels, caplog):
     assert b.send(unsigned.address, b"to the unsigned one")
     def refused() -> int:  # the client may see the mismatch or only the closed connection
         return (b.stats.rejected_by_reason["unsigned"]
-                + b.stats.rejected_by_reason["handshake_refused"])
+                + b.stats.rejected_by_reason["closed_in_handshake"])
     before = refused()
     deadline = time.monotonic() + 5
     while refused() == before:

@@ -4,6 +4,10 @@ a member's flood of refused frames cannot keep ``recv`` in its loop."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -149,3 +153,71 @@ def test_max_message_size_closes_oversized_senders(channels, raw_sockets):
     rogue.send_multipart([b"x" * (1 << 17), b"KVA1" + b"\0" * 56])
     assert recv_for(b, 0.3) == [] and b.stats.rejected == 0
     assert sc.MAX_MESSAGE_BYTES <= 16 << 20
+
+
+@pytest.fixture
+def closer() -> Iterator[str]:
+    """``host:port`` of a plain TCP server that accepts each connection and closes it (a
+    dead peer's port taken by another program)."""
+    srv = socket.create_server((HOST, 0), backlog=64)
+    srv.settimeout(0.05)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                srv.accept()[0].close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield f"{HOST}:{srv.getsockname()[1]}"
+    stop.set()
+    t.join(5)
+    srv.close()
+
+
+@pytest.mark.parametrize("secret", [SECRET, None])
+def test_a_port_that_accepts_and_closes_is_no_secret_mismatch(channels, closer, caplog,
+                                                              secret):
+    """Issue 53.6: our DEALER to a port that accepts and closes (ZMQ reports it to the
+    connecting side as it reports a refused key) used to count ~9 ``handshake_refused``
+    a second and log that the peer had no secret or another one, naming our own
+    connection as "a message from". Now: ``closed_in_handshake`` (counted with a secret),
+    a few times in 2 s (the connection retries every SLOW_RECONNECT_MS), one log line
+    naming the address we connected to."""
+    caplog.set_level(logging.ERROR, logger=sc.__name__)
+    ch = channels(secret=secret)
+    assert ch.send(closer, b"to nobody")
+    recv_for(ch, 2.2)
+    counts = ch.stats.rejected_by_reason
+    if secret is None:
+        assert ch.stats.rejected == 0  # nothing is checked without a secret
+    else:
+        assert 1 <= counts["closed_in_handshake"] <= 5, counts  # ~20 at 100 ms retries
+        assert ch.stats.rejected == counts["closed_in_handshake"], counts
+    assert ch._dealers[closer].get(zmq.RECONNECT_IVL) == sc.SLOW_RECONNECT_MS
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1, logged  # rate-limited
+    assert f"side channel {ch.address}: our connection to {closer!r}" in logged[0], logged
+    assert "not a kvpush side channel at that address" in logged[0], logged
+    assert "message from" not in logged[0] and "DIFFERENT" not in logged[0], logged
+    ch.forget(closer)  # a destination opened again starts fast
+    assert ch.send(closer, b"again")
+    assert ch._dealers[closer].get(zmq.RECONNECT_IVL) == 100
+
+
+def test_a_member_with_another_secret_keeps_its_reasons(channels, caplog):
+    """The channel that can tell (the CURVE server) counts a wrong key as
+    ``bad_signature``; the connecting side counts only ``closed_in_handshake``, and its
+    counters show no secret mismatch it cannot know of."""
+    a = channels(secret=SECRET)
+    other = channels(secret=b"another secret of 32 bytes......")
+    assert other.send(a.address, b"wrong key")
+    deadline = time.monotonic() + 5
+    while not (a.stats.rejected_by_reason["bad_signature"] >= 1
+               and other.stats.rejected_by_reason["closed_in_handshake"] >= 1):
+        assert time.monotonic() < deadline, (a.stats, other.stats)
+        assert a.recv(10) == [] and other.recv(10) == []
+    assert other.stats.rejected == other.stats.rejected_by_reason["closed_in_handshake"]
+    assert "DIFFERENT side-channel secret" in caplog.text
+    assert f"our connection to {a.address!r} was closed during the handshake" in caplog.text

@@ -193,9 +193,11 @@ def _grant(g: object) -> Grant:
 
 
 #: Why an authenticating channel refused a message (``stats.rejected_by_reason`` keys).
+#: ``closed_in_handshake``: our own connection's, the far end closed it in the handshake.
 REJECT_REASONS = ("unsigned", "bad_signature", "replayed", "stale", "malformed",
-                  "handshake_refused")
+                  "closed_in_handshake")
 
+_NOT_OURS = "not a kvpush side channel at that address, or one without our cluster secret"
 REJECT_HINTS = {
     "unsigned": "the peer has no side-channel secret configured while this instance has "
                 "one (--kv-secret-file / KVPUSH_KV_SECRET must be set on both)",
@@ -206,9 +208,24 @@ REJECT_HINTS = {
     "stale": "its timestamp is outside the accepted window: the two hosts' clocks differ "
              "or the message was replayed",
     "malformed": "its authentication frame is malformed",
-    "handshake_refused": "the connection broke off in the CURVE handshake: the peer has "
-                         "no side-channel secret or a DIFFERENT one",
+    "closed_in_handshake": "the far end closed the connection during the CURVE "
+                           f"handshake: {_NOT_OURS}",
 }
+
+
+def outgoing_refusal(address: str, reason: str, count: int | None) -> str:
+    """What a side channel logs (after its own address) when the handshake of its
+    connection to ``address`` failed; ``count``: so far (None: it has no secret)."""
+    if count is None:  # our DEALER speaks without CURVE
+        why = ("the peer has a side-channel secret and this instance has none"
+               if reason == "unsigned" else "not a kvpush side channel at that address, "
+               "or one with a side-channel secret (this instance has none)")
+        return f"our connection to {address!r} failed in the handshake: {why}"
+    if reason == "closed_in_handshake":
+        return (f"our connection to {address!r} was closed during the handshake ({count} "
+                f"so far): {_NOT_OURS}")
+    return (f"our connection to {address!r} was refused in the handshake ({count} so "
+            f"far): {REJECT_HINTS[reason]}")
 
 
 class ChannelAuth:

@@ -14,9 +14,11 @@ encrypted on the wire.
 Refused handshakes are visible: :func:`handshake_reason` maps a socket monitor's
 ``HANDSHAKE_FAILED_*`` event to the side channel's reject reasons (``unsigned``: the
 peer speaks without CURVE, i.e. has no secret; ``bad_signature``: a different secret;
-``malformed``: anything else; a connection that broke off in the handshake:
-``handshake_refused``), so a mismatch is counted and named as before. One refused
-connection may count twice (its refusal, then the broken connection).
+``malformed``: anything else). A client learns less: ZMQ (4.3.5) reports a server
+that refused its key and a port where no ZMQ socket listens (accepts, then closes) alike,
+as a handshake broken off without detail: ``closed_in_handshake``, "not a kvpush side
+channel at that address, or one without our cluster secret", never a secret mismatch.
+One refused connection may count twice (its refusal, then the broken connection).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ ZAP_DOMAIN = b"kvpush"
 
 #: monitor events of a refused handshake: the protocol's (a mechanism mismatch, a key
 #: that does not decrypt), ZAP's, and a connection that broke off in the handshake (the
-#: other side refused it and closed; reason ``handshake_refused``)
+#: other side refused it, or is no ZMQ socket, and closed; ``closed_in_handshake``)
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
@@ -118,9 +120,10 @@ def handshake_reason(event: int, value: int, server: bool = False) -> str:
     """The reject reason of a ``HANDSHAKE_FAILED_*`` monitor event (see module docs).
     ``server``: seen by our CURVE server. A client that broke the handshake off there
     saw the mechanism mismatch first (a wrong key is the server's to detect: it reports
-    it as cryptographic), so it has no secret: ``unsigned``."""
+    it as cryptographic), so it has no secret: ``unsigned``. A client's: the far end
+    closed its connection, whatever it is (``closed_in_handshake``)."""
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        return "unsigned" if server else "handshake_refused"
+        return "unsigned" if server else "closed_in_handshake"
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             return "unsigned"

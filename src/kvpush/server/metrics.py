@@ -178,9 +178,11 @@ class _TransferCollector(Collector):
         for name, (doc, key) in self.COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=float(getattr(st, key)))
         yield _labelled(CounterMetricFamily, st.side_channel_rejected,
-                        "kvpush_kv_side_channel_rejected", "Side-channel messages refused by "
-                        "the shared-secret check (unsigned, bad_signature, replayed, stale, "
-                        "malformed; handshake_refused: a CURVE handshake broken off)",
+                        "kvpush_kv_side_channel_rejected", "Side-channel messages and "
+                        "connections refused by the shared-secret check (unsigned, "
+                        "bad_signature, replayed, stale, malformed; closed_in_handshake: the "
+                        "far end closed our connection in the CURVE handshake, no side "
+                        "channel of ours there or one without our secret)",
                         "reason")
         yield _labelled(CounterMetricFamily, st.side_channel_send_dropped,
                         "kvpush_kv_side_channel_send_dropped",

@@ -1,7 +1,7 @@
 """LinkWatch: which of a SideChannel's outgoing connections have dropped.
 
 Each DEALER gets a ZMQ socket monitor, read without blocking by :meth:`LinkWatch.pump`. A
-link is up once its ZMTP handshake succeeded (refused CURVE handshakes go to ``refusals``
+link is up once its ZMTP handshake succeeded (failed handshakes go to ``refusals``
 for the channel to count). A peer whose process ends closes our link; a frozen one keeps
 it open until heartbeats or TCP keepalive give up. A peer seen gone stays gone, also after
 its DEALER is forgotten, until a link to it is up again; links that never came up are not

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from kvpush.crypto.auth import REJECT_HINTS, REJECT_REASONS, ChannelAuth
+from kvpush.crypto.auth import REJECT_HINTS, REJECT_REASONS, ChannelAuth, outgoing_refusal
 from kvpush.crypto.curve import (
     HANDSHAKE_FAILED,
     ZapGuard,
@@ -54,8 +54,10 @@ MAX_MESSAGE_BYTES = 16 << 20
 #: DEALER not openable (bad address, out of sockets), ZMQ refused otherwise, channel closed.
 SEND_DROP_REASONS = ("queue_full", "connect_failed", "send_failed", "closed")
 #: Longest wait (ms) between reconnection attempts (ZMQ starts at 100 and doubles): an
-#: address nobody listens on costs one connection attempt per second at most.
-RECONNECT_IVL_MAX_MS = 1000
+#: address nobody listens on costs one connection attempt per second at most; one whose
+#: far end closes our connection in the handshake (ZMQ retries at 100 ms), one per SLOW.
+RECONNECT_IVL_MAX_MS, SLOW_RECONNECT_MS = 1000, 2000
+_SLOW = [(zmq.RECONNECT_IVL, SLOW_RECONNECT_MS), (zmq.RECONNECT_IVL_MAX, SLOW_RECONNECT_MS)]
 #: ZMTP heartbeats: a PING each interval; ZMQ closes a connection silent for the timeout
 #: (the link watch reports a drop). Nothing waits on them.
 HEARTBEAT_IVL_MS = 1000
@@ -224,13 +226,13 @@ class SideChannel:
         if sock is not None:
             sock.close(linger=linger_ms)
 
-    def _dealer(self, address: str) -> zmq.Socket:
+    def _dealer(self, address: str, slow: bool = False) -> zmq.Socket:
         sock = self._dealers.get(address)
         if sock is not None:
             return sock
         host, port = split_address(address)
         sock = self._ctx.socket(zmq.DEALER)
-        for opt, value in [*self._dealer_opts, (zmq.ROUTING_ID, self._identity)]:
+        for opt, value in [*self._dealer_opts, (zmq.ROUTING_ID, self._identity), *_SLOW * slow]:
             sock.setsockopt(opt, value)
         if self._curve is not None:
             make_client(sock, self._curve)
@@ -283,8 +285,6 @@ class SideChannel:
             events = dict(self._poller.poll(max(1, int(wait * 1000 + 0.999))))
             if any(self._links.owns(sock) for sock in events):
                 self._links.pump()
-            if self._router_mon is not None and self._router_mon in events:
-                self._pump_router_monitor()
             if self._wake_r in events:
                 with contextlib.suppress(BlockingIOError, OSError):
                     while os.read(self._wake_r, 4096):
@@ -303,26 +303,23 @@ class SideChannel:
             os.write(self._wake_w, b"\0")
 
     def _take_refusals(self) -> None:
-        """Count and log the handshakes our DEALERs had refused (CURVE mismatches)."""
+        """Count (with a secret) and log the failed handshakes of our DEALERs."""
         refusals, self._links.refusals = self._links.refusals, []
         for address, reason in refusals:
-            if self.auth is not None:
-                self._reject(address.encode(), reason)
-            else:
-                self._log_limited("handshake_refused", "side channel %s: %r refused our "
-                                  "connection's handshake: it has a side-channel secret "
-                                  "and this instance has none", self.address, address[:80])
-
-    def _pump_router_monitor(self) -> None:
-        """Count and log the handshakes our ROUTER refused (peers without our secret)."""
-        assert self._router_mon is not None
-        for event, value in monitor_events(self._router_mon):
-            self._reject(b"(a connection)", handshake_reason(event, value, server=True))
+            n = self._count(reason) if self.auth is not None else None
+            self._log_limited(f"to {reason}", "side channel %s: %s", self.address,
+                              outgoing_refusal(address[:80], reason, n))
+            if (reason == "closed_in_handshake" and address in self._dealers
+                    and self._dealers[address].get(zmq.RECONNECT_IVL) < SLOW_RECONNECT_MS):
+                self._close_dealer(address)  # reopened slow; its queue could reach no one
+                with contextlib.suppress(zmq.ZMQError):
+                    self._dealer(address, slow=True)
 
     def _drain(self) -> list[tuple[str, bytes]]:
         out: list[tuple[str, bytes]] = []
-        if self._router_mon is not None:
-            self._pump_router_monitor()
+        if self._router_mon is not None:  # handshakes our ROUTER refused (no secret of ours)
+            for event, value in monitor_events(self._router_mon):
+                self._reject(b"(a connection)", handshake_reason(event, value, server=True))
         for _ in range(MAX_BATCH):  # refused frames count too: a flood cannot hold us here
             try:
                 frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
@@ -345,11 +342,14 @@ class SideChannel:
         return out
 
     def _reject(self, sender: bytes, reason: str) -> None:
-        self.stats.rejected += 1
-        self.stats.rejected_by_reason[reason] += 1
         self._log_limited(reason, "side channel %s rejected a message from %r (%s so far): %s",
                           self.address, sender[:80].decode("ascii", "replace"),
-                          self.stats.rejected_by_reason[reason], REJECT_HINTS[reason])
+                          self._count(reason), REJECT_HINTS[reason])
+
+    def _count(self, reason: str) -> int:
+        self.stats.rejected += 1
+        self.stats.rejected_by_reason[reason] += 1
+        return self.stats.rejected_by_reason[reason]
 
     def close(self, linger_ms: int = 0) -> None:
         """Close every socket (idempotent); ZMQ has ``linger_ms`` to send what is queued."""
