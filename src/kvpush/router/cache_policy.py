@@ -188,11 +188,13 @@ class CachePolicy:
 
 async def load_model_tokenizer(tok: PromptTokenizer, cfg: RouterConfig, pool: Pool,
                                client: httpx.AsyncClient) -> None:
-    """Load ``tok``: --tokenizer, else the model a decode instance's /v1/models names
-    (with --discover, asked again until a decode has joined)."""
+    """Load ``tok``: --tokenizer, else the model a healthy (proven) decode instance's
+    /v1/models names (with --discover, asked again until a decode has joined)."""
     source = None
     while True:
         for inst in pool.by_role["decode"]:
+            if not inst.healthy:  # proven first: an unproven URL gets no API key
+                continue
             try:
                 r = await client.get(inst.url + "/v1/models", timeout=cfg.health_timeout_s)
                 models = r.json() if r.status_code == 200 else None

@@ -455,7 +455,8 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
         return JSONResponse(info)
 
     @app.post(PROVE_PATH, summary="Prove to a router that this instance holds the cluster "
-                                  "secret (a challenge: nonce and URL)")
+                                  "secret (a challenge: nonce and URL)",
+              openapi_extra=request_body("KVProveRequest"))
     async def kv_prove(request: Request) -> Response:
         if prover is None:
             return APIError("this instance holds no cluster secret: it cannot prove "

@@ -41,10 +41,18 @@ class KVAbortRequest(BaseModel):
     transfer_id: str = Field(min_length=1, max_length=256)
 
 
+class KVProveRequest(BaseModel):
+    """A router's challenge (kvpush.server.prove)."""
+
+    nonce: str = Field(pattern=r"^[0-9a-f]{64}$")
+    url: str = Field(max_length=512)
+
+
 MODELS: dict[str, type[BaseModel]] = {
     "CompletionRequest": CompletionRequest,
     "ChatCompletionRequest": ChatCompletionRequest,
     "KVAbortRequest": KVAbortRequest,
+    "KVProveRequest": KVProveRequest,
     "KVTransferParams": KVTransferParams,
 }
 
