@@ -17,14 +17,13 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from kvpush.kv_cache.kv_map import layer_block_descs, paired_runs
 from kvpush.kv_cache.kv_region import KVLayout
 from kvpush.kv_transfer.transports.transport import (
     KVTransport,
     TransferPostError,
     XferState,
     decode_metadata,
-    layer_block_descs,
-    paired_runs,
 )
 from kvpush_testing.faults import FaultPlan
 from kvpush_testing.inproc_transport import InProcTransport

@@ -169,6 +169,10 @@ class ModelConfig:
         return 2 * self.num_layers * heads * self.head_dim * elem
 
 
+LAYER_MAJOR = "layer-major:L,B,2,T,H,D"
+HEAD_MAJOR = "head-major:L,B,2,H,T,D"
+
+
 def tp_problem(model: ModelConfig, n: int) -> str | None:
     """Why ``model`` cannot be split over ``n`` tensor-parallel ranks (None: it can).
 
@@ -221,6 +225,9 @@ class CacheConfig:
     decode_attention: Literal["dense", "paged"] = "dense"
     #: how the KV memory budget was split (None: a CacheConfig built by hand)
     memory: KVMemorySplit | None = None
+    #: the KV region's byte order (kv_cache/kv_region.py): head-major on P/D instances,
+    #: so that instances of different tensor parallelism move head slices of blocks
+    kv_layout: str = LAYER_MAJOR
 
 
 @dataclass(frozen=True)
@@ -474,6 +481,7 @@ class EngineConfig:
                 decode_cache_bytes=memory.decode_cache_bytes,
                 decode_attention=attention,
                 memory=memory,
+                kv_layout=HEAD_MAJOR if kv_transfer.enabled else LAYER_MAJOR,
             ),
             scheduler=SchedulerConfig(
                 max_model_len=max_model_len,

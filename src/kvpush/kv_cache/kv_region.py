@@ -1,6 +1,6 @@
 """KVRegion: the one KV-cache tensor of an instance, allocated once at start-up.
 
-Layout (``layer-major``)::
+Layout (``layer-major``, role ``both``)::
 
     kv[layer, block, kv, token_in_block, kv_head, head_dim]      kv: 0 = K, 1 = V
 
@@ -8,6 +8,15 @@ so one layer of one block (its K then its V) is one contiguous range of
 ``block_bytes`` bytes, and one layer of a run of consecutive block ids is one range
 too. A transfer of ``n`` consecutive blocks therefore costs one descriptor per layer,
 whatever ``n`` is; fragmentation (non-consecutive ids) is what adds descriptors.
+
+P/D instances (``head_major``) keep the heads outer within a block's K and V::
+
+    storage[layer, block, kv, kv_head, token_in_block, head_dim]
+
+so that any range of KV heads of one block's K (or V) is one contiguous range: a
+prefill and a decode of different tensor parallelism move their head slices with one
+descriptor per layer, block and K|V (``kv_map.py``). ``kv`` is always the view in the
+first order (the attention code indexes it so); only the bytes' order differs.
 
 The region is what the KV transport registers with NIXL; nothing reallocates it.
 """
@@ -19,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpush.config import CacheConfig, ModelConfig, dtype_name
+from kvpush.config import HEAD_MAJOR, LAYER_MAJOR, CacheConfig, ModelConfig, dtype_name
 
-LAYOUT_NAME = "layer-major:L,B,2,T,H,D"
+LAYOUT_NAME = LAYER_MAJOR
 
 
 @dataclass(frozen=True)
@@ -63,22 +72,17 @@ class KVRegion:
     def __init__(self, model: ModelConfig, cache: CacheConfig, device: str = "cpu"):
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks
-        self.kv = torch.zeros(
-            (
-                model.num_layers,
-                cache.num_blocks,
-                2,
-                cache.block_size,
-                model.num_kv_heads,
-                model.head_dim,
-            ),
-            dtype=cache.dtype,
-            device=device,
-        )
+        head_major = cache.kv_layout == HEAD_MAJOR
+        inner = ((model.num_kv_heads, cache.block_size) if head_major
+                 else (cache.block_size, model.num_kv_heads))
+        self.storage = torch.zeros((model.num_layers, cache.num_blocks, 2, *inner,
+                                    model.head_dim), dtype=cache.dtype, device=device)
+        #: [layer, block, kv, token, kv_head, head_dim], a view of ``storage``
+        self.kv = self.storage.transpose(3, 4) if head_major else self.storage
         elem = self.kv.element_size()
         block_bytes = 2 * cache.block_size * model.num_kv_heads * model.head_dim * elem
         self.layout = KVLayout(
-            layout=LAYOUT_NAME,
+            layout=cache.kv_layout,
             num_layers=model.num_layers,
             num_blocks=cache.num_blocks,
             block_size=cache.block_size,
@@ -91,11 +95,11 @@ class KVRegion:
 
     @property
     def base_address(self) -> int:
-        return self.kv.data_ptr()
+        return self.storage.data_ptr()
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return self.storage.numel() * self.storage.element_size()
 
     def layer(self, i: int) -> torch.Tensor:
         """[num_blocks, 2, block_size, kv_heads, head_dim] view of one layer."""

@@ -121,7 +121,7 @@ class LoopbackPair:
     def descs(self, local_blocks: Sequence[int], remote_blocks: Sequence[int],
               layers: Iterable[int] | None = None) -> tuple[list, list]:
         """(local, remote) descriptors for these blocks, every layer unless given."""
-        from kvpush.kv_transfer.transports.transport import layer_block_descs
+        from kvpush.kv_cache.kv_map import layer_block_descs
 
         return layer_block_descs(self.kv.data_ptr(), self.layout, list(local_blocks),
                                  self.remote_base, self.layout, list(remote_blocks),

@@ -10,9 +10,10 @@ thread only through ``TransferWorker.submit``; the answers come through the inbo
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from kvpush.config import EngineConfig
+from kvpush.config import EngineConfig, tp_kv_heads
+from kvpush.kv_cache.kv_map import RankKV
 from kvpush.kv_cache.kv_region import KVRegion
 from kvpush.kv_transfer import actions as a
 from kvpush.kv_transfer import commands as c
@@ -25,6 +26,7 @@ from kvpush.kv_transfer.step_loop.prefill_side import PrefillSide
 from kvpush.kv_transfer.timeline import HandoffTimeline
 from kvpush.kv_transfer.transfer_thread.context import Settings
 from kvpush.kv_transfer.transfer_thread.worker import TransferWorker
+from kvpush.kv_transfer.transports.transport import KVTransport
 from kvpush.kv_transfer.wire import messages as m
 from kvpush.scheduler.request import Request
 from kvpush.scheduler.scheduler import Scheduler, StepPlan
@@ -35,7 +37,10 @@ log = logging.getLogger(__name__)
 class KVConnector:
     def __init__(self, config: EngineConfig, region: KVRegion, scheduler: Scheduler,
                  post_update: Callable[[c.TransferUpdate], None],
-                 on_death: Callable[[str], None], links: TransferLinks | None = None):
+                 on_death: Callable[[str], None], links: TransferLinks | None = None,
+                 ranks: Sequence[tuple[RankKV, KVTransport]] = ()):
+        """``ranks``: at TP > 1, ranks 1.. (their region and agent, and the proxy that
+        posts with their transport)."""
         cfg = self.cfg = config.kv_transfer
         self.role, self.mode, self.engine_id = cfg.role, cfg.mode, cfg.engine_id
         links = links if links is not None else NixlLinks()
@@ -48,15 +53,20 @@ class KVConnector:
             transport.close()
             raise
         self.address = channel.address
+        meta, tp = transport.metadata(), config.tensor_parallel_size
+        own = tp_kv_heads(config.model, tp, 0)
         self.hello = m.Hello(
             version=m.PROTOCOL_VERSION, engine_id=cfg.engine_id, role=cfg.role,
-            address=self.address, transport=transport.kind,
-            agent_metadata=transport.metadata(), model=config.model.fingerprint(),
-            kv_transfer=cfg.mode, base_address=region.base_address, layout=region.layout)
+            address=self.address, transport=transport.kind, agent_metadata=meta,
+            model=config.model.fingerprint(), kv_transfer=cfg.mode,
+            base_address=region.base_address, layout=region.layout, tensor_parallel_size=tp,
+            model_kv_heads=config.model.num_kv_heads, ranks=[] if tp == 1 else [
+                RankKV(0, own.start, own.stop, region.base_address, meta),
+                *(r for r, _ in ranks)])
         settings = Settings(cfg.lease_timeout_s, cfg.heartbeat_interval_s,
                             cfg.fence_timeout_s, config.cache.block_size)
         self.worker = TransferWorker(self.hello, settings, channel, transport, post_update,
-                                     on_death)
+                                     on_death, rank_transports=[t for _, t in ranks])
         self.timeline = HandoffTimeline(self.role)
         self.holds = Holds(cfg, scheduler, config.cache.block_size, self.timeline)
         self.side: PrefillSide | DecodeSide = (

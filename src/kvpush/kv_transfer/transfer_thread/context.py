@@ -78,12 +78,13 @@ class Context:
         is done inside the post); None, or why nothing was posted."""
         peer = self.peers.ready_peer(rec.peer)
         try:
-            handle = self.posts.post(op, rec, peer.hello if peer else None,
-                                     peer.agent if peer else None, local, remote, layers,
-                                     ready)
+            handles = self.posts.post(op, rec, peer.hello if peer else None,
+                                      peer.agent if peer else None, local, remote, layers,
+                                      ready)
         except TransferPostError as e:
             return str(e)
-        self.check(handle)
+        for handle in handles:
+            self.check(handle)
         return None
 
     def check(self, handle: int, state: XferState | None = None) -> None:

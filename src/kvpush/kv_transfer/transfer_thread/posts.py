@@ -2,7 +2,10 @@
 
 Descriptors are built from block ids, layers and the two instances' Hellos; a post's
 handle is kept on its record (``Transfer.handles``) and here until its completion is
-seen (over cma the copy happens inside the post: the caller checks it at once).
+seen (over cma the copy happens inside the post: the caller checks it at once). At
+tensor parallelism a post is one per piece of ``kv_map.head_map`` (push: prefill rank to
+decode rank, pull: the reverse), each made by our rank's own transport (rank r > 0: the
+engine's proxy to that rank's process, ``transports[r]``) with its own region.
 """
 
 from __future__ import annotations
@@ -11,59 +14,81 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvpush.kv_cache.kv_map import head_map, hello_ranks, piece_descs
 from kvpush.kv_transfer.transfer_thread.table import Transfer
-from kvpush.kv_transfer.transports.transport import (
-    KVTransport,
-    Op,
-    TransferPostError,
-    XferState,
-    layer_block_descs,
-)
+from kvpush.kv_transfer.transports.transport import KVTransport, Op, TransferPostError, XferState
 from kvpush.kv_transfer.wire import messages as m
 
 
 class Posts:
-    def __init__(self, transport: KVTransport, own: m.Hello) -> None:
+    def __init__(self, transport: KVTransport, own: m.Hello,
+                 rank_transports: Sequence[KVTransport] = ()) -> None:
         self.transport = transport
         self.own = own
+        self.transports = [transport, *rank_transports]  # by our tensor-parallel rank
         self.tids: dict[int, str] = {}  # handle -> transfer id
+        self.inner: dict[int, tuple[KVTransport, int]] = {}  # handle -> its transport's
+        self.agents: dict[tuple[int, bytes], str] = {}  # (our rank, peer metadata) -> name
+        self.next_handle = 1
 
     def post(self, op: Op, rec: Transfer, peer: m.Hello | None, agent: str | None,
              local: Sequence[int], remote: Sequence[int], layers: range,
-             ready: Any = None) -> int:
+             ready: Any = None) -> list[int]:
         """Post ``op`` of our ``local`` blocks paired with the peer's ``remote`` ones for
-        ``layers``; its handle. TransferPostError says why nothing was posted."""
+        ``layers``, one post per rank piece; their handles (each also on ``rec``).
+        TransferPostError says why nothing more was posted."""
         if peer is None or agent is None:
             side = "decode" if op == "WRITE" else "prefill"
             raise TransferPostError(f"no connection to the {side} instance at {rec.peer}")
-        try:
-            ours, theirs = layer_block_descs(self.own.base_address, self.own.layout, local,
-                                             peer.base_address, peer.layout, remote, layers)
+        ours, theirs = hello_ranks(self.own), hello_ranks(peer)
+        heads = [[r.heads for r in ours], [r.heads for r in theirs]]
+        try:  # push: we are prefill (WRITE), pull: decode (READ)
+            pieces = [(x.prefill, x.decode, x.heads) if op == "WRITE" else (
+                x.decode, x.prefill, x.heads) for x in head_map(*heads[::1 if op == "WRITE"
+                                                                       else -1])]
+            descs = [(i, j, piece_descs(h, ours[i], self.own.layout, local, theirs[j],
+                                        peer.layout, remote, layers)) for i, j, h in pieces]
         except (IndexError, ValueError) as e:
             raise TransferPostError(f"{op} not posted: {e}") from None
         if ready is not None:  # CUDA: the layers' KV is in memory once this fires
             ready.synchronize()
-        t0 = time.perf_counter()
-        try:
-            handle = self.transport.post(op, agent, ours, theirs)
-        except TransferPostError as e:
-            raise TransferPostError(f"{op} failed to post: {e}") from None
-        rec.post_s += time.perf_counter() - t0
-        rec.num_descriptors += len(ours)
-        rec.num_bytes += sum(length for _, length in ours)
-        rec.handles.add(handle)
-        self.tids[handle] = rec.tid
-        return handle
+        handles = []
+        for i, j, (mine, other) in descs:
+            transport, t0 = self.transports[i], time.perf_counter()
+            try:
+                name = agent if (i, j) == (0, 0) else self._agent(i, theirs[j].agent_metadata)
+                inner = transport.post(op, name, mine, other)
+            except (TransferPostError, ValueError) as e:
+                raise TransferPostError(f"{op} failed to post (our rank {i} to the peer's "
+                                        f"rank {j}): {e}") from None
+            rec.post_s += time.perf_counter() - t0
+            rec.num_descriptors += len(mine)
+            rec.num_bytes += sum(length for _, length in mine)
+            handle, self.next_handle = self.next_handle, self.next_handle + 1
+            self.inner[handle] = (transport, inner)
+            rec.handles.add(handle)
+            self.tids[handle] = rec.tid
+            handles.append(handle)
+        return handles
+
+    def _agent(self, rank: int, metadata: bytes) -> str:
+        """Our rank ``rank``'s transport's name for the peer rank of ``metadata``."""
+        key = (rank, metadata)
+        if key not in self.agents:
+            self.agents[key] = self.transports[rank].add_peer(metadata)
+        return self.agents[key]
 
     def awaited(self) -> bool:
         return bool(self.tids)
 
     def state(self, handle: int) -> XferState:
-        return self.transport.state(handle)
+        transport, inner = self.inner[handle]
+        return transport.state(inner)
 
     def take(self, handle: int) -> str:
         """The ended transfer ``handle`` was for; its handle is released."""
-        self.transport.release(handle)
+        transport, inner = self.inner.pop(handle)
+        transport.release(inner)
         return self.tids.pop(handle)
 
     def states(self) -> list[tuple[int, XferState]]:
@@ -72,4 +97,4 @@ class Posts:
         if not self.tids:
             self.transport.progress()
             return []
-        return [(h, self.transport.state(h)) for h in list(self.tids)]
+        return [(h, self.state(h)) for h in list(self.tids)]

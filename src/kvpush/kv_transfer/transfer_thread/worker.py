@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvpush.kv_transfer import commands as c
 from kvpush.kv_transfer.transfer_thread.context import Context, Settings
@@ -57,9 +57,11 @@ class TransferWorker:
                  post_update: Callable[[c.TransferUpdate], None],
                  on_death: Callable[[str], None] = lambda why: None, *,
                  clock: Callable[[], float] = time.monotonic, busy_poll_s: float = 0.001,
-                 max_peers: int = MAX_PEERS, peer_idle_s: float | None = None) -> None:
+                 max_peers: int = MAX_PEERS, peer_idle_s: float | None = None,
+                 rank_transports: Sequence[KVTransport] = ()) -> None:
         """Peers: a handshake is given up and a refusal expires after a lease; a ready
-        peer no transfer uses is dropped after ``peer_idle_s`` (default four leases)."""
+        peer no transfer uses is dropped after ``peer_idle_s`` (default four leases).
+        ``rank_transports``: at TP > 1, ranks 1.. (posts.py)."""
         self.channel, self.transport = channel, transport
         self.post_update, self.on_death = post_update, on_death
         self.busy_poll_s = busy_poll_s
@@ -72,8 +74,8 @@ class TransferWorker:
             handshake_timeout_s=settings.lease_s, refusal_ttl_s=settings.lease_s,
             idle_timeout_s=peer_idle_s if peer_idle_s is not None else 4 * settings.lease_s)
         self.table, self.peers = table, peers
-        self.ctx = Context(hello, settings, table, peers, Posts(transport, hello), channel,
-                           clock)
+        self.ctx = Context(hello, settings, table, peers,
+                           Posts(transport, hello, rank_transports), channel, clock)
         self.role: Role = ROLES[(hello.role, hello.kv_transfer)](self.ctx)
         self.ctx.on_landed = self.role.landed
         self.queue: queue.SimpleQueue[c.StepMessage | None] = queue.SimpleQueue()
@@ -274,8 +276,8 @@ class TransferWorker:
     def _close(self) -> None:
         # the transport first (its posts released): a peer that sees our connection
         # drop frees the blocks it fenced for us, so nothing of ours may land after it
-        for name, close in (("KV transport", self.transport.close),
-                            ("side channel", self.channel.close)):
+        for name, close in [*(("KV transport", t.close) for t in self.ctx.posts.transports),
+                            ("side channel", self.channel.close)]:
             try:
                 close()
             except Exception:  # noqa: BLE001 - going down anyway

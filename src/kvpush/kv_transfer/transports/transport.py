@@ -23,8 +23,6 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from kvpush.kv_cache.kv_region import KVLayout
-
 Op = Literal["WRITE", "READ"]
 Range = tuple[int, int]  # (absolute address, length in bytes)
 METADATA_VERSION = 1
@@ -195,39 +193,3 @@ def _pairs(ranges: Sequence[Range]) -> np.ndarray:
     if len(arr) != len(ranges):
         raise TransferPostError("ranges must be (address, length) pairs")
     return arr
-
-
-def paired_runs(local_blocks: Sequence[int],
-                remote_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Runs where both sides are consecutive: [(local_first, remote_first, count), ...]."""
-    if len(local_blocks) != len(remote_blocks):
-        raise ValueError(f"{len(local_blocks)} local blocks but {len(remote_blocks)} remote")
-    runs: list[tuple[int, int, int]] = []
-    for lb, rb in zip(local_blocks, remote_blocks):
-        if runs:
-            lf, rf, n = runs[-1]
-            if lb == lf + n and rb == rf + n:
-                runs[-1] = (lf, rf, n + 1)
-                continue
-        runs.append((lb, rb, 1))
-    return runs
-
-
-def layer_block_descs(local_base: int, local_layout: KVLayout, local_blocks: Sequence[int],
-                      remote_base: int, remote_layout: KVLayout, remote_blocks: Sequence[int],
-                      layers: Sequence[int]) -> tuple[list[Range], list[Range]]:
-    """(local, remote) descriptors of ``layers`` for blocks paired by index: one per layer
-    per :func:`paired_runs` run, layer by layer. The layouts must agree on block_bytes."""
-    if local_layout.block_bytes != remote_layout.block_bytes:
-        raise ValueError(f"block bytes differ: local {local_layout.block_bytes}, "
-                         f"remote {remote_layout.block_bytes}")
-    runs = paired_runs(local_blocks, remote_blocks)
-    local: list[Range] = []
-    remote: list[Range] = []
-    for layer in layers:
-        for lf, rf, n in runs:
-            loff, llen = local_layout.range_of(layer, lf, n)
-            roff, rlen = remote_layout.range_of(layer, rf, n)
-            local.append((local_base + loff, llen))
-            remote.append((remote_base + roff, rlen))
-    return local, remote

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import msgspec
 
+from kvpush.kv_cache.kv_map import RankKV, pair_problems
 from kvpush.kv_cache.kv_region import KVLayout
 
 #: Raised when mixed versions would not work, so that the Hello refuses the peer plainly.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -37,8 +38,11 @@ class Hello(msgspec.Struct, tag=True):
     model: str  # fingerprint of the weights' shape and name
     kv_transfer: str  # "push" | "pull"
     base_address: int  # of the KV region, for the peer's descriptors
-    layout: KVLayout
+    layout: KVLayout  # rank 0's region (every rank's but for its base address)
     reply: bool = False  # True when answering a Hello
+    tensor_parallel_size: int = 1
+    model_kv_heads: int = 0  # the model's, over every rank
+    ranks: list[RankKV] = []  # TP > 1: each rank's KV heads, region, agent (kv_map.py)
 
 
 class HelloVersion(msgspec.Struct, tag="Hello"):
@@ -150,22 +154,17 @@ def type_name(payload: bytes) -> str:
         return "?"
 
 
-#: layout fields both instances must share (the region's size may differ)
-_SAME_LAYOUT = ("layout", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype",
-                "block_bytes")
-
-
 def compatibility_problems(mine: Hello, theirs: Hello) -> list[str]:
-    """Differences that make KV from one instance meaningless to the other."""
+    """Differences that make KV from one instance meaningless to the other (the
+    tensor-parallel pair and the layouts: ``kv_map.pair_problems``)."""
     problems = []
     if theirs.version != mine.version:
         problems.append(f"protocol version {theirs.version} != {mine.version}")
     pairs = [(f, getattr(mine, f), getattr(theirs, f))
              for f in ("model", "kv_transfer", "transport")]
-    pairs += [(f, getattr(mine.layout, f), getattr(theirs.layout, f)) for f in _SAME_LAYOUT]
     problems += [f"{f}: peer has {b!r}, this instance {a!r}" for f, a, b in pairs if a != b]
     lay = theirs.layout
     if lay.num_blocks < 1 or lay.layer_bytes != lay.num_blocks * lay.block_bytes:
         problems.append(f"the peer announces an inconsistent KV region ({lay.num_blocks} "
                         f"blocks of {lay.block_bytes} bytes, {lay.layer_bytes} per layer)")
-    return problems
+    return problems + pair_problems(mine, theirs)
