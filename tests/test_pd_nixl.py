@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import time
 
+import msgspec
 import pytest
 
 from engine_helpers import greedy, make_engine, random_prompts, run_to_completion
@@ -21,7 +22,7 @@ pytest.importorskip("nixl._api", reason="NIXL is not installed (make venv instal
 LENGTHS = [9, 40, 129, 200]
 
 
-def _instance_main(conn, model_dir: str, role: str, mode: str) -> None:
+def _instance_main(conn, model_dir: str, role: str, mode: str, tp: int = 1) -> None:
     """A P or D instance: an engine stepped in a loop, commands from the pipe."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -31,7 +32,8 @@ def _instance_main(conn, model_dir: str, role: str, mode: str) -> None:
     from kvpush.kv_cache.block_pool import hash_prefix_blocks
     from pd_helpers import make_instance
 
-    eng = make_instance(model_dir, role, mode, links=NixlLinks(), lease=10.0, heartbeat=0.2)
+    eng = make_instance(model_dir, role, mode, links=NixlLinks(), lease=10.0, heartbeat=0.2,
+                        tensor_parallel_size=tp)
     conn.send(("ready", eng.connector.address, eng.connector.engine_id))
     outs: dict[str, dict] = {}
     try:
@@ -48,6 +50,10 @@ def _instance_main(conn, model_dir: str, role: str, mode: str) -> None:
                     s = eng.stats()
                     idle = s.num_free_blocks == s.num_total_blocks and not eng.scheduler.requests
                     conn.send((outs, idle))
+                elif cmd[0] == "stats":
+                    conn.send({"prefix_cache_hit_tokens": eng.stats().prefix_cache_hit_tokens})
+                elif cmd[0] == "records":
+                    conn.send([msgspec.structs.asdict(r) for r in eng.transfer_records])
                 elif cmd[0] == "kv_blocks":
                     _, prompt, n = cmd
                     ids = eng.scheduler.pool.lookup(hash_prefix_blocks(prompt, 16)[:n])
@@ -67,10 +73,10 @@ def _instance_main(conn, model_dir: str, role: str, mode: str) -> None:
 
 
 class Instance:
-    def __init__(self, ctx, model_dir, role, mode):
+    def __init__(self, ctx, model_dir, role, mode, tp: int = 1):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_instance_main, args=(child, str(model_dir), role, mode),
-                                daemon=True)
+        self.proc = ctx.Process(target=_instance_main,
+                                args=(child, str(model_dir), role, mode, tp), daemon=True)
         self.proc.start()
         if not self.conn.poll(60):
             raise TimeoutError(f"{role} instance did not start")
@@ -81,6 +87,14 @@ class Instance:
 
     def outputs(self):
         self.conn.send(("outputs",))
+        return self.conn.recv()
+
+    def stats(self) -> dict:
+        self.conn.send(("stats",))
+        return self.conn.recv()
+
+    def records(self) -> list[dict]:
+        self.conn.send(("records",))
         return self.conn.recv()
 
     def kv_blocks(self, prompt, n) -> bytes:

@@ -70,10 +70,13 @@ def test_refused_at_start(tiny_llama, capsys):
     with pytest.raises(ConfigError, match="4 attention heads do not divide by 3"):
         EngineConfig.build(tiny_llama, num_blocks=64, max_model_len=256,
                            tensor_parallel_size=3)
-    for role in ("prefill", "decode"):
-        with pytest.raises(ConfigError, match="disaggregation with tensor parallelism is "
-                                              "not supported yet"):
-            EngineConfig.build(tiny_llama, num_blocks=64, max_model_len=256,
+    for role in ("prefill", "decode"):  # P/D at TP > 1: on the CPU (test_pd_tp.py)
+        cfg = EngineConfig.build(tiny_llama, num_blocks=64, max_model_len=256,
+                                 tensor_parallel_size=2, kv_transfer=KVTransferConfig(role=role))
+        assert cfg.cache.kv_layout.startswith("head-major")
+        with pytest.raises(ConfigError, match="disaggregation with tensor parallelism runs "
+                                              "on the CPU only so far"):
+            EngineConfig.build(tiny_llama, num_blocks=64, max_model_len=256, device="cuda",
                                tensor_parallel_size=2,
                                kv_transfer=KVTransferConfig(role=role))
     # the flag: serve takes N (the shape is checked at start), `kvpush up` only 1

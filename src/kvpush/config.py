@@ -384,12 +384,11 @@ class EngineConfig:
         problem = tp_problem(model, tp)
         if problem is not None:
             raise ConfigError(problem)
-        if tp > 1 and kv_transfer.enabled:
+        if tp > 1 and kv_transfer.enabled and device != "cpu":
             raise ConfigError(
-                f"--tensor-parallel-size {tp} with --role {kv_transfer.role}: prefill/"
-                "decode disaggregation with tensor parallelism is not supported yet; run "
-                "P/D instances at --tensor-parallel-size 1, or a TP instance with --role "
-                "both")
+                f"--tensor-parallel-size {tp} with --role {kv_transfer.role} on {device}: "
+                "prefill/decode disaggregation with tensor parallelism runs on the CPU "
+                "only so far; run P/D instances on CUDA at --tensor-parallel-size 1")
         if tp > 1 and threads is None:
             threads = max(1, torch.get_num_threads() // tp)
         if kv_transfer.enabled and not kv_transfer.engine_id:

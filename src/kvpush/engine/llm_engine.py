@@ -75,7 +75,7 @@ class LLMEngine:
             torch.set_num_threads(threads)
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.path)
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, links=links)
         if build_threads is None:
             # the builder runs the steps: time the projections' matmuls now, at its
             # thread count (else the step loop does, model/linear_pick.py)
@@ -107,7 +107,7 @@ class LLMEngine:
                 config, self.runner.kv_region, self.scheduler,
                 post_update=self.inbox.put,
                 on_death=lambda why: self.inbox.put(TransferThreadDied(why)),
-                links=links)
+                links=links, ranks=self.runner.kv_ranks())
             self.scheduler.on_preempt = self.connector.on_preempt
             self.connector.start()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ log = logging.getLogger("kvpush.engine")
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int = 0):
+    def __init__(self, config: EngineConfig, rank: int = 0, links: Any = None):
         """``rank``: this process's tensor-parallel rank (0: the step loop's, which
         starts the others when ``config.tensor_parallel_size`` > 1)."""
         self.config = config
@@ -42,7 +43,8 @@ class ModelRunner:
         self.group: RankGroup | None = None
         if n > 1 and rank == 0:
             # the other ranks load their parts while this one loads its own
-            self.group = RankGroup(config, logging.getLevelName(log.getEffectiveLevel()))
+            self.group = RankGroup(config, logging.getLevelName(log.getEffectiveLevel()),
+                                   links)
         try:
             self._build(config)
             if self.group is not None:
@@ -210,6 +212,11 @@ class ModelRunner:
                 "lm_head": "replicated; rank 0 computes the logits and samples",
             }
         return info
+
+    def kv_ranks(self) -> list:
+        """P/D at TP > 1: ranks 1..N-1's regions and the proxies that post their KV
+        (engine/tp/kv_ranks.py); empty otherwise."""
+        return list(self.group.kv_ranks) if self.group is not None else []
 
     def close(self) -> None:
         """Stop the other ranks (rank 0 at TP > 1; nothing otherwise)."""

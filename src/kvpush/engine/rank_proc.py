@@ -26,6 +26,7 @@ import zmq
 
 from kvpush.engine.model_runner import ModelRunner
 from kvpush.engine.tp.group import STORE_HOST, failed_key, join_group, leave_group, ready_key
+from kvpush.engine.tp.kv_ranks import RankKVServer, encode_rank_kv, kv_key
 from kvpush.engine.tp.plan import RankMessage, RankSetup, RankStop
 
 log = logging.getLogger("kvpush.engine.tp")
@@ -45,6 +46,7 @@ def main() -> int:
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.LINGER, 0)
+    kv: RankKVServer | None = None
     try:
         if config.device.startswith("cuda"):
             torch.cuda.set_device(config.device)
@@ -53,6 +55,10 @@ def main() -> int:
         torch.set_num_threads(config.threads or 1)
         runner.model.ensure_linears()  # timed at the steps' thread count
         sock.connect(setup.plan_address)
+        if setup.kv_address is not None:  # P/D: this rank moves its own KV heads
+            kv = kv_server(setup, ctx, runner)
+            store.set(kv_key(rank), encode_rank_kv(runner.kv_region.base_address,
+                                                   kv.transport.metadata()))
     except Exception as e:  # noqa: BLE001 - rank 0 reports it and does not start
         log.exception("tensor-parallel rank %d could not start", rank)
         store.set(failed_key(rank), str(e) or type(e).__name__)
@@ -71,9 +77,26 @@ def main() -> int:
         log.exception("tensor-parallel rank %d: a step failed; the instance stops", rank)
         return 1
     finally:
+        if kv is not None:
+            kv.close()
         leave_group()
         sock.close()
         ctx.term()
+
+
+def kv_server(setup: RankSetup, ctx: zmq.Context, runner: ModelRunner) -> RankKVServer:
+    """This rank's KV transport (its own NIXL agent and region) and its server thread."""
+    from kvpush.kv_transfer.links import NixlLinks
+
+    links = setup.links if setup.links is not None else NixlLinks()
+    transport = links.transport(f"{setup.engine_id}.rank{setup.rank}")
+    try:
+        region = runner.kv_region
+        transport.register_region(region.base_address, region.nbytes, setup.config.device)
+        return RankKVServer(transport, ctx, setup.kv_address, setup.rank)
+    except BaseException:
+        transport.close()
+        raise
 
 
 if __name__ == "__main__":

@@ -203,11 +203,15 @@ class DecoderModel:
                     torch.addcmul(k * cos, k.roll(D // 2, -1), sin))
             kv_new = qkv[:, qs:].view(T, 2, Hkv, D)  # rotated k, then v
             attn = paged_attention(q, kv_new, kv[i], md, self.scale, i)
-            if layer_done is not None:
+            if layer_done is not None and reduce is None:
                 layer_done(i)
             o = lin_o(attn.reshape(T, qs), lw.o, lw.o_bias)
             if reduce is not None:
                 reduce(o)
+                # every rank has entered this all-reduce after writing layer i's KV: a
+                # push may WRITE it from every rank now (engine/tp/kv_ranks.py)
+                if layer_done is not None:
+                    layer_done(i)
             h = h + o
             x = self._norm(h, lw.post_norm)
             gu = lin_gu(x, lw.gate_up, lw.gate_up_bias)

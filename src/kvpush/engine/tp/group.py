@@ -37,14 +37,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import torch
 import torch.distributed as dist
 import zmq
 
-from kvpush.config import ConfigError, EngineConfig, KVTransferConfig
+from kvpush.config import ConfigError, EngineConfig, KVTransferConfig, tp_kv_heads
+from kvpush.engine.tp.kv_ranks import RankProxy, decode_rank_kv, kv_key
 from kvpush.engine.tp.plan import RankSetup, RankStep, RankStop, StepChunk
+from kvpush.kv_cache.kv_map import RankKV
 from kvpush.procs import describe_exit, pdeathsig_preexec
 
 log = logging.getLogger("kvpush.engine.tp")
@@ -112,8 +115,14 @@ def failed_key(rank: int) -> str:
 class RankGroup:
     """Rank 0's handle on ranks 1..N-1 (see the module's docstring)."""
 
-    def __init__(self, config: EngineConfig, log_level: str = "INFO"):
+    def __init__(self, config: EngineConfig, log_level: str = "INFO", links: Any = None):
+        """``links``: a P/D instance's (kv_transfer.links; default NIXL): each rank builds
+        its own KV transport with them (kv_ranks.py)."""
         self.size = config.tensor_parallel_size
+        self.config = config
+        #: P/D: ranks 1..N-1's regions and agents, and rank 0's proxies to their posts
+        self.kv_ranks: list[tuple[RankKV, RankProxy]] = []
+        self._kv_socks: list[zmq.Socket] = []
         self.device = config.device
         #: why the group is dead (a rank exited unasked); None while it lives
         self.dead: str | None = None
@@ -142,9 +151,18 @@ class RankGroup:
             address = f"ipc://@kvpush-tp-{os.getpid()}-{token}-{r}"
             sock.bind(address)
             self._socks.append(sock)
+            kv_address = None
+            if config.kv_transfer.enabled:
+                kv_sock = self._ctx.socket(zmq.PAIR)
+                kv_sock.setsockopt(zmq.SNDHWM, 0)
+                kv_sock.setsockopt(zmq.LINGER, 0)
+                kv_address = f"{address}-kv"
+                kv_sock.bind(kv_address)
+                self._kv_socks.append(kv_sock)
             setups.append(RankSetup(
                 dataclasses.replace(rank_config, device=rank_device(config.device, r)),
-                r, port, address, log_level))
+                r, port, address, log_level, kv_address, links,
+                config.kv_transfer.engine_id))
         self._enc = msgspec.msgpack.Encoder()
         spawned = threading.Event()
         self._thread = threading.Thread(target=self._own_ranks, args=(setups, spawned),
@@ -223,6 +241,11 @@ class RankGroup:
                 raise ConfigError(f"tensor-parallel ranks {sorted(pending)} were not ready "
                                   f"in {timeout:.0f} s")
             self._died.wait(0.05)
+        for r, sock in enumerate(self._kv_socks, 1):
+            base, metadata = decode_rank_kv(self.store.get(kv_key(r)))
+            heads = tp_kv_heads(self.config.model, self.size, r)
+            self.kv_ranks.append((RankKV(r, heads.start, heads.stop, base, metadata),
+                                  RankProxy(sock, r)))
         join_group(self.store, 0, self.size, self.device)
 
     # ---- steps ---------------------------------------------------------------------
@@ -274,6 +297,6 @@ class RankGroup:
                 proc.kill()
         self._thread.join(STOP_TIMEOUT_S)
         leave_group()
-        for sock in self._socks:
-            sock.close()
+        for sock in self._socks + self._kv_socks:
+            sock.close(linger=0)
         self._ctx.term()

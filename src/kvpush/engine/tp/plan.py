@@ -13,6 +13,7 @@ over the same chunks (``ModelRunner.run_chunks``), so the ranks' collectives lin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -54,3 +55,8 @@ class RankSetup:
     #: rank 0's PUSH socket for this rank
     plan_address: str
     log_level: str = "INFO"
+    #: P/D instances: rank 0's PAIR socket for this rank's KV posts (kv_ranks.py), the
+    #: links that build its transport, and the instance's engine id (None: no KV transfer)
+    kv_address: str | None = None
+    links: Any = None
+    engine_id: str = ""
