@@ -59,8 +59,8 @@ class Posts:
                 name = agent if (i, j) == (0, 0) else self._agent(i, theirs[j].agent_metadata)
                 inner = transport.post(op, name, mine, other)
             except (TransferPostError, ValueError) as e:
-                raise TransferPostError(f"{op} failed to post (our rank {i} to the peer's "
-                                        f"rank {j}): {e}") from None
+                ranks = f" (our rank {i} to the peer's rank {j})" if i or j else ""
+                raise TransferPostError(f"{op} failed to post{ranks}: {e}") from None
             rec.post_s += time.perf_counter() - t0
             rec.num_descriptors += len(mine)
             rec.num_bytes += sum(length for _, length in mine)
