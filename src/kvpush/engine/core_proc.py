@@ -73,8 +73,15 @@ class CoreFailed(msgspec.Struct, tag=True, frozen=True):
 Hello = CoreReady | CoreFailed
 
 
+#: the core's GIL switch interval (Python's default: 5 ms). The request plane's and the
+#: transfer thread's hand-offs wait for the GIL while the step loop runs Python between
+#: torch ops; a waiting thread gets it within about this long
+SWITCH_INTERVAL_S = 0.0002
+
+
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     setup: CoreSetup = pickle.load(sys.stdin.buffer)
     sys.stdin.close()
     logging.basicConfig(level=setup.log_level.upper(),
