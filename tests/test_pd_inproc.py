@@ -586,7 +586,8 @@ def test_registration_after_prefill_finished(pd, tiny_qwen3):
     """Side-channel messages delayed: prefill finishes first and holds its blocks until
     decode's registration arrives, then writes everything at once."""
     prompt = random_prompts([90], seed=12)[0]
-    pd.faults.arm(message_delay_s=0.3)
+    # long enough that prefill finishes first even on a loaded host (0.3 s was not)
+    pd.faults.arm(message_delay_s=1.5)
     pd.submit("r", prompt, greedy(5))
     pd.run(until=lambda: pd.p_legs["r"].finished, timeout=10)
     assert pd.p.connector.holds.by_tid["r"].request_id is None  # finished, held
