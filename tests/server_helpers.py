@@ -153,6 +153,13 @@ def child_pids(pid: int) -> list[int]:
         return []
 
 
+def all_child_pids(pid: int) -> list[int]:
+    """The children of every thread of ``pid`` (tensor-parallel ranks are forked by a
+    thread of the engine core, so ``child_pids`` does not list them)."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]
+
+
 def pid_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie does not)."""
     try:

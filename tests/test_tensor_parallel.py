@@ -24,14 +24,7 @@ from engine_helpers import assert_all_blocks_free, greedy, make_engine, run_to_c
 from kvpush.cli import build_parser
 from kvpush.config import ConfigError, EngineConfig, KVTransferConfig, ModelConfig, tp_problem
 from kvpush.model.parallel import TPShard
-from server_helpers import ServerProcess, child_pids, pid_alive
-
-
-def _all_children(pid: int) -> list[int]:
-    """Children of every thread of ``pid`` (the ranks are forked by a thread of the
-    core, so /proc/PID/task/PID/children does not list them)."""
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
-            for c in (task / "children").read_text().split()]
+from server_helpers import ServerProcess, all_child_pids, child_pids, pid_alive
 
 
 def _shape(model_dir: Path, **kw) -> ModelConfig:
@@ -158,7 +151,7 @@ def test_rank_killed_mid_request_ends_the_instance(tiny_llama, tmp_path):
         assert info["tensor_parallel_size"] == 2
         assert [r["kv_heads"] for r in info["tensor_parallel"]["ranks"]] == [[0], [1]]
         (core,) = child_pids(srv.proc.pid)
-        (rank1,) = _all_children(core)
+        (rank1,) = all_child_pids(core)
         assert "kvpush.engine.rank_proc" in Path(f"/proc/{rank1}/cmdline").read_text()
         body = {"prompt": [5, 6, 7, 8], "max_tokens": 2000, "ignore_eos": True,
                 "stream": True}
@@ -182,3 +175,47 @@ def test_rank_killed_mid_request_ends_the_instance(tiny_llama, tmp_path):
             time.sleep(0.05)
     finally:
         srv.stop()
+
+
+def test_a_dead_ranks_kv_posts_fail_and_its_kv_thread_ends_it():
+    """P/D: a dead rank's posts fail at once on rank 0 (its proxy, set by the rank
+    watcher), and a rank whose KV thread dies ends itself (here: on_death is called)."""
+    import threading
+
+    import msgspec
+    import zmq
+
+    from kvpush.engine.tp.kv_ranks import KVPost, RankKVServer, RankProxy
+    from kvpush.kv_transfer.transports.transport import TransferPostError, XferState
+
+    ctx = zmq.Context()
+    ours, theirs = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    ours.bind("inproc://rank1")
+    theirs.connect("inproc://rank1")
+    proxy = RankProxy(ours, 1)
+    try:
+        handle = proxy.post("WRITE", "peer", [(0, 8)], [(0, 8)])
+        assert isinstance(msgspec.msgpack.decode(theirs.recv(), type=KVPost), KVPost)
+        assert proxy.state(handle) is XferState.PENDING
+        proxy.dead = "tensor-parallel rank 1 was killed by SIGKILL"
+        assert proxy.state(handle) is XferState.FAILED
+        with pytest.raises(TransferPostError, match="killed by SIGKILL"):
+            proxy.post("WRITE", "peer", [(0, 8)], [(0, 8)])
+    finally:
+        proxy.close()
+        theirs.close(linger=0)
+
+    class Broken:  # a transport whose progress raises (a bug in the KV thread)
+        def progress(self):
+            raise RuntimeError("boom")
+
+        def close(self):
+            pass
+
+    died = threading.Event()
+    server = RankKVServer(Broken(), ctx, "inproc://rank2", 2, on_death=died.set)
+    try:
+        assert died.wait(5)
+    finally:
+        server.close()
+        ctx.term()

@@ -9,12 +9,14 @@ until a RankStop. It owns no request, no block and no output: rank 0 does.
 
 Life: SIGINT and SIGTERM are ignored (they reach the whole process group; rank 0 stops
 the ranks once it stops); the kernel kills it if rank 0 dies (PR_SET_PDEATHSIG); a step
-that fails here ends this process with code 1, which ends the instance (rank 0 sees it).
+that fails here ends this process with code 1, which ends the instance (rank 0 sees it),
+and so does its KV transfer thread's death (P/D).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import signal
 import sys
@@ -93,7 +95,8 @@ def kv_server(setup: RankSetup, ctx: zmq.Context, runner: ModelRunner) -> RankKV
     try:
         region = runner.kv_region
         transport.register_region(region.base_address, region.nbytes, setup.config.device)
-        return RankKVServer(transport, ctx, setup.kv_address, setup.rank)
+        return RankKVServer(transport, ctx, setup.kv_address, setup.rank,
+                            on_death=lambda: os._exit(1))  # (the instance ends)
     except BaseException:
         transport.close()
         raise

@@ -198,10 +198,13 @@ class RankGroup:
                 os.close(fd)
                 code = proc.wait()
                 if not self._stopping:
-                    self._report(f"tensor-parallel rank {r} {describe_exit(code)}")
+                    self._report(f"tensor-parallel rank {r} {describe_exit(code)}", r)
 
-    def _report(self, why: str) -> None:
+    def _report(self, why: str, rank: int = 0) -> None:
         with self._lock:
+            for kv, proxy in self.kv_ranks:  # its posts fail at once (kv_ranks.py)
+                if kv.rank == rank:
+                    proxy.dead = why
             if self.dead is not None:
                 return
             self.dead = why

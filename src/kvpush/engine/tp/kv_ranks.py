@@ -14,7 +14,10 @@ nothing on disk), never pickled calls and never the KV itself:
 Rank r's :class:`RankKVServer` (a thread of the rank process) posts with its own
 transport and region, polls the post (every ms while one runs) and answers; with nothing
 posted it progresses its transport every 5 ms (the target of a NIXL WRITE must, while an
-initiator connects: a decode rank > 0 that only receives pushes). A push WRITE of the
+initiator connects: a decode rank > 0 that only receives pushes). If that thread dies the
+rank process exits 1, which ends the instance as any rank's death does; a dead rank's
+proxy (``RankProxy.dead``, set by rank 0's watcher) fails its pending and later posts at
+once instead of leaving them to leases and fences. A push WRITE of the
 layers rank 0's layer hook states is safe from every rank: at TP > 1 the hook runs after
 the layer's first all-reduce, which every rank enters after writing that layer's KV (gloo
 on the CPU is synchronous; P/D at TP > 1 runs on the CPU only so far).
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import zmq
@@ -92,6 +95,8 @@ class RankProxy(KVTransport):
         self._dec = msgspec.msgpack.Decoder(KVState)
         self._states: dict[int, XferState] = {}
         self._next = 1
+        #: why the rank is gone (set by the rank watcher): its posts fail at once
+        self.dead: str | None = None
 
     def _send(self, msg: KVRequest) -> None:
         try:
@@ -115,6 +120,8 @@ class RankProxy(KVTransport):
         pass  # the rank keeps its peers until it stops
 
     def post(self, op: Op, peer: str, local: Sequence[Range], remote: Sequence[Range]) -> int:
+        if self.dead is not None:
+            raise TransferPostError(self.dead)
         handle, self._next = self._next, self._next + 1
         self._send(KVPost(handle, op, peer, [tuple(r) for r in local],
                           [tuple(r) for r in remote]))
@@ -130,6 +137,13 @@ class RankProxy(KVTransport):
             self._send(KVRelease(handle))
 
     def progress(self) -> None:
+        if self.dead is not None:  # its pending posts will never be answered
+            for handle, state in self._states.items():
+                if state is XferState.PENDING:
+                    log.warning("tensor-parallel rank %d: post %d failed: %s", self.rank,
+                                handle, self.dead)
+                    self._states[handle] = XferState.FAILED
+            return
         while True:
             try:
                 reply = self._dec.decode(self.sock.recv(zmq.NOBLOCK))
@@ -150,8 +164,10 @@ class RankKVServer:
     rank's own transport and region, and says when each post has ended."""
 
     def __init__(self, transport: KVTransport, ctx: zmq.Context, address: str,
-                 rank: int) -> None:
-        self.transport, self.rank = transport, rank
+                 rank: int, on_death: Callable[[], None] = lambda: None) -> None:
+        """``on_death()``: on the thread, once, if it dies (the rank process then exits:
+        rank 0 would wait on its posts until leases and fences cleared them)."""
+        self.transport, self.rank, self.on_death = transport, rank, on_death
         self.sock = ctx.socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
@@ -193,8 +209,10 @@ class RankKVServer:
                         self.sock.send(enc.encode(KVState(handle, state.value)))
                 if not pending:  # (a WRITE's target too, while its initiator connects)
                     transport.progress()
-        except Exception:  # noqa: BLE001 - rank 0's posts then never end: it fails them
-            log.exception("tensor-parallel rank %d: its KV transfer thread died", self.rank)
+        except Exception:  # noqa: BLE001 - rank 0's posts would never end: the rank ends
+            log.exception("tensor-parallel rank %d: its KV transfer thread died; the rank "
+                          "exits", self.rank)
+            self.on_death()
 
     def close(self) -> None:
         self._stop.set()
