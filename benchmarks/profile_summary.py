@@ -2,11 +2,18 @@
 per thread, the share of the innermost frame that falls in a known bucket.
 
     python benchmarks/profile_summary.py /tmp/prof.*.txt
+
+``--inner MATCH`` (for ``py-spy record --native``): of the samples with a frame that
+contains MATCH, the share by the innermost frame's library or Python file (unnamed:
+JIT-compiled code, oneDNN's and MKL's kernels), and by the innermost Python frame.
+
+    python benchmarks/profile_summary.py --inner "measure (step_overhead.py:100)" /tmp/s.txt
 """
 
 from __future__ import annotations
 
 import collections
+import re
 import sys
 
 #: (bucket, substring of a frame), first match from the innermost frame outwards
@@ -27,7 +34,33 @@ RULES = (
 )
 
 
+def inner(match: str, paths: list[str]) -> None:
+    where: collections.Counter[str] = collections.Counter()
+    py: collections.Counter[str] = collections.Counter()
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                stack, n = line.rstrip().rsplit(" ", 1)
+                frames = stack.split(";")
+                if not any(match in fr for fr in frames):
+                    continue
+                m = re.search(r"\(([^)]*)\)$", frames[-1])
+                where[m.group(1).split(":")[0] if m else "(unnamed)"] += int(n)
+                py[next((fr for fr in reversed(frames) if ".py:" in fr), "-")] += int(n)
+    total = sum(where.values())
+    print(f"{total} samples; innermost frame's library or file:")
+    for k, n in where.most_common(12):
+        print(f"{100 * n / total:5.1f}%  {k}")
+    print("innermost Python frame:")
+    for k, n in py.most_common(12):
+        print(f"{100 * n / total:5.1f}%  {k}")
+
+
 def main(paths: list[str]) -> None:
+    if paths[:1] == ["--inner"]:
+        return inner(paths[1], paths[2:])
     threads: collections.Counter[str] = collections.Counter()
     buckets: collections.Counter[tuple[str, str]] = collections.Counter()
     for path in paths:

@@ -88,6 +88,31 @@ def measure(engine, batch: int, prompt_len: int, warm: int, steps: int,
     """Median ms per phase over ``steps`` steady decode steps at ``batch``; the requests
     run up to the engine's max_model_len, so none finishes inside the measured steps
     (requests prefilled early decode while later ones still prefill)."""
+    ids = start_decode(engine, batch, prompt_len, warm, seed)
+    n_ops = count_ops(engine)
+    timer = PhaseTimer(engine)
+    rows: list[dict[str, float]] = []
+    try:
+        for _ in range(steps):
+            timer.acc = {}
+            c = time.thread_time()
+            t = time.perf_counter()
+            outs = engine.step()
+            total = time.perf_counter() - t
+            cpu = time.thread_time() - c
+            assert len(outs) == batch, f"not a steady decode step: {len(outs)} outputs"
+            rows.append({**timer.split(total), "cpu": cpu})
+    finally:
+        timer.restore()
+        for rid in ids:
+            engine.abort_request(rid)
+    out = {k: 1e3 * statistics.median(r[k] for r in rows) for k in (*PHASES, "step", "cpu")}
+    return {**out, "ops": n_ops}
+
+
+def start_decode(engine, batch: int, prompt_len: int, warm: int, seed: int = 0) -> list[str]:
+    """Add ``batch`` greedy requests of random ``prompt_len``-token prompts, step until
+    each has its first token, then ``warm`` decode steps; their ids."""
     import torch
 
     from kvpush.sampling_params import SamplingParams
@@ -108,25 +133,31 @@ def measure(engine, batch: int, prompt_len: int, warm: int, steps: int,
             break
     for _ in range(warm):
         engine.step()
-    n_ops = count_ops(engine)
-    timer = PhaseTimer(engine)
-    rows: list[dict[str, float]] = []
-    try:
-        for _ in range(steps):
-            timer.acc = {}
-            c = time.thread_time()
-            t = time.perf_counter()
-            outs = engine.step()
-            total = time.perf_counter() - t
-            cpu = time.thread_time() - c
-            assert len(outs) == batch, f"not a steady decode step: {len(outs)} outputs"
-            rows.append({**timer.split(total), "cpu": cpu})
-    finally:
-        timer.restore()
-        for rid in ids:
-            engine.abort_request(rid)
-    out = {k: 1e3 * statistics.median(r[k] for r in rows) for k in (*PHASES, "step", "cpu")}
-    return {**out, "ops": n_ops}
+    return ids
+
+
+def build_engine(tmp: str, smollm2: bool, preset: str, arch: str, threads: int, dtype: str,
+                 max_len: int, max_seqs: int, batched: int, kv_bytes: int = 1 << 30):
+    """An LLMEngine on SmolLM2-135M or a random model written under ``tmp``; its name."""
+    from kvpush.config import EngineConfig
+    from kvpush.engine.llm_engine import LLMEngine
+
+    if smollm2:
+        from kvpush.models.registry import resolve_model
+
+        path, name = resolve_model("smollm2-135m"), "SmolLM2-135M"
+    else:
+        from kvpush.models.random_model import make_random_model
+
+        path = make_random_model(Path(tmp), arch, preset, seed=0)
+        name = f"random {arch}/{preset}"
+    engine = LLMEngine(EngineConfig.build(
+        path, threads=threads, dtype=dtype, max_model_len=max_len,
+        max_num_seqs=max_seqs, max_num_batched_tokens=batched,
+        # the region and the dense decode cache share this budget (half each):
+        # 1 GiB leaves SmolLM2 room for 8 x (512 + steps) positions in both
+        kv_cache_memory=kv_bytes))
+    return engine, name
 
 
 def count_ops(engine) -> int:
@@ -162,28 +193,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from kvpush.config import EngineConfig
-    from kvpush.engine.llm_engine import LLMEngine
-
     batches = [int(b) for b in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        if args.smollm2:
-            from kvpush.models.registry import resolve_model
-
-            path, name = resolve_model("smollm2-135m"), "SmolLM2-135M"
-        else:
-            from kvpush.models.random_model import make_random_model
-
-            path = make_random_model(Path(tmp), args.arch, args.preset, seed=0)
-            name = f"random {args.arch}/{args.preset}"
         max_len = args.prompt + args.warm + args.steps + 256
         t0 = time.perf_counter()
-        engine = LLMEngine(EngineConfig.build(
-            path, threads=args.threads, dtype=args.dtype, max_model_len=max_len,
-            max_num_seqs=max(batches), max_num_batched_tokens=max(1024, args.prompt),
-            # the region and the dense decode cache share this budget (half each):
-            # 1 GiB leaves SmolLM2 room for 8 x (512 + steps) positions in both
-            kv_cache_memory=1 << 30))
+        engine, name = build_engine(tmp, args.smollm2, args.preset, args.arch, args.threads,
+                                    args.dtype, max_len, max(batches), max(1024, args.prompt))
         build_s = time.perf_counter() - t0
         torch.set_num_threads(args.threads)
         layers = engine.config.model.num_layers
