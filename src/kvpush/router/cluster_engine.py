@@ -175,12 +175,17 @@ class ClusterEngine:
 
     # ---- placement -----------------------------------------------------------------------
     def _decode_core(self, job: Job) -> tuple[Instance, RemoteCore]:
-        d = self.legs.pick_decode(job)
-        core = self._cores.get(d.url)
-        if core is None or not self.usable(d):
-            raise self.legs.fail(job, 503, "the decode instance cannot serve now",
-                                 f"decode instance {d.url}: its request plane is not ready")
-        return d, core
+        """A decode instance whose core is connected now: one whose connection dropped
+        leaves the rotation and another is picked (as an HTTP leg that cannot connect)."""
+        tried: set[Instance] = set()
+        while True:
+            d = self.legs.pick_decode(job, tried)
+            core = self._cores.get(d.url)
+            if core is not None and self.usable(d):
+                return d, core
+            tried.add(d)
+            self.pool.mark_failed(d, "its engine core is not connected")
+            self.legs.metrics.retries.labels("decode").inc()
 
     def _place(self, job: Job, prompt: list[int], params: SamplingParams
                      ) -> AsyncIterator[RequestOutput]:
@@ -288,25 +293,44 @@ class ClusterEngine:
             other = self.pool.pick("prefill", tried, cost=self.legs.cost(job))
         if other is not None:
             self.legs.metrics.retries.labels("prefill").inc()
-            logger.info("request %s: prefill's core on %s was lost before decode's first "
-                        "output; starting again with %s", job.rid, p.url, other.url)
+            logger.info("request %s: prefill's core on %s was lost; starting again with "
+                        "%s", job.rid, p.url, other.url)
         return other
 
     async def _pull(self, job: Job, p: Instance, prompt: list[int], params: SamplingParams
                     ) -> AsyncIterator[RequestOutput]:
+        """Prefill's request, then decode's with what prefill lent. Prefill's core lost
+        during its request: another prefill, a new transfer id (or decode alone, with
+        --fallback-local-prefill)."""
         legs = self.legs
-        p_core = self._cores[p.url]
-        tid = job.new_transfer_id()
-        job.prefill = p
-        legs.picked(job, p)
-        p_kv = legs.signer.sign(prefill_body({}, tid)["kv_transfer_params"], p, "prefill")
-        job.legs_sent = time.perf_counter()
-        try:
-            last = await self._prefill(job, p_core, tid, prompt, params, p_kv, reraise=True)
-        finally:
-            self.pool.release(p)
-        lent = None if last is None else last.kv_transfer_params
-        if last is None or last.finish_reason is FinishReason.ERROR or lent is None:
+        tried: set[Instance] = set()
+        while True:
+            p_core = self._cores[p.url]
+            tid = job.new_transfer_id()
+            job.prefill = p
+            legs.picked(job, p)
+            p_kv = legs.signer.sign(prefill_body({}, tid)["kv_transfer_params"], p,
+                                    "prefill")
+            job.legs_sent = time.perf_counter()
+            try:
+                last = await self._prefill(job, p_core, tid, prompt, params, p_kv,
+                                           reraise=True)
+            finally:
+                self.pool.release(p)
+            lent = None if last is None else last.kv_transfer_params
+            if lent is not None and last is not None \
+                    and last.finish_reason is not FinishReason.ERROR:
+                break
+            if not p_core.connected:
+                other = self._retry_prefill(job, p, tried)
+                if other is not None:
+                    p = other
+                    continue
+                if self.cfg.fallback_local_prefill:
+                    job.mode, job.prefill = "fallback", None
+                    async for out in self._alone(job, prompt, params):
+                        yield out
+                    return
             why = (last.error if last is not None and last.error
                    else "it answered without kv_transfer_params")
             raise legs.fail(job, 502, "the prefill instance failed this request",

@@ -146,14 +146,16 @@ class Legs:
         if self.policy is not None:
             self.policy.picked(job, inst)
 
-    def pick_decode(self, job: Job) -> Instance:
-        """A decode instance for the job (held until Legs.close), or 503."""
+    def pick_decode(self, job: Job, exclude: set[Instance] | None = None) -> Instance:
+        """A decode instance for the job (held until Legs.close), not one of
+        ``exclude``, or 503."""
         self.release_decode(job)
         d = None
+        exclude = exclude or set()
         if job.d_refused is not None:  # it answered "full" for this request already
-            d = self.pool.pick("decode", {job.d_refused}, cost=self.cost(job))
+            d = self.pool.pick("decode", exclude | {job.d_refused}, cost=self.cost(job))
         if d is None:
-            d = self.pool.pick("decode", cost=self.cost(job))
+            d = self.pool.pick("decode", exclude, cost=self.cost(job))
         if d is None:
             raise self.unavailable(job, "decode")
         job.decode = job.d_held = d
