@@ -234,12 +234,7 @@ class ClusterEngine:
             except BaseException:
                 self.pool.release(p)
                 raise
-            p_core = self._cores[p.url]
-            tid = job.new_transfer_id()
-            job.prefill = p
-            legs.picked(job, p)
-            p_kv = legs.signer.sign(prefill_body({}, tid)["kv_transfer_params"], p,
-                                    "prefill")
+            p_core, tid, p_kv = self._prefill_leg(job, p)
             d_kv = legs.signer.sign(push_decode_params(p, tid), d, "decode", p)
             job.legs_sent = time.perf_counter()
             p_task = asyncio.create_task(self._prefill(job, p_core, tid, prompt, params, p_kv))
@@ -282,6 +277,15 @@ class ClusterEngine:
                     p_task.cancel()
                     p_core.abort_transfer(tid)
 
+    def _prefill_leg(self, job: Job, p: Instance) -> tuple[RemoteCore, str, dict[str, Any]]:
+        """Prefill ``p`` takes the job under a new transfer id: its core, the id, and
+        the leg's kv_transfer_params signed for it."""
+        tid = job.new_transfer_id()
+        job.prefill = p
+        self.legs.picked(job, p)
+        kv = self.legs.signer.sign(prefill_body({}, tid)["kv_transfer_params"], p, "prefill")
+        return self._cores[p.url], tid, kv
+
     def _retry_prefill(self, job: Job, p: Instance, tried: set[Instance]) -> Instance | None:
         """Prefill ``p``'s core is gone: out of rotation; another prefill (None: none)."""
         tried.add(p)
@@ -305,12 +309,7 @@ class ClusterEngine:
         legs = self.legs
         tried: set[Instance] = set()
         while True:
-            p_core = self._cores[p.url]
-            tid = job.new_transfer_id()
-            job.prefill = p
-            legs.picked(job, p)
-            p_kv = legs.signer.sign(prefill_body({}, tid)["kv_transfer_params"], p,
-                                    "prefill")
+            p_core, tid, p_kv = self._prefill_leg(job, p)
             job.legs_sent = time.perf_counter()
             try:
                 last = await self._prefill(job, p_core, tid, prompt, params, p_kv,
