@@ -76,6 +76,27 @@ def test_policy_reaches_the_router_of_pd_modes_only(tmp_path):
             ModeSpec.parse(bad)
 
 
+def test_tensor_parallel_per_role_reaches_the_cluster(tmp_path, monkeypatch):
+    from kvpush.bench import compare
+    from kvpush.cluster.cli import plan_instances, spec_tp
+
+    monkeypatch.setattr(compare, "usable_cores", lambda: 6)
+    cfg = CompareConfig(modes=[ModeSpec("push"), ModeSpec("colocated")], rates=[1.0],
+                        out_dir=tmp_path, tensor_parallel_size=2, decode_tp=1)
+    cfg.validate()
+    push = compare._up_args(cfg, ModeSpec("push"))
+    assert (push.prefill_tp, push.decode_tp, push.threads) == (2, 1, 2)  # 6 // 3 ranks
+    assert [spec_tp(s) for s in plan_instances(push, "m")] == [2, 1]
+    colocated = compare._up_args(cfg, ModeSpec("colocated"))
+    assert colocated.threads == 3  # one instance of 2 ranks
+    assert [spec_tp(s) for s in plan_instances(colocated, "m")] == [2]
+    assert compare._up_args(cfg, ModeSpec("push", 1)).threads == 1  # MODE:THREADS, per rank
+    assert compare.instances_text(cfg, "push") == "1 prefill + 1 decode (P TP 2, D TP 1)"
+    with pytest.raises(CompareError, match="vllm-"):
+        CompareConfig(modes=[ModeSpec("vllm-push")], rates=[1.0], out_dir=tmp_path,
+                      prefill_tp=2).validate()
+
+
 def test_arrivals_per_repeat_give_each_repeat_its_own_poisson_draw():
     from kvpush.bench.settings import arrival_offsets
 

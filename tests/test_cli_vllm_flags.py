@@ -162,16 +162,6 @@ def test_serve_tensor_parallel_size(capsys):
     assert "must be at least 1, got 0" in err
 
 
-def _tensor_parallel_size(capsys, command):
-    assert _parse(*command).tensor_parallel_size == 1
-    assert _parse(*command, "--tensor-parallel-size", "1").tensor_parallel_size == 1
-    assert _parse(*command, "-tp", "1").tensor_parallel_size == 1
-    err = _usage_error(capsys, *command, "-tp", "2")
-    assert "tensor parallelism is not supported yet" in err
-    err = _usage_error(capsys, *command, "--tensor-parallel-size", "8")
-    assert "tensor parallelism is not supported yet" in err
-
-
 def test_prefix_caching_flags():
     assert _parse("serve", "m").enable_prefix_caching is True
     assert _parse("serve", "m", "--enable-prefix-caching").enable_prefix_caching is True
@@ -335,8 +325,19 @@ def test_up_refuses_vllm_flags_it_does_not_take(capsys):
     _refused(capsys, ["up", "--gpu-memory-utilization", "0.9"], "--kv-cache-memory")
 
 
-def test_up_tensor_parallel_size(capsys):
-    _tensor_parallel_size(capsys, ["up"])
+@pytest.mark.parametrize("command", [["up"], ["bench", "compare", "--out", "o"]])
+def test_up_and_compare_tensor_parallel_size_per_role(capsys, command):
+    """-tp N for every instance, --prefill-tp/--decode-tp (long: --prefill-tensor-
+    parallel-size, --decode-tensor-parallel-size) per role; unset overrides are None."""
+    a = _parse(*command)
+    assert (a.tensor_parallel_size, a.prefill_tp, a.decode_tp) == (1, None, None)
+    a = _parse(*command, "-tp", "2", "--decode-tp", "1")
+    assert (a.tensor_parallel_size, a.prefill_tp, a.decode_tp) == (2, None, 1)
+    a = _parse(*command, "--tensor-parallel-size", "4", "--prefill-tensor-parallel-size",
+               "2", "--decode-tensor-parallel-size", "8")
+    assert (a.tensor_parallel_size, a.prefill_tp, a.decode_tp) == (4, 2, 8)
+    for flag in ("-tp", "--prefill-tp", "--decode-tp"):
+        assert "must be at least 1, got 0" in _usage_error(capsys, *command, flag, "0")
 
 
 # ---- bench: vLLM's names -------------------------------------------------------------

@@ -58,7 +58,7 @@ def test_shape_rules(tiny_llama):
     assert ok.kv_bytes_per_token(f32, 8) * 2 == ok.kv_bytes_per_token(f32)
 
 
-def test_refused_at_start(tiny_llama, capsys):
+def test_refused_at_start(tiny_llama):
     # tiny: 4 attention heads
     with pytest.raises(ConfigError, match="4 attention heads do not divide by 3"):
         EngineConfig.build(tiny_llama, num_blocks=64, max_model_len=256,
@@ -72,12 +72,11 @@ def test_refused_at_start(tiny_llama, capsys):
             EngineConfig.build(tiny_llama, num_blocks=64, max_model_len=256, device="cuda",
                                tensor_parallel_size=2,
                                kv_transfer=KVTransferConfig(role=role))
-    # the flag: serve takes N (the shape is checked at start), `kvpush up` only 1
+    # the flag: serve and up take N (the shape is checked at start), up per role too
     parser = build_parser()
     assert parser.parse_args(["serve", "m", "-tp", "2"]).tensor_parallel_size == 2
-    with pytest.raises(SystemExit):
-        parser.parse_args(["up", "-tp", "2"])
-    assert "not supported yet" in capsys.readouterr().err
+    args = parser.parse_args(["up", "-tp", "2", "--decode-tp", "1"])
+    assert (args.tensor_parallel_size, args.prefill_tp, args.decode_tp) == (2, None, 1)
 
 
 def test_a_rank_that_cannot_start_fails_the_start(tiny_llama, monkeypatch):

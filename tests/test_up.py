@@ -179,6 +179,47 @@ def test_up_serves_and_stops_cleanly(tiny_llama, up_factory):
     _children_gone(up)
 
 
+def test_up_prefill_tp2_decode_tp1_serves_like_one_instance(tiny_llama, up_factory):
+    """Issue 52 (points 1 and 4): `kvpush up --prefill-tp 2` in push mode starts a
+    prefill of two ranks beside a decode of one; its router routes to them unchanged
+    (both healthy, the prefill leg served by the TP 2 prefill) and the greedy answer
+    equals one TP 1 engine's: its tokens, detokenized as the server's front end does."""
+    from engine_helpers import greedy, make_engine, random_prompts
+    from kvpush.engine.output_processor import RequestStream
+
+    prompt = random_prompts([3 * 16 + 5], seed=52)[0]  # 3 full blocks and a tail
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    engine = make_engine(tiny_llama)
+    try:
+        stream = RequestStream("r", engine.tokenizer, greedy(8))  # the front end's
+        engine.add_request("r", prompt, greedy(8))
+        want_text = ""
+        while engine.has_work():
+            want_text += "".join(stream.process(o).new_text for o in engine.step())
+    finally:
+        engine.shutdown()
+    up = up_factory("--mode", "push", "--prefill-tp", "2", "--decode-tp", "1",
+                    "--policy", "round-robin", *ENGINE, model=tiny_llama)
+    up.wait_ready()
+    assert "1 prefill (TP 2) + 1 decode (TP 1)" in up.out, up.out
+    assert "role prefill, TP 2" in up.out and "role decode, TP 1" in up.out, up.out
+    # prefill: API process, engine core, rank 1; decode: API process, engine core; router
+    assert len(up.pids) == 6, up.pids
+    with httpx.Client(base_url=up.url, timeout=60) as client:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+        assert r.json()["choices"][0]["text"] == want_text
+        health = client.get("/health").json()
+        assert health["status"] == "ok" and health["healthy"] == {"prefill": 1, "decode": 1}
+        pool = {i["role"]: i for i in client.get("/router/instances").json()["instances"]}
+    assert pool["prefill"]["healthy"] and pool["decode"]["healthy"], pool
+    assert pool["prefill"]["requests"] >= 1 and pool["decode"]["requests"] >= 1, pool
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.wait_exit(STOP_S) == 0, up.err
+    _children_gone(up)
+
+
 def test_child_failing_to_start_stops_all_and_shows_its_log(tiny_llama, up_factory):
     up = up_factory("--block-size", "3", model=tiny_llama)
     assert up.wait_exit(READY_S) == 1
@@ -262,6 +303,34 @@ def test_plan_colocated_and_router_argv():
     with pytest.raises(SystemExit):
         _parse("--load-weight", "-1")
     assert up_cli.usage_problem(_parse("--mode", "colocated", "--prefill", "2"))
+
+
+def test_plan_tensor_parallel_per_role_and_threads_per_rank(monkeypatch):
+    """-tp N for every instance, --prefill-tp/--decode-tp per role; the default threads
+    are one share of the cores per rank; --threads is per rank as given."""
+    monkeypatch.setattr(up_cli, "usable_cores", lambda: 12)
+
+    def tps(specs):
+        return [(s.name, up_cli.spec_tp(s)) for s in specs]
+
+    def threads(specs):
+        return {s.argv[s.argv.index("--threads") + 1] for s in specs}
+
+    args = _parse("--prefill-tp", "2")  # 1P (2 ranks) + 1D (1 rank): 12 // 3
+    specs = up_cli.plan_instances(args, "m")
+    assert tps(specs) == [("prefill-0", 2), ("decode-0", 1)] and threads(specs) == {"4"}
+    assert "--tensor-parallel-size" not in specs[1].argv  # TP 1: serve's default
+    args = _parse("-tp", "2", "--decode", "2", "--decode-tp", "1", "--threads", "3")
+    specs = up_cli.plan_instances(args, "m")
+    assert tps(specs) == [("prefill-0", 2), ("decode-0", 1), ("decode-1", 1)]
+    assert threads(specs) == {"3"}
+    assert specs[0].argv[specs[0].argv.index("--tensor-parallel-size") + 1] == "2"
+    args = _parse("--mode", "colocated", "-tp", "4")  # one instance, 4 ranks: 12 // 4
+    (spec,) = up_cli.plan_instances(args, "m")
+    assert up_cli.spec_tp(spec) == 4 and threads([spec]) == {"3"}
+    assert up_cli.usage_problem(args) is None
+    assert "--prefill-tp/--decode-tp" in up_cli.usage_problem(
+        _parse("--mode", "colocated", "--decode-tp", "2"))
 
 
 def test_help_does_not_import_heavy_modules():

@@ -158,16 +158,42 @@ def refuse_vllm_flags(parser: argparse.ArgumentParser,
             parser.add_argument(flag, action=_Refused, advice=advice)
 
 
-def up_tensor_parallel_size(text: str) -> int:
-    """`kvpush up`'s --tensor-parallel-size: 1. It starts prefill/decode instances, and
-    P/D with tensor parallelism is not implemented yet (`kvpush serve` takes N)."""
-    value = positive_int(text)
-    if value != 1:
-        raise argparse.ArgumentTypeError(
-            f"{value}: `kvpush up` starts prefill/decode instances, and prefill/decode "
-            "disaggregation with tensor parallelism is not supported yet (1 only); "
-            "`kvpush serve --tensor-parallel-size N` runs one tensor-parallel instance")
-    return value
+#: what --threads means once an instance has ranks (`kvpush up`, `bench compare`)
+THREADS_PER_RANK_HELP = (
+    "torch CPU threads per rank process: an instance at tensor parallelism N runs N "
+    "ranks with T threads each, N x T in all (default: the usable cores divided by the "
+    "ranks of all instances together, at least 1; at TP 1 a rank is an instance)")
+
+
+def add_role_tensor_parallel_args(group: Any, instances: str, note: str = "") -> None:
+    """--tensor-parallel-size/-tp N for every instance and --prefill-tp/--decode-tp
+    overrides (`kvpush up` and `kvpush bench compare`); :func:`role_tensor_parallel`
+    reads them."""
+    group.add_argument(
+        "--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
+        help=f"vLLM's flag: split the model of {instances} over N rank processes "
+             "(`kvpush serve -tp N`: attention and KV heads and MLP columns by rank; "
+             "gloo on the CPU); --prefill-tp/--decode-tp override it per role. "
+             f"{note}(default: 1)")
+    group.add_argument(
+        "--prefill-tensor-parallel-size", "--prefill-tp", dest="prefill_tp",
+        type=positive_int, metavar="N",
+        help="tensor parallelism of the prefill instances (default: -tp); it may differ "
+             "from decode's: each prefill rank moves its own KV head slice to the decode "
+             "ranks that hold those heads (docs/ARCHITECTURE.md, Tensor parallelism). "
+             "P/D modes only")
+    group.add_argument(
+        "--decode-tensor-parallel-size", "--decode-tp", dest="decode_tp",
+        type=positive_int, metavar="N",
+        help="tensor parallelism of the decode instances (default: -tp). P/D modes only")
+
+
+def role_tensor_parallel(args: argparse.Namespace, role: str) -> int:
+    """The tensor parallelism of a ``role`` instance (prefill, decode or both) from the
+    flags of :func:`add_role_tensor_parallel_args` (absent ones: 1)."""
+    every = getattr(args, "tensor_parallel_size", None) or 1
+    override = getattr(args, f"{role}_tp", None) if role in ("prefill", "decode") else None
+    return override or every
 
 
 def port(text: str) -> int:

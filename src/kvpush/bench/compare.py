@@ -71,11 +71,14 @@ from kvpush.bench.compare_report import (
 def _up_args(cfg: CompareConfig, spec: ModeSpec) -> argparse.Namespace:
     """What `kvpush up` would have parsed for this configuration."""
     colocated = spec.mode == "colocated"
-    n = 1 if colocated else cfg.prefill + cfg.decode
-    threads = spec.threads or max(1, usable_cores() // n)
+    p_tp, d_tp = role_tp(cfg, "prefill"), role_tp(cfg, "decode")
+    ranks = cfg.tensor_parallel_size if colocated else cfg.prefill * p_tp + cfg.decode * d_tp
+    threads = spec.threads or max(1, usable_cores() // ranks)
     return argparse.Namespace(
         mode=spec.mode, prefill=None if colocated else cfg.prefill,
         decode=None if colocated else cfg.decode, threads=threads,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        prefill_tp=None if colocated else p_tp, decode_tp=None if colocated else d_tp,
         max_model_len=cfg.max_model_len, kv_cache_memory=cfg.kv_cache_memory,
         decode_cache_memory=None,
         block_size=cfg.block_size, dtype=cfg.dtype, device=cfg.device,
@@ -83,6 +86,23 @@ def _up_args(cfg: CompareConfig, spec: ModeSpec) -> argparse.Namespace:
         load_weight=None if colocated else cfg.load_weight,
         shuffle_free_blocks=cfg.shuffle_free_blocks, prefix_hit_tail=cfg.prefix_hit_tail,
         push_layers_per_write=cfg.push_layers_per_write)
+
+
+def role_tp(cfg: CompareConfig, role: str) -> int:
+    """Tensor parallelism of a ``role`` instance (prefill, decode or both)."""
+    override = {"prefill": cfg.prefill_tp, "decode": cfg.decode_tp}.get(role)
+    return override or cfg.tensor_parallel_size
+
+
+def instances_text(cfg: CompareConfig, mode: str) -> str:
+    """The instances of a configuration, with their tensor parallelism where not 1."""
+    if mode.endswith("colocated"):
+        tp = 1 if mode in VLLM_MODES else cfg.tensor_parallel_size
+        return "1 both" + (f" (TP {tp})" if tp > 1 else "")
+    p_tp, d_tp = (1, 1) if mode in VLLM_MODES else (role_tp(cfg, "prefill"),
+                                                     role_tp(cfg, "decode"))
+    tp = f" (P TP {p_tp}, D TP {d_tp})" if max(p_tp, d_tp) > 1 else ""
+    return f"{cfg.prefill} prefill + {cfg.decode} decode{tp}"
 
 
 def vllm_dtype(name: str) -> str:
@@ -235,7 +255,8 @@ def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out:
                          tok_dir) as cl:
                 cfg.threads[spec.label] = cl.args.threads
                 log(f"[compare]   healthy in {time.monotonic() - t0:.1f} s at {cl.url} "
-                    f"({cl.args.threads} torch thread(s) per instance)")
+                    f"({instances_text(cfg, spec.mode)}, {cl.args.threads} torch "
+                    "thread(s) per rank)")
                 for i, rate in enumerate(cfg.rates):
                     left = cfg.time_limit - (time.monotonic() - t_start)
                     if left < 10:
@@ -262,8 +283,7 @@ def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out:
                              prompt_seed=prompt_seed(cfg, i), arrival_seed=bc.seed,
                              wall_start=wall_start, wall_end=time.time(),
                              threads_per_instance=cl.args.threads,
-                             instances=("1 both" if spec.mode.endswith("colocated") else
-                                        f"{cfg.prefill} prefill + {cfg.decode} decode"))
+                             instances=instances_text(cfg, spec.mode))
                     name = f"{spec.label}_r{rate_text(rate)}_rep{rep}.json"
                     (out / "runs" / name).write_text(json.dumps(d, indent=1) + "\n")
                     runs.append(d)
@@ -289,6 +309,7 @@ def comma_list(conv: Any) -> Any:
 def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     """`kvpush bench compare` (registered on the bench parser's sub-commands)."""
     from kvpush.bench.args import DATASET_CHOICES, add_multi_turn_args
+    from kvpush.cli_types import add_role_tensor_parallel_args
     from kvpush.cli_types import non_negative_float as _non_negative_float
     from kvpush.cli_types import positive_int as _positive_int
     from kvpush.cli_types import seconds as _seconds
@@ -334,6 +355,10 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng = p.add_argument_group("instances (passed to kvpush serve through the launcher)")
     eng.add_argument("--max-model-len", type=int, metavar="TOKENS")
     eng.add_argument("--kv-cache-memory", metavar="SIZE")
+    add_role_tensor_parallel_args(
+        eng, "every kvpush instance (not the vllm-* modes)",
+        "A configuration's threads (MODE:THREADS; default: the cores divided by all "
+        "ranks) are then per rank ")
     eng.add_argument("--block-size", type=int, metavar="TOKENS")
     eng.add_argument("--dtype", metavar="DTYPE",
                      help="kvpush's --dtype: auto, float32, bfloat16 or float16 (default: "
@@ -395,6 +420,8 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         shuffle_free_blocks=args.shuffle_free_blocks, prefix_hit_tail=args.prefix_hit_tail,
         policy=args.policy, load_weight=args.load_weight,
         push_layers_per_write=args.push_layers_per_write,
+        tensor_parallel_size=args.tensor_parallel_size, prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
         vllm_bin=args.vllm_bin,
         vllm_dtype=args.vllm_dtype, request_timeout=args.request_timeout,
         startup_timeout=args.startup_timeout,

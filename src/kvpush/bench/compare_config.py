@@ -76,6 +76,11 @@ class CompareConfig:
     shuffle_free_blocks: int | None = None
     prefix_hit_tail: str | None = None
     push_layers_per_write: int | None = None
+    #: kvpush serve's --tensor-parallel-size of every instance, and per-role overrides
+    #: of P/D modes (None: tensor_parallel_size); --threads is then per rank
+    tensor_parallel_size: int = 1
+    prefill_tp: int | None = None
+    decode_tp: int | None = None
     #: the router's --policy for P/D modes (None: its default, cache-aware for push)
     policy: str | None = None
     #: the router's --load-weight for P/D modes (None: its default)
@@ -121,6 +126,12 @@ class CompareConfig:
                 raise CompareError(f"{name} must be at least 1")
         if self.warmup < 0:
             raise CompareError("warmup must be >= 0")
+        tps = (self.tensor_parallel_size, self.prefill_tp or 1, self.decode_tp or 1)
+        if any(tp < 1 for tp in tps):
+            raise CompareError("tensor parallelism must be at least 1")
+        if max(tps) > 1 and any(m.mode in VLLM_MODES for m in self.modes):
+            raise CompareError("tensor parallelism is for kvpush's own modes; the vllm-* "
+                               "modes run one rank per instance")
         if self.arrivals_per_repeat and self.repeats > 1000:
             raise CompareError("--arrivals-per-repeat takes at most 1000 repeats (the "
                                "seeds of one rate must not reach the next rate's)")

@@ -200,6 +200,15 @@ def _span(r: list[float] | None) -> str:
     return f"{r[0]:.1f}-{r[1]:.1f}" if r else "-"
 
 
+def _tp_text(c: dict[str, Any]) -> str:
+    """Tensor parallelism of the kvpush instances, where any is above 1."""
+    every = c.get("tensor_parallel_size") or 1
+    p_tp, d_tp = c.get("prefill_tp") or every, c.get("decode_tp") or every
+    if max(every, p_tp, d_tp) == 1:
+        return ""
+    return f" (P TP {p_tp}, D TP {d_tp}; colocated TP {every})"
+
+
 def markdown_report(summary: dict[str, Any]) -> str:
     c = summary["config"]
     threads = ", ".join(f"{k}: {v}" for k, v in (c.get("threads") or {}).items())
@@ -222,9 +231,10 @@ def markdown_report(summary: dict[str, Any]) -> str:
         + f"{c['seed']}, {c['repeats']} repeat(s) in alternating order"
         + (", each repeat with its own arrivals" if c.get("arrivals_per_repeat") else "")
         + f"; P/D "
-        f"{c['prefill']} prefill + {c['decode']} decode. Torch threads per instance: "
-        f"{threads or '-'} (P/D: one share of the cores per instance; colocated: all on "
-        "its one instance). Machine: " + summary["machine"] + ". Latencies in ms, "
+        f"{c['prefill']} prefill + {c['decode']} decode{_tp_text(c)}. Torch threads per "
+        f"rank (an instance at TP 1 is one rank): {threads or '-'} (P/D: one share of the "
+        "cores per rank; colocated: all on its one instance). Machine: "
+        + summary["machine"] + ". Latencies in ms, "
         "requests of all repeats pooled; req/s is the mean over repeats; min-max: the "
         "lowest and highest of each repeat's own value.",
         "",

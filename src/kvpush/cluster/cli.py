@@ -105,12 +105,12 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     eng = p.add_argument_group("instances (passed to each `kvpush serve`)")
     eng.add_argument("--threads", type=cli_types.positive_int, metavar="T",
-                     help="torch CPU threads per instance (default: cores // instances, at "
-                          "least 1)")
+                     help=cli_types.THREADS_PER_RANK_HELP)
     eng.add_argument("--max-model-len", type=int, metavar="TOKENS")
     eng.add_argument("--kv-cache-memory", metavar="SIZE",
                      help="each instance's KV memory in all, e.g. 512MiB, 2GiB (a decode "
-                          "instance's dense decode cache included)")
+                          "instance's dense decode cache included; at tensor parallelism "
+                          "N each rank's, its slice of every block)")
     eng.add_argument("--decode-cache-memory", metavar="SIZE",
                      help="dense decode cache size, taken out of --kv-cache-memory by "
                           "the decode instances and reserved at start-up (default: half "
@@ -121,10 +121,8 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--dtype", metavar="DTYPE",
                      help="auto, float32, bfloat16 or float16; every instance of one "
                           "host resolves auto alike (default: serve's, auto)")
-    eng.add_argument("--tensor-parallel-size", "-tp", type=cli_types.up_tensor_parallel_size,
-                     default=1, metavar="N",
-                     help="vLLM's flag: only 1, prefill/decode with tensor parallelism is "
-                          "not supported yet (`kvpush serve -tp N` is)")
+    cli_types.add_role_tensor_parallel_args(
+        eng, "every instance", "--threads and --kv-cache-memory are then per rank ")
     eng.add_argument("--shuffle-free-blocks", type=int, nargs="?", const=0, metavar="SEED",
                      help="scatter every instance's KV block ids (fragmented-KV "
                           "benchmarks; see `kvpush serve --help`)")
@@ -205,15 +203,33 @@ def instance_roles(args: argparse.Namespace) -> list[str]:
     return ["prefill"] * (args.prefill or 1) + ["decode"] * (args.decode or 1)
 
 
-def default_threads(num_instances: int, cores: int | None = None) -> int:
-    """One share of the cores per instance, so engines on one host do not oversubscribe."""
-    return max(1, (cores or usable_cores()) // max(1, num_instances))
+def default_threads(num_ranks: int, cores: int | None = None) -> int:
+    """One share of the cores per rank process (an instance at TP 1 is one rank), so
+    engines on one host do not oversubscribe."""
+    return max(1, (cores or usable_cores()) // max(1, num_ranks))
+
+
+def role_tp(args: argparse.Namespace, role: str) -> int:
+    """Tensor parallelism of a ``role`` instance: --prefill-tp/--decode-tp, else -tp."""
+    return cli_types.role_tensor_parallel(args, role)
+
+
+def spec_tp(spec: ChildSpec) -> int:
+    """The tensor parallelism a `kvpush serve` child was started with (1: none)."""
+    argv = spec.argv
+    if "--tensor-parallel-size" in argv:
+        return int(argv[argv.index("--tensor-parallel-size") + 1])
+    return 1
 
 
 def serve_argv(args: argparse.Namespace, model: str, role: str, port: int,
                threads: int) -> list[str]:
+    """`kvpush serve`'s command line for one instance; ``threads`` is per rank."""
     argv = [sys.executable, "-m", "kvpush", "serve", model, "--host", HOST,
             "--port", str(port), "--role", role, "--threads", str(threads)]
+    tp = role_tp(args, role)
+    if tp > 1:
+        argv += ["--tensor-parallel-size", str(tp)]
     if getattr(args, "served_model_name", None):
         argv += ["--served-model-name", args.served_model_name]
     if role != "both":
@@ -264,7 +280,7 @@ def plan_instances(args: argparse.Namespace, model: str,
     from kvpush.cluster.launcher import ChildSpec, free_port
 
     roles = instance_roles(args)
-    threads = args.threads or default_threads(len(roles))
+    threads = args.threads or default_threads(sum(role_tp(args, r) for r in roles))
     specs, seen = [], {"prefill": 0, "decode": 0, "both": 0}
     taken = {router_port}
     for role in roles:
@@ -337,6 +353,10 @@ def usage_problem(args: argparse.Namespace) -> str | None:
     if args.mode == "colocated" and (args.prefill or args.decode):
         return ("--mode colocated runs one --role both instance; --prefill/--decode do "
                 "not apply")
+    if args.mode == "colocated" and (getattr(args, "prefill_tp", None)
+                                     or getattr(args, "decode_tp", None)):
+        return ("--mode colocated runs one --role both instance; --prefill-tp/--decode-tp "
+                "do not apply (use --tensor-parallel-size)")
     return None
 
 
@@ -390,7 +410,8 @@ def _describe(child: Child, headers: dict[str, str]) -> str:
             extra = f"  engine {info['engine_id']}, side channel {info['side_channel']}"
         except (httpx.HTTPError, ValueError, KeyError):
             pass
-    return f"  {child.name:<11} {child.url}  role {child.spec.role}{extra}"
+    return (f"  {child.name:<11} {child.url}  role {child.spec.role}, "
+            f"TP {spec_tp(child.spec)}{extra}")
 
 
 def _served_model(child: Child, headers: dict[str, str]) -> str | None:
@@ -502,12 +523,13 @@ def _serve(sup: Supervisor, args: argparse.Namespace, model: str, port: int,
     specs = plan_instances(args, model, router_port=port)
     threads = specs[0].argv[specs[0].argv.index("--threads") + 1]
     if args.mode == "colocated":
-        roles = "1 role=both instance"
+        roles = f"1 role=both instance (TP {role_tp(args, 'both')})"
     else:
-        roles = " + ".join(f"{sum(s.role == r for s in specs)} {r}" for r in ("prefill", "decode"))
+        roles = " + ".join(f"{sum(s.role == r for s in specs)} {r} (TP {role_tp(args, r)})"
+                           for r in ("prefill", "decode"))
         roles += " instance(s)"
     _say(f"kvpush up: starting {roles} of {model} ({args.mode} mode, "
-         f"{threads} torch thread(s) each), then the router on port {port}")
+         f"{threads} torch thread(s) per rank), then the router on port {port}")
     _say(f"kvpush up: logs in {log_dir}")
     try:
         if args.discover:
@@ -530,7 +552,8 @@ def _serve(sup: Supervisor, args: argparse.Namespace, model: str, port: int,
         _stop(sup, f"{e} during start-up")
         return 0
     _banner(args, instances, router, log_dir, started, api_key)
-    control = _control(sup, args, model, log_dir, len(specs)) if args.discover else None
+    ranks = sum(spec_tp(s) for s in specs)
+    control = _control(sup, args, model, log_dir, ranks) if args.discover else None
     try:
         dead = sup.watch()
     finally:
@@ -560,12 +583,14 @@ def _start_etcd(sup: Supervisor, args: argparse.Namespace, log_dir: Path,
 
 
 def _control(sup: Supervisor, args: argparse.Namespace, model: str, log_dir: Path,
-             started: int) -> Any:
-    """The control socket of `up --discover` (kvpush.cluster.membership)."""
+             ranks: int) -> Any:
+    """The control socket of `up --discover` (kvpush.cluster.membership); ``ranks``: the
+    rank processes of the instances started (an added instance gets the threads of one
+    more share)."""
     from kvpush.cluster.launcher import ChildSpec, free_port
     from kvpush.cluster.membership import ControlServer
 
-    threads = args.threads or default_threads(started + 1)
+    threads = args.threads or default_threads(ranks + 1)
     counts = {r: sum(c.spec.role == r for c in sup.children) for r in ("prefill", "decode")}
 
     def plan(role: str) -> ChildSpec:

@@ -195,8 +195,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "heads and MLP columns; torch.distributed: gloo on CPU, NCCL on "
                           "CUDA with one device per rank from --device on). --threads and "
                           "--kv-cache-memory are then each rank's (default threads: "
-                          "torch's count divided by N). Not with --role prefill or decode "
-                          "yet (default: 1)")
+                          "torch's count divided by N). With --role prefill or decode on "
+                          "the CPU, prefill and decode may differ (default: 1)")
     mdl.add_argument("--tokenizer", metavar="DIR_OR_NAME",
                      help="the tokenizer: only the model's own is supported (the model "
                           "folder, its name or its Hugging Face id; another is refused: "
