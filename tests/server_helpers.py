@@ -50,6 +50,18 @@ def sign_kv(params: dict, to: dict, role: str, peer: dict | None = None) -> dict
         peer_engine_id=peer["engine_id"] if peer else None)
 
 
+def push_kv(tid: str, p_info: dict, d_info: dict) -> tuple[dict, dict]:
+    """A push transfer's two legs' ``kv_transfer_params``, signed as the router signs
+    them: (prefill's, decode's), for the instances whose /kv/info are given."""
+    p_kv = sign_kv({"do_remote_decode": True, "transfer_id": tid}, p_info, "prefill")
+    d_kv = sign_kv({"do_remote_prefill": True, "transfer_id": tid,
+                    "remote_host": p_info["side_channel_host"],
+                    "remote_port": p_info["side_channel_port"],
+                    "remote_engine_id": p_info["engine_id"], "remote_request_id": tid},
+                   d_info, "decode", p_info)
+    return p_kv, d_kv
+
+
 class ServerProcess:
     def __init__(self, model_dir: Path, *args: str, log_dir: Path, name: str = "server",
                  timeout: float = 90.0, unset_env: tuple[str, ...] = (),

@@ -31,6 +31,7 @@ class FakeCore:
         self.proven, self.connected = True, connected
         self.requests: list[tuple[str, dict | None]] = []
         self.aborted: list[str] = []
+        self.closed = False
 
     def health_problem(self) -> str | None:
         return None if self.connected else "not connected"
@@ -58,7 +59,7 @@ class FakeCore:
         self.aborted.append(tid)
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
 def _engine(mode: str, cores: dict[str, FakeCore]) -> tuple[ClusterEngine, Pool, Legs]:
@@ -117,3 +118,14 @@ def test_a_decode_whose_core_dropped_leaves_the_rotation_and_another_serves():
     assert job.decode is not None and job.decode.url == "http://d1:1"
     assert not d0.healthy and cores["http://d0:1"].requests == []
     assert legs.metrics.retries.labels("decode")._value.get() == 1  # noqa: SLF001
+
+
+def test_an_instance_that_leaves_the_pool_has_its_core_link_closed():
+    cores = {"http://p0:1": FakeCore("p0:7", "prefill"),
+             "http://d0:1": FakeCore("d0:7", "decode")}
+    engine, pool, _ = _engine("pull", cores)
+
+    pool.remove_instance("http://d0:1")
+
+    assert cores["http://d0:1"].closed and not cores["http://p0:1"].closed
+    assert engine.core(next(iter(pool.instances))) is cores["http://p0:1"]

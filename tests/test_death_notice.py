@@ -24,7 +24,7 @@ from server_helpers import (
     ServerProcess,
     child_pids,
     pid_alive,
-    sign_kv,
+    push_kv,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -49,11 +49,7 @@ def test_a_dead_transfer_thread_fails_its_streams_exits_and_its_peer_frees(tiny_
             p_info, d_info = p.get("/kv/info"), d.get("/kv/info")
             # decode's leg: its blocks wait for prefill's KV (prefill's leg never comes)
             tid = uuid.uuid4().hex
-            kv = sign_kv({"do_remote_prefill": True, "transfer_id": tid,
-                          "remote_host": p_info["side_channel_host"],
-                          "remote_port": p_info["side_channel_port"],
-                          "remote_engine_id": p_info["engine_id"],
-                          "remote_request_id": tid}, d_info, "decode", p_info)
+            kv = push_kv(tid, p_info, d_info)[1]
             leg = pool.submit(httpx.post, d.url + "/v1/completions", timeout=60, json={
                 "prompt": "the quick brown fox jumps over the lazy dog " * 4,
                 "max_tokens": 4, "kv_transfer_params": kv})

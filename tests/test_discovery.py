@@ -122,7 +122,7 @@ def test_pool_add_remove_keeps_rotation_consistent():
     cfg = RouterConfig(mode="push", prefill=(), decode=(), discover=object(), kv_secret=SECRET)
     pool = Pool(cfg)
     removed = []
-    pool.on_remove = removed.append
+    pool.on_remove.append(removed.append)
     insts = [pool.add_instance(InstanceSpec(f"http://127.0.0.1:{p}"), "decode")
              for p in (1, 2, 3)]
     with pytest.raises(ValueError):

@@ -26,7 +26,7 @@ from kvpush.kv_cache.events import (
     decode_batch,
     encode_batch,
 )
-from server_helpers import TEST_KV_SECRET, ServerProcess, sign_kv
+from server_helpers import TEST_KV_SECRET, ServerProcess, push_kv
 
 KEYS = EventKeys.from_secret(TEST_KV_SECRET.encode())
 
@@ -383,12 +383,7 @@ async def _push(p_url: str, d_url: str, p_info: dict, d_info: dict,
                 prompt: list[int]) -> None:
     """One request in push mode, both legs as the router sends them."""
     tid = uuid.uuid4().hex
-    p_kv = sign_kv({"do_remote_decode": True, "transfer_id": tid}, p_info, "prefill")
-    d_kv = sign_kv({"do_remote_prefill": True, "transfer_id": tid,
-                    "remote_host": p_info["side_channel_host"],
-                    "remote_port": p_info["side_channel_port"],
-                    "remote_engine_id": p_info["engine_id"], "remote_request_id": tid},
-                   d_info, "decode", p_info)
+    p_kv, d_kv = push_kv(tid, p_info, d_info)
     loop = asyncio.get_running_loop()
     p_leg = loop.run_in_executor(None, lambda: _complete(p_url, prompt, 1, p_kv, tid))
     await loop.run_in_executor(None, lambda: _complete(d_url, prompt, 1, d_kv, tid))

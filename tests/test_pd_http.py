@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from router_helpers import metric_value
-from server_helpers import ServerProcess, sign_kv
+from server_helpers import ServerProcess, push_kv, sign_kv
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog " * 3,
@@ -65,11 +65,7 @@ async def _two_legs(p_url, d_url, p_info, d_info, prompt, mode, stream, **extra)
             p_out = await _complete(client, p_url, p_body, tid)
             kv = sign_kv(p_out["kv_transfer_params"], d_info, "decode", p_info)
             return await _complete(client, d_url, _body(prompt, stream, kv, **extra), tid)
-        d_kv = sign_kv({"do_remote_prefill": True, "transfer_id": tid,
-                        "remote_host": p_info["side_channel_host"],
-                        "remote_port": p_info["side_channel_port"],
-                        "remote_engine_id": p_info["engine_id"], "remote_request_id": tid},
-                       d_info, "decode", p_info)
+        d_kv = push_kv(tid, p_info, d_info)[1]
         p_task = asyncio.create_task(_complete(client, p_url, p_body, tid))
         d_out = await _complete(client, d_url, _body(prompt, stream, d_kv, **extra), tid)
         await p_task

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_helpers import ServerProcess, all_child_pids, child_pids, pid_alive, sign_kv
+from server_helpers import ServerProcess, all_child_pids, child_pids, pid_alive, push_kv
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed (make venv installs it)")
 pytestmark = pytest.mark.timeout(180)
@@ -101,12 +101,7 @@ def test_rank_killed_during_a_push(tiny_llama, tmp_path, dying):
             # the push: both legs at once, as the router sends them (decode registers
             # its blocks at prefill, whose WRITEs follow its chunks); both legs stream
             tid = uuid.uuid4().hex
-            d_kv = sign_kv({"do_remote_prefill": True, "transfer_id": tid,
-                            "remote_host": p_info["side_channel_host"],
-                            "remote_port": p_info["side_channel_port"],
-                            "remote_engine_id": p_info["engine_id"],
-                            "remote_request_id": tid}, d_info, "decode", p_info)
-            p_kv = sign_kv({"do_remote_decode": True, "transfer_id": tid}, p_info, "prefill")
+            p_kv, d_kv = push_kv(tid, p_info, d_info)
             p_free = p.get("/kv/info")["num_free_blocks"]
             d_lines: list[str] = []
             p_lines: list[str] = []

@@ -46,7 +46,7 @@ class CachePolicy:
                              keys=cfg.kv_secret.events if cfg.kv_secret else None)
         self._load: asyncio.Task | None = None
         pool.on_info = self._on_info
-        pool.on_remove = self._on_remove
+        pool.on_remove.append(self._on_remove)
         for inst in pool.instances:  # checked once already (start-up)
             if inst.healthy:
                 self._on_info(inst)

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from kvpush.engine.core_link import RemoteCore
-from kvpush.engine.outputs import EngineStats, FinishReason, RequestOutput
+from kvpush.engine.outputs import FinishReason, RequestOutput
 from kvpush.errors import RequestError
 from kvpush.router.decide import Decision, Route
 from kvpush.router.job import Job, outcome_for
@@ -62,6 +62,7 @@ class ClusterEngine:
         self._keys = keys
         #: one link per instance URL, to the request plane its /kv/info names
         self._cores: dict[str, RemoteCore] = {}
+        self.pool.on_remove.append(self._forget)
         #: the router's jobs by request id, from the handler to ``generate``
         self.jobs: dict[str, Job] = {}
 
@@ -100,14 +101,14 @@ class ClusterEngine:
         core = self._cores.get(inst.url)
         return core is not None and core.proven and core.health_problem() is None
 
-    async def close(self) -> None:
+    def close(self) -> None:
         cores, self._cores = list(self._cores.values()), {}
         for core in cores:
             core.close()
 
-    def forget(self, url: str) -> None:
+    def _forget(self, inst: Instance) -> None:
         """An instance left the pool: close its link."""
-        core = self._cores.pop(url, None)
+        core = self._cores.pop(inst.url, None)
         if core is not None:
             core.close()
 
@@ -118,21 +119,9 @@ class ClusterEngine:
         if job is not None:
             job.stream = parsed.stream
 
-    # ---- EngineClient (what OpenAIFront uses) -------------------------------------------
-    def start(self) -> None:
-        pass
-
-    async def shutdown(self) -> None:
-        await self.close()
-
+    # ---- what OpenAIFront uses of its engine --------------------------------------------
     def health_problem(self) -> str | None:
         return None if self.pool.ready() else "no healthy prefill and decode instances"
-
-    def starting(self) -> str | None:
-        return None
-
-    def stats(self) -> EngineStats:  # (the router's front exports no engine gauges)
-        raise NotImplementedError
 
     def kv_params(self, raw: object) -> None:
         if raw is not None:

@@ -81,6 +81,6 @@ class CoreFront:
 
     async def close(self) -> None:
         if self.cluster is not None:
-            await self.cluster.close()
+            self.cluster.close()
         if self.front is not None:
             self.front.executor.shutdown(wait=False, cancel_futures=True)

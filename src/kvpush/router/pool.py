@@ -151,8 +151,9 @@ class Pool:
         #: called with each instance whose check passed, its /kv/info just read (the
         #: router's KV index follows the instance's event source from it)
         self.on_info: Callable[[Instance], None] | None = None
-        #: called with each instance that left the pool (remove_instance)
-        self.on_remove: Callable[[Instance], None] | None = None
+        #: called with each instance that left the pool (remove_instance): the KV index,
+        #: the link to its engine core
+        self.on_remove: list[Callable[[Instance], None]] = []
         self._check_slots = asyncio.Semaphore(CHECKS_AT_ONCE)
 
     @property
@@ -190,8 +191,8 @@ class Pool:
         self._cursor[inst.role] = self._cursor[inst.role] % len(group) if group else 0
         inst.healthy = False
         inst.last_error = "left the pool"
-        if self.on_remove is not None:
-            self.on_remove(inst)
+        for listener in self.on_remove:
+            listener(inst)
         return inst
 
     # ------------------------------------------------------------------ selection
