@@ -157,11 +157,7 @@ def main() -> int:
     kvpush = [sys.executable, "-m", "kvpush"]
     with tempfile.TemporaryDirectory(prefix="kvpush-router-overhead-") as tmp:
         tmpdir = Path(tmp)
-        model = args.model
-        if model is None:
-            from kvpush.models.random_model import make_random_model
-
-            model = str(make_random_model(tmpdir / "tiny", "qwen3", "tiny", seed=0))
+        model = model_or_tiny(args.model, tmpdir)
         sp = free_port()
         serve = [*kvpush, "serve", model, "--port", str(sp), "--threads", "1",
                  "--log-level", "warning"]
@@ -208,6 +204,15 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
+
+
+def model_or_tiny(model: str | None, tmpdir: Path) -> str:
+    """``model``, or a tiny random Qwen3 built in ``tmpdir`` (compute close to nothing)."""
+    if model is not None:
+        return model
+    from kvpush.models.random_model import make_random_model
+
+    return str(make_random_model(tmpdir / "tiny", "qwen3", "tiny", seed=0))
 
 
 def wait_for_cores(url: str, timeout: float = 30.0) -> None:

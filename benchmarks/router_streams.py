@@ -26,7 +26,13 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from router_overhead import child, free_port, listener_pid, wait_for_cores  # noqa: E402
+from router_overhead import (  # noqa: E402
+    child,
+    free_port,
+    listener_pid,
+    model_or_tiny,
+    wait_for_cores,
+)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -60,11 +66,7 @@ def main() -> int:
     os.environ.setdefault("KVPUSH_KV_SECRET", os.urandom(16).hex())
     with tempfile.TemporaryDirectory(prefix="kvpush-router-streams-") as tmp:
         tmpdir = Path(tmp)
-        model = args.model
-        if model is None:
-            from kvpush.models.random_model import make_random_model
-
-            model = str(make_random_model(tmpdir / "tiny", "qwen3", "tiny", seed=0))
+        model = model_or_tiny(args.model, tmpdir)
         sp = free_port()
         serve = [*kvpush, "serve", model, "--port", str(sp), "--threads",
                  str(args.threads), "--log-level", "warning", "--max-num-seqs",
