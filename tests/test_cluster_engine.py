@@ -32,6 +32,7 @@ class FakeCore:
         self.requests: list[tuple[str, dict | None]] = []
         self.aborted: list[str] = []
         self.closed = False
+        self.open = 0  # streams open now
 
     def health_problem(self) -> str | None:
         return None if self.connected else "not connected"
@@ -39,6 +40,14 @@ class FakeCore:
     async def generate(self, request_id: str, prompt: list[int], params: Any,
                        kv: dict | None = None) -> AsyncIterator[RequestOutput]:
         self.requests.append((request_id, kv))
+        self.open += 1
+        try:
+            async for out in self._outputs(request_id):
+                yield out
+        finally:
+            self.open -= 1
+
+    async def _outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
         await asyncio.sleep(0)
         if self.lose:
             self.connected = False
@@ -54,6 +63,9 @@ class FakeCore:
             return
         yield RequestOutput(request_id, [5], "a", False)
         yield RequestOutput(request_id, [6], "b", True, FinishReason.LENGTH)
+
+    def has_streams(self) -> bool:
+        return self.open > 0
 
     def abort_transfer(self, tid: str, why: str = "") -> None:
         self.aborted.append(tid)
@@ -129,3 +141,27 @@ def test_an_instance_that_leaves_the_pool_has_its_core_link_closed():
 
     assert cores["http://d0:1"].closed and not cores["http://p0:1"].closed
     assert engine.core(next(iter(pool.instances))) is cores["http://p0:1"]
+
+
+def test_a_request_in_flight_on_a_leaving_instance_finishes_before_its_link_closes():
+    cores = {"http://p0:1": FakeCore("p0:7", "prefill"),
+             "http://d0:1": FakeCore("d0:7", "decode")}
+    engine, pool, _ = _engine("pull", cores)
+    d = cores["http://d0:1"]
+
+    async def run() -> list[RequestOutput]:
+        job = Job(rid="r1", kind="completion", path="/v1/completions", body={},
+                  stream=True, arrival=0.0)
+        engine.jobs["r1"] = job
+        outs = []
+        async for out in engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=2)):
+            outs.append(out)
+            if len(outs) == 1:  # decode is streaming: its instance drains and leaves
+                pool.remove_instance("http://d0:1")
+                assert not d.closed
+        return outs
+
+    outs = asyncio.run(run())
+
+    assert [o.new_token_ids for o in outs] == [[5], [6]] and outs[-1].finished
+    assert d.closed  # once its last request was over

@@ -108,6 +108,10 @@ class FrontEnd:
         assert self.checker is not None
         return self.checker.kv_params(raw)
 
+    def has_streams(self) -> bool:
+        """Whether any request's stream is open."""
+        return bool(self._streams)
+
     def set_transfer_sink(self, sink: Callable[[TransferRecord], None]) -> None:
         self._sink = sink
 

@@ -62,6 +62,8 @@ class ClusterEngine:
         self._keys = keys
         #: one link per instance URL, to the request plane its /kv/info names
         self._cores: dict[str, RemoteCore] = {}
+        #: links of instances that left the pool, closed once their requests are over
+        self._leaving: set[RemoteCore] = set()
         self.pool.on_remove.append(self._forget)
         #: the router's jobs by request id, from the handler to ``generate``
         self.jobs: dict[str, Job] = {}
@@ -102,14 +104,22 @@ class ClusterEngine:
         return core is not None and core.proven and core.health_problem() is None
 
     def close(self) -> None:
-        cores, self._cores = list(self._cores.values()), {}
+        cores = [*self._cores.values(), *self._leaving]
+        self._cores, self._leaving = {}, set()
         for core in cores:
             core.close()
 
     def _forget(self, inst: Instance) -> None:
-        """An instance left the pool: close its link."""
+        """An instance left the pool (drained, its card gone): no new requests; its link
+        closes once the requests in flight on it are over (they go on, as HTTP legs do)."""
         core = self._cores.pop(inst.url, None)
         if core is not None:
+            self._leaving.add(core)
+            self._close_idle()
+
+    def _close_idle(self) -> None:
+        for core in [c for c in self._leaving if not c.has_streams()]:
+            self._leaving.discard(core)
             core.close()
 
     def note_stream(self, parsed: FrontJob) -> None:
@@ -157,6 +167,8 @@ class ClusterEngine:
             raise
         finally:
             await self.legs.close(job, outcome, status)
+            if self._leaving:
+                self._close_idle()
 
     def _for_client(self, e: RequestError) -> APIError:
         return APIError(scrub(str(e), self.pool.engine_ids()), param=e.param, code=e.code,
