@@ -106,8 +106,10 @@ def kill(drv: Driver, eng: LLMEngine, trigger=None) -> str:
 
 def end_core(eng: LLMEngine, why: str, caplog) -> dict:
     """The dead instance's step loop, as its engine core runs it: it ends at once with
-    TransferThreadDied, failing every request it held with the reason (one batch), and
-    logs nothing more than the thread's one line. Returns the outputs by request."""
+    TransferThreadDied, failing every request it held with the reason (one batch, which
+    says the reason for the front end: a request it has not yet handed the core fails
+    with it too), and logs nothing more than the thread's one line. Returns the outputs
+    by request."""
     running = set(eng.scheduler.requests)
     core = CoreLoop(eng.config, engine=eng)
     batches = []
@@ -119,6 +121,8 @@ def end_core(eng: LLMEngine, why: str, caplog) -> dict:
     assert isinstance(core.fatal, TransferThreadDied) and core.fatal.why == why
     outs = {o.request_id: o for b in batches for o in b.outputs}
     assert set(outs) == running and running
+    assert [b.fatal for b in batches if b.fatal is not None] == [str(core.fatal)]
+    assert batches[-1].fatal is not None and DIED in batches[-1].fatal
     for out in outs.values():
         assert out.finish_reason is FinishReason.ERROR, out
         assert DIED in out.failure.message and CRASH in out.failure.message, out

@@ -221,7 +221,9 @@ class CoreClient(FrontEnd):
         code = self.proc.wait()
         if self._stopping and code == 0:
             return
-        self._died(f"the engine core process {describe_exit(code)}")
+        # a request the core never took (it arrived after the loop died) fails with the
+        # loop's reason, as those it was running did; the exit code is all else we know
+        self._died(self.fatal or f"the engine core process {describe_exit(code)}")
 
     def _died(self, why: str) -> None:
         if self._stopping:

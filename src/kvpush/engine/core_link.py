@@ -228,12 +228,13 @@ class RemoteCore(FrontEnd):
                     log.info("%s: connected, the core proved the cluster secret", self)
                 self.proven = self.connected = True
                 self._refused = None
+                self.fatal = None  # (a core at this address again: a new one)
                 self._up.set()
             elif event == zmq.EVENT_DISCONNECTED:
                 if self.connected:
                     self.connected = False
                     self._up.clear()
-                    why = f"the engine core connection was lost ({self.address})"
+                    why = self.fatal or f"the engine core connection was lost ({self.address})"
                     log.warning("%s", why)
                     self.fail_all(why)
             elif event & HANDSHAKE_FAILED:

@@ -132,11 +132,12 @@ class CoreLoop:
             log.exception("step loop died")
             self.fatal = e
         finally:
-            self._post(post, self._abort_all(), force=True)
+            self._post(post, self._abort_all(), force=True, fatal=self._fatal_reason())
             self._publish_events()
             engine.shutdown()
 
-    def _post(self, post: Post, outputs: list[EngineOutput], force: bool = False) -> None:
+    def _post(self, post: Post, outputs: list[EngineOutput], force: bool = False,
+              fatal: str | None = None) -> None:
         engine = self.engine
         take = getattr(engine, "take_replies", None)
         replies = take() if take is not None else []
@@ -147,11 +148,12 @@ class CoreLoop:
             if snap is not None:
                 snapshot = snap()
                 self._last_snapshot = now
-        if not (outputs or self._records or replies or snapshot is not None):
+        if not (outputs or self._records or replies or snapshot is not None
+                or fatal is not None):
             return
         records = self._records.copy()  # (the connector holds its append)
         self._records.clear()
-        post(EngineOutputs(outputs, records, replies, snapshot))
+        post(EngineOutputs(outputs, records, replies, snapshot, fatal))
 
     def _publish_events(self) -> None:
         """Hand the pool's cache changes of this turn to the publisher (a queue put)."""
@@ -160,16 +162,18 @@ class CoreLoop:
             if events:
                 self.kv_events.publish(events)
 
+    def _fatal_reason(self) -> str | None:
+        e = self.fatal
+        if e is None:
+            return None
+        if isinstance(e, (TransferThreadDied, RankDied)):
+            return str(e)
+        return f"the engine step loop died: {type(e).__name__}: {e}"
+
     def _abort_all(self) -> list[EngineOutput]:
         """End every request: aborted after a Shutdown, failed with the reason when the
         loop died (its client gets an error, not a finish it could take for its own)."""
-        e = self.fatal
-        if e is None:
-            why = None
-        elif isinstance(e, (TransferThreadDied, RankDied)):
-            why = str(e)
-        else:
-            why = f"the engine step loop died: {type(e).__name__}: {e}"
+        why = self._fatal_reason()
         outs = []
         for rid in list(self.engine.scheduler.requests):
             out = (self.engine.abort_request(rid) if why is None  # (stubs: the id only)

@@ -68,6 +68,8 @@ class FrontEnd:
         self._call_seq = itertools.count()
         #: called on the event loop if the core dies without being stopped (CoreClient)
         self.on_death: Callable[[str], None] | None = None
+        #: why the core's loop died, as its last message said (None: it has not)
+        self.fatal: str | None = None
 
     # ---- what a subclass provides ----------------------------------------------------
     def _send(self, cmd: EngineCommand) -> None:
@@ -201,6 +203,8 @@ class FrontEnd:
                 queue.put_nowait(out)
         if batch.snapshot is not None:
             self._snapshot = batch.snapshot
+        if batch.fatal is not None:
+            self.fatal = batch.fatal
         if batch.transfers and self._sink is not None:
             for rec in batch.transfers:
                 self._sink(rec)

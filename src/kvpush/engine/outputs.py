@@ -117,6 +117,9 @@ class EngineOutputs(msgspec.Struct, gc=False):
     transfers: list[TransferRecord] = []
     replies: list[UtilityReply] = []
     snapshot: EngineSnapshot | None = None
+    #: the last turn of a loop that died: why (every request still running fails with
+    #: it, and the front end says it for those it had not yet handed the core)
+    fatal: str | None = None
 
 
 @dataclass

@@ -142,15 +142,16 @@ class RequestPlane:
             return batch
         mine = [o for o in batch.outputs if o.request_id.startswith(REMOTE_MARK)]
         calls = [r for r in batch.replies if r.call_id < 0]
-        if not mine and not calls:
+        if not mine and not calls and batch.fatal is None:
             return batch
-        self._queue.put(EngineOutputs(mine, [], calls, batch.snapshot))
+        self._queue.put(EngineOutputs(mine, [], calls, batch.snapshot, batch.fatal))
         os.eventfd_write(self._wake, 1)
         outputs = [o for o in batch.outputs if not o.request_id.startswith(REMOTE_MARK)]
         replies = [r for r in batch.replies if r.call_id >= 0]
-        if not (outputs or replies or batch.transfers or batch.snapshot is not None):
+        if not (outputs or replies or batch.transfers or batch.snapshot is not None
+                or batch.fatal is not None):
             return None
-        return EngineOutputs(outputs, batch.transfers, replies, batch.snapshot)
+        return EngineOutputs(outputs, batch.transfers, replies, batch.snapshot, batch.fatal)
 
     # ---- the plane's thread -----------------------------------------------------------
     def _run(self) -> None:
@@ -285,6 +286,10 @@ class RequestPlane:
                     part = per.get(n) or per.setdefault(
                         n, EngineOutputs([], [], [], batch.snapshot))
                     part.replies.append(UtilityReply(call_id, reply.result, reply.error))
+            if batch.fatal is not None:  # the loop died: every front hears why
+                for n in self._by_n:
+                    part = per.setdefault(n, EngineOutputs([], [], [], batch.snapshot))
+                    part.fatal = batch.fatal
             for n, part in per.items():
                 self._send(self._by_n[n], part)
 
