@@ -176,3 +176,41 @@ def test_decode_core_killed_mid_stream_ends_the_stream_with_an_error(tiny_llama,
             rt.stop()
         p.stop()
         d.kill()
+
+
+#: a template unlike the model's own: roles in brackets, one line per message
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+            "[assistant]")
+
+
+def test_chats_over_the_cores_use_the_instances_chat_template(tiny_llama, tmp_path):
+    """An instance's --chat-template is in its /kv/info, and a router in front of its
+    engine core renders chats with it: the same prompt and answer as the instance's own
+    API gives, where the model's template gives another prompt."""
+    [inst] = start_instances(tiny_llama, [("tmpl", (*KV, "--chat-template", TEMPLATE))],
+                             tmp_path)
+    rt = None
+    try:
+        assert httpx.get(inst.url + "/kv/info", timeout=10).json()["chat_template"] == TEMPLATE
+        rt = RouterThread("colocated", [], [inst.url], tokenizer=str(tiny_llama))
+        wait_until(lambda: httpx.get(rt.url + "/health", timeout=5).json().get("legs")
+                   == "engine cores", 20, "the router serves over the engine cores")
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+        with httpx.Client(timeout=60) as c:
+            for messages in CHATS:
+                ids = tok.apply_chat_template(messages, chat_template=TEMPLATE, tokenize=True,
+                                              return_dict=True)["input_ids"]
+                model_ids = tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                    tokenize=True, return_dict=True)["input_ids"]
+                assert len(ids) != len(model_ids)  # (the two templates differ here)
+                own = c.post(inst.url + "/v1/chat/completions", json=_chat(messages)).json()
+                via = c.post(rt.url + "/v1/chat/completions", json=_chat(messages)).json()
+                assert via["usage"]["prompt_tokens"] == own["usage"]["prompt_tokens"] == len(ids)
+                assert answer_text(via, chat=True) == answer_text(own, chat=True)
+        inst.wait_all_free()
+    finally:
+        if rt is not None:
+            rt.stop()
+        inst.stop()

@@ -6,11 +6,13 @@ tokenizer, and every healthy instance has a request plane, a proven one for at l
 one decode; else it takes the HTTP legs (kvpush.router.legs: vLLM instances, a router
 whose tokenizer is still loading, or ``KVPUSH_ROUTER_PATH=http`` for side-by-side
 measurements). The front is built once, from a decode instance's ``/kv/info`` (the
-served model's name, its context, its vocabulary).
+served model's name, its context, its vocabulary, and its ``--chat-template`` if it
+was given one: the router renders chats for the cores).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Literal
 
@@ -26,6 +28,8 @@ from kvpush.server.app import FrontSettings, OpenAIFront
 if TYPE_CHECKING:
     from kvpush.router.legs import Legs
     from kvpush.router.prompts import PromptTokenizer
+
+log = logging.getLogger("kvpush.router")
 
 #: environment variable that keeps kvpush instances on the HTTP legs (``http``)
 ROUTER_PATH_ENV = "KVPUSH_ROUTER_PATH"
@@ -51,7 +55,12 @@ class CoreFront:
         if not self.cluster.serves():
             return False
         if self.front is None:
-            info = next(i.info for i in self.pool.by_role["decode"] if i.healthy and i.info)
+            inst = next(i for i in self.pool.by_role["decode"] if i.healthy and i.info)
+            info = inst.info
+            template = info.get("chat_template")
+            if isinstance(template, str):  # the instance's --chat-template, not the model's
+                tokenizer.tokenizer.chat_template = template
+                log.info("chats are rendered with %s's --chat-template", inst.url)
             settings = FrontSettings(str(info.get("model")), int(info["max_model_len"]),
                                      int(info["vocab_size"]), "router", self.cfg.mode)
             self.front = OpenAIFront(self.cluster, settings, max_waiting_requests=0,

@@ -380,7 +380,7 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
               api_key: str | None = None,
               max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
               body_timeout_s: float = 30.0, admin_key: str | None = None,
-              advertise_url: str | None = None) -> FastAPI:
+              advertise_url: str | None = None, chat_template: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``; its lifespan starts and shuts down the engine.
 
     With ``api_key`` every path but ``/health`` and ``/metrics`` needs ``Authorization:
@@ -392,6 +392,8 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
     header deadline and the connection bound are the door's: kvpush.server.door).
     With the cluster secret, ``POST /kv/prove`` answers routers' challenges for this
     server's own URLs (``advertise_url`` among them; kvpush.server.prove).
+    ``chat_template`` (``--chat-template``) is told in ``/kv/info``: a router in front of
+    the engine cores renders chats with it.
     """
     server = OpenAIFront(engine, FrontSettings.of(engine.config), max_waiting_requests,
                          body_timeout_s)
@@ -452,6 +454,8 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
         except Exception as exc:  # noqa: BLE001 - the core is gone or failed the call
             err = to_api_error(exc) or APIError(f"no KV info: {exc}", status_code=503)
             return err.response()
+        if chat_template is not None:
+            info = {**info, "chat_template": chat_template}
         return JSONResponse(info)
 
     @app.post(PROVE_PATH, summary="Prove to a router that this instance holds the cluster "

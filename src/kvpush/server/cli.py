@@ -578,7 +578,9 @@ def _serve(args: argparse.Namespace, config, engine, listener, api_key, log,
                     body_timeout_s=args.body_timeout,
                     admin_key=resolve_admin_key(getattr(args, "admin_key", None)),
                     advertise_url=(registration[1] if registration is not None
-                                   else getattr(args, "advertise_url", None)))
+                                   else getattr(args, "advertise_url", None)),
+                    chat_template=(engine.tokenizer.chat_template
+                                   if getattr(args, "chat_template", None) else None))
     if api_key is None and not cli_types.is_loopback(args.host):
         log.warning("listening on %s without an API key: anyone who reaches this address "
                     "can use the server (--api-key or KVPUSH_API_KEY)", args.host)
