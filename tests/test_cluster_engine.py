@@ -33,6 +33,7 @@ class FakeCore:
         self.aborted: list[str] = []
         self.closed = False
         self.open = 0  # streams open now
+        self.on_lost: Any = None  # (set by ClusterEngine)
 
     def health_problem(self) -> str | None:
         return None if self.connected else "not connected"
@@ -84,7 +85,8 @@ def _engine(mode: str, cores: dict[str, FakeCore]) -> tuple[ClusterEngine, Pool,
         inst.info = {"request_plane": cores[inst.url].address, "engine_id": inst.url}
     legs = Legs(cfg, pool, RouterMetrics(pool), client=None)  # type: ignore[arg-type]
     engine = ClusterEngine(legs, keys=None, tokenizer=None)  # type: ignore[arg-type]
-    engine._cores.update(cores)  # noqa: SLF001 - the injected links
+    for inst in pool.instances:  # the injected links
+        engine._adopt(inst, cores[inst.url])  # type: ignore[arg-type]  # noqa: SLF001
     return engine, pool, legs
 
 
@@ -165,3 +167,21 @@ def test_a_request_in_flight_on_a_leaving_instance_finishes_before_its_link_clos
 
     assert [o.new_token_ids for o in outs] == [[5], [6]] and outs[-1].finished
     assert d.closed  # once its last request was over
+
+
+def test_a_core_connection_that_drops_takes_its_instance_out_of_rotation_at_once():
+    """The link's drop (on_lost) marks its instance failed, and only for the link the
+    engine holds for it now (a replaced link's late drop changes nothing)."""
+    cores = {"http://p0:1": FakeCore("p0:7", "prefill"),
+             "http://d0:1": FakeCore("d0:7", "decode")}
+    engine, pool, _ = _engine("pull", cores)
+    assert engine.serves()
+    d0, p0 = sorted(pool.instances, key=lambda i: i.url)
+    old = cores["http://d0:1"]
+    engine._adopt(d0, FakeCore("d0:7", "decode"))  # noqa: SLF001 - its link was remade
+    old.on_lost("gone")
+    assert d0.healthy
+    cores["http://p0:1"].connected = False
+    cores["http://p0:1"].on_lost("the engine core connection was lost")
+    assert not p0.healthy and p0.last_error == "its engine core's connection was lost"
+    assert engine.serves()  # what is healthy is usable: the cores path stays

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -81,6 +82,9 @@ class RemoteCore(FrontEnd):
         self.proven = False
         #: a connection to the core is up now
         self.connected = False
+        #: called on the event loop when a connection that was up drops (its streams
+        #: have failed already)
+        self.on_lost: Callable[[str], None] | None = None
         self._refused: str | None = None  # why the last handshake failed
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.Context(io_threads=1)
@@ -237,6 +241,8 @@ class RemoteCore(FrontEnd):
                     why = self.fatal or f"the engine core connection was lost ({self.address})"
                     log.warning("%s", why)
                     self.fail_all(why)
+                    if self.on_lost is not None:
+                        self.on_lost(why)
             elif event & HANDSHAKE_FAILED:
                 reason = handshake_reason(event, value)
                 if reason != self._refused:

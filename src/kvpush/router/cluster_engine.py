@@ -82,22 +82,27 @@ class ClusterEngine:
             core.close()
         core = RemoteCore(addr, self._keys, self.tokenizer)
         core.start()
-        self._cores[inst.url] = core
+        self._adopt(inst, core)
         return core
+
+    def _adopt(self, inst: Instance, core: RemoteCore) -> None:
+        """``core`` is ``inst``'s link: when its connection drops, the instance leaves
+        the rotation at once (until a health check passes), as after a failed HTTP leg."""
+        self._cores[inst.url] = core
+
+        def lost(_why: str) -> None:
+            if self._cores.get(inst.url) is core:
+                self.pool.mark_failed(inst, "its engine core's connection was lost")
+
+        core.on_lost = lost
 
     def serves(self) -> bool:
         """Whether requests can take the core path now: every healthy instance has a
-        request plane whose core proved the secret (a CURVE handshake); until then (a
-        handshake in progress) requests take the HTTP legs."""
+        request plane whose core proved the secret (a CURVE handshake) and is connected;
+        until then (a handshake in progress, a reconnection) they take the HTTP legs."""
         healthy = [i for i in self.pool.instances if i.healthy]
-        if not healthy or any(self.core(i) is None for i in healthy):
-            return False
-        for inst in healthy:
-            core = self._cores[inst.url]
-            if core.proven and not core.connected:  # it was up: the core went away
-                self.pool.mark_failed(inst, "its engine core's connection was lost")
-        healthy = [i for i in healthy if i.healthy]
-        return bool(healthy) and all(self.usable(i) for i in healthy)
+        return bool(healthy) and all(self.core(i) is not None and self.usable(i)
+                                     for i in healthy)
 
     def usable(self, inst: Instance) -> bool:
         core = self._cores.get(inst.url)
