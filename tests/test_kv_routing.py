@@ -31,7 +31,15 @@ from kvpush.kv_cache.events import (
 )
 from kvpush.router.cache_policy import CachePolicy
 from kvpush.router.config import RouterConfig
-from kvpush.router.decide import Decision, Route, cost, cost_fn, decide, lacks_room
+from kvpush.router.decide import (
+    DEFAULT_ANSWER_TOKENS,
+    Decision,
+    Route,
+    cost,
+    cost_fn,
+    decide,
+    lacks_room,
+)
 from kvpush.router.kv_index import BatchResult, InstanceIndex, KVIndex, Snapshot
 from kvpush.router.pool import Pool
 from router_helpers import metric_value, wait_until
@@ -160,7 +168,7 @@ def test_decode_legs_charge_and_release_their_tokens():
     policy.cached_tokens = lambda inst, route: 0  # type: ignore[method-assign]
     job = Job(rid="r", kind="completion", path="/v1/completions",
               body={"prompt": list(range(40)), "max_tokens": 24}, stream=False, arrival=0.0)
-    job.route = Route(list(range(40)))
+    job.route = Route(list(range(40)), answer_tokens=24)  # (as plan() makes it)
     policy.picked(job, d1)
     assert d1.tokens_in_flight == 64
     policy.picked(job, d2)  # sent again elsewhere: the first charge moves
@@ -519,3 +527,28 @@ def test_router_faults_restart_gap_and_full_decode(cluster, tiny_llama):
         assert _index_of(router, d2)["blocks"] == 0
         send()
         _prefill_legs(p, 3)  # no decode holds the prompt: remote
+
+
+def test_a_planned_route_carries_the_answer_bound_its_decode_leg_is_charged():
+    """plan() gives the route the request's answer bound (max_completion_tokens, then
+    max_tokens, else the default): prompt + bound is what a decode leg is charged."""
+
+    class Tokenizer:  # the prompt's ids only
+        async def prompt_ids(self, kind, body, nbytes):
+            return list(range(10))
+
+        def too_long(self, kind, body):
+            return None
+
+    from kvpush.router.job import Job
+
+    policy = CachePolicy.__new__(CachePolicy)
+    policy.tokenizer = Tokenizer()
+    bounds = []
+    for extra in ({"max_tokens": 7}, {"max_completion_tokens": 5, "max_tokens": 7}, {}):
+        job = Job(rid="r", kind="completion", path="/v1/completions",
+                  body={"prompt": "x", **extra}, stream=False, arrival=0.0)
+        asyncio.run(policy.plan(job, 1))
+        assert job.route is not None and job.body["prompt"] == list(range(10))
+        bounds.append(job.route.answer_tokens)
+    assert bounds == [7, 5, DEFAULT_ANSWER_TOKENS]

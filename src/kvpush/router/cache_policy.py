@@ -96,7 +96,8 @@ class CachePolicy:
         if ids is None:
             return
         salt = job.body.get("cache_salt")
-        job.route = Route(ids, cache_salt=salt if isinstance(salt, str) else None)
+        job.route = Route(ids, cache_salt=salt if isinstance(salt, str) else None,
+                          answer_tokens=answer_tokens(job.body))
         if job.kind == "completion" and not isinstance(job.body.get("prompt"), list):
             job.body = {**job.body, "prompt": ids}
 
@@ -157,7 +158,7 @@ class CachePolicy:
             r.d_cached_tokens = n
             # the KV the decode leg will hold: the load others see (until ``released``)
             self.released(job)
-            job.d_tokens = r.prompt_tokens + answer_tokens(job.body)
+            job.d_tokens = r.prompt_tokens + r.answer_tokens
             job.d_charged = inst
             inst.tokens_in_flight += job.d_tokens
 

@@ -150,9 +150,9 @@ class ClusterEngine:
                        params: SamplingParams, kv_transfer_params: Any = None
                        ) -> AsyncIterator[RequestOutput]:
         job = self.jobs[request_id]
-        job.body = {"max_tokens": params.max_tokens}  # what the policy's load counts
         if self.legs.policy is not None:
-            job.route = Route(list(prompt_token_ids), cache_salt=params.cache_salt)
+            job.route = Route(list(prompt_token_ids), cache_salt=params.cache_salt,
+                              answer_tokens=params.max_tokens)  # (checked: at least 1)
         status, outcome = 200, "abort"
         try:
             async for out in self._place(job, prompt_token_ids, params):

@@ -78,6 +78,9 @@ class Route:
     token_ids: list[int]
     #: the request's cache_salt: its chain is salted as the instances salt theirs
     cache_salt: str | None = None
+    #: the answer's length bound (:func:`answer_tokens`): with the prompt, the KV its
+    #: decode leg may come to hold (the load the policy counts)
+    answer_tokens: int = DEFAULT_ANSWER_TOKENS
     decision: Decision = Decision.REMOTE
     d_cached_tokens: int | None = None
     p_cached_tokens: int | None = None
