@@ -217,3 +217,45 @@ def test_only_the_step_loop_runs_multithreaded_torch(tiny_llama):
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"main": 1, "step": [2]}
+
+
+def test_a_request_the_core_never_took_fails_at_once_with_the_loops_reason(tiny_llama):
+    """The core loop's last batch says why it died (EngineOutputs.fatal): a stream whose
+    request the loop never took (still on its way in) fails then, with that reason, not
+    later with the process's exit code; requests after it are refused."""
+    from kvpush.engine.core_link import NO_SNAPSHOT
+    from kvpush.engine.front import FrontEnd
+    from kvpush.engine.inputs import AddRequest
+    from kvpush.engine.outputs import EngineOutputs
+    from kvpush.models.tokenizer import load_tokenizer
+    from kvpush.sampling_params import SamplingParams
+
+    why = "tensor-parallel rank 1 was killed by SIGKILL"
+
+    class Unread(FrontEnd):  # the core takes nothing it is sent
+        def __init__(self) -> None:
+            super().__init__(None, load_tokenizer(str(tiny_llama)), NO_SNAPSHOT)
+            self.sent: list = []
+
+        def _add(self, internal, prompt_token_ids, params, kv_transfer_params):
+            return AddRequest(internal, list(prompt_token_ids), params, None), params
+
+        def _send(self, cmd) -> None:
+            self.sent.append(cmd)
+
+        def _core_problem(self):
+            return self.fatal
+
+    async def main() -> None:
+        front = Unread()
+        stream = front.generate("r", [5, 6, 7], SamplingParams(max_tokens=2))
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.05)
+        assert not first.done() and len(front.sent) == 1  # sent, never answered
+        front.dispatch(EngineOutputs([], fatal=why))
+        out = await asyncio.wait_for(first, 1)
+        assert out.finished and out.finish_reason is FinishReason.ERROR and why in out.error
+        with pytest.raises(RequestError, match=why):
+            await anext(front.generate("s", [5], SamplingParams(max_tokens=1)))
+
+    asyncio.run(main())

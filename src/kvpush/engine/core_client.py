@@ -219,11 +219,13 @@ class CoreClient(FrontEnd):
             await asyncio.sleep(0.02)
         self._drain()
         code = self.proc.wait()
-        if self._stopping and code == 0:
-            return
-        # a request the core never took (it arrived after the loop died) fails with the
-        # loop's reason, as those it was running did; the exit code is all else we know
-        self._died(self.fatal or f"the engine core process {describe_exit(code)}")
+        if (self._stopping and code == 0) or self._death is not None:
+            return  # (a loop that died said so in its last batch: told then)
+        self._died(f"the engine core process {describe_exit(code)}")
+
+    def _loop_died(self, why: str) -> None:
+        # the process exits next; its streams, new requests and `serve` learn it now
+        self._died(why)
 
     def _died(self, why: str) -> None:
         if self._stopping:

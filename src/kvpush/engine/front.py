@@ -203,8 +203,6 @@ class FrontEnd:
                 queue.put_nowait(out)
         if batch.snapshot is not None:
             self._snapshot = batch.snapshot
-        if batch.fatal is not None:
-            self.fatal = batch.fatal
         if batch.transfers and self._sink is not None:
             for rec in batch.transfers:
                 self._sink(rec)
@@ -215,6 +213,14 @@ class FrontEnd:
                     fut.set_exception(RuntimeError(reply.error))
                 else:
                     fut.set_result(reply.result)
+        if batch.fatal is not None:  # the loop's last batch: it takes nothing more
+            self.fatal = batch.fatal
+            self._loop_died(batch.fatal)
+
+    def _loop_died(self, why: str) -> None:
+        """The core's loop died (its last batch failed what it held): a request it
+        never took will get no answer, so it fails now, with the loop's reason."""
+        self.fail_all(why)
 
     def fail_all(self, why: str) -> None:
         """The core is gone: end every stream with an error and every waiting call."""
