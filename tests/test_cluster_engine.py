@@ -50,8 +50,10 @@ class FakeCore:
 
     async def _outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
         await asyncio.sleep(0)
-        if self.lose:
+        if self.lose:  # as RemoteCore's drop: connected goes false, then on_lost
             self.connected = False
+            if self.on_lost is not None:
+                self.on_lost("the engine core connection was lost")
             yield RequestOutput(request_id, [], "", True, FinishReason.ERROR,
                                 error="the engine core connection was lost")
             return

@@ -293,9 +293,9 @@ class ClusterEngine:
         return self._cores[p.url], tid, kv
 
     def _retry_prefill(self, job: Job, p: Instance, tried: set[Instance]) -> Instance | None:
-        """Prefill ``p``'s core is gone: out of rotation; another prefill (None: none)."""
+        """Prefill ``p``'s core is gone (out of rotation since the drop: ``_adopt``);
+        another prefill (None: none)."""
         tried.add(p)
-        self.pool.mark_failed(p, "its engine core's connection was lost")
         other = self.pool.pick("prefill", tried, cost=self.legs.cost(job))
         while other is not None and not self.usable(other):
             self.pool.release(other)
@@ -393,12 +393,11 @@ class ClusterEngine:
                 first = False
                 self.legs.first_byte(job)
             if out.finish_reason is FinishReason.ERROR and not core.connected:
-                # the core went away (killed, or silent past the heartbeats): the
-                # client's answer is a 502, as when an HTTP leg's instance stops
+                # the core went away (killed, or silent past the heartbeats; its
+                # instance left the rotation at the drop): the client's answer is a
+                # 502, as when an HTTP leg's instance stops
                 d = job.decode
                 where = d.url if d is not None else core.address
-                if d is not None:
-                    self.pool.mark_failed(d, "its engine core's connection was lost")
                 raise self.legs.fail(job, 502, "the decode instance stopped answering "
                                      "(its engine core's connection was lost)",
                                      f"decode instance {where}: {out.error}")
