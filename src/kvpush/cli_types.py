@@ -188,9 +188,10 @@ def add_role_tensor_parallel_args(group: Any, instances: str, note: str = "") ->
         help="tensor parallelism of the decode instances (default: -tp). P/D modes only")
 
 
-def role_tensor_parallel(args: argparse.Namespace, role: str) -> int:
+def role_tensor_parallel(args: Any, role: str) -> int:
     """The tensor parallelism of a ``role`` instance (prefill, decode or both) from the
-    flags of :func:`add_role_tensor_parallel_args` (absent ones: 1)."""
+    flags of :func:`add_role_tensor_parallel_args` (absent ones: 1), on their parsed
+    namespace or anything with the same attributes (bench's CompareConfig)."""
     every = getattr(args, "tensor_parallel_size", None) or 1
     override = getattr(args, f"{role}_tp", None) if role in ("prefill", "decode") else None
     return override or every

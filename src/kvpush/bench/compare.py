@@ -66,6 +66,7 @@ from kvpush.bench.compare_report import (
     summarize_runs,
     usable_cores,
 )
+from kvpush.cli_types import role_tensor_parallel as role_tp
 
 
 def _up_args(cfg: CompareConfig, spec: ModeSpec) -> argparse.Namespace:
@@ -86,12 +87,6 @@ def _up_args(cfg: CompareConfig, spec: ModeSpec) -> argparse.Namespace:
         load_weight=None if colocated else cfg.load_weight,
         shuffle_free_blocks=cfg.shuffle_free_blocks, prefix_hit_tail=cfg.prefix_hit_tail,
         push_layers_per_write=cfg.push_layers_per_write)
-
-
-def role_tp(cfg: CompareConfig, role: str) -> int:
-    """Tensor parallelism of a ``role`` instance (prefill, decode or both)."""
-    override = {"prefill": cfg.prefill_tp, "decode": cfg.decode_tp}.get(role)
-    return override or cfg.tensor_parallel_size
 
 
 def instances_text(cfg: CompareConfig, mode: str) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpush import cli_types
+from kvpush.cli_types import role_tensor_parallel as role_tp
 from kvpush.server.admin_key import ADMIN_KEY_HELP
 
 if TYPE_CHECKING:
@@ -207,11 +208,6 @@ def default_threads(num_ranks: int, cores: int | None = None) -> int:
     """One share of the cores per rank process (an instance at TP 1 is one rank), so
     engines on one host do not oversubscribe."""
     return max(1, (cores or usable_cores()) // max(1, num_ranks))
-
-
-def role_tp(args: argparse.Namespace, role: str) -> int:
-    """Tensor parallelism of a ``role`` instance: --prefill-tp/--decode-tp, else -tp."""
-    return cli_types.role_tensor_parallel(args, role)
 
 
 def spec_tp(spec: ChildSpec) -> int:
