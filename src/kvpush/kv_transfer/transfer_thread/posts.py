@@ -41,13 +41,13 @@ class Posts:
             side = "decode" if op == "WRITE" else "prefill"
             raise TransferPostError(f"no connection to the {side} instance at {rec.peer}")
         ours, theirs = hello_ranks(self.own), hello_ranks(peer)
-        heads = [[r.heads for r in ours], [r.heads for r in theirs]]
-        try:  # push: we are prefill (WRITE), pull: decode (READ)
-            pieces = [(x.prefill, x.decode, x.heads) if op == "WRITE" else (
-                x.decode, x.prefill, x.heads) for x in head_map(*heads[::1 if op == "WRITE"
-                                                                       else -1])]
+        write = op == "WRITE"  # push: we are prefill (WRITE), pull: decode (READ)
+        p_ranks, d_ranks = (ours, theirs) if write else (theirs, ours)
+        try:  # (i, j): our rank, the peer's
+            pieces = [((x.prefill, x.decode) if write else (x.decode, x.prefill), x.heads)
+                      for x in head_map([r.heads for r in p_ranks], [r.heads for r in d_ranks])]
             descs = [(i, j, piece_descs(h, ours[i], self.own.layout, local, theirs[j],
-                                        peer.layout, remote, layers)) for i, j, h in pieces]
+                                        peer.layout, remote, layers)) for (i, j), h in pieces]
         except (IndexError, ValueError) as e:
             raise TransferPostError(f"{op} not posted: {e}") from None
         if ready is not None:  # CUDA: the layers' KV is in memory once this fires
