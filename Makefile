@@ -13,7 +13,7 @@ export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: venv model demo test test-all test-faults test-membership fuzz soak lint bench-engine \
+.PHONY: venv model demo test test-slow test-all test-faults test-membership fuzz soak lint bench-engine \
 	gpu-wheels gpu-check gpu-check-dry clean
 
 venv: $(STAMP)
@@ -35,12 +35,21 @@ model: venv
 demo: model
 	$(PY) scripts/demo.py
 
-## The default test run (what CI runs): lint (ruff, the import contracts) + tests not
-## marked slow.
+## The default test run (what CI runs): lint (ruff, the import contracts) + the tests not
+## marked slow or faults, on TEST_WORKERS pytest-xdist workers (the modules that share a
+## cluster stay on one worker: --dist loadgroup), naming the 25 slowest tests at the end.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --durations=25
 test: venv
 	$(VENV)/bin/ruff check .
 	$(LINT_IMPORTS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_PARALLEL)
+
+## The slow tier (CONTRIBUTING.md, "Test tiers"): the other variants of the cluster
+## matrix (TP pairs, HTTP legs, `kvpush up` variants), end-to-end benchmark runs, the big
+## fuzz budgets, the soak test.
+test-slow: venv
+	$(PY) -m pytest -q -m slow $(PYTEST_PARALLEL)
 
 ## The property tests with new random examples each run (`make test` replays fixed ones
 ## so that CI is deterministic); run it now and then, and before a release.

@@ -54,3 +54,23 @@ def tiny_llama(model_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(model_factory) -> Path:
     return model_factory("qwen3")
+
+
+@pytest.fixture(scope="session")
+def fake_model(tmp_path_factory) -> tuple:
+    """(EngineConfig, tokenizer) of the fake engine's tiny model (no weights; 128 tokens
+    long): what the tests of the HTTP front, the router and the bounds run on."""
+    from fake_engine import make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("fake-model") / "tiny", max_model_len=128)
+
+
+@pytest.fixture(scope="session")
+def router_cluster(tiny_llama, tmp_path_factory):
+    """The router tests' shared instances (router_helpers.RouterCluster), started once per
+    session (per xdist worker: the modules using it share the ``router_cluster`` group)."""
+    from router_helpers import start_router_cluster
+
+    cluster = start_router_cluster(tiny_llama, tmp_path_factory.mktemp("router-cluster"))
+    yield cluster
+    cluster.stop()

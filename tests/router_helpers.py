@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from kvpush.discovery.instance_spec import parse_instance
 from kvpush.router.app import Router, build_app
 from kvpush.router.config import RouterConfig
 from server_helpers import ServerProcess
+from waits import wait_until
 
 
 class Instance:
@@ -114,6 +116,48 @@ def start_instances(model_dir: Path, specs: list[tuple[str, tuple[str, ...]]],
     return out
 
 
+#: KV flags of the shared router cluster, and its short leases (fault tests kill members)
+CLUSTER_KV = ("--block-size", "16", "--num-blocks", "256")
+CLUSTER_FAULTY = ("--lease-timeout", "2", "--heartbeat-interval", "0.2")
+
+
+@dataclass
+class RouterCluster:
+    """The instances the router tests share (the ``router_cluster`` fixture): a single
+    role=both instance (the reference, and the colocated mode's), a push 2P2D cluster
+    with short leases (fault tests kill and restart its members), a pull 1P1D pair."""
+
+    single: Instance
+    push_p: list[Instance]
+    push_d: list[Instance]
+    pull_p: Instance
+    pull_d: Instance
+
+    def all(self) -> list[Instance]:
+        return [self.single, *self.push_p, *self.push_d, self.pull_p, self.pull_d]
+
+    def wait_all_free(self, timeout: float = 20.0) -> None:
+        """Every instance's free-block count back at its total (a test leaves the cluster
+        as it found it)."""
+        for inst in self.all():
+            inst.wait_all_free(timeout)
+
+    def stop(self) -> None:
+        for inst in self.all():
+            inst.stop()
+
+
+def start_router_cluster(model_dir: Path, log_dir: Path) -> RouterCluster:
+    push = ("--kv-transfer", "push", *CLUSTER_KV, *CLUSTER_FAULTY)
+    pull = ("--kv-transfer", "pull", *CLUSTER_KV, *CLUSTER_FAULTY)
+    specs = [("single", CLUSTER_KV),
+             ("P0", ("--role", "prefill", *push)), ("P1", ("--role", "prefill", *push)),
+             ("D0", ("--role", "decode", *push)), ("D1", ("--role", "decode", *push)),
+             ("pullP", ("--role", "prefill", *pull)), ("pullD", ("--role", "decode", *pull))]
+    insts = start_instances(model_dir, specs, log_dir)
+    return RouterCluster(insts[0], insts[1:3], insts[3:5], insts[5], insts[6])
+
+
 def cluster_secret() -> bytes:
     """The secret of the tests' instances and routers (server_helpers)."""
     return os.environ.get("KVPUSH_KV_SECRET", server_helpers.TEST_KV_SECRET).encode()
@@ -196,14 +240,6 @@ def thread_stack(thread: threading.Thread, loop: Any = None) -> str:
         for t in tasks:
             lines.append(f"pending: {t!r}\n")
     return "".join(lines)
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not in {timeout} s: {what or cond}")
-        time.sleep(0.05)
 
 
 def stream(client: httpx.Client, url: str, body: dict, chat: bool = False,

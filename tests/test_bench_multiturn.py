@@ -319,6 +319,7 @@ def test_compare_summary_has_per_turn_figures_and_ratios():
     assert "2 conversations of 2 turns" in md and "| push | inf | 2+ | 2 |" in md
 
 
+@pytest.mark.slow
 def test_compare_multi_turn_end_to_end_1p2d(tiny_llama, tmp_path):
     """pull and push, one prefill and two decode instances each, 2 conversations x 2
     turns on the tiny model: a summary with per-turn ratios, every process stopped."""

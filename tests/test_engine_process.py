@@ -102,7 +102,9 @@ def test_core_killed_mid_stream(tiny_llama, tmp_path):
         srv.stop()
 
 
-@pytest.mark.parametrize("how", ["sigterm", "ctrl-c", "group-sigterm"])
+@pytest.mark.parametrize("how", [pytest.param("sigterm", marks=pytest.mark.slow),
+                                 pytest.param("ctrl-c", marks=pytest.mark.slow),
+                                 "group-sigterm"])
 def test_signals_stop_both_processes(tiny_llama, tmp_path, how):
     """SIGTERM to the server, SIGINT to its process group (Ctrl-C in a terminal), or
     SIGTERM to the group (`kvpush up`'s stop, systemd: the core gets it too and may be

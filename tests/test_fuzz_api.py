@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.python import asgi as st_asgi
 
-from fake_engine import FakeEngine, make_test_model
+from fake_engine import FakeEngine
 from kvpush.discovery.instance_spec import parse_instance
 from kvpush.router.app import Router
 from kvpush.router.app import build_app as build_router_app
@@ -84,13 +84,9 @@ def fuzz(schema: Any, send, examples: int, skip: tuple[str, ...] = ()) -> int:
 
 # ---- instance on the fake engine, in-process ---------------------------------------------
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    return make_test_model(tmp_path_factory.mktemp("fuzz") / "tiny", max_model_len=128)
 
-
-def _fuzz_fake_instance(model, examples: int) -> None:
-    engine = FakeEngine(*model, token_delay=0)
+def _fuzz_fake_instance(fake_model, examples: int) -> None:
+    engine = FakeEngine(*fake_model, token_delay=0)
     app = build_app(engine, api_key=KEY)
     schema = schemathesis.openapi.from_asgi("/openapi.json", app, headers=AUTH)
     paths = {r.ok().path for r in schema.get_all_operations()}
@@ -118,13 +114,13 @@ def _wait_engine_idle(engine: FakeEngine, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_fuzz_instance_fake_engine(model):
-    _fuzz_fake_instance(model, budget(40))
+def test_fuzz_instance_fake_engine(fake_model):
+    _fuzz_fake_instance(fake_model, budget(40))
 
 
 @pytest.mark.slow
-def test_fuzz_instance_fake_engine_big(model):
-    _fuzz_fake_instance(model, budget(600))
+def test_fuzz_instance_fake_engine_big(fake_model):
+    _fuzz_fake_instance(fake_model, budget(600))
 
 
 # ---- router (colocated) over a fake-engine instance served by uvicorn ---------------------
@@ -141,8 +137,8 @@ UNENCODABLE = (b'{"prompt": "x", "max_tokens": 2, "temperature": 1e999}',
                b'{"prompt": "x", "max_tokens": 2, "logit_bias": {"\\ud800": 1}}')
 
 
-def _fuzz_router(model, examples: int) -> None:
-    engine = FakeEngine(*model, token_delay=0)
+def _fuzz_router(fake_model, examples: int) -> None:
+    engine = FakeEngine(*fake_model, token_delay=0)
     with uvicorn_server(build_app(engine, api_key=KEY)) as url:
         cfg = RouterConfig(mode="colocated", prefill=(), decode=(parse_instance(url),),
                            api_key=KEY, startup_timeout_s=10, request_timeout_s=30)
@@ -171,13 +167,13 @@ def _fuzz_router(model, examples: int) -> None:
         _wait_engine_idle(engine)
 
 
-def test_fuzz_router_colocated(model):
-    _fuzz_router(model, budget(30))
+def test_fuzz_router_colocated(fake_model):
+    _fuzz_router(fake_model, budget(30))
 
 
 @pytest.mark.slow
-def test_fuzz_router_colocated_big(model):
-    _fuzz_router(model, budget(400))
+def test_fuzz_router_colocated_big(fake_model):
+    _fuzz_router(fake_model, budget(400))
 
 
 # ---- a real `kvpush serve` ------------------------------------------------------------------

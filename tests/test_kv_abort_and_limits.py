@@ -9,12 +9,11 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import httpx
 import pytest
 
-from fake_engine import FakeEngine, make_test_model
+from fake_engine import FakeEngine
 from kvpush.config import KVTransferConfig
 from kvpush.crypto.auth import ParamsSigner
 from kvpush.server.app import build_app
@@ -29,10 +28,6 @@ ENGINE_ID = "prefill-abc123"
 def anyio_backend() -> str:
     return "asyncio"
 
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    return make_test_model(tmp_path_factory.mktemp("model") / "tiny", max_model_len=128)
 
 
 class PrefillFake(FakeEngine):
@@ -70,8 +65,8 @@ def assert_openai_error(r: httpx.Response, status: int, code: str | None = None)
 
 
 @pytest.mark.anyio
-async def test_kv_abort_takes_only_the_routers_signed_abort(model):
-    engine = PrefillFake(*model, secret=SECRET)
+async def test_kv_abort_takes_only_the_routers_signed_abort(fake_model):
+    engine = PrefillFake(*fake_model, secret=SECRET)
     signer = ParamsSigner(SECRET)
     async with running(build_app(engine)) as client:
         # unsigned (any API-key holder used to release any transfer)
@@ -100,8 +95,8 @@ async def test_kv_abort_takes_only_the_routers_signed_abort(model):
 
 
 @pytest.mark.anyio
-async def test_kv_abort_bodies_are_bounded_and_never_a_500(model):
-    engine = PrefillFake(*model, secret=None)  # --insecure-kv-params: unsigned accepted
+async def test_kv_abort_bodies_are_bounded_and_never_a_500(fake_model):
+    engine = PrefillFake(*fake_model, secret=None)  # --insecure-kv-params: unsigned accepted
     async with running(build_app(engine)) as client:
         r = await client.post("/kv/abort", content=b"[" * 100_000 + b"]" * 100_000,
                               headers={"content-type": "application/json"})
@@ -120,8 +115,8 @@ async def test_kv_abort_bodies_are_bounded_and_never_a_500(model):
 
 
 @pytest.mark.anyio
-async def test_an_instances_413_is_openai_json(model):
-    engine = FakeEngine(*model)
+async def test_an_instances_413_is_openai_json(fake_model):
+    engine = FakeEngine(*fake_model)
     async with running(build_app(engine, max_body_bytes=1000)) as client:
         r = await client.post("/v1/completions", json={"prompt": "x" * 2000})
         assert_openai_error(r, 413, "request_too_large")
@@ -158,11 +153,11 @@ def _answer_within(url: str, head: bytes, first: bytes, seconds: float) -> bytes
         return got
 
 
-def test_kv_abort_stops_reading_a_body_over_its_cap(model):
+def test_kv_abort_stops_reading_a_body_over_its_cap(fake_model):
     """A /kv/abort body is refused (413, OpenAI's shape) as soon as more than the 4 KiB
     cap arrived, without waiting for the rest: on old main the instance read the whole
     body (up to the 32 MiB instance limit) first, so this unfinished one got no answer."""
-    engine = PrefillFake(*model, secret=None)
+    engine = PrefillFake(*fake_model, secret=None)
     with uvicorn_server(build_app(engine)) as url:
         chunk = b" " * (MAX_ABORT_BODY_BYTES + 100)
         head = (b"POST /kv/abort HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\n"

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from kvpush.discovery.instance_spec import parse_instance
@@ -43,6 +43,7 @@ from kvpush.router.decide import (
 from kvpush.router.kv_index import BatchResult, InstanceIndex, KVIndex, Snapshot
 from kvpush.router.pool import Pool
 from router_helpers import metric_value, wait_until
+from stand_in import push_kv_info, stand_in
 
 BS = 4  # block size of the fake instances
 
@@ -322,19 +323,10 @@ class FakeInstance:
         self.cannot_serve = False
         #: answer /v1/models 503 (an instance not ready to name its model)
         self.models_fail = False
-        app = FastAPI()
-
-        @app.get("/health")
-        async def health() -> Any:
-            return {"status": "ok"}
-
-        @app.get("/kv/info")
-        async def kv_info() -> Any:
-            return {"engine_id": self.pub.engine_id, "role": role, "kv_transfer": "push",
-                    "side_channel_host": "127.0.0.1", "side_channel_port": 9,
-                    "block_size": BS, "num_free_blocks": 10, "num_total_blocks": 10,
-                    "max_model_len": 128,
-                    "kv_events": {"endpoint": self.pub.endpoint, "block_size": BS}}
+        app = stand_in(lambda: push_kv_info(  # the publisher's identity changes at a restart
+            role, self.pub.engine_id, 9, block_size=BS, num_free_blocks=10,
+            num_total_blocks=10, max_model_len=128,
+            kv_events={"endpoint": self.pub.endpoint, "block_size": BS}))
 
         @app.get("/kv/cache_blocks")
         async def cache_blocks() -> Any:

@@ -22,6 +22,7 @@ import pytest
 from etcd_helpers import EtcdServer, require_etcd
 from kvpush.discovery.target import parse_target
 from router_helpers import Instance, RouterThread, signed, start_instances, wait_until
+from stand_in import stand_in
 
 require_etcd()  # skips the module, saying why, where no etcd binary can be had
 
@@ -371,8 +372,8 @@ def test_a_fake_copying_a_real_instance_is_never_admitted(etcd, base):
     challenge to the real decode (issue 53.1): given on the router's command line or by
     a card (signed, naming the fake's URL with the real identity), it never gets into
     rotation, never sees the router's API key, never receives a prompt."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response
+    from fastapi import Request
+    from fastapi.responses import Response
 
     from kvpush.discovery.card import card_from_info, encode
     from server_helpers import uvicorn_server
@@ -380,20 +381,12 @@ def test_a_fake_copying_a_real_instance_is_never_admitted(etcd, base):
     p0, d1 = base.prefill, base.decode
     info = d1.get("/kv/info")
     seen: list[tuple[str, str | None]] = []
-    app = FastAPI()
+    app = stand_in(info)
 
     @app.middleware("http")
     async def record(request: Request, call_next):  # noqa: ANN001, ANN202
         seen.append((request.url.path, request.headers.get("authorization")))
         return await call_next(request)
-
-    @app.get("/health")
-    async def health() -> Response:
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/kv/info")
-    async def kv_info() -> Response:
-        return JSONResponse(info)
 
     @app.post("/kv/prove")
     async def relay(request: Request) -> Response:  # the real decode refuses the URL

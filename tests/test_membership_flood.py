@@ -26,6 +26,7 @@ from kvpush.discovery.card import Card, encode
 from kvpush.discovery.target import parse_target
 from router_helpers import RouterThread, signed, wait_until
 from server_helpers import uvicorn_server
+from stand_in import stand_in
 
 require_etcd()
 
@@ -38,11 +39,7 @@ HEALTH_BOUND_S = 1.0
 
 def backend() -> FastAPI:
     """A colocated instance without /kv/info (taken on the operator's word)."""
-    app = FastAPI()
-
-    @app.get("/health")
-    async def health() -> Response:
-        return JSONResponse({"status": "ok"})
+    app = stand_in()
 
     @app.post("/v1/completions")
     async def completions() -> Response:

@@ -72,7 +72,7 @@ async def _two_legs(p_url, d_url, p_info, d_info, prompt, mode, stream, **extra)
         return d_out
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("mode", ["push", pytest.param("pull", marks=pytest.mark.slow)])
 def test_pd_over_http_equals_single(tiny_llama, single, tmp_path, mode):
     common = ["--block-size", "16", "--num-blocks", "256", "--kv-transfer", mode]
     p = ServerProcess(tiny_llama, "--role", "prefill", *common, log_dir=tmp_path, name="P")

@@ -37,8 +37,11 @@ def _done(d, rids):
         r in o and o[r]["done"] for r in rids) and o)
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
-@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("mode, p_tp, d_tp", [
+    ("push", 2, 1), ("pull", 1, 2),
+    # the slow tier (make test-slow) holds the other two pairings
+    pytest.param("push", 1, 2, marks=pytest.mark.slow),
+    pytest.param("pull", 2, 1, marks=pytest.mark.slow)])
 def test_different_tp_equals_tp1(tiny_llama, mode, p_tp, d_tp):
     ctx = mp.get_context("spawn")
     edges = random_prompts([BS - 1, BS, BS + 1, 3 * BS - 1, 3 * BS, 3 * BS + 1], seed=52)

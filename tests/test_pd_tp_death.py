@@ -67,7 +67,7 @@ def _wait(cond, what, timeout: float = 20.0) -> None:
         time.sleep(0.005)
 
 
-@pytest.mark.parametrize("dying", ["prefill", "decode"])
+@pytest.mark.parametrize("dying", [pytest.param("prefill", marks=pytest.mark.slow), "decode"])
 def test_rank_killed_during_a_push(tiny_llama, tmp_path, dying):
     tp = {role: ("-tp", "2" if role == dying else "1") for role in ("prefill", "decode")}
     # prefill at TP 1 computes the prompt too fast to catch it: its WRITEs' completions

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fake_engine import FakeEngine, make_test_model
+from fake_engine import FakeEngine
 from kvpush.config import KVTransferConfig
 from kvpush.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
@@ -47,10 +47,6 @@ CHAT = "/v1/chat/completions"
 #: behind 200,000 chat messages before the fix; a healthy answer takes milliseconds)
 HEALTH_BOUND_S = 1.0
 
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    return make_test_model(tmp_path_factory.mktemp("model") / "tiny", max_model_len=128)
 
 
 def assert_error(r: httpx.Response, status: int, param: str | None = None,
@@ -107,11 +103,11 @@ class HealthProbe:
 
 # ---- finding 5: the event loop ------------------------------------------------------
 
-def test_many_messages_do_not_block_health(model: tuple[Any, Any]) -> None:
+def test_many_messages_do_not_block_health(fake_model: tuple[Any, Any]) -> None:
     """200,000 empty chat messages (6.6 MB) are refused with a 400 naming the cap, and
     /health keeps answering meanwhile; a chat within the cap with many small messages is
     rendered and tokenized on a worker thread, not on the event loop."""
-    engine = FakeEngine(*model)
+    engine = FakeEngine(*fake_model)
     rendered_on: list[str] = []
     real_apply = engine.tokenizer.apply_chat_template
 
@@ -145,11 +141,11 @@ def test_many_messages_do_not_block_health(model: tuple[Any, Any]) -> None:
     assert engine.free_blocks == engine.num_blocks
 
 
-def test_stop_token_ids_capped_and_kept_as_a_frozenset(model: tuple[Any, Any]) -> None:
+def test_stop_token_ids_capped_and_kept_as_a_frozenset(fake_model: tuple[Any, Any]) -> None:
     """stop_token_ids beyond the cap are a 400 (so are too many or too long stop strings
     and too many logit_bias entries); within it the engine gets a frozenset, whose
     per-token check costs the same however many ids there are."""
-    engine = FakeEngine(*model)
+    engine = FakeEngine(*fake_model)
     vocab = engine.config.model.vocab_size
     with uvicorn_server(build_app(engine)) as url, httpx.Client(timeout=60) as client:
         def post(**fields: Any) -> httpx.Response:
@@ -189,20 +185,20 @@ def test_stop_token_ids_capped_and_kept_as_a_frozenset(model: tuple[Any, Any]) -
 
 # ---- finding 8 (the instance's half): a bound on waiting requests ----------------------
 
-def _engine_for(model: tuple[Any, Any], role: str = "both", mode: str = "push"
+def _engine_for(fake_model: tuple[Any, Any], role: str = "both", mode: str = "push"
                 ) -> FakeEngine:
-    config, tokenizer = model
+    config, tokenizer = fake_model
     config = dataclasses.replace(config, kv_transfer=KVTransferConfig(role=role, mode=mode))
     # no first token for 60 s unless aborted: requests stay "waiting" until the test ends
     return FakeEngine(config, tokenizer, token_delay=60.0)
 
 
-def test_waiting_bound_answers_429(model: tuple[Any, Any]) -> None:
+def test_waiting_bound_answers_429(fake_model: tuple[Any, Any]) -> None:
     """With --max-waiting-requests 2 and two requests waiting for their first token, a
     third is refused at once with a 429 in OpenAI's shape (Retry-After, counted in
     /metrics); once the two are gone every block is free and requests are admitted."""
     assert admission.DEFAULT_MAX_WAITING_REQUESTS == DEFAULT_MAX_WAITING_REQUESTS
-    engine = _engine_for(model)
+    engine = _engine_for(fake_model)
     body = {"prompt": "hello world", "max_tokens": 4}
 
     async def run(url: str) -> None:
@@ -254,11 +250,11 @@ def test_waiting_bound_answers_429(model: tuple[Any, Any]) -> None:
                         "remote_host": "127.0.0.1", "remote_port": 9,
                         "remote_block_ids": [0]}),
 ])
-def test_second_leg_of_a_pair_is_admitted_over_the_bound(model: tuple[Any, Any], role: str,
+def test_second_leg_of_a_pair_is_admitted_over_the_bound(fake_model: tuple[Any, Any], role: str,
                                                          mode: str, kv: dict) -> None:
     """A push prefill leg (decode holds blocks for it) and a pull decode leg (prefill
     lent it blocks) are admitted over the bound; a plain request is refused."""
-    engine = _engine_for(model, role, mode)
+    engine = _engine_for(fake_model, role, mode)
     body = {"prompt": "hello world", "max_tokens": 1}
 
     async def run(url: str) -> None:

@@ -1,10 +1,11 @@
 """`kvpush router` over real `kvpush serve` processes (tiny random Llama, greedy).
 
-One set of instances for the module, started at once: a single role=both instance (the
-reference, and the colocated mode's instance), a push 2P2D cluster with short leases
-(the fault tests kill and restart its members), and a pull 1P1D pair. Routers run
-in-process (uvicorn in a thread) but for the CLI tests. Every wait is bounded; every
-process and thread started here is stopped here.
+The instances are the session's shared ``router_cluster`` (router_helpers.RouterCluster,
+shared with test_router_cores.py): a single role=both instance (the reference, and the
+colocated mode's instance), a push 2P2D cluster with short leases (the fault tests kill
+and restart its members), and a pull 1P1D pair; each test leaves every free-block count
+as it found it. Routers run in-process (uvicorn in a thread) but for the CLI tests.
+Every wait is bounded; every process and thread started here is stopped here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -31,6 +31,7 @@ from router_helpers import (
     CHATS,
     PROMPTS,
     Instance,
+    RouterCluster,
     RouterThread,
     answer_text,
     body,
@@ -38,50 +39,24 @@ from router_helpers import (
     metric_value,
     reference_answers,
     sse_text,
-    start_instances,
     stream,
     wait_until,
 )
 from server_helpers import free_port
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("router_cluster")]
 
-KV = ("--block-size", "16", "--num-blocks", "256")
-FAULTY = ("--lease-timeout", "2", "--heartbeat-interval", "0.2")
-
-
-@dataclass
-class Cluster:
-    single: Instance
-    push_p: list[Instance]
-    push_d: list[Instance]
-    pull_p: Instance
-    pull_d: Instance
-
-    def all(self) -> list[Instance]:
-        return [self.single, *self.push_p, *self.push_d, self.pull_p, self.pull_d]
+@pytest.fixture
+def cluster(router_cluster: RouterCluster) -> Iterator[RouterCluster]:
+    """The shared instances; each test leaves every free-block count as it found it."""
+    yield router_cluster
+    router_cluster.wait_all_free()
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama, tmp_path_factory) -> Iterator[Cluster]:
-    log_dir = tmp_path_factory.mktemp("router-logs")
-    push = ("--kv-transfer", "push", *KV, *FAULTY)
-    pull = ("--kv-transfer", "pull", *KV, *FAULTY)
-    specs = [("single", KV),
-             ("P0", ("--role", "prefill", *push)), ("P1", ("--role", "prefill", *push)),
-             ("D0", ("--role", "decode", *push)), ("D1", ("--role", "decode", *push)),
-             ("pullP", ("--role", "prefill", *pull)), ("pullD", ("--role", "decode", *pull))]
-    insts = start_instances(tiny_llama, specs, log_dir)
-    c = Cluster(insts[0], insts[1:3], insts[3:5], insts[5], insts[6])
-    yield c
-    for inst in c.all():
-        inst.stop()
-
-
-@pytest.fixture(scope="module")
-def refs(cluster) -> dict:
+def refs(router_cluster: RouterCluster) -> dict:
     """Greedy answers of the single instance: refs[("completion"|"chat", i)] -> text."""
-    return reference_answers(cluster.single.url)
+    return reference_answers(router_cluster.single.url)
 
 
 _body, _chat = body, chat_body
@@ -385,7 +360,7 @@ def _served(rt: RouterThread, inst: Instance) -> float:
     return _state(rt, inst.url)["requests"]
 
 
-def _kill_during_traffic(cluster: Cluster, refs: dict, victim: Instance,
+def _kill_during_traffic(cluster: RouterCluster, refs: dict, victim: Instance,
                          noticed_by: str) -> None:
     """SIGKILL ``victim`` (a member of the push 2P2D cluster) under traffic: in-flight
     requests end (answer or clear 5xx) within bounds, later ones go to the others, blocks

@@ -17,8 +17,11 @@ import pytest
 
 from router_helpers import (
     CHATS,
+    CLUSTER_FAULTY,
+    CLUSTER_KV,
     PROMPTS,
     Instance,
+    RouterCluster,
     RouterThread,
     answer_text,
     body,
@@ -30,28 +33,20 @@ from router_helpers import (
     wait_until,
 )
 
-KV = ("--block-size", "16", "--num-blocks", "256")
-FAULTY = ("--lease-timeout", "2", "--heartbeat-interval", "0.2")
+pytestmark = pytest.mark.xdist_group("router_cluster")
+
+
+@pytest.fixture
+def cluster(router_cluster: RouterCluster) -> Iterator[RouterCluster]:
+    """The router tests' shared instances (its push pair: the first of each role);
+    each test leaves every free-block count as it found it."""
+    yield router_cluster
+    router_cluster.wait_all_free()
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama, tmp_path_factory) -> Iterator[dict[str, Instance]]:
-    log_dir = tmp_path_factory.mktemp("router-cores-logs")
-    push = ("--kv-transfer", "push", *KV, *FAULTY)
-    pull = ("--kv-transfer", "pull", *KV, *FAULTY)
-    specs = [("single", KV),
-             ("P", ("--role", "prefill", *push)), ("D", ("--role", "decode", *push)),
-             ("pullP", ("--role", "prefill", *pull)), ("pullD", ("--role", "decode", *pull))]
-    insts = dict(zip([s[0] for s in specs], start_instances(tiny_llama, specs, log_dir),
-                     strict=True))
-    yield insts
-    for inst in insts.values():
-        inst.stop()
-
-
-@pytest.fixture(scope="module")
-def refs(cluster) -> dict:
-    return reference_answers(cluster["single"].url)
+def refs(router_cluster: RouterCluster) -> dict:
+    return reference_answers(router_cluster.single.url)
 
 
 _body, _chat = body, chat_body
@@ -78,8 +73,8 @@ def _api_requests(inst: Instance) -> float:
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_outputs_over_the_cores_equal_single_instance(cluster, refs, tiny_llama, mode):
-    p, d = (cluster["P"], cluster["D"]) if mode == "push" else (cluster["pullP"],
-                                                                  cluster["pullD"])
+    p, d = ((cluster.push_p[0], cluster.push_d[0]) if mode == "push"
+            else (cluster.pull_p, cluster.pull_d))
     rt = _router(mode, p, d, str(tiny_llama))
     try:
         before = _api_requests(p) + _api_requests(d)
@@ -131,7 +126,7 @@ def test_outputs_over_the_cores_equal_single_instance(cluster, refs, tiny_llama,
 
 
 def test_router_gone_mid_stream_frees_every_block(cluster, tiny_llama):
-    p, d = cluster["P"], cluster["D"]
+    p, d = cluster.push_p[0], cluster.push_d[0]
     rt = _router("push", p, d, str(tiny_llama))
     stopped = False
     try:
@@ -150,7 +145,7 @@ def test_router_gone_mid_stream_frees_every_block(cluster, tiny_llama):
 
 
 def test_decode_core_killed_mid_stream_ends_the_stream_with_an_error(tiny_llama, tmp_path):
-    push = ("--kv-transfer", "push", *KV, *FAULTY)
+    push = ("--kv-transfer", "push", *CLUSTER_KV, *CLUSTER_FAULTY)
     p, d = start_instances(tiny_llama, [("P2", ("--role", "prefill", *push)),
                                         ("D2", ("--role", "decode", *push))], tmp_path)
     rt = None
@@ -187,7 +182,7 @@ def test_chats_over_the_cores_use_the_instances_chat_template(tiny_llama, tmp_pa
     """An instance's --chat-template is in its /kv/info, and a router in front of its
     engine core renders chats with it: the same prompt and answer as the instance's own
     API gives, where the model's template gives another prompt."""
-    [inst] = start_instances(tiny_llama, [("tmpl", (*KV, "--chat-template", TEMPLATE))],
+    [inst] = start_instances(tiny_llama, [("tmpl", (*CLUSTER_KV, "--chat-template", TEMPLATE))],
                              tmp_path)
     rt = None
     try:

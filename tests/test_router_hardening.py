@@ -29,10 +29,11 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from fake_engine import FakeEngine, make_test_model
+from fake_engine import FakeEngine
 from kvpush.server.app import MAX_BODY_BYTES, build_app
 from router_helpers import RouterThread, metric_value, wait_until
 from server_helpers import ServerProcess, free_port, uvicorn_server
+from stand_in import push_kv_info, stand_in
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,10 +46,6 @@ def _openai_error(r: httpx.Response) -> dict:
     assert {"type", "param", "code"} <= err.keys(), err
     return err
 
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    return make_test_model(tmp_path_factory.mktemp("hardening") / "tiny", max_model_len=128)
 
 
 def _wait_engine_idle(engine: FakeEngine, timeout: float = 10.0) -> None:
@@ -74,12 +71,12 @@ UNENCODABLE = [
 ]
 
 
-def test_bad_input_is_a_4xx_in_openai_shape(model):
+def test_bad_input_is_a_4xx_in_openai_shape(fake_model):
     """1e999, lone surrogates (in a prompt, a stop string, a chat message), a body nested
     too deeply and a body over 32 MiB: the router answers 400 / 413 in OpenAI's shape
     (it answered 500, and a text/plain 413), as the instance itself does; the instance is
     never bothered, and the router serves the next request."""
-    engine = FakeEngine(*model, token_delay=0)
+    engine = FakeEngine(*fake_model, token_delay=0)
     with uvicorn_server(build_app(engine)) as inst_url:
         rt = RouterThread("colocated", [], [inst_url], kv_secret=None)
         try:
@@ -120,17 +117,7 @@ def scripted_instance(role: str, kv_transfer: str, engine_id: str, side_port: in
                       script: dict[str, str]) -> FastAPI:
     """A stand-in instance whose /v1/completions answers per ``script["answer"]`` with
     the kinds of errors a real one gives under faults, each naming internals."""
-    app = FastAPI()
-
-    @app.get("/health")
-    async def health() -> Response:
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/kv/info")
-    async def kv_info() -> Response:
-        return JSONResponse({"engine_id": engine_id, "role": role, "kv_transfer": kv_transfer,
-                             "side_channel_host": "127.0.0.1",
-                             "side_channel_port": side_port})
+    app = stand_in(push_kv_info(role, engine_id, side_port, kv_transfer))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -349,11 +336,11 @@ def test_frozen_decode_ends_its_legs_within_seconds(tiny_llama, tmp_path):
 # ------------------------------------------------------------------ finding 8: bounded
 
 
-def test_requests_beyond_the_bound_get_429(model):
+def test_requests_beyond_the_bound_get_429(fake_model):
     """With --max-outstanding-requests 2 and two streams open, a third request is a 429
     with Retry-After in OpenAI's shape, at once and without reaching the instance;
     counted in /metrics; once the streams are over the router takes requests again."""
-    engine = FakeEngine(*model, token_delay=0.05)
+    engine = FakeEngine(*fake_model, token_delay=0.05)
     body = {"prompt": "one two three", "max_tokens": 60, "ignore_eos": True, "stream": True}
     with uvicorn_server(build_app(engine)) as inst_url:
         rt = RouterThread("colocated", [], [inst_url], max_outstanding_requests=2,

@@ -19,11 +19,12 @@ from contextlib import contextmanager
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from kvpush.router.wire import ErrorFrames, FrameTooLong
 from router_helpers import RouterThread
 from server_helpers import free_port, uvicorn_server
+from stand_in import push_kv_info, stand_in
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,17 +37,7 @@ def endless_instance(role: str, kv_transfer: str, total: int) -> FastAPI:
     ``total`` bytes without a frame end; a non-streaming answer of ``total`` bytes
     (chunked, no Content-Length), /v1/models too; with ``user: declared``, an answer
     whose Content-Length says ``total``."""
-    app = FastAPI()
-
-    @app.get("/health")
-    async def health() -> Response:
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/kv/info")
-    async def kv_info() -> Response:
-        return JSONResponse({"engine_id": f"{role}-1234abcd", "role": role,
-                             "kv_transfer": kv_transfer, "side_channel_host": "127.0.0.1",
-                             "side_channel_port": free_port()})
+    app = stand_in(push_kv_info(role, f"{role}-1234abcd", free_port(), kv_transfer))
 
     block = b"x" * (64 << 10)
 

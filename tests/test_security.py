@@ -8,12 +8,11 @@ import argparse
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from fake_engine import FakeEngine, make_test_model
+from fake_engine import FakeEngine
 from kvpush.cluster import cli as up_cli
 from kvpush.config import KVTransferConfig
 from kvpush.crypto.auth import ParamsSigner
@@ -46,10 +45,6 @@ SECRET = "cluster-secret-0123456789abcdef"
 def anyio_backend() -> str:
     return "asyncio"
 
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    return make_test_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 # ---- pieces ---------------------------------------------------------------------------
@@ -159,8 +154,8 @@ PROTECTED = [("GET", "/v1/models"), ("GET", "/kv/info"),
 
 
 @pytest.mark.anyio
-async def test_instance_api_key(model):
-    engine = FakeEngine(*model)
+async def test_instance_api_key(fake_model):
+    engine = FakeEngine(*fake_model)
     app = build_app(engine, api_key=KEY, admin_key=ADMIN)
     good = {"Authorization": f"Bearer {KEY}"}
     async for c in _client(app):
@@ -192,10 +187,10 @@ async def test_instance_api_key(model):
 
 
 @pytest.mark.anyio
-async def test_instance_operator_views_are_closed_to_api_keys(model):
+async def test_instance_operator_views_are_closed_to_api_keys(fake_model):
     """An API key but no admin key: /metrics (what others found cached) is closed to
     every caller, API-key holders included; the API is not."""
-    app = build_app(FakeEngine(*model), api_key=KEY)
+    app = build_app(FakeEngine(*fake_model), api_key=KEY)
     good = {"Authorization": f"Bearer {KEY}"}
     async for c in _client(app):
         for headers in ({}, good, {"Authorization": "Bearer x"}):
@@ -207,8 +202,8 @@ async def test_instance_operator_views_are_closed_to_api_keys(model):
 
 
 @pytest.mark.anyio
-async def test_instance_without_key_stays_open(model):
-    app = build_app(FakeEngine(*model))
+async def test_instance_without_key_stays_open(fake_model):
+    app = build_app(FakeEngine(*fake_model))
     async for c in _client(app):
         assert (await c.get("/v1/models")).status_code == 200
         assert (await c.get("/metrics", headers={"Authorization": "Bearer x"})).status_code \

@@ -26,7 +26,6 @@ from fake_engine import (
     fake_logprob,
     fake_token,
     fake_top_logprobs,
-    make_test_model,
 )
 from kvpush.config import DEFAULT_BLOCK_SIZE
 from kvpush.errors import RequestError
@@ -35,6 +34,7 @@ from kvpush.server.app import build_app
 from kvpush.server.chat import INLINE_BODY_BYTES
 from kvpush.server.cli import add_serve_parser, build_config
 from server_helpers import uvicorn_server
+from waits import wait_until_async
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,20 +49,14 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    return make_test_model(tmp_path_factory.mktemp("model") / "tiny",
-                           max_model_len=MAX_MODEL_LEN)
+@pytest.fixture
+def tokenizer(fake_model: tuple[Any, Any]) -> Any:
+    return fake_model[1]
 
 
 @pytest.fixture
-def tokenizer(model: tuple[Any, Any]) -> Any:
-    return model[1]
-
-
-@pytest.fixture
-def engine(model: tuple[Any, Any]) -> FakeEngine:
-    return FakeEngine(*model)
+def engine(fake_model: tuple[Any, Any]) -> FakeEngine:
+    return FakeEngine(*fake_model)
 
 
 @contextlib.asynccontextmanager
@@ -74,13 +68,6 @@ async def running(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
             yield client
 
 
-async def wait_until(cond: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
-
-
 @pytest.fixture
 async def client(engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
     app = build_app(engine)
@@ -89,7 +76,8 @@ async def client(engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
         c.app = app  # type: ignore[attr-defined]
         yield c
         # no request may leak KV blocks, however it ended
-        await wait_until(lambda: engine.free_blocks == engine.num_blocks and not engine.active)
+        await wait_until_async(
+            lambda: engine.free_blocks == engine.num_blocks and not engine.active)
     assert engine.shut_down
 
 
@@ -579,7 +567,7 @@ async def test_engine_side_abort(client: httpx.AsyncClient, engine: FakeEngine) 
     engine.token_delay = 0.02
     task = asyncio.ensure_future(client.post(C, json={"prompt": "hi", "max_tokens": 100},
                                              headers={"X-Request-Id": "victim"}))
-    await wait_until(lambda: "victim" in engine.active)
+    await wait_until_async(lambda: "victim" in engine.active)
     await engine.abort("victim")
     r = await asyncio.wait_for(task, 5)
     assert r.status_code == 200
@@ -722,7 +710,7 @@ async def test_vllm_metrics(client: httpx.AsyncClient, engine: FakeEngine) -> No
     ntok = [u["completion_tokens"] for u in usage] + [5]
     nprompt = [u["prompt_tokens"] for u in usage] + [len(engine.requests[-1][1])]
     await client.post(C, json={"prompt": "hi", "max_tokens": 0})  # rejected: not counted
-    await wait_until(lambda: not engine.active)
+    await wait_until_async(lambda: not engine.active)
     text = (await client.get("/metrics")).text
     fams = {f.name: f for f in text_string_to_metric_families(text)
             if f.name.startswith("vllm:")}
@@ -766,7 +754,7 @@ async def test_kv_cache_usage_while_a_request_runs(client: httpx.AsyncClient,
 
     engine.token_delay = 0.05
     task = asyncio.create_task(client.post(C, json={"prompt": "hello", "max_tokens": 20}))
-    await wait_until(lambda: bool(engine.active))
+    await wait_until_async(lambda: bool(engine.active))
     text = (await client.get("/metrics")).text
     got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     used = engine.num_blocks - engine.free_blocks
@@ -776,8 +764,8 @@ async def test_kv_cache_usage_while_a_request_runs(client: httpx.AsyncClient,
 
 
 @pytest.mark.anyio
-async def test_two_apps_have_separate_metrics(model: tuple[Any, Any]) -> None:
-    e1, e2 = FakeEngine(*model), FakeEngine(*model)
+async def test_two_apps_have_separate_metrics(fake_model: tuple[Any, Any]) -> None:
+    e1, e2 = FakeEngine(*fake_model), FakeEngine(*fake_model)
     async with running(build_app(e1)) as c1, running(build_app(e2)) as c2:
         assert (await c1.post(C, json={"prompt": "hi", "max_tokens": 2})).status_code == 200
         m1, m2 = (await c1.get("/metrics")).text, (await c2.get("/metrics")).text
@@ -836,7 +824,7 @@ async def test_client_disconnect_aborts(engine: FakeEngine, stream: bool,
                         disconnect_after=None if stream else 0.1, disconnect_on_body=stream,
                         raise_on_send=raise_on_send, headers=[(b"x-request-id", b"gone-1")])
         assert time.monotonic() - t0 < 1.5
-        await wait_until(lambda: "gone-1" in engine.aborted)
+        await wait_until_async(lambda: "gone-1" in engine.aborted)
         assert engine.free_blocks == engine.num_blocks and not engine.active
         assert 'kvpush_requests_total{outcome="abort"} 1.0' in app.state.server.metrics.render(
             ).decode()
@@ -850,7 +838,7 @@ async def test_disconnect_while_waiting_for_first_token(engine: FakeEngine) -> N
         sent = await call_asgi(app, CHAT, {"messages": U, "stream": True},
                                disconnect_after=0.05, headers=[(b"x-request-id", b"early")])
         assert not any(m["type"] == "http.response.body" and m.get("body") for m in sent)
-        await wait_until(lambda: "early" in engine.aborted)
+        await wait_until_async(lambda: "early" in engine.aborted)
         assert engine.free_blocks == engine.num_blocks
 
 
@@ -866,10 +854,10 @@ def sync_wait(cond: Any, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def test_openai_client(model: tuple[Any, Any]) -> None:
+def test_openai_client(fake_model: tuple[Any, Any]) -> None:
     import openai
 
-    engine = FakeEngine(*model)
+    engine = FakeEngine(*fake_model)
     with uvicorn_server(build_app(engine)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
                                timeout=10)
@@ -912,8 +900,8 @@ def test_openai_client(model: tuple[Any, Any]) -> None:
     assert engine.shut_down and engine.free_blocks == engine.num_blocks
 
 
-def test_real_server_disconnects_abort(model: tuple[Any, Any]) -> None:
-    engine = FakeEngine(*model, token_delay=0.02)
+def test_real_server_disconnects_abort(fake_model: tuple[Any, Any]) -> None:
+    engine = FakeEngine(*fake_model, token_delay=0.02)
     with uvicorn_server(build_app(engine)) as url:
         body = {"prompt": "hello world", "max_tokens": 100, "stream": True}
         with httpx.Client(base_url=url, timeout=10) as http:
@@ -958,8 +946,8 @@ def test_cli_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert f"a power of two (default: {DEFAULT_BLOCK_SIZE})" in flat  # matches config.py
 
 
-def test_cli_build_config(model: tuple[Any, Any]) -> None:
-    path = Path(model[0].model.path)
+def test_cli_build_config(fake_model: tuple[Any, Any]) -> None:
+    path = Path(fake_model[0].model.path)
     args = serve_parser().parse_args([
         "serve", str(path), "--max-model-len", "64", "--block-size", "16",
         "--kv-cache-memory", "1MiB", "--no-prefix-caching", "--no-chunked-prefill",
@@ -983,9 +971,9 @@ def test_cli_build_config(model: tuple[Any, Any]) -> None:
     ["serve", "{model}", "--dtype", "int3"],
     ["serve", "{model}", "--max-model-len", "100000"],
 ])
-def test_cli_config_errors(argv: list[str], model: tuple[Any, Any],
+def test_cli_config_errors(argv: list[str], fake_model: tuple[Any, Any],
                            capsys: pytest.CaptureFixture[str]) -> None:
-    argv = [a.format(model=model[0].model.path) for a in argv]
+    argv = [a.format(model=fake_model[0].model.path) for a in argv]
     args = serve_parser().parse_args(argv)
     assert args.func(args) == 2
     err = capsys.readouterr().err
@@ -993,7 +981,7 @@ def test_cli_config_errors(argv: list[str], model: tuple[Any, Any],
 
 
 def test_cli_port_in_use_fails_before_loading_the_model(
-        model: tuple[Any, Any], capsys: pytest.CaptureFixture[str],
+        fake_model: tuple[Any, Any], capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A taken port is an error at once, not after the model has loaded (the socket is
     bound first), and its message says so in the words `kvpush up` looks for."""
@@ -1009,7 +997,7 @@ def test_cli_port_in_use_fails_before_loading_the_model(
         blocker.bind(("127.0.0.1", 0))
         blocker.listen()
         busy = blocker.getsockname()[1]
-        args = serve_parser().parse_args(["serve", model[0].model.path, "--host",
+        args = serve_parser().parse_args(["serve", fake_model[0].model.path, "--host",
                                           "127.0.0.1", "--port", str(busy)])
         assert args.func(args) == 2
     err = capsys.readouterr().err
@@ -1049,7 +1037,7 @@ def test_real_engine_end_to_end(tiny_llama: Path) -> None:
         def free() -> bool:
             s = engine.stats()
             return s.num_free_blocks == s.num_total_blocks and s.num_running == 0
-        await wait_until(free)
+        await wait_until_async(free)
 
     async def go() -> None:
         async with running(app) as client:

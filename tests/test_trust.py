@@ -66,7 +66,7 @@ def test_signer_accepts_only_its_own_fresh_grants_for_this_instance():
 
 # ---- real clusters --------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=["pull", "push"])
+@pytest.fixture(scope="module", params=[pytest.param("pull", marks=pytest.mark.slow), "push"])
 def cluster(request, tiny_llama, tmp_path_factory):
     mode = request.param
     log_dir = tmp_path_factory.mktemp(f"trust-{mode}")

@@ -34,6 +34,7 @@ from kvpush.cluster.launcher import (
     pid_alive,
 )
 from server_helpers import free_port
+from waits import wait_until
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")]
@@ -42,14 +43,6 @@ ENGINE = ("--block-size", "16", "--kv-cache-memory", "4MiB", "--max-model-len", 
           "--dtype", "float32")  # serve's auto would be bf16 on a bf16 CPU
 READY_S = 90.0  # two instances and a router on two busy cores
 STOP_S = 30.0
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.1)
 
 
 class Up:
@@ -179,6 +172,7 @@ def test_up_serves_and_stops_cleanly(tiny_llama, up_factory):
     _children_gone(up)
 
 
+@pytest.mark.slow
 def test_up_prefill_tp2_decode_tp1_serves_like_one_instance(tiny_llama, up_factory):
     """Issue 52 (points 1 and 4): `kvpush up --prefill-tp 2` in push mode starts a
     prefill of two ranks beside a decode of one; its router routes to them unchanged
@@ -402,6 +396,7 @@ def test_default_log_folders_are_pruned_to_the_newest_except_recent(tmp_path):
     assert up_cli.prune_log_dirs(tmp_path, keep=3) == []
 
 
+@pytest.mark.slow
 def test_a_child_whose_port_was_taken_starts_again_on_a_new_one(tiny_llama, tmp_path,
                                                                   capsys):
     """The port kvpush up probed can be taken before the instance binds it (a new
