@@ -435,14 +435,14 @@ def test_cli_run_table_has_units_explains_descs_and_marks_overloaded_rows(capsys
     from kvpush.cli import main
 
     # 1P1D TP1 serves ~2.6 req/s of 2048-token prompts: rate 1
-    # keeps up, rate 8 does not (the row: seconds of TTFT at 2.6 req/s achieved).
+    # keeps up, rate 8 does not (the row: seconds of TTFT at 2.6 req/s served).
     rc = main(["simulate", "run", "--profile", "h200-tp1-qwen3-32b", "--rate", "1,8",
                "--num-prompts", "40", "--modes", "push"])
     assert rc == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("| config"))
-    for h in ("offered (req/s)", "TTFT med (ms)", "TTFT p90 (ms)", "TPOT med (ms)",
-              "TPOT p90 (ms)", "achieved (req/s)", "descs (per transfer)",
+    for h in ("offered (req/s)", "TTFT mean (ms)", "TTFT med (ms)", "TTFT p99 (ms)",
+              "TPOT mean (ms)", "served (req/s)", "descs (per transfer)",
               "unfinished (requests)", "overloaded"):
         assert h in header, h
     rows = {line.split("|")[2].strip(): line for line in out.splitlines()

@@ -5,7 +5,9 @@ wait for the step in flight, as in :class:`kvpush.engine.llm_engine.LLMEngine`),
 schedules like :class:`kvpush.scheduler.scheduler.Scheduler`: running requests first
 (chunked prefill or one decode token each) under the token budget, then waiting ones in
 arrival order while budget, sequence slots and free blocks last, with the prefix cache
-consulted on admission (the last prompt token is always computed). A step lasts what the
+consulted on admission (the last prompt token is always computed). A decode job whose
+remote KV has landed waits in the same queue for a slot and budget, its blocks already
+held. A step lasts what the
 profile's step model says for its chunks, plus any work posted onto the step loop
 (pull's READ post in vLLM).
 """
@@ -129,9 +131,11 @@ class EngineSim:
     def add(self, job: Job) -> None:
         self.waiting.append(job)
 
-    def start_running(self, job: Job) -> None:
-        """A job whose blocks and KV are in place (remote KV landed) joins the batch."""
-        self.running.append(job)
+    def kv_landed(self, job: Job) -> None:
+        """A job whose blocks and KV are in place (remote KV landed) waits for a sequence
+        slot and token budget like any waiting request (vLLM: WAITING_FOR_REMOTE_KVS back
+        to WAITING), without allocating its blocks again."""
+        self.waiting.append(job)
 
     # ---- scheduling ----------------------------------------------------------------
     def _schedule(self) -> list[tuple[Job, int]]:
@@ -161,14 +165,18 @@ class EngineSim:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.limits.max_num_seqs):
             job = self.waiting[0]
-            hit = self.cached_tokens(job.req)
-            new = min(job.num_tokens - hit, budget)
-            need = blocks_for(hit + new, self.bs) - hit // self.bs
+            if job.blocks:  # remote KV landed: its blocks and computed tokens are in place
+                done, held = job.computed, job.blocks
+            else:
+                done = self.cached_tokens(job.req)
+                held = done // self.bs
+            new = min(job.num_tokens - done, budget)
+            need = blocks_for(done + new, self.bs) - held
             if need > self.free_blocks:
                 break
             self.waiting.popleft()
             self.free_blocks -= need
-            job.blocks, job.owned, job.computed = hit // self.bs + need, need, hit
+            job.blocks, job.owned, job.computed = held + need, job.owned + need, done
             job.req.mark(Stage.PREFILL_STARTED, self.env.now)
             self.running.append(job)
             plan.append((job, new))

@@ -11,9 +11,11 @@ message); P WRITEs each newly completed block layer group by layer group
 (``handoff.push_layers_per_write``) as its forward pass completes the group (writer
 thread: post cost; link: bytes, serial), the last blocks when prefill ends, and sends
 PushDone with token #1 once every WRITE is done; D appends token #1 at its next step
-boundary. Decode-side prefix hits shrink the transfer to the blocks D lacks; P computes
-the prompt (its own prefix cache permitting, only the tail), as kvpush's default
-``--prefix-hit-tail prefill`` does.
+boundary (``handoff.push_token_with_kv``; else, as vLLM, D recomputes the last prompt
+token once the KV has landed). In both modes a decode job whose KV has landed waits at D
+for a sequence slot and token budget (:meth:`EngineSim.kv_landed`). Decode-side prefix
+hits shrink the transfer to the blocks D lacks; P computes the prompt (its own prefix
+cache permitting, only the tail), as kvpush's default ``--prefix-hit-tail prefill`` does.
 
 Descriptors: one per layer per run of block ids consecutive on both sides; with
 ``fragmentation`` f in [0, 1], a run of n blocks splits into ``1 + f * (n - 1)`` runs.
@@ -120,7 +122,7 @@ class Handoff:
                 done = self.res.take(("link", p.name, d.name), posted,
                                      tr.wire_time(nbytes, descs)) + tr.latency_s
             req.mark(Stage.TRANSFER_DONE, done)
-            d.submit_at(done, lambda: d.start_running(d_job))
+            d.submit_at(done, lambda: d.kv_landed(d_job))
             p.submit_at(done + ho.side_channel_s, lambda: self._free_p(p, p_job))
 
         p.submit(lambda: p.add(Job(req, 1, hold=True, on_finish=p_done)))
@@ -164,9 +166,11 @@ class Handoff:
                 now = self.env.now
                 req.mark(Stage.DECODE_ALLOCATED, now)
                 xf.skip_blocks = hit // self.bs
-                xf.d_job = Job(req, req.output_len,
-                               computed=req.prompt_len, outputs=1, blocks=total, owned=need,
-                               on_token=self.emit, on_finish=lambda j, t: d.remember_prefix(req))
+                # token #1 with PushDone (kvpush), or D recomputes the last prompt token
+                carried = int(ho.push_token_with_kv)
+                xf.d_job = Job(req, req.output_len, computed=req.prompt_len - 1 + carried,
+                               outputs=carried, blocks=total, owned=need, on_token=self.emit,
+                               on_finish=lambda j, t: d.remember_prefix(req))
                 reg = now + ho.side_channel_s
                 ev = self.env.timeout(ho.side_channel_s)
                 ev.callbacks.append(lambda _e: self._registered(xf, reg))
@@ -237,11 +241,14 @@ class Handoff:
 
         def notice() -> None:
             xf.req.mark(Stage.NOTIFIED, self.env.now)
+            if not self.profile.handoff.push_token_with_kv:
+                d.kv_landed(d_job)  # computes the last prompt token: token #1
+                return
             self.emit(d_job, self.env.now)  # token #1 travelled with the notice
             if d_job.outputs >= d_job.max_outputs:
                 d.release(d_job.owned)
                 d.remember_prefix(xf.req)
             else:
-                d.start_running(d_job)
+                d.kv_landed(d_job)
 
         d.submit_at(done + self.profile.handoff.side_channel_s, notice)

@@ -62,8 +62,12 @@ class HandoffModel:
     side_channel_s: float    # P <-> D one message (PushRegister, PushDone, PullDone)
     pull_post_on_step_loop: bool = True  # vLLM: D posts the READ on its step path
     #: push: layers per WRITE while P's forward pass runs (kvpush's
-    #: --push-layers-per-write: one on CUDA, a third of the layers on CPU by default)
+    #: --push-layers-per-write: one on CUDA, a third of the layers on CPU by default;
+    #: all layers = one WRITE after the pass, as vLLM's NixlPushConnector)
     push_layers_per_write: int = 1
+    #: push: token #1 travels with PushDone (kvpush); False: D recomputes the last prompt
+    #: token once the KV has landed, as vLLM's decode does in pull and push alike
+    push_token_with_kv: bool = True
 
 
 @dataclass(frozen=True)
@@ -200,7 +204,8 @@ def profile_from_dict(data: Any, path: str = "<dict>") -> Profile:
         model=shape, step_models=models, roles={r: str(roles[r]) for r in ROLES},
         transfer=TransferModel(**tr),
         handoff=HandoffModel(**hn, pull_post_on_step_loop=bool(
-            ho.get("pull_post_on_step_loop", True)), push_layers_per_write=group),
+            ho.get("pull_post_on_step_loop", True)), push_layers_per_write=group,
+            push_token_with_kv=bool(ho.get("push_token_with_kv", True))),
         instance=limits, sources={str(k): str(v) for k, v in sources.items()},
         notes=tuple(str(n) for n in data.get("notes", ())), path=path)
 

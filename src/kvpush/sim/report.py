@@ -6,10 +6,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+#: What `vllm bench serve` reports (and the push-vs-pull table of vLLM PR 35264 shows):
+#: mean, median and p99 TTFT, mean TPOT and requests served per second.
 COLUMNS: tuple[tuple[str, str], ...] = (
-    ("label", "config"), ("rate", "offered (req/s)"), ("median_ttft_ms", "TTFT med (ms)"),
-    ("p90_ttft_ms", "TTFT p90 (ms)"), ("median_tpot_ms", "TPOT med (ms)"),
-    ("p90_tpot_ms", "TPOT p90 (ms)"), ("request_throughput", "achieved (req/s)"),
+    ("label", "config"), ("rate", "offered (req/s)"), ("mean_ttft_ms", "TTFT mean (ms)"),
+    ("median_ttft_ms", "TTFT med (ms)"), ("p99_ttft_ms", "TTFT p99 (ms)"),
+    ("mean_tpot_ms", "TPOT mean (ms)"), ("request_throughput", "served (req/s)"),
     ("mean_descs", "descs (per transfer)"), ("unfinished", "unfinished (requests)"),
     ("overloaded", "overloaded"),
 )
@@ -17,11 +19,12 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 OVERLOAD_SHARE = 0.9
 FOOTNOTE = (
     "descs: the mean number of NIXL descriptors per KV transfer (one per contiguous run "
-    "of blocks per layer; more with --fragmentation; 0 colocated). achieved: completed "
-    "requests / (last token - first arrival). OVERLOADED: requests complete at under "
-    f"{OVERLOAD_SHARE:g}x the rate they arrive (each measured first to last), or some "
-    "are left unfinished — the queue grows, and the row's latencies depend on how many "
-    "prompts were sent, not on the cluster (rate inf, all at once: unfinished only).")
+    "of blocks per layer; more with --fragmentation; 0 colocated). served: completed "
+    "requests / (last token - first arrival), vllm bench serve's request throughput. "
+    f"OVERLOADED: requests complete at under {OVERLOAD_SHARE:g}x the rate they arrive "
+    "(each measured first to last), or some are left unfinished — the queue grows, and "
+    "the row's latencies depend on how many prompts were sent, not on the cluster (rate "
+    "inf, all at once: unfinished only).")
 
 
 def overloaded(row: dict[str, Any]) -> bool:
