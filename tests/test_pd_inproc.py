@@ -14,6 +14,7 @@ from kvpush.engine.outputs import FinishReason
 from kvpush.errors import ConfigError
 from kvpush.kv_cache.block_pool import hash_prefix_blocks
 from kvpush.kv_transfer.commands import BlocksReady, StepMessage
+from kvpush.kv_transfer.step_loop.prefill_side import AUTO_GROUP_S, WriteGroups, write_groups
 from kvpush_testing.faults import FaultPlan
 from pd_helpers import PDDriver, make_instance, writes_posted
 
@@ -155,15 +156,15 @@ def test_push_token1_goes_out_before_decode_runs_a_forward(pd):
 @pytest.mark.parametrize("preset,group,posts", [
     # WRITEs in the order the transfer thread posted them (their layers): those stated
     # before the registration landed, each later group, then the partial last block
-    ("tiny", 0, [(0,), (1,), (0, 1)]),  # 2 layers, one per group: layer 0 was stated
+    ("tiny", 1, [(0,), (1,), (0, 1)]),  # 2 layers, one per group: layer 0 was stated
     ("small", 1, [(0,), (1,), (2,), (3,), (0, 1, 2, 3)]),
     ("small", 2, [(0, 1), (2, 3), (0, 1, 2, 3)])])  # nothing stated yet at layer 1
 def test_registration_arriving_mid_step_starts_the_writes_there(model_factory, preset,
                                                                  group, posts):
     """Decode registers while prefill's one-step forward pass is at layer 1: the
     transfer thread writes the layer groups already stated computed as the registration
-    lands (mid-step) and every later group as it is stated, so that after the step only
-    the partial last block is left to write."""
+    lands (mid-step) and every later group as it is stated; the last group and the
+    partial last block go with the step's end."""
     model = model_factory("qwen3", preset)
     pd = PDDriver(make_instance(model, "prefill", "push", layers_per_write=group),
                   make_instance(model, "decode", "push", layers_per_write=group))
@@ -176,7 +177,7 @@ def test_registration_arriving_mid_step_starts_the_writes_there(model_factory, p
 def _registration_mid_step(pd, model, posts: list[tuple[int, ...]]) -> None:
     prompt, warm = random_prompts([250, 20], seed=8)  # 250: 15 full blocks and a part
     pd.submit("warm", warm, greedy(1))  # the instances meet (Hello) before the step
-    pd.run()
+    pd.settle()  # (its counters are in)
     worker = pd.p.connector.worker
     late = pd.p.connector.counters.registrations_after_blocks
     posted: list[tuple[int, ...]] = []  # (transfer thread) each WRITE's layers
@@ -219,14 +220,17 @@ def _registration_mid_step(pd, model, posts: list[tuple[int, ...]]) -> None:
     _assert_clean(pd)
 
 
-@pytest.mark.parametrize("configured,expected_groups", [
-    (0, [(0, 1), (2, 3)]),  # auto on CPU: a third of the 4 layers, rounded up (2)
-    (1, [(0,), (1,), (2,), (3,)]), (3, [(0, 1, 2), (3,)]), (4, [(0, 1, 2, 3)]),
-    (9, [(0, 1, 2, 3)])])
-def test_push_writes_layers_in_groups(model_factory, configured, expected_groups):
-    """--push-layers-per-write: during a prefill step the step loop hands the transfer
-    thread one WRITE per group of layers (the last group may be shorter), each covering
-    exactly its layers; decode's KV and tokens equal a single instance's."""
+@pytest.mark.parametrize("configured,layer_s,expected_groups", [
+    (1, 0.0, [(0,), (1,), (2,), (3,)]), (3, 0.0, [(0, 1, 2), (3,)]),
+    (4, 0.0, [(0, 1, 2, 3)]), (9, 0.0, [(0, 1, 2, 3)]),
+    # auto on CPU, by compute time: each layer 0.6 of AUTO_GROUP_S, or far less
+    (0, 0.6 * AUTO_GROUP_S, [(0, 1), (2, 3)]), (0, 0.01 * AUTO_GROUP_S, [(0, 1, 2, 3)])])
+def test_push_writes_layers_in_groups(model_factory, configured, layer_s, expected_groups):
+    """--push-layers-per-write: a prefill step hands the transfer thread one WRITE per
+    group of layers (the last group may be shorter), each covering exactly its layers,
+    the groups closed mid-step each on one wake-up and the last with the step's end;
+    decode's KV and tokens equal a single instance's. (``layer_s``: each layer's compute
+    time on the step loop's clock, a fake one.)"""
     model = model_factory("qwen3", "small")  # 4 layers
     p = make_instance(model, "prefill", "push", layers_per_write=configured)
     d = make_instance(model, "decode", "push", layers_per_write=configured)
@@ -235,30 +239,37 @@ def test_push_writes_layers_in_groups(model_factory, configured, expected_groups
         warm, prompt = random_prompts([20, 100], seed=31)  # 100: 6 full blocks and a part
         pd.submit("warm", warm, greedy(1))  # meet and register before the step we watch
         pd.run()
-        assert p.kv_info()["push_layers_per_write"] == max(len(g) for g in expected_groups)
-        in_forward, groups, messages = [False], [], [0]
+        assert p.kv_info()["push_layers_per_write"] == min(configured, 4)
+        in_forward, groups, messages = [False], [], [0]  # groups: (layers, mid-step)
+        now = [0.0]
+        p.connector.side.clock = lambda: now[0]
         submit, execute = p.connector.worker.submit, p.runner.execute
 
         def recording(msg):
             assert isinstance(msg, StepMessage)  # the step loop hands over facts only
             messages[0] += in_forward[0]
             for fact in msg.facts:
-                if isinstance(fact, BlocksReady) and in_forward[0]:
-                    groups.append(tuple(fact.layers))
+                if isinstance(fact, BlocksReady) and fact.first_block == 0:
+                    groups.append((tuple(fact.layers), in_forward[0]))
             submit(msg)
 
         def watched(plan, hook=None):
             in_forward[0] = True
+
+            def timed(layer):
+                now[0] += layer_s  # the layer was computed
+                hook(layer)
             try:
-                return execute(plan, hook)
+                return execute(plan, timed if hook is not None else None)
             finally:
                 in_forward[0] = False
 
         p.connector.worker.submit, p.runner.execute = recording, watched
         pd.submit_registered("r", prompt, greedy(5))  # registered before prefill's step
         pd.run(until=lambda: "r" in pd.d_legs and pd.d_legs["r"].finished)
-        assert groups == expected_groups
-        assert messages[0] == len(expected_groups)  # one wake-up per group, mid-step
+        assert [g for g, _ in groups] == expected_groups
+        assert [mid for _, mid in groups] == [True] * (len(groups) - 1) + [False]
+        assert messages[0] == len(expected_groups) - 1  # one wake-up per mid-step group
         assert pd.d_legs["r"].tokens == single_outputs(model, [prompt], 5)["r0"]
         pd.settle()
         hashes = hash_prefix_blocks(prompt, 16)
@@ -272,15 +283,15 @@ def test_push_writes_layers_in_groups(model_factory, configured, expected_groups
         pd.close()
 
 
-def test_layers_per_write_auto_and_bounds():
-    from kvpush.kv_transfer.step_loop.prefill_side import layers_per_write
-
-    assert layers_per_write(0, 30, cuda=True) == 1  # overlap the kernels still to run
-    assert layers_per_write(0, 30, cuda=False) == 10
-    assert layers_per_write(0, 64, cuda=False) == 22
-    assert layers_per_write(0, 2, cuda=False) == 1
-    assert layers_per_write(5, 30, cuda=True) == 5
-    assert layers_per_write(99, 30, cuda=False) == 30
+def test_write_groups_auto_and_bounds():
+    assert write_groups(0, 30, cuda=True) == WriteGroups(1)  # overlap the kernels to run
+    assert write_groups(0, 30, cuda=False) == WriteGroups(0, AUTO_GROUP_S)  # by time
+    assert write_groups(5, 30, cuda=True) == WriteGroups(5)
+    assert write_groups(99, 30, cuda=False) == WriteGroups(30)
+    by_time = write_groups(0, 30, cuda=False)
+    assert not by_time.closes(12, AUTO_GROUP_S * 0.99)
+    assert by_time.closes(1, AUTO_GROUP_S)
+    assert WriteGroups(3).closes(3, 0.0) and not WriteGroups(3).closes(2, 1e9)
     with pytest.raises(ConfigError, match="--push-layers-per-write"):
         KVTransferConfig(role="prefill", push_layers_per_write=-1).validate()
 

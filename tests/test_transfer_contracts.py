@@ -69,10 +69,12 @@ def test_the_step_loop_reaches_the_transfer_thread_only_through_its_queues():
 
 def test_one_step_message_per_turn_and_per_layer_group(tiny_qwen3):
     """A push: each engine turn hands the transfer thread at most one StepMessage (the
-    inbox's turn, the step's end) plus one per layer group mid-step; each transfer's
+    inbox's turn, the step's end) plus one per layer group closed mid-step (every group
+    but the last, which goes with the step's end); each transfer's
     facts come in order: Begin, BlocksReady..., Prefilled (prefill) or Begin,
     BlocksReady (decode)."""
-    p = make_instance(tiny_qwen3, "prefill", "push", max_num_batched_tokens=32)
+    p = make_instance(tiny_qwen3, "prefill", "push", max_num_batched_tokens=32,
+                      layers_per_write=1)
     d = make_instance(tiny_qwen3, "decode", "push")
     drv = PDDriver(p, d)
     sent: dict[LLMEngine, list[c.StepMessage]] = {}
@@ -82,8 +84,8 @@ def test_one_step_message_per_turn_and_per_layer_group(tiny_qwen3):
         real = worker_.submit
         worker_.submit = lambda msg, real=real, msgs=msgs: (msgs.append(msg), real(msg))[-1]
     layers = p.runner.kv_region.layout.num_layers
-    groups = -(-layers // p.connector.side.layers_per_write)
-    assert groups >= 2  # (a third of the layers per WRITE on CPU)
+    groups = -(-layers // p.connector.side.groups.layers)
+    assert groups >= 2
     try:
         drv.submit("r", random_prompts([100], seed=1)[0], greedy(3))
         deadline = time.monotonic() + 20
@@ -97,7 +99,7 @@ def test_one_step_message_per_turn_and_per_layer_group(tiny_qwen3):
                 if eng.has_work():
                     busy, n = True, len(sent[eng])
                     outs += eng.step()
-                    assert len(sent[eng]) - n <= groups + 1
+                    assert len(sent[eng]) - n <= groups
                 drv._absorb(outs, legs)
             if not busy:
                 time.sleep(0.001)  # the transfer threads' turn

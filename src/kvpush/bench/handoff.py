@@ -140,6 +140,7 @@ PUSH_STAGES = [
     ("D: leg sent -> request in engine", "r_sent", "d_added"),
     ("D: in engine -> blocks registered", "d_added", "d_registered"),
     ("P: leg sent -> registration received", "r_sent", "p_reg"),
+    ("D: blocks registered -> P: registration received", "d_registered", "p_reg"),
     ("D: completion sent -> received", "p_done_sent", "d_done"),
     ("D: completion received -> token #1 out", "d_done", "d_first"),
     ("router: token #1 out -> first byte at router", "d_first", "r_first"),

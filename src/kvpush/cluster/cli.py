@@ -132,7 +132,7 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "of a prompt (see `kvpush serve --help`; default: prefill)")
     eng.add_argument("--push-layers-per-write", type=int, metavar="N",
                      help="push: layers per WRITE during a prefill step (see `kvpush serve "
-                          "--help`; default: 1 on CUDA, a third of the layers on CPU)")
+                          "--help`; default: 1 on CUDA, by 50 ms of compute on CPU)")
 
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on the router and every instance "

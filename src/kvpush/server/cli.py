@@ -303,10 +303,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "a clear error (default) or prefill it locally")
     pd.add_argument("--push-layers-per-write", type=int, default=0, metavar="N",
                     help="push, prefill side: layers whose new KV goes in one WRITE while "
-                         "the forward pass runs (default: 0, auto: 1 on CUDA, so WRITEs "
-                         "overlap the layers still to compute; a third of the layers on "
-                         "CPU, where each hand-off to the transfer thread costs the "
-                         "forward pass time on the same cores)")
+                         "the forward pass runs; the group ending with the last layer goes "
+                         "with token #1 (default: 0, auto: 1 on CUDA, so WRITEs overlap "
+                         "the layers still to compute; on CPU a group closes at the first "
+                         "layer boundary 50 ms of compute after the last, because each "
+                         "mid-step hand-off to the transfer thread costs the step about "
+                         "0.5 ms (measured: docs/ARCHITECTURE.md) and must stay near 1%% of "
+                         "its group: steps under 50 ms write once, at their end)")
     pd.add_argument("--prefix-hit-tail", choices=("prefill", "decode"), default="prefill",
                     help="push, decode side, when decode's prefix cache holds every full "
                          "block of the prompt: prefill computes the short uncached tail and "

@@ -187,7 +187,7 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
               log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure and write a profile; returns its dict."""
     from kvpush.config import DEFAULT_BLOCK_SIZE
-    from kvpush.kv_transfer.step_loop.prefill_side import layers_per_write
+    from kvpush.kv_transfer.step_loop.prefill_side import write_groups
     from kvpush.models.registry import DEFAULT_MODEL, resolve_model
     from kvpush.sim.profile import profile_from_dict
 
@@ -235,8 +235,10 @@ def calibrate(model: str | None, out: str | Path, plan: CalibrationPlan,
         "handoff": {"http_hop_s": 1e-3, "client_hop_s": 1e-3, "relay_s": 5e-4,
                     "side_channel_s": 1.2e-5, "pull_post_on_step_loop": False,
                     # what served prefill instances use (kvpush serve's CPU default)
-                    "push_layers_per_write": layers_per_write(0, shape["num_layers"],
-                                                              cuda=False)},
+                    # (CPU's auto closes groups by compute time; the profile, one a step)
+                    "push_layers_per_write": write_groups(0, shape["num_layers"],
+                                                          cuda=False).layers
+                                             or shape["num_layers"]},
         "instance": {"block_size": DEFAULT_BLOCK_SIZE, "num_blocks": (1 << 30) // kv_bytes,
                      "max_num_batched_tokens": 1024, "max_num_seqs": 64},
     }

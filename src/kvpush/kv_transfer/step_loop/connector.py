@@ -88,6 +88,7 @@ class KVConnector:
     def info(self) -> dict:
         host, port = self.address.rsplit(":", 1)
         cfg, side = self.cfg, self.side
+        groups = side.groups if isinstance(side, PrefillSide) else None
         return {"engine_id": self.engine_id, "role": self.role, "kv_transfer": self.mode,
                 "side_channel": self.address, "side_channel_host": host,
                 "side_channel_port": int(port), "transport": self.hello.transport,
@@ -95,8 +96,9 @@ class KVConnector:
                 "kv_load_failure_policy": cfg.load_failure_policy,
                 "lease_timeout_s": cfg.lease_timeout_s, "fence_timeout_s": cfg.fence_timeout_s,
                 "num_fenced_blocks": self.fenced_blocks, "kv_params_signed": cfg.params_signed,
-                "push_layers_per_write": (side.layers_per_write
-                                          if isinstance(side, PrefillSide) else None)}
+                # layers a WRITE group (0: closed by compute time, at least the seconds)
+                "push_layers_per_write": groups.layers if groups else None,
+                "push_write_group_min_s": groups.min_s if groups else None}
 
     def flush(self) -> None:
         """End of an engine turn (or a layer group): its facts go as one StepMessage."""

@@ -1,11 +1,12 @@
 """PrefillSide: the step loop's part of a prefill instance's transfers.
 
 Push: the leg is stated (``Begin``, with its prompt's hash chain, which also becomes
-the scheduler's prefix-cache keys); the runner's layer hook states, per group of
-``layers_per_write`` layers, the full blocks a step completes (``BlocksReady``, mid-step:
-the transfer thread WRITEs them at once if decode has registered); the finish states
-the rest with token #1 (``Prefilled``) and keeps the blocks until ``Over``. A preempted
-push keeps its old blocks too (WRITEs may read them) and states its blocks again.
+the scheduler's prefix-cache keys); the runner's layer hook states, per layer group
+(:class:`WriteGroups`), the full blocks a step completes (``BlocksReady``: a group that
+closes mid-step is handed over at once and the transfer thread WRITEs it if decode has
+registered; the last group goes with the step's end); the finish states the rest with
+token #1 (``Prefilled``) and keeps the blocks until ``Over``. A preempted push keeps its
+old blocks too (WRITEs may read them) and states its blocks again.
 Pull: the finished request's blocks are lent (``Prefilled``), its answer carries what
 decode needs to READ them, and they go back on ``Over``.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -27,23 +29,47 @@ from kvpush.sampling_params import SampledToken
 from kvpush.scheduler.request import Request
 from kvpush.scheduler.scheduler import StepPlan
 
+#: ``--push-layers-per-write 0`` on CPU: a layer group closes mid-step at the first layer
+#: boundary this long after the step began or the last group closed. Each mid-step
+#: hand-off costs the step about 0.5 ms (a wake-up and the transfer thread's pass and
+#: WRITE, Python under the GIL the step needs; docs/ARCHITECTURE.md "Push and the prefill
+#: step"): at 50 ms a group that is 1%. A shorter step hands its KV over once, at its end.
+AUTO_GROUP_S = 0.05
 
-def layers_per_write(configured: int, num_layers: int, cuda: bool) -> int:
-    """Layers per WRITE of a push prefill step (``--push-layers-per-write``; 0: one on
-    CUDA, a third of the layers on CPU), at most ``num_layers``."""
-    if configured <= 0:
-        configured = 1 if cuda else -(-num_layers // 3)
-    return max(1, min(configured, num_layers))
+
+@dataclass(frozen=True)
+class WriteGroups:
+    """When a push prefill step hands a layer group's KV to the transfer thread: after
+    every ``layers`` layers, or (``layers`` 0) at the first layer boundary ``min_s`` or
+    more after the last hand-off. The group that ends with the last layer goes with the
+    step's end (token #1 sampled), never on a wake-up of its own."""
+
+    layers: int
+    min_s: float = 0.0
+
+    def closes(self, in_group: int, elapsed_s: float) -> bool:
+        """Whether a group of ``in_group`` layers, computed in ``elapsed_s``, closes."""
+        return in_group >= self.layers if self.layers else elapsed_s >= self.min_s
+
+
+def write_groups(configured: int, num_layers: int, cuda: bool) -> WriteGroups:
+    """The layer groups of ``--push-layers-per-write`` (``configured``; at most
+    ``num_layers``). 0, auto: one layer on CUDA, where the step thread only queues
+    kernels and each group's WRITE overlaps the layers still to compute; on CPU by
+    compute time (:data:`AUTO_GROUP_S`)."""
+    if configured > 0:
+        return WriteGroups(min(configured, num_layers))
+    return WriteGroups(1) if cuda else WriteGroups(0, AUTO_GROUP_S)
 
 
 class PrefillSide:
     def __init__(self, holds: Holds, address: str, engine_id: str, num_layers: int,
-                 cuda: bool, flush: Callable[[], None]) -> None:
+                 cuda: bool, flush: Callable[[], None],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.holds, self.address, self.engine_id = holds, address, engine_id
-        self.num_layers, self.cuda, self.flush = num_layers, cuda, flush
+        self.num_layers, self.cuda, self.flush, self.clock = num_layers, cuda, flush, clock
         self.push = holds.cfg.mode == "push"
-        self.layers_per_write = layers_per_write(holds.cfg.push_layers_per_write,
-                                                 num_layers, cuda)
+        self.groups = write_groups(holds.cfg.push_layers_per_write, num_layers, cuda)
 
     def add(self, req: Request, tid: str) -> None:
         holds, bs = self.holds, self.holds.block_size
@@ -125,7 +151,8 @@ class PrefillSide:
         return ready
 
     def layer_hook(self, plan: StepPlan) -> Callable[[int], None] | None:
-        """States, per layer group, the full blocks this step completes for each push."""
+        """States, per layer group (:class:`WriteGroups`), the full blocks this step
+        completes for each push."""
         holds, bs = self.holds, self.holds.block_size
         for chunk in plan.chunks:
             tid = holds.by_request.get(chunk.request_id)
@@ -145,18 +172,20 @@ class PrefillSide:
                 hold.stated = upto
         if not items:
             return None
-        group, last = self.layers_per_write, self.num_layers - 1
-        first = 0  # the first layer of the group being computed
+        groups, last, clock = self.groups, self.num_layers - 1, self.clock
+        first, since = 0, clock()  # the group being computed: its first layer, its start
 
         def on_layer(layer: int) -> None:
-            nonlocal first
-            if (layer + 1) % group and layer != last:
+            nonlocal first, since
+            if layer != last and not groups.closes(layer + 1 - first, clock() - since):
                 return  # mid-group: handed over with the group's last layer
             layers, first = range(first, layer + 1), layer + 1
             ready = self._ready()  # the forward pass goes on queueing (CUDA)
             for tid, first_block, blocks in items:
                 holds.state(c.BlocksReady(tid, first_block, blocks, layers, ready))
-            self.flush()  # the group's facts: one StepMessage
+            if layer != last:
+                self.flush()  # the group's facts: one StepMessage, one wake-up
+                since = clock()
 
         return on_layer
 

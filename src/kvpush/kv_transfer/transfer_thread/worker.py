@@ -25,6 +25,7 @@ instance). Without its thread (tests) ``handle``, ``on_frame``, ``poll``, ``tick
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -121,7 +122,8 @@ class TransferWorker:
         if not self._take_facts():
             return False
         self.flush()
-        arrived = self.channel.recv(int(self._timeout() * 1000))
+        # rounded up: a timer due in under 1 ms must not make a zero wait (a spin)
+        arrived = self.channel.recv(math.ceil(self._timeout() * 1000))
         if not self._take_facts():
             return False
         for sender, payload in arrived:
