@@ -61,7 +61,7 @@ class RouterConfig:
     fallback_local_prefill: bool = False
     #: seconds between health checks of every instance
     health_interval_s: float = 2.0
-    #: per-call bound of a health check's /health and /kv/info requests
+    #: bound of each health-check answer (/health, /kv/prove, /kv/info), read whole
     health_timeout_s: float = 2.0
     #: how long start-up waits for the instances to answer
     startup_timeout_s: float = 60.0
