@@ -322,8 +322,9 @@ class Pool:
             if isinstance(keys, RouterKeys) and inst.proven is None:
                 info = None  # not kvpush, from the command line: /kv/info was 404
             else:
+                members = keys.member_header() if isinstance(keys, RouterKeys) else {}
                 k = await fetch(client, "GET", inst.url + "/kv/info", timeout,
-                                headers=auth_header(self.cfg.api_key))
+                                headers=auth_header(self.cfg.api_key) | members)
                 if k.status_code == 404:
                     info = None
                 elif k.status_code != 200:
