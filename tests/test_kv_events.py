@@ -13,6 +13,7 @@ import httpx
 import zmq
 
 from kvpush.crypto.curve import make_client
+from kvpush.crypto.membership import member_view_token
 from kvpush.kv_cache.block_pool import BlockPool, hash_prefix_blocks
 from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.event_publisher import KVEventPublisher
@@ -26,6 +27,7 @@ from kvpush.kv_cache.events import (
     decode_batch,
     encode_batch,
 )
+from kvpush.server.member_view import MEMBER_HEADER
 from server_helpers import TEST_KV_SECRET, ServerProcess, push_kv
 
 KEYS = EventKeys.from_secret(TEST_KV_SECRET.encode())
@@ -370,10 +372,14 @@ def test_no_prefix_caching_no_events(tiny_llama, tmp_path):
                         log_dir=tmp_path, name="nocache")
     try:
         auth = {"Authorization": "Bearer k3y"}
-        assert httpx.get(srv.url + "/kv/cache_blocks", timeout=10).status_code == 401
+        # a member view (server/member_view.py): neither no key nor the API key opens it
+        for headers in ({}, auth):
+            r = httpx.get(srv.url + "/kv/cache_blocks", headers=headers, timeout=10)
+            assert r.status_code == 403
         info = httpx.get(srv.url + "/kv/info", headers=auth, timeout=10).json()
         assert info["kv_events"] is None
-        r = httpx.get(srv.url + "/kv/cache_blocks", headers=auth, timeout=10)
+        member = {MEMBER_HEADER: member_view_token(TEST_KV_SECRET.encode())}
+        r = httpx.get(srv.url + "/kv/cache_blocks", headers=member, timeout=10)
         assert r.status_code == 404
     finally:
         srv.stop()

@@ -16,6 +16,7 @@ from fake_engine import FakeEngine
 from kvpush.cluster import cli as up_cli
 from kvpush.config import KVTransferConfig
 from kvpush.crypto.auth import ParamsSigner
+from kvpush.crypto.membership import member_view_token
 from kvpush.discovery.instance_spec import parse_instance
 from kvpush.router import cli as router_cli
 from kvpush.router.app import Router
@@ -32,6 +33,7 @@ from kvpush.server.auth import (
     resolve_api_key,
     resolve_kv_secret,
 )
+from kvpush.server.member_view import member_header
 from router_helpers import RouterThread, metric_value, start_instances
 
 pytestmark = pytest.mark.timeout(180)
@@ -358,7 +360,8 @@ def test_push_cluster_with_api_key_and_signed_side_channel(tiny_llama, tmp_path,
                                         progress=False)).to_dict()
         assert res["completed"] == 2 and res["failed"] == 0, res["errors"]
         for inst in (p, d):
-            wait_free(inst.url, good)
+            # the block counts are a member view (server/member_view.py)
+            wait_free(inst.url, good | member_header(member_view_token(SECRET.encode())))
         # neither the key nor the secret is in any log
         for inst in (p, d):
             log = inst.proc.log_path.read_text()

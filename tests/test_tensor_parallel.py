@@ -212,7 +212,7 @@ def test_a_dead_ranks_kv_posts_fail_and_its_kv_thread_ends_it():
             pass
 
     died = threading.Event()
-    server = RankKVServer(Broken(), ctx, "inproc://rank2", 2, on_death=died.set)
+    server = RankKVServer(Broken(), ctx, "inproc://rank2", 2, b"token", on_death=died.set)
     try:
         assert died.wait(5)
     finally:

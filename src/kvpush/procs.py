@@ -1,6 +1,7 @@
 """Child-process helpers shared by the `kvpush up` launcher (kvpush.cluster.launcher) and
 the engine core's parent (kvpush.engine.core_client): tying a child's life to its
-parent's (PR_SET_PDEATHSIG) and naming how a child ended. Standard library only.
+parent's (PR_SET_PDEATHSIG), naming how a child ended, and the fd limit a server and
+its children run with. Standard library only.
 
 PDEATHSIG fires when the *thread* that forked the child exits, so a child must be
 spawned from a thread that lives as long as its parent should (the main thread, or the
@@ -35,6 +36,24 @@ def pdeathsig_preexec() -> Callable[[], None] | None:
             os._exit(1)
 
     return preexec
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (children inherit it):
+    connections that never finish a handshake hold an fd each until dropped
+    (kvpush.crypto.curve), and the default soft limit (1,024) is soon full. Returns the
+    soft limit now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
 
 
 def describe_exit(code: int) -> str:

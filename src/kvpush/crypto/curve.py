@@ -11,6 +11,14 @@ sends reaches the socket, let alone Python, and it can take no routing id over (
 ``ROUTER_HANDOVER`` acts only between authenticated connections). Every message is also
 encrypted on the wire.
 
+Every CURVE server (:func:`make_server`: the request planes, the side channels, the
+KV-event publishers) drops a connection that has not finished its handshake within
+:data:`HANDSHAKE_IVL_MS` (ZMQ's default: 30 s). ZMQ has no cap on a socket's
+connections, so the bound on those of non-members is the process's fd limit (``kvpush
+serve`` raises its soft limit to the hard one, kvpush.procs.raise_fd_limit) over the
+handshake interval: idle connections that fill it are gone within the interval, and
+new ones (a front's) are accepted again.
+
 Refused handshakes are visible: :func:`handshake_reason` maps a socket monitor's
 ``HANDSHAKE_FAILED_*`` event to the side channel's reject reasons (``unsigned``: the
 peer speaks without CURVE, i.e. has no secret; ``bad_signature``: a different secret;
@@ -35,6 +43,10 @@ REQUEST_PLANE_PURPOSE = b"request plane"
 
 #: the ZAP domain of kvpush's CURVE servers
 ZAP_DOMAIN = b"kvpush"
+
+#: how long a CURVE server keeps a connection that has not finished its handshake (a
+#: member's takes milliseconds; ZAP's thread may wait for the GIL of a busy process)
+HANDSHAKE_IVL_MS = 3000
 
 #: monitor events of a refused handshake: the protocol's (a mechanism mismatch, a key
 #: that does not decrypt), ZAP's, and a connection that broke off in the handshake (the
@@ -73,6 +85,7 @@ def derive_curve_keys(secret: bytes, purpose: bytes = b"side channel") -> CurveK
 
 def make_server(sock: zmq.Socket, keys: CurveKeys) -> None:
     """Make ``sock`` a CURVE server (before it binds)."""
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
     sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.server_public)

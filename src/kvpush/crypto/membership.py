@@ -27,6 +27,7 @@ import secrets
 
 _PROOF_LABEL = b"kvpush membership proof v1"
 _CARD_LABEL = b"kvpush membership card v1"
+_MEMBER_VIEW_LABEL = b"kvpush member view v1"
 #: bytes of randomness in a challenge
 NONCE_BYTES = 32
 
@@ -39,6 +40,12 @@ def proof_key(secret: bytes) -> bytes:
 def card_key(secret: bytes) -> bytes:
     """The key instances sign their cards with, derived from the cluster secret."""
     return hmac.new(secret, _CARD_LABEL, hashlib.sha256).digest()
+
+
+def member_view_token(secret: bytes) -> str:
+    """The token that opens an instance's member views (kvpush.server.member_view) to a
+    member: the router sends it with its calls to proven instances."""
+    return hmac.new(secret, _MEMBER_VIEW_LABEL, hashlib.sha256).hexdigest()
 
 
 def new_nonce() -> str:

@@ -65,6 +65,15 @@ class RequestChecker:
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty", "prompt")
+        if n + params.max_tokens > self.max_model_len:  # before any per-token work
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {n + params.max_tokens} tokens ({n} in the "
+                f"prompt, {params.max_tokens} for the completion). Please reduce the "
+                "prompt or max_tokens.",
+                "max_tokens" if n < self.max_model_len else "prompt",
+                "context_length_exceeded",
+            )
         if kv is not None and kv.prompt_hashes is not None:
             # pull: the blocks prefill lent hold its prompt's KV; READ them only for it
             problem = chain_problem(
@@ -78,14 +87,5 @@ class RequestChecker:
                for t in prompt_token_ids):
             raise RequestError(
                 f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt"
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {n + params.max_tokens} tokens ({n} in the "
-                f"prompt, {params.max_tokens} for the completion). Please reduce the "
-                "prompt or max_tokens.",
-                "max_tokens" if n < self.max_model_len else "prompt",
-                "context_length_exceeded",
             )
         return kv, params

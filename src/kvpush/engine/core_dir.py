@@ -1,10 +1,13 @@
-"""The folder of the engine core's ``ipc://`` sockets, and the removal of dead ones.
+"""The private folders of an instance's ``ipc://`` sockets, and the removal of dead ones.
 
 Each API process makes ``<tmp>/kvpush-core-<its pid>-<random>`` (mode 0700: another user
-cannot reach the sockets) and removes it when it closes. A process that is SIGKILLed
+cannot reach the sockets) for its engine core's sockets, and rank 0 of a tensor-parallel
+instance makes one for its ranks' sockets and store (kvpush.engine.tp.group); each
+removes its own when it closes. A process that is SIGKILLed
 cannot, so each new one first removes the folders of dead ones: those of our uid, named
 for a pid that no longer runs, whose sockets nobody listens on (both checks, so that a
-live process of another pid namespace sharing the folder keeps its own). Abstract
+live process of another pid namespace sharing the folder keeps its own: any socket in
+it still listened on keeps the folder). Abstract
 ``ipc://@name`` sockets would leave nothing behind but have no permissions: any local
 user could connect to them.
 """
@@ -19,13 +22,11 @@ import stat
 import tempfile
 
 PREFIX = "kvpush-core-"
-#: the sockets in a folder (kvpush.engine.core_client binds them)
-SOCKETS = ("in", "out")
 
 
 def make_core_dir() -> str:
-    """A fresh folder for this process's engine-core sockets, after removing the folders
-    that dead processes left."""
+    """A fresh private folder (0700) for this process's sockets, after removing the
+    folders that dead processes left."""
     remove_stale()
     return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
 
@@ -49,7 +50,7 @@ def remove_stale(base: str | None = None) -> list[str]:
         except OSError:
             continue
         if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or _runs(int(pid))
-                or any(_listened(os.path.join(path, s)) for s in SOCKETS)):
+                or _any_listened(path)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
@@ -66,6 +67,15 @@ def _runs(pid: int) -> bool:
     except PermissionError:  # runs, as another user
         return True
     return True
+
+
+def _any_listened(folder: str) -> bool:
+    """Whether a process listens on any unix socket in ``folder``."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return any(_listened(os.path.join(folder, n)) for n in names)
 
 
 def _listened(path: str) -> bool:

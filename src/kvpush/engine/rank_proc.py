@@ -3,8 +3,9 @@ by rank 0's RankGroup (kvpush.engine.tp.group) with a RankSetup pickled on stdin
 
 It loads its part of the model and its KV region slice (a ModelRunner at its rank),
 times its matmul kernels at its thread count (``--threads``: each rank's), reports
-``ready`` in rank 0's store (or ``failed`` and why), joins the process group, then runs
-each RankStep it receives on its ZMQ socket (``ModelRunner.run_chunks``, no logits)
+``ready`` in rank 0's store (or ``failed`` and why) once it has sent the instance's
+token on each of its sockets (rank 0 checks it before any plan), joins the process
+group, then runs each RankStep it receives on its ZMQ socket (``ModelRunner.run_chunks``, no logits)
 until a RankStop. It owns no request, no block and no output: rank 0 does.
 
 Life: SIGINT and SIGTERM are ignored (they reach the whole process group; rank 0 stops
@@ -23,11 +24,17 @@ import sys
 
 import msgspec
 import torch
-import torch.distributed as dist
 import zmq
 
 from kvpush.engine.model_runner import ModelRunner
-from kvpush.engine.tp.group import STORE_HOST, failed_key, join_group, leave_group, ready_key
+from kvpush.engine.tp.group import (
+    failed_key,
+    join_group,
+    leave_group,
+    open_store,
+    rank_socket,
+    ready_key,
+)
 from kvpush.engine.tp.kv_ranks import RankKVServer, encode_rank_kv, kv_key
 from kvpush.engine.tp.plan import RankMessage, RankSetup, RankStop
 
@@ -42,12 +49,9 @@ def main() -> int:
     logging.basicConfig(level=setup.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config, rank = setup.config, setup.rank
-    store = dist.TCPStore(STORE_HOST, setup.store_port, config.tensor_parallel_size,
-                          is_master=False)
+    store = open_store(setup.store_path, config.tensor_parallel_size)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.PULL)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = rank_socket(ctx)
     kv: RankKVServer | None = None
     try:
         if config.device.startswith("cuda"):
@@ -57,6 +61,7 @@ def main() -> int:
         torch.set_num_threads(config.threads or 1)
         runner.model.ensure_linears()  # timed at the steps' thread count
         sock.connect(setup.plan_address)
+        sock.send(setup.token)  # (queued until connected)
         if setup.kv_address is not None:  # P/D: this rank moves its own KV heads
             kv = kv_server(setup, ctx, runner)
             store.set(kv_key(rank), encode_rank_kv(runner.kv_region.base_address,
@@ -95,7 +100,7 @@ def kv_server(setup: RankSetup, ctx: zmq.Context, runner: ModelRunner) -> RankKV
     try:
         region = runner.kv_region
         transport.register_region(region.base_address, region.nbytes, setup.config.device)
-        return RankKVServer(transport, ctx, setup.kv_address, setup.rank,
+        return RankKVServer(transport, ctx, setup.kv_address, setup.rank, setup.token,
                             on_death=lambda: os._exit(1))  # (the instance ends)
     except BaseException:
         transport.close()

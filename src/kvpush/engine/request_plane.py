@@ -47,6 +47,7 @@ from kvpush.engine.inputs import (
 from kvpush.engine.outputs import EngineOutputs, UtilityReply, rejected
 from kvpush.errors import RequestError
 from kvpush.kv_transfer.wire.link_watch import monitor_events
+from kvpush.ratelog import LogBudget
 
 log = logging.getLogger("kvpush.engine.request_plane")
 
@@ -55,10 +56,27 @@ PURPOSE = REQUEST_PLANE_PURPOSE
 #: ZMTP heartbeats (ms), both ends: a PING a second, a connection silent 3 s is closed
 HEARTBEAT = [(zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 3000),
              (zmq.HEARTBEAT_TTL, 3000)]
-#: the largest message a front may send (a 1M-token prompt is about 5 MiB)
+#: the largest batch a front takes from the core
 MAX_MESSAGE_BYTES = 16 << 20
-#: batches queued for one front before it counts as gone (it stopped reading)
-SNDHWM = 10_000
+#: what a command may hold beside its prompt's token ids and block hashes: sampling
+#: parameters (their stop strings, logit bias and stop ids are capped by the request
+#: limits), the rest of its signed kv_transfer_params
+COMMAND_OVERHEAD_BYTES = 1 << 20
+
+
+def command_cap(max_model_len: int, block_size: int) -> int:
+    """The largest command a front may send (a bigger one closes its connection, before
+    any of it is decoded): a prompt of ``max_model_len`` token ids (at most 9 bytes each
+    in msgpack), a block hash per block of it (hex, with its framing: 80 bytes) and the
+    rest. The front checks the length first: a longer prompt is its 400."""
+    return max_model_len * 9 + (max_model_len // block_size + 1) * 80 + COMMAND_OVERHEAD_BYTES
+
+#: batches queued for one front before it counts as gone (it stopped reading): a
+#: front that reads nothing holds at most this many in the core's memory
+SNDHWM = 1_000
+#: commands ZMQ queues from one front before it stops reading its connection (the
+#: plane's thread reads them as they come: this bounds only a burst)
+RCVHWM = 64
 #: frames read per wake-up at most (the outputs' queue is served in between)
 MAX_BATCH = 1024
 #: ids of fronts seen gone, remembered so that their late frames are dropped
@@ -88,8 +106,10 @@ class RequestPlane:
         keys = derive_curve_keys(secret, PURPOSE)
         self._zap = ZapGuard(self._ctx, keys)
         sock = self._sock = self._ctx.socket(zmq.ROUTER)
-        for opt, value in [(zmq.LINGER, 500), (zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES),
-                           (zmq.SNDHWM, SNDHWM), (zmq.ROUTER_MANDATORY, 1),
+        for opt, value in [(zmq.LINGER, 500),
+                           (zmq.MAXMSGSIZE, command_cap(checker.max_model_len, checker.block_size)),
+                           (zmq.SNDHWM, SNDHWM), (zmq.RCVHWM, RCVHWM),
+                           (zmq.ROUTER_MANDATORY, 1),
                            *HEARTBEAT]:
             sock.setsockopt(opt, value)
         make_server(sock, keys)
@@ -116,6 +136,7 @@ class RequestPlane:
         self._seq = itertools.count(1)
         self._call_seq = itertools.count(1)
         self._dec = msgspec.msgpack.Decoder(PlaneCommand)
+        self._undecodable = LogBudget(log)
         self._enc = msgspec.msgpack.Encoder()
 
     def start(self) -> None:
@@ -229,7 +250,8 @@ class RequestPlane:
             rid = submitted_id(payload)
             if rid is not None:  # its front waits for an answer
                 self._send(front, EngineOutputs([rejected(rid, RequestError(str(e)))]))
-            log.warning("request plane: front ~%d sent what it cannot decode: %s", front.n, e)
+            self._undecodable.log(logging.WARNING, "request plane: front ~%d sent what it "
+                                  "cannot decode: %s", front.n, e)
             return
         match cmd:
             case SubmitRequest():

@@ -191,3 +191,20 @@ def write_tokenizer(
         json.dumps(tokenizer_config(model_max_length), indent=2) + "\n"
     )
     return out
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the UTF-8 bytes one token spells: the longest vocabulary entry
+    as stored (byte-level BPE stores one character per byte, each 1-2 bytes in UTF-8;
+    SentencePiece's byte tokens are longer stored than spelled). 0: unknown."""
+    try:
+        return max((len(str(t).encode("utf-8", "replace")) for t in tokenizer.get_vocab()),
+                   default=0)
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary: no bound
+        return 0
+
+
+def tokens_at_least(text_bytes: int, max_token_bytes: int) -> int:
+    """A lower bound on the tokens of a text of ``text_bytes`` UTF-8 bytes, known without
+    tokenizing it (no token spells more than ``max_token_bytes``; 0: unknown, no bound)."""
+    return -(-text_bytes // max_token_bytes) if max_token_bytes > 0 else 0

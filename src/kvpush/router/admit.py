@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from kvpush.crypto.membership import new_nonce, proof_holds
+from kvpush.router.answers import Answer, fetch
 from kvpush.server.prove import PROVE_PATH
 
 
@@ -46,8 +47,8 @@ async def prove(client: httpx.AsyncClient, url: str, key: bytes, timeout: float)
     """Challenge the instance at ``url``; its proven identity (raises CannotProve,
     ProofFailed, or httpx errors)."""
     nonce = new_nonce()
-    r = await client.post(url + PROVE_PATH, json={"nonce": nonce, "url": url},
-                          timeout=timeout)
+    r = await fetch(client, "POST", url + PROVE_PATH, timeout,
+                    json={"nonce": nonce, "url": url})
     if r.status_code == 404:
         raise CannotProve(f"{PROVE_PATH} answered HTTP 404")
     if r.status_code != 200:
@@ -87,7 +88,7 @@ def identity_problem(proven: Proven, info: dict[str, Any]) -> str | None:
     return None
 
 
-def _message(r: httpx.Response) -> str:
+def _message(r: Answer) -> str:
     try:
         err = r.json().get("error")
         return str(err.get("message") if isinstance(err, dict) else err)[:200]

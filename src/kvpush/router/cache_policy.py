@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from kvpush.router.config import RouterConfig
+from kvpush.router.config import RouterConfig, RouterKeys
 from kvpush.router.decide import (
     Decision,
     Route,
@@ -65,7 +65,10 @@ class CachePolicy:
         self.index.update(inst, inst.url, None)
 
     async def _fetch_snapshot(self, url: str) -> Snapshot:
-        r = await self.client.get(url + "/kv/cache_blocks", timeout=self.cfg.health_timeout_s)
+        keys = self.cfg.kv_secret  # (with the API key: the client's)
+        r = await self.client.get(url + "/kv/cache_blocks", timeout=self.cfg.health_timeout_s,
+                                  headers=keys.member_header()
+                                  if isinstance(keys, RouterKeys) else None)
         if r.status_code != 200:
             raise RuntimeError(f"/kv/cache_blocks answered HTTP {r.status_code}")
         return parse_snapshot(r.content)

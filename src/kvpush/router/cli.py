@@ -106,7 +106,7 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="seconds between health checks (/health + /kv/info) of every "
                         "instance (default: 2)")
     t.add_argument("--health-timeout", type=cli_types.seconds, default=2.0, metavar="SECONDS",
-                   help="bound of each health-check request (default: 2)")
+                   help="bound of each health-check answer, read whole (default: 2)")
     t.add_argument("--startup-timeout", type=cli_types.seconds, default=60.0, metavar="SECONDS",
                    help="how long to wait at start for a usable decode (and prefill) "
                         "instance before giving up (default: 60)")

@@ -13,9 +13,10 @@ from typing import Literal
 
 from kvpush.crypto.auth import grant_key
 from kvpush.crypto.curve import REQUEST_PLANE_PURPOSE, CurveKeys, derive_curve_keys
-from kvpush.crypto.membership import card_key, proof_key
+from kvpush.crypto.membership import card_key, member_view_token, proof_key
 from kvpush.discovery.instance_spec import InstanceSpec
 from kvpush.kv_cache.event_keys import EventKeys
+from kvpush.server.member_view import member_header
 
 Mode = Literal["push", "pull", "colocated"]
 Policy = Literal["round-robin", "least-outstanding", "cache-aware"]
@@ -37,6 +38,8 @@ class RouterKeys:
     request_plane: CurveKeys
     proof_key: bytes
     card_key: bytes
+    #: what opens an instance's member views (/kv/cache_blocks, /kv/info's block counts)
+    member_view: str
 
     def __repr__(self) -> str:  # never show a key
         return "RouterKeys(...)"
@@ -45,7 +48,12 @@ class RouterKeys:
     def from_secret(cls, secret: bytes) -> RouterKeys:
         return cls(grant_key(secret), EventKeys.from_secret(secret),
                    derive_curve_keys(secret, REQUEST_PLANE_PURPOSE), proof_key(secret),
-                   card_key(secret))
+                   card_key(secret), member_view_token(secret))
+
+    def member_header(self) -> dict[str, str]:
+        """What the router sends an instance, beside its API key, for the member views
+        (kvpush.server.member_view)."""
+        return member_header(self.member_view)
 
 
 class RouterConfigError(ValueError):
@@ -61,7 +69,7 @@ class RouterConfig:
     fallback_local_prefill: bool = False
     #: seconds between health checks of every instance
     health_interval_s: float = 2.0
-    #: per-call bound of a health check's /health and /kv/info requests
+    #: bound of each health-check answer (/health, /kv/prove, /kv/info), read whole
     health_timeout_s: float = 2.0
     #: how long start-up waits for the instances to answer
     startup_timeout_s: float = 60.0

@@ -41,9 +41,9 @@ from kvpush.discovery.card import Card, CardError, decode, mismatch, signature_p
 from kvpush.discovery.etcd import EtcdClient, EtcdError, KeyValue, WatchEvent
 from kvpush.discovery.instance_spec import InstanceSpec
 from kvpush.discovery.target import EtcdTarget
+from kvpush.ratelog import LogBudget
 from kvpush.router.config import RouterKeys
 from kvpush.router.pool import Instance, Pool
-from kvpush.router.ratelog import LogBudget
 from kvpush.router.stopping import cancel_and_wait
 
 logger = logging.getLogger("kvpush.router")

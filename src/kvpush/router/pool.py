@@ -1,7 +1,9 @@
 """The instances behind the router: identity, health, in-flight counts, and the policy
 that picks one for each leg.
 
-Every instance is checked at start-up and every ``health_interval_s`` after:
+Every instance is checked at start-up and every ``health_interval_s`` after, each on its
+own (a slow instance delays only its own next check), each answer read whole within
+``health_timeout_s`` and a size cap (kvpush.router.answers):
 ``GET /health`` must answer 200; with the cluster secret, the instance must prove it
 holds it (``POST /kv/prove``, kvpush.router.admit) at every check, before it gets the
 API key; ``GET /kv/info`` must show the
@@ -33,6 +35,7 @@ import httpx
 
 from kvpush.discovery.instance_spec import Identity, InstanceSpec
 from kvpush.router.admit import CannotProve, ProofFailed, Proven, identity_problem, prove
+from kvpush.router.answers import fetch
 from kvpush.router.config import RouterConfig, RouterConfigError, RouterKeys
 from kvpush.router.watch import LegWatch, end_all
 from kvpush.server.auth import auth_header
@@ -155,6 +158,8 @@ class Pool:
         #: the link to its engine core
         self.on_remove: list[Callable[[Instance], None]] = []
         self._check_slots = asyncio.Semaphore(CHECKS_AT_ONCE)
+        #: the checks running now, by instance (start_checks)
+        self._checks: dict[Instance, asyncio.Task] = {}
 
     @property
     def instances(self) -> list[Instance]:
@@ -301,7 +306,7 @@ class Pool:
         epoch = inst.epoch
         timeout = self.cfg.health_timeout_s
         try:
-            r = await client.get(inst.url + "/health", timeout=timeout)
+            r = await fetch(client, "GET", inst.url + "/health", timeout)
             if r.status_code != 200:
                 self._down(inst, f"/health answered HTTP {r.status_code}")
                 return
@@ -317,8 +322,9 @@ class Pool:
             if isinstance(keys, RouterKeys) and inst.proven is None:
                 info = None  # not kvpush, from the command line: /kv/info was 404
             else:
-                k = await client.get(inst.url + "/kv/info", timeout=timeout,
-                                     headers=auth_header(self.cfg.api_key))
+                members = keys.member_header() if isinstance(keys, RouterKeys) else {}
+                k = await fetch(client, "GET", inst.url + "/kv/info", timeout,
+                                headers=auth_header(self.cfg.api_key) | members)
                 if k.status_code == 404:
                     info = None
                 elif k.status_code != 200:
@@ -391,7 +397,7 @@ class Pool:
             return ("it cannot prove that it holds the cluster secret (/kv/prove: 404), and "
                     "instances that cannot prove are admitted only from the router's own "
                     "command line, never from etcd")
-        k = await client.get(inst.url + "/kv/info", timeout=timeout)  # without the key
+        k = await fetch(client, "GET", inst.url + "/kv/info", timeout)  # without the key
         if k.status_code == 404:  # not kvpush (vLLM): on the operator's word
             return None
         return ("it answers /kv/info like a kvpush instance but cannot prove that it holds "
@@ -432,10 +438,30 @@ class Pool:
                    if i.info is not None and i.info.get("engine_id"))
         return sorted(ids)
 
-    async def check_all(self, client: httpx.AsyncClient) -> None:
+    def start_checks(self, client: httpx.AsyncClient) -> list[asyncio.Task]:
+        """Start a check of every instance that is due and has none running (each its
+        own task: one that is slow to answer delays no other); returns those started."""
         now = time.monotonic()
-        await asyncio.gather(*(self.check(client, i) for i in self.instances
-                               if i.next_check_at <= now))
+        started = []
+        for inst in self.instances:
+            if inst.next_check_at <= now and inst not in self._checks:
+                task = asyncio.create_task(self.check(client, inst),
+                                           name=f"kvpush-check {inst.url}")
+                self._checks[inst] = task
+                task.add_done_callback(lambda t, i=inst: self._check_done(i, t))
+                started.append(task)
+        return started
+
+    def _check_done(self, inst: Instance, task: asyncio.Task) -> None:
+        self._checks.pop(inst, None)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("health check of %s failed", inst.url, exc_info=task.exception())
+
+    async def check_all(self, client: httpx.AsyncClient) -> None:
+        """Check every due instance and wait for those checks."""
+        started = self.start_checks(client)
+        if started:
+            await asyncio.wait(started)
 
     def ready(self) -> bool:
         """Whether requests can be served: a healthy decode, and a healthy prefill unless
@@ -476,11 +502,13 @@ class Pool:
             await asyncio.sleep(min(0.25, left))
 
     async def health_loop(self, client: httpx.AsyncClient) -> None:
-        """Check every instance every ``health_interval_s`` (runs until cancelled)."""
+        """Start a check of every instance every ``health_interval_s``, but of one whose
+        last check still runs (runs until cancelled; cancels the checks running then)."""
         self.running = True
-        while True:
-            await asyncio.sleep(self.cfg.health_interval_s)
-            try:
-                await self.check_all(client)
-            except Exception:  # noqa: BLE001 - the loop must survive anything
-                logger.exception("health check round failed")
+        try:
+            while True:
+                await asyncio.sleep(self.cfg.health_interval_s)
+                self.start_checks(client)
+        finally:
+            for task in list(self._checks.values()):
+                task.cancel()

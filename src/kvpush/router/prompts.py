@@ -26,6 +26,8 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
+from kvpush.models.tokenizer import max_token_bytes, tokens_at_least
+
 logger = logging.getLogger("kvpush.router")
 
 #: bodies above this size are tokenized on a worker thread (as the instances do:
@@ -85,22 +87,11 @@ def prompt_too_long(kind: str, body: dict[str, Any], max_token_bytes: int,
     max_token_bytes) tokens; above ``max_model_len`` no instance could take it."""
     if max_token_bytes < 1 or max_model_len < 1:
         return None
-    at_least = -(-prompt_text_bytes(kind, body) // max_token_bytes)
+    at_least = tokens_at_least(prompt_text_bytes(kind, body), max_token_bytes)
     if at_least <= max_model_len:
         return None
     return (f"the prompt is too long: its text alone is at least {at_least} tokens, and "
             f"the model's context is {max_model_len} tokens")
-
-
-def max_token_bytes(tokenizer: Any) -> int:
-    """An upper bound on the UTF-8 bytes one token spells: the longest vocabulary entry
-    as stored (byte-level BPE stores one character per byte, each 1-2 bytes in UTF-8;
-    SentencePiece's byte tokens are longer stored than spelled). 0: unknown."""
-    try:
-        vocab = tokenizer.get_vocab()
-    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary: no bound
-        return 0
-    return max((len(str(t).encode("utf-8", "replace")) for t in vocab), default=0)
 
 
 def model_max_len(models: Any) -> int:

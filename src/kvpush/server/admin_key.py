@@ -83,12 +83,14 @@ class AdminKeyMiddleware:
 
 
 def protect(app, api_key: str | None, admin_key: str | None,
-            paths: frozenset[str] = ADMIN_PATHS, on_reject=None) -> None:
-    """Put ``app``'s API key (every path but /health and the operator views) and its
-    operator views' key in place (see the module)."""
+            paths: frozenset[str] = ADMIN_PATHS, on_reject=None,
+            member_paths: frozenset[str] = frozenset()) -> None:
+    """Put ``app``'s API key (every path but /health, the operator views and the member
+    views, which have their own checks: kvpush.server.member_view) and its operator
+    views' key in place (see the module)."""
     if api_key:
         app.add_middleware(APIKeyMiddleware, key=api_key, on_reject=on_reject,
-                           open_paths=OPEN_PATHS | paths)
+                           open_paths=OPEN_PATHS | paths | member_paths)
     if api_key or admin_key:
         app.add_middleware(AdminKeyMiddleware, key=admin_key, paths=paths,
                            on_reject=on_reject)

@@ -46,6 +46,7 @@ from kvpush.server.admission import (
 from kvpush.server.body_limit import BodyLimitMiddleware
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
 from kvpush.server.kv_abort import parse_abort, read_abort_body
+from kvpush.server.member_view import MEMBER_PATHS, MemberViewMiddleware, MemberViews
 from kvpush.server.metrics import RequestTimer, ServerMetrics
 from kvpush.server.openapi import install_openapi, request_body
 from kvpush.server.protocol import (
@@ -420,7 +421,11 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
     app.state.server = server
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
-    protect(app, api_key, admin_key, on_reject=server.metrics.count_auth_rejected)
+    protect(app, api_key, admin_key, on_reject=server.metrics.count_auth_rejected,
+            member_paths=MEMBER_PATHS)
+    member_views = MemberViews(secret, api_key, admin_key)
+    app.add_middleware(MemberViewMiddleware, views=member_views,
+                       on_reject=server.metrics.count_auth_rejected)
     server.metrics.register_kv_stats(engine.kv_stats)
     engine.set_transfer_sink(server.metrics.observe_transfer)
 
@@ -448,9 +453,9 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
         return APIError(problem, status_code=503, code="unhealthy").response()
 
     @app.get("/kv/info", summary="KV identity: engine id, role, transfer mode, layout, blocks")
-    async def kv_info() -> Response:
+    async def kv_info(request: Request) -> Response:
         try:
-            info = await engine.kv_info()
+            info = member_views.kv_info(await engine.kv_info(), request.scope)
         except Exception as exc:  # noqa: BLE001 - the core is gone or failed the call
             err = to_api_error(exc) or APIError(f"no KV info: {exc}", status_code=503)
             return err.response()

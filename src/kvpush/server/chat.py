@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from typing import Any, Literal, TypeVar
 
+from kvpush.models.tokenizer import max_token_bytes, tokens_at_least
 from kvpush.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_LOGPROBS, SamplingParams
 from kvpush.server.errors import APIError
 from kvpush.server.protocol import (
@@ -139,6 +140,9 @@ class PromptBuilder:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.executor = executor
+        #: the most UTF-8 bytes one token spells (0: unknown): a text too long for the
+        #: context by its size alone is refused before it is tokenized
+        self.max_token_bytes = max_token_bytes(tokenizer)
 
     async def _in_worker(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
@@ -195,6 +199,20 @@ class PromptBuilder:
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             raise APIError(f"{param}: token id {bad} is out of range [0, {self.vocab_size})",
                            param=param)
+
+    def _check_text_size(self, texts: Iterable[str], what: str) -> None:
+        """Refuse a text that cannot fit the context by its size alone (a 20 MB prompt
+        would hold a worker for many seconds of tokenizing before its 400)."""
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        at_least = tokens_at_least(size, self.max_token_bytes)
+        if at_least >= self.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your {what} is at least {at_least} tokens by its size alone "
+                f"({size} bytes of text). Please reduce the length of the {what}.",
+                param="messages" if what == "messages" else "prompt",
+                code="context_length_exceeded",
+            )
 
     def _check_context(self, prompt_len: int, max_tokens: int, what: str) -> None:
         limit = self.max_model_len
@@ -254,6 +272,7 @@ class PromptBuilder:
         if not prompt:
             raise APIError("prompt must not be empty", param="prompt")
         if isinstance(prompt, str):
+            self._check_text_size([prompt], "prompt")
             ids = encode_text(self.tokenizer, prompt, add_special_tokens=True)
             if not ids:
                 raise APIError("prompt encodes to no tokens", param="prompt")
@@ -289,7 +308,9 @@ class PromptBuilder:
                            param="top_logprobs")
         if top and not req.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
-        ids = encode_chat(self.tokenizer, normalize_messages(req.messages))
+        messages = normalize_messages(req.messages)
+        self._check_text_size((m["content"] for m in messages), "messages")
+        ids = encode_chat(self.tokenizer, messages)
         self._check_context(len(ids), 1, "messages")
         max_tokens = mct if mct is not None else req.max_tokens
         if max_tokens is None:

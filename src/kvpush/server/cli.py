@@ -493,8 +493,10 @@ def run_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvpush.server")
     from kvpush.config import ConfigError, dtype_name
+    from kvpush.procs import raise_fd_limit
     from kvpush.server.auth import SecretError, resolve_api_key, resolve_kv_secret
 
+    log.debug("open files: up to %d", raise_fd_limit())  # (the core inherits it)
     api_key = resolve_api_key(args.api_key)
     try:
         args.kv_secret, warning = resolve_kv_secret(

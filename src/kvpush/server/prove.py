@@ -4,15 +4,16 @@ The router sends ``{"nonce": <64 hex>, "url": <the URL it reaches us at>}``, wit
 API key (it sends no key before the proof). We answer our engine id, role and side
 channel with a MAC keyed from the secret over all of them, the nonce and the URL
 (kvpush.crypto.membership), but only for a URL of our own: ``--advertise-url``, or one
-whose port is the port the request came in on and whose host is the address it came in
-on (a name is resolved). So a server that relays a router's challenge to us gets no
-proof for its own URL. Without a secret we cannot prove: 404, as where there is no such
-endpoint (vLLM), and routers admit us only from their own command line.
+whose port is the port the request came in on and whose host is the IP address it came
+in on (or ``localhost`` for a loopback one). No host name is resolved: a caller would
+choose what we look up. So a server that relays a router's challenge to us gets no
+proof for its own URL. Refusals are logged at a bounded rate. Without a secret we cannot
+prove: 404, as where there is no such endpoint (vLLM), and routers admit us only from
+their own command line.
 """
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import json
 import logging
@@ -21,14 +22,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvpush.crypto.membership import is_nonce, proof_key, proof_mac
+from kvpush.ratelog import LogBudget
 
 logger = logging.getLogger("kvpush.server")
 
 PROVE_PATH = "/kv/prove"
 #: the largest challenge body read
 MAX_CHALLENGE_BYTES = 1024
-#: bound of resolving a URL's host name
-RESOLVE_TIMEOUT_S = 1.0
 
 
 class ProveError(Exception):
@@ -54,13 +54,15 @@ class Prover:
     def __init__(self, secret: bytes, advertise_url: str | None = None) -> None:
         self._key = proof_key(secret)
         self.advertise_url = advertise_url.rstrip("/") if advertise_url else None
+        self._refusals = LogBudget(logger, per_s=1.0, burst=5)
 
     def __repr__(self) -> str:  # never show the key
         return f"Prover(advertise_url={self.advertise_url!r})"
 
-    async def owns(self, url: str, local: tuple[str, int] | None) -> bool:
-        """Whether ``url`` reaches this server: the advertised URL, or the address and
-        port a request came in on (``local``, the ASGI scope's ``server``)."""
+    def owns(self, url: str, local: tuple[str, int] | None) -> bool:
+        """Whether ``url`` reaches this server: the advertised URL, or the IP address
+        (``localhost``: a loopback one) and port a request came in on (``local``, the
+        ASGI scope's ``server``); never a name to resolve."""
         if self.advertise_url is not None and url == self.advertise_url:
             return True
         parts = _split(url)
@@ -74,18 +76,12 @@ class Prover:
             here = ipaddress.ip_address(local_host)
         except ValueError:
             return False
-        try:
-            return ipaddress.ip_address(host) == here
-        except ValueError:
-            pass
         if host == "localhost":
             return here.is_loopback
         try:
-            infos = await asyncio.wait_for(
-                asyncio.get_running_loop().getaddrinfo(host, port), RESOLVE_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError):
+            return ipaddress.ip_address(host) == here
+        except ValueError:  # a name: not looked up
             return False
-        return any(ipaddress.ip_address(i[4][0]) == here for i in infos)
 
     async def answer(self, body: bytes, local: tuple[str, int] | None,
                      kv_info: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
@@ -102,12 +98,12 @@ class Prover:
         if not is_nonce(nonce) or not isinstance(url, str) or len(url) > 512:
             raise ProveError("a challenge is {\"nonce\": <64 lowercase hex>, \"url\": <str>}",
                              400)
-        if not await self.owns(url, local):
-            logger.warning("refused to prove membership for %r: not a URL of this instance "
-                           "(a relayed challenge, or set --advertise-url to the URL routers "
-                           "reach it at)", url)
-            raise ProveError("not a URL of this instance (set --advertise-url to the URL "
-                             "routers reach it at)", 403)
+        if not self.owns(url, local):
+            self._refusals.log(logging.WARNING, "refused to prove membership for %r: not "
+                               "an IP URL of this instance (a relayed challenge, or set "
+                               "--advertise-url to the URL routers reach it at)", url)
+            raise ProveError("not an IP URL of this instance (set --advertise-url to the "
+                             "URL routers reach it at)", 403)
         info = await kv_info()
         engine_id, role = str(info.get("engine_id") or ""), str(info.get("role"))
         side = info.get("side_channel")

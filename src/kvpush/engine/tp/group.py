@@ -5,13 +5,24 @@ child processes (``python -m kvpush.engine.rank_proc``, each with PR_SET_PDEATHS
 kernel kills them if the core dies), from a thread of its own that then watches their
 pidfds and lives as long as they do (PDEATHSIG fires when the forking *thread* exits).
 Each rank loads its part of the model, reports ``ready`` (or ``failed`` with why) in rank
-0's TCPStore (bound on 127.0.0.1 only), and all join one torch.distributed process group:
-gloo on CPU (over loopback), NCCL on CUDA (rank r on device ``cuda:(i+r)``).
+0's store, and all join one torch.distributed process group: gloo on CPU (over loopback),
+NCCL on CUDA (rank r on device ``cuda:(i+r)``).
+
+Privacy: the ranks' sockets and the store live in a private folder of rank 0's
+(``core_dir.make_core_dir``, mode 0700: another uid can neither list nor connect), as
+``ipc://`` filesystem sockets, and the store is a ``FileStore`` there (a TCPStore would
+listen on loopback, open to every local user; prefixing its keys with a secret would
+still let anyone connect, flood it, or hold the rendezvous). Each rank socket is a ZMQ
+PAIR: one peer at a time, a second one gets nothing. A rank proves it is the one rank 0
+started before any plan goes out: its first message on each of its sockets is the
+instance's random token, which it got in its RankSetup on stdin (``_admit``).
 
 Per step rank 0 sends the plan (``plan.py``) on each rank's ZMQ socket, then runs its
 own forward pass; the all-reduces of the row-parallel projections keep the ranks in
 step. A rank waits for the next plan on its socket, never inside a collective, so an
-idle instance has no collective that could time out.
+idle instance has no collective that could time out; inside a step the ranks run the
+same work, so a collective that waits ``COLLECTIVE_TIMEOUT`` for a peer means the peer
+missed the plan or stopped, and the step fails then.
 
 Death: a rank that exits while rank 0 did not ask it to is a :class:`RankDied` in the
 engine's inbox (the watcher's callback), and a collective that fails mid-step raises
@@ -26,12 +37,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import hmac
 import logging
 import os
 import pickle
 import secrets
 import select
-import socket
+import shutil
 import subprocess
 import sys
 import threading
@@ -45,6 +57,7 @@ import torch.distributed as dist
 import zmq
 
 from kvpush.config import ConfigError, EngineConfig, KVTransferConfig, tp_kv_heads
+from kvpush.engine.core_dir import make_core_dir
 from kvpush.engine.tp.kv_ranks import RankProxy, decode_rank_kv, kv_key
 from kvpush.engine.tp.plan import RankSetup, RankStep, RankStop, StepChunk
 from kvpush.kv_cache.kv_map import RankKV
@@ -52,16 +65,21 @@ from kvpush.procs import describe_exit, pdeathsig_preexec
 
 log = logging.getLogger("kvpush.engine.tp")
 
-#: the longest one collective may wait for a peer (a safety net: a dead peer's closed
-#: connection fails it at once; ranks never wait inside a collective while idle)
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=600)
+#: the longest one collective may wait for a peer: the ranks run the same chunks, so
+#: they reach each collective within one layer's work of each other; a peer that missed
+#: its plan or stopped (not exited: a dead peer's closed connection fails the collective
+#: at once) fails the step after this. Ranks never wait inside a collective while idle.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=10)
 #: how long the ranks may take to load their part of the model
 START_TIMEOUT_S = 600.0
 #: how long stopping ranks may take before they are killed
 STOP_TIMEOUT_S = 10.0
 #: how long a failed step waits for the watcher to name a rank that died
 DEATH_GRACE_S = 1.0
-STORE_HOST = "127.0.0.1"
+#: how long a rank that reported ready may take to prove itself on its sockets
+ADMIT_TIMEOUT_S = 5.0
+#: the store's file in the group's private folder
+STORE_FILE = "store"
 
 
 class RankDied(Exception):
@@ -104,6 +122,21 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
+def rank_socket(ctx: zmq.Context) -> zmq.Socket:
+    """One end of a rank's socket (rank 0 binds, the rank connects): a PAIR, one peer at a
+    time, that never drops a message."""
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+def open_store(path: str, size: int) -> dist.Store:
+    """The group's store: a file in rank 0's private folder (see the module's docs)."""
+    return dist.FileStore(path, size)
+
+
 def ready_key(rank: int) -> str:
     return f"kvpush/ready/{rank}"
 
@@ -133,35 +166,32 @@ class RankGroup:
         self._failed = False
         self._closed = False
         self._procs: list[subprocess.Popen] = []
-        listener = socket.socket()  # the store on loopback only
-        listener.bind((STORE_HOST, 0))
-        listener.listen(64)
-        port = listener.getsockname()[1]
-        self.store = dist.TCPStore(STORE_HOST, port, self.size, is_master=True,
-                                   wait_for_workers=False, master_listen_fd=listener.detach())
+        #: the private folder of the ranks' sockets and the store
+        self.folder = make_core_dir()
+        store_path = os.path.join(self.folder, STORE_FILE)
+        self.store = open_store(store_path, self.size)
         self._ctx = zmq.Context()
         self._socks: list[zmq.Socket] = []
-        token = secrets.token_hex(8)
+        #: what each rank sends first on each of its sockets (``_admit``)
+        self._token = secrets.token_bytes(32)
         rank_config = dataclasses.replace(config, kv_transfer=KVTransferConfig())
         setups = []
         for r in range(1, self.size):
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)  # never drop a plan
-            sock.setsockopt(zmq.LINGER, 0)
-            address = f"ipc://@kvpush-tp-{os.getpid()}-{token}-{r}"
+            sock = rank_socket(self._ctx)
+            sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)  # (a rank sends only its token)
+            address = f"ipc://{self.folder}/plan-{r}"
             sock.bind(address)
             self._socks.append(sock)
             kv_address = None
             if config.kv_transfer.enabled:
-                kv_sock = self._ctx.socket(zmq.PAIR)
-                kv_sock.setsockopt(zmq.SNDHWM, 0)
-                kv_sock.setsockopt(zmq.LINGER, 0)
-                kv_address = f"{address}-kv"
+                kv_sock = rank_socket(self._ctx)
+                kv_sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)  # its token, then KVStates
+                kv_address = f"ipc://{self.folder}/kv-{r}"
                 kv_sock.bind(kv_address)
                 self._kv_socks.append(kv_sock)
             setups.append(RankSetup(
                 dataclasses.replace(rank_config, device=rank_device(config.device, r)),
-                r, port, address, log_level, kv_address, links,
+                r, store_path, address, self._token, log_level, kv_address, links,
                 config.kv_transfer.engine_id))
         self._enc = msgspec.msgpack.Encoder()
         spawned = threading.Event()
@@ -226,7 +256,15 @@ class RankGroup:
     # ---- start-up ------------------------------------------------------------------
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         """Wait until every rank has loaded its part, then join the process group
-        (ConfigError: a rank could not start, and why)."""
+        (ConfigError: a rank could not start, and why; ``close`` then kills the ranks at
+        once: they may wait in the rendezvous rank 0 never joins)."""
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self._failed = True
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
         pending = set(range(1, self.size))
         deadline = time.monotonic() + timeout
         while pending:
@@ -244,12 +282,28 @@ class RankGroup:
                 raise ConfigError(f"tensor-parallel ranks {sorted(pending)} were not ready "
                                   f"in {timeout:.0f} s")
             self._died.wait(0.05)
+        self._admit()
         for r, sock in enumerate(self._kv_socks, 1):
             base, metadata = decode_rank_kv(self.store.get(kv_key(r)))
             heads = tp_kv_heads(self.config.model, self.size, r)
             self.kv_ranks.append((RankKV(r, heads.start, heads.stop, base, metadata),
                                   RankProxy(sock, r)))
         join_group(self.store, 0, self.size, self.device)
+
+    def _admit(self) -> None:
+        """Each rank's first message on each of its sockets must be the instance's token
+        (it was sent before the rank reported ready); ConfigError if not: whatever is at
+        the other end is not the rank this process started, and gets no plan."""
+        socks = [(r, s, "plan") for r, s in enumerate(self._socks, 1)]
+        socks += [(r, s, "KV") for r, s in enumerate(self._kv_socks, 1)]
+        deadline = time.monotonic() + ADMIT_TIMEOUT_S
+        for r, sock, what in socks:
+            if not sock.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                raise ConfigError(f"tensor-parallel rank {r} did not prove itself on its "
+                                  f"{what} socket in {ADMIT_TIMEOUT_S:.0f} s")
+            if not hmac.compare_digest(sock.recv(zmq.NOBLOCK), self._token):
+                raise ConfigError(f"tensor-parallel rank {r}'s {what} socket: its peer is "
+                                  "not the rank this instance started (wrong token)")
 
     # ---- steps ---------------------------------------------------------------------
     def send_step(self, chunks: list[StepChunk]) -> None:
@@ -303,3 +357,4 @@ class RankGroup:
         for sock in self._socks + self._kv_socks:
             sock.close(linger=0)
         self._ctx.term()
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -4,8 +4,9 @@ Every rank r > 0 registers its own KV region with a transport of its own (a NIXL
 named ``<engine id>.rank<r>``) and leaves its region's base and the transport's metadata
 in rank 0's store at start-up; rank 0's Hello lists every rank (``kv_map.RankKV``). Rank
 0's transfer thread works out the pieces (``kv_map.head_map``) and posts rank r's through
-a :class:`RankProxy`: typed msgspec messages on a ZMQ PAIR socket per rank (``ipc://@``,
-nothing on disk), never pickled calls and never the KV itself:
+a :class:`RankProxy`: typed msgspec messages on a ZMQ PAIR socket per rank (in rank 0's
+private folder; the rank's first message is the instance's token, group.py), never
+pickled calls and never the KV itself:
 
     rank 0 → rank r   KVAddPeer(the peer rank's metadata), KVPost(handle, op, the peer's
                       agent, our ranges, theirs), KVRelease(handle)
@@ -164,13 +165,16 @@ class RankKVServer:
     rank's own transport and region, and says when each post has ended."""
 
     def __init__(self, transport: KVTransport, ctx: zmq.Context, address: str,
-                 rank: int, on_death: Callable[[], None] = lambda: None) -> None:
-        """``on_death()``: on the thread, once, if it dies (the rank process then exits:
-        rank 0 would wait on its posts until leases and fences cleared them)."""
+                 rank: int, token: bytes, on_death: Callable[[], None] = lambda: None
+                 ) -> None:
+        """``token``: sent first, for rank 0 to admit this socket. ``on_death()``: on the
+        thread, once, if it dies (the rank process then exits: rank 0 would wait on its
+        posts until leases and fences cleared them)."""
         self.transport, self.rank, self.on_death = transport, rank, on_death
         self.sock = ctx.socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
+        self.sock.send(token)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvpush-tp-kv", daemon=True)
         self._thread.start()

@@ -2,8 +2,8 @@
 
 At start-up, a :class:`RankSetup` pickled on the rank's stdin (as the engine core gets
 its own: the config never appears on a command line). Then, per step, one msgspec
-msgpack :data:`RankMessage` on a ZMQ PUSH socket per rank (``ipc://`` in the abstract
-namespace: nothing on disk): :class:`RankStep` with the step's chunks as plain data
+msgpack :data:`RankMessage` on a ZMQ PAIR socket per rank (``ipc://`` in rank 0's private
+folder, kvpush.engine.tp.group): :class:`RankStep` with the step's chunks as plain data
 (token ids, positions, block tables, which request, whether its last token is sampled,
 its ``max_tokens`` for the dense decode cache), or :class:`RankStop`. Sampling
 parameters stay on rank 0, which alone samples. Every rank runs the same forward pass
@@ -50,10 +50,13 @@ class RankSetup:
     #: settings (no cluster secret: the ranks never talk to peers)
     config: EngineConfig
     rank: int
-    #: rank 0's TCPStore on 127.0.0.1 (start-up reports, the process group's rendezvous)
-    store_port: int
-    #: rank 0's PUSH socket for this rank
+    #: rank 0's FileStore in its private folder (start-up reports, the process group's
+    #: rendezvous)
+    store_path: str
+    #: rank 0's PAIR socket for this rank's plans
     plan_address: str
+    #: the instance's random token: the rank's first message on each of its sockets
+    token: bytes
     log_level: str = "INFO"
     #: P/D instances: rank 0's PAIR socket for this rank's KV posts (kv_ranks.py), the
     #: links that build its transport, and the instance's engine id (None: no KV transfer)

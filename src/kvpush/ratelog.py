@@ -1,5 +1,6 @@
-"""Log lines at a bounded rate: a flood of membership changes (10,000 cards put or
-deleted at once) must not become 10,000 log lines.
+"""Log lines at a bounded rate: a flood (10,000 membership cards put or deleted at once,
+undecodable frames on a request plane, challenges for a URL that is not ours) must not
+become as many log lines.
 
 ``LogBudget(logger, per_s=5, burst=20)`` lets ``burst`` lines through at once and then
 ``per_s`` a second; the rest are counted, and the next line let through says how many
