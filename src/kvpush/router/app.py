@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive, Scope, Send
 
+from kvpush import __version__
 from kvpush.aio import within
 from kvpush.router.cache_policy import CachePolicy, load_model_tokenizer
 from kvpush.router.config import RouterConfig
@@ -57,6 +58,7 @@ from kvpush.server.door import uvicorn_options
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
 from kvpush.server.metrics import auth_rejected_counter
 from kvpush.server.openapi import install_openapi, request_body
+from kvpush.server.protocol import VersionResponse
 
 if TYPE_CHECKING:
     from kvpush.router.discover import EtcdLink
@@ -408,6 +410,30 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
               openapi_extra=request_body("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
         return await _handle(router, request, "chat")
+
+    async def tokens(request: Request, which: Literal["tokenize", "detokenize"]) -> Response:
+        """The engine-core front's /tokenize or /detokenize (the model's tokenizer)."""
+        front = router.cores.front if router.cores.serving(router.legs,
+                                                            router.tokenizer) else None
+        if front is None:
+            return APIError(f"/{which} needs the router to front the engine cores (the "
+                            "cluster secret and the model's tokenizer)",
+                            status_code=503, code="unavailable").response()
+        return await front.tokens(request, getattr(front.prompts, which))
+
+    @app.post("/tokenize", summary="Token ids of a prompt or a chat (vLLM's)",
+              openapi_extra=request_body("TokenizeRequest"))
+    async def tokenize(request: Request) -> Response:
+        return await tokens(request, "tokenize")
+
+    @app.post("/detokenize", summary="Text of token ids (vLLM's)",
+              openapi_extra=request_body("DetokenizeRequest"))
+    async def detokenize(request: Request) -> Response:
+        return await tokens(request, "detokenize")
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -13,17 +13,26 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, Literal, TypeVar
 
+from pydantic import TypeAdapter
+
 from kvpush.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_LOGPROBS, SamplingParams
 from kvpush.server.errors import APIError
 from kvpush.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     Job,
     SamplingRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 
 T = TypeVar("T")
+
+_JSON_OBJECT = TypeAdapter(dict[str, Any])
 
 #: Roles a chat request may use. "developer" is OpenAI's newer name for "system" (the
 #: official clients send it for some models); chat templates only know "system", so it
@@ -72,8 +81,12 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
-    """The model's chat template applied to ``messages``, ending in the assistant header."""
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *,
+                add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
+    """The model's chat template applied to ``messages``, ending in the assistant header
+    (``add_generation_prompt``), or leaving the last message open to be continued
+    (``continue_final_message``, as /tokenize may ask)."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(
             "this model's tokenizer has no chat template; use /v1/completions with a "
@@ -84,8 +97,11 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
 
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=False
         )
+    except ValueError as e:  # transformers: continue_final_message with no message to
+        raise APIError(str(e), param="messages") from None  # continue, or both flags
     except TemplateError as e:  # raise_exception(...) in the template: a client error
         raise APIError(f"the model's chat template rejected the messages: {e}",
                        param="messages") from None
@@ -166,11 +182,46 @@ class PromptBuilder:
             return make(req, request_id, arrival)
         return await self._in_worker(lambda: make(req, request_id, arrival))
 
-    def _check_common(self, req: SamplingRequest) -> None:
-        if req.model is not None and req.model != self.model_name:
-            raise APIError(f"the model {req.model!r} does not exist; this server serves "
+    def check_model(self, model: str | None) -> None:
+        """A 404 for a model this server does not serve (None: the served one)."""
+        if model is not None and model != self.model_name:
+            raise APIError(f"the model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", status_code=404, param="model",
                            code="model_not_found")
+
+    async def tokenize(self, body: bytes) -> TokenizeResponse:
+        """``POST /tokenize`` (vLLM's): a prompt's or a chat's token ids, encoded as the
+        generation endpoints encode them; on a worker thread when the body is large."""
+        def run() -> TokenizeResponse:
+            raw = _JSON_OBJECT.validate_json(body)  # a 400 unless a JSON object
+            model = TokenizeChatRequest if "messages" in raw else TokenizeCompletionRequest
+            req = model.model_validate(raw)
+            self.check_model(req.model)
+            if isinstance(req, TokenizeChatRequest):
+                text = render_chat(self.tokenizer, normalize_messages(req.messages),
+                                   add_generation_prompt=req.add_generation_prompt,
+                                   continue_final_message=req.continue_final_message)
+            else:
+                text = req.prompt
+            ids = encode_text(self.tokenizer, text, add_special_tokens=req.add_special_tokens)
+            strs = (list(self.tokenizer.convert_ids_to_tokens(ids))
+                    if req.return_token_strs else None)
+            return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len,
+                                    tokens=ids, token_strs=strs)
+        return run() if len(body) <= INLINE_BODY_BYTES else await self._in_worker(run)
+
+    async def detokenize(self, body: bytes) -> DetokenizeResponse:
+        """``POST /detokenize`` (vLLM's): the text of token ids (special tokens kept)."""
+        def run() -> DetokenizeResponse:
+            req = DetokenizeRequest.model_validate_json(body)
+            self.check_model(req.model)
+            if req.tokens:
+                self._check_token_ids(req.tokens, "tokens")
+            return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+        return run() if len(body) <= INLINE_BODY_BYTES else await self._in_worker(run)
+
+    def _check_common(self, req: SamplingRequest) -> None:
+        self.check_model(req.model)
         if req.n not in (None, 1):
             raise APIError(f"n must be 1 (only one choice per request is supported), got "
                            f"{req.n}", param="n")

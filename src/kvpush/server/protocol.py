@@ -302,6 +302,53 @@ class ModelList(_Model):
     data: list[ModelCard]
 
 
+# ------------------------------------------------------ /tokenize, /detokenize (vLLM's)
+
+#: Token ids one /detokenize request may carry (a full long context)
+MAX_DETOKENIZE_TOKENS = 1 << 20
+
+
+class TokenizeCompletionRequest(_Model):
+    """``POST /tokenize`` with a prompt (vLLM's TokenizeCompletionRequest)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: Bool = True
+    return_token_strs: Bool = False
+
+
+class TokenizeChatRequest(_Model):
+    """``POST /tokenize`` with chat messages (vLLM's TokenizeChatRequest): the ids the
+    chat endpoint would run, by default."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_CHAT_MESSAGES)]
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    add_special_tokens: Bool = False
+    return_token_strs: Bool = False
+
+
+class TokenizeResponse(_Model):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: Annotated[list[Int], Field(max_length=MAX_DETOKENIZE_TOKENS)]
+
+
+class DetokenizeResponse(_Model):
+    prompt: str
+
+
+class VersionResponse(_Model):
+    version: str
+
+
 # ------------------------------------------------------------ engine outputs -> bodies
 
 
