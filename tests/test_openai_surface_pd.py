@@ -1,9 +1,7 @@
 """The OpenAI surface agent workloads need (issue 65), on real instances of the tiny
 random model: colocated, and through a router over prefill and decode in push and pull
 (the router fronts the engine cores). ``/tokenize``, ``/detokenize``, ``/version`` on
-the router; structured outputs whose every answer parses and validates against its
-schema, token #1 included (in push it is sampled on prefill under the grammar and
-decode resumes the grammar after it). Every wait is bounded; every process stopped."""
+the router. Every wait is bounded; every process stopped."""
 
 from __future__ import annotations
 
@@ -70,3 +68,23 @@ def test_router_tokenize_detokenize_version_match_an_instance(cluster, routers) 
         assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
         for url in (routers["push"], single):
             assert c.get(url + "/version").json() == {"version": kvpush.__version__}
+
+
+def test_router_on_http_legs_relays_tokenize_to_a_decode(cluster, routers,
+                                                         monkeypatch) -> None:
+    """Without the engine-core front (KVPUSH_ROUTER_PATH=http, or vLLM instances) the
+    router relays /tokenize and /detokenize to a healthy decode instance."""
+    from kvpush.router.core_front import ROUTER_PATH_ENV
+
+    monkeypatch.setenv(ROUTER_PATH_ENV, "http")
+    body = {"messages": [{"role": "user", "content": "hello"}], "return_token_strs": True}
+    with httpx.Client(timeout=30) as c:
+        assert c.get(routers["push"] + "/health").json()["legs"] == "http"
+        r = c.post(routers["push"] + "/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json() == c.post(cluster["single"].url + "/tokenize", json=body).json()
+        r = c.post(routers["push"] + "/detokenize", json={"tokens": r.json()["tokens"]})
+        assert r.status_code == 200 and "hello" in r.json()["prompt"]
+        r = c.post(routers["push"] + "/detokenize", json={"tokens": [-1]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+

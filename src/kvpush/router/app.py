@@ -411,15 +411,50 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
     async def chat_completions(request: Request) -> Response:
         return await _handle(router, request, "chat")
 
+    async def from_decode(path: str, what: str, body: bytes | None = None) -> Response:
+        """The first healthy decode instance's answer to ``path`` (GET; POST of ``body``
+        when given), relayed."""
+        assert router.client is not None
+        tried = []
+        for inst in router.pool.by_role["decode"]:
+            if not inst.healthy:
+                continue
+            req = router.client.build_request(
+                "GET" if body is None else "POST", inst.url + path, content=body,
+                headers=None if body is None else {"Content-Type": "application/json"},
+                timeout=router.cfg.health_timeout_s)
+            try:
+                r = await router.client.send(req, stream=True)
+                try:
+                    content = await read_answer(r, router.cfg.max_answer_bytes)
+                finally:
+                    await r.aclose()
+            except (httpx.HTTPError, AnswerTooLarge) as e:
+                tried.append(f"{inst.url}: {describe_error(e)}")
+                continue
+            if r.status_code == 200:
+                return Response(content, media_type="application/json")
+            return relay_error(r.status_code, content, "decode", inst, path,
+                               router.pool.engine_ids())
+        if tried:
+            logger.warning("%s: no decode instance answered: %s", path, "; ".join(tried))
+        why = "no decode instance answered" if tried else "no healthy decode instance"
+        return APIError(f"cannot {what}: {why}", status_code=503).response()
+
     async def tokens(request: Request, which: Literal["tokenize", "detokenize"]) -> Response:
-        """The engine-core front's /tokenize or /detokenize (the model's tokenizer)."""
-        front = router.cores.front if router.cores.serving(router.legs,
-                                                            router.tokenizer) else None
-        if front is None:
-            return APIError(f"/{which} needs the router to front the engine cores (the "
-                            "cluster secret and the model's tokenizer)",
-                            status_code=503, code="unavailable").response()
-        return await front.tokens(request, getattr(front.prompts, which))
+        """The engine-core front's /tokenize or /detokenize (the model's tokenizer), else
+        a decode instance's (HTTP legs: vLLM's too)."""
+        if router.cores.serving(router.legs, router.tokenizer):
+            front = router.cores.front
+            assert front is not None
+            return await front.tokens(request, getattr(front.prompts, which))
+        try:
+            raw = await read_body_within(request, router.cfg.body_timeout_s)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except APIError as err:  # 413, 408
+            return err.response()
+        return await from_decode(f"/{which}", which, raw)
 
     @app.post("/tokenize", summary="Token ids of a prompt or a chat (vLLM's)",
               openapi_extra=request_body("TokenizeRequest"))
@@ -437,30 +472,7 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
 
     @app.get("/v1/models")
     async def models() -> Response:
-        assert router.client is not None
-        tried = []
-        for inst in router.pool.by_role["decode"]:
-            if not inst.healthy:
-                continue
-            req = router.client.build_request("GET", inst.url + "/v1/models",
-                                              timeout=router.cfg.health_timeout_s)
-            try:
-                r = await router.client.send(req, stream=True)
-                try:
-                    content = await read_answer(r, router.cfg.max_answer_bytes)
-                finally:
-                    await r.aclose()
-            except (httpx.HTTPError, AnswerTooLarge) as e:
-                tried.append(f"{inst.url}: {describe_error(e)}")
-                continue
-            if r.status_code == 200:
-                return Response(content, media_type="application/json")
-            return relay_error(r.status_code, content, "decode", inst, "/v1/models",
-                               router.pool.engine_ids())
-        if tried:
-            logger.warning("/v1/models: no decode instance answered: %s", "; ".join(tried))
-        why = "no decode instance answered" if tried else "no healthy decode instance"
-        return APIError(f"cannot list models: {why}", status_code=503).response()
+        return await from_decode("/v1/models", "list models")
 
     @app.get("/health")
     async def health() -> Response:
