@@ -15,7 +15,13 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import TypeAdapter
 
-from kvpush.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_LOGPROBS, SamplingParams
+from kvpush.grammar import GrammarCompiler, GrammarError
+from kvpush.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    StructuredOutput,
+)
 from kvpush.server.errors import APIError
 from kvpush.server.protocol import (
     ChatCompletionRequest,
@@ -29,6 +35,7 @@ from kvpush.server.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from kvpush.server.structured import structured_output
 
 T = TypeVar("T")
 
@@ -155,6 +162,8 @@ class PromptBuilder:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.executor = executor
+        #: structured outputs checked (compiled, cached) before anything runs
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
     async def _in_worker(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
@@ -171,7 +180,8 @@ class PromptBuilder:
                   body_bytes: int) -> Job:
         """Validate and tokenize a parsed request; on a worker thread when its body was
         large or, for a chat, when it has many messages."""
-        heavy = body_bytes > INLINE_BODY_BYTES
+        # a structured output's grammar may take a while to compile the first time
+        heavy = body_bytes > INLINE_BODY_BYTES or req.constrained
         make: Callable[[Any, str, float], Job]
         if isinstance(req, ChatCompletionRequest):
             heavy = heavy or len(req.messages) > INLINE_MESSAGES
@@ -267,9 +277,22 @@ class PromptBuilder:
                 code="context_length_exceeded",
             )
 
+    def _structured(self, req: SamplingRequest) -> StructuredOutput | None:
+        """The request's structured output, compiled once here (a 400 if it cannot be)."""
+        given = structured_output(req)
+        if given is None:
+            return None
+        param, spec = given
+        try:
+            self.grammars.check(spec)
+        except GrammarError as e:
+            raise APIError(f"{param}: {e}", param=param) from None
+        return spec
+
     @staticmethod
     def _sampling_params(req: SamplingRequest, max_tokens: int, logprobs: bool,
-                         top_logprobs: int = 0) -> SamplingParams:
+                         top_logprobs: int = 0,
+                         structured: StructuredOutput | None = None) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -287,6 +310,7 @@ class PromptBuilder:
             top_logprobs=top_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             cache_salt=req.cache_salt,
+            structured=structured,
         )
 
     def completion_job(self, req: CompletionRequest, request_id: str, arrival: float) -> Job:
@@ -317,7 +341,8 @@ class PromptBuilder:
             max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
         self._check_context(len(ids), 1, "prompt")
         params = self._sampling_params(req, max_tokens, logprobs=req.logprobs is not None,
-                                       top_logprobs=req.logprobs or 0)
+                                       top_logprobs=req.logprobs or 0,
+                                       structured=self._structured(req))
         self._check_context(len(ids), max_tokens, "prompt")
         return Job(request_id, ids, params, arrival, bool(req.stream),
                    bool(req.stream_options and req.stream_options.include_usage))
@@ -331,9 +356,6 @@ class PromptBuilder:
                            param="max_completion_tokens")
         if req.tools or req.functions:
             raise APIError("tools are not supported", param="tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError("only response_format {\"type\": \"text\"} is supported",
-                           param="response_format")
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
             raise APIError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}",
@@ -346,7 +368,8 @@ class PromptBuilder:
         if max_tokens is None:
             max_tokens = self.max_model_len - len(ids)
         params = self._sampling_params(req, max_tokens, logprobs=bool(req.logprobs),
-                                       top_logprobs=(top or 0) if req.logprobs else 0)
+                                       top_logprobs=(top or 0) if req.logprobs else 0,
+                                       structured=self._structured(req))
         self._check_context(len(ids), max_tokens, "messages")
         return Job(request_id, ids, params, arrival, bool(req.stream),
                    bool(req.stream_options and req.stream_options.include_usage))
