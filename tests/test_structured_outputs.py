@@ -1,7 +1,8 @@
 """Structured outputs (issue 65): the grammar's mask in the sampler, the engine's
 outputs under JSON schemas, regexes and choices on the tiny random model (the mask
 forces a random model into the grammar), compiled once per spec, and the API's 400s
-before any compute (on the fake engine). P/D: tests/test_openai_surface_pd.py."""
+before any compute (on the fake engine), n > 1 and best_of's among them. P/D:
+tests/test_openai_surface_pd.py."""
 
 from __future__ import annotations
 
@@ -200,3 +201,23 @@ async def test_a_bad_or_doubled_spec_is_a_400_before_any_compute(model, extra,
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
     assert engine.requests == []  # nothing reached the engine
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    ("/v1/chat/completions", {"n": 2}, "n"),
+    ("/v1/completions", {"n": 3}, "n"),
+    ("/v1/completions", {"best_of": 2}, "best_of"),
+])
+async def test_n_and_best_of_are_refused_deliberately(model, path, extra, param) -> None:
+    """Issue 65, point 3: n > 1 and best_of > 1 are a 400 saying why (n: one choice a
+    request; best_of: no ranking), never a silent single choice."""
+    engine = FakeEngine(*model)
+    body = {"max_tokens": 2, **extra,
+            **({"messages": MSGS} if "chat" in path else {"prompt": "hi"})}
+    async with running(engine) as client:
+        r = await client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and f"{param} must be 1, got {extra[param]}" in err["message"]
+    assert engine.requests == []

@@ -233,8 +233,9 @@ class PromptBuilder:
     def _check_common(self, req: SamplingRequest) -> None:
         self.check_model(req.model)
         if req.n not in (None, 1):
-            raise APIError(f"n must be 1 (only one choice per request is supported), got "
-                           f"{req.n}", param="n")
+            raise APIError(f"n must be 1, got {req.n}: kvpush answers one choice per "
+                           "request (send n requests; a prompt's cached blocks are shared)",
+                           param="n")
         if req.max_tokens is not None and req.max_tokens < 1:
             raise APIError(f"max_tokens must be at least 1, got {req.max_tokens}",
                            param="max_tokens")
@@ -321,7 +322,9 @@ class PromptBuilder:
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
         if req.best_of not in (None, 1):
-            raise APIError("best_of must be 1", param="best_of")
+            raise APIError(f"best_of must be 1, got {req.best_of}: kvpush does not sample "
+                           "several completions to return the most likely one",
+                           param="best_of")
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
             raise APIError(f"logprobs must be between 0 and 5, got {req.logprobs}",
                            param="logprobs")
