@@ -107,6 +107,26 @@ def test_regex_choice_and_json_object_outputs(engine) -> None:
     assert_all_blocks_free(engine)
 
 
+def test_a_token_that_breaks_the_grammar_fails_the_request_in_one_line(engine) -> None:
+    """A token from elsewhere (token #1 sent with the KV) that the grammar does not
+    allow fails the request with a short reason, and frees its blocks."""
+    from kvpush.sampling_params import SampledToken
+    from kvpush.scheduler.request import RequestState
+
+    req = engine.add_request("broken", [3, 4, 5], SamplingParams(
+        max_tokens=8, structured=StructuredOutput(GrammarKind.REGEX, "[0-9]+")))
+    engine.step()  # prefill: token #1, a digit
+    assert req.output_token_ids and req.grammar.error is None
+    from kvpush.scheduler.scheduler import _append_token
+
+    _append_token(req, SampledToken(engine.tokenizer.convert_tokens_to_ids("a")))
+    out = engine._token_output(req, 0.0)
+    assert req.state is RequestState.FINISHED_ERROR
+    assert "breaks the structured output's grammar" in out.failure.message
+    assert "\n" not in out.failure.message and "<grammar>" not in out.failure.message
+    assert_all_blocks_free(engine)
+
+
 @pytest.mark.parametrize("spec", [
     StructuredOutput(GrammarKind.JSON_SCHEMA, '{"type": "no-such-type"}'),
     StructuredOutput(GrammarKind.REGEX, "(unclosed"),

@@ -88,8 +88,9 @@ class Grammar:
 
     @property
     def error(self) -> str | None:
-        """Why a consumed token broke the grammar, if one did."""
-        return self._m.get_error() if self._m.is_error() else None
+        """Why a consumed token broke the grammar, if one did (the first line of
+        llguidance's report: the rest dumps the parser's state and the whole grammar)."""
+        return self._m.get_error().split("\n", 1)[0] if self._m.is_error() else None
 
 
 class GrammarCompiler:
