@@ -6,6 +6,7 @@ an OpenAI-style error body naming the offending parameter.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -29,6 +30,10 @@ MAX_STOP_TOKEN_IDS = 1024
 #: request runs, the detokenizer holds back the longest one's length - 1 characters
 MAX_STOP_STRINGS = 16
 MAX_STOP_STR_CHARS = 1024
+
+
+#: the longest grammar spec (JSON schema, regex, choices, Lark) a request may carry
+MAX_GRAMMAR_CHARS = 256 << 10
 
 
 #: (token id, logprob) of the most likely tokens at one position, most likely first
@@ -58,6 +63,34 @@ class SamplingParamsError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class GrammarKind(str, enum.Enum):
+    """What a structured-output spec is (OpenAI's response_format, vLLM's guided_*)."""
+
+    JSON_OBJECT = "json_object"  # any JSON object (spec unused)
+    JSON_SCHEMA = "json_schema"  # spec: the schema, as JSON text
+    REGEX = "regex"
+    CHOICE = "choice"  # spec: a JSON list of the strings allowed
+    GRAMMAR = "grammar"  # spec: a Lark or GBNF grammar
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """The grammar a request's output must follow (compiled by kvpush.grammar; hashable:
+    the compiled grammar is cached under it)."""
+
+    kind: GrammarKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, GrammarKind):
+            raise SamplingParamsError(f"unknown structured output kind {self.kind!r}",
+                                      "structured_outputs")
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_GRAMMAR_CHARS:
+            raise SamplingParamsError(f"a structured output spec must be a string of at "
+                                      f"most {MAX_GRAMMAR_CHARS} characters",
+                                      "structured_outputs")
 
 
 #: top_k above this keeps every token of any vocabulary: it is clamped here, so the
@@ -92,6 +125,8 @@ class SamplingParams:
     #: vLLM's cache_salt: mixed into the first block's hash, so only requests with the
     #: same salt share prefix-cache blocks (tenant isolation); None: no salt
     cache_salt: str | None = None
+    #: the grammar the output follows (a mask on every sampled token, token #1 too)
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens):

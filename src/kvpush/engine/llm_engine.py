@@ -44,6 +44,7 @@ from kvpush.engine.outputs import (
     rejected,
 )
 from kvpush.engine.tp.group import RankDied
+from kvpush.grammar import GrammarCompiler, GrammarError
 from kvpush.kv_transfer.actions import AbortRequest, EmitFirstToken, FailRequest, RejectRequest
 from kvpush.kv_transfer.commands import TransferUpdate
 from kvpush.kv_transfer.links import TransferLinks
@@ -86,6 +87,8 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        #: structured outputs' grammars, compiled once each (llguidance: on first use)
+        self.grammars = GrammarCompiler(self.tokenizer, config.model.vocab_size, eos)
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = config.model.vocab_size
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -232,6 +235,11 @@ class LLMEngine:
         )
         if cmd.arrival_time:
             req.arrival_time = cmd.arrival_time
+        if cmd.params.structured is not None:
+            try:
+                req.grammar = self.grammars.grammar(cmd.params.structured)
+            except GrammarError as e:  # the front checks specs: another front's spec
+                raise RequestError(f"structured output: {e}", "response_format") from None
         if self.connector is None or not self.connector.add_request(req,
                                                                     cmd.kv_transfer_params):
             self.scheduler.add_request(req)
@@ -304,6 +312,10 @@ class LLMEngine:
         logprobs = [req.output_logprobs[-1]] if req.params.logprobs else None
         top = ([req.output_top_logprobs[-1]]
                if req.params.top_logprobs and req.output_top_logprobs else None)
+        broken = req.grammar.error if req.grammar is not None else None
+        if broken is not None:  # only a token from elsewhere (token #1 of a transfer)
+            return self._finish(req, FinishReason.ERROR, [token], logprobs, RequestFailure(
+                f"token {token} breaks the structured output's grammar: {broken}"), top)
         if reason is not None:
             return self._finish(req, reason, [token], logprobs, top=top)
         return EngineOutput(
@@ -317,6 +329,8 @@ class LLMEngine:
         if not p.ignore_eos and token in self.eos_token_ids:
             return FinishReason.STOP
         if token in p.stop_token_ids:  # a frozenset: O(1) per token (SamplingParams)
+            return FinishReason.STOP
+        if req.grammar is not None and req.grammar.finished:  # complete, ended
             return FinishReason.STOP
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
             return FinishReason.LENGTH

@@ -183,6 +183,7 @@ class ModelRunner:
             [c.generator for c in sampled_chunks],
             self.default_generator,
             [c.history for c in sampled_chunks],
+            [c.grammar for c in sampled_chunks],
         )
         return {
             c.request_id: SampledToken(tokens[i], logprobs[i] if logprobs is not None else None,

@@ -6,6 +6,9 @@ it, a negative one multiplied, as HF transformers and vLLM do), then the presenc
 frequency penalties over the output's (OpenAI: ``logit - count x frequency - (count >
 0) x presence``).
 
+A row with a structured output (kvpush.grammar) then has every token its grammar
+does not allow next masked out.
+
 Logprobs are those of the model's raw distribution (log_softmax of the logits before
 temperature and truncation), as vLLM and OpenAI report them: the sampled token's, and
 for a row whose params ask for ``top_logprobs`` N, the N most likely tokens' (id,
@@ -20,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvpush.grammar import Grammar, mask_logits
 from kvpush.sampling_params import SamplingParams, TopLogprobs
 
 
@@ -76,19 +80,27 @@ def sample(
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator,
     histories: Sequence[History | None] | None = None,
+    grammars: Sequence[Grammar | None] | None = None,
 ) -> tuple[list[int], list[float] | None, list[TopLogprobs | None] | None]:
     """One token per row, and, only when some row asks for them, each row's logprobs
     (the sampled token's) and top logprobs (None for a row that asked for none).
-    ``histories``: per row, its tokens so far (needed by rows with penalties). Logprobs
-    are the raw distribution's, before bias and penalties."""
+    ``histories``: per row, its tokens so far (needed by rows with penalties);
+    ``grammars``: per row, its structured output's matcher (the tokens it does not
+    allow next are masked out after bias and penalties). Logprobs are the raw
+    distribution's, before bias, penalties and grammar."""
     n = logits.shape[0]
     raw = logits
     adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
-    if adjusted:
+    guided = [i for i, g in enumerate(grammars or ()) if g is not None]
+    if adjusted or guided:
         logits = logits.clone()  # the raw rows stay for the logprobs
         for i in adjusted:
             adjust_logits_(logits[i], params[i],
                            histories[i] if histories is not None else None)
+        if guided:
+            assert grammars is not None
+            logits = mask_logits(logits, guided,
+                                 [grammars[i] for i in guided])  # type: ignore[misc]
     tokens = [0] * n
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy_rows) == n:  # all greedy: no row gather

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive, Scope, Send
 
+from kvpush import __version__
 from kvpush.aio import within
 from kvpush.router.cache_policy import CachePolicy, load_model_tokenizer
 from kvpush.router.config import RouterConfig
@@ -57,6 +58,7 @@ from kvpush.server.door import uvicorn_options
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
 from kvpush.server.metrics import auth_rejected_counter
 from kvpush.server.openapi import install_openapi, request_body
+from kvpush.server.protocol import VersionResponse
 
 if TYPE_CHECKING:
     from kvpush.router.discover import EtcdLink
@@ -409,15 +411,18 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
     async def chat_completions(request: Request) -> Response:
         return await _handle(router, request, "chat")
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    async def from_decode(path: str, what: str, body: bytes | None = None) -> Response:
+        """The first healthy decode instance's answer to ``path`` (GET; POST of ``body``
+        when given), relayed."""
         assert router.client is not None
         tried = []
         for inst in router.pool.by_role["decode"]:
             if not inst.healthy:
                 continue
-            req = router.client.build_request("GET", inst.url + "/v1/models",
-                                              timeout=router.cfg.health_timeout_s)
+            req = router.client.build_request(
+                "GET" if body is None else "POST", inst.url + path, content=body,
+                headers=None if body is None else {"Content-Type": "application/json"},
+                timeout=router.cfg.health_timeout_s)
             try:
                 r = await router.client.send(req, stream=True)
                 try:
@@ -429,12 +434,45 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
                 continue
             if r.status_code == 200:
                 return Response(content, media_type="application/json")
-            return relay_error(r.status_code, content, "decode", inst, "/v1/models",
+            return relay_error(r.status_code, content, "decode", inst, path,
                                router.pool.engine_ids())
         if tried:
-            logger.warning("/v1/models: no decode instance answered: %s", "; ".join(tried))
+            logger.warning("%s: no decode instance answered: %s", path, "; ".join(tried))
         why = "no decode instance answered" if tried else "no healthy decode instance"
-        return APIError(f"cannot list models: {why}", status_code=503).response()
+        return APIError(f"cannot {what}: {why}", status_code=503).response()
+
+    async def tokens(request: Request, which: Literal["tokenize", "detokenize"]) -> Response:
+        """The engine-core front's /tokenize or /detokenize (the model's tokenizer), else
+        a decode instance's (HTTP legs: vLLM's too)."""
+        if router.cores.serving(router.legs, router.tokenizer):
+            front = router.cores.front
+            assert front is not None
+            return await front.tokens(request, getattr(front.prompts, which))
+        try:
+            raw = await read_body_within(request, router.cfg.body_timeout_s)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except APIError as err:  # 413, 408
+            return err.response()
+        return await from_decode(f"/{which}", which, raw)
+
+    @app.post("/tokenize", summary="Token ids of a prompt or a chat (vLLM's)",
+              openapi_extra=request_body("TokenizeRequest"))
+    async def tokenize(request: Request) -> Response:
+        return await tokens(request, "tokenize")
+
+    @app.post("/detokenize", summary="Text of token ids (vLLM's)",
+              openapi_extra=request_body("DetokenizeRequest"))
+    async def detokenize(request: Request) -> Response:
+        return await tokens(request, "detokenize")
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await from_decode("/v1/models", "list models")
 
     @app.get("/health")
     async def health() -> Response:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpush.grammar import Grammar
 from kvpush.kv_cache.block_pool import BlockHash
 from kvpush.sampling_params import SamplingParams, TopLogprobs
 
@@ -68,6 +69,8 @@ class Request:
     scheduled_time: float | None = None
     error: str | None = None
     generator: torch.Generator | None = None
+    #: its structured output's matcher (params.structured), advanced by every token
+    grammar: Grammar | None = None
     # Extension point for KV transfer: the connector keeps its per-request state here.
     kv_transfer_params: dict | None = None
 

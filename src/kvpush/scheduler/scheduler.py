@@ -28,13 +28,18 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpush.config import CacheConfig, SchedulerConfig
+from kvpush.grammar import Grammar
 from kvpush.kv_cache.block_pool import BlockPool, hash_block_tokens
 from kvpush.sampling_params import SampledToken, SamplingParams
 from kvpush.scheduler.request import Request, RequestState
 
 
 def _append_token(req: Request, sampled: SampledToken) -> None:
+    """Every token a request gets, sampled here or token #1 sent with the KV: its
+    grammar (if any) advances by it too."""
     req.output_token_ids.append(sampled.token)
+    if req.grammar is not None:
+        req.grammar.consume(sampled.token)
     if sampled.logprob is not None:
         req.output_logprobs.append(sampled.logprob)
     if sampled.top is not None:
@@ -55,6 +60,8 @@ class ScheduledChunk:
     #: (prompt ids, output ids so far) for a sampling chunk whose params penalize
     #: repeats (the request's own lists: read during the step, appended after it)
     history: tuple[list[int], list[int]] | None = None
+    #: a sampling chunk's structured-output state: the sampler masks its row by it
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -273,6 +280,7 @@ class Scheduler:
             generator=req.generator,
             history=((req.prompt_token_ids, req.output_token_ids)
                      if sample and req.params.penalized else None),
+            grammar=req.grammar if sample else None,
         )
 
     def _extend_hashes(self, req: Request, upto_tokens: int) -> None:

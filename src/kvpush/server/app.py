@@ -27,9 +27,11 @@ from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from kvpush import __version__
 from kvpush.aio import within
 from kvpush.config import EngineConfig
 from kvpush.crypto.auth import ParamsSigner
@@ -56,6 +58,7 @@ from kvpush.server.protocol import (
     Job,
     ModelCard,
     ModelList,
+    VersionResponse,
 )
 from kvpush.server.prove import PROVE_PATH, ProveError, Prover
 
@@ -207,21 +210,42 @@ class OpenAIFront:
 
     # ------------------------------------------------------------------- generation
 
+    async def read_body(self, request: Request) -> bytes:
+        """The request's body, within ``body_timeout_s`` (else an APIError 408;
+        ClientDisconnect when the client went away)."""
+        try:
+            return await within(request.body(), self.body_timeout_s)
+        except asyncio.TimeoutError:  # (3.10: not the builtin)
+            raise APIError(f"the request body did not arrive within "
+                           f"{self.body_timeout_s:g} s", status_code=408,
+                           code="request_timeout") from None
+
     async def handle(self, request: Request, kind: Literal["completion", "chat"]) -> Response:
         arrival = time.perf_counter()
         try:
-            try:
-                body = await within(request.body(), self.body_timeout_s)
-            except ClientDisconnect:
-                return Response(status_code=499)
-            except asyncio.TimeoutError:  # (3.10: not the builtin)
-                raise APIError(f"the request body did not arrive within "
-                               f"{self.body_timeout_s:g} s", status_code=408,
-                               code="request_timeout") from None
+            body = await self.read_body(request)
+        except ClientDisconnect:
+            return Response(status_code=499)
         except APIError as err:
             self.metrics.count("rejected")
             return err.response()
         return await self.serve(request, kind, body, arrival)
+
+    async def tokens(self, request: Request,
+                     answer: Callable[[bytes], Awaitable[BaseModel]]) -> Response:
+        """``/tokenize`` or ``/detokenize``: the body read, ``answer`` (PromptBuilder's
+        tokenize or detokenize) as JSON, or an OpenAI error body."""
+        try:
+            result = await answer(await self.read_body(request))
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI body
+            err = to_api_error(exc)
+            if err is None:
+                logger.exception("error serving %s", request.url.path)
+                err = internal_error()
+            return err.response()
+        return JSONResponse(result.model_dump(mode="json"))
 
     async def serve(self, request: Request, kind: Literal["completion", "chat"],
                     body: bytes, arrival: float, request_id: str | None = None) -> Response:
@@ -438,6 +462,20 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
               openapi_extra=request_body("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
         return await server.handle(request, "chat")
+
+    @app.post("/tokenize", summary="Token ids of a prompt or a chat (vLLM's)",
+              openapi_extra=request_body("TokenizeRequest"))
+    async def tokenize(request: Request) -> Response:
+        return await server.tokens(request, server.prompts.tokenize)
+
+    @app.post("/detokenize", summary="Text of token ids (vLLM's)",
+              openapi_extra=request_body("DetokenizeRequest"))
+    async def detokenize(request: Request) -> Response:
+        return await server.tokens(request, server.prompts.detokenize)
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

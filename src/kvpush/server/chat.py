@@ -13,18 +13,34 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from typing import Any, Literal, TypeVar
 
+from pydantic import TypeAdapter
+
+from kvpush.grammar import GrammarCompiler, GrammarError
 from kvpush.models.tokenizer import max_token_bytes, tokens_at_least
-from kvpush.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_LOGPROBS, SamplingParams
+from kvpush.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    StructuredOutput,
+)
 from kvpush.server.errors import APIError
 from kvpush.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     Job,
     SamplingRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
+from kvpush.server.structured import structured_output
 
 T = TypeVar("T")
+
+_JSON_OBJECT = TypeAdapter(dict[str, Any])
 
 #: Roles a chat request may use. "developer" is OpenAI's newer name for "system" (the
 #: official clients send it for some models); chat templates only know "system", so it
@@ -73,8 +89,12 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
-    """The model's chat template applied to ``messages``, ending in the assistant header."""
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *,
+                add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
+    """The model's chat template applied to ``messages``, ending in the assistant header
+    (``add_generation_prompt``), or leaving the last message open to be continued
+    (``continue_final_message``, as /tokenize may ask)."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(
             "this model's tokenizer has no chat template; use /v1/completions with a "
@@ -85,8 +105,11 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
 
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=False
         )
+    except ValueError as e:  # transformers: continue_final_message with no message to
+        raise APIError(str(e), param="messages") from None  # continue, or both flags
     except TemplateError as e:  # raise_exception(...) in the template: a client error
         raise APIError(f"the model's chat template rejected the messages: {e}",
                        param="messages") from None
@@ -143,6 +166,8 @@ class PromptBuilder:
         #: the most UTF-8 bytes one token spells (0: unknown): a text too long for the
         #: context by its size alone is refused before it is tokenized
         self.max_token_bytes = max_token_bytes(tokenizer)
+        #: structured outputs checked (compiled, cached) before anything runs
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
     async def _in_worker(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
@@ -159,7 +184,8 @@ class PromptBuilder:
                   body_bytes: int) -> Job:
         """Validate and tokenize a parsed request; on a worker thread when its body was
         large or, for a chat, when it has many messages."""
-        heavy = body_bytes > INLINE_BODY_BYTES
+        # a structured output's grammar may take a while to compile the first time
+        heavy = body_bytes > INLINE_BODY_BYTES or req.constrained
         make: Callable[[Any, str, float], Job]
         if isinstance(req, ChatCompletionRequest):
             heavy = heavy or len(req.messages) > INLINE_MESSAGES
@@ -170,14 +196,50 @@ class PromptBuilder:
             return make(req, request_id, arrival)
         return await self._in_worker(lambda: make(req, request_id, arrival))
 
-    def _check_common(self, req: SamplingRequest) -> None:
-        if req.model is not None and req.model != self.model_name:
-            raise APIError(f"the model {req.model!r} does not exist; this server serves "
+    def check_model(self, model: str | None) -> None:
+        """A 404 for a model this server does not serve (None: the served one)."""
+        if model is not None and model != self.model_name:
+            raise APIError(f"the model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", status_code=404, param="model",
                            code="model_not_found")
+
+    async def tokenize(self, body: bytes) -> TokenizeResponse:
+        """``POST /tokenize`` (vLLM's): a prompt's or a chat's token ids, encoded as the
+        generation endpoints encode them; on a worker thread when the body is large."""
+        def run() -> TokenizeResponse:
+            raw = _JSON_OBJECT.validate_json(body)  # a 400 unless a JSON object
+            model = TokenizeChatRequest if "messages" in raw else TokenizeCompletionRequest
+            req = model.model_validate(raw)
+            self.check_model(req.model)
+            if isinstance(req, TokenizeChatRequest):
+                text = render_chat(self.tokenizer, normalize_messages(req.messages),
+                                   add_generation_prompt=req.add_generation_prompt,
+                                   continue_final_message=req.continue_final_message)
+            else:
+                text = req.prompt
+            ids = encode_text(self.tokenizer, text, add_special_tokens=req.add_special_tokens)
+            strs = (list(self.tokenizer.convert_ids_to_tokens(ids))
+                    if req.return_token_strs else None)
+            return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len,
+                                    tokens=ids, token_strs=strs)
+        return run() if len(body) <= INLINE_BODY_BYTES else await self._in_worker(run)
+
+    async def detokenize(self, body: bytes) -> DetokenizeResponse:
+        """``POST /detokenize`` (vLLM's): the text of token ids (special tokens kept)."""
+        def run() -> DetokenizeResponse:
+            req = DetokenizeRequest.model_validate_json(body)
+            self.check_model(req.model)
+            if req.tokens:
+                self._check_token_ids(req.tokens, "tokens")
+            return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+        return run() if len(body) <= INLINE_BODY_BYTES else await self._in_worker(run)
+
+    def _check_common(self, req: SamplingRequest) -> None:
+        self.check_model(req.model)
         if req.n not in (None, 1):
-            raise APIError(f"n must be 1 (only one choice per request is supported), got "
-                           f"{req.n}", param="n")
+            raise APIError(f"n must be 1, got {req.n}: kvpush answers one choice per "
+                           "request (send n requests; a prompt's cached blocks are shared)",
+                           param="n")
         if req.max_tokens is not None and req.max_tokens < 1:
             raise APIError(f"max_tokens must be at least 1, got {req.max_tokens}",
                            param="max_tokens")
@@ -234,9 +296,22 @@ class PromptBuilder:
                 code="context_length_exceeded",
             )
 
+    def _structured(self, req: SamplingRequest) -> StructuredOutput | None:
+        """The request's structured output, compiled once here (a 400 if it cannot be)."""
+        given = structured_output(req)
+        if given is None:
+            return None
+        param, spec = given
+        try:
+            self.grammars.check(spec)
+        except GrammarError as e:
+            raise APIError(f"{param}: {e}", param=param) from None
+        return spec
+
     @staticmethod
     def _sampling_params(req: SamplingRequest, max_tokens: int, logprobs: bool,
-                         top_logprobs: int = 0) -> SamplingParams:
+                         top_logprobs: int = 0,
+                         structured: StructuredOutput | None = None) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -254,6 +329,7 @@ class PromptBuilder:
             top_logprobs=top_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             cache_salt=req.cache_salt,
+            structured=structured,
         )
 
     def completion_job(self, req: CompletionRequest, request_id: str, arrival: float) -> Job:
@@ -264,7 +340,9 @@ class PromptBuilder:
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
         if req.best_of not in (None, 1):
-            raise APIError("best_of must be 1", param="best_of")
+            raise APIError(f"best_of must be 1, got {req.best_of}: kvpush does not sample "
+                           "several completions to return the most likely one",
+                           param="best_of")
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
             raise APIError(f"logprobs must be between 0 and 5, got {req.logprobs}",
                            param="logprobs")
@@ -285,7 +363,8 @@ class PromptBuilder:
             max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
         self._check_context(len(ids), 1, "prompt")
         params = self._sampling_params(req, max_tokens, logprobs=req.logprobs is not None,
-                                       top_logprobs=req.logprobs or 0)
+                                       top_logprobs=req.logprobs or 0,
+                                       structured=self._structured(req))
         self._check_context(len(ids), max_tokens, "prompt")
         return Job(request_id, ids, params, arrival, bool(req.stream),
                    bool(req.stream_options and req.stream_options.include_usage))
@@ -299,9 +378,6 @@ class PromptBuilder:
                            param="max_completion_tokens")
         if req.tools or req.functions:
             raise APIError("tools are not supported", param="tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError("only response_format {\"type\": \"text\"} is supported",
-                           param="response_format")
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
             raise APIError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}",
@@ -316,7 +392,8 @@ class PromptBuilder:
         if max_tokens is None:
             max_tokens = self.max_model_len - len(ids)
         params = self._sampling_params(req, max_tokens, logprobs=bool(req.logprobs),
-                                       top_logprobs=(top or 0) if req.logprobs else 0)
+                                       top_logprobs=(top or 0) if req.logprobs else 0,
+                                       structured=self._structured(req))
         self._check_context(len(ids), max_tokens, "messages")
         return Job(request_id, ids, params, arrival, bool(req.stream),
                    bool(req.stream_options and req.stream_options.include_usage))

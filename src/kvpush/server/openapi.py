@@ -16,7 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvpush.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY, MAX_TOP_LOGPROBS
 from kvpush.server.chat import ALLOWED_ROLES
-from kvpush.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvpush.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 
 REF = "#/components/schemas/{model}"
 
@@ -54,6 +60,9 @@ MODELS: dict[str, type[BaseModel]] = {
     "KVAbortRequest": KVAbortRequest,
     "KVProveRequest": KVProveRequest,
     "KVTransferParams": KVTransferParams,
+    "TokenizeCompletionRequest": TokenizeCompletionRequest,
+    "TokenizeChatRequest": TokenizeChatRequest,
+    "DetokenizeRequest": DetokenizeRequest,
 }
 
 
@@ -81,6 +90,9 @@ def component_schemas() -> dict[str, Any]:
         "return the sampled token's logprob (and top_logprobs alternatives)")
     _constrain(out["CompletionRequest"]["properties"]["logprobs"], {"minimum": 0, "maximum": 5})
     out["ChatMessage"]["properties"]["role"] = {"type": "string", "enum": list(ALLOWED_ROLES)}
+    # /tokenize takes either (a body with "messages" is a chat)
+    out["TokenizeRequest"] = {"anyOf": [{"$ref": REF.format(model=m)} for m in
+                                        ("TokenizeCompletionRequest", "TokenizeChatRequest")]}
     return out
 
 

@@ -5,7 +5,7 @@ Requests are parsed strictly where a wrong type would otherwise be coerced into 
 surprising value (``"max_tokens": "10"`` or ``true`` is a 400, not 10 or 1), unknown
 fields are ignored (OpenAI clients send some we do not use), and NaN/Infinity are
 refused. Fields that change what the model would generate but that kvpush does not
-implement (``n > 1``, ``echo``, penalties, tools, ...) are parsed so that the server can
+implement (``n > 1``, ``echo``, tools, ...) are parsed so that the server can
 refuse them with a clear 400 instead of silently ignoring them.
 """
 
@@ -43,10 +43,10 @@ MAX_CONTENT_PARTS = 256
 MAX_CACHE_SALT_CHARS = 1024
 #: request fields this server cannot honour -> the values that ask for nothing
 UNHONOURED: dict[str, tuple[Any, ...]] = {
-    "min_p": (0, 0.0), "min_tokens": (0,), "response_format": ({"type": "text"},),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "structured_outputs": (), "priority": (0,), "prompt_logprobs": (),
+    "min_p": (0, 0.0), "min_tokens": (0,), "priority": (0,), "prompt_logprobs": (),
 }
+#: the most strings a guided_choice may list
+MAX_CHOICES = 1024
 
 # Lists and maps a request may carry, capped while the body is parsed (pydantic-core
 # stops at the first item over the cap; the 400 names the field and both counts).
@@ -61,6 +61,35 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: Bool = False
+
+
+class JsonSchemaFormat(_Model):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(_Model):
+    """OpenAI's ``response_format`` (chat; vLLM takes it on completions too)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+Choices = Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
+
+
+class StructuredOutputsRequest(_Model):
+    """vLLM's ``structured_outputs``: one of its constraints."""
+
+    json_spec: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Choices | None = None
+    grammar: str | None = None
+    json_object: Bool | None = None
 
 
 class SamplingRequest(_Model):
@@ -89,18 +118,28 @@ class SamplingRequest(_Model):
     #: vLLM's field: requests share prefix-cache blocks only with the same salt
     cache_salt: str | None = Field(default=None, min_length=1,
                                    max_length=MAX_CACHE_SALT_CHARS)
+    # Structured outputs (kvpush.server.structured): OpenAI's field, vLLM's older
+    # guided_* fields and its newer structured_outputs; at most one of them
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     # Fields other servers (vLLM) honour and this one cannot: refused when set to
     # anything but their no-op value, never silently ignored (``_unhonoured``).
     min_p: Any = None
     min_tokens: Any = None
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     priority: Any = None
     prompt_logprobs: Any = None
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the request asks for a structured output (kvpush.server.structured)."""
+        rf = self.response_format
+        return (rf is not None and rf.type != "text") or any(
+            v is not None for v in (self.guided_json, self.guided_regex, self.guided_choice,
+                                    self.guided_grammar, self.structured_outputs))
 
     @field_validator(*UNHONOURED)
     @classmethod
@@ -187,7 +226,6 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Int | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------- responses
@@ -300,6 +338,53 @@ class ModelCard(_Model):
 class ModelList(_Model):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ------------------------------------------------------ /tokenize, /detokenize (vLLM's)
+
+#: Token ids one /detokenize request may carry (a full long context)
+MAX_DETOKENIZE_TOKENS = 1 << 20
+
+
+class TokenizeCompletionRequest(_Model):
+    """``POST /tokenize`` with a prompt (vLLM's TokenizeCompletionRequest)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: Bool = True
+    return_token_strs: Bool = False
+
+
+class TokenizeChatRequest(_Model):
+    """``POST /tokenize`` with chat messages (vLLM's TokenizeChatRequest): the ids the
+    chat endpoint would run, by default."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_CHAT_MESSAGES)]
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    add_special_tokens: Bool = False
+    return_token_strs: Bool = False
+
+
+class TokenizeResponse(_Model):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: Annotated[list[Int], Field(max_length=MAX_DETOKENIZE_TOKENS)]
+
+
+class DetokenizeResponse(_Model):
+    prompt: str
+
+
+class VersionResponse(_Model):
+    version: str
 
 
 # ------------------------------------------------------------ engine outputs -> bodies
