@@ -423,6 +423,7 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
     protect(app, api_key, admin_key, on_reject=server.metrics.count_auth_rejected)
     server.metrics.register_kv_stats(engine.kv_stats)
     engine.set_transfer_sink(server.metrics.observe_transfer)
+    engine.set_stats_sink(server.metrics.observe_engine)  # every front's requests
 
     @app.post("/v1/completions", summary="Text completion (OpenAI legacy API)",
               openapi_extra=request_body("CompletionRequest"))
