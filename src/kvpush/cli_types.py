@@ -8,7 +8,7 @@ import argparse
 import difflib
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 
@@ -21,10 +21,17 @@ class Parser(argparse.ArgumentParser):
       Also when the unknown flag made another error (its value taken for a positional).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tail_dest: str | None = None,
+                 unknown_hint: Callable[[str], str | None] | None = None,
+                 **kwargs: Any) -> None:
+        """``tail_dest``: what follows the first ``--`` is kept, unparsed, as that
+        attribute (a list; `kvpush up ... -- <serve flags>`); ``unknown_hint``: what to
+        say of an unknown flag instead of a "did you mean" (None: nothing)."""
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self._parsing: list[str] = []
+        self._tail_dest = tail_dest
+        self._unknown_hint = unknown_hint
 
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                          namespace: argparse.Namespace | None = None,
@@ -32,9 +39,15 @@ class Parser(argparse.ArgumentParser):
         # A sub-command's parser is called with parse_known_args by its parent, which
         # would report what is left over under the top-level usage: report it here.
         self._parsing = list(sys.argv[1:] if args is None else args)
+        tail: list[str] = []
+        if self._tail_dest is not None and "--" in self._parsing:
+            cut = self._parsing.index("--")
+            self._parsing, tail = self._parsing[:cut], self._parsing[cut + 1:]
         namespace, extras = super().parse_known_args(self._parsing, namespace)
         if extras:
             self.error(unrecognized_message(self, extras))
+        if self._tail_dest is not None:
+            setattr(namespace, self._tail_dest, tail)
         return namespace, extras
 
     def error(self, message: str) -> NoReturn:
@@ -78,11 +91,16 @@ def unknown_flags(parser: argparse.ArgumentParser, args: Sequence[str]) -> list[
 
 
 def unrecognized_message(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
-    """argparse's "unrecognized arguments" message, with a "did you mean" per flag."""
+    """argparse's "unrecognized arguments" message, with a "did you mean" per flag and
+    the parser's hint, if it has one."""
     lines = [f"unrecognized arguments: {' '.join(extras)}"]
+    hint = getattr(parser, "_unknown_hint", None)
     for flag in unknown_flags(parser, extras):
-        match = did_you_mean(parser, flag)
-        if match:
+        line = hint(flag) if hint is not None else None
+        match = did_you_mean(parser, flag) if line is None else None
+        if line:
+            lines.append(f"  {flag}: {line}")
+        elif match:
             lines.append(f"  {flag}: did you mean {match}?")
     return "\n".join(lines)
 
