@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush import cli_types
 from kvpush.cli_types import role_tensor_parallel as role_tp
+from kvpush.logs import LOG_FORMATS
 from kvpush.server.admin_key import ADMIN_KEY_HELP
 
 if TYPE_CHECKING:
@@ -171,6 +172,9 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--stop-timeout", type=cli_types.seconds, default=20.0, metavar="SECONDS",
                    help="how long children may take to stop after SIGTERM before SIGKILL "
                         "(default: 20)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="the children's logs: text (wall-clock UTC time first; default) "
+                        "or json (one object per line)")
 
     eng = p.add_argument_group("instances (passed to each `kvpush serve`)")
     eng.add_argument("--threads", type=cli_types.positive_int, metavar="T",
@@ -298,7 +302,8 @@ def serve_argv(args: argparse.Namespace, model: str, role: str, port: int,
                threads: int) -> list[str]:
     """`kvpush serve`'s command line for one instance; ``threads`` is per rank."""
     argv = [sys.executable, "-m", "kvpush", "serve", model, "--host", HOST,
-            "--port", str(port), "--role", role, "--threads", str(threads)]
+            "--port", str(port), "--role", role, "--threads", str(threads),
+            *_log_format(args)]
     tp = role_tp(args, role)
     if tp > 1:
         argv += ["--tensor-parallel-size", str(tp)]
@@ -326,10 +331,15 @@ def serve_argv(args: argparse.Namespace, model: str, role: str, port: int,
     return argv + role_serve_flags(args, role)  # last: the user's flags win
 
 
+def _log_format(args: argparse.Namespace) -> list[str]:
+    fmt = getattr(args, "log_format", "text")
+    return [] if fmt == "text" else ["--log-format", fmt]
+
+
 def router_argv(args: argparse.Namespace, port: int, prefill: list[str],
                 decode: list[str]) -> list[str]:
     argv = [sys.executable, "-m", "kvpush", "router", "--mode", args.mode,
-            "--host", getattr(args, "host", HOST), "--port", str(port)]
+            "--host", getattr(args, "host", HOST), "--port", str(port), *_log_format(args)]
     if prefill:
         argv += ["--prefill", *prefill]
     if decode:

@@ -30,6 +30,7 @@ from kvpush.engine.model_runner import ModelRunner
 from kvpush.engine.tp.group import STORE_HOST, failed_key, join_group, leave_group, ready_key
 from kvpush.engine.tp.kv_ranks import RankKVServer, encode_rank_kv, kv_key
 from kvpush.engine.tp.plan import RankMessage, RankSetup, RankStop
+from kvpush.logs import setup_logging
 
 log = logging.getLogger("kvpush.engine.tp")
 
@@ -39,8 +40,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup: RankSetup = pickle.load(sys.stdin.buffer)
     sys.stdin.close()
-    logging.basicConfig(level=setup.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(setup.log_level)  # the API process's format
     config, rank = setup.config, setup.rank
     store = dist.TCPStore(STORE_HOST, setup.store_port, config.tensor_parallel_size,
                           is_master=False)

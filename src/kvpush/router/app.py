@@ -504,6 +504,7 @@ async def serve_forever(router: Router, host: str, port: int, log_level: str,
         cfg = router.cfg
         server = uvicorn.Server(uvicorn.Config(
             app, host=host, port=port, log_level=log_level, access_log=False,
+            log_config=None,  # uvicorn's records: our handler (kvpush.logs)
             timeout_graceful_shutdown=5,
             **uvicorn_options(cfg.header_timeout_s, cfg.max_client_connections)))
         await server.serve(sockets=sockets)

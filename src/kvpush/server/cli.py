@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpush import cli_types
+from kvpush.logs import LOG_FORMATS, PROBE_ENDPOINTS
 from kvpush.server.admin_key import ADMIN_KEY_HELP
 from kvpush.server.door import add_door_args
 
@@ -35,7 +36,8 @@ DEFAULT_MAX_WAITING_REQUESTS = 1024
 VLLM_EPILOG = (
     "vLLM's flags: --tensor-parallel-size/-tp, --enable-prefix-caching, "
     "--no-enable-prefix-caching, --kv-cache-dtype, --tokenizer (the model's own), "
-    "--chat-template, --kv-transfer-config, --disable-log-requests, dtypes half, float "
+    "--chat-template, --kv-transfer-config, --disable-log-requests, "
+    "--disable-access-log-for-endpoints, dtypes half, float "
     "and bf16, and a Hugging Face id of an installed model are taken as vLLM takes them. "
     "--gpu-memory-utilization is not: use --kv-cache-memory SIZE.")
 
@@ -202,6 +204,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     net.add_argument("--disable-log-requests", action="store_true",
                      help="no log line per HTTP request (uvicorn's access log; on by "
                           "default, at --log-level info)")
+    net.add_argument("--disable-access-log-for-endpoints", metavar="PATHS",
+                     default=",".join(PROBE_ENDPOINTS),
+                     help="comma-separated paths the access log leaves out (default: "
+                          "the router's probes, " + ",".join(PROBE_ENDPOINTS) + "; '': "
+                          "log every request)")
+    net.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                     help="text: one line per record, wall-clock UTC time first "
+                          "(default); json: one JSON object per line")
     net.add_argument("--api-key", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on every path but /health "
                           "(default: $KVPUSH_API_KEY; unset: no key). Prefer the "
@@ -556,8 +566,10 @@ def _registration(args: argparse.Namespace, port: int) -> tuple[Any, str] | None
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvpush.logs import endpoint_list, quiet_access_log, setup_logging
+
+    setup_logging(args.log_level, getattr(args, "log_format", None))
+    quiet_access_log(endpoint_list(getattr(args, "disable_access_log_for_endpoints", "")))
     log = logging.getLogger("kvpush.server")
     from kvpush.config import ConfigError, dtype_name
     from kvpush.server.auth import SecretError, resolve_api_key, resolve_kv_secret
@@ -662,6 +674,7 @@ def _serve(args: argparse.Namespace, config, engine, listener, api_key, log,
     uv_config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                access_log=not getattr(args, "disable_log_requests", False),
+                               log_config=None,  # uvicorn's records: our handler
                                **uvicorn_options(args.header_timeout,
                                                  args.max_client_connections))
     if registration is None:
