@@ -120,6 +120,9 @@ class _Refused(argparse.Action):
                      f"{self.advice}")
 
 
+_NO_TLS = ("kvpush serves plain HTTP: put a TLS proxy (nginx, envoy, caddy) in front of "
+           "the router for clients outside the network (README, Two hosts)")
+
 #: vLLM flags that kvpush does not take, each with what to use instead (or why none is
 #: needed); :func:`refuse_vllm_flags` registers them on a parser
 VLLM_NOT_TAKEN: dict[str, str] = {
@@ -148,6 +151,13 @@ VLLM_NOT_TAKEN: dict[str, str] = {
                       "model from files on this machine",
     "--disable-log-stats": "kvpush logs no periodic statistics (they are on /metrics): "
                            "drop the flag",
+    "--generation-config": "kvpush applies no sampling defaults from the model's "
+                           "generation_config.json (it reads only its EOS ids): a request's "
+                           "own parameters and the OpenAI defaults apply, as with vLLM's "
+                           "--generation-config vllm; drop the flag",
+    "--ssl-keyfile": _NO_TLS,
+    "--ssl-certfile": _NO_TLS,
+    "--ssl-ca-certs": _NO_TLS,
 }
 
 #: vLLM's `vllm bench serve` flags that `kvpush bench` does not take

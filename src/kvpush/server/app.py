@@ -162,6 +162,12 @@ class FrontSettings:
                    kvt.role if kvt.enabled else "both", kvt.mode)
 
 
+def new_request_id(kind: Literal["completion", "chat"]) -> str:
+    """A fresh request id, as vLLM's OpenAI server makes them (the answer's ``id``):
+    ``chatcmpl-<hex>`` for chats, ``cmpl-<hex>`` for completions."""
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
 class OpenAIFront:
     """The OpenAI request handlers over one EngineClient: an instance's engine, or the
     router's cluster of engine cores (kvpush.router.cluster_engine)."""
@@ -192,12 +198,12 @@ class OpenAIFront:
         self.on_job: Callable[[Job], None] | None = None
 
     @staticmethod
-    def _request_id(request: Request, prefix: str) -> str:
+    def _request_id(request: Request, kind: Literal["completion", "chat"]) -> str:
         """The client's X-Request-Id (the router sends the same one to prefill and decode
-        servers), or a fresh ``<prefix>-<uuid>``."""
+        servers), or a fresh one (:func:`new_request_id`)."""
         rid = request.headers.get("x-request-id")
         if rid is None:
-            return f"{prefix}-{uuid.uuid4().hex}"
+            return new_request_id(kind)
         rid = rid.strip()
         if not rid or len(rid) > 256 or not rid.isprintable():
             raise APIError("the X-Request-Id header must be 1 to 256 printable characters",
@@ -234,8 +240,7 @@ class OpenAIFront:
         handed_over = False
         try:
             req = await self.prompts.parse(kind, body)
-            rid = request_id or self._request_id(request,
-                                                 "chatcmpl" if kind == "chat" else "cmpl")
+            rid = request_id or self._request_id(request, kind)
             # checked once and typed here (a 400, or a 403 unsigned), handed on as is
             kv = self.engine.kv_params(req.kv_transfer_params)
             # admitted (or refused with a 429) before any tokenizing or allocating

@@ -37,7 +37,7 @@ VLLM_EPILOG = (
     "vLLM's flags: --tensor-parallel-size/-tp, --enable-prefix-caching, "
     "--no-enable-prefix-caching, --kv-cache-dtype, --tokenizer (the model's own), "
     "--chat-template, --kv-transfer-config, --disable-log-requests, "
-    "--disable-access-log-for-endpoints, dtypes half, float "
+    "--enable-chunked-prefill, --disable-access-log-for-endpoints, dtypes half, float "
     "and bf16, and a Hugging Face id of an installed model are taken as vLLM takes them. "
     "--gpu-memory-utilization is not: use --kv-cache-memory SIZE.")
 
@@ -308,11 +308,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "HTTP 429 (a P/D pair's second leg is admitted anyway: its peer "
                           "holds blocks for it). 0: no bound (default: "
                           f"{DEFAULT_MAX_WAITING_REQUESTS})")
-    sch.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
-                     action="store_false",
+    sch.add_argument("--no-chunked-prefill", "--no-enable-chunked-prefill",
+                     dest="enable_chunked_prefill", action="store_false",
                      help="prefill each prompt in one step (then --max-num-batched-tokens "
                           "must be at least --max-model-len); chunked prefill is on by "
                           "default")
+    sch.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill",
+                     action="store_true", default=True,
+                     help="prefill long prompts in chunks of --max-num-batched-tokens (the "
+                          "default)")
     sch.add_argument("--no-prefix-caching", "--no-enable-prefix-caching",
                      dest="enable_prefix_caching", action="store_false",
                      help="do not reuse KV blocks of shared prompt prefixes (on by default)")
