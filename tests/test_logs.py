@@ -80,7 +80,10 @@ def test_setup_logging_json_children_and_debug_loggers():
 def test_up_hands_the_format_on(tmp_path):
     args = build_parser().parse_args(["up", "--log-format", "json"])
     assert "--log-format json" in " ".join(serve_argv(args, "m", "decode", 9000, 1))
-    assert "--log-format json" in " ".join(router_argv(args, 9001, ["p"], ["d"]))
+    rargv = router_argv(args, 9001, ["127.0.0.1:9002"], ["127.0.0.1:9003"])
+    assert build_parser().parse_args(rargv[rargv.index("router"):]).log_format == "json"
+    sargv = serve_argv(args, "m", "decode", 9000, 1)
+    assert build_parser().parse_args(sargv[sargv.index("serve"):]).log_format == "json"
     plain = build_parser().parse_args(["up"])
     assert "--log-format" not in serve_argv(plain, "m", "decode", 9000, 1)
 
