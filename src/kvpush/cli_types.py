@@ -21,16 +21,18 @@ class Parser(argparse.ArgumentParser):
       Also when the unknown flag made another error (its value taken for a positional).
     """
 
-    def __init__(self, *args: Any, tail_dest: str | None = None,
-                 unknown_hint: Callable[[str], str | None] | None = None,
-                 **kwargs: Any) -> None:
-        """``tail_dest``: what follows the first ``--`` is kept, unparsed, as that
-        attribute (a list; `kvpush up ... -- <serve flags>`); ``unknown_hint``: what to
-        say of an unknown flag instead of a "did you mean" (None: nothing)."""
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self._parsing: list[str] = []
-        self._tail_dest = tail_dest
+        self._tail_dest: str | None = None
+        self._unknown_hint: Callable[[str], str | None] | None = None
+
+    def keep_tail(self, dest: str, unknown_hint: Callable[[str], str | None]) -> None:
+        """Keep what follows the first ``--``, unparsed, as ``dest`` (a list; `kvpush up
+        ... -- <serve flags>`), and say ``unknown_hint(flag)`` of an unknown flag instead
+        of a "did you mean" (when it says something)."""
+        self._tail_dest = dest
         self._unknown_hint = unknown_hint
 
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]

@@ -138,8 +138,10 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage=UP_USAGE, tail_dest="serve_args", unknown_hint=serve_flag_hint,
+        usage=UP_USAGE,
     )
+    if isinstance(p, cli_types.Parser):  # (under a plain argparse parent: no -- tail)
+        p.keep_tail("serve_args", serve_flag_hint)
     p.add_argument("model_pos", nargs="?", metavar="MODEL",
                    help="model folder, the name of a model installed with `kvpush models "
                         "install` or its Hugging Face id, as for `kvpush serve` (default: "
