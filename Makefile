@@ -13,14 +13,29 @@ export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: venv model demo test test-slow test-all test-faults test-membership fuzz soak lint bench-engine \
+.PHONY: check-python venv model demo test test-slow test-all test-faults test-membership fuzz soak lint bench-engine \
 	gpu-wheels gpu-check gpu-check-dry clean
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
+## kvpush needs Python 3.11 or later (its pinned set: numpy 2.4, transformers 5.24,
+## matplotlib 3.11, ... have no 3.10 wheels); said before pip tries and fails.
+PYTHON_MIN := 3.11
+check-python:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	  echo "kvpush needs Python $(PYTHON_MIN) or later; $(PYTHON) is $$($(PYTHON) --version 2>/dev/null || echo "not found")." >&2; \
+	  echo "Give one with: make venv PYTHON=python3.11 (or any newer python3)" >&2; exit 1; }
+
+## torch's CPU build, from PyTorch's CPU wheel index (vLLM's CPU install names the same
+## one); a local wheel or find-links copy of it is taken as well. "+cpu" keeps pip from
+## falling back to PyPI's CUDA build; on macOS: make venv TORCH=torch==2.13.0.
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+
+$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml | check-python
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --retries 0 --extra-index-url $(TORCH_INDEX) "$(TORCH)"
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install -q --no-deps -e .

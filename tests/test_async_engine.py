@@ -10,7 +10,7 @@ import pytest
 from engine_helpers import greedy, hf_greedy, make_engine, random_prompts
 from kvpush.engine.async_engine import AsyncEngine
 from kvpush.engine.core_loop import CoreLoop
-from kvpush.engine.outputs import FinishReason, RequestError
+from kvpush.engine.outputs import EngineOutput, FinishReason, RequestError
 
 
 def _async_engine(model_dir, **kw) -> AsyncEngine:
@@ -144,7 +144,7 @@ def test_outputs_from_the_inbox_go_out_before_the_next_step():
     class StubEngine:
         tokenizer = None
         scheduler = SimpleNamespace(requests={})
-        inbox_answers = [["token-1"], []]
+        inbox_answers = [[EngineOutput("token-1", [1])], []]
         stopping = False
 
         def process_inbox(self, block=False, timeout=None):
@@ -160,13 +160,13 @@ def test_outputs_from_the_inbox_go_out_before_the_next_step():
 
         def step(self):
             events.append("step")
-            return ["token-2"]
+            return [EngineOutput("token-2", [2])]
 
         def shutdown(self):
             events.append("shutdown")
 
     core = CoreLoop(None, engine=StubEngine())  # type: ignore[arg-type]
-    core.run(lambda batch: events.append(f"post {batch.outputs}"))
+    core.run(lambda batch: events.append(f"post {[o.request_id for o in batch.outputs]}"))
     assert events == ["prepare", "post ['token-1']", "step", "post ['token-2']", "shutdown"]
 
 

@@ -234,10 +234,8 @@ def test_disable_log_requests():
 @pytest.mark.parametrize("connector, role, mode, kv_role", [
     ("NixlConnector", "kv_producer", "pull", "prefill"),
     ("NixlConnector", "kv_consumer", "pull", "decode"),
-    ("NixlConnector", "kv_both", "pull", "both"),
     ("NixlPushConnector", "kv_producer", "push", "prefill"),
     ("NixlPushConnector", "kv_consumer", "push", "decode"),
-    ("NixlPushConnector", "kv_both", "push", "both"),
 ])
 def test_kv_transfer_config(connector, role, mode, kv_role):
     cfg = json.dumps({"kv_connector": connector, "kv_role": role})
@@ -266,9 +264,13 @@ def test_kv_transfer_config_engine_id_and_buffer_device(tiny_llama):
     ('{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}', "NIXL only"),
     ('{"kv_connector": "NixlConnector", "kv_role": "kv_other"}', "kv_role 'kv_other'"),
     ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_rank": 0}',
-     "does not take kv_rank"),
+     "kv_rank is not taken: instances are paired by the router"),
     ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
      '"kv_connector_extra_config": {"x": 1}}', "kv_connector_extra_config is not taken"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_fancy": 1}',
+     "does not take kv_fancy"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer", '
+     '"kv_load_failure_policy": "retry"}', "kv_load_failure_policy 'retry': one of fail"),
 ])
 def test_kv_transfer_config_refused(capsys, value, says):
     err = _usage_error(capsys, "serve", "m", "--kv-transfer-config", value)

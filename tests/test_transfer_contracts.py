@@ -358,7 +358,7 @@ def test_timeline_logs_one_line_per_transfer_in_time_order(caplog):
     tl.stamp("t", "p_added", 1.0)
     tl.stamp("t", "p_step", 1.5, first=True)
     tl.stamp("t", "p_step", 1.7, first=True)  # a later step keeps the first stamp
-    with caplog.at_level(logging.INFO, "kvpush.kv_transfer.handoff"):
+    with caplog.at_level(logging.DEBUG, "kvpush.kv_transfer.handoff"):
         stamps = tl.emit("t")
         assert tl.emit("t") is None  # forgotten once logged
     assert stamps == {"p_added": 1.0, "p_step": 1.5, "p_first": 2.0}
@@ -393,7 +393,7 @@ def test_pd_transfer_logs_its_stages_on_both_sides(tiny_qwen3, mode, caplog):
     d = make_instance(tiny_qwen3, "decode", mode)
     drv = PDDriver(p, d)
     try:
-        with caplog.at_level(logging.INFO, "kvpush.kv_transfer.handoff"):
+        with caplog.at_level(logging.DEBUG, "kvpush.kv_transfer.handoff"):
             drv.submit("r", random_prompts([40], seed=3)[0], greedy(3))
             drv.run()
             drv.settle()

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvpush.cli_types import Parser
 from kvpush.cluster import cli as up_cli
 from kvpush.cluster.launcher import (
     ChildSpec,
@@ -249,7 +250,7 @@ def test_sigkill_of_up_kills_its_children(tiny_llama, up_factory):
 
 # ---- without a cluster --------------------------------------------------------------
 def _parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
+    parser = Parser()  # kvpush's, as `kvpush up` builds it
     up_cli.add_up_parser(parser.add_subparsers())
     return parser.parse_args(["up", *argv])
 

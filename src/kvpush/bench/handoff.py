@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import re
 import statistics
@@ -195,6 +196,24 @@ def compare_config(cfg: HandoffConfig, model: str, out_dir: Path) -> CompareConf
                          device=cfg.device, push_layers_per_write=cfg.push_layers_per_write)
 
 
+def _timelines_on(stack: contextlib.ExitStack) -> None:
+    """The instances' hand-off lines are DEBUG records: the clusters started within
+    ``stack`` log them (their environment, kvpush.logs), whatever their level."""
+    from kvpush.kv_transfer.timeline import log as timeline_log
+    from kvpush.logs import DEBUG_LOGGERS_ENV
+
+    before = os.environ.get(DEBUG_LOGGERS_ENV)
+    os.environ[DEBUG_LOGGERS_ENV] = ",".join(filter(None, (before, timeline_log.name)))
+
+    def restore() -> None:
+        if before is None:
+            os.environ.pop(DEBUG_LOGGERS_ENV, None)
+        else:
+            os.environ[DEBUG_LOGGERS_ENV] = before
+
+    stack.callback(restore)
+
+
 def run_handoff(cfg: HandoffConfig, log=print) -> dict[str, Any]:
     import httpx
 
@@ -203,6 +222,7 @@ def run_handoff(cfg: HandoffConfig, log=print) -> dict[str, Any]:
 
     cfg.validate()
     with contextlib.ExitStack() as stack:
+        _timelines_on(stack)
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpush-handoff-")))
         logs = cfg.log_dir or tmp / "logs"
         model = cfg.model or str(tiny_model(tmp / "model"))

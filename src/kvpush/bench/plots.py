@@ -49,6 +49,21 @@ def _err(cells: list[dict[str, Any]], key: str) -> list[list[float]] | None:
     return [[max(v - r[0], 0.0) for r, v in rng], [max(r[1] - v, 0.0) for r, v in rng]]
 
 
+#: every PNG's resolution, and the narrowest figure (inches): 1000 px, room for the title
+DPI = 100
+MIN_WIDTH_IN = 10.0
+
+
+def _title(fig: Any, text: str) -> None:
+    """``text`` as the figure's title, wrapped to its width, and the panels laid out
+    below it."""
+    import textwrap
+
+    chars = int(fig.get_figwidth() * 11)  # the title's font: about 11 characters an inch
+    fig.suptitle(textwrap.fill(text, chars))
+    fig.tight_layout()
+
+
 def plot_summary(summary: dict[str, Any], runs: list[dict[str, Any]],
                  out_dir: str | Path, figures: list[Any] | None = None) -> list[Path]:
     """Write the plots of ``summary`` (and its per-request ``runs``) into ``out_dir``;
@@ -66,7 +81,7 @@ def plot_summary(summary: dict[str, Any], runs: list[dict[str, Any]],
     x = list(range(len(rates)))
     paths = []
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(MIN_WIDTH_IN, 4.5))
     if len(rates) == 1:  # one rate: bars, one per mode (two dots mean nothing)
         have = [m for m in modes if f"{m}@{rates[0]}" in cells]
         cs = [cells[f"{m}@{rates[0]}"] for m in have]
@@ -104,13 +119,13 @@ def plot_summary(summary: dict[str, Any], runs: list[dict[str, Any]],
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
+    _title(fig, title)
     paths.append(out / "ttft_tpot_vs_rate.png")
-    fig.savefig(paths[-1], dpi=80)
+    fig.savefig(paths[-1], dpi=DPI)
     plt.close(fig) if figures is None else figures.append(fig)
 
-    fig, axes = plt.subplots(1, len(rates), figsize=(4 * len(rates), 3.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(rates), figsize=(max(MIN_WIDTH_IN, 4 * len(rates)), 4.5),
+                             squeeze=False)
     for ax, rate in zip(axes[0], rates):
         for mode in modes:
             ts = _ttfts(runs, mode, rate)
@@ -124,9 +139,8 @@ def plot_summary(summary: dict[str, Any], runs: list[dict[str, Any]],
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{title}: TTFT CDF")
-    fig.tight_layout()
+    _title(fig, f"{title}: TTFT CDF")
     paths.append(out / "ttft_cdf.png")
-    fig.savefig(paths[-1], dpi=80)
+    fig.savefig(paths[-1], dpi=DPI)
     plt.close(fig) if figures is None else figures.append(fig)
     return paths

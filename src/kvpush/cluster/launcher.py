@@ -25,6 +25,7 @@ from types import FrameType
 
 import httpx
 
+from kvpush.logs import is_probe_line
 from kvpush.procs import describe_exit, pdeathsig_preexec
 
 #: Lines of a child's log shown when it fails.
@@ -114,11 +115,13 @@ class Child:
         return r.status_code == 200
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last ``lines`` lines of its log, the probes' access lines left out."""
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError as e:
             return f"(cannot read {self.log_path}: {e})"
-        return "\n".join(text.splitlines()[-lines:])
+        kept = [line for line in text.splitlines() if not is_probe_line(line)]
+        return "\n".join(kept[-lines:])
 
     def signal_group(self, sig: int) -> None:
         """Send ``sig`` to the child's process group (the child and anything it started)."""

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from kvpush.config import EngineConfig
-from kvpush.engine.outputs import EngineStats, RequestOutput
+from kvpush.engine.outputs import EngineStats, IterationStats, RequestOutput
 from kvpush.kv_transfer.params import KVTransferParams
 from kvpush.kv_transfer.record import TransferCounters, TransferRecord
 from kvpush.sampling_params import SamplingParams
@@ -79,4 +79,9 @@ class EngineClient(Protocol):
 
     def set_transfer_sink(self, sink: Callable[[TransferRecord], None]) -> None:
         """Call ``sink`` (on the event loop) with every finished transfer."""
+        ...
+
+    def set_stats_sink(self, sink: Callable[[IterationStats], None]) -> None:
+        """Call ``sink`` (on the event loop) with the request metrics of every request
+        the engine runs, whichever front sent it (kvpush.engine.request_stats)."""
         ...

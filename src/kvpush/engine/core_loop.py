@@ -3,7 +3,8 @@ in (a thread of the server: AsyncEngine; a child process: kvpush.engine.core_pro
 
 Each turn applies the inbox (blocking on it when there is no work: nothing spins),
 runs one step and hands what happened to ``post`` as one EngineOutputs batch: the
-outputs, the transfers that ended, the replies to utility calls and, at most every
+outputs, the transfers that ended, the request metrics those outputs add (every front's
+requests: kvpush.engine.request_stats), the replies to utility calls and, at most every
 ``SNAPSHOT_S`` or whenever the core goes idle, a snapshot (gauges, transfer counters,
 health). Outputs the inbox produced (token #1 that arrived with pushed KV, refusals)
 are posted before the step, not after a forward pass they have no part in. After each
@@ -31,6 +32,7 @@ from kvpush.config import ConfigError, EngineConfig
 from kvpush.engine.inputs import TransferThreadDied, Utility
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import EngineOutput, EngineOutputs, TransferRecord
+from kvpush.engine.request_stats import RequestStatsTracker
 from kvpush.engine.tp.group import RankDied
 from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.event_publisher import KVEventPublisher
@@ -70,6 +72,8 @@ class CoreLoop:
         self.request_plane: str | None = None
         self.kv_events = self._make_publisher(config)
         self._records: list[TransferRecord] = []
+        #: request metrics of every request the core runs, whichever front sent it
+        self.request_stats = RequestStatsTracker()
         if connector is not None:
             connector.record_sink = self._records.append
         utilities = getattr(engine, "utilities", None)
@@ -153,7 +157,8 @@ class CoreLoop:
             return
         records = self._records.copy()  # (the connector holds its append)
         self._records.clear()
-        post(EngineOutputs(outputs, records, replies, snapshot, fatal))
+        stats = self.request_stats.observe(outputs, now) if outputs else None
+        post(EngineOutputs(outputs, records, replies, snapshot, fatal, stats))
 
     def _publish_events(self) -> None:
         """Hand the pool's cache changes of this turn to the publisher (a queue put)."""

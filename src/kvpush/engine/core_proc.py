@@ -40,6 +40,7 @@ from kvpush.config import EngineConfig
 from kvpush.engine.inputs import EngineCommand, Shutdown
 from kvpush.engine.outputs import EngineOutputs, EngineSnapshot
 from kvpush.kv_transfer.links import TransferLinks
+from kvpush.logs import setup_logging
 
 if TYPE_CHECKING:
     from kvpush.engine.request_plane import RequestPlane
@@ -84,8 +85,7 @@ def main() -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     setup: CoreSetup = pickle.load(sys.stdin.buffer)
     sys.stdin.close()
-    logging.basicConfig(level=setup.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(setup.log_level)  # the API process's format
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.SNDHWM, 0)  # never drop or block a batch

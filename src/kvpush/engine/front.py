@@ -37,6 +37,7 @@ from kvpush.engine.outputs import (
     EngineSnapshot,
     EngineStats,
     FinishReason,
+    IterationStats,
     RequestError,
     RequestFailure,
     RequestOutput,
@@ -64,6 +65,7 @@ class FrontEnd:
         self._seq = itertools.count()
         self._snapshot = snapshot
         self._sink: Callable[[TransferRecord], None] | None = None
+        self._stats_sink: Callable[[IterationStats], None] | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._call_seq = itertools.count()
         #: called on the event loop if the core dies without being stopped (CoreClient)
@@ -116,6 +118,9 @@ class FrontEnd:
 
     def set_transfer_sink(self, sink: Callable[[TransferRecord], None]) -> None:
         self._sink = sink
+
+    def set_stats_sink(self, sink: Callable[[IterationStats], None]) -> None:
+        self._stats_sink = sink
 
     def abort_transfer(self, transfer_id: str, why: str = "aborted by the router") -> None:
         self._send(AbortTransfer(transfer_id, why))
@@ -206,6 +211,8 @@ class FrontEnd:
         if batch.transfers and self._sink is not None:
             for rec in batch.transfers:
                 self._sink(rec)
+        if batch.stats is not None and self._stats_sink is not None:
+            self._stats_sink(batch.stats)
         for reply in batch.replies:
             fut = self._calls.get(reply.call_id)
             if fut is not None and not fut.done():

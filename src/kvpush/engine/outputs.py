@@ -110,6 +110,29 @@ class UtilityReply(msgspec.Struct, frozen=True):
     error: str | None = None
 
 
+class FinishedRequestStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The phases of one request that finished with ``stop`` or ``length`` (seconds)."""
+
+    e2e_s: float  # arrival to last token
+    decode_s: float | None  # first token to last token (None: no token)
+    num_generation_tokens: int
+    queue_s: float | None = None  # arrival to scheduled (the engine's clock)
+    prefill_s: float | None = None  # scheduled to first token (the engine's clock)
+
+
+class IterationStats(msgspec.Struct, array_like=True, gc=False):
+    """What the requests' outputs of one engine turn (or one output at a front) add to
+    the request metrics (kvpush.engine.request_stats makes them; kvpush.server.metrics
+    observes them)."""
+
+    num_prompt_tokens: int = 0  # of requests whose first token came now
+    num_generation_tokens: int = 0
+    ttft_s: list[float] = []
+    #: one gap per token after a request's first (n tokens at once: n gaps of 1/n)
+    itl_s: list[float] = []
+    finished: list[FinishedRequestStats] = []
+
+
 class EngineOutputs(msgspec.Struct, gc=False):
     """Everything one turn of the core's loop hands the front end, in one message."""
 
@@ -120,6 +143,9 @@ class EngineOutputs(msgspec.Struct, gc=False):
     #: the last turn of a loop that died: why (every request still running fails with
     #: it, and the front end says it for those it had not yet handed the core)
     fatal: str | None = None
+    #: the request metrics of this turn, for every request the core ran, whichever front
+    #: sent it (only the core's own API process gets them; None: nothing to add)
+    stats: IterationStats | None = None
 
 
 @dataclass

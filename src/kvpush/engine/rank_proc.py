@@ -37,6 +37,7 @@ from kvpush.engine.tp.group import (
 )
 from kvpush.engine.tp.kv_ranks import RankKVServer, encode_rank_kv, kv_key
 from kvpush.engine.tp.plan import RankMessage, RankSetup, RankStop
+from kvpush.logs import setup_logging
 
 log = logging.getLogger("kvpush.engine.tp")
 
@@ -46,8 +47,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup: RankSetup = pickle.load(sys.stdin.buffer)
     sys.stdin.close()
-    logging.basicConfig(level=setup.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(setup.log_level)  # the API process's format
     config, rank = setup.config, setup.rank
     store = open_store(setup.store_path, config.tensor_parallel_size)
     ctx = zmq.Context()

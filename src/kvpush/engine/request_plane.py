@@ -158,7 +158,8 @@ class RequestPlane:
     # ---- the step loop's side ---------------------------------------------------------
     def split(self, batch: EngineOutputs) -> EngineOutputs | None:
         """Hand the remote fronts' outputs and replies of ``batch`` to the plane's thread;
-        returns the rest, for the local front (None: nothing for it)."""
+        returns the rest, for the local front (None: nothing for it), with the request
+        metrics of every front's requests (the instance's /metrics exports them)."""
         if not self.in_use:
             return batch
         mine = [o for o in batch.outputs if o.request_id.startswith(REMOTE_MARK)]
@@ -170,9 +171,10 @@ class RequestPlane:
         outputs = [o for o in batch.outputs if not o.request_id.startswith(REMOTE_MARK)]
         replies = [r for r in batch.replies if r.call_id >= 0]
         if not (outputs or replies or batch.transfers or batch.snapshot is not None
-                or batch.fatal is not None):
+                or batch.fatal is not None or batch.stats is not None):
             return None
-        return EngineOutputs(outputs, batch.transfers, replies, batch.snapshot, batch.fatal)
+        return EngineOutputs(outputs, batch.transfers, replies, batch.snapshot, batch.fatal,
+                             batch.stats)
 
     # ---- the plane's thread -----------------------------------------------------------
     def _run(self) -> None:

@@ -2,7 +2,7 @@
 
 Each instance stamps the stages of each transfer it takes part in (request in, step,
 WRITEs or READ, completion, token #1) and, when its part is over, logs one line (logger
-``kvpush.kv_transfer.handoff``, INFO)::
+``kvpush.kv_transfer.handoff``, DEBUG)::
 
     handoff transfer=T role=prefill t_p_added=812.004113 t_p_step=812.004398 ...
 
@@ -63,8 +63,8 @@ class HandoffTimeline:
     def emit(self, tid: str) -> dict[str, float] | None:
         """Log ``tid``'s line and forget it; returns its stamps (None: none taken)."""
         stamps = self._stamps.pop(tid, None)
-        if stamps and log.isEnabledFor(logging.INFO):
+        if stamps and log.isEnabledFor(logging.DEBUG):
             fields = " ".join(f"t_{k}={v:.6f}" for k, v in sorted(stamps.items(),
                                                                   key=lambda kv: kv[1]))
-            log.info("handoff transfer=%s role=%s %s", tid, self.role, fields)
+            log.debug("handoff transfer=%s role=%s %s", tid, self.role, fields)
         return stamps

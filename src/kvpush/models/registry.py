@@ -85,9 +85,14 @@ def installed_models() -> dict[str, Path]:
 
 
 def _unknown(name: str) -> ConfigError:
+    """A name that is neither a folder nor a known model: the known ones, and how to
+    serve another Llama or Qwen3 model (kvpush downloads nothing)."""
     return ConfigError(
         f"{name!r} is neither a model folder (a directory with config.json) nor a known "
-        f"model name; known models: {', '.join(KNOWN_MODELS)}"
+        f"model name; known models: {', '.join(KNOWN_MODELS)}. Another Llama or Qwen3 "
+        "model: download its Hugging Face folder (config.json, tokenizer files, "
+        "*.safetensors), e.g. `huggingface-cli download Qwen/Qwen3-0.6B --local-dir "
+        "Qwen3-0.6B`, and give the folder: `kvpush serve ./Qwen3-0.6B`"
     )
 
 

@@ -37,7 +37,7 @@ from kvpush.router.intake import (
     load_body,
     read_body_within,
 )
-from kvpush.router.job import Job, new_request_id, outcome_for
+from kvpush.router.job import Job, outcome_for
 from kvpush.router.legs import Legs
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.net import CoalescingBackend
@@ -52,7 +52,7 @@ from kvpush.router.wire import (
     relay_error,
 )
 from kvpush.server.admin_key import ADMIN_PATHS, protect
-from kvpush.server.app import EventStreamResponse, unless_disconnected
+from kvpush.server.app import EventStreamResponse, new_request_id, unless_disconnected
 from kvpush.server.auth import auth_header
 from kvpush.server.door import uvicorn_options
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
@@ -330,7 +330,7 @@ async def _handle(router: Router, request: Request,
         return full_error(router.admission.limit).response(
             headers={"Retry-After": str(RETRY_AFTER_S)})
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-    job = Job(rid=new_request_id(), kind=kind, path=path, body={}, stream=False,
+    job = Job(rid=new_request_id(kind), kind=kind, path=path, body={}, stream=False,
               arrival=arrival, client_rid=request.headers.get("x-request-id"),
               on_done=router.admission.leave)
     if router.cores.serving(router.legs, router.tokenizer):
@@ -542,6 +542,7 @@ async def serve_forever(router: Router, host: str, port: int, log_level: str,
         cfg = router.cfg
         server = uvicorn.Server(uvicorn.Config(
             app, host=host, port=port, log_level=log_level, access_log=False,
+            log_config=None,  # uvicorn's records: our handler (kvpush.logs)
             timeout_graceful_shutdown=5,
             **uvicorn_options(cfg.header_timeout_s, cfg.max_client_connections)))
         await server.serve(sockets=sockets)

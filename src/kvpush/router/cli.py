@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from kvpush import cli_types
+from kvpush.logs import LOG_FORMATS
 from kvpush.server.admin_key import ADMIN_KEY_HELP
 from kvpush.server.door import add_door_args
 
@@ -88,6 +89,9 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     net.add_argument("--port", type=cli_types.port, default=8000, help="TCP port (default: 8000)")
     net.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                      help="logging level; info logs one line per request (default: info)")
+    net.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                     help="text: one line per record, wall-clock UTC time first "
+                          "(default); json: one JSON object per line")
     net.add_argument("--api-key", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' from clients on every path "
                           "but /health, and send it to the instances (default: "
@@ -198,8 +202,9 @@ def run_router(args: argparse.Namespace) -> int:
         cfg = build_config(args)
     except RouterConfigError as e:
         args._router_parser.error(str(e))  # usage + message, exit 2
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvpush.logs import setup_logging
+
+    setup_logging(args.log_level, args.log_format)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check
     import asyncio
 

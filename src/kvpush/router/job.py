@@ -4,7 +4,6 @@ request log line), a prefill leg's result, and the outcome a status counts as.""
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +87,3 @@ def outcome_for(status: int) -> str:
         return "overloaded"
     return "client_error" if status < 500 else "error"
 
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex

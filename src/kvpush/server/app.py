@@ -166,6 +166,12 @@ class FrontSettings:
                    kvt.role if kvt.enabled else "both", kvt.mode)
 
 
+def new_request_id(kind: Literal["completion", "chat"]) -> str:
+    """A fresh request id, as vLLM's OpenAI server makes them (the answer's ``id``):
+    ``chatcmpl-<hex>`` for chats, ``cmpl-<hex>`` for completions."""
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
 class OpenAIFront:
     """The OpenAI request handlers over one EngineClient: an instance's engine, or the
     router's cluster of engine cores (kvpush.router.cluster_engine)."""
@@ -196,12 +202,12 @@ class OpenAIFront:
         self.on_job: Callable[[Job], None] | None = None
 
     @staticmethod
-    def _request_id(request: Request, prefix: str) -> str:
+    def _request_id(request: Request, kind: Literal["completion", "chat"]) -> str:
         """The client's X-Request-Id (the router sends the same one to prefill and decode
-        servers), or a fresh ``<prefix>-<uuid>``."""
+        servers), or a fresh one (:func:`new_request_id`)."""
         rid = request.headers.get("x-request-id")
         if rid is None:
-            return f"{prefix}-{uuid.uuid4().hex}"
+            return new_request_id(kind)
         rid = rid.strip()
         if not rid or len(rid) > 256 or not rid.isprintable():
             raise APIError("the X-Request-Id header must be 1 to 256 printable characters",
@@ -259,8 +265,7 @@ class OpenAIFront:
         handed_over = False
         try:
             req = await self.prompts.parse(kind, body)
-            rid = request_id or self._request_id(request,
-                                                 "chatcmpl" if kind == "chat" else "cmpl")
+            rid = request_id or self._request_id(request, kind)
             # checked once and typed here (a 400, or a 403 unsigned), handed on as is
             kv = self.engine.kv_params(req.kv_transfer_params)
             # admitted (or refused with a 429) before any tokenizing or allocating
@@ -452,6 +457,7 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
                        on_reject=server.metrics.count_auth_rejected)
     server.metrics.register_kv_stats(engine.kv_stats)
     engine.set_transfer_sink(server.metrics.observe_transfer)
+    engine.set_stats_sink(server.metrics.observe_engine)  # every front's requests
 
     @app.post("/v1/completions", summary="Text completion (OpenAI legacy API)",
               openapi_extra=request_body("CompletionRequest"))

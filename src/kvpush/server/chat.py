@@ -11,6 +11,7 @@ import asyncio
 import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
+from pathlib import PurePosixPath
 from typing import Any, Literal, TypeVar
 
 from pydantic import TypeAdapter
@@ -196,9 +197,16 @@ class PromptBuilder:
             return make(req, request_id, arrival)
         return await self._in_worker(lambda: make(req, request_id, arrival))
 
+    def serves(self, model: str) -> bool:
+        """Whether ``model`` names the served model: its name, or a folder path ending in
+        it (vLLM serves a folder under the path it was given, and its clients send that
+        path: `vllm bench serve --model /models/X`)."""
+        return model == self.model_name or (
+            "/" in model and PurePosixPath(model.rstrip("/")).name == self.model_name)
+
     def check_model(self, model: str | None) -> None:
         """A 404 for a model this server does not serve (None: the served one)."""
-        if model is not None and model != self.model_name:
+        if model is not None and not self.serves(model):
             raise APIError(f"the model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", status_code=404, param="model",
                            code="model_not_found")

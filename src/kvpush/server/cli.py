@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpush import cli_types
+from kvpush.logs import LOG_FORMATS, PROBE_ENDPOINTS
 from kvpush.server.admin_key import ADMIN_KEY_HELP
 from kvpush.server.door import add_door_args
 
@@ -35,7 +36,8 @@ DEFAULT_MAX_WAITING_REQUESTS = 1024
 VLLM_EPILOG = (
     "vLLM's flags: --tensor-parallel-size/-tp, --enable-prefix-caching, "
     "--no-enable-prefix-caching, --kv-cache-dtype, --tokenizer (the model's own), "
-    "--chat-template, --kv-transfer-config, --disable-log-requests, dtypes half, float "
+    "--chat-template, --kv-transfer-config, --disable-log-requests, "
+    "--enable-chunked-prefill, --disable-access-log-for-endpoints, dtypes half, float "
     "and bf16, and a Hugging Face id of an installed model are taken as vLLM takes them. "
     "--gpu-memory-utilization is not: use --kv-cache-memory SIZE.")
 
@@ -43,6 +45,7 @@ VLLM_EPILOG = (
 VLLM_CONNECTORS = {"NixlConnector": "pull", "NixlPushConnector": "push"}
 #: vLLM's kv_role names, by the --role they mean
 VLLM_KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+
 
 
 def vllm_kv_cache_dtype(text: str) -> str | None:
@@ -56,9 +59,51 @@ def vllm_kv_cache_dtype(text: str) -> str | None:
     return text
 
 
+#: the keys of vLLM's KVTransferConfig kvpush does not take, and what to use instead
+VLLM_KV_KEYS_REFUSED = {
+    "kv_buffer_size": "the KV region is sized by --kv-cache-memory (or --num-blocks)",
+    "kv_rank": "instances are paired by the router, any number of each: drop it "
+               "(kv_role gives the side)",
+    "kv_parallel_size": "instances are paired by the router, any number of each: drop it",
+    "kv_ip": "the side channel's address is --side-channel-host (vLLM's NixlConnector: "
+             "VLLM_NIXL_SIDE_CHANNEL_HOST)",
+    "kv_port": "the side channel's port is --side-channel-port (vLLM's NixlConnector: "
+               "VLLM_NIXL_SIDE_CHANNEL_PORT)",
+    "kv_connector_module_path": "kvpush's connectors are built in: kv_connector "
+                                "NixlConnector (pull) or NixlPushConnector (push)",
+    "kv_connector_extra_config": "kvpush's KV transfer settings are flags (see --help, "
+                                 "prefill/decode disaggregation)",
+    "enable_permute_local_kv": "kvpush maps between KV layouts itself: drop it",
+}
+#: vLLM's defaults of the refused keys (a config dumped from vLLM carries them: taken)
+VLLM_KV_DEFAULTS: dict[str, Any] = {
+    "kv_buffer_size": 1e9, "kv_rank": None, "kv_parallel_size": 1, "kv_ip": "127.0.0.1",
+    "kv_port": 14579, "kv_connector_module_path": None, "kv_connector_extra_config": {},
+    "enable_permute_local_kv": False,
+}
+#: the keys it takes: each sets the flag named
+VLLM_KV_KEYS_TAKEN = {
+    "kv_connector": "--kv-transfer", "kv_role": "--role", "engine_id": "--engine-id",
+    "kv_buffer_device": "--device (must match it)",
+    "kv_load_failure_policy": "--kv-load-failure-policy",
+}
+#: vLLM's kv_load_failure_policy values (kvpush's --kv-load-failure-policy has the same)
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+#: why kv_role kv_both is not a P/D instance here
+KV_BOTH_ADVICE = ("kvpush needs kv_producer or kv_consumer for prefill/decode "
+                  "disaggregation (kv_producer: the prefill instance, kv_consumer: the "
+                  "decode one); kv_both is a plain instance with no KV transfer")
+
+
+def _vllm_default(key: str, value: Any) -> bool:
+    default = VLLM_KV_DEFAULTS[key]
+    return value is default or (type(value) is type(default) and value == default)
+
+
 def parse_kv_transfer_config(text: str) -> dict[str, str]:
-    """vLLM's --kv-transfer-config JSON as kvpush settings: ``kv_transfer``, ``role`` and,
-    when given, ``engine_id`` and ``kv_buffer_device`` (ValueError: what is wrong)."""
+    """vLLM's --kv-transfer-config JSON as kvpush settings: ``kv_transfer``, ``kv_role``
+    (vLLM's) and, when given, ``engine_id``, ``kv_buffer_device`` and
+    ``kv_load_failure_policy`` (ValueError: what is wrong and what to use instead)."""
     import json
 
     try:
@@ -67,15 +112,14 @@ def parse_kv_transfer_config(text: str) -> dict[str, str]:
         raise ValueError(f"not JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise ValueError("must be a JSON object")
-    known = {"kv_connector", "kv_role", "engine_id", "kv_buffer_device",
-             "kv_connector_extra_config"}
-    unknown = sorted(set(cfg) - known)
+    refused = [k for k in cfg if k in VLLM_KV_KEYS_REFUSED and not _vllm_default(k, cfg[k])]
+    if refused:
+        raise ValueError("; ".join(f"{k} is not taken: {VLLM_KV_KEYS_REFUSED[k]}"
+                                   for k in refused))
+    unknown = sorted(set(cfg) - set(VLLM_KV_KEYS_TAKEN) - set(VLLM_KV_KEYS_REFUSED))
     if unknown:
         raise ValueError(f"kvpush does not take {', '.join(unknown)} (it takes "
-                         f"{', '.join(sorted(known))})")
-    if cfg.get("kv_connector_extra_config"):
-        raise ValueError("kv_connector_extra_config is not taken: kvpush's KV transfer "
-                         "settings are flags (see --help, prefill/decode disaggregation)")
+                         f"{', '.join(VLLM_KV_KEYS_TAKEN)})")
     connector = cfg.get("kv_connector")
     if connector not in VLLM_CONNECTORS:
         raise ValueError(f"kv_connector {connector!r}: kvpush moves KV with NIXL only: "
@@ -83,18 +127,26 @@ def parse_kv_transfer_config(text: str) -> dict[str, str]:
     role = cfg.get("kv_role")
     if role not in VLLM_KV_ROLES:
         raise ValueError(f"kv_role {role!r}: one of {', '.join(VLLM_KV_ROLES)}")
-    out = {"kv_transfer": VLLM_CONNECTORS[connector], "role": VLLM_KV_ROLES[role]}
+    out = {"kv_transfer": VLLM_CONNECTORS[connector], "kv_role": role}
     for key in ("engine_id", "kv_buffer_device"):
         if cfg.get(key) is not None:
             if not isinstance(cfg[key], str) or not cfg[key]:
                 raise ValueError(f"{key} must be a non-empty string")
             out[key] = cfg[key]
+    policy = cfg.get("kv_load_failure_policy")
+    if policy is not None:
+        if policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy {policy!r}: one of "
+                             f"{', '.join(KV_LOAD_FAILURE_POLICIES)}")
+        out["kv_load_failure_policy"] = policy
     return out
 
 
 class KVTransferConfigAction(argparse.Action):
-    """--kv-transfer-config: sets --kv-transfer, --role (and --engine-id) from vLLM's
-    JSON, so that it is an alias of those flags, not a second way to configure."""
+    """--kv-transfer-config: sets --kv-transfer, --role (and --engine-id,
+    --kv-load-failure-policy) from vLLM's JSON, so that it is an alias of those flags, not
+    a second way to configure. kv_both sets no role: :func:`kv_both_problem` says what it
+    meant once every flag is parsed."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
@@ -103,10 +155,24 @@ class KVTransferConfigAction(argparse.Action):
         except ValueError as e:
             parser.error(f"argument {option_string}: {e}")
         namespace.kv_transfer = cfg["kv_transfer"]
-        namespace.role = cfg["role"]
+        namespace.vllm_kv_role = cfg["kv_role"]
+        if cfg["kv_role"] != "kv_both":
+            namespace.role = VLLM_KV_ROLES[cfg["kv_role"]]
         if "engine_id" in cfg:
             namespace.engine_id = cfg["engine_id"]
+        if "kv_load_failure_policy" in cfg:
+            namespace.kv_load_failure_policy = cfg["kv_load_failure_policy"]
         namespace.kv_buffer_device = cfg.get("kv_buffer_device")
+
+
+def kv_both_problem(args: argparse.Namespace) -> str | None:
+    """Why vLLM's kv_role kv_both cannot stand with the parsed flags (a P/D --role), or
+    None; a plain instance with it is warned at start (:data:`KV_BOTH_ADVICE`)."""
+    if getattr(args, "vllm_kv_role", None) == "kv_both" and args.role != "both":
+        return (f"--kv-transfer-config: kv_role kv_both with --role {args.role}: "
+                f"{KV_BOTH_ADVICE}; use kv_role "
+                f"{'kv_producer' if args.role == 'prefill' else 'kv_consumer'}")
+    return None
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -138,6 +204,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     net.add_argument("--disable-log-requests", action="store_true",
                      help="no log line per HTTP request (uvicorn's access log; on by "
                           "default, at --log-level info)")
+    net.add_argument("--disable-access-log-for-endpoints", metavar="PATHS",
+                     default=",".join(PROBE_ENDPOINTS),
+                     help="comma-separated paths the access log leaves out (default: "
+                          "the router's probes, " + ",".join(PROBE_ENDPOINTS) + "; '': "
+                          "log every request)")
+    net.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                     help="text: one line per record, wall-clock UTC time first "
+                          "(default); json: one JSON object per line")
     net.add_argument("--api-key", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on every path but /health "
                           "(default: $KVPUSH_API_KEY; unset: no key). Prefer the "
@@ -234,11 +308,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "HTTP 429 (a P/D pair's second leg is admitted anyway: its peer "
                           "holds blocks for it). 0: no bound (default: "
                           f"{DEFAULT_MAX_WAITING_REQUESTS})")
-    sch.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
-                     action="store_false",
+    sch.add_argument("--no-chunked-prefill", "--no-enable-chunked-prefill",
+                     dest="enable_chunked_prefill", action="store_false",
                      help="prefill each prompt in one step (then --max-num-batched-tokens "
                           "must be at least --max-model-len); chunked prefill is on by "
                           "default")
+    sch.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill",
+                     action="store_true", default=True,
+                     help="prefill long prompts in chunks of --max-num-batched-tokens (the "
+                          "default)")
     sch.add_argument("--no-prefix-caching", "--no-enable-prefix-caching",
                      dest="enable_prefix_caching", action="store_false",
                      help="do not reuse KV blocks of shared prompt prefixes (on by default)")
@@ -264,10 +342,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     pd.add_argument("--kv-transfer-config", action=KVTransferConfigAction, metavar="JSON",
                     help="vLLM's JSON, as --kv-transfer and --role: kv_connector "
                          "NixlConnector (pull) or NixlPushConnector (push); kv_role "
-                         "kv_producer (prefill), kv_consumer (decode) or kv_both (both: a "
-                         "plain instance, no KV transfer); optional engine_id (--engine-id)"
-                         " and kv_buffer_device (must be --device's kind). A later --role "
-                         "or --kv-transfer overrides it")
+                         "kv_producer (prefill) or kv_consumer (decode) (kv_both: a plain "
+                         "instance, no KV transfer, with a warning; refused with a P/D "
+                         "--role); optional engine_id (--engine-id), "
+                         "kv_load_failure_policy (--kv-load-failure-policy) and "
+                         "kv_buffer_device (must be --device's kind); its other keys are "
+                         "refused with what to use. A later --role or --kv-transfer "
+                         "overrides it")
     pd.add_argument("--engine-id", metavar="ID",
                     help="this instance's id in transfers (default: ROLE-<random>)")
     pd.add_argument("--side-channel-host", default="127.0.0.1", metavar="HOST",
@@ -428,6 +509,9 @@ def build_config(args: argparse.Namespace) -> Any:
     """The EngineConfig for parsed ``serve`` arguments (raises ConfigError)."""
     from kvpush.config import ConfigError, EngineConfig, KVTransferConfig
 
+    problem = kv_both_problem(args)
+    if problem is not None:
+        raise ConfigError(problem)
     model_dir, default_name = _resolve_model(args.model)
     _check_tokenizer(getattr(args, "tokenizer", None), args.model, model_dir)
     buffer_device = getattr(args, "kv_buffer_device", None)
@@ -489,14 +573,21 @@ def _registration(args: argparse.Namespace, port: int) -> tuple[Any, str] | None
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvpush.logs import endpoint_list, quiet_access_log, setup_logging
+
+    setup_logging(args.log_level, getattr(args, "log_format", None))
+    quiet_access_log(endpoint_list(getattr(args, "disable_access_log_for_endpoints", "")))
     log = logging.getLogger("kvpush.server")
     from kvpush.config import ConfigError, dtype_name
     from kvpush.procs import raise_fd_limit
     from kvpush.server.auth import SecretError, resolve_api_key, resolve_kv_secret
 
     log.debug("open files: up to %d", raise_fd_limit())  # (the core inherits it)
+    problem = kv_both_problem(args)
+    if problem is not None:
+        return _fail(problem)
+    if getattr(args, "vllm_kv_role", None) == "kv_both":
+        log.warning("--kv-transfer-config kv_role kv_both: %s", KV_BOTH_ADVICE)
     api_key = resolve_api_key(args.api_key)
     try:
         args.kv_secret, warning = resolve_kv_secret(
@@ -592,6 +683,7 @@ def _serve(args: argparse.Namespace, config, engine, listener, api_key, log,
     uv_config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                access_log=not getattr(args, "disable_log_requests", False),
+                               log_config=None,  # uvicorn's records: our handler
                                **uvicorn_options(args.header_timeout,
                                                  args.max_client_connections))
     if registration is None:

@@ -1,6 +1,11 @@
 """Prometheus metrics of one server: request outcomes, latencies, token counts, and
 engine gauges read from ``engine.stats()`` at scrape time.
 
+On an instance the ``vllm:`` request families are the engine core's figures for every
+request it ran, whichever front sent it (``observe_engine``, fed with each turn's
+IterationStats); the ``kvpush_`` ones are the HTTP front's own requests on its clock
+(``RequestTimer``). The router's front feeds both from its clock.
+
 Beside kvpush's own ``kvpush_*`` families, the ones vLLM's dashboards, llm-d's scheduler
 and Dynamo's planner read are exported under vLLM's names (``vllm:*``, labelled with
 ``model_name``), with vLLM v1's meanings and types; docs/METRICS.md lists them all.
@@ -25,7 +30,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from kvpush.engine.outputs import EngineStats, RequestOutput
+from kvpush.engine.outputs import EngineStats, IterationStats, RequestOutput
+from kvpush.engine.request_stats import RequestClock
 from kvpush.kv_transfer.record import TransferCounters, TransferRecord
 from kvpush.server.admission import WaitingBound
 
@@ -263,11 +269,13 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats] | None, healthy: Callable[[], bool],
                  model_name: str = "") -> None:
         """``stats``: the engine's gauges (None: a front over many engines, the router,
-        exports none of its own)."""
+        exports none of its own, and its own clocks feed the ``vllm:`` request families;
+        else the engine core's figures feed them, :meth:`observe_engine`)."""
         # The *_created series double the exposition for no use here (vLLM drops them too);
         # the switch is process-wide.
         disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
+        self.front_feeds_vllm = stats is None
         r = self.registry
         self.requests = Counter("kvpush_requests", "Finished generation requests by outcome",
                                 ["outcome"], registry=r)
@@ -336,6 +344,40 @@ class ServerMetrics:
                                    "Histogram of time spent in RUNNING phase for request",
                                    VLLM_REQUEST_BUCKETS)
 
+    def observe_engine(self, stats: IterationStats) -> None:
+        """The ``vllm:`` request families: an instance's engine core's figures for every
+        request it ran (FrontEnd's stats sink), the router's front's for its clients."""
+        self.vllm_prompt_tokens.inc(stats.num_prompt_tokens)
+        self.vllm_generation_tokens.inc(stats.num_generation_tokens)
+        for v in stats.ttft_s:
+            self.vllm_ttft.observe(v)
+        for v in stats.itl_s:
+            self.vllm_itl.observe(v)
+        for f in stats.finished:
+            self.vllm_e2e.observe(f.e2e_s)
+            if f.decode_s is not None:
+                self.vllm_decode.observe(f.decode_s)
+            if f.queue_s is not None:
+                self.vllm_queue.observe(f.queue_s)
+            if f.prefill_s is not None:
+                self.vllm_prefill.observe(f.prefill_s)
+                if f.decode_s is not None:
+                    self.vllm_inference.observe(f.prefill_s + f.decode_s)
+
+    def observe_front(self, stats: IterationStats) -> None:
+        """The ``kvpush_`` request families: this front's own requests, on its clock
+        (and the ``vllm:`` ones too on a front over engines it does not own)."""
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        for v in stats.ttft_s:
+            self.ttft.observe(v)
+        for f in stats.finished:
+            self.e2e.observe(f.e2e_s)
+            if f.decode_s is not None and f.num_generation_tokens > 1:
+                self.tpot.observe(f.decode_s / (f.num_generation_tokens - 1))
+        if self.front_feeds_vllm:
+            self.observe_engine(stats)
+
     def register_waiting(self, bound: WaitingBound) -> None:
         """Export the waiting-request bound: how many wait, the cap, and the 429s."""
         self.registry.register(_WaitingCollector(bound))
@@ -362,82 +404,31 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Per-request timing and token accounting; reports once, in :meth:`finish`.
+    """One request as a front sees it: its clock (kvpush.engine.request_stats' rule) on
+    the front's time, observed output by output; counted once, in :meth:`finish`."""
 
-    Server-side times (``arrival``, each output's arrival) give TTFT, inter-token latency,
-    end-to-end and decode time; the engine's own times (its arrival, first scheduling and
-    first token, all ``time.perf_counter``) give queue and prefill time.
-    """
-
-    __slots__ = ("_m", "arrival", "first_token", "last_token", "num_tokens", "_started",
-                 "_done", "_prompt_tokens", "engine_arrival", "scheduled", "engine_first")
+    __slots__ = ("_m", "_clock", "_done")
 
     def __init__(self, metrics: ServerMetrics, arrival: float, prompt_tokens: int) -> None:
         self._m = metrics
-        self.arrival = arrival
-        self.first_token: float | None = None
-        self.last_token: float | None = None
-        self.num_tokens = 0
-        self._started = False
+        self._clock = RequestClock(arrival, prompt_tokens)
         self._done = False
-        self._prompt_tokens = prompt_tokens
-        self.engine_arrival: float | None = None
-        self.scheduled: float | None = None
-        self.engine_first: float | None = None
 
     def on_output(self, num_new_tokens: int, now: float,
                   out: RequestOutput | None = None) -> None:
-        m = self._m
-        if out is not None:
-            if out.arrival_time:
-                self.engine_arrival = out.arrival_time
-            if out.scheduled_time is not None:
-                self.scheduled = out.scheduled_time
-            if out.first_token_time is not None:
-                self.engine_first = out.first_token_time
-        if not self._started:
-            self._started = True
-            m.prompt_tokens.inc(self._prompt_tokens)
-            m.vllm_prompt_tokens.inc(self._prompt_tokens)
-        if num_new_tokens <= 0:
-            return
-        if self.first_token is None:
-            self.first_token = now
-            m.ttft.observe(now - self.arrival)
-            m.vllm_ttft.observe(now - self.arrival)
-            gaps = num_new_tokens - 1  # tokens that came with the first: no time between
-            gap = 0.0
+        stats = IterationStats()
+        if out is None:
+            self._clock.on_output(stats, num_new_tokens, now)
         else:
-            assert self.last_token is not None
-            gaps = num_new_tokens
-            gap = (now - self.last_token) / num_new_tokens
-        for _ in range(gaps):
-            m.vllm_itl.observe(gap)
-        self.last_token = now
-        self.num_tokens += num_new_tokens
-        m.generation_tokens.inc(num_new_tokens)
-        m.vllm_generation_tokens.inc(num_new_tokens)
+            self._clock.on_output(stats, num_new_tokens, now, out.arrival_time,
+                                  out.scheduled_time, out.first_token_time)
+        self._m.observe_front(stats)
 
     def finish(self, outcome: str, now: float) -> None:
         if self._done:
             return
         self._done = True
-        m = self._m
-        m.count(outcome)
-        if outcome not in ("stop", "length"):
-            return
-        m.e2e.observe(now - self.arrival)
-        m.vllm_e2e.observe(now - self.arrival)
-        if self.first_token is not None and self.last_token is not None:
-            m.vllm_decode.observe(self.last_token - self.first_token)
-            if self.num_tokens > 1:
-                m.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))
-        if self.scheduled is not None:
-            # engine times only: the engine core may run in another process
-            if self.engine_arrival is not None:
-                m.vllm_queue.observe(max(0.0, self.scheduled - self.engine_arrival))
-            if self.engine_first is not None:
-                prefill = max(0.0, self.engine_first - self.scheduled)
-                m.vllm_prefill.observe(prefill)
-                if self.first_token is not None and self.last_token is not None:
-                    m.vllm_inference.observe(prefill + self.last_token - self.first_token)
+        self._m.count(outcome)
+        stats = IterationStats()
+        self._clock.finish(stats, outcome, now)
+        self._m.observe_front(stats)
