@@ -52,7 +52,8 @@ NIXL_VERSION = "1.5.1"
 CARRIED = ("fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
            "annotated-doc", "typing-inspection", "typing-extensions", "opentelemetry-api",
            "anyio", "idna", "h11", "click", "uvicorn", "msgspec", "pyzmq", "nixl", "nixl-cu13",
-           "httptools")  # the door of the router and of the instances (httptools' parser)
+           "httptools",  # the door of the router and of the instances (httptools' parser)
+           "llguidance")  # structured outputs (kvpush.grammar)
 
 #: what the GPU machine has, with the version pip resolves against. "kinds": read off
 #: such a machine (the device tool's KINDS.md, 2026-11); "assumed": the package is
