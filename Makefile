@@ -51,10 +51,11 @@ demo: model
 	$(PY) scripts/demo.py
 
 ## The default test run (what CI runs): lint (ruff, the import contracts) + the tests not
-## marked slow or faults, on TEST_WORKERS pytest-xdist workers (the modules that share a
-## cluster stay on one worker: --dist loadgroup), naming the 25 slowest tests at the end.
+## marked slow or faults, on TEST_WORKERS pytest-xdist workers (a file's tests on one
+## worker, in order, its module fixtures built once: --dist loadfile), naming the 25
+## slowest tests at the end.
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --durations=25
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile --durations=25
 test: venv
 	$(VENV)/bin/ruff check .
 	$(LINT_IMPORTS)

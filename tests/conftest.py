@@ -68,20 +68,9 @@ def fake_model(tmp_path_factory) -> tuple:
 @pytest.fixture(scope="session")
 def router_cluster(tiny_llama, tmp_path_factory):
     """The router tests' shared instances (router_helpers.RouterCluster), started once per
-    session (per xdist worker: the modules using it share the ``router_cluster`` group)."""
+    session (once per xdist worker that runs a module using it)."""
     from router_helpers import start_router_cluster
 
     cluster = start_router_cluster(tiny_llama, tmp_path_factory.mktemp("router-cluster"))
     yield cluster
     cluster.stop()
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items) -> None:
-    """Under ``make test`` (xdist, ``--dist loadgroup``) a module's tests run on one
-    worker, in order, with its module fixtures built once: each test without an
-    ``xdist_group`` mark is grouped by its module (the router tests share the
-    ``router_cluster`` group: one session cluster for both modules)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

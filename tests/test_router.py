@@ -44,7 +44,7 @@ from router_helpers import (
 )
 from server_helpers import free_port
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("router_cluster")]
+pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def cluster(router_cluster: RouterCluster) -> Iterator[RouterCluster]:

@@ -33,8 +33,6 @@ from router_helpers import (
     wait_until,
 )
 
-pytestmark = pytest.mark.xdist_group("router_cluster")
-
 
 @pytest.fixture
 def cluster(router_cluster: RouterCluster) -> Iterator[RouterCluster]:
