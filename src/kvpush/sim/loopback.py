@@ -55,10 +55,11 @@ def _peer_main(conn: Any, shape: tuple) -> None:
     tr = NixlTransport("loopback-peer")
     tr.register_region(kv.data_ptr(), kv.numel() * kv.element_size())
     conn.send(tr.metadata())
-    while not conn.poll(0.001):  # progress (1 ms naps) until the initiator is wired up
+    # progress (1 ms naps on the pipe) until told to stop: a WRITE or READ the initiator
+    # posts may need this side's progress (UCX's handshakes; not only at wire-up: a
+    # second WRITE once hung 60 s on a busy host when this side stopped after the first)
+    while not (conn.poll(0.001) and conn.recv() == "stop"):  # ("connected" passes)
         tr.progress()
-    conn.recv()
-    conn.recv()  # then block, without CPU, until told to stop
     tr.close()
 
 
