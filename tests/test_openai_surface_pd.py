@@ -15,35 +15,27 @@ import jsonschema
 import pytest
 
 import kvpush
-from router_helpers import Instance, RouterThread, start_instances, wait_until
+from router_helpers import RouterCluster, RouterThread, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
-KV = ("--block-size", "16", "--num-blocks", "256")
+@pytest.fixture
+def cluster(router_cluster: RouterCluster) -> Iterator[RouterCluster]:
+    """The router tests' shared instances (test_router.py's); each test leaves every
+    free-block count as it found it."""
+    yield router_cluster
+    router_cluster.wait_all_free()
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama, tmp_path_factory) -> Iterator[dict[str, Instance]]:
-    log_dir = tmp_path_factory.mktemp("openai-surface-logs")
-    specs = [("single", KV),
-             ("P", ("--role", "prefill", "--kv-transfer", "push", *KV)),
-             ("D", ("--role", "decode", "--kv-transfer", "push", *KV)),
-             ("pullP", ("--role", "prefill", "--kv-transfer", "pull", *KV)),
-             ("pullD", ("--role", "decode", "--kv-transfer", "pull", *KV))]
-    insts = dict(zip([s[0] for s in specs], start_instances(tiny_llama, specs, log_dir),
-                     strict=True))
-    yield insts
-    for inst in insts.values():
-        inst.stop()
-
-
-@pytest.fixture(scope="module")
-def routers(cluster, tiny_llama) -> Iterator[dict[str, str]]:
+def routers(router_cluster: RouterCluster, tiny_llama) -> Iterator[dict[str, str]]:
     """URL of a router over the engine cores, by mode."""
     out: dict[str, RouterThread] = {}
     try:
-        for mode, (p, d) in {"push": ("P", "D"), "pull": ("pullP", "pullD")}.items():
-            rt = RouterThread(mode, [cluster[p].url], [cluster[d].url],
+        c = router_cluster
+        for mode, (p, d) in {"push": (c.push_p[0], c.push_d[0]),
+                             "pull": (c.pull_p, c.pull_d)}.items():
+            rt = RouterThread(mode, [p.url], [d.url],
                               tokenizer=str(tiny_llama))
             out[mode] = rt
             wait_until(lambda rt=rt: httpx.get(rt.url + "/health", timeout=5).json().get(
@@ -55,7 +47,7 @@ def routers(cluster, tiny_llama) -> Iterator[dict[str, str]]:
 
 
 def test_router_tokenize_detokenize_version_match_an_instance(cluster, routers) -> None:
-    single = cluster["single"].url
+    single = cluster.single.url
     with httpx.Client(timeout=30) as c:
         for body in ({"prompt": "hello world", "return_token_strs": True},
                      {"messages": [{"role": "user", "content": "hello"}]}):
@@ -86,7 +78,7 @@ def test_router_on_http_legs_relays_tokenize_to_a_decode(cluster, routers,
         assert c.get(routers["push"] + "/health").json()["legs"] == "http"
         r = c.post(routers["push"] + "/tokenize", json=body)
         assert r.status_code == 200, r.text
-        assert r.json() == c.post(cluster["single"].url + "/tokenize", json=body).json()
+        assert r.json() == c.post(cluster.single.url + "/tokenize", json=body).json()
         r = c.post(routers["push"] + "/detokenize", json={"tokens": r.json()["tokens"]})
         assert r.status_code == 200 and "hello" in r.json()["prompt"]
         r = c.post(routers["push"] + "/detokenize", json={"tokens": [-1]})
@@ -120,7 +112,7 @@ def test_structured_outputs_validate_colocated_and_through_push_and_pull(
     """In push, token #1 is sampled on prefill under the grammar and decode resumes the
     grammar after it: a token #1 sampled unconstrained, or a decode that restarted the
     grammar (a second "{"), would not parse."""
-    url = cluster["single"].url if where == "single" else routers[where]
+    url = cluster.single.url if where == "single" else routers[where]
     msgs = [{"role": "user", "content": "a thing, as JSON"}]
     answers = []
     with httpx.Client(timeout=60) as c:
@@ -146,6 +138,4 @@ def test_structured_outputs_validate_colocated_and_through_push_and_pull(
         r = c.post(url + "/v1/chat/completions", json={
             "messages": msgs, "max_tokens": 20, "guided_json": {"type": "nope"}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json", r.text
-    for name in (("single",) if where == "single" else
-                 ("P", "D") if where == "push" else ("pullP", "pullD")):
-        cluster[name].wait_all_free()
+    cluster.wait_all_free()  # the instances it used, and the others
