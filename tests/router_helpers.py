@@ -224,6 +224,17 @@ class RouterThread:
                                             + thread_stack(self.thread, self._loop))
 
 
+def over_cores(rt: RouterThread) -> RouterThread:
+    """``rt`` once it serves over the engine cores (stopped if it does not within 20 s)."""
+    try:
+        wait_until(lambda: httpx.get(rt.url + "/health", timeout=5).json().get("legs")
+                   == "engine cores", 20, "the router serves over the engine cores")
+    except BaseException:
+        rt.stop()
+        raise
+    return rt
+
+
 def thread_stack(thread: threading.Thread, loop: Any = None) -> str:
     """Where ``thread`` is now, and the tasks still pending on its asyncio ``loop`` (a
     failure message: read from another thread, so a best effort)."""

@@ -27,6 +27,7 @@ from router_helpers import (
     body,
     chat_body,
     metric_value,
+    over_cores,
     reference_answers,
     sse_text,
     start_instances,
@@ -52,14 +53,7 @@ _body, _chat = body, chat_body
 
 def _router(mode: str, p: Instance, d: Instance, tokenizer: str, **kw) -> RouterThread:
     """A router with the tokenizer given, once it serves over the cores."""
-    rt = RouterThread(mode, [p.url], [d.url], tokenizer=tokenizer, **kw)
-    try:
-        wait_until(lambda: httpx.get(rt.url + "/health", timeout=5).json().get("legs")
-                   == "engine cores", 20, "the router serves over the engine cores")
-    except BaseException:
-        rt.stop()
-        raise
-    return rt
+    return over_cores(RouterThread(mode, [p.url], [d.url], tokenizer=tokenizer, **kw))
 
 
 def _api_requests(inst: Instance) -> float:

@@ -1,5 +1,7 @@
-"""The router's health checks: one check that only times out keeps a busy instance in
-rotation (logged); a second in a row, or a refused connection, takes it out."""
+"""The router's health checks do not cascade: checks that only time out keep a busy
+instance in rotation (logged) up to --slow-checks-tolerated in a row, and always when it
+is the last of its role; a refused connection takes it out at once, unless its engine
+core link is up (the HTTP probe does not judge it then)."""
 
 from __future__ import annotations
 
@@ -15,13 +17,19 @@ INFO = {"engine_id": "decode-x", "role": "decode", "kv_transfer": "push",
         "side_channel_host": "127.0.0.1", "side_channel_port": 5600}
 
 
-def _run(behaviour: list[str]) -> list[bool]:
+def _run(behaviour: list[str], tolerated: int = 1, alone: bool = False,
+         link_up: bool = False) -> list[bool]:
     """Health after each check, the instance answering per ``behaviour`` (ok, timeout,
-    refused) in turn."""
+    refused) in turn; another decode instance is healthy unless ``alone``."""
+    decodes = ("127.0.0.1:9100",) if alone else ("127.0.0.1:9100", "127.0.0.1:9101")
     cfg = RouterConfig(mode="push", prefill=(parse_instance("127.0.0.1:9000"),),
-                       decode=(parse_instance("127.0.0.1:9100"),))
+                       decode=tuple(parse_instance(u) for u in decodes),
+                       slow_checks_tolerated=tolerated)
     pool = Pool(cfg)
+    pool.link_up = lambda inst: link_up
     d = pool.by_role["decode"][0]
+    if not alone:
+        pool.by_role["decode"][1].healthy = True
     step = {"i": 0}
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -49,6 +57,20 @@ def _run(behaviour: list[str]) -> list[bool]:
 def test_one_timed_out_check_is_tolerated_two_are_not():
     assert _run(["ok", "timeout", "ok", "timeout", "timeout", "ok"]) == \
         [True, True, True, True, False, True]
+
+
+def test_timeouts_tolerated_as_configured():
+    assert _run(["ok", "timeout", "timeout", "timeout", "timeout", "ok"], tolerated=3) == \
+        [True, True, True, True, False, True]
+
+
+def test_the_last_instance_of_a_role_never_leaves_on_timeouts_alone():
+    assert _run(["ok", *["timeout"] * 6], alone=True) == [True] * 7
+    assert _run(["ok", "refused", "ok"], alone=True) == [True, False, True]
+
+
+def test_an_instance_whose_core_link_is_up_is_not_judged_by_its_probe():
+    assert _run(["ok", "refused", "timeout", "timeout", "ok"], link_up=True) == [True] * 5
 
 
 def test_refused_connection_takes_it_out_at_once():

@@ -249,6 +249,9 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "router's; docs/ROUTER.md)")
     rt.add_argument("--health-interval", type=cli_types.seconds, metavar="SECONDS",
                     help="how often the router checks its instances (default: the router's)")
+    rt.add_argument("--migration-limit", type=cli_types.non_negative_int, metavar="N",
+                    help="times a request may move to another decode instance when its own "
+                         "is lost (0: never; default: the router's, 3)")
     cli_types.refuse_vllm_flags(p)
     p.set_defaults(func=run_up)
     return p
@@ -352,6 +355,8 @@ def router_argv(args: argparse.Namespace, port: int, prefill: list[str],
         argv += ["--load-weight", str(args.load_weight)]
     if args.health_interval is not None:
         argv += ["--health-interval", str(args.health_interval)]
+    if getattr(args, "migration_limit", None) is not None:
+        argv += ["--migration-limit", str(args.migration_limit)]
     etcd = getattr(args, "etcd_url", None)
     if etcd:
         argv += ["--discover", etcd]

@@ -163,11 +163,11 @@ class RemoteCore(FrontEnd):
         return SubmitRequest(internal, list(prompt_token_ids), params,
                              kv_transfer_params), params
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 kv_transfer_params: dict | None = None):
-        """FrontEnd.generate, with ``kv_transfer_params`` as the router signed them."""
+    def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               kv_transfer_params: dict | None = None):
+        """FrontEnd.stream, with ``kv_transfer_params`` as the router signed them."""
         self.start()
-        return super().generate(request_id, prompt_token_ids, params, kv_transfer_params)
+        return super().stream(request_id, prompt_token_ids, params, kv_transfer_params)
 
     async def kv_info(self) -> dict[str, Any]:
         self.start()
@@ -201,6 +201,13 @@ class RemoteCore(FrontEnd):
                 fut.set_exception(RequestError(why, code="unavailable", status_code=503))
         else:
             log.info("%s: %s not sent: %s", self, type(cmd).__name__, why)
+
+    def _loop_died(self, why: str) -> None:
+        """The core's loop died: its streams fail, and its instance leaves the rotation
+        as on a dropped connection."""
+        super()._loop_died(why)
+        if self.on_lost is not None:
+            self.on_lost(why)
 
     # ---- the core's reports (event loop callbacks) ------------------------------------
     def _drain(self) -> None:

@@ -153,9 +153,24 @@ class FrontEnd:
         params: SamplingParams,
         kv_transfer_params: KVTransferParams | dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. ``request_id`` is the caller's (X-Request-Id); the
-        core runs it under a unique internal id, so an id reused right after an abort
-        never receives the old request's last output."""
+        """Stream a request's outputs as text (:meth:`stream` through one
+        RequestStream: the detokenizer, stop strings)."""
+        raw = self.stream(request_id, prompt_token_ids, params, kv_transfer_params)
+        async for out in detokenized(raw, request_id, self.tokenizer, params):
+            yield out
+
+    async def stream(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: KVTransferParams | dict | None = None,
+    ) -> AsyncIterator[EngineOutput]:
+        """Stream a request's core outputs (token ids). ``request_id`` is the caller's
+        (X-Request-Id); the core runs it under a unique internal id, so an id reused
+        right after an abort never receives the old request's last output. A request
+        refused before it ran raises RequestError; closing the stream before its last
+        output aborts the request in the core."""
         problem = self.health_problem()
         if problem is not None:
             raise RequestError(f"this instance cannot serve requests: {problem}",
@@ -169,7 +184,6 @@ class FrontEnd:
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._streams[internal] = queue
         self._internal[request_id] = internal
-        text = RequestStream(request_id, self.tokenizer, params)
         finished = False
         try:
             try:
@@ -183,15 +197,14 @@ class FrontEnd:
                 if failure is not None and failure.rejected:
                     finished = True
                     raise failure.to_error()
-                res = text.process(out)
-                finished = res.finished
-                yield res
+                finished = out.finished
+                yield out
                 if finished:
                     return
         finally:
             self._streams.pop(internal, None)
             self._internal.pop(request_id, None)
-            if not finished or text.stopped_early:
+            if not finished:
                 self._send(AbortRequests([internal]))
 
     async def abort(self, request_id: str) -> None:
@@ -237,3 +250,20 @@ class FrontEnd:
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(RequestError(why, code="unavailable", status_code=503))
+
+
+async def detokenized(outputs: AsyncIterator[EngineOutput], request_id: str, tokenizer: Any,
+                      params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    """A request's core outputs as text, through one RequestStream; a stop string that
+    ends it early closes ``outputs`` (which aborts the request in its core)."""
+    text = RequestStream(request_id, tokenizer, params)
+    try:
+        async for out in outputs:
+            res = text.process(out)
+            yield res
+            if res.finished:
+                return
+    finally:
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -39,14 +39,17 @@ from kvpush.router.intake import (
 )
 from kvpush.router.job import Job, outcome_for
 from kvpush.router.legs import Legs
+from kvpush.router.life import Book
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.net import CoalescingBackend
+from kvpush.router.placement import Placement
 from kvpush.router.pool import CHECKS_AT_ONCE, Instance, Pool, describe_error
 from kvpush.router.prompts import PromptTokenizer, TokenizerState
 from kvpush.router.redact import scrub
 from kvpush.router.stopping import cancel_and_wait
 from kvpush.router.wire import (
     AnswerTooLarge,
+    LegSigner,
     client_kv_params_problem,
     read_answer,
     relay_error,
@@ -119,6 +122,9 @@ class Router:
         #: the health checks' own client: a flood of instances to check never queues in
         #: the legs' connection pool (Pool.check bounds how many run at once)
         self.health_client: httpx.AsyncClient | None = None
+        self.placement = Placement(self.pool)
+        self.book = Book(cfg, self.placement, self.metrics)
+        self.signer = LegSigner(cfg.kv_secret)
         self.legs: Legs | None = None
         #: the cache-aware policy's tokenizer and KV index (--policy cache-aware)
         self.cache: CachePolicy | None = None
@@ -127,7 +133,7 @@ class Router:
         self.discovery: EtcdLink | None = None
         self._joins: set[asyncio.Task] = set()
         #: the front over the engine cores (kvpush.router.core_front)
-        self.cores = CoreFront(cfg, self.pool)
+        self.cores = CoreFront(cfg, self.book, self.signer)
         #: the model's tokenizer (the cache-aware policy's, or loaded for the front)
         self.tokenizer: PromptTokenizer | None = None
         self._tokenizer_load: asyncio.Task | None = None
@@ -172,7 +178,7 @@ class Router:
         RouterConfigError / RouterStartupError), start the health loop."""
         self.client = self.make_client()
         self.health_client = self.make_health_client()
-        self.legs = Legs(self.cfg, self.pool, self.metrics, self.client)
+        self.legs = Legs(self.cfg, self.book, self.client, self.signer)
         try:
             if self.cfg.discover is not None:
                 await self._start_discovery()
@@ -191,7 +197,7 @@ class Router:
             await self.health_client.aclose()
             raise
         if self.cfg.policy == "cache-aware":
-            self.cache = self.legs.policy = CachePolicy(self.cfg, self.pool, self.metrics,
+            self.cache = self.placement.cache = CachePolicy(self.cfg, self.pool, self.metrics,
                                                         self.client)
             self.cache.start()
             self.tokenizer = self.cache.tokenizer
@@ -333,7 +339,7 @@ async def _handle(router: Router, request: Request,
     job = Job(rid=new_request_id(kind), kind=kind, path=path, body={}, stream=False,
               arrival=arrival, client_rid=request.headers.get("x-request-id"),
               on_done=router.admission.leave)
-    if router.cores.serving(router.legs, router.tokenizer):
+    if router.cores.serving(router.tokenizer):
         return await router.cores.serve(request, kind, raw, job)
     headers = {"X-Request-Id": job.rid}
     try:
@@ -344,15 +350,15 @@ async def _handle(router: Router, request: Request,
         if refused:
             raise APIError(refused, status_code=403, param="kv_transfer_params",
                            code="kv_transfer_params_not_allowed")
-        if legs.policy is not None:  # a prompt too long to route: refused by its size
-            legs.policy.check_size(kind, body)
+        if router.cache is not None:  # a prompt too long to route: refused by its size
+            router.cache.check_size(kind, body)
         if big:
             await loop.run_in_executor(None, check_encodable, body)
         else:
             check_encodable(body)
         job.body, job.stream = body, body.get("stream") is True
-        if legs.policy is not None:
-            await legs.policy.plan(job, len(raw))
+        if router.cache is not None:
+            await router.cache.plan(job, len(raw))
         gone, result = await unless_disconnected(legs.dispatch(job), request.receive)
     except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI body
         err = to_api_error(exc)
@@ -444,7 +450,7 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
     async def tokens(request: Request, which: Literal["tokenize", "detokenize"]) -> Response:
         """The engine-core front's /tokenize or /detokenize (the model's tokenizer), else
         a decode instance's (HTTP legs: vLLM's too)."""
-        if router.cores.serving(router.legs, router.tokenizer):
+        if router.cores.serving(router.tokenizer):
             front = router.cores.front
             assert front is not None
             return await front.tokens(request, getattr(front.prompts, which))
@@ -494,7 +500,7 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
                 "routing": routing.routing,
                 # how legs reach the instances: their engine cores' request planes, or
                 # their HTTP APIs (kvpush.router.core_front)
-                "legs": ("engine cores" if router.cores.serving(router.legs, router.tokenizer)
+                "legs": ("engine cores" if router.cores.serving(router.tokenizer)
                          else "http"), **extra}
         if routing.degraded:
             body["degraded"] = routing.why

@@ -111,6 +111,16 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "instance (default: 2)")
     t.add_argument("--health-timeout", type=cli_types.seconds, default=2.0, metavar="SECONDS",
                    help="bound of each health-check answer, read whole (default: 2)")
+    t.add_argument("--migration-limit", type=cli_types.non_negative_int, default=3,
+                   metavar="N",
+                   help="times a request may move to another decode instance when its own "
+                        "is lost mid-request, continuing from the tokens already sent "
+                        "(0: never; default: 3)")
+    t.add_argument("--slow-checks-tolerated", type=cli_types.positive_int, default=3,
+                   metavar="N",
+                   help="health checks in a row that may time out before an instance "
+                        "leaves the rotation (never the last of its role, nor one whose "
+                        "engine core link is up; default: 3)")
     t.add_argument("--startup-timeout", type=cli_types.seconds, default=60.0, metavar="SECONDS",
                    help="how long to wait at start for a usable decode (and prefill) "
                         "instance before giving up (default: 60)")
@@ -175,6 +185,8 @@ def build_config(args: argparse.Namespace) -> Any:
         load_cost_tokens=args.load_cost_tokens, load_weight=args.load_weight,
         fallback_local_prefill=args.fallback_local_prefill,
         health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
+        migration_limit=args.migration_limit,
+        slow_checks_tolerated=args.slow_checks_tolerated,
         startup_timeout_s=args.startup_timeout, connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout, first_byte_timeout_s=args.first_byte_timeout,
         max_outstanding_requests=args.max_outstanding_requests,

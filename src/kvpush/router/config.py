@@ -71,6 +71,14 @@ class RouterConfig:
     health_interval_s: float = 2.0
     #: bound of each health-check answer (/health, /kv/prove, /kv/info), read whole
     health_timeout_s: float = 2.0
+    #: health checks in a row that may time out before an instance in rotation leaves
+    #: it (a busy instance answers late; a refused connection or a bad answer takes it
+    #: out at once). Never the last instance of a role for timeouts alone, and never one
+    #: whose engine core link is up
+    slow_checks_tolerated: int = 3
+    #: times a request may move to another decode instance after losing its own
+    #: (kvpush.router.life; 0: never, the client gets the error)
+    migration_limit: int = 3
     #: how long start-up waits for the instances to answer
     startup_timeout_s: float = 60.0
     #: bound of connecting to an instance

@@ -35,6 +35,8 @@ class Job:
     d_refused: Instance | None = None
     transfer_id: str = ""
     attempts: int = 0
+    #: times the request moved to another decode after losing its own
+    migrations: int = 0
     p_leg_s: float | None = None
     p_outcome: str = "-"
     p_task: asyncio.Task | None = None

@@ -29,7 +29,6 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -38,10 +37,9 @@ from fastapi.responses import Response
 from kvpush.router.config import RouterConfig
 from kvpush.router.decide import Decision
 from kvpush.router.job import Job, PrefillResult
-from kvpush.router.metrics import RouterMetrics
-from kvpush.router.pool import Instance, Pool, describe_error
+from kvpush.router.placement import fail
+from kvpush.router.pool import Instance, describe_error
 from kvpush.router.redact import scrub
-from kvpush.router.request_log import log_request
 from kvpush.router.watch import LegLost, LegWatch
 from kvpush.router.wire import (
     AnswerTooLarge,
@@ -56,7 +54,7 @@ from kvpush.router.wire import (
 from kvpush.server.errors import APIError
 
 if TYPE_CHECKING:
-    from kvpush.router.cache_policy import CachePolicy
+    from kvpush.router.life import Book
 
 logger = logging.getLogger("kvpush.router")
 
@@ -89,15 +87,15 @@ class DecodeCannotServe(Exception):
 
 
 class Legs:
-    def __init__(self, cfg: RouterConfig, pool: Pool, metrics: RouterMetrics,
-                 client: httpx.AsyncClient) -> None:
+    def __init__(self, cfg: RouterConfig, book: Book, client: httpx.AsyncClient,
+                 signer: LegSigner) -> None:
         self.cfg = cfg
-        self.pool = pool
-        self.metrics = metrics
+        self.book = book
+        self.placement = book.placement
+        self.pool = book.placement.pool
+        self.metrics = book.metrics
         self.client = client
-        self.signer = LegSigner(cfg.kv_secret)
-        #: the cache-aware policy (None: the configured order, a prefill leg for each)
-        self.policy: CachePolicy | None = None
+        self.signer = signer
         self._background: set[asyncio.Task] = set()  # fire-and-forget aborts
 
     # ------------------------------------------------------------------ entry point
@@ -110,57 +108,22 @@ class Legs:
                 job.route.decision = Decision.LOCAL  # there is no other way here
             return await self._single(job, job.body)
         if not self.pool.has_healthy("decode"):
-            raise self.unavailable(job, "decode")
-        if self.policy is not None and self.policy.decide(job) is Decision.LOCAL:
+            raise self.placement.unavailable(job, "decode")
+        if self.placement.local(job):
             local = await self._local(job)
             if local is not None:
                 return local
-        p = self.pool.pick("prefill", cost=self.cost(job))
+        p = self.placement.pick("prefill", job)
         if p is None:
             if not self.cfg.fallback_local_prefill:
-                raise self.unavailable(job, "prefill")
+                raise self.placement.unavailable(job, "prefill")
             return await self._fallback(job)
         job.mode = self.cfg.mode
         if self.cfg.mode == "pull":
             return await self._pull(job, p)
         return await self._push(job, p)
 
-    def unavailable(self, job: Job, role: str) -> APIError:
-        why = "; ".join(f"{i.url}: {i.last_error}" for i in self.pool.by_role[role])
-        return self.fail(job, 503, f"no healthy {role} instance; try again shortly",
-                          f"no healthy {role} instance: {why}")
-
-    @staticmethod
-    def fail(job: Job, status: int, message: str, detail: str) -> APIError:
-        """The client's error (``message``: no internal names), with ``detail`` (which
-        may name them) logged under the request id."""
-        logger.warning("request %s: %s", job.rid, detail)
-        return APIError(message, status_code=status)
-
     # ------------------------------------------------------------------ paths
-
-    def cost(self, job: Job) -> Callable[[Instance], float] | None:
-        return self.policy.cost(job) if self.policy is not None else None
-
-    def picked(self, job: Job, inst: Instance) -> None:
-        if self.policy is not None:
-            self.policy.picked(job, inst)
-
-    def pick_decode(self, job: Job, exclude: set[Instance] | None = None) -> Instance:
-        """A decode instance for the job (held until Legs.close), not one of
-        ``exclude``, or 503."""
-        self.release_decode(job)
-        d = None
-        exclude = exclude or set()
-        if job.d_refused is not None:  # it answered "full" for this request already
-            d = self.pool.pick("decode", exclude | {job.d_refused}, cost=self.cost(job))
-        if d is None:
-            d = self.pool.pick("decode", exclude, cost=self.cost(job))
-        if d is None:
-            raise self.unavailable(job, "decode")
-        job.decode = job.d_held = d
-        self.picked(job, d)
-        return d
 
     async def _local(self, job: Job) -> Response | httpx.Response | None:
         """Decode alone computes what its prefix cache lacks (the cache-aware policy's
@@ -182,7 +145,7 @@ class Legs:
         return result
 
     async def _single(self, job: Job, body: dict[str, Any]) -> Response | httpx.Response:
-        d = self.pick_decode(job)
+        d = self.placement.pick_decode(job)
         return await self._decode_leg(job, d, body, job.new_transfer_id())
 
     async def _fallback(self, job: Job) -> Response | httpx.Response:
@@ -195,8 +158,6 @@ class Legs:
         tried: set[Instance] = set()
         while True:
             tid = job.new_transfer_id()
-            job.prefill = p
-            self.picked(job, p)
             job.legs_sent = time.perf_counter()
             try:
                 r = await self._prefill_leg(
@@ -205,18 +166,18 @@ class Legs:
                 self.pool.release(p)
             if r.never_sent or r.lost:
                 tried.add(p)
-                other = self.pool.pick("prefill", tried, cost=self.cost(job))
+                other = self.placement.pick("prefill", job, tried)
                 if other is not None:
                     self.metrics.retries.labels("prefill").inc()
                     p = other
                     continue
                 if self.cfg.fallback_local_prefill:
                     return await self._fallback(job)
-                raise self.fail(job, 502, f"the prefill instance failed ({r.error}) and no "
+                raise fail(job, 502, f"the prefill instance failed ({r.error}) and no "
                                  "other prefill instance is healthy",
                                  f"prefill instance {p.url} failed: {r.error}")
             if r.timed_out:
-                raise self.fail(job, 504, f"the prefill instance did not answer ({r.error})",
+                raise fail(job, 504, f"the prefill instance did not answer ({r.error})",
                                  f"prefill instance {p.url} timed out: {r.error}")
             assert r.status is not None
             if r.status != 200:
@@ -227,11 +188,11 @@ class Legs:
             except (ValueError, AttributeError):
                 kv = None
             if not isinstance(kv, dict):
-                raise self.fail(job, 502, "the prefill instance answered without "
+                raise fail(job, 502, "the prefill instance answered without "
                                  "kv_transfer_params (is it a prefill instance in pull "
                                  "mode?)", f"prefill instance {p.url} answered without "
                                  "kv_transfer_params")
-            d = self.pick_decode(job)
+            d = self.placement.pick_decode(job)
             try:
                 result = await self._decode_leg(
                     job, d, {**job.body, "kv_transfer_params": kv}, tid)
@@ -246,20 +207,19 @@ class Legs:
         tried: set[Instance] = set()
         while True:
             try:
-                d = self.pick_decode(job)
+                d = self.placement.pick_decode(job)
             except APIError:
                 self.pool.release(p)
                 raise
             tid = job.new_transfer_id()
             job.prefill = p
-            self.picked(job, p)
             d_body = {**job.body, "kv_transfer_params": push_decode_params(p, tid)}
             job.legs_sent = time.perf_counter()
             p_task = asyncio.create_task(
                 self._prefill_leg(job, p, self._signed_prefill_body(job, p, tid), tid))
             job.p_task = p_task
             job.parts += 1
-            p_task.add_done_callback(lambda _t, j=job, i=p: self.prefill_done(j, i))
+            p_task.add_done_callback(lambda _t, j=job, i=p: self.book.prefill_done(j, i))
             d_task = asyncio.create_task(self._decode_leg(job, d, d_body, tid))
             try:
                 await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -270,7 +230,7 @@ class Legs:
                     # for it until its lease ends. Start again with another prefill
                     # instance, or let decode prefill locally.
                     tried.add(p)
-                    other = self.pool.pick("prefill", tried, cost=self.cost(job))
+                    other = self.placement.pick("prefill", job, tried)
                     if other is not None or self.cfg.fallback_local_prefill:
                         logger.info("request %s: prefill leg on %s failed before decode "
                                     "answered; starting again %s", job.rid, p.url,
@@ -398,15 +358,12 @@ class Legs:
                         return relay_error(503, e.content, "decode", d, job.rid,
                                            self.pool.engine_ids(), e.retry_after)
                 self.pool.mark_failed(d, f"decode leg: {why}")
-                self.release_decode(job)
-                other = self.pool.pick("decode", tried, cost=self.cost(job))
-                if other is None:
-                    raise self.fail(job, 502, f"the decode instance could not be reached "
-                                     f"({why}) and no other decode instance is healthy",
-                                     f"decode instance {d.url} unreachable: {why}") from None
+                if not any(i.healthy and i not in tried for i in self.pool.by_role["decode"]):
+                    raise fail(job, 502, f"the decode instance could not be reached "
+                               f"({why}) and no other decode instance is healthy",
+                               f"decode instance {d.url} unreachable: {why}") from None
                 self.metrics.retries.labels("decode").inc()
-                job.decode = job.d_held = d = other
-                self.picked(job, d)
+                d = self.placement.pick_decode(job, tried)
 
     async def _send_decode(self, job: Job, d: Instance, body: dict[str, Any],
                            tid: str) -> Response | httpx.Response:
@@ -432,7 +389,7 @@ class Legs:
         job.upstream = resp
         if resp.status_code == 200 and job.stream:
             return resp  # the relay owns it now; Legs.close() closes it
-        self.first_byte(job)
+        self.book.first_byte(job)
         try:
             with LegWatch(d.watches, "decode's answer", self.cfg.request_timeout_s):
                 content = await read_answer(resp, self.cfg.max_answer_bytes)
@@ -456,20 +413,20 @@ class Legs:
         the like go through as they are)."""
         where = f"decode instance {d.url} ({d.engine_id})"
         if isinstance(e, LegLost):
-            return self.fail(job, 504 if e.timed_out else 502, e.reason, f"{where}: {e.reason}")
+            return fail(job, 504 if e.timed_out else 502, e.reason, f"{where}: {e.reason}")
         if isinstance(e, CONNECTION_LOST):
             why = describe_error(e)
             self.pool.mark_failed(d, f"decode leg: {why}")
-            return self.fail(job, 502, f"the decode instance failed during the request: "
+            return fail(job, 502, f"the decode instance failed during the request: "
                               f"{why}", f"{where} failed during the request: {why}")
         if isinstance(e, httpx.TimeoutException):
-            return self.fail(job, 504, f"the decode instance did not answer in time: "
+            return fail(job, 504, f"the decode instance did not answer in time: "
                               f"{describe_error(e)}", f"{where} timed out: {describe_error(e)}")
         if isinstance(e, httpx.HTTPError):
-            return self.fail(job, 502, f"the decode instance failed: {describe_error(e)}",
+            return fail(job, 502, f"the decode instance failed: {describe_error(e)}",
                               f"{where} failed: {describe_error(e)}")
         if isinstance(e, (AnswerTooLarge, FrameTooLong)):  # its message names no internals
-            return self.fail(job, 502, f"the decode instance's answer was cut: {e}",
+            return fail(job, 502, f"the decode instance's answer was cut: {e}",
                               f"{where}: answer cut: {e}")
         return e
 
@@ -492,7 +449,7 @@ class Legs:
                 if chunk is None:
                     break
                 if job.first_byte is None:
-                    self.first_byte(job)
+                    self.book.first_byte(job)
                 out = frames.feed(chunk)
                 if out:
                     yield out
@@ -519,23 +476,7 @@ class Legs:
             done = frames.done and not frames.errors and not job.error
             await self.close(job, job.outcome or ("ok" if done else "abort"))
 
-    def first_byte(self, job: Job) -> None:
-        now = time.perf_counter()
-        job.first_byte = now
-        if job.d_sent is not None:
-            job.d_first_byte_s = now - job.d_sent
-            self.metrics.decode_first_byte_s.labels(job.mode).observe(job.d_first_byte_s)
-        if job.stream:
-            self.metrics.ttft_s.labels(job.mode).observe(now - job.arrival)
-
     # ------------------------------------------------------------------ the end
-
-    def release_decode(self, job: Job) -> None:
-        if self.policy is not None:
-            self.policy.released(job)
-        if job.d_held is not None:
-            self.pool.release(job.d_held)
-            job.d_held = None
 
     async def close_upstream(self, job: Job) -> None:
         resp, job.upstream = job.upstream, None
@@ -545,40 +486,15 @@ class Legs:
         except Exception:  # noqa: BLE001 - closing a broken connection
             logger.debug("closing decode's answer of %s failed", job.rid, exc_info=True)
         finally:
-            self.release_decode(job)
+            self.placement.release_decode(job)
 
     async def close(self, job: Job, outcome: str, status: int | None = None) -> None:
-        """The client's answer is done (or abandoned): free what the request holds,
-        count it. Idempotent."""
+        """The client's answer is done (or abandoned): decode's answer closed, the
+        request counted (kvpush.router.life.Book). Idempotent."""
         if job.closed:
             return
-        job.closed = True
-        if status is not None:
-            job.status = status
-        elif not job.status:
-            job.status = 200
-        job.outcome = outcome
         await self.close_upstream(job)
-        if outcome == "abort" and job.p_task is not None and not job.p_task.done():
-            job.p_task.cancel()  # the client is gone: so is the reason to prefill
-        job.ended = time.perf_counter()
-        if self.policy is not None:
-            self.policy.count(job)
-        mode = job.mode or self.cfg.mode
-        self.metrics.requests.labels(mode, job.outcome).inc()
-        self.metrics.request_s.labels(mode, job.outcome).observe(job.ended - job.arrival)
-        self._part_done(job)
-
-    def prefill_done(self, job: Job, p: Instance) -> None:
-        self.pool.release(p)
-        self._part_done(job)
-
-    def _part_done(self, job: Job) -> None:
-        job.parts -= 1
-        if job.parts == 0:
-            log_request(job)
-            if job.on_done is not None:
-                job.on_done()
+        self.book.close(job, outcome, status)
 
 
 async def _cancel(task: asyncio.Task) -> None:

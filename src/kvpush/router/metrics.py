@@ -92,6 +92,11 @@ class RouterMetrics:
             "comes whole)", ["mode"], buckets=TTFT_BUCKETS, registry=r)
         self.retries = Counter("kvpush_router_retries", "Legs sent again to another "
                                "instance after a connection error", ["role"], registry=r)
+        self.migrations = Counter("kvpush_router_migrations", "Requests moved to another "
+                                  "decode instance after losing theirs, by cause",
+                                  ["cause"], registry=r)
+        for cause in ("connection_lost", "core_died"):
+            self.migrations.labels(cause)
         self.outstanding = Gauge("kvpush_router_outstanding_requests",
                                  "Requests held now: arrival to the end of every leg "
                                  "(bounded by --max-outstanding-requests)", registry=r)

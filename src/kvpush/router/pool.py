@@ -42,8 +42,6 @@ from kvpush.server.auth import auth_header
 
 logger = logging.getLogger("kvpush.router")
 
-#: health checks in a row that may time out before an instance in rotation leaves it
-SLOW_CHECKS_TOLERATED = 1
 #: checks of instances out of rotation that run at once (a flood of cards naming dead
 #: addresses waits here; checks of instances in rotation never do)
 CHECKS_AT_ONCE = 32
@@ -157,6 +155,9 @@ class Pool:
         #: called with each instance that left the pool (remove_instance): the KV index,
         #: the link to its engine core
         self.on_remove: list[Callable[[Instance], None]] = []
+        #: whether an instance's engine core link is up now (the router's CoreSender
+        #: says; an instance it links is not judged by its HTTP probe)
+        self.link_up: Callable[[Instance], bool] = lambda _inst: False
         self._check_slots = asyncio.Semaphore(CHECKS_AT_ONCE)
         #: the checks running now, by instance (start_checks)
         self._checks: dict[Instance, asyncio.Task] = {}
@@ -337,15 +338,10 @@ class Pool:
                         return
         except (httpx.HTTPError, ValueError) as e:
             why = f"not answering: {describe_error(e)}"
-            if (isinstance(e, httpx.TimeoutException) and inst.epoch == epoch
-                    and inst.slow_checks < SLOW_CHECKS_TOLERATED):
-                # A busy instance may answer a check late (its event loop shares the
-                # CPU with the engine); one such check alone does not take it out of
-                # rotation, nor end its legs. A refused connection, a bad answer or a
-                # failed request still does, at once.
+            if inst.epoch == epoch and self._spared(inst, e):
                 inst.slow_checks += 1
                 if inst.healthy:
-                    logger.warning("%s instance %s (%s) slow to answer a health check "
+                    logger.warning("%s instance %s (%s) did not answer a health check "
                                    "(%s); kept in rotation", inst.role, inst.url,
                                    inst.engine_id, describe_error(e))
                 else:  # out already (a leg failed on it): it stays out
@@ -403,6 +399,22 @@ class Pool:
         return ("it answers /kv/info like a kvpush instance but cannot prove that it holds "
                 "the cluster secret (/kv/prove: 404): give it the router's secret "
                 "(--kv-secret-file), or it is not the instance it claims to be")
+
+    def _spared(self, inst: Instance, e: Exception) -> bool:
+        """Whether a check that failed with ``e`` leaves ``inst`` in rotation: its engine
+        core link is up (the HTTP probe does not judge it), or the check only timed out
+        (a busy instance answers late: its event loop shares the CPU with the engine)
+        and either fewer than ``slow_checks_tolerated`` did in a row or it is the last
+        healthy instance of its role. A refused connection, a bad answer or a failed
+        request still takes it out at once."""
+        if not inst.healthy:
+            return False
+        if isinstance(e, httpx.HTTPError) and self.link_up(inst):
+            return True
+        if not isinstance(e, httpx.TimeoutException):
+            return False
+        others = any(i.healthy for i in self.by_role[inst.role] if i is not inst)
+        return inst.slow_checks < self.cfg.slow_checks_tolerated or not others
 
     def _refuse(self, inst: Instance, bad: str) -> None:
         """Out of rotation until a later check finds it usable (logged once a reason)."""

@@ -21,12 +21,13 @@ def log_request(job: Job) -> None:
     total = None if job.ended is None else job.ended - job.arrival
     request_log.info(
         "request %s %s%s mode=%s P=%s D=%s transfer=%s p_leg=%s (%s) d_first_byte=%s "
-        "total=%s status=%s outcome=%s%s%s%s%s%s",
+        "total=%s status=%s outcome=%s%s%s%s%s%s%s",
         job.rid, job.kind, " stream" if job.stream else "", job.mode or "-",
         job.prefill.engine_id if job.prefill else "-",
         job.decode.engine_id if job.decode else "-", job.transfer_id or "-",
         ms(job.p_leg_s), job.p_outcome, ms(job.d_first_byte_s), ms(total), job.status,
         job.outcome, f" attempts={job.attempts}" if job.attempts > 1 else "",
+        f" migrations={job.migrations}" if job.migrations else "",
         f" client_request_id={job.client_rid}" if job.client_rid else "",
         f" error={job.error!r}" if job.error else "", _route(job), _stamps(job))
 

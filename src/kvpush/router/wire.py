@@ -188,12 +188,16 @@ def prefill_body(body: dict[str, Any], tid: str) -> dict[str, Any]:
         b["min_tokens"] = 0
     b["stream"] = False
     b.pop("stream_options", None)
-    b["kv_transfer_params"] = {
-        "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid,
-        "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
-        "remote_port": None,
-    }
+    b["kv_transfer_params"] = prefill_params(tid)
     return b
+
+
+def prefill_params(tid: str) -> dict[str, Any]:
+    """A prefill leg's KV instructions (vLLM's field names; the None fields are what
+    vLLM's own proxies send)."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid,
+            "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+            "remote_port": None}
 
 
 def push_decode_params(p: Instance, tid: str) -> dict[str, Any]:
