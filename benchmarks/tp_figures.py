@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join([sys.executable, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "host": {"cpu": cpu_flags(), "flags": host_flags(), "load_1min_before_after": load},
-        "dtype": a.dtype or str(choose("cpu").dtype).removeprefix("torch."),
+        "dtype": a.dtype or choose("cpu").dtype.value,
         "model": "random Llama, SmolLM2-135M's shape but 8 heads / 2 KV heads: "
                  + ", ".join(f"{k} {v}" for k, v in shape.items()),
         "settings": {k: v for k, v in vars(a).items() if k != "out"},

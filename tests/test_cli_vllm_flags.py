@@ -96,9 +96,9 @@ def test_vllm_dtype_names():
 
     from kvpush.config import parse_dtype
 
-    assert parse_dtype("half") is torch.float16
-    assert parse_dtype("float") is torch.float32
-    assert parse_dtype("bf16") is torch.bfloat16
+    assert parse_dtype("half").torch() is torch.float16
+    assert parse_dtype("float").torch() is torch.float32
+    assert parse_dtype("bf16").torch() is torch.bfloat16
     with pytest.raises(ConfigError, match="half"):
         parse_dtype("double")
 
@@ -187,11 +187,11 @@ def test_build_config_with_vllm_names(tiny_llama):
         "serve", str(tiny_llama), "--dtype", "half", "--kv-cache-dtype", "auto",
         "--num-blocks", "64", "--no-enable-prefix-caching", "--tokenizer", str(tiny_llama),
         "-tp", "1"))
-    assert cfg.dtype is torch.float16 and cfg.cache.dtype is torch.float16
+    assert cfg.dtype.torch() is torch.float16 and cfg.cache.dtype.torch() is torch.float16
     assert not cfg.cache.enable_prefix_caching
     cfg = build_config(_parse("serve", str(tiny_llama), "--dtype", "float",
                               "--kv-cache-dtype", "bf16", "--num-blocks", "64"))
-    assert cfg.dtype is torch.float32 and cfg.cache.dtype is torch.bfloat16
+    assert cfg.dtype.torch() is torch.float32 and cfg.cache.dtype.torch() is torch.bfloat16
 
 
 def test_tokenizer_only_the_models_own(tiny_llama, tiny_qwen3):

@@ -23,6 +23,7 @@ import torch
 from engine_helpers import assert_all_blocks_free, hf_model, make_engine, random_prompts
 from kvpush import auto_dtype
 from kvpush.config import EngineConfig, dtype_name, resolve_dtype
+from kvpush.dtypes import Dtype
 from kvpush.sampling_params import SampledToken, SamplingParams
 
 BF16_ERR_FACTOR = 2.0
@@ -91,10 +92,10 @@ CPUINFO = "processor\t: 0\nmodel name\t: Test CPU\nflags\t\t: fpu sse avx2 avx51
 
 
 @pytest.mark.parametrize("extra,want", [
-    ("", torch.float32),
-    ("avx512_bf16", torch.bfloat16),
-    ("amx_tile amx_bf16", torch.bfloat16),
-    ("avx512_fp16", torch.float32),
+    ("", Dtype.FLOAT32),
+    ("avx512_bf16", Dtype.BFLOAT16),
+    ("amx_tile amx_bf16", Dtype.BFLOAT16),
+    ("avx512_fp16", Dtype.FLOAT32),
 ])
 def test_auto_picks_bf16_only_with_bf16_instructions(extra, want):
     flags = auto_dtype.cpu_flags(CPUINFO.format(extra))
@@ -113,11 +114,11 @@ def test_auto_resolves_in_the_engine_config(tiny_llama):
     # the KV dtype may be given apart from the weights'
     cfg = EngineConfig.build(tiny_llama, dtype="auto", kv_dtype="bfloat16", num_blocks=64,
                              max_model_len=256)
-    assert cfg.cache.dtype == torch.bfloat16 and cfg.dtype == want.dtype
-    assert resolve_dtype("fp32", "cpu") == (torch.float32, "asked for")
+    assert cfg.cache.dtype is Dtype.BFLOAT16 and cfg.dtype == want.dtype
+    assert resolve_dtype("fp32", "cpu") == (Dtype.FLOAT32, "asked for")
     # the library's default stays float32 (fp32 references in tests and benchmarks)
-    assert EngineConfig.build(tiny_llama, num_blocks=64, max_model_len=256).dtype == \
-        torch.float32
+    assert EngineConfig.build(tiny_llama, num_blocks=64, max_model_len=256).dtype is \
+        Dtype.FLOAT32
 
 
 def test_serve_defaults_to_auto_and_kv_info_shows_the_dtype(tiny_llama):
@@ -136,7 +137,7 @@ def test_serve_defaults_to_auto_and_kv_info_shows_the_dtype(tiny_llama):
     assert dtype_name(cfg.dtype) in ("float32", "bfloat16")
 
 
-@pytest.mark.parametrize("native,want", [(True, torch.bfloat16), (False, torch.float32)])
+@pytest.mark.parametrize("native,want", [(True, Dtype.BFLOAT16), (False, Dtype.FLOAT32)])
 def test_auto_on_cuda_follows_native_bf16_support(monkeypatch, native, want):
     """No GPU here: torch.cuda's answers are stubbed; the choice asks for native bf16
     (an emulated one would be slower than fp32) and never reads the CPU flags."""

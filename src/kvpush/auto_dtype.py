@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from kvpush.dtypes import Dtype
 
 #: CPU flags (as /proc/cpuinfo spells them) that give native bf16 matmuls
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -29,7 +29,7 @@ CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 class DtypeChoice:
     """What ``auto`` resolved to and why (logged at start-up, shown in /kv/info)."""
 
-    dtype: torch.dtype
+    dtype: Dtype
     reason: str
 
 
@@ -51,16 +51,18 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
 def choose_cpu(flags: frozenset[str]) -> DtypeChoice:
     have = [f for f in CPU_BF16_FLAGS if f in flags]
     if have:
-        return DtypeChoice(torch.bfloat16, f"auto: the CPU has {' and '.join(have)}")
-    return DtypeChoice(torch.float32, "auto: the CPU has no AVX512-BF16 or AMX")
+        return DtypeChoice(Dtype.BFLOAT16, f"auto: the CPU has {' and '.join(have)}")
+    return DtypeChoice(Dtype.FLOAT32, "auto: the CPU has no AVX512-BF16 or AMX")
 
 
 def choose_cuda(device: str) -> DtypeChoice:
+    import torch
+
     index = torch.device(device).index or 0
     if torch.cuda.is_bf16_supported(including_emulation=False):
         name = torch.cuda.get_device_name(index)
-        return DtypeChoice(torch.bfloat16, f"auto: {name} supports bfloat16")
-    return DtypeChoice(torch.float32, "auto: this CUDA device has no native bfloat16")
+        return DtypeChoice(Dtype.BFLOAT16, f"auto: {name} supports bfloat16")
+    return DtypeChoice(Dtype.FLOAT32, "auto: this CUDA device has no native bfloat16")
 
 
 def choose(device: str, flags: frozenset[str] | None = None) -> DtypeChoice:

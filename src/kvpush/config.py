@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
 from kvpush.cli_types import parse_size
+from kvpush.dtypes import NAMES, Dtype
 from kvpush.errors import ConfigError
 from kvpush.kv_budget import KVMemorySplit, split_kv_memory
 
@@ -35,22 +34,10 @@ SUPPORTED_ARCHS = {
 
 __all__ = ["ConfigError", "EngineConfig", "KVTransferConfig", "ModelConfig", "parse_size"]
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,  # vLLM's name
-    "half": torch.float16,  # vLLM's name
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str) -> Dtype:
     """A concrete dtype by name (``auto`` is resolved by ``resolve_dtype``)."""
     try:
-        return DTYPES[name.lower()]
+        return NAMES[name.lower()]
     except KeyError:
         raise ConfigError(
             f"unknown dtype {name!r}; choose one of: auto, float32 (float, fp32), "
@@ -58,7 +45,7 @@ def parse_dtype(name: str) -> torch.dtype:
         ) from None
 
 
-def resolve_dtype(name: str, device: str) -> tuple[torch.dtype, str]:
+def resolve_dtype(name: str, device: str) -> tuple[Dtype, str]:
     """(dtype, why): ``auto`` picks by hardware (``kvpush.auto_dtype``: bfloat16 on a CPU
     with AVX512-BF16 or AMX and on a CUDA device that supports it, else float32); any
     other name is taken as given."""
@@ -70,8 +57,9 @@ def resolve_dtype(name: str, device: str) -> tuple[torch.dtype, str]:
     return parse_dtype(name), "asked for"
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def dtype_name(dtype: Any) -> str:
+    """The name of a Dtype or a ``torch.dtype``."""
+    return Dtype.of(dtype).value
 
 
 @dataclass(frozen=True)
@@ -161,10 +149,11 @@ class ModelConfig:
             h.update(f"{f.name}:{f.stat().st_size}".encode())
         return f"{self.arch}-{self.num_layers}x{self.hidden_size}-{h.hexdigest()}"
 
-    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-        """K and V of one token, all layers; at tensor parallelism, one rank's share
-        (its KV heads: ``tp_kv_heads``)."""
-        elem = torch.empty((), dtype=dtype).element_size()
+    def kv_bytes_per_token(self, dtype: Any, tensor_parallel_size: int = 1) -> int:
+        """K and V of one token, all layers, in ``dtype`` (a Dtype, its name or a
+        ``torch.dtype``); at tensor parallelism, one rank's share (its KV heads:
+        ``tp_kv_heads``)."""
+        elem = Dtype.of(dtype).itemsize
         heads = len(tp_kv_heads(self, tensor_parallel_size, 0))
         return 2 * self.num_layers * heads * self.head_dim * elem
 
@@ -209,7 +198,8 @@ def tp_kv_heads(model: ModelConfig, n: int, rank: int) -> range:
 class CacheConfig:
     block_size: int
     num_blocks: int
-    dtype: torch.dtype
+    #: a Dtype (a name or a ``torch.dtype`` given here is taken as its Dtype)
+    dtype: Dtype
     enable_prefix_caching: bool = True
     #: permute the free-block queue at start-up with this seed, so consecutive
     #: allocations get scattered block ids (fragmented-KV benchmarks); None: in order
@@ -228,6 +218,9 @@ class CacheConfig:
     #: the KV region's byte order (kv_cache/kv_region.py): head-major on P/D instances,
     #: so that instances of different tensor parallelism move head slices of blocks
     kv_layout: str = LAYER_MAJOR
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", Dtype.of(self.dtype))
 
 
 @dataclass(frozen=True)
@@ -332,7 +325,8 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: str = "cpu"
-    dtype: torch.dtype = torch.float32
+    #: weights' and activations' dtype (a name or a ``torch.dtype`` is taken as its Dtype)
+    dtype: Dtype = Dtype.FLOAT32
     #: how ``dtype`` was chosen: "asked for", or what ``--dtype auto`` saw
     dtype_reason: str = "asked for"
     threads: int | None = None
@@ -342,6 +336,9 @@ class EngineConfig:
     #: ranks the model is split over (one process each: kvpush.engine.tp); with more
     #: than one, ``threads`` is each rank's and the KV cache figures are each rank's
     tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", Dtype.of(self.dtype))
 
     @classmethod
     def build(
@@ -390,6 +387,8 @@ class EngineConfig:
                 "prefill/decode disaggregation with tensor parallelism runs on the CPU "
                 "only so far; run P/D instances on CUDA at --tensor-parallel-size 1")
         if tp > 1 and threads is None:
+            import torch  # its thread count; the API process of a TP instance pays the import
+
             threads = max(1, torch.get_num_threads() // tp)
         if kv_transfer.enabled and not kv_transfer.engine_id:
             import uuid
@@ -399,17 +398,12 @@ class EngineConfig:
             )
         if device != "cpu" and not device.startswith("cuda"):
             raise ConfigError(f"unknown device {device!r}; use cpu or cuda[:N]")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device")
-        if device.startswith("cuda") and tp > 1:
-            first = int(device.partition(":")[2] or 0)
-            if first + tp > torch.cuda.device_count():
-                raise ConfigError(
-                    f"--tensor-parallel-size {tp} on {device} needs CUDA devices {first} to "
-                    f"{first + tp - 1} (one per rank); torch sees "
-                    f"{torch.cuda.device_count()}")
-        torch_dtype, dtype_reason = resolve_dtype(dtype, device)
-        cache_dtype = resolve_dtype(kv_dtype, device)[0] if kv_dtype else torch_dtype
+        if device.startswith("cuda"):
+            cuda_problem = _cuda_problem(device, tp)
+            if cuda_problem is not None:
+                raise ConfigError(cuda_problem)
+        model_dtype, dtype_reason = resolve_dtype(dtype, device)
+        cache_dtype = resolve_dtype(kv_dtype, device)[0] if kv_dtype else model_dtype
         if block_size <= 0 or block_size & (block_size - 1):
             raise ConfigError(f"--block-size must be a power of two > 0, got {block_size}")
         if threads is not None and threads <= 0:
@@ -457,7 +451,7 @@ class EngineConfig:
             # DecodeKVCache holds at most max_num_seqs x max_model_len positions, in
             # the model's dtype
             dense_usable_bytes=max_num_seqs * max_model_len * model.kv_bytes_per_token(
-                torch_dtype, tp),
+                model_dtype, tp),
             dense=attention == "dense" and kv_transfer.role != "prefill",
             decode_cache_memory=decode_cache_memory,
         )
@@ -489,7 +483,7 @@ class EngineConfig:
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
             device=device,
-            dtype=torch_dtype,
+            dtype=model_dtype,
             dtype_reason=dtype_reason,
             threads=threads,
             seed=seed,
@@ -497,6 +491,19 @@ class EngineConfig:
             kv_transfer=kv_transfer,
             tensor_parallel_size=tp,
         )
+
+
+def _cuda_problem(device: str, tp: int) -> str | None:
+    """Why ``device`` (cuda[:N]) cannot hold ``tp`` ranks (None: it can); asks torch."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"device {device!r} asked for, but torch sees no CUDA device"
+    first = int(device.partition(":")[2] or 0)
+    if tp > 1 and first + tp > torch.cuda.device_count():
+        return (f"--tensor-parallel-size {tp} on {device} needs CUDA devices {first} to "
+                f"{first + tp - 1} (one per rank); torch sees {torch.cuda.device_count()}")
+    return None
 
 
 def resolve_decode_attention(

@@ -22,10 +22,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvpush.sampling_params import GrammarKind, StructuredOutput
 
@@ -33,7 +30,10 @@ from kvpush.sampling_params import GrammarKind, StructuredOutput
 CACHED_GRAMMARS = 256
 #: llguidance's JSON options: compact separators, no whitespace between tokens
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-_NEG_INF = torch.tensor(float("-inf"))
+
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GrammarError(ValueError):
@@ -151,7 +151,12 @@ def mask_logits(logits: torch.Tensor, rows: Sequence[int],
     """``logits`` with every token of row ``rows[j]`` that ``grammars[j]`` does not allow
     next set to -inf (in place for a subset of the rows, a new tensor for all of them).
     The bitmasks are unpacked by numpy and applied with one ``torch.where``: no Python
-    loop over the vocabulary (``masked_fill`` measured 2x slower than ``where`` here)."""
+    loop over the vocabulary (``masked_fill`` measured 2x slower than ``where`` here).
+    torch is imported here: the processes that only check specs (API, router) never
+    load it."""
+    import numpy as np
+    import torch
+
     vocab = logits.shape[-1]
     bits = torch.empty((len(rows), bitmask_words(vocab)), dtype=torch.int32)
     for j, g in enumerate(grammars):
@@ -160,7 +165,7 @@ def mask_logits(logits: torch.Tensor, rows: Sequence[int],
     allowed = torch.from_numpy(np.unpackbits(bits.numpy().view(np.uint8), axis=1,
                                              bitorder="little")[:, :vocab].view(np.bool_))
     if len(rows) == logits.shape[0]:
-        return torch.where(allowed, logits, _NEG_INF)
+        return torch.where(allowed, logits, float("-inf"))
     idx = torch.tensor(rows, dtype=torch.long)
-    logits[idx] = torch.where(allowed, logits[idx], _NEG_INF)
+    logits[idx] = torch.where(allowed, logits[idx], float("-inf"))
     return logits

@@ -106,7 +106,7 @@ def vllm_dtype(name: str) -> str:
         return name
     from kvpush.auto_dtype import choose
 
-    return str(choose("cpu").dtype).removeprefix("torch.")
+    return choose("cpu").dtype.value
 
 
 class Cluster:

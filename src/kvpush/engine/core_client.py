@@ -32,6 +32,7 @@ from kvpush.engine.front import FrontEnd
 from kvpush.engine.inputs import EngineCommand, Shutdown
 from kvpush.engine.outputs import EngineOutputs
 from kvpush.kv_transfer.links import TransferLinks
+from kvpush.models.tokenizer import load_tokenizer
 from kvpush.procs import describe_exit, pdeathsig_preexec
 
 log = logging.getLogger("kvpush.engine.core")
@@ -48,10 +49,6 @@ class CoreClient(FrontEnd):
         """Start the engine core and wait until it is ready (model loaded, sockets
         bound); ConfigError with the core's own message if it could not start.
         ``links`` (picklable) go to the core with its config (default: NIXL)."""
-        if tokenizer is None:
-            from kvpush.engine.llm_engine import load_tokenizer
-
-            tokenizer = load_tokenizer(config.model.path)
         tmp = make_core_dir()  # removes the folders of dead processes first
         ctx = zmq.Context()
         to_core = ctx.socket(zmq.PUSH)
@@ -86,6 +83,12 @@ class CoreClient(FrontEnd):
             proc.stdin.close()
         except OSError as e:
             raise give_up(f"the engine core did not start: {e}") from e
+        if tokenizer is None:  # while the core starts
+            try:
+                tokenizer = load_tokenizer(config.model.path)
+            except BaseException:
+                give_up("the tokenizer did not load")  # stops the core; its error goes on
+                raise
         poller = zmq.Poller()
         poller.register(from_core, zmq.POLLIN)
         poller.register(pidfd, zmq.POLLIN)

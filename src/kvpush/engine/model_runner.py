@@ -59,7 +59,7 @@ class ModelRunner:
 
     def _build(self, config: EngineConfig) -> None:
         self.model = load_model(
-            config.model, config.dtype, config.device, config.scheduler.max_model_len,
+            config.model, config.dtype.torch(), config.device, config.scheduler.max_model_len,
             self.shard)
         if self.shard is not None:
             self.model.all_reduce = all_reduce
@@ -75,7 +75,7 @@ class ModelRunner:
         self.decode_cache = DecodeKVCache(
             self.kv_region.kv,
             self.block_size,
-            config.dtype,
+            config.dtype.torch(),
             self.kv_region.nbytes if cap is None else cap,
             max_slots=config.scheduler.max_num_seqs,
             max_len=config.scheduler.max_model_len,

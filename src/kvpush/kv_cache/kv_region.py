@@ -76,7 +76,7 @@ class KVRegion:
         inner = ((model.num_kv_heads, cache.block_size) if head_major
                  else (cache.block_size, model.num_kv_heads))
         self.storage = torch.zeros((model.num_layers, cache.num_blocks, 2, *inner,
-                                    model.head_dim), dtype=cache.dtype, device=device)
+                                    model.head_dim), dtype=cache.dtype.torch(), device=device)
         #: [layer, block, kv, token, kv_head, head_dim], a view of ``storage``
         self.kv = self.storage.transpose(3, 4) if head_major else self.storage
         elem = self.kv.element_size()

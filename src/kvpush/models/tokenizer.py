@@ -28,8 +28,39 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2
 
 
+#: tokenizer classes a tokenizer_config.json may name that AutoTokenizer loads as the
+#: plain tokenizers-backed class for kvpush's model types (llama, qwen3)
+_PLAIN_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+_PLAIN_MODEL_TYPES = ("llama", "qwen3")
+
+
+def plain_tokenizer_folder(path: str) -> bool:
+    """Whether ``path`` is a local folder whose tokenizer AutoTokenizer would load as the
+    plain tokenizers-backed class: a tokenizer.json, a tokenizer_config.json naming one
+    of ``_PLAIN_CLASSES`` without remote code (``auto_map``), a llama or qwen3 config."""
+    folder = Path(path)
+    try:
+        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        model_cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return ((folder / "tokenizer.json").is_file() and isinstance(tok_cfg, dict)
+            and isinstance(model_cfg, dict) and "auto_map" not in tok_cfg
+            and tok_cfg.get("tokenizer_class") in _PLAIN_CLASSES
+            and model_cfg.get("model_type") in _PLAIN_MODEL_TYPES)
+
+
 def load_tokenizer(path: str):
-    """The tokenizer of the model folder (or Hugging Face name) ``path``."""
+    """The tokenizer of the model folder (or Hugging Face name) ``path``.
+
+    A plain folder (``plain_tokenizer_folder``) is loaded by its class directly: the
+    same tokenizer AutoTokenizer gives, without AutoTokenizer's import of the model
+    configuration code, which imports torch (the API process and the router never
+    load torch); any other goes through AutoTokenizer."""
+    if plain_tokenizer_folder(path):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
