@@ -336,6 +336,12 @@ class EngineConfig:
     #: ranks the model is split over (one process each: kvpush.engine.tp); with more
     #: than one, ``threads`` is each rank's and the KV cache figures are each rank's
     tensor_parallel_size: int = 1
+    #: the longest one tensor-parallel collective may wait for a peer: the ranks run the
+    #: same chunks, so they reach each collective within one layer's work of each other;
+    #: a peer that missed its plan or stopped (not exited: a dead peer's closed
+    #: connection fails the collective at once) fails the step after this. Ranks never
+    #: wait inside a collective while idle.
+    tp_collective_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", Dtype.of(self.dtype))
@@ -364,6 +370,7 @@ class EngineConfig:
         seed: int = 0,
         kv_transfer: KVTransferConfig | None = None,
         tensor_parallel_size: int = 1,
+        tp_collective_timeout_s: float = 10.0,
     ) -> EngineConfig:
         """Validate every knob once and return the frozen tree.
 
@@ -386,6 +393,9 @@ class EngineConfig:
                 f"--tensor-parallel-size {tp} with --role {kv_transfer.role} on {device}: "
                 "prefill/decode disaggregation with tensor parallelism runs on the CPU "
                 "only so far; run P/D instances on CUDA at --tensor-parallel-size 1")
+        if not tp_collective_timeout_s > 0:
+            raise ConfigError("the tensor-parallel collective timeout must be positive, "
+                              f"got {tp_collective_timeout_s}")
         if tp > 1 and threads is None:
             import torch  # its thread count; the API process of a TP instance pays the import
 
@@ -490,6 +500,7 @@ class EngineConfig:
             served_model_name=served_model_name or Path(model_dir).name,
             kv_transfer=kv_transfer,
             tensor_parallel_size=tp,
+            tp_collective_timeout_s=tp_collective_timeout_s,
         )
 
 

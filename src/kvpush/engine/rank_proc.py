@@ -71,7 +71,8 @@ def main() -> int:
         store.set(failed_key(rank), str(e) or type(e).__name__)
         return 1
     store.set(ready_key(rank), "1")
-    join_group(store, rank, config.tensor_parallel_size, config.device)
+    join_group(store, rank, config.tensor_parallel_size, config.device,
+               config.tp_collective_timeout_s)
     log.debug("tensor-parallel rank %d ready (%s)", rank, runner.shard)
     dec = msgspec.msgpack.Decoder(RankMessage)
     try:

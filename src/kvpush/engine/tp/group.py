@@ -21,8 +21,8 @@ Per step rank 0 sends the plan (``plan.py``) on each rank's ZMQ socket, then run
 own forward pass; the all-reduces of the row-parallel projections keep the ranks in
 step. A rank waits for the next plan on its socket, never inside a collective, so an
 idle instance has no collective that could time out; inside a step the ranks run the
-same work, so a collective that waits ``COLLECTIVE_TIMEOUT`` for a peer means the peer
-missed the plan or stopped, and the step fails then.
+same work, so a collective that waits ``EngineConfig.tp_collective_timeout_s`` for a
+peer means the peer missed the plan or stopped, and the step fails then.
 
 Death: a rank that exits while rank 0 did not ask it to is a :class:`RankDied` in the
 engine's inbox (the watcher's callback), and a collective that fails mid-step raises
@@ -65,11 +65,6 @@ from kvpush.procs import describe_exit, pdeathsig_preexec
 
 log = logging.getLogger("kvpush.engine.tp")
 
-#: the longest one collective may wait for a peer: the ranks run the same chunks, so
-#: they reach each collective within one layer's work of each other; a peer that missed
-#: its plan or stopped (not exited: a dead peer's closed connection fails the collective
-#: at once) fails the step after this. Ranks never wait inside a collective while idle.
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=10)
 #: how long the ranks may take to load their part of the model
 START_TIMEOUT_S = 600.0
 #: how long stopping ranks may take before they are killed
@@ -103,13 +98,15 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{int(device.partition(':')[2] or 0) + rank}"
 
 
-def join_group(store: dist.Store, rank: int, size: int, device: str) -> None:
-    """Join the instance's process group (every rank calls it once all are ready)."""
+def join_group(store: dist.Store, rank: int, size: int, device: str,
+               collective_timeout_s: float) -> None:
+    """Join the instance's process group (every rank calls it once all are ready); a
+    collective fails after ``collective_timeout_s`` (EngineConfig.tp_collective_timeout_s)."""
     backend = backend_for(device)
     if backend == "gloo":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback only
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
-                            timeout=COLLECTIVE_TIMEOUT)
+                            timeout=datetime.timedelta(seconds=collective_timeout_s))
 
 
 def all_reduce(t: torch.Tensor) -> None:
@@ -288,7 +285,8 @@ class RankGroup:
             heads = tp_kv_heads(self.config.model, self.size, r)
             self.kv_ranks.append((RankKV(r, heads.start, heads.stop, base, metadata),
                                   RankProxy(sock, r)))
-        join_group(self.store, 0, self.size, self.device)
+        join_group(self.store, 0, self.size, self.device,
+                   self.config.tp_collective_timeout_s)
 
     def _admit(self) -> None:
         """Each rank's first message on each of its sockets must be the instance's token
