@@ -1,10 +1,10 @@
 """KV cache events: the block pool's record of what it caches and evicts, the publisher
-(seq, snapshot), and real `kvpush serve` instances (both, prefill, decode) whose PUB
-socket a subscriber mirrors to exactly what ``/kv/cache_blocks`` says."""
+(seq, snapshot), and real `kvpush serve` instances whose PUB socket a subscriber mirrors
+to exactly what ``/kv/cache_blocks`` says (a P/D pair's: tests/test_pd_http.py, on its
+shared pair)."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 import uuid
@@ -28,7 +28,7 @@ from kvpush.kv_cache.events import (
     encode_batch,
 )
 from kvpush.server.member_view import MEMBER_HEADER
-from server_helpers import TEST_KV_SECRET, ServerProcess, push_kv
+from server_helpers import TEST_KV_SECRET, ServerProcess
 
 KEYS = EventKeys.from_secret(TEST_KV_SECRET.encode())
 
@@ -383,45 +383,3 @@ def test_no_prefix_caching_no_events(tiny_llama, tmp_path):
         assert r.status_code == 404
     finally:
         srv.stop()
-
-
-async def _push(p_url: str, d_url: str, p_info: dict, d_info: dict,
-                prompt: list[int]) -> None:
-    """One request in push mode, both legs as the router sends them."""
-    tid = uuid.uuid4().hex
-    p_kv, d_kv = push_kv(tid, p_info, d_info)
-    loop = asyncio.get_running_loop()
-    p_leg = loop.run_in_executor(None, lambda: _complete(p_url, prompt, 1, p_kv, tid))
-    await loop.run_in_executor(None, lambda: _complete(d_url, prompt, 1, d_kv, tid))
-    await p_leg
-
-
-def test_prefill_and_decode_publish_transferred_blocks(tiny_llama, tmp_path):
-    common = ["--block-size", str(BS), "--num-blocks", "128", "--kv-transfer", "push"]
-    p = ServerProcess(tiny_llama, "--role", "prefill", *common, log_dir=tmp_path, name="P")
-    d = ServerProcess(tiny_llama, "--role", "decode", *common, log_dir=tmp_path, name="D")
-    mirrors: list[Mirror] = []
-    try:
-        p_info, d_info = p.get("/kv/info"), d.get("/kv/info")
-        for info in (p_info, d_info):
-            host = info["side_channel_host"]
-            assert info["kv_events"]["endpoint"].startswith(f"tcp://{host}:")
-        mirrors.append(_subscribe(p))
-        mirrors.append(_subscribe(d))  # decode warmed up by plain local requests
-        prompt = _prompt(3, 4 * BS + 3)
-        asyncio.run(_push(p.url, d.url, p_info, d_info, prompt))
-        want = set(published(prompt, BS))
-        for srv, mirror, info in ((p, mirrors[0], p_info), (d, mirrors[1], d_info)):
-            mirror.drain()
-            assert want <= mirror.cached, info["role"]
-            assert {b.engine_id for b in mirror.batches} == {info["engine_id"]}
-            snap = srv.get("/kv/cache_blocks")
-            assert snap["engine_id"] == info["engine_id"]
-            _check_snapshot(mirror, snap)
-        p.wait_all_free()
-        d.wait_all_free()
-    finally:
-        for m in mirrors:
-            m.close()
-        p.stop()
-        d.stop()
