@@ -6,6 +6,7 @@ an OpenAI-style error body naming the offending parameter.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -93,6 +94,10 @@ class StructuredOutput:
                                       "structured_outputs")
 
 
+#: the most choices (``n``) one request may ask for: each is a sequence that decodes
+#: beside the others (OpenAI allows 128; a CPU instance batches a few dozen)
+MAX_N = 64
+
 #: top_k above this keeps every token of any vocabulary: it is clamped here, so the
 #: value fits the engine core's wire format (64-bit ints)
 MAX_TOP_K = 2**31 - 1
@@ -127,6 +132,9 @@ class SamplingParams:
     cache_salt: str | None = None
     #: the grammar the output follows (a mask on every sampled token, token #1 too)
     structured: StructuredOutput | None = None
+    #: choices to generate from the prompt (OpenAI's n): the prompt is computed once and
+    #: choices 1..n-1 fork from it (kvpush.engine.llm_engine); a prefill leg runs one
+    n: int = 1
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens):
@@ -189,7 +197,16 @@ class SamplingParams:
         if any(len(s) > MAX_STOP_STR_CHARS for s in self.stop):
             raise SamplingParamsError(f"stop: each stop string must be at most "
                                       f"{MAX_STOP_STR_CHARS} characters", "stop")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise SamplingParamsError(f"n must be an integer from 1 to {MAX_N}, got "
+                                      f"{self.n!r}", "n")
         self._check_stop_token_ids()
+
+    def choice(self, index: int) -> SamplingParams:
+        """The parameters choice ``index`` of an ``n > 1`` request runs with: one choice,
+        and the seed moved by its index (seeded choices differ, and are reproducible)."""
+        seed = None if self.seed is None else (self.seed + index) % 2**64
+        return dataclasses.replace(self, n=1, seed=seed)
 
     def _check_stop_token_ids(self) -> None:
         """Cap the ids (counted before anything looks at them one by one) and keep them

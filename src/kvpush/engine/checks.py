@@ -47,9 +47,10 @@ class RequestChecker:
                    kv: KVTransferParams | None) -> SamplingParams:
         """The sampling parameters the request runs with: a push or pull prefill leg
         ends with token #1, whose logprob travels with the KV (the one place that says
-        so; the router sends max_tokens=1 too, as vLLM's proxies do)."""
+        so; the router sends max_tokens=1 too, as vLLM's proxies do), and one choice:
+        decode forks the others from the prompt's KV, moved once."""
         if kv is not None and kv.do_remote_decode and self.role == "prefill":
-            return dataclasses.replace(params, max_tokens=1, logprobs=True)
+            return dataclasses.replace(params, max_tokens=1, logprobs=True, n=1)
         return params
 
     def check(

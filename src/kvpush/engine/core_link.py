@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -157,11 +158,14 @@ class RemoteCore(FrontEnd):
 
     def _add(self, internal: str, prompt_token_ids: list[int], params: SamplingParams,
              kv_transfer_params: object) -> tuple[EngineCommand, SamplingParams]:
-        """The core checks it (its own instance's RequestChecker)."""
+        """The core checks it (its own instance's RequestChecker); a prefill leg's
+        stream has one choice, as the core runs it (RequestChecker.leg_params)."""
         if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
             raise TypeError("RemoteCore takes kv_transfer_params as the wire dict")
-        return SubmitRequest(internal, list(prompt_token_ids), params,
-                             kv_transfer_params), params
+        add = SubmitRequest(internal, list(prompt_token_ids), params, kv_transfer_params)
+        if kv_transfer_params is not None and kv_transfer_params.get("do_remote_decode"):
+            params = dataclasses.replace(params, n=1)
+        return add, params
 
     def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                kv_transfer_params: dict | None = None):

@@ -29,8 +29,9 @@ from kvpush.engine.inputs import (
     EngineCommand,
     Utility,
     UtilityCall,
+    choice_id,
 )
-from kvpush.engine.output_processor import RequestStream
+from kvpush.engine.output_processor import ChoiceTexts
 from kvpush.engine.outputs import (
     EngineOutput,
     EngineOutputs,
@@ -156,7 +157,8 @@ class FrontEnd:
         """Stream a request's outputs as text (:meth:`stream` through one
         RequestStream: the detokenizer, stop strings)."""
         raw = self.stream(request_id, prompt_token_ids, params, kv_transfer_params)
-        async for out in detokenized(raw, request_id, self.tokenizer, params):
+        async for out in detokenized(raw, request_id, self.tokenizer, params,
+                                     lambda i: self._abort_choice(request_id, i)):
             yield out
 
     async def stream(
@@ -170,7 +172,7 @@ class FrontEnd:
         (X-Request-Id); the core runs it under a unique internal id, so an id reused
         right after an abort never receives the old request's last output. A request
         refused before it ran raises RequestError; closing the stream before its last
-        output aborts the request in the core."""
+        output (the last choice's, of n > 1) aborts the request in the core."""
         problem = self.health_problem()
         if problem is not None:
             raise RequestError(f"this instance cannot serve requests: {problem}",
@@ -197,7 +199,7 @@ class FrontEnd:
                 if failure is not None and failure.rejected:
                     finished = True
                     raise failure.to_error()
-                finished = out.finished
+                finished = out.request_finished
                 yield out
                 if finished:
                     return
@@ -206,6 +208,12 @@ class FrontEnd:
             self._internal.pop(request_id, None)
             if not finished:
                 self._send(AbortRequests([internal]))
+
+    def _abort_choice(self, request_id: str, index: int) -> None:
+        """End one choice of a running request (a stop string ended it here)."""
+        internal = self._internal.get(request_id)
+        if internal is not None:
+            self._send(AbortRequests([choice_id(internal, index)]))
 
     async def abort(self, request_id: str) -> None:
         internal = self._internal.get(request_id)
@@ -253,16 +261,23 @@ class FrontEnd:
 
 
 async def detokenized(outputs: AsyncIterator[EngineOutput], request_id: str, tokenizer: Any,
-                      params: SamplingParams) -> AsyncIterator[RequestOutput]:
-    """A request's core outputs as text, through one RequestStream; a stop string that
-    ends it early closes ``outputs`` (which aborts the request in its core)."""
-    text = RequestStream(request_id, tokenizer, params)
+                      params: SamplingParams,
+                      abort_choice: Callable[[int], None] | None = None,
+                      ) -> AsyncIterator[RequestOutput]:
+    """A request's core outputs as text, one RequestStream a choice (ChoiceTexts); a
+    stop string that ends a choice early aborts it (``abort_choice``), and ends the
+    request once every choice has ended (closing ``outputs`` aborts what is left)."""
+    texts = ChoiceTexts(request_id, tokenizer, params)
     try:
         async for out in outputs:
-            res = text.process(out)
+            res = texts.process(out)
+            if res is None:
+                continue
             yield res
-            if res.finished:
+            if texts.done:
                 return
+            if texts.stopped_early(out.index) and abort_choice is not None:
+                abort_choice(out.index)
     finally:
         aclose = getattr(outputs, "aclose", None)
         if aclose is not None:

@@ -41,7 +41,23 @@ class AddRequest(msgspec.Struct, tag=True, frozen=True):
 
 
 class AbortRequests(msgspec.Struct, tag=True, frozen=True):
+    """End these requests, every choice of each; a :func:`choice_id` ends one choice."""
+
     request_ids: list[str]
+
+
+#: joins a request's id and a choice's index past the first (no front's id holds it)
+CHOICE_MARK = "\x00"
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The engine's id of choice ``index`` of a request (choice 0: the request's)."""
+    return request_id if index == 0 else f"{request_id}{CHOICE_MARK}{index}"
+
+
+def request_of(choice: str) -> str:
+    """The request id of a :func:`choice_id`."""
+    return choice.partition(CHOICE_MARK)[0]
 
 
 class AbortTransfer(msgspec.Struct, tag=True, frozen=True):

@@ -31,6 +31,7 @@ from kvpush.engine.inputs import (
     TransferThreadDied,
     Utility,
     UtilityCall,
+    choice_id,
 )
 from kvpush.engine.model_runner import ModelRunner
 from kvpush.engine.outputs import (
@@ -102,6 +103,9 @@ class LLMEngine:
         #: /health's 503 "starting" says it; None once done
         self.starting: str | None = "starting: the step thread is timing its matmul kernels"
         self._replies: list[UtilityReply] = []
+        #: an n > 1 request's id -> the ids of its choices still running (forked at its
+        #: token #1, kept until the last ends)
+        self._choices: dict[str, set[str]] = {}
         self.connector = None
         if config.kv_transfer.enabled:
             from kvpush.kv_transfer.step_loop.connector import KVConnector
@@ -151,9 +155,7 @@ class LLMEngine:
                         outputs.append(rejected(cmd.request_id, e))
                 case AbortRequests(request_ids=ids):
                     for rid in ids:
-                        out = self.abort_request(rid)
-                        if out is not None:
-                            outputs.append(out)
+                        outputs += self._abort_choices(rid)
                 case TransferUpdate() if self.connector is not None:
                     self.connector.handle_update(cmd)
                     outputs += self._apply_connector_actions()
@@ -254,6 +256,11 @@ class LLMEngine:
             return self._finish(req, FinishReason.ERROR, [], None, RequestFailure(why))
         return self._finish(req, FinishReason.ABORT, [], None)
 
+    def _abort_choices(self, request_id: str) -> list[EngineOutput]:
+        """Abort a request and every choice of it (or one choice, by its choice id)."""
+        ids = sorted(self._choices.get(request_id, ())) or [request_id]
+        return [out for rid in ids if (out := self.abort_request(rid)) is not None]
+
     def has_work(self) -> bool:
         if self.connector is not None and self.connector.has_pending_work():
             return True
@@ -308,6 +315,8 @@ class LLMEngine:
             req.first_token_time = now
             if self.connector is not None:
                 self.connector.first_token_out(req.request_id)
+            if req.params.n > 1 and req.index == 0:
+                self._fork(req)
         reason = self._stop_reason(req, token)
         logprobs = [req.output_logprobs[-1]] if req.params.logprobs else None
         top = ([req.output_top_logprobs[-1]]
@@ -319,10 +328,25 @@ class LLMEngine:
         if reason is not None:
             return self._finish(req, reason, [token], logprobs, top=top)
         return EngineOutput(
-            req.request_id, [token], logprobs, top, None, None, None,
+            req.output_id, [token], logprobs, top, None, None, None,
             req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens,
-            req.first_token_time, req.arrival_time, req.scheduled_time,
+            req.first_token_time, req.arrival_time, req.scheduled_time, req.index,
         )
+
+    def _fork(self, parent: Request) -> None:
+        """Choices 1..n-1 of ``parent``, whose prompt KV is complete now (its token #1
+        came: sampled here, or with a push): each shares the prompt's blocks and samples
+        its own continuation (Scheduler.fork). A P/D request's KV moved once."""
+        ids = [choice_id(parent.request_id, i) for i in range(1, parent.params.n)]
+        self._choices[parent.request_id] = {parent.request_id, *ids}
+        spec = parent.params.structured
+        for i in reversed(range(1, parent.params.n)):
+            child = Request(ids[i - 1], parent.prompt_token_ids, parent.params.choice(i),
+                            parent.max_total_tokens, arrival_time=parent.arrival_time,
+                            index=i, output_id=parent.request_id)
+            if spec is not None:
+                child.grammar = self.grammars.grammar(spec)  # (compiled: a copy)
+            self.scheduler.fork(parent, child)
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
@@ -351,10 +375,17 @@ class LLMEngine:
             keep, kv_params = self.connector.on_finish(
                 req, ok, failure.message if failure is not None else None)
         self.scheduler.finish(req.request_id, _FINISH_STATE[reason], keep_blocks=keep)
+        more = False
+        live = self._choices.get(req.output_id)
+        if live is not None:
+            live.discard(req.request_id)
+            more = bool(live)
+            if not more:
+                del self._choices[req.output_id]
         return EngineOutput(
-            req.request_id, new_tokens, logprobs, top, reason, failure, kv_params or None,
+            req.output_id, new_tokens, logprobs, top, reason, failure, kv_params or None,
             req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens,
-            req.first_token_time, req.arrival_time, req.scheduled_time,
+            req.first_token_time, req.arrival_time, req.scheduled_time, req.index, more,
         )
 
     def kv_info(self) -> dict:

@@ -14,12 +14,13 @@ from kvpush.sampling_params import SamplingParams
 
 
 class RequestStream:
-    """One request's detokenizer and stop strings."""
+    """One request's (one choice's) detokenizer and stop strings."""
 
-    __slots__ = ("request_id", "detok", "stopped_early")
+    __slots__ = ("request_id", "index", "detok", "stopped_early")
 
-    def __init__(self, request_id: str, tokenizer, params: SamplingParams):
+    def __init__(self, request_id: str, tokenizer, params: SamplingParams, index: int = 0):
         self.request_id = request_id
+        self.index = index  # the choice of an n > 1 request
         self.detok = IncrementalDetokenizer(tokenizer, params.stop,
                                             params.include_stop_str_in_output)
         #: a stop string ended the request before the core did: abort it there
@@ -60,4 +61,35 @@ class RequestStream:
             arrival_time=out.arrival_time,
             scheduled_time=out.scheduled_time,
             kv_transfer_params=out.kv_transfer_params,
+            index=self.index,
         )
+
+
+class ChoiceTexts:
+    """The RequestStreams of a request's ``n`` choices: each output goes to its own."""
+
+    __slots__ = ("streams", "open")
+
+    def __init__(self, request_id: str, tokenizer, params: SamplingParams):
+        self.streams = [RequestStream(request_id, tokenizer, params, i)
+                        for i in range(params.n)]
+        self.open = set(range(params.n))
+
+    def process(self, out: EngineOutput) -> RequestOutput | None:
+        """The output as text; None for a choice that has ended here already (a stop
+        string ended it; the core's last word of it comes after)."""
+        if out.index not in self.open:
+            return None
+        res = self.streams[out.index].process(out)
+        if res.finished:
+            self.open.discard(out.index)
+        return res
+
+    def stopped_early(self, index: int) -> bool:
+        """A stop string ended choice ``index`` here before the core did."""
+        return self.streams[index].stopped_early
+
+    @property
+    def done(self) -> bool:
+        """Every choice has ended."""
+        return not self.open

@@ -68,10 +68,20 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     #: monotonic time the scheduler gave the request blocks to run (or, decode role, to
     #: receive its KV), the last time before its first token; None until then
     scheduled_time: float | None = None
+    #: which choice of an ``n > 1`` request this is (0: the first, or the only one)
+    index: int = 0
+    #: a finished choice's request has other choices still running (the request's last
+    #: output is the one finished without it)
+    more_choices: bool = False
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def request_finished(self) -> bool:
+        """Nothing more comes for this request: every choice of it has ended."""
+        return self.finish_reason is not None and not self.more_choices
 
 
 def rejected(request_id: str, e: RequestError) -> EngineOutput:
@@ -174,3 +184,5 @@ class RequestOutput:
     scheduled_time: float | None = None
     #: a finished leg's answer to its router (None for a plain request)
     kv_transfer_params: KVTransferParams | None = None
+    #: which choice of an ``n > 1`` request (``finished``: this choice ended)
+    index: int = 0

@@ -42,6 +42,7 @@ from kvpush.engine.inputs import (
     PlaneCommand,
     SubmitRequest,
     UtilityCall,
+    request_of,
     submitted_id,
 )
 from kvpush.engine.outputs import EngineOutputs, UtilityReply, rejected
@@ -259,7 +260,7 @@ class RequestPlane:
             case SubmitRequest():
                 self._submit(front, cmd)
             case AbortRemote(request_ids=ids):
-                ids = [front.prefix + rid for rid in ids if rid in front.live]
+                ids = [front.prefix + rid for rid in ids if request_of(rid) in front.live]
                 if ids:
                     self._inbox.put(AbortRequests(ids))
             case AbortTransfer():
@@ -275,6 +276,8 @@ class RequestPlane:
         try:
             if rid in front.live:
                 raise RequestError(f"request id {rid!r} is already in use", "request_id")
+            if request_of(rid) != rid:  # a choice's id names another request's choice
+                raise RequestError("a request id may not hold NUL", "request_id")
             kv, params = self._checker.check(cmd.prompt_token_ids, cmd.params,
                                              cmd.kv_transfer_params)
         except Exception as e:  # noqa: BLE001 - a malformed request is the front's 400
@@ -299,7 +302,7 @@ class RequestPlane:
                 n, _, rid = out.request_id[1:].partition("/")
                 front = self._by_n.get(int(n))
                 if front is not None:  # (else gone: its requests were aborted)
-                    if out.finished:
+                    if out.request_finished:
                         front.live.discard(rid)
                     part = per.get(front.n) or per.setdefault(
                         front.n, EngineOutputs([], [], [], batch.snapshot))

@@ -86,7 +86,7 @@ class RequestStatsTracker:
     leaves no figures)."""
 
     def __init__(self) -> None:
-        self._clocks: dict[str, RequestClock] = {}
+        self._clocks: dict[str | tuple[str, int], RequestClock] = {}
 
     def __len__(self) -> int:
         return len(self._clocks)
@@ -97,12 +97,15 @@ class RequestStatsTracker:
         stats = IterationStats()
         clocks = self._clocks
         for out in outputs:
-            rid = out.request_id
+            # a choice past the first of an n > 1 request: its own clock, the prompt's
+            # tokens counted once (with choice 0)
+            rid = out.request_id if not out.index else (out.request_id, out.index)
             clock = clocks.get(rid)
             if clock is None:
                 if out.finish_reason is not None and not out.new_token_ids:
                     continue
-                clock = clocks[rid] = RequestClock(out.arrival_time, out.num_prompt_tokens)
+                clock = clocks[rid] = RequestClock(
+                    out.arrival_time, 0 if out.index else out.num_prompt_tokens)
             clock.on_output(stats, len(out.new_token_ids), now, out.arrival_time,
                             out.scheduled_time, out.first_token_time)
             if out.finish_reason is not None:

@@ -73,8 +73,14 @@ class Request:
     grammar: Grammar | None = None
     # Extension point for KV transfer: the connector keeps its per-request state here.
     kv_transfer_params: dict | None = None
+    #: choice ``index`` of an ``n > 1`` request (0: the request itself); a choice past
+    #: the first runs under its own id and answers under its request's (``output_id``)
+    index: int = 0
+    output_id: str = ""
 
     def __post_init__(self) -> None:
+        if not self.output_id:
+            self.output_id = self.request_id
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 

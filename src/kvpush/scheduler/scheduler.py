@@ -238,33 +238,57 @@ class Scheduler:
         return plan
 
     def _admit(self, req: Request, budget: int) -> int:
-        """Give a waiting request its cached prefix and new blocks; 0 if it cannot run."""
+        """Give a waiting request its cached prefix and new blocks; 0 if it cannot run.
+        A forked choice (:meth:`fork`) comes holding its request's prompt blocks."""
         tokens = req.all_token_ids
         bs = self.block_size
-        self._extend_hashes(req, len(tokens))
-        max_hit_blocks = (len(tokens) - 1) // bs  # always compute the last token
-        hit = self.pool.lookup(req.block_hashes[:max_hit_blocks])
-        num_computed = len(hit) * bs
+        held = bool(req.block_ids)
+        if held:
+            hit, num_computed = req.block_ids, req.num_computed_tokens
+        else:
+            self._extend_hashes(req, len(tokens))
+            max_hit_blocks = (len(tokens) - 1) // bs  # always compute the last token
+            hit = self.pool.lookup(req.block_hashes[:max_hit_blocks])
+            num_computed = len(hit) * bs
         num_new = len(tokens) - num_computed
         if num_new > budget:
             if not self.config.enable_chunked_prefill:
                 return 0
             num_new = budget
         need = self._blocks_for(num_computed + num_new) - len(hit)
-        reclaimed = sum(1 for b in hit if self.pool.ref_counts[b] == 0)
+        reclaimed = 0 if held else sum(1 for b in hit if self.pool.ref_counts[b] == 0)
         if need > self.pool.num_free - reclaimed:
             return 0
-        self.pool.touch(hit)
+        if not held:
+            self.pool.touch(hit)
+            req.num_registered_blocks = len(hit)
         req.block_ids = hit + self.pool.allocate(need)
         req.num_computed_tokens = num_computed
-        req.num_registered_blocks = len(hit)
-        if req.num_preemptions == 0:
+        if req.num_preemptions == 0 and not held:
             req.num_cached_tokens = num_computed
             self.prefix_hit_tokens += num_computed
             self.prefix_query_tokens += len(tokens)
         if req.first_token_time is None:  # the last admission before token #1 (vLLM's)
             req.scheduled_time = time.perf_counter()
         return num_new
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Queue ``child``, another choice of ``parent``'s prompt, once the parent's
+        prompt KV is complete (computed or received): it shares, by reference, every
+        parent block that holds prompt tokens before the last one, and computes the
+        rest of the prompt (at most one block) itself, so it samples its own token #1
+        and writes only blocks of its own. It goes first among the waiting."""
+        k = (parent.num_prompt_tokens - 1) // self.block_size
+        shared = parent.block_ids[:k]
+        assert len(shared) == k and child.prompt_token_ids == parent.prompt_token_ids
+        self.pool.touch(shared)
+        child.block_ids = list(shared)
+        child.block_hashes = parent.block_hashes[:k]
+        child.num_computed_tokens = k * self.block_size
+        child.num_registered_blocks = min(k, parent.num_registered_blocks)
+        child.state = RequestState.WAITING
+        self.requests[child.request_id] = child
+        self.waiting.appendleft(child)
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens
