@@ -425,7 +425,7 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None, str | None]] = [
      "stop_token_ids", None),
     ("stop-wrong-type", C, {"prompt": "x", "stop": 5}, 400, "stop", None),
     ("stop-empty-string", C, {"prompt": "x", "stop": [""]}, 400, "stop", None),
-    ("n-2", C, {"prompt": "x", "n": 2}, 400, "n", None),
+    ("n-65", C, {"prompt": "x", "n": 65}, 400, "n", None),
     ("echo", C, {"prompt": "x", "echo": True}, 400, "echo", None),
     ("logprobs-too-many", C, {"prompt": "x", "logprobs": 6}, 400, "logprobs", None),
     ("presence-penalty-too-big", C, {"prompt": "x", "presence_penalty": 2.5}, 400,
@@ -465,10 +465,13 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None, str | None]] = [
      "max_completion_tokens", None),
     ("chat-max-tokens-beyond-context", CHAT, {"messages": U, "max_tokens": 1000}, 400,
      "max_tokens", "context_length_exceeded"),
-    ("chat-n-2", CHAT, {"messages": U, "n": 2}, 400, "n", None),
+    ("chat-n-0", CHAT, {"messages": U, "n": 0}, 400, "n", None),
     ("chat-top-logprobs-alone", CHAT, {"messages": U, "top_logprobs": 2}, 400, "top_logprobs",
      None),
-    ("chat-tools", CHAT, {"messages": U, "tools": [{"type": "function"}]}, 400, "tools", None),
+    ("chat-tools-no-function", CHAT, {"messages": U, "tools": [{"type": "function"}]}, 400,
+     "tools[0].function", None),
+    ("chat-tools-template", CHAT, {"messages": U, "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
     ("chat-unknown-model", CHAT, {"model": "nope", "messages": U}, 404, "model",
      "model_not_found"),
     ("chat-logprobs-not-bool", CHAT, {"messages": U, "logprobs": 3}, 400, "logprobs", None),
@@ -889,7 +892,7 @@ def test_openai_client(fake_model: tuple[Any, Any]) -> None:
             with pytest.raises(openai.NotFoundError):
                 client.chat.completions.create(model="gpt-4o", messages=msgs)
             with pytest.raises(openai.BadRequestError):
-                client.chat.completions.create(model=MODEL, messages=msgs, n=3)
+                client.chat.completions.create(model=MODEL, messages=msgs, n=65)
             engine.raise_after = 1
             with pytest.raises(openai.APIError):
                 for _ in client.completions.create(model=MODEL, prompt="hello world",

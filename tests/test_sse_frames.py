@@ -11,16 +11,14 @@ import pytest
 
 from kvpush.engine.outputs import FinishReason, RequestOutput
 from kvpush.sampling_params import SamplingParams
+from kvpush.server.formats import ChatFormat, CompletionFormat, _frame
 from kvpush.server.protocol import (
     ChatCompletionChunk,
-    ChatFormat,
     ChatStreamChoice,
     CompletionChoice,
-    CompletionFormat,
     CompletionResponse,
     DeltaMessage,
     Job,
-    _frame,
 )
 
 TEXTS = ["", "hi", ' a"b\\c', "é✓😀", "\x00\x01\x1f\x7f", "\u2028\u2029", "</script>",

@@ -47,19 +47,12 @@ from kvpush.server.admission import (
 )
 from kvpush.server.body_limit import BodyLimitMiddleware
 from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
+from kvpush.server.formats import ChatFormat, CompletionFormat, Format
 from kvpush.server.kv_abort import parse_abort, read_abort_body
 from kvpush.server.member_view import MEMBER_PATHS, MemberViewMiddleware, MemberViews
 from kvpush.server.metrics import RequestTimer, ServerMetrics
 from kvpush.server.openapi import install_openapi, request_body
-from kvpush.server.protocol import (
-    ChatFormat,
-    CompletionFormat,
-    Format,
-    Job,
-    ModelCard,
-    ModelList,
-    VersionResponse,
-)
+from kvpush.server.protocol import Job, ModelCard, ModelList, VersionResponse
 from kvpush.server.prove import PROVE_PATH, ProveError, Prover
 
 logger = logging.getLogger("kvpush.server")
@@ -351,11 +344,11 @@ class OpenAIFront:
         while out is not None:
             timer.on_output(len(out.new_token_ids), time.perf_counter(), out)
             fmt.add(out)
-            if out.finished:
+            if fmt.done or out.finish_reason is FinishReason.ERROR:
                 break
             out = await anext(gen, None)  # type: ignore[arg-type]
         if out is None or not out.finished:
-            fmt.finish_reason = "abort"
+            fmt.abort_open()
         outcome = _outcome(out) if out is not None and out.finished else "abort"
         if outcome == "error":
             timer.finish("error", time.perf_counter())
@@ -377,7 +370,7 @@ class OpenAIFront:
                 frame = fmt.stream_chunk(out)
                 if frame is not None:
                     yield frame
-                if out.finished:
+                if fmt.done or out.finish_reason is FinishReason.ERROR:
                     break
                 out = await anext(gen, None)  # type: ignore[arg-type]
             if out is None or not out.finished:  # stream ended without a final output

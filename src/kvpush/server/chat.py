@@ -8,9 +8,11 @@ nothing here imports transformers itself.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any, Literal, TypeVar
 
@@ -20,6 +22,7 @@ from kvpush.grammar import GrammarCompiler, GrammarError
 from kvpush.models.tokenizer import max_token_bytes, tokens_at_least
 from kvpush.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
     MAX_TOP_LOGPROBS,
     SamplingParams,
     StructuredOutput,
@@ -32,14 +35,29 @@ from kvpush.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     Job,
+    NamedToolChoice,
     SamplingRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
 from kvpush.server.structured import structured_output
+from kvpush.server.tool_calls import ToolFormat, call_grammar, template_format
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ToolSetup:
+    """What a chat's tools ask of the prompt, the sampler and the answer."""
+
+    #: the tools as the chat template gets them (None: not rendered)
+    rendered: list[dict[str, Any]] | None = None
+    #: the format its answer's calls are parsed in (None: not parsed)
+    format: ToolFormat | None = None
+    #: the grammar of a required or named call
+    grammar: StructuredOutput | None = None
+    finish_says_calls: bool = True
 
 _JSON_OBJECT = TypeAdapter(dict[str, Any])
 
@@ -86,13 +104,35 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": role, "content": content}
         if msg.name is not None:
             entry["name"] = msg.name
+        if msg.tool_calls:
+            entry["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]")
+                                   for j, c in enumerate(msg.tool_calls)]
+        if msg.tool_call_id is not None:
+            entry["tool_call_id"] = msg.tool_call_id
         out.append(entry)
     return out
 
 
+def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:
+    """An assistant message's tool call as chat templates read it: OpenAI's shape, its
+    ``arguments`` JSON text made an object (Hermes' and Llama's templates write it
+    with ``tojson``)."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(f"{where}.function.name must be a string", param=where)
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args or "{}")
+        except ValueError:
+            raise APIError(f"{where}.function.arguments is not JSON", param=where) from None
+    return {**call, "function": {**fn, "arguments": args}}
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *,
                 add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> str:
+                continue_final_message: bool = False,
+                tools: list[dict[str, Any]] | None = None) -> str:
     """The model's chat template applied to ``messages``, ending in the assistant header
     (``add_generation_prompt``), or leaving the last message open to be continued
     (``continue_final_message``, as /tokenize may ask)."""
@@ -107,7 +147,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *,
     try:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tokenize=False
+            continue_final_message=continue_final_message, tokenize=False, tools=tools
         )
     except ValueError as e:  # transformers: continue_final_message with no message to
         raise APIError(str(e), param="messages") from None  # continue, or both flags
@@ -119,14 +159,16 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *,
     return text
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of the rendered chat.
 
     The template writes every special token the model needs (Llama 3's writes
     ``{{ bos_token }}`` itself), so the text is encoded *without* the tokenizer's own
     special tokens: encoding with them would give Llama-style models two BOS tokens.
     """
-    return encode_text(tokenizer, render_chat(tokenizer, messages), add_special_tokens=False)
+    return encode_text(tokenizer, render_chat(tokenizer, messages, tools=tools),
+                       add_special_tokens=False)
 
 
 def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[int]:
@@ -244,10 +286,8 @@ class PromptBuilder:
 
     def _check_common(self, req: SamplingRequest) -> None:
         self.check_model(req.model)
-        if req.n not in (None, 1):
-            raise APIError(f"n must be 1, got {req.n}: kvpush answers one choice per "
-                           "request (send n requests; a prompt's cached blocks are shared)",
-                           param="n")
+        if req.n is not None and not 1 <= req.n <= MAX_N:
+            raise APIError(f"n must be from 1 to {MAX_N}, got {req.n}", param="n")
         if req.max_tokens is not None and req.max_tokens < 1:
             raise APIError(f"max_tokens must be at least 1, got {req.max_tokens}",
                            param="max_tokens")
@@ -307,9 +347,10 @@ class PromptBuilder:
     def _structured(self, req: SamplingRequest) -> StructuredOutput | None:
         """The request's structured output, compiled once here (a 400 if it cannot be)."""
         given = structured_output(req)
-        if given is None:
-            return None
-        param, spec = given
+        return None if given is None else self._compiled(given[1], given[0])
+
+    def _compiled(self, spec: StructuredOutput, param: str) -> StructuredOutput:
+        """``spec``, compiled (or found compiled); a 400 naming ``param`` if it cannot be."""
         try:
             self.grammars.check(spec)
         except GrammarError as e:
@@ -338,6 +379,7 @@ class PromptBuilder:
             include_stop_str_in_output=req.include_stop_str_in_output,
             cache_salt=req.cache_salt,
             structured=structured,
+            n=req.n or 1,
         )
 
     def completion_job(self, req: CompletionRequest, request_id: str, arrival: float) -> Job:
@@ -347,10 +389,10 @@ class PromptBuilder:
             raise APIError("echo is not supported", param="echo")
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
-        if req.best_of not in (None, 1):
-            raise APIError(f"best_of must be 1, got {req.best_of}: kvpush does not sample "
-                           "several completions to return the most likely one",
-                           param="best_of")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise APIError(f"best_of must equal n ({req.n or 1}), got {req.best_of}: "
+                           "kvpush does not rank extra completions to return the most "
+                           "likely (n > 1 returns every choice)", param="best_of")
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
             raise APIError(f"logprobs must be between 0 and 5, got {req.logprobs}",
                            param="logprobs")
@@ -384,8 +426,7 @@ class PromptBuilder:
         if mct is not None and mct < 1:
             raise APIError(f"max_completion_tokens must be at least 1, got {mct}",
                            param="max_completion_tokens")
-        if req.tools or req.functions:
-            raise APIError("tools are not supported", param="tools")
+        tools = self._tools(req)
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
             raise APIError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}",
@@ -394,17 +435,53 @@ class PromptBuilder:
             raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
         messages = normalize_messages(req.messages)
         self._check_text_size((m["content"] for m in messages), "messages")
-        ids = encode_chat(self.tokenizer, messages)
+        ids = encode_chat(self.tokenizer, messages, tools.rendered)
         self._check_context(len(ids), 1, "messages")
         max_tokens = mct if mct is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(ids)
+        structured = self._structured(req)
+        if tools.grammar is not None:
+            if structured is not None:
+                raise APIError("a required or named tool_choice constrains the answer: "
+                               "give no structured output with it", param="tool_choice")
+            structured = self._compiled(tools.grammar, "tools")
         params = self._sampling_params(req, max_tokens, logprobs=bool(req.logprobs),
                                        top_logprobs=(top or 0) if req.logprobs else 0,
-                                       structured=self._structured(req))
+                                       structured=structured)
         self._check_context(len(ids), max_tokens, "messages")
         return Job(request_id, ids, params, arrival, bool(req.stream),
-                   bool(req.stream_options and req.stream_options.include_usage))
+                   bool(req.stream_options and req.stream_options.include_usage),
+                   tools.format, tools.finish_says_calls)
+
+    def _tools(self, req: ChatCompletionRequest) -> ToolSetup:
+        """What the request's tools and tool_choice ask for (a 400 if they cannot be)."""
+        if req.functions:
+            raise APIError("functions is OpenAI's deprecated field: give tools",
+                           param="functions")
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none"):
+                raise APIError("tool_choice needs tools", param="tool_choice")
+            return ToolSetup()
+        fmt = template_format(getattr(self.tokenizer, "chat_template", None))
+        if fmt is None:
+            raise APIError("this model's chat template does not render tools (give one "
+                           "that does with --chat-template)", param="tools")
+        if choice == "none":  # the model is not told of them, and nothing is parsed
+            return ToolSetup()
+        rendered = [t.model_dump(exclude_none=True) for t in req.tools]
+        functions = [t["function"] for t in rendered]
+        if isinstance(choice, NamedToolChoice):
+            named = [f for f in functions if f["name"] == choice.function.name]
+            if not named:
+                raise APIError(f"tool_choice names {choice.function.name!r}, which is not "
+                               "among the tools", param="tool_choice")
+            return ToolSetup(rendered, fmt, call_grammar(fmt, named, several=False), False)
+        if choice == "required":
+            several = req.parallel_tool_calls is not False
+            return ToolSetup(rendered, fmt, call_grammar(fmt, functions, several))
+        return ToolSetup(rendered, fmt)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

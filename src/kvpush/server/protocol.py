@@ -5,28 +5,24 @@ Requests are parsed strictly where a wrong type would otherwise be coerced into 
 surprising value (``"max_tokens": "10"`` or ``true`` is a 400, not 10 or 1), unknown
 fields are ignored (OpenAI clients send some we do not use), and NaN/Infinity are
 refused. Fields that change what the model would generate but that kvpush does not
-implement (``n > 1``, ``echo``, tools, ...) are parsed so that the server can
-refuse them with a clear 400 instead of silently ignoring them.
+implement (``echo``, ``suffix``, ...) are parsed so that the server can refuse them
+with a clear 400 instead of silently ignoring them.
 """
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-import msgspec
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator
 
-from kvpush.engine.outputs import FinishReason, RequestOutput
 from kvpush.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
+from kvpush.server.tool_calls import ToolFormat
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # strict float still takes JSON integers
@@ -193,10 +189,43 @@ class ContentPart(_Model):
     text: str | None = None
 
 
+#: tools one chat request may offer (OpenAI's limit)
+MAX_TOOLS = 128
+
+
+class FunctionDef(_Model):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Bool | None = None
+
+
+class ToolDef(_Model):
+    """One of OpenAI's ``tools``: a function the model may call."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    """``tool_choice`` naming the function the model must call."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatMessage(_Model):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    #: an assistant message's calls (OpenAI's shape: id, type, function name/arguments)
+    tool_calls: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
+    #: a tool message's answer to this call
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -224,7 +253,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Int | None = None
     logprobs: Bool | None = False
     top_logprobs: Int | None = None
-    tools: list[Any] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = None
     functions: list[Any] | None = None
 
 
@@ -279,9 +310,21 @@ class ChatLogprobs(_Model):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class ToolCallFunction(_Model):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(_Model):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(_Model):
@@ -305,9 +348,14 @@ def _is_none(v: Any) -> bool:
     return v is None
 
 
+class DeltaToolCall(ToolCallOut):
+    index: int
+
+
 class DeltaMessage(_Model):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
     content: str | None = Field(default=None, exclude_if=_is_none)
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatStreamChoice(_Model):
@@ -400,239 +448,12 @@ class Job:
     arrival: float
     stream: bool
     include_usage: bool
+    #: the tool-call format of a chat that offered tools (None: no parsing)
+    tools: ToolFormat | None = None
+    #: finish_reason "tool_calls" when it calls them (not for a named tool_choice)
+    tool_calls_finish: bool = True
 
     @property
     def logprobs(self) -> int | None:
         """None: no logprobs; else how many top alternatives the client asked for."""
         return self.params.top_logprobs if self.params.logprobs else None
-
-
-TokenTexts = Callable[[int], tuple[str, list[int]]]
-
-
-def _frame(model: BaseModel) -> bytes:
-    return b"data: " + model.model_dump_json().encode() + b"\n\n"
-
-
-_TEXT_MARK = "@@kvpush-text@@"
-_encode_str = msgspec.json.Encoder().encode
-
-
-class TextFrame:
-    """The SSE frame of a plain text chunk (no logprobs, not the last), built once per
-    request from the pydantic model's own dump with a marker for the text; each token's
-    frame is then two byte joins and one JSON string encode instead of a pydantic model
-    built and dumped per token (the API process's largest per-token cost after the
-    ASGI send: benchmarks/ENGINE.md, "Profile after the split")."""
-
-    def __init__(self, frame_with_mark: bytes) -> None:
-        head, sep, tail = frame_with_mark.partition(_encode_str(_TEXT_MARK))
-        assert sep and _encode_str(_TEXT_MARK) not in tail, "the marker must occur once"
-        self.head = head
-        self.tail = tail
-
-    def __call__(self, text: str) -> bytes:
-        return self.head + _encode_str(text) + self.tail
-
-
-class Format:
-    """Turns one request's engine outputs into an OpenAI body or SSE frames."""
-
-    def __init__(self, job: Job, model: str, token_texts: TokenTexts) -> None:
-        self.job = job
-        self.model = model
-        self.texts = token_texts
-        self.created = int(time.time())
-        self.text_parts: list[str] = []
-        self.num_tokens = 0
-        self.finish_reason: str | None = None
-        self.kv_transfer_params: dict[str, Any] | None = None
-
-    def usage(self) -> UsageInfo:
-        p = len(self.job.prompt_ids)
-        return UsageInfo(prompt_tokens=p, completion_tokens=self.num_tokens,
-                         total_tokens=p + self.num_tokens)
-
-    def _account(self, out: RequestOutput) -> None:
-        self.num_tokens += len(out.new_token_ids)
-        if out.finished:
-            self.finish_reason = _reason(out)
-            if out.kv_transfer_params is not None:
-                self.kv_transfer_params = out.kv_transfer_params.to_wire()
-
-    def _token_logprobs(self, out: RequestOutput
-                        ) -> list[tuple[int, float | None, tuple[tuple[int, float], ...]]]:
-        """(token id, logprob, top alternatives) of each new token."""
-        if self.job.logprobs is None or not out.new_token_ids:
-            return []
-        n = len(out.new_token_ids)
-        lps: list[float | None] = list(out.new_logprobs or [])
-        lps += [None] * (n - len(lps))
-        tops = list(out.new_top_logprobs or [])
-        tops += [()] * (n - len(tops))
-        return list(zip(out.new_token_ids, lps, tops))
-
-    def add(self, out: RequestOutput) -> None:
-        """Accumulate an output for the non-streaming body."""
-        raise NotImplementedError
-
-    def response(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def stream_start(self) -> list[bytes]:
-        return []
-
-    def stream_chunk(self, out: RequestOutput) -> bytes | None:
-        raise NotImplementedError
-
-    def stream_finish(self, reason: str) -> bytes:
-        raise NotImplementedError
-
-    def usage_chunk(self) -> bytes:
-        raise NotImplementedError
-
-    @staticmethod
-    def error_frame(err: Any) -> bytes:
-        return b"data: " + json.dumps(err.body()).encode() + b"\n\n"
-
-
-def _reason(out: RequestOutput) -> str:
-    r = out.finish_reason
-    return "abort" if r is None else FinishReason(r).value
-
-
-class CompletionFormat(Format):
-    def __init__(self, job: Job, model: str, token_texts: TokenTexts) -> None:
-        super().__init__(job, model, token_texts)
-        self._offset = 0
-        self._lp: CompletionLogprobs | None = (
-            CompletionLogprobs() if job.logprobs is not None else None)
-        self._text_frame: TextFrame | None = None
-
-    def _logprobs(self, out: RequestOutput, into: CompletionLogprobs) -> None:
-        top = self.job.logprobs or 0
-        for tid, lp, alts in self._token_logprobs(out):
-            text, _ = self.texts(tid)
-            into.tokens.append(text)
-            into.token_logprobs.append(lp)
-            if top and lp is not None:
-                # the top alternatives, and the sampled token where it is not among them
-                # (as OpenAI's legacy API: up to logprobs + 1 entries); keyed by text, so
-                # tokens that read alike share one entry, the most likely one's
-                entries: dict[str, float] = {}
-                for a, a_lp in alts[:top]:
-                    entries.setdefault(self.texts(a)[0], a_lp)
-                entries.setdefault(text, lp)
-                into.top_logprobs.append(entries)
-            else:
-                into.top_logprobs.append(None)
-            into.text_offset.append(self._offset)
-            self._offset += len(text)
-
-    def add(self, out: RequestOutput) -> None:
-        self._account(out)
-        self.text_parts.append(out.new_text)
-        if self._lp is not None:
-            self._logprobs(out, self._lp)
-
-    def response(self) -> dict[str, Any]:
-        return CompletionResponse(
-            id=self.job.request_id, created=self.created, model=self.model,
-            choices=[CompletionChoice(text="".join(self.text_parts), logprobs=self._lp,
-                                      finish_reason=self.finish_reason)],
-            usage=self.usage(), kv_transfer_params=self.kv_transfer_params,
-        ).model_dump(mode="json")
-
-    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
-        return _frame(CompletionResponse(id=self.job.request_id, created=self.created,
-                                         model=self.model, choices=choices, usage=usage))
-
-    def stream_chunk(self, out: RequestOutput) -> bytes | None:
-        self._account(out)
-        lp = None
-        if self._lp is not None and out.new_token_ids:
-            lp = CompletionLogprobs()
-            self._logprobs(out, lp)
-        if not out.new_token_ids and not out.new_text and not out.finished:
-            return None  # one chunk per token, even one whose text is held back
-        if lp is None and not out.finished:
-            if self._text_frame is None:
-                self._text_frame = TextFrame(self._chunk([CompletionChoice(text=_TEXT_MARK)]))
-            return self._text_frame(out.new_text)
-        reason = self.finish_reason if out.finished else None
-        return self._chunk([CompletionChoice(text=out.new_text, logprobs=lp,
-                                             finish_reason=reason)])
-
-    def stream_finish(self, reason: str) -> bytes:
-        self.finish_reason = reason
-        return self._chunk([CompletionChoice(text="", finish_reason=reason)])
-
-    def usage_chunk(self) -> bytes:
-        return self._chunk([], self.usage())
-
-
-class ChatFormat(Format):
-    def __init__(self, job: Job, model: str, token_texts: TokenTexts) -> None:
-        super().__init__(job, model, token_texts)
-        self._lp: ChatLogprobs | None = (
-            ChatLogprobs(content=[]) if job.logprobs is not None else None)
-        self._text_frame: TextFrame | None = None
-
-    def _logprobs(self, out: RequestOutput) -> list[ChatTokenLogprob]:
-        top = self.job.logprobs or 0
-        items = []
-        for tid, lp, alts in self._token_logprobs(out):
-            text, raw = self.texts(tid)
-            listed = []
-            for a, a_lp in alts[:top]:
-                a_text, a_raw = self.texts(a)
-                listed.append(TopLogprob(token=a_text, logprob=a_lp, bytes=a_raw))
-            items.append(ChatTokenLogprob(token=text, logprob=lp, bytes=raw,
-                                          top_logprobs=listed))
-        return items
-
-    def add(self, out: RequestOutput) -> None:
-        self._account(out)
-        self.text_parts.append(out.new_text)
-        if self._lp is not None and self._lp.content is not None:
-            self._lp.content.extend(self._logprobs(out))
-
-    def response(self) -> dict[str, Any]:
-        return ChatCompletionResponse(
-            id=self.job.request_id, created=self.created, model=self.model,
-            choices=[ChatChoice(message=ChatResponseMessage(content="".join(self.text_parts)),
-                                logprobs=self._lp, finish_reason=self.finish_reason)],
-            usage=self.usage(), kv_transfer_params=self.kv_transfer_params,
-        ).model_dump(mode="json")
-
-    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> bytes:
-        return _frame(ChatCompletionChunk(id=self.job.request_id, created=self.created,
-                                          model=self.model, choices=choices, usage=usage))
-
-    def stream_start(self) -> list[bytes]:
-        return [self._chunk([ChatStreamChoice(delta=DeltaMessage(role="assistant",
-                                                                 content=""))])]
-
-    def stream_chunk(self, out: RequestOutput) -> bytes | None:
-        self._account(out)
-        lp = None
-        if self._lp is not None and out.new_token_ids:
-            lp = ChatLogprobs(content=self._logprobs(out))
-        if not out.new_token_ids and not out.new_text and not out.finished:
-            return None  # one chunk per token, even one whose text is held back
-        if lp is None and not out.finished:  # a token (or text) to send
-            if self._text_frame is None:
-                self._text_frame = TextFrame(self._chunk(
-                    [ChatStreamChoice(delta=DeltaMessage(content=_TEXT_MARK))]))
-            return self._text_frame(out.new_text)
-        reason = self.finish_reason if out.finished else None
-        delta = (DeltaMessage(content=out.new_text) if out.new_text or out.new_token_ids
-                 else DeltaMessage())
-        return self._chunk([ChatStreamChoice(delta=delta, logprobs=lp, finish_reason=reason)])
-
-    def stream_finish(self, reason: str) -> bytes:
-        self.finish_reason = reason
-        return self._chunk([ChatStreamChoice(delta=DeltaMessage(), finish_reason=reason)])
-
-    def usage_chunk(self) -> bytes:
-        return self._chunk([], self.usage())
