@@ -139,3 +139,102 @@ def test_structured_outputs_validate_colocated_and_through_push_and_pull(
             "messages": msgs, "max_tokens": 20, "guided_json": {"type": "nope"}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json", r.text
     cluster.wait_all_free()  # the instances it used, and the others
+
+
+def _transfers_ok(url: str) -> float:
+    from router_helpers import metric_value
+
+    return metric_value(httpx.get(url + "/metrics", timeout=10).text,
+                        "kvpush_kv_transfers_ok_total")
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_n_choices_through_push_and_pull_move_the_kv_once(cluster, routers, mode) -> None:
+    """Issue 65, point 3 in P/D: prefill runs one choice, its KV moves once, and decode
+    forks the others from it; greedy choices equal the single instance's answer, seeded
+    ones are reproducible, a stream names each choice's index."""
+    url = routers[mode]
+    d = cluster.push_d[0] if mode == "push" else cluster.pull_d
+    body = {"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as c:
+        want = c.post(cluster.single.url + "/v1/completions", json=body).json()
+        before = _transfers_ok(d.url)
+        r = c.post(url + "/v1/completions", json={**body, "n": 3})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert [ch["text"] for ch in got["choices"]] == [want["choices"][0]["text"]] * 3
+        assert [ch["index"] for ch in got["choices"]] == [0, 1, 2]
+        assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+        assert got["usage"]["completion_tokens"] == 24
+        wait_until(lambda: _transfers_ok(d.url) >= before + 1, 10, "the transfer counted")
+        assert _transfers_ok(d.url) == before + 1  # one transfer for three choices
+
+        seeded = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "seed": 11,
+                  "max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+        a = c.post(url + "/v1/chat/completions", json=seeded).json()["choices"]
+        b = c.post(url + "/v1/chat/completions", json=seeded).json()["choices"]
+        assert [x["message"]["content"] for x in a] == [x["message"]["content"] for x in b]
+        texts: dict[int, str] = {}
+        with c.stream("POST", url + "/v1/chat/completions",
+                      json={**seeded, "stream": True}) as s:
+            assert s.status_code == 200, s.read()
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    for ch in json.loads(line[6:])["choices"]:
+                        texts[ch["index"]] = (texts.get(ch["index"], "")
+                                              + (ch["delta"].get("content") or ""))
+        assert texts == {x["index"]: x["message"]["content"] for x in a}
+    cluster.wait_all_free()
+
+
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n{{ t | tojson }}"
+    "{% endfor %}\n</tools>\nAnswer calls in <tool_call></tool_call> tags.<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>"
+    "\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tool_router(router_cluster: RouterCluster, tiny_llama, tmp_path_factory) -> Iterator[str]:
+    """A push router whose tokenizer's chat template renders tools (Hermes style)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("hermes-tokenizer")
+    for f in tiny_llama.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, folder / f.name)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {**cfg, "chat_template": HERMES_TEMPLATE}))
+    c = router_cluster
+    rt = RouterThread("push", [c.push_p[0].url], [c.push_d[0].url], tokenizer=str(folder))
+    try:
+        wait_until(lambda: httpx.get(rt.url + "/health", timeout=5).json().get(
+            "legs") == "engine cores", 30, "the router serves over the engine cores")
+        yield rt.url
+    finally:
+        rt.stop()
+
+
+def test_tool_calls_through_push_parse_token_one_from_prefill(cluster, tool_router) -> None:
+    """A named tool_choice through push: token #1 is sampled on prefill under the call's
+    grammar, decode resumes it; every call parses and validates, n = 2 forks on decode."""
+    import openai
+
+    params = {"type": "object", "additionalProperties": False, "required": ["city"],
+              "properties": {"city": {"type": "string", "maxLength": 6}}}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": params}}]
+    with openai.OpenAI(base_url=tool_router + "/v1", api_key="x", max_retries=0,
+                       timeout=60) as client:
+        r = client.chat.completions.create(
+            model=cluster.single.get("/v1/models")["data"][0]["id"],
+            messages=[{"role": "user", "content": "weather?"}], tools=tools, n=2, seed=3,
+            tool_choice={"type": "function", "function": {"name": "weather"}},
+            max_tokens=60)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    for ch in r.choices:
+        [call] = ch.message.tool_calls
+        assert call.function.name == "weather"
+        jsonschema.validate(json.loads(call.function.arguments), params)
+    cluster.wait_all_free()
