@@ -123,6 +123,37 @@ def test_choices_survive_preemption(tiny_llama) -> None:
     assert_all_blocks_free(small)
 
 
+def test_forks_give_up_their_shared_blocks_when_nothing_else_can_free_any() -> None:
+    """Forked choices wait holding the prompt's blocks; when nothing runs and the pool
+    cannot start them, they give them up (and start afresh later) instead of waiting
+    forever."""
+    import torch
+
+    from kvpush.config import CacheConfig, SchedulerConfig
+    from kvpush.scheduler.request import Request
+    from kvpush.scheduler.scheduler import Scheduler
+
+    s = Scheduler(SchedulerConfig(max_model_len=64),
+                  CacheConfig(block_size=4, num_blocks=6, dtype=torch.float32,
+                              enable_prefix_caching=False))
+    params = greedy(4, n=3)
+    parent = Request("p", list(range(9)), params, 64)
+    parent.block_ids = s.pool.allocate(3)
+    parent.num_computed_tokens = 9
+    for i in (1, 2):
+        s.fork(parent, Request(f"p/{i}", parent.prompt_token_ids, params.choice(i), 64))
+    s.pool.free(parent.block_ids)  # the parent ended: its two prompt blocks stay shared
+    other = s.pool.allocate(s.pool.num_free)  # blocks held elsewhere (a remote-KV wait)
+    assert s.pool.num_free == 0
+    plan = s.schedule()
+    assert plan.empty and [r.block_ids for r in s.waiting] == [[], []]
+    assert s.pool.num_free == 2  # the shared blocks came back
+    s.pool.free(other)
+    plan = s.schedule()
+    assert sorted(c.request_id for c in plan.chunks) == ["p/1", "p/2"]
+    assert all(c.start_pos == 0 and len(c.token_ids) == 9 for c in plan.chunks)  # afresh
+
+
 # ------------------------------------------------------------------------- the API
 
 

@@ -235,7 +235,19 @@ class Scheduler:
                 self.running.append(req)
                 plan.chunks.append(self._chunk(req, num_new))
                 budget -= num_new
+            if not self.running and self.waiting and self._unfork_waiting():
+                return self.schedule()  # (once: no waiting request holds blocks now)
         return plan
+
+    def _unfork_waiting(self) -> bool:
+        """Nothing runs that could free blocks and the waiting cannot start: the forked
+        choices give up the prompt blocks they share (they start afresh, from the prefix
+        cache where it holds them), so no fork waits forever. Whether any did."""
+        forks = [r for r in self.waiting if r.block_ids]
+        for req in forks:
+            self.pool.free(self.detach_blocks(req))
+            req.num_computed_tokens = 0
+        return bool(forks)
 
     def _admit(self, req: Request, budget: int) -> int:
         """Give a waiting request its cached prefix and new blocks; 0 if it cannot run.
