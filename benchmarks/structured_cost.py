@@ -10,7 +10,8 @@
   model's).
 
 In ``kvpush serve`` the API front compiles a new schema too (its 400 check) before the
-engine core does: the first use of a schema pays the compile twice, once per process.
+engine core does (on its grammar thread, off the step loop): the first use of a schema
+pays the compile twice, once per process; ``--engine-core thread`` shares one compiler.
 
     PYTHONPATH=src python benchmarks/structured_cost.py --batches 1,8
     PYTHONPATH=src python benchmarks/structured_cost.py --smollm2 --batches 1,8

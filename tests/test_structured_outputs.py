@@ -19,6 +19,7 @@ import torch
 
 from engine_helpers import assert_all_blocks_free, make_engine, run_to_completion
 from fake_engine import FakeEngine, make_test_model
+from kvpush.engine.outputs import FinishReason
 from kvpush.grammar import GrammarCompiler, GrammarError
 from kvpush.model.sampler import sample
 from kvpush.sampling_params import GrammarKind, SamplingParams, StructuredOutput
@@ -136,6 +137,73 @@ def test_a_spec_that_cannot_compile_raises(engine, spec) -> None:
     compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size)
     with pytest.raises(GrammarError):
         compiler.check(spec)
+
+
+def test_a_spec_compiles_off_the_step_loop(tiny_llama, monkeypatch) -> None:
+    """A command naming a spec not yet compiled does not hold the step loop: its request
+    waits for the grammar thread (GrammarReady) while others step; an abort meanwhile
+    ends it; a spec that fails there is the request's refusal."""
+    import threading
+
+    from kvpush.engine.inputs import AbortRequests, AddRequest
+
+    eng = make_engine(tiny_llama)
+    gate = threading.Event()
+    check = eng.grammars.check
+
+    def slow_check(spec: StructuredOutput) -> None:
+        assert gate.wait(30)
+        check(spec)
+
+    monkeypatch.setattr(eng.grammars, "check", slow_check)
+    regex = StructuredOutput(GrammarKind.REGEX, "(yes|no)")
+    eng.inbox.put(AddRequest("guided", [5, 6, 7], SamplingParams(max_tokens=8,
+                                                                 structured=regex)))
+    eng.inbox.put(AddRequest("plain", [5, 6, 7], SamplingParams(max_tokens=3,
+                                                                ignore_eos=True)))
+    eng.inbox.put(AddRequest("gone", [5, 6], SamplingParams(max_tokens=3,
+                                                            structured=JSON_SCHEMA)))
+    eng.inbox.put(AbortRequests(["gone"]))
+    outs = eng.process_inbox()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("gone", FinishReason.ABORT)]
+    plain: list[int] = []
+    while eng.has_work():  # the plain request runs to its end while "guided" compiles
+        plain += [t for o in eng.step() for t in o.new_token_ids]
+    assert len(plain) == 3 and "guided" not in eng.scheduler.requests
+    gate.set()
+    got: list[int] = []
+    for _ in range(200):
+        outs = eng.process_inbox(block=not eng.has_work(), timeout=10)
+        outs += eng.step() if eng.has_work() else []
+        got += [t for o in outs if o.request_id == "guided" for t in o.new_token_ids]
+        if any(o.request_id == "guided" and o.finished for o in outs):
+            break
+    assert decoded(eng, got) in ("yes", "no")
+    bad = StructuredOutput(GrammarKind.REGEX, "(unclosed")
+    eng.inbox.put(AddRequest("bad", [5], SamplingParams(max_tokens=2, structured=bad)))
+    assert eng.process_inbox() == []
+    outs = eng.process_inbox(block=True, timeout=10)
+    assert outs[0].request_id == "bad" and outs[0].failure.rejected
+    assert_all_blocks_free(eng)
+    eng.shutdown()
+
+
+def test_an_engine_in_the_api_process_shares_the_fronts_compiled_specs(tiny_llama) -> None:
+    """--engine-core thread: the front checks a spec with the engine's own compiler, so
+    it compiles once, not once per side."""
+    from kvpush.config import EngineConfig
+    from kvpush.engine.async_engine import AsyncEngine
+    from server_helpers import uvicorn_server
+
+    engine = AsyncEngine(EngineConfig.build(tiny_llama, max_model_len=256, num_blocks=64,
+                                            block_size=16))
+    app = build_app(engine)
+    with uvicorn_server(app) as url:
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": "a", "max_tokens": 4, "guided_regex": "(up|down)"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("up", "down")
+    assert app.state.server.prompts.grammars is engine.grammars
+    assert engine.grammars.compiles == 1
 
 
 # ---- the API: typed through, refused before any compute --------------------------------

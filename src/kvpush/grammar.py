@@ -133,6 +133,10 @@ class GrammarCompiler:
                 self._compiled.popitem(last=False)
             return matcher
 
+    def cached(self, spec: StructuredOutput) -> bool:
+        """Whether ``spec`` is compiled already (no wait on a compile in progress)."""
+        return spec in self._compiled
+
     def check(self, spec: StructuredOutput) -> None:
         """Compile ``spec`` (or find it compiled); GrammarError when it cannot be."""
         self._compiled_matcher(spec)

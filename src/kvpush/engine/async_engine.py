@@ -36,6 +36,9 @@ class AsyncEngine(FrontEnd):
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
         self.core = CoreLoop(config, engine)
         self.engine = self.core.engine
+        #: the engine's structured-output compiler: the HTTP front in this process checks
+        #: specs with it, so each compiles once
+        self.grammars = self.engine.grammars
         self.engine_id = self.core.engine_id
         self.kv_events = self.core.kv_events
         self.side_channel = self.core.side_channel

@@ -180,7 +180,8 @@ class CoreLoop:
         loop died (its client gets an error, not a finish it could take for its own)."""
         why = self._fatal_reason()
         outs = []
-        for rid in list(self.engine.scheduler.requests):
+        compiling = getattr(self.engine, "compiling", {})  # (stubs have none)
+        for rid in [*self.engine.scheduler.requests, *compiling]:
             out = (self.engine.abort_request(rid) if why is None  # (stubs: the id only)
                    else self.engine.abort_request(rid, why))
             if out is not None:

@@ -117,6 +117,14 @@ def submitted_id(payload: bytes) -> str | None:
     return None
 
 
+class GrammarReady(msgspec.Struct, frozen=True):
+    """The engine's grammar thread compiled (or could not compile: ``error``) the
+    structured output of a request waiting for it (local: never sent)."""
+
+    request_id: str
+    error: str | None = None
+
+
 class TransferThreadDied(Exception):
     """The transfer thread died (``why``): put in the inbox, raised by the step loop,
     which ends (the core process exits 1; its peers' leases and fences cover it)."""

@@ -17,6 +17,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from kvpush.engine.inputs import (
     AbortRequests,
     AbortTransfer,
     AddRequest,
+    GrammarReady,
     Shutdown,
     TransferThreadDied,
     Utility,
@@ -51,7 +53,7 @@ from kvpush.kv_transfer.commands import TransferUpdate
 from kvpush.kv_transfer.links import TransferLinks
 from kvpush.kv_transfer.params import KVTransferParams
 from kvpush.models.tokenizer import load_tokenizer
-from kvpush.sampling_params import SamplingParams, TopLogprobs
+from kvpush.sampling_params import SamplingParams, StructuredOutput, TopLogprobs
 from kvpush.scheduler.request import Request, RequestState
 from kvpush.scheduler.scheduler import Scheduler
 
@@ -106,6 +108,11 @@ class LLMEngine:
         #: an n > 1 request's id -> the ids of its choices still running (forked at its
         #: token #1, kept until the last ends)
         self._choices: dict[str, set[str]] = {}
+        #: requests whose structured output compiles on the grammar thread (first use of
+        #: a spec): added to the scheduler at its GrammarReady, so the step loop never
+        #: waits on a compile
+        self.compiling: dict[str, tuple[Request, KVTransferParams | None]] = {}
+        self._grammar_thread: ThreadPoolExecutor | None = None
         self.connector = None
         if config.kv_transfer.enabled:
             from kvpush.kv_transfer.step_loop.connector import KVConnector
@@ -125,6 +132,8 @@ class LLMEngine:
         self.starting = None
 
     def shutdown(self) -> None:
+        if self._grammar_thread is not None:
+            self._grammar_thread.shutdown(wait=False, cancel_futures=True)
         if self.connector is not None:
             self.connector.shutdown()
         self.runner.close()  # the other tensor-parallel ranks, if any
@@ -159,6 +168,8 @@ class LLMEngine:
                 case TransferUpdate() if self.connector is not None:
                     self.connector.handle_update(cmd)
                     outputs += self._apply_connector_actions()
+                case GrammarReady():
+                    outputs += self._grammar_ready(cmd)
                 case TransferThreadDied() | RankDied():
                     raise cmd  # the step loop ends: CoreLoop fails every request
                 case AbortTransfer(transfer_id=tid, why=why) if self.connector is not None:
@@ -221,12 +232,14 @@ class LLMEngine:
     ) -> Request:
         """Check and add a request (the direct API: tests, benchmarks)."""
         kv, params = self.checker.check(prompt_token_ids, params, kv_transfer_params)
-        return self._admit(AddRequest(request_id, list(prompt_token_ids), params, kv))
+        return self._admit(AddRequest(request_id, list(prompt_token_ids), params, kv),
+                           compile_here=True)
 
-    def _admit(self, cmd: AddRequest) -> Request:
+    def _admit(self, cmd: AddRequest, compile_here: bool = False) -> Request:
         """Add a request the front end checked (RequestChecker); what is left to refuse
-        depends on this engine's live state."""
-        if cmd.request_id in self.scheduler.requests:
+        depends on this engine's live state. A structured output not compiled yet is
+        compiled on the grammar thread (``compile_here``: now, the direct API's way)."""
+        if cmd.request_id in self.scheduler.requests or cmd.request_id in self.compiling:
             raise RequestError(f"request id {cmd.request_id!r} is already in use",
                                "request_id")
         req = Request(
@@ -237,21 +250,62 @@ class LLMEngine:
         )
         if cmd.arrival_time:
             req.arrival_time = cmd.arrival_time
-        if cmd.params.structured is not None:
+        spec = cmd.params.structured
+        if spec is not None and not compile_here and not self.grammars.cached(spec):
+            self.compiling[req.request_id] = (req, cmd.kv_transfer_params)
+            if self._grammar_thread is None:
+                self._grammar_thread = ThreadPoolExecutor(1, "kvpush-grammar")
+            self._grammar_thread.submit(self._compile, req.request_id, spec)
+            return req
+        if spec is not None:
             try:
-                req.grammar = self.grammars.grammar(cmd.params.structured)
+                req.grammar = self.grammars.grammar(spec)
             except GrammarError as e:  # the front checks specs: another front's spec
                 raise RequestError(f"structured output: {e}", "response_format") from None
-        if self.connector is None or not self.connector.add_request(req,
-                                                                    cmd.kv_transfer_params):
-            self.scheduler.add_request(req)
+        self._queue(req, cmd.kv_transfer_params)
         return req
+
+    def _queue(self, req: Request, kv: KVTransferParams | None) -> None:
+        if self.connector is None or not self.connector.add_request(req, kv):
+            self.scheduler.add_request(req)
+
+    def _compile(self, request_id: str, spec: StructuredOutput) -> None:
+        """On the grammar thread: compile, then tell the step loop."""
+        try:
+            self.grammars.check(spec)
+        except GrammarError as e:  # the front checks specs: another front's spec
+            self.inbox.put(GrammarReady(request_id, str(e)))
+        except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
+            log.exception("compiling the structured output of %s failed", request_id)
+            self.inbox.put(GrammarReady(request_id, f"cannot compile: {e}"))
+        else:
+            self.inbox.put(GrammarReady(request_id))
+
+    def _grammar_ready(self, ready: GrammarReady) -> list[EngineOutput]:
+        """A waiting request's grammar compiled: it queues now (or is refused)."""
+        entry = self.compiling.pop(ready.request_id, None)
+        if entry is None:
+            return []  # aborted meanwhile
+        req, kv = entry
+        if ready.error is not None:
+            return [rejected(req.request_id, RequestError(
+                f"structured output: {ready.error}", "response_format"))]
+        req.grammar = self.grammars.grammar(req.params.structured)
+        self._queue(req, kv)
+        return []
 
     def abort_request(self, request_id: str, why: str | None = None) -> EngineOutput | None:
         """End a request: aborted (its client's doing), or failed with ``why``."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
-            return None
+            waiting = self.compiling.pop(request_id, None)
+            if waiting is None:
+                return None
+            return EngineOutput(request_id, [], finish_reason=(
+                FinishReason.ABORT if why is None else FinishReason.ERROR),
+                failure=None if why is None else RequestFailure(why),
+                num_prompt_tokens=waiting[0].num_prompt_tokens,
+                arrival_time=waiting[0].arrival_time)
         if why is not None:
             return self._finish(req, FinishReason.ERROR, [], None, RequestFailure(why))
         return self._finish(req, FinishReason.ABORT, [], None)

@@ -189,7 +189,7 @@ class OpenAIFront:
                                            thread_name_prefix="kvpush-tokenize")
         self.prompts = chat.PromptBuilder(engine.tokenizer, self.model_name,
                                           self.max_model_len, settings.vocab_size,
-                                          self.executor)
+                                          self.executor, getattr(engine, "grammars", None))
         #: called with each request once parsed and tokenized, before it is generated
         #: (the router notes whether its client streams)
         self.on_job: Callable[[Job], None] | None = None

@@ -200,7 +200,9 @@ class PromptBuilder:
     support, tokenizes, and checks prompt + max_tokens against the context length."""
 
     def __init__(self, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
-                 executor: Executor) -> None:
+                 executor: Executor, grammars: GrammarCompiler | None = None) -> None:
+        """``grammars``: the engine's compiler when it runs in this process (a spec is
+        then compiled once, here, and the engine finds it compiled)."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -210,7 +212,7 @@ class PromptBuilder:
         #: context by its size alone is refused before it is tokenized
         self.max_token_bytes = max_token_bytes(tokenizer)
         #: structured outputs checked (compiled, cached) before anything runs
-        self.grammars = GrammarCompiler(tokenizer, vocab_size)
+        self.grammars = grammars or GrammarCompiler(tokenizer, vocab_size)
 
     async def _in_worker(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
