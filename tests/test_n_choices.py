@@ -281,3 +281,24 @@ def test_async_stream_closed_early_frees_every_choice(served) -> None:
         await client.close()
     asyncio.run(go())
     _all_free(engine)
+
+
+def test_the_front_answers_the_choices_its_engine_runs(fake_model) -> None:
+    """A prefill leg runs one choice of an n = 3 request (RequestChecker.leg_params):
+    its front answers that one, finished, not two more aborted ones."""
+    import httpx
+
+    from fake_engine import FakeEngine
+    from kvpush.server.app import build_app
+
+    async def go() -> None:
+        app = build_app(FakeEngine(*fake_model))
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://test",
+                timeout=10) as client:
+            r = await client.post("/v1/completions", json={
+                "prompt": "hi", "n": 3, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert [(c["index"], c["finish_reason"]) for c in r.json()["choices"]] == [
+            (0, "length")]
+    asyncio.run(go())

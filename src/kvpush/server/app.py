@@ -340,16 +340,19 @@ class OpenAIFront:
 
     async def _collect(self, fmt: Format, gen: AsyncIterator[RequestOutput],
                        first: RequestOutput | None, timer: RequestTimer) -> dict[str, Any]:
-        out = first
-        while out is not None:
+        out, last = first, None
+        while out is not None:  # to the stream's end: every choice of the request
             timer.on_output(len(out.new_token_ids), time.perf_counter(), out)
             fmt.add(out)
-            if fmt.done or out.finish_reason is FinishReason.ERROR:
+            last = out
+            if out.finish_reason is FinishReason.ERROR:
                 break
             out = await anext(gen, None)  # type: ignore[arg-type]
-        if out is None or not out.finished:
+        failed = last is not None and last.finish_reason is FinishReason.ERROR
+        if not fmt.done:
             fmt.abort_open()
-        outcome = _outcome(out) if out is not None and out.finished else "abort"
+        outcome = _outcome(last) if last is not None and (fmt.done or failed) else "abort"
+        out = last
         if outcome == "error":
             timer.finish("error", time.perf_counter())
             raise APIError(f"the engine failed this request: {out.error or 'unknown error'}"
@@ -364,16 +367,19 @@ class OpenAIFront:
         try:
             for frame in fmt.stream_start():
                 yield frame
-            out = first
-            while out is not None:
+            out, last = first, None
+            while out is not None:  # to the stream's end: every choice of the request
                 timer.on_output(len(out.new_token_ids), time.perf_counter(), out)
                 frame = fmt.stream_chunk(out)
                 if frame is not None:
                     yield frame
-                if fmt.done or out.finish_reason is FinishReason.ERROR:
+                last = out
+                if out.finish_reason is FinishReason.ERROR:
                     break
                 out = await anext(gen, None)  # type: ignore[arg-type]
-            if out is None or not out.finished:  # stream ended without a final output
+            out = last
+            failed = out is not None and out.finish_reason is FinishReason.ERROR
+            if out is None or not (fmt.done or failed):  # ended before its choices did
                 yield fmt.stream_finish("abort")
             else:
                 outcome = _outcome(out)

@@ -87,14 +87,29 @@ class Format:
         self.model = model
         self.texts = token_texts
         self.created = int(time.time())
-        self.choices = [Choice(i) for i in range(job.params.n)]
+        #: the choices that answered so far, by index (a prefill leg answers one of n)
+        self._choices: dict[int, Choice] = {}
         self.num_tokens = 0
         self.kv_transfer_params: dict[str, Any] | None = None
 
     @property
+    def choices(self) -> list[Choice]:
+        return [self._choices[i] for i in sorted(self._choices)]
+
+    def _choice(self, index: int) -> Choice:
+        choice = self._choices.get(index)
+        if choice is None:
+            choice = self._choices[index] = self._new_choice(index)
+        return choice
+
+    def _new_choice(self, index: int) -> Choice:
+        return Choice(index)
+
+    @property
     def done(self) -> bool:
-        """Every choice has finished."""
-        return all(c.finish_reason is not None for c in self.choices)
+        """Every choice that answered has finished."""
+        return bool(self._choices) and all(c.finish_reason is not None
+                                           for c in self._choices.values())
 
     def usage(self) -> UsageInfo:
         p = len(self.job.prompt_ids)
@@ -103,7 +118,7 @@ class Format:
 
     def _account(self, out: RequestOutput) -> Choice:
         self.num_tokens += len(out.new_token_ids)
-        choice = self.choices[out.index]
+        choice = self._choice(out.index)
         if out.finished:
             choice.finish_reason = _reason(out)
             if out.kv_transfer_params is not None:
@@ -159,11 +174,9 @@ def _reason(out: RequestOutput) -> str:
 
 
 class CompletionFormat(Format):
-    def __init__(self, job: Job, model: str, token_texts: TokenTexts) -> None:
-        super().__init__(job, model, token_texts)
-        if job.logprobs is not None:
-            for c in self.choices:
-                c.lp = CompletionLogprobs()
+    def _new_choice(self, index: int) -> Choice:
+        lp = CompletionLogprobs() if self.job.logprobs is not None else None
+        return Choice(index, lp=lp)
 
     def _logprobs(self, out: RequestOutput, choice: Choice, into: CompletionLogprobs) -> None:
         top = self.job.logprobs or 0
@@ -237,13 +250,11 @@ def _tool_call_out(call: ToolCall) -> ToolCallOut:
 
 
 class ChatFormat(Format):
-    def __init__(self, job: Job, model: str, token_texts: TokenTexts) -> None:
-        super().__init__(job, model, token_texts)
-        for c in self.choices:
-            if job.logprobs is not None:
-                c.lp = ChatLogprobs(content=[])
-            if job.tools is not None and job.stream:
-                c.tools = ToolStream(job.tools)
+    def _new_choice(self, index: int) -> Choice:
+        job = self.job
+        return Choice(index, lp=ChatLogprobs(content=[]) if job.logprobs is not None else None,
+                      tools=ToolStream(job.tools) if job.tools is not None and job.stream
+                      else None)
 
     def _logprobs(self, out: RequestOutput) -> list[ChatTokenLogprob]:
         top = self.job.logprobs or 0
@@ -297,9 +308,9 @@ class ChatFormat(Format):
                                           model=self.model, choices=choices, usage=usage))
 
     def stream_start(self) -> list[bytes]:
-        return [self._chunk([ChatStreamChoice(index=c.index,
+        return [self._chunk([ChatStreamChoice(index=i,
                                               delta=DeltaMessage(role="assistant", content=""))])
-                for c in self.choices]
+                for i in range(self.job.params.n)]
 
     def _tool_delta(self, choice: Choice, text: str, final: bool) -> DeltaMessage:
         """The delta of ``text`` through the choice's tool-call parser."""
