@@ -132,13 +132,13 @@ def _engine(mode: str, cores: dict[str, FakeCore], **kw: Any
     return ClusterEngine(RequestLife(cfg, book, sender, LegSigner(None), Chars())), pool, sender
 
 
-async def _run(engine: ClusterEngine, max_tokens: int = 2, rid: str = "r1"
+async def _run(engine: ClusterEngine, max_tokens: int = 2, rid: str = "r1", n: int = 1
                ) -> tuple[list[RequestOutput], Job]:
     job = Job(rid=rid, kind="completion", path="/v1/completions", body={}, stream=True,
               arrival=0.0)
     engine.jobs[rid] = job
     outs = [o async for o in engine.generate(rid, [1, 2, 3],
-                                             SamplingParams(max_tokens=max_tokens))]
+                                             SamplingParams(max_tokens=max_tokens, n=n))]
     return outs, job
 
 
@@ -222,6 +222,19 @@ def test_migration_gives_up_at_its_limit_and_with_no_decode_left():
     with pytest.raises(APIError) as e:
         asyncio.run(_run(engine, max_tokens=8))
     assert "stopped answering" in e.value.message
+    assert _metric(engine, "migrations", "connection_lost") == 0
+
+
+def test_an_n_choices_request_is_not_migrated(caplog):
+    """Its choices' tokens were on the lost decode: the client gets the 502."""
+    cores = {"http://p0:1": FakeCore("p0:7", "prefill"),
+             "http://d0:1": FakeCore("d0:7", "decode", lose_after=2),
+             "http://d1:1": FakeCore("d1:7", "decode")}
+    engine, _, _ = _engine("push", cores)
+    with pytest.raises(APIError) as e:
+        asyncio.run(_run(engine, max_tokens=8, n=2))
+    assert e.value.status_code == 502 and "stopped answering" in e.value.message
+    assert "an n > 1 request's choices" in caplog.text  # the logged detail
     assert _metric(engine, "migrations", "connection_lost") == 0
 
 

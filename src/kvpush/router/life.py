@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvpush.engine.output_processor import RequestStream
+from kvpush.engine.output_processor import ChoiceTexts
 from kvpush.engine.outputs import EngineOutput, FinishReason, RequestOutput
 from kvpush.errors import RequestError
 from kvpush.router.decide import Decision
@@ -171,7 +171,7 @@ class RequestLife:
     # ---- migration -----------------------------------------------------------------
     async def _migrating(self, job: Job, prompt: list[int], params: SamplingParams
                          ) -> AsyncIterator[RequestOutput]:
-        text = RequestStream(job.rid, self.tokenizer, params)
+        text = ChoiceTexts(job.rid, self.tokenizer, params)
         made: list[int] = []  # every token the client's stream has been given
         first_token_time: float | None = None
         while True:
@@ -188,8 +188,10 @@ class RequestLife:
                     out.num_output_tokens = len(made)
                     out.first_token_time = first_token_time
                     res = text.process(out)
+                    if res is None:
+                        continue  # a choice a stop string ended (of n > 1)
                     yield res
-                    if res.finished:
+                    if text.done:
                         return
                 return
             except DecodeLost as lost:
@@ -207,9 +209,9 @@ class RequestLife:
             limit = self.cfg.migration_limit
             raise fail(job, 502, said, f"{where}; not migrated (--migration-limit {limit}: "
                        f"{job.migrations} so far)")
-        if params.structured is not None:
+        if params.structured is not None or params.n > 1:
             raise fail(job, 502, said, f"{where}; not migrated: a guided request's grammar "
-                       "state was there")
+                       "state, or an n > 1 request's choices, were there")
         if not self.pool.has_healthy("decode"):
             raise fail(job, 502, f"{said} and no other decode instance is healthy",
                        f"{where}; no decode left")
