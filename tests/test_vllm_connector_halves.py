@@ -170,3 +170,69 @@ def test_two_worker_halves_move_kv(mode):
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_a_kvpush_instance_and_a_vllm_one_are_refused_naming_both_layouts():
+    """Mixed pairs: kvpush's P/D region is head-major, vLLM's [layer, block, head,
+    token, K|V]; the handshake refuses the pair with both names, nothing moves."""
+    from kvpush.config import HEAD_MAJOR
+    from kvpush.kv_cache.kv_region import KVLayout
+    from kvpush.kv_transfer.wire import messages as m
+
+    region = vllm_region(kv_caches())
+    kvpush_layout = KVLayout(HEAD_MAJOR, LAYERS, BLOCKS, BS, HEADS, DIM, "float32",
+                             region.layout.block_bytes, region.layout.layer_bytes)
+
+    def hello(role, layout):
+        return m.Hello(version=m.PROTOCOL_VERSION, engine_id=role, role=role,
+                       address="127.0.0.1:1", transport="nixl", agent_metadata=b"",
+                       model="m", kv_transfer="push", base_address=4096, layout=layout,
+                       model_kv_heads=HEADS)
+
+    problems = m.compatibility_problems(hello("decode", region.layout),
+                                        hello("prefill", kvpush_layout))
+    assert problems == [f"layout: peer has {HEAD_MAJOR!r}, this instance {VLLM_LBHNC!r}"]
+    assert not m.compatibility_problems(hello("decode", region.layout),
+                                        hello("prefill", region.layout))
+
+
+def test_router_signs_for_vllm_instances_it_was_given_identities_of():
+    """A vLLM instance named URL@ENGINE_ID@HOST:PORT gets signed params (the connector
+    checks them); one named by URL alone gets them as vLLM's own proxies send them."""
+    from kvpush.discovery.instance_spec import parse_instance
+    from kvpush.router.config import RouterKeys
+    from kvpush.router.pool import Instance
+    from kvpush.router.wire import LegSigner
+
+    signer = LegSigner(RouterKeys.from_secret(SECRET))
+    named = Instance(parse_instance("http://127.0.0.1:1@vd@127.0.0.1:5"), "decode", 0)
+    plain = Instance(parse_instance("http://127.0.0.1:2"), "decode", 1)
+    params = {"do_remote_prefill": True, "transfer_id": "t"}
+    signed = signer.sign(params, named, "decode")
+    assert ParamsSigner(SECRET).verify(signed, role="decode", engine_id="vd")
+    assert signer.sign(params, plain, "decode") == params
+
+
+def test_prefill_hands_each_layer_group_over_as_vllm_saves_it():
+    """push_layers_per_write 1: a step's blocks go to the transfer thread layer by layer
+    while the forward pass runs, the last with the last layer; none twice."""
+    p_cfg = cfg("kv_producer", free_port(), push_layers_per_write=1)
+    side = WorkerSide(p_cfg, "m", HEADS, InProcLinks())
+    caches = kv_caches()
+    side.register(caches)
+    sent: list[c.StepMessage] = []
+    try:
+        side.worker.submit = sent.append  # what the transfer thread would be handed
+        plan = SchedulerPlan(p_cfg, BS, LAYERS)
+        plan.allocated("r", list(range(8)), {"do_remote_decode": True, "transfer_id": "t"},
+                       [4, 5], 0)
+        side.bind(plan.step([("r", 0, 8)], lambda rid: [4, 5]))
+        assert [type(f) for f in sent.pop().facts] == [c.Begin]
+        for i, name in enumerate(caches):
+            side.layer_saved(name)
+            (ready,) = sent[-1].facts
+            assert (ready.layers, ready.blocks) == (range(i, i + 1), [4, 5])
+        side.step_saved()
+        assert len(sent) == LAYERS
+    finally:
+        side.shutdown()
