@@ -259,6 +259,9 @@ def test_vllm_modes_plan_pinned_instances_behind_the_router(tmp_path, monkeypatc
     krouter = vc.router_spec("vllm-kvpush", [kp, kd], 1234)
     assert krouter.argv[krouter.argv.index("--mode") + 1] == "push"
     assert krouter.argv[krouter.argv.index("--prefill") + 1].endswith(f":{side}")
+    # decode named too: the router (given the bench's cluster secret) signs its params
+    assert krouter.argv[krouter.argv.index("--decode") + 1].startswith(
+        f"{kd.url}@vllm-decode-kvpush@127.0.0.1:")
     (single,) = vc.plan_vllm("vllm-colocated", ["/x/vllm"], "/models/m")
     assert "--kv-transfer-config" not in single.argv and single.role == "both"
     # no vLLM anywhere: a clear error before anything starts

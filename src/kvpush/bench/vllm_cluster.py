@@ -86,11 +86,12 @@ def plan_vllm(mode: str, vllm: list[str], model: str, *, dtype: str = "bfloat16"
     return specs
 
 
-def prefill_identity(spec: ChildSpec, mode: str) -> str:
-    """``URL@ENGINE_ID@SIDE_HOST:SIDE_PORT`` for the router's --prefill."""
+def identity(spec: ChildSpec, mode: str) -> str:
+    """``URL@ENGINE_ID@SIDE_HOST:SIDE_PORT`` of a P/D instance (the router's --prefill;
+    vllm-kvpush's --decode too: the router signs its params for that engine id)."""
     argv = spec.argv
     side = next(a.split("=", 1)[1] for a in argv if a.startswith("VLLM_NIXL_SIDE_CHANNEL_PORT="))
-    return f"{spec.url}@vllm-prefill-{mode.removeprefix('vllm-')}@127.0.0.1:{side}"
+    return f"{spec.url}@vllm-{spec.role}-{mode.removeprefix('vllm-')}@127.0.0.1:{side}"
 
 
 def router_spec(mode: str, instances: list[ChildSpec], port: int,
@@ -101,9 +102,9 @@ def router_spec(mode: str, instances: list[ChildSpec], port: int,
             "--host", "127.0.0.1", "--port", str(port)]
     for spec in instances:
         if spec.role == "prefill":
-            argv += ["--prefill", prefill_identity(spec, mode)]
+            argv += ["--prefill", identity(spec, mode)]
         else:
-            argv += ["--decode", spec.url]
+            argv += ["--decode", identity(spec, mode) if kind == "kvpush" else spec.url]
     if request_timeout is not None:
         argv += ["--request-timeout", f"{request_timeout:g}"]
     return ChildSpec("router", "router", argv, port)

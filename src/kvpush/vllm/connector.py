@@ -50,9 +50,20 @@ def model_fingerprint(path: str, num_layers: int) -> str:
         return f"vllm:{path}:{num_layers}"
 
 
+def _log_like_vllm() -> None:
+    """kvpush's log lines go where vLLM's go, in its format (once per process)."""
+    ours, theirs = logging.getLogger("kvpush"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
 class KvpushConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
         kvt = vllm_config.kv_transfer_config
         cfg = connector_config(kvt.kv_role, kvt.engine_id, kvt.kv_connector_extra_config)
         if vllm_config.parallel_config.tensor_parallel_size != 1:
