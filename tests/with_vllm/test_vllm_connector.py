@@ -19,7 +19,8 @@ from vllm_pair import complete, metric, router, until, vllm_instance, wait_ready
 
 from kvpush.crypto.auth import ParamsSigner
 
-pytestmark = pytest.mark.vllm
+# a pair starts in 90-120 s on an idle 2-core host, several minutes on a loaded one
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 SECRET = b"kvpush-vllm-test-secret-0123456789"
 LEASE_S = 6.0  # lease_timeout given to both connectors (vllm_pair)
