@@ -231,12 +231,59 @@ def test_missing_model_is_a_usage_error(tmp_path, up_factory):
     assert up.pids == set()
 
 
-def test_child_dying_while_serving_stops_the_cluster(tiny_llama, up_factory):
-    up = up_factory(*ENGINE, model=tiny_llama)
+def test_child_dying_while_serving_stops_the_cluster_without_restarts(tiny_llama,
+                                                                     up_factory):
+    up = up_factory("--restart-tries", "0", *ENGINE, model=tiny_llama)
     up.wait_ready()
     os.kill(up.child_pid("--role decode"), signal.SIGKILL)
     assert up.wait_exit(STOP_S) == 1
     assert "decode-0" in up.err and "was killed by SIGKILL while serving" in up.err
+    assert "a child exited (--restart-tries 0): stopping" in up.out
+    _children_gone(up)
+
+
+def _instances(up: Up) -> dict[str, dict]:
+    r = httpx.get(f"{up.url}/router/instances", timeout=10)
+    return {i["url"]: i for i in r.json()["instances"]}
+
+
+def test_one_decode_of_two_killed_is_restarted_and_serves_again(tiny_llama, up_factory):
+    """Issue 63, point 3: one decode of `up --decode 2` SIGKILLed: `up` says so and keeps
+    serving, the router takes it out (requests meanwhile all succeed on the other),
+    `up` restarts it on its port, the router takes it back (a new engine id) and sends
+    it requests again; a SIGTERM then stops everything."""
+    up = up_factory("--decode", "2", "--policy", "round-robin", "--health-interval", "0.5",
+                    "--restart-backoff", "0.5", *ENGINE, model=tiny_llama)
+    up.wait_ready()
+    pid = up.child_pid("--role decode")
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    url = f"http://127.0.0.1:{int(argv[argv.index(b'--port') + 1])}"
+    before = _instances(up)[url]
+    assert before["healthy"] and before["role"] == "decode", before
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: "was killed by SIGKILL while serving" in up.out, 15, "up saw it")
+    wait_until(lambda: not _instances(up)[url]["healthy"], 15, "the router took it out")
+    body = {"prompt": "hello world " * 5, "max_tokens": 8, "temperature": 0}
+    with httpx.Client(base_url=up.url, timeout=60) as client:
+        for _ in range(4):  # the other decode serves them all
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+        wait_until(lambda: "serves again" in up.out, 60, f"a restart:\n{up.out}")
+        wait_until(lambda: _instances(up)[url]["healthy"], 30, "the router took it back")
+        after = _instances(up)[url]
+        assert after["engine_id"] != before["engine_id"], (before, after)
+        served = after["requests"]
+        for _ in range(4):  # round-robin: some of them on the restarted decode
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 8
+    assert _instances(up)[url]["requests"] > served
+    assert up.proc.poll() is None
+    assert "restart 1 of 3" in up.out, up.out
+    up.snapshot()
+    assert pid not in alive(up.pids)
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.wait_exit(STOP_S) == 0, up.err
     _children_gone(up)
 
 

@@ -22,6 +22,7 @@ from kvpush.server.admin_key import ADMIN_KEY_HELP
 
 if TYPE_CHECKING:
     from kvpush.cluster.launcher import Child, ChildSpec, Supervisor
+    from kvpush.cluster.supervision import Stop
 
 HOST = "127.0.0.1"
 
@@ -38,10 +39,15 @@ it (between the probe and the child's start) is started again on a new free port
 Stopping: Ctrl-C, SIGTERM or SIGHUP sends SIGTERM to every child, waits --stop-timeout
 seconds (a second Ctrl-C: no wait), SIGKILLs what is left and reaps all.
 
+An instance that exits while the cluster serves is started again on its port
+(--restart-tries, --restart-backoff); the router takes it out of rotation and back at
+its health checks. The router's exit, or every instance of a role out past its tries,
+stops the cluster.
+
 Exit status: 0 after a requested stop (also during start-up); 1 if a child fails to start
-(exits, or is not healthy within --startup-timeout) or exits while the cluster serves
-(its log tail is printed and the rest of the cluster is stopped); 2 for a usage error
-(model not installed, port in use, bad counts).
+(exits, or is not healthy within --startup-timeout) or the cluster stops on its own (the
+log tail of the child that stopped it is printed); 2 for a usage error (model not
+installed, port in use, bad counts).
 
 Engine flags: any `kvpush serve` flag not listed here goes after --, to every instance
 (`kvpush up MODEL --decode 2 -- --max-num-seqs 8 --no-prefix-caching`), or to one role
@@ -174,6 +180,15 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--stop-timeout", type=cli_types.seconds, default=20.0, metavar="SECONDS",
                    help="how long children may take to stop after SIGTERM before SIGKILL "
                         "(default: 20)")
+    p.add_argument("--restart-tries", type=cli_types.non_negative_int, default=3, metavar="N",
+                   help="an instance that exits while the cluster serves is started again "
+                        "on its port up to N times, after 1, 2, 4... s (--restart-backoff), "
+                        "its tries back once it has served 60 s; past them it stays out, "
+                        "and the cluster stops once every instance of a role is out "
+                        "(default: 3; 0: any exit stops the cluster)")
+    p.add_argument("--restart-backoff", type=cli_types.seconds, default=1.0, metavar="SECONDS",
+                   help="the first restart's delay, doubled for each next one up to 30 s "
+                        "(default: 1)")
     p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                    help="the children's logs: text (wall-clock UTC time first; default) "
                         "or json (one object per line)")
@@ -606,7 +621,6 @@ def _serve(sup: Supervisor, args: argparse.Namespace, model: str, port: int,
            log_dir: Path, api_key: str | None = None) -> int:
     from kvpush.cluster.launcher import ChildFailed, StopRequested
     from kvpush.cluster.membership import ControlError, etcd_url
-    from kvpush.procs import describe_exit
 
     started = time.monotonic()
     specs = plan_instances(args, model, router_port=port)
@@ -644,16 +658,33 @@ def _serve(sup: Supervisor, args: argparse.Namespace, model: str, port: int,
     ranks = sum(spec_tp(s) for s in specs)
     control = _control(sup, args, model, log_dir, ranks) if args.discover else None
     try:
-        dead = sup.watch()
+        stop = _keep(sup, args)
     finally:
         if control is not None:
             control.close()
-    if dead is not None:
-        _report(dead, f"{describe_exit(dead.poll() or 0)} while serving")
-        _stop(sup, "a child exited")
+    if stop is not None:
+        _report(stop.child, stop.detail)
+        _stop(sup, stop.why)
         return 1
     _stop(sup, sup.signals.last or "stop")
     return 0
+
+
+def _keep(sup: Supervisor, args: argparse.Namespace) -> Stop | None:
+    """Watch the children until a stop signal (None) or a :class:`Stop`, restarting
+    instances that exit (`kvpush.cluster.supervision`)."""
+    from kvpush.cluster.launcher import WATCH_INTERVAL_S
+    from kvpush.cluster.supervision import Keeper, RestartPolicy
+
+    policy = RestartPolicy(tries=args.restart_tries, first_delay_s=args.restart_backoff,
+                           startup_timeout_s=args.startup_timeout)
+    keeper = Keeper(sup, policy, _say)
+    while not sup.signals.requested:
+        stop = keeper.tick()
+        if stop is not None:
+            return stop
+        time.sleep(WATCH_INTERVAL_S)
+    return None
 
 
 def _start_etcd(sup: Supervisor, args: argparse.Namespace, log_dir: Path,

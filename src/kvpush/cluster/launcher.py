@@ -185,10 +185,11 @@ class Supervisor:
         self.stop()
 
     # ---- start ---------------------------------------------------------------------
-    def spawn(self, spec: ChildSpec) -> Child:
-        """Start ``spec`` (stdout and stderr to ``<log_dir>/<name>.log``)."""
+    def spawn(self, spec: ChildSpec, append: bool = False) -> Child:
+        """Start ``spec`` (stdout and stderr to ``<log_dir>/<name>.log``; ``append``:
+        after what an earlier process of that name wrote there)."""
         log_path = self.log_dir / f"{spec.name}.log"
-        with open(log_path, "wb") as log:  # the child keeps its own descriptor
+        with open(log_path, "ab" if append else "wb") as log:  # the child keeps its own
             proc = subprocess.Popen(
                 spec.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=self.env, start_new_session=True, preexec_fn=self._preexec,
@@ -197,6 +198,21 @@ class Supervisor:
         child = Child(spec, log_path, proc)
         self.children.append(child)
         return child
+
+    def respawn(self, child: Child) -> Child:
+        """Start an exited ``child`` again on its own command line, in its place in
+        :attr:`children`, its log continued; the old process's group is SIGKILLed first
+        (helpers it may have left behind)."""
+        child.signal_group(signal.SIGKILL)
+        with open(child.log_path, "ab") as log:
+            log.write(f"---- kvpush up: {child.name} started again ----\n".encode())
+        new = self.spawn(child.spec, append=True)
+        self.children.remove(new)
+        try:
+            self.children[self.children.index(child)] = new
+        except ValueError:  # retired meanwhile: watched anyway, stopped with the rest
+            self.children.append(new)
+        return new
 
     def wait_healthy(self, children: Sequence[Child], timeout: float) -> None:
         """Return once every child answers /health with 200.
