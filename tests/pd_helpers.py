@@ -19,7 +19,7 @@ def make_instance(model_dir, role: str, mode: str, faults: FaultPlan | None = No
                   lease: float = 5.0, heartbeat: float = 0.1, policy: str = "fail",
                   links=None, prefix_hit_tail: str = "prefill",
                   fence_timeout: float = 300.0, layers_per_write: int = 0,
-                  **kw) -> LLMEngine:
+                  kv_digest: bool = False, **kw) -> LLMEngine:
     kw.setdefault("block_size", 16)
     kw.setdefault("num_blocks", 256)
     kw.setdefault("max_model_len", 1024)
@@ -27,7 +27,7 @@ def make_instance(model_dir, role: str, mode: str, faults: FaultPlan | None = No
         role=role, mode=mode, engine_id=f"{role}-{uuid.uuid4().hex[:6]}",
         lease_timeout_s=lease, heartbeat_interval_s=heartbeat, load_failure_policy=policy,
         prefix_hit_tail=prefix_hit_tail, fence_timeout_s=fence_timeout,
-        push_layers_per_write=layers_per_write,
+        push_layers_per_write=layers_per_write, kv_digest=kv_digest,
     )
     if links is None:
         links = InProcLinks(faults)

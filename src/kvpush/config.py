@@ -255,6 +255,9 @@ class KVTransferConfig:
     #: prefill neither answers nor drops its connection (a prefill frozen for good);
     #: then they are freed anyway and the timeout is counted
     fence_timeout_s: float = 300.0
+    #: prefill sends a digest of each block it writes or lends; decode checks the KV it
+    #: got against it before the request runs (kv_transfer/digest.py)
+    kv_digest: bool = False
     #: push, decode side: who computes the uncached tail of a prompt whose every full
     #: block decode already holds. "prefill" (default): prefill computes it (its own
     #: prefix cache usually holds the rest) and writes only the tail block, so decode's
@@ -396,6 +399,9 @@ class EngineConfig:
         if not tp_collective_timeout_s > 0:
             raise ConfigError("the tensor-parallel collective timeout must be positive, "
                               f"got {tp_collective_timeout_s}")
+        if tp > 1 and kv_transfer.kv_digest:
+            raise ConfigError(f"--kv-digest with --tensor-parallel-size {tp}: KV digests "
+                              "are checked at tensor parallelism 1 only so far")
         if tp > 1 and threads is None:
             import torch  # its thread count; the API process of a TP instance pays the import
 

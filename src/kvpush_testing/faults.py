@@ -9,13 +9,15 @@ Knobs (all may be changed at any time with :meth:`FaultPlan.arm`):
 
 * ``fail_posts``: the next N ``post`` calls raise ``TransferPostError``.
 * ``fail_transfers``: the next N posted transfers end ``FAILED`` (nothing is written).
+* ``corrupt_transfers``: the next N transfers land with one byte changed (the first
+  byte of their first range, inverted), and end ``DONE``.
 * ``transfer_delay_s``: every transfer completes this long after its post.
 * ``drop_messages``: message type name -> how many of the next such messages to drop
   on send; the key ``"*"`` matches any type.
 * ``message_delay_s``: every sent message is held this long before it goes out.
 
 Counter keys in :attr:`FaultPlan.injected`: ``"post_failures"``,
-``"transfer_failures"``, ``"transfer_delays"``, ``"message_delays"`` and
+``"transfer_failures"``, ``"corruptions"``, ``"transfer_delays"``, ``"message_delays"`` and
 ``"message_drops"`` plus ``"message_drops:<type>"`` per type.
 """
 
@@ -35,6 +37,7 @@ class FaultPlan:
 
     fail_posts: int = 0
     fail_transfers: int = 0
+    corrupt_transfers: int = 0
     transfer_delay_s: float = 0.0
     drop_messages: dict[str, int] = field(default_factory=dict)
     message_delay_s: float = 0.0
@@ -54,6 +57,7 @@ class FaultPlan:
         self.arm(
             fail_posts=0,
             fail_transfers=0,
+            corrupt_transfers=0,
             transfer_delay_s=0.0,
             drop_messages={},
             message_delay_s=0.0,
@@ -66,23 +70,26 @@ class FaultPlan:
 
     # -- consulted by the transports --------------------------------------------------
 
-    def take_post_failure(self) -> bool:
-        """True (and one fewer armed) if this post should fail."""
+    def _take(self, knob: str, kind: str) -> bool:
+        """True (and one fewer ``knob`` armed, one more ``kind`` injected) if armed."""
         with self._lock:
-            if self.fail_posts > 0:
-                self.fail_posts -= 1
-                self.injected["post_failures"] += 1
+            if getattr(self, knob) > 0:
+                setattr(self, knob, getattr(self, knob) - 1)
+                self.injected[kind] += 1
                 return True
             return False
 
+    def take_post_failure(self) -> bool:
+        """True (and one fewer armed) if this post should fail."""
+        return self._take("fail_posts", "post_failures")
+
     def take_transfer_failure(self) -> bool:
         """True (and one fewer armed) if this transfer should end FAILED."""
-        with self._lock:
-            if self.fail_transfers > 0:
-                self.fail_transfers -= 1
-                self.injected["transfer_failures"] += 1
-                return True
-            return False
+        return self._take("fail_transfers", "transfer_failures")
+
+    def take_corruption(self) -> bool:
+        """True (and one fewer armed) if this transfer should land with a byte changed."""
+        return self._take("corrupt_transfers", "corruptions")
 
     def transfer_delay(self) -> float:
         """Seconds a transfer posted now should take (counted when > 0)."""

@@ -59,6 +59,7 @@ class _Xfer:
     remote: np.ndarray
     due: float  # time.monotonic() at which it completes
     fail: bool  # injected failure: ends FAILED, writes nothing
+    corrupt: bool = False  # injected: one byte of what lands is changed
     state: XferState = XferState.PENDING
 
 
@@ -144,9 +145,11 @@ class InProcTransport(KVTransport):
                 raise
             delay = self.faults.transfer_delay() if self.faults is not None else 0.0
             fail = self.faults.take_transfer_failure() if self.faults is not None else False
+            corrupt = not fail and self.faults is not None and self.faults.take_corruption()
             handle = self._next_handle
             self._next_handle += 1
-            xfer = _Xfer(op, peer, peer_region, loc, rem, time.monotonic() + delay, fail)
+            xfer = _Xfer(op, peer, peer_region, loc, rem, time.monotonic() + delay, fail,
+                         corrupt)
             self._xfers[handle] = xfer
             self.stats.posts += 1
             self.stats.descs_posted += len(loc)
@@ -205,7 +208,12 @@ class InProcTransport(KVTransport):
             pairs = zip(xfer.remote[:, 0].tolist(), xfer.local[:, 0].tolist())
         else:
             pairs = zip(xfer.local[:, 0].tolist(), xfer.remote[:, 0].tolist())
+        dsts = []
         for (dst, src), n in zip(pairs, xfer.local[:, 1].tolist()):
             ctypes.memmove(dst, src, n)
+            dsts.append(dst)
+        if xfer.corrupt and dsts:  # one byte changed in flight
+            byte = ctypes.c_ubyte.from_address(dsts[0])
+            byte.value ^= 0xFF
         xfer.state = XferState.DONE
         self.stats.done += 1

@@ -222,6 +222,9 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--push-layers-per-write", type=int, metavar="N",
                      help="push: layers per WRITE during a prefill step (see `kvpush serve "
                           "--help`; default: 1 on CUDA, by 50 ms of compute on CPU)")
+    eng.add_argument("--kv-digest", action="store_true",
+                     help="every instance checks the KV it receives against prefill's "
+                          "digests (see `kvpush serve --help`)")
     eng.add_argument("--prefill-args", metavar="'FLAGS'", default="",
                      help="`kvpush serve` flags for the prefill instances only, one "
                           "string (e.g. '--max-num-batched-tokens 4096'; one flag alone: "
@@ -335,6 +338,8 @@ def serve_argv(args: argparse.Namespace, model: str, role: str, port: int,
             argv += ["--prefix-hit-tail", args.prefix_hit_tail]
         if args.push_layers_per_write is not None:
             argv += ["--push-layers-per-write", str(args.push_layers_per_write)]
+        if getattr(args, "kv_digest", False):
+            argv += ["--kv-digest"]
     for flag, value in (("--max-model-len", args.max_model_len),
                         ("--kv-cache-memory", args.kv_cache_memory),
                         ("--decode-cache-memory", args.decode_cache_memory),

@@ -69,10 +69,11 @@ class BlocksReady:
 @dataclass(frozen=True, slots=True)
 class Prefilled:
     """Prefill is over. Push: ``done`` (token #1) goes to decode once every WRITE has
-    landed. Pull: the blocks are lent until decode has read them."""
+    landed. Pull: the blocks are lent (``lent``) until decode has read them."""
 
     tid: str
     done: m.PushDone | None = None
+    lent: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

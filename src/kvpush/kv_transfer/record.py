@@ -34,6 +34,7 @@ class TransferCounters(msgspec.Struct):
     fence_timeouts: int = 0
     writes_refused: int = 0  # blocks stated computed for a transfer already ended
     registrations_after_blocks: int = 0
+    digest_mismatches: int = 0  # --kv-digest: receives whose KV failed the check
     #: by reason / state (the side channel's and the peer table's figures)
     side_channel_rejected: dict[str, int] = {}
     side_channel_send_dropped: dict[str, int] = {}

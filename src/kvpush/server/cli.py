@@ -403,6 +403,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "heard from for this long (default: 15)")
     pd.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS",
                     help="how often peers confirm the transfers they hold (default: 1)")
+    pd.add_argument("--kv-digest", action="store_true",
+                    help="check every transferred block: prefill sends a digest of each "
+                         "block it writes (pull: lends) with the completion, decode checks "
+                         "it before the request's first step; a mismatch fails the "
+                         "receive (--kv-load-failure-policy: fail or recompute) and counts "
+                         "in kvpush_kv_digest_mismatches_total. Both roles need it; TP 1 "
+                         "only")
     pd.add_argument("--fence-timeout", type=float, default=300.0, metavar="SECONDS",
                     help="push, decode side: blocks a prefill may still WRITE into after "
                          "their request ended (its lease expired, the client left) stay "
@@ -529,6 +536,7 @@ def build_config(args: argparse.Namespace) -> Any:
         lease_timeout_s=args.lease_timeout,
         heartbeat_interval_s=args.heartbeat_interval,
         fence_timeout_s=args.fence_timeout,
+        kv_digest=args.kv_digest,
         load_failure_policy=args.kv_load_failure_policy,
         prefix_hit_tail=args.prefix_hit_tail,
         push_layers_per_write=args.push_layers_per_write,

@@ -155,6 +155,9 @@ class _TransferCollector(Collector):
                                      "anyway", "fence_timeouts"),
         "kvpush_kv_writes_refused": ("WRITEs not posted because their transfer had ended "
                                      "(aborted or done)", "writes_refused"),
+        "kvpush_kv_digest_mismatches": ("Receives whose KV failed the --kv-digest check "
+                                        "(failed or recomputed, never used)",
+                                        "digest_mismatches"),
         "kvpush_kv_registrations_after_blocks": (
             "Push registrations that reached prefill after some of the prompt's KV was "
             "computed (those blocks were written as the registration arrived, mid-step "

@@ -17,6 +17,7 @@ from kvpush.kv_cache.kv_map import RankKV
 from kvpush.kv_cache.kv_region import KVRegion
 from kvpush.kv_transfer import actions as a
 from kvpush.kv_transfer import commands as c
+from kvpush.kv_transfer.digest import BlockDigests
 from kvpush.kv_transfer.links import NixlLinks, TransferLinks
 from kvpush.kv_transfer.params import KVTransferParams
 from kvpush.kv_transfer.record import TransferCounters, TransferRecord
@@ -65,8 +66,10 @@ class KVConnector:
                 *(r for r, _ in ranks)])
         settings = Settings(cfg.lease_timeout_s, cfg.heartbeat_interval_s,
                             cfg.fence_timeout_s, config.cache.block_size)
-        self.worker = TransferWorker(self.hello, settings, channel, transport, post_update,
-                                     on_death, rank_transports=[t for _, t in ranks])
+        self.worker = TransferWorker(  # (EngineConfig refuses --kv-digest at TP > 1)
+            self.hello, settings, channel, transport, post_update, on_death,
+            rank_transports=[t for _, t in ranks],
+            digests=BlockDigests(region.storage) if cfg.kv_digest else None)
         self.timeline = HandoffTimeline(self.role)
         self.holds = Holds(cfg, scheduler, config.cache.block_size, self.timeline)
         self.side: PrefillSide | DecodeSide = (

@@ -108,7 +108,7 @@ class PrefillSide:
             holds.over(tid)
             return False, None
         hold.blocks = list(req.block_ids)
-        holds.state(c.Prefilled(tid))
+        holds.state(c.Prefilled(tid, lent=tuple(req.block_ids)))
         holds.timeline.emit(tid)
         return True, self._lend_answer(req, tid)
 

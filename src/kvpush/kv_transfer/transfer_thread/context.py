@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.kv_transfer import commands as c
+from kvpush.kv_transfer.digest import BlockDigests
 from kvpush.kv_transfer.record import TransferCounters, TransferRecord
 from kvpush.kv_transfer.transfer_thread.peers import PeerTable
 from kvpush.kv_transfer.transfer_thread.posts import Posts
@@ -55,6 +56,25 @@ class Context:
     dirty: bool = False  # the counters changed since the last update
     #: the role's handler of a post of ``rec`` that ended (ok or not)
     on_landed: Callable[[Transfer, bool], None] = lambda rec, ok: None
+    #: --kv-digest: our region's block digests (None: off)
+    digests: BlockDigests | None = None
+
+    def digest_problem(self, rec: Transfer, want: list[bytes] | None, sent: bool,
+                       algorithm: str, ours: Sequence[int], first: int) -> str | None:
+        """--kv-digest on decode: why the KV in our blocks ``ours`` (prompt blocks
+        ``first`` on) is not what prefill's digests ``want`` (by ``algorithm``) say, or
+        None. A failed check is counted and logged."""
+        from kvpush.kv_transfer.digest import mismatch_reason, mismatches, unusable
+
+        why = unusable(sent, algorithm)
+        if why is None:
+            bad = mismatches(want, self.digests.of(ours, algorithm))
+            if not bad:
+                return None
+            why = mismatch_reason(bad, first, len(ours))
+        self.count("digest_mismatches")
+        log.error("transfer %s from %s: %s", rec.tid, rec.peer, why)
+        return why
 
     @property
     def role(self) -> str:

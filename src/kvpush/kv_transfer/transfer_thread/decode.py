@@ -100,7 +100,10 @@ class Decode(RoleBase):
             if rec.phase is Phase.FENCED:
                 ctx.over(rec, c.Outcome.FAILED, rec.failed)
             elif rec.phase is Phase.REGISTERED:
-                if msg.ok:
+                bad = self._push_digest_problem(rec, msg) if msg.ok else None
+                if bad is not None:
+                    ctx.over(rec, c.Outcome.FAILED, bad)
+                elif msg.ok:
                     ctx.over(rec, c.Outcome.OK, first=msg)
                 else:
                     ctx.over(rec, c.Outcome.FAILED, msg.error or "prefill reported a failure")
@@ -198,7 +201,10 @@ class Decode(RoleBase):
         """Our READ ended: prefill is told (PullDone), then the step loop."""
         rec.stamp("d_read_done")
         self.ctx.send(rec.peer, m.PullDone(rec.tid, ok=ok))
-        if rec.phase is Phase.READING and ok:
+        bad = self._pull_digest_problem(rec) if rec.phase is Phase.READING and ok else None
+        if bad is not None:
+            self.ctx.over(rec, c.Outcome.FAILED, bad)
+        elif rec.phase is Phase.READING and ok:
             self.ctx.over(rec, c.Outcome.OK)
         else:
             self.ctx.over(rec, c.Outcome.FAILED, rec.failed or "READ failed")
@@ -259,14 +265,40 @@ class Decode(RoleBase):
                      + (msg.error or "the lend has ended"))
             return
         rec.phase, rec.resend_at = Phase.READING, INF
-        bs, b = ctx.settings.block_size, rec.blocks
-        last = -(-(rec.num_prompt_tokens - 1) // bs)  # the last token is recomputed
+        b, last = rec.blocks, self._read_end(rec)
+        rec.peer_digest, rec.peer_digest_alg = msg.kv_digest, msg.kv_digest_alg
         rec.stamp("d_read_post")
         error = ctx.post("READ", rec, b.blocks[b.first_block:last],
                          rec.lent_blocks[b.first_block:last], range(ctx.hello.layout.num_layers))
         if error is not None:
             ctx.send(rec.peer, m.PullDone(rec.tid, ok=False))
             ctx.over(rec, c.Outcome.FAILED, error)
+
+    def _push_digest_problem(self, rec: Transfer, done: m.PushDone) -> str | None:
+        """--kv-digest: prefill's digests against what our registered blocks hold."""
+        if self.ctx.digests is None:
+            return None
+        first = rec.reg.skip_blocks
+        want = done.kv_digest if done.kv_digest_first == first else None
+        return self.ctx.digest_problem(rec, want, done.kv_digest is not None,
+                                       done.kv_digest_alg, rec.reg.block_ids[first:], first)
+
+    def _pull_digest_problem(self, rec: Transfer) -> str | None:
+        """--kv-digest: the lend's digests against the blocks our READ filled."""
+        if self.ctx.digests is None:
+            return None
+        b = rec.blocks
+        first, last = b.first_block, self._read_end(rec)
+        lent = rec.peer_digest
+        want = lent[first:last] if lent is not None and len(lent) == len(
+            rec.lent_blocks) else None
+        return self.ctx.digest_problem(rec, want, lent is not None, rec.peer_digest_alg,
+                                       b.blocks[first:last], first)
+
+    def _read_end(self, rec: Transfer) -> int:
+        """Pull: the prompt blocks our READ fills end here (the last token is
+        recomputed)."""
+        return -(-(rec.num_prompt_tokens - 1) // self.ctx.settings.block_size)
 
     def _draining(self, rec: Transfer, why: str) -> None:
         """Our READ still runs: the request fails now, the blocks wait for its end."""

@@ -30,7 +30,7 @@ class PullPrefill(RoleBase):
 
     def prefilled(self, f: c.Prefilled) -> None:
         if self.ctx.table.get(f.tid) is None:
-            self.ctx.table.add(Transfer(f.tid, Phase.LENT))
+            self.ctx.table.add(Transfer(f.tid, Phase.LENT, lent_blocks=f.lent))
 
     def end(self, f: c.End) -> None:
         rec = self.ctx.table.get(f.tid)
@@ -65,7 +65,11 @@ class PullPrefill(RoleBase):
             rec.claimer = claim
         if rec.claimer != claim:
             return m.PullClaimed(tid, False, "the lend was claimed already", msg.claim)
-        return m.PullClaimed(tid, True, claim=msg.claim)
+        digests = self.ctx.digests  # --kv-digest: of every lent block, at its first claim
+        if digests is not None and rec.peer_digest is None:
+            rec.peer_digest = digests.of(rec.lent_blocks)
+        return m.PullClaimed(tid, True, claim=msg.claim, kv_digest=rec.peer_digest,
+                             kv_digest_alg=digests.algorithm if digests else "")
 
     def deadline(self, rec: Transfer) -> None:
         self.ctx.count("leases_expired")

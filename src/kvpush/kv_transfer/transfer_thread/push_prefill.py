@@ -19,6 +19,7 @@ import logging
 from collections.abc import Sequence
 
 from kvpush.kv_transfer import commands as c
+from kvpush.kv_transfer.digest import MISSING
 from kvpush.kv_transfer.params import block_ids_problem, chain_problem
 from kvpush.kv_transfer.transfer_thread.context import RoleBase
 from kvpush.kv_transfer.transfer_thread.table import Phase, Transfer
@@ -220,12 +221,15 @@ class PushPrefill(RoleBase):
         upto = min(f.first_block + len(f.blocks), len(reg.block_ids))
         if upto <= start or not f.layers or rec.failed:
             return
-        error = self.ctx.post("WRITE", rec, f.blocks[start - f.first_block:upto - f.first_block],
-                              reg.block_ids[start:upto], f.layers, f.ready)
+        ours = f.blocks[start - f.first_block:upto - f.first_block]
+        error = self.ctx.post("WRITE", rec, ours, reg.block_ids[start:upto], f.layers,
+                              f.ready)
         if error:
             rec.failed = error
         else:
             rec.stamp("p_last_post")
+            if self.ctx.digests is not None:
+                rec.sources.update(zip(range(start, upto), ours, strict=True))
 
     def _hand_over(self, rec: Transfer) -> None:
         rec.phase = Phase.DRAINING
@@ -241,9 +245,22 @@ class PushPrefill(RoleBase):
             done = rec.done if rec.done is not None and not rec.failed else m.PushDone(
                 rec.tid, ok=False, error=rec.failed or "prefill ended the transfer")
             done.num_descriptors, done.num_bytes = rec.num_descriptors, rec.num_bytes
+            if done.ok and self.ctx.digests is not None:
+                self._digest(rec, done)
             rec.stamp("p_done_sent")  # before: the peer may read it at once
             ctx.send(rec.peer, done)
         ctx.over(rec, c.Outcome.FAILED if rec.failed else c.Outcome.OK, rec.failed)
+
+    def _digest(self, rec: Transfer, done: m.PushDone) -> None:
+        """--kv-digest: the digest of each registered block from the first written
+        (one never written gets ``MISSING``: decode's check fails on it)."""
+        positions = range(rec.reg.skip_blocks, len(rec.reg.block_ids))
+        wrote = [p for p in positions if p in rec.sources]
+        got = dict(zip(wrote, self.ctx.digests.of([rec.sources[p] for p in wrote]),
+                       strict=True))
+        done.kv_digest = [got.get(p, MISSING) for p in positions]
+        done.kv_digest_first = rec.reg.skip_blocks
+        done.kv_digest_alg = self.ctx.digests.algorithm
 
     def _end(self, rec: Transfer, why: str,
              outcome: c.Outcome = c.Outcome.FAILED) -> None:

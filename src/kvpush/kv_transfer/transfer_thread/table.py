@@ -80,6 +80,11 @@ class Transfer:
     lend_expires_ms: int | None = None
     claim: int = 0  # pull decode: our claim's id
     claimer: tuple[str, int] | None = None  # pull prefill: (address, claim id)
+    #: --kv-digest, push prefill: our block behind each registered position written;
+    #: pull decode: prefill's digests of the lent blocks
+    sources: dict[int, int] = field(default_factory=dict)
+    peer_digest: list[bytes] | None = None
+    peer_digest_alg: str = ""
     checked: bool = False  # decode: the request's params fit prefill's Hello
     done: m.PushDone | None = None  # push prefill: token #1, sent once all landed
     handles: set[int] = field(default_factory=set)  # our posts in flight

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvpush.kv_transfer import commands as c
+from kvpush.kv_transfer.digest import BlockDigests
 from kvpush.kv_transfer.transfer_thread.context import Context, Settings
 from kvpush.kv_transfer.transfer_thread.decode import Decode
 from kvpush.kv_transfer.transfer_thread.peers import MAX_PEERS, PeerTable
@@ -59,10 +60,12 @@ class TransferWorker:
                  on_death: Callable[[str], None] = lambda why: None, *,
                  clock: Callable[[], float] = time.monotonic, busy_poll_s: float = 0.001,
                  max_peers: int = MAX_PEERS, peer_idle_s: float | None = None,
-                 rank_transports: Sequence[KVTransport] = ()) -> None:
+                 rank_transports: Sequence[KVTransport] = (),
+                 digests: BlockDigests | None = None) -> None:
         """Peers: a handshake is given up and a refusal expires after a lease; a ready
         peer no transfer uses is dropped after ``peer_idle_s`` (default four leases).
-        ``rank_transports``: at TP > 1, ranks 1.. (posts.py)."""
+        ``rank_transports``: at TP > 1, ranks 1.. (posts.py). ``digests``: our region's
+        block digests under --kv-digest (digest.py)."""
         self.channel, self.transport = channel, transport
         self.post_update, self.on_death = post_update, on_death
         self.busy_poll_s = busy_poll_s
@@ -76,7 +79,8 @@ class TransferWorker:
             idle_timeout_s=peer_idle_s if peer_idle_s is not None else 4 * settings.lease_s)
         self.table, self.peers = table, peers
         self.ctx = Context(hello, settings, table, peers,
-                           Posts(transport, hello, rank_transports), channel, clock)
+                           Posts(transport, hello, rank_transports), channel, clock,
+                           digests=digests)
         self.role: Role = ROLES[(hello.role, hello.kv_transfer)](self.ctx)
         self.ctx.on_landed = self.role.landed
         self.queue: queue.SimpleQueue[c.StepMessage | None] = queue.SimpleQueue()

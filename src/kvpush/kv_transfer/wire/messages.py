@@ -79,6 +79,11 @@ class PushDone(msgspec.Struct, tag=True):
     num_descriptors: int = 0
     num_bytes: int = 0
     error: str | None = None
+    #: --kv-digest: the digest of each block written, decode's registered blocks from
+    #: ``kv_digest_first`` on (kv_transfer/digest.py)
+    kv_digest: list[bytes] | None = None
+    kv_digest_first: int = 0
+    kv_digest_alg: str = ""  # the hash (kv_transfer/digest.py HASHERS)
 
 
 class PullDone(msgspec.Struct, tag=True):
@@ -99,6 +104,9 @@ class PullClaimed(msgspec.Struct, tag=True):
     ok: bool
     error: str | None = None
     claim: int = 0  # the claim answered
+    #: --kv-digest: the digest of every lent block, in the lend's order, by ``kv_digest_alg``
+    kv_digest: list[bytes] | None = None
+    kv_digest_alg: str = ""
 
 
 class AbortAck(msgspec.Struct, tag=True):
