@@ -11,7 +11,10 @@ Knobs (all may be changed at any time with :meth:`FaultPlan.arm`):
 * ``fail_transfers``: the next N posted transfers end ``FAILED`` (nothing is written).
 * ``corrupt_transfers``: the next N transfers land with one byte changed (the first
   byte of their first range, inverted), and end ``DONE``.
+* ``fail_post_every``: every Nth ``post`` raises ``TransferPostError`` (0: none).
 * ``transfer_delay_s``: every transfer completes this long after its post.
+* ``transfer_jitter_s``: plus a random share of this (``seed``): transfers complete,
+  and land, out of the order they were posted in.
 * ``drop_messages``: message type name -> how many of the next such messages to drop
   on send; the key ``"*"`` matches any type.
 * ``message_delay_s``: every sent message is held this long before it goes out.
@@ -23,6 +26,7 @@ Counter keys in :attr:`FaultPlan.injected`: ``"post_failures"``,
 
 from __future__ import annotations
 
+import random
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -36,19 +40,27 @@ class FaultPlan:
     """A shared, thread-safe set of faults to inject, with counts of what was injected."""
 
     fail_posts: int = 0
+    fail_post_every: int = 0
     fail_transfers: int = 0
     corrupt_transfers: int = 0
     transfer_delay_s: float = 0.0
+    transfer_jitter_s: float = 0.0
+    seed: int = 0
     drop_messages: dict[str, int] = field(default_factory=dict)
     message_delay_s: float = 0.0
     injected: Counter[str] = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _posts: int = field(default=0, repr=False, compare=False)
+    _rng: random.Random = field(default_factory=random.Random, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._rng.seed(self.seed)
 
     def arm(self, **knobs: Any) -> None:
         """Set knobs atomically, e.g. ``plan.arm(fail_posts=1, message_delay_s=0.05)``."""
         with self._lock:
             for key, value in knobs.items():
-                if key.startswith("_") or key == "injected" or not hasattr(self, key):
+                if key.startswith("_") or key in ("injected", "seed") or not hasattr(self, key):
                     raise AttributeError(f"unknown fault knob {key!r}")
                 setattr(self, key, dict(value) if key == "drop_messages" else value)
 
@@ -56,9 +68,11 @@ class FaultPlan:
         """Disarm every fault (the injected counts are kept)."""
         self.arm(
             fail_posts=0,
+            fail_post_every=0,
             fail_transfers=0,
             corrupt_transfers=0,
             transfer_delay_s=0.0,
+            transfer_jitter_s=0.0,
             drop_messages={},
             message_delay_s=0.0,
         )
@@ -81,6 +95,11 @@ class FaultPlan:
 
     def take_post_failure(self) -> bool:
         """True (and one fewer armed) if this post should fail."""
+        with self._lock:
+            self._posts += 1
+            if self.fail_post_every and self._posts % self.fail_post_every == 0:
+                self.injected["post_failures"] += 1
+                return True
         return self._take("fail_posts", "post_failures")
 
     def take_transfer_failure(self) -> bool:
@@ -94,9 +113,10 @@ class FaultPlan:
     def transfer_delay(self) -> float:
         """Seconds a transfer posted now should take (counted when > 0)."""
         with self._lock:
-            if self.transfer_delay_s > 0:
+            delay = self.transfer_delay_s + self._rng.uniform(0.0, self.transfer_jitter_s)
+            if delay > 0:
                 self.injected["transfer_delays"] += 1
-            return self.transfer_delay_s
+            return delay
 
     # -- consulted by the side channel -------------------------------------------------
 
