@@ -247,13 +247,15 @@ def _instances(up: Up) -> dict[str, dict]:
     return {i["url"]: i for i in r.json()["instances"]}
 
 
+@pytest.mark.timeout(300)  # three instances and a restart on a shared 2-core host
 def test_one_decode_of_two_killed_is_restarted_and_serves_again(tiny_llama, up_factory):
     """Issue 63, point 3: one decode of `up --decode 2` SIGKILLed: `up` says so and keeps
     serving, the router takes it out (requests meanwhile all succeed on the other),
     `up` restarts it on its port, the router takes it back (a new engine id) and sends
-    it requests again; a SIGTERM then stops everything."""
+    it requests again (with --kv-digest: the KV it gets is checked); a SIGTERM then stops
+    everything."""
     up = up_factory("--decode", "2", "--policy", "round-robin", "--health-interval", "0.5",
-                    "--restart-backoff", "0.5", *ENGINE, model=tiny_llama)
+                    "--restart-backoff", "0.5", "--kv-digest", *ENGINE, model=tiny_llama)
     up.wait_ready()
     pid = up.child_pid("--role decode")
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -268,7 +270,7 @@ def test_one_decode_of_two_killed_is_restarted_and_serves_again(tiny_llama, up_f
         for _ in range(4):  # the other decode serves them all
             r = client.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
-        wait_until(lambda: "serves again" in up.out, 60, f"a restart:\n{up.out}")
+        wait_until(lambda: "serves again" in up.out, READY_S, f"a restart:\n{up.out}")
         wait_until(lambda: _instances(up)[url]["healthy"], 30, "the router took it back")
         after = _instances(up)[url]
         assert after["engine_id"] != before["engine_id"], (before, after)
@@ -278,6 +280,10 @@ def test_one_decode_of_two_killed_is_restarted_and_serves_again(tiny_llama, up_f
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 8
     assert _instances(up)[url]["requests"] > served
+    # --kv-digest reached the instances: the restarted decode checked what it got
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert "kvpush_kv_digest_mismatches_total 0.0" in metrics, metrics[-2000:]
+    assert "--kv-digest" in Path(f"/proc/{up.child_pid('--role decode')}/cmdline").read_text()
     assert up.proc.poll() is None
     assert "restart 1 of 3" in up.out, up.out
     up.snapshot()
