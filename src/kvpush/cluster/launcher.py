@@ -237,16 +237,7 @@ class Supervisor:
                 raise ChildFailed(pending[0], f"was not healthy after {timeout:.0f} s")
             self._sleep(0.2)
 
-    # ---- serve ---------------------------------------------------------------------
-    def watch(self) -> Child | None:
-        """Block until a child exits (returned) or a stop signal arrives (None)."""
-        while not self.signals.requested:
-            for child in list(self.children):  # `up --discover` adds and retires some
-                if child.poll() is not None:
-                    return child
-            time.sleep(WATCH_INTERVAL_S)
-        return None
-
+    # ---- serve (kvpush.cluster.supervision watches and restarts) --------------------
     def retire(self, child: Child) -> str:
         """Stop one child on purpose (`kvpush up --remove`): no longer watched, SIGTERM
         to its group, up to ``stop_timeout`` seconds to exit, then SIGKILL; reaped."""
