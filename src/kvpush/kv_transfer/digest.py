@@ -5,7 +5,8 @@ A block's digest is a 128-bit hash of its bytes layer by layer, K and V, in the
 region's storage order (``KVRegion.storage[layer, block]``, one contiguous range). Both
 sides of a transfer have the same storage layout (same model, TP 1), so equal KV gives
 equal digests. The hash is XXH3-128 where the ``xxhash`` package is installed (8 GB/s
-on one core of the development host, against BLAKE2b's 0.8: docs/MEASURED.md), else
+on one core of the development host, against BLAKE2b's 0.8:
+benchmarks/results/s63_kv_digest/), else
 BLAKE2b from the standard library; prefill names the one it used and decode hashes its
 blocks with that one. The check is against faults (late or misplaced WRITEs, a byte
 changed in flight, a block reused too early), not an adversary: the signed params and
