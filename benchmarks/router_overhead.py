@@ -2,8 +2,8 @@
 
 Starts one `kvpush serve` instance (role both, one torch thread) and routers in front
 of it (child processes on 127.0.0.1, free ports, one cluster secret): ``router`` serves
-over the instance's engine core (its request plane, issue 51), ``http-legs`` the same
-router kept on the instance's HTTP API (``KVPUSH_ROUTER_PATH=http``). It sends the same
+over the instance's engine core (its request plane, issue 51), and each --variant
+NAME:ENV=VALUE runs beside it with that environment. It sends the same
 greedy completion to each path in rotating order, and prints the median / p90 of each
 and its difference from direct, the router's overhead:
 
@@ -17,7 +17,7 @@ and its difference from direct, the router's overhead:
     .venv/bin/python benchmarks/router_overhead.py --model smollm2-135m --requests 100
     .venv/bin/python benchmarks/router_overhead.py --profile /tmp/router.svg  # py-spy
     .venv/bin/python benchmarks/router_overhead.py \
-        --variant anyio:KVPUSH_ROUTER_LEG_BACKEND=anyio --variant main:PYTHONPATH=../main/src
+        --variant main:PYTHONPATH=../main/src
 
 Not part of the test suite. Everything it starts it stops.
 """
@@ -150,7 +150,6 @@ def main() -> int:
     ap.add_argument("--variant", type=variant, action="append", default=[],
                     metavar="NAME:KEY=VALUE,...",
                     help="one more router side by side, its environment changed (e.g. "
-                         "anyio:KVPUSH_ROUTER_LEG_BACKEND=anyio, or "
                          "main:PYTHONPATH=/path/to/main/src); repeatable")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
@@ -166,8 +165,7 @@ def main() -> int:
             paths = {"direct": stack.enter_context(
                 child(serve, tmpdir / "serve.log", f"http://127.0.0.1:{sp}"))}
             ports = {}
-            routers = [("router", {}), ("http-legs", {"KVPUSH_ROUTER_PATH": "http"}),
-                       *args.variant]
+            routers = [("router", {}), *args.variant]
             for name, env in routers:
                 ports[name] = rp = free_port()
                 router = [*kvpush, "router", "--mode", "colocated", "--decode",

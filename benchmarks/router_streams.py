@@ -1,10 +1,10 @@
 """Many streams through the router against the same instance direct (issue 51.4).
 
-Starts one `kvpush serve` instance (role both, tiny random Qwen3 unless --model) and two
-routers in front of it with one cluster secret: ``router`` over the instance's engine
-core (its request plane), ``http-legs`` over its HTTP API (``KVPUSH_ROUTER_PATH=http``).
-Then runs `kvpush bench` (--max-concurrency streams at once, all sent at once) against
-each path in turn, the order rotating per repeat, and prints per path the output tok/s
+Starts one `kvpush serve` instance (role both, tiny random Qwen3 unless --model) and a
+router in front of it with one cluster secret (``router``: over the instance's engine
+core, its request plane). Then runs `kvpush bench` (--max-concurrency streams at once,
+all sent at once) against each path in turn, the order rotating per repeat, and prints
+per path the output tok/s
 and TPOT, and per router the CPU it spent per request and per output token (its
 process's user + system time over the run, from /proc).
 
@@ -76,7 +76,7 @@ def main() -> int:
             paths = {"direct": stack.enter_context(
                 child(serve, tmpdir / "serve.log", f"http://127.0.0.1:{sp}"))}
             pids = {}
-            for name, env in [("router", {}), ("http-legs", {"KVPUSH_ROUTER_PATH": "http"})]:
+            for name, env in [("router", {})]:
                 rp = free_port()
                 router = [*kvpush, "router", "--mode", "colocated", "--decode",
                           f"http://127.0.0.1:{sp}", "--port", str(rp), "--log-level",

@@ -66,23 +66,31 @@ def test_router_tokenize_detokenize_version_match_an_instance(cluster, routers) 
             assert c.get(url + "/version").json() == {"version": kvpush.__version__}
 
 
-def test_router_on_http_legs_relays_tokenize_to_a_decode(cluster, routers,
-                                                         monkeypatch) -> None:
-    """Without the engine-core front (KVPUSH_ROUTER_PATH=http, or vLLM instances) the
-    router relays /tokenize and /detokenize to a healthy decode instance."""
-    from kvpush.router.core_front import ROUTER_PATH_ENV
+def test_router_on_http_legs_relays_tokenize_to_a_decode(fake_model) -> None:
+    """Over an instance without a request plane (vLLM, or a plain `kvpush serve` without
+    the cluster secret: HTTP legs) the router relays /tokenize and /detokenize to a
+    healthy decode instance."""
+    from fake_engine import FakeEngine
+    from kvpush.server.app import build_app
+    from server_helpers import uvicorn_server
 
-    monkeypatch.setenv(ROUTER_PATH_ENV, "http")
     body = {"messages": [{"role": "user", "content": "hello"}], "return_token_strs": True}
-    with httpx.Client(timeout=30) as c:
-        assert c.get(routers["push"] + "/health").json()["legs"] == "http"
-        r = c.post(routers["push"] + "/tokenize", json=body)
-        assert r.status_code == 200, r.text
-        assert r.json() == c.post(cluster.single.url + "/tokenize", json=body).json()
-        r = c.post(routers["push"] + "/detokenize", json={"tokens": r.json()["tokens"]})
-        assert r.status_code == 200 and "hello" in r.json()["prompt"]
-        r = c.post(routers["push"] + "/detokenize", json={"tokens": [-1]})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+    with uvicorn_server(build_app(FakeEngine(*fake_model, token_delay=0))) as inst:
+        rt = RouterThread("colocated", [], [inst], kv_secret=None)
+        try:
+            with httpx.Client(timeout=30) as c:
+                assert c.get(rt.url + "/health").json()["legs"] == "http"
+                r = c.post(rt.url + "/tokenize", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json() == c.post(inst + "/tokenize", json=body).json()
+                ids = {"tokens": r.json()["tokens"]}
+                r = c.post(rt.url + "/detokenize", json=ids)
+                assert r.status_code == 200, r.text
+                assert r.json() == c.post(inst + "/detokenize", json=ids).json()
+                r = c.post(rt.url + "/detokenize", json={"tokens": [-1]})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+        finally:
+            rt.stop()
 
 
 #: every value bounded, so max_tokens covers any answer the grammar allows

@@ -201,3 +201,27 @@ def test_chats_over_the_cores_use_the_instances_chat_template(tiny_llama, tmp_pa
         if rt is not None:
             rt.stop()
         inst.stop()
+
+
+def test_a_cluster_without_a_secret_is_served_over_plain_request_planes(tiny_llama,
+                                                                         tmp_path, refs):
+    """--insecure-kv-params instances (a trusted network, no cluster secret) still have a
+    request plane (plain TCP), and a router without a secret reaches them over it."""
+    push = ("--kv-transfer", "push", "--insecure-kv-params", *CLUSTER_KV)
+    p, d = start_instances(tiny_llama, [("P3", ("--role", "prefill", *push)),
+                                        ("D3", ("--role", "decode", *push))], tmp_path)
+    rt = None
+    try:
+        assert d.get("/kv/info")["request_plane"]
+        rt = _router("push", p, d, str(tiny_llama), kv_secret=None)
+        with httpx.Client(timeout=60) as c:
+            r = c.post(rt.url + "/v1/completions", json=_body(PROMPTS[0]))
+            assert r.status_code == 200 and answer_text(r.json()) == refs[("completion", 0)]
+        assert _api_requests(d) == 0  # the leg went over the plane, not the HTTP API
+        p.wait_all_free(timeout=15)
+        d.wait_all_free(timeout=15)
+    finally:
+        if rt is not None:
+            rt.stop()
+        p.stop()
+        d.stop()

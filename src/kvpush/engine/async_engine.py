@@ -25,7 +25,7 @@ import threading
 from kvpush.config import EngineConfig
 from kvpush.engine.core_loop import DEFAULT_THREADS, CoreLoop  # noqa: F401 (re-export)
 from kvpush.engine.front import FrontEnd
-from kvpush.engine.inputs import EngineCommand, Shutdown
+from kvpush.engine.inputs import PLANE_ONLY, FrontCommand, Shutdown
 from kvpush.engine.llm_engine import LLMEngine
 from kvpush.engine.outputs import EngineOutputs
 
@@ -84,7 +84,8 @@ class AsyncEngine(FrontEnd):
             return "the engine step loop is not running"
         return None
 
-    def _send(self, cmd: EngineCommand) -> None:
+    def _send(self, cmd: FrontCommand) -> None:
+        assert not isinstance(cmd, PLANE_ONLY)  # (a remote front's commands)
         self.engine.inbox.put(cmd)
 
     def _post(self, batch: EngineOutputs) -> None:

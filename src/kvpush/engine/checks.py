@@ -27,6 +27,7 @@ class RequestChecker:
         if kvt.enabled and kvt.params_signed:
             from kvpush.crypto.auth import ParamsSigner
 
+            assert kvt.side_channel_secret is not None  # (params_signed says so)
             self.signer = ParamsSigner(kvt.side_channel_secret)
         self.block_size = config.cache.block_size
         self.max_model_len = config.scheduler.max_model_len

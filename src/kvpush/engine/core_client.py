@@ -29,7 +29,7 @@ from kvpush.config import ConfigError, EngineConfig
 from kvpush.engine.core_dir import make_core_dir
 from kvpush.engine.core_proc import CoreFailed, CoreReady, CoreSetup, Hello
 from kvpush.engine.front import FrontEnd
-from kvpush.engine.inputs import EngineCommand, Shutdown
+from kvpush.engine.inputs import PLANE_ONLY, FrontCommand, Shutdown
 from kvpush.engine.outputs import EngineOutputs
 from kvpush.kv_transfer.links import TransferLinks
 from kvpush.models.tokenizer import load_tokenizer
@@ -97,7 +97,7 @@ class CoreClient(FrontEnd):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise give_up(f"the engine core was not ready in {start_timeout:.0f} s")
-            ready = dict(poller.poll(left * 1000))
+            ready = dict(poller.poll(int(left * 1000)))
             if from_core in ready:
                 break
             if pidfd in ready:
@@ -136,13 +136,13 @@ class CoreClient(FrontEnd):
             return
         self._watching = True
         loop = self._loop = asyncio.get_running_loop()
-        loop.add_reader(self._from_core.getsockopt(zmq.FD), self._drain)
+        loop.add_reader(self._from_core.fileno(), self._drain)
         loop.add_reader(self._pidfd, self._on_exit)
         self._drain()  # what arrived before the loop watched (the FD is edge-like)
 
     def _unwatch(self) -> None:
         if self._watching and self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._from_core.getsockopt(zmq.FD))
+            self._loop.remove_reader(self._from_core.fileno())
             self._loop.remove_reader(self._pidfd)
         self._watching = False
 
@@ -182,7 +182,8 @@ class CoreClient(FrontEnd):
     def _core_problem(self) -> str | None:
         return self._death
 
-    def _send(self, cmd: EngineCommand) -> None:
+    def _send(self, cmd: FrontCommand) -> None:
+        assert not isinstance(cmd, PLANE_ONLY)  # (a remote front's commands)
         if self._death is not None:
             return  # its streams have ended with the error already
         try:

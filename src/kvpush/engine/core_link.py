@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -39,7 +39,7 @@ from kvpush.engine.front import FrontEnd
 from kvpush.engine.inputs import (
     AbortRemote,
     AbortRequests,
-    EngineCommand,
+    FrontCommand,
     SubmitRequest,
     UtilityCall,
 )
@@ -53,6 +53,7 @@ from kvpush.engine.outputs import (
     RequestFailure,
 )
 from kvpush.engine.request_plane import HEARTBEAT, MAX_MESSAGE_BYTES
+from kvpush.kv_transfer.params import KVTransferParams
 from kvpush.kv_transfer.wire.link_watch import monitor_events
 from kvpush.sampling_params import SamplingParams
 
@@ -71,7 +72,7 @@ def plane_keys(secret: bytes) -> CurveKeys:
 
 
 class RemoteCore(FrontEnd):
-    def __init__(self, address: str, keys: CurveKeys, tokenizer: Any, *,
+    def __init__(self, address: str, keys: CurveKeys | None, tokenizer: Any, *,
                  ctx: zmq.Context | None = None):
         """``address``: the core's request plane, "host:port" (its /kv/info's
         ``request_plane``); ``keys``: the request planes' CURVE keys (``plane_keys``:
@@ -94,7 +95,8 @@ class RemoteCore(FrontEnd):
                            (zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS),
                            (zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES), *HEARTBEAT]:
             sock.setsockopt(opt, value)
-        make_client(sock, keys)
+        if keys is not None:  # (None: a plain plane, a cluster without a secret)
+            make_client(sock, keys)
         self._mon = sock.get_monitor_socket(_EVENTS, f"inproc://kvpush-core-link-{id(self)}")
         self._mon.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{address}")
@@ -116,8 +118,8 @@ class RemoteCore(FrontEnd):
             return
         loop = self._loop = asyncio.get_running_loop()
         self._up = asyncio.Event()
-        loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
-        loop.add_reader(self._mon.getsockopt(zmq.FD), self._watch)
+        loop.add_reader(self._sock.fileno(), self._drain)
+        loop.add_reader(self._mon.fileno(), self._watch)
         self._watch()
 
     async def wait_connected(self, timeout: float) -> bool:
@@ -137,8 +139,8 @@ class RemoteCore(FrontEnd):
             return
         self._closed = True
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
-            self._loop.remove_reader(self._mon.getsockopt(zmq.FD))
+            self._loop.remove_reader(self._sock.fileno())
+            self._loop.remove_reader(self._mon.fileno())
         self.fail_all(f"the connection to the engine core at {self.address} was closed")
         with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
@@ -157,7 +159,8 @@ class RemoteCore(FrontEnd):
         return f"no connection to the engine core at {self.address}{why}"
 
     def _add(self, internal: str, prompt_token_ids: list[int], params: SamplingParams,
-             kv_transfer_params: object) -> tuple[EngineCommand, SamplingParams]:
+             kv_transfer_params: KVTransferParams | dict | None
+             ) -> tuple[FrontCommand, SamplingParams]:
         """The core checks it (its own instance's RequestChecker); a prefill leg's
         stream has one choice, as the core runs it (RequestChecker.leg_params)."""
         if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
@@ -168,7 +171,8 @@ class RemoteCore(FrontEnd):
         return add, params
 
     def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               kv_transfer_params: dict | None = None):
+               kv_transfer_params: KVTransferParams | dict | None = None
+               ) -> AsyncIterator[EngineOutput]:
         """FrontEnd.stream, with ``kv_transfer_params`` as the router signed them."""
         self.start()
         return super().stream(request_id, prompt_token_ids, params, kv_transfer_params)
@@ -177,7 +181,7 @@ class RemoteCore(FrontEnd):
         self.start()
         return await super().kv_info()
 
-    def _send(self, cmd: EngineCommand) -> None:
+    def _send(self, cmd: FrontCommand) -> None:
         if isinstance(cmd, AbortRequests):  # in this front's ids
             cmd = AbortRemote(cmd.request_ids)
         frame = self._enc.encode(cmd)  # (an encoding error is the caller's)

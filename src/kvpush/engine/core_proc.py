@@ -166,9 +166,10 @@ def main() -> int:
 
 
 def _request_plane(config: EngineConfig, inbox) -> RequestPlane | None:
-    """The request plane of a core with a cluster secret (not started), or None."""
+    """The request plane of a core with a cluster secret, or of one run without it on a
+    trusted network (--insecure-kv-params: a plain plane), not started; else None."""
     kvt = config.kv_transfer
-    if not kvt.side_channel_secret:
+    if not kvt.side_channel_secret and not kvt.accept_unsigned_params:
         return None
     from kvpush.engine.checks import RequestChecker
     from kvpush.engine.request_plane import RequestPlane

@@ -26,7 +26,7 @@ from kvpush.engine.inputs import (
     AbortRequests,
     AbortTransfer,
     AddRequest,
-    EngineCommand,
+    FrontCommand,
     Utility,
     UtilityCall,
     choice_id,
@@ -75,7 +75,7 @@ class FrontEnd:
         self.fatal: str | None = None
 
     # ---- what a subclass provides ----------------------------------------------------
-    def _send(self, cmd: EngineCommand) -> None:
+    def _send(self, cmd: FrontCommand) -> None:
         raise NotImplementedError
 
     def _core_problem(self) -> str | None:
@@ -83,7 +83,8 @@ class FrontEnd:
         raise NotImplementedError
 
     def _add(self, internal: str, prompt_token_ids: list[int], params: SamplingParams,
-             kv_transfer_params: object) -> tuple[EngineCommand, SamplingParams]:
+             kv_transfer_params: KVTransferParams | dict | None
+             ) -> tuple[FrontCommand, SamplingParams]:
         """The command that adds a request under ``internal`` and the sampling
         parameters its stream runs with; RequestError if it is refused here. Here:
         checked and typed once, before anything is queued."""

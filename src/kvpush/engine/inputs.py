@@ -104,6 +104,10 @@ class AbortRemote(msgspec.Struct, tag=True, frozen=True):
 
 #: what a remote front sends the core's request plane
 PlaneCommand = SubmitRequest | AbortRemote | AbortTransfer | UtilityCall
+#: what a front (FrontEnd) sends its core: its own API process's, or a remote front's
+FrontCommand = EngineCommand | PlaneCommand
+#: the commands only a remote front sends
+PLANE_ONLY = (SubmitRequest, AbortRemote)
 
 
 def submitted_id(payload: bytes) -> str | None:

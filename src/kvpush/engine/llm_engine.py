@@ -203,6 +203,7 @@ class LLMEngine:
 
     def _apply_connector_actions(self) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
+        assert self.connector is not None  # (P/D roles only)
         for action in self.connector.take_actions():
             req = self.scheduler.requests.get(action.request_id)
             if req is None:

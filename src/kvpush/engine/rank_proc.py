@@ -64,8 +64,8 @@ def main() -> int:
         sock.send(setup.token)  # (queued until connected)
         if setup.kv_address is not None:  # P/D: this rank moves its own KV heads
             kv = kv_server(setup, ctx, runner)
-            store.set(kv_key(rank), encode_rank_kv(runner.kv_region.base_address,
-                                                   kv.transport.metadata()))
+            store.set(kv_key(rank), encode_rank_kv(  # type: ignore[arg-type]  # (bytes too)
+                runner.kv_region.base_address, kv.transport.metadata()))
     except Exception as e:  # noqa: BLE001 - rank 0 reports it and does not start
         log.exception("tensor-parallel rank %d could not start", rank)
         store.set(failed_key(rank), str(e) or type(e).__name__)
@@ -96,6 +96,7 @@ def kv_server(setup: RankSetup, ctx: zmq.Context, runner: ModelRunner) -> RankKV
     """This rank's KV transport (its own NIXL agent and region) and its server thread."""
     from kvpush.kv_transfer.links import NixlLinks
 
+    assert setup.kv_address is not None  # (P/D ranks only)
     links = setup.links if setup.links is not None else NixlLinks()
     transport = links.transport(f"{setup.engine_id}.rank{setup.rank}")
     try:

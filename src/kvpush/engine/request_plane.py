@@ -1,5 +1,6 @@
 """The engine core's request plane: other fronts (routers) send it the engine's typed
-requests and read its outputs, with no HTTP (P/D cores with a cluster secret).
+requests and read its outputs, with no HTTP (cores with a cluster secret, and P/D cores
+of a cluster run without one on a trusted network: --insecure-kv-params, plain TCP).
 
     front (RemoteCore: DEALER) ──CURVE/TCP──▶ ROUTER, ``kvpush-request-plane`` thread:
       SubmitRequest: RequestChecker, then AddRequest("~<n>/<its id>") ─▶ engine.inbox
@@ -98,14 +99,16 @@ class _Front:
 
 class RequestPlane:
     def __init__(self, inbox: queue.SimpleQueue, checker: RequestChecker, host: str,
-                 port: int, secret: bytes):
+                 port: int, secret: bytes | None):
+        """``secret``: the cluster secret (CURVE, members only); None: a plain plane,
+        for a cluster that runs without one (--insecure-kv-params: a trusted network)."""
         self._inbox = inbox
         self._checker = checker
         self._queue: queue.SimpleQueue[EngineOutputs | None] = queue.SimpleQueue()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._ctx = zmq.Context(io_threads=1)
-        keys = derive_curve_keys(secret, PURPOSE)
-        self._zap = ZapGuard(self._ctx, keys)
+        keys = derive_curve_keys(secret, PURPOSE) if secret else None
+        self._zap = ZapGuard(self._ctx, keys) if keys is not None else None
         sock = self._sock = self._ctx.socket(zmq.ROUTER)
         for opt, value in [(zmq.LINGER, 500),
                            (zmq.MAXMSGSIZE, command_cap(checker.max_model_len, checker.block_size)),
@@ -113,7 +116,8 @@ class RequestPlane:
                            (zmq.ROUTER_MANDATORY, 1),
                            *HEARTBEAT]:
             sock.setsockopt(opt, value)
-        make_server(sock, keys)
+        if keys is not None:
+            make_server(sock, keys)
         self._mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED,
                                             f"inproc://kvpush-request-plane-{id(self)}")
         try:
@@ -122,7 +126,7 @@ class RequestPlane:
             self._close_sockets()
             os.close(self._wake)
             raise
-        bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        bound = str(sock.last_endpoint, "ascii")  # type: ignore[arg-type]  # (bytes)
         self.address = f"{host}:{bound.rsplit(':', 1)[1]}"
         #: set by the plane's thread before a front's first command reaches the inbox:
         #: until then ``split`` hands every batch to the local front untouched
@@ -202,7 +206,8 @@ class RequestPlane:
     def _close_sockets(self) -> None:
         self._mon.close(linger=0)
         self._sock.close()  # lingers (500 ms) for the last outputs
-        self._zap.stop()
+        if self._zap is not None:
+            self._zap.stop()
         self._ctx.term()
 
     def _events(self) -> None:
@@ -299,8 +304,8 @@ class RequestPlane:
                 return False
             per: dict[int, EngineOutputs] = {}
             for out in batch.outputs:
-                n, _, rid = out.request_id[1:].partition("/")
-                front = self._by_n.get(int(n))
+                num, _, rid = out.request_id[1:].partition("/")
+                front = self._by_n.get(int(num))
                 if front is not None:  # (else gone: its requests were aborted)
                     if out.request_finished:
                         front.live.discard(rid)

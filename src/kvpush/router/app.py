@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-import httpcore
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -28,7 +26,7 @@ from kvpush import __version__
 from kvpush.aio import within
 from kvpush.router.cache_policy import CachePolicy, load_model_tokenizer
 from kvpush.router.config import RouterConfig
-from kvpush.router.core_front import CoreFront
+from kvpush.router.core_front import STARTING_WAIT_S, CoreFront
 from kvpush.router.intake import (
     RETRY_AFTER_S,
     Admission,
@@ -41,7 +39,6 @@ from kvpush.router.job import Job, outcome_for
 from kvpush.router.legs import Legs
 from kvpush.router.life import Book
 from kvpush.router.metrics import RouterMetrics
-from kvpush.router.net import CoalescingBackend
 from kvpush.router.placement import Placement
 from kvpush.router.pool import CHECKS_AT_ONCE, Instance, Pool, describe_error
 from kvpush.router.prompts import PromptTokenizer, TokenizerState
@@ -75,10 +72,6 @@ ROUTER_ADMIN_PATHS = ADMIN_PATHS | {"/router/instances"}
 #: keep-alive timeout (uvicorn's default is 5 s, in kvpush and vLLM alike), so the router
 #: never sends on a connection the instance is closing at that moment.
 KEEPALIVE_EXPIRY_S = 3.0
-#: environment variable naming the legs' socket layer: ``coalescing`` (default,
-#: kvpush.router.net) or ``anyio`` (httpx's own; for measurements)
-LEG_BACKEND_ENV = "KVPUSH_ROUTER_LEG_BACKEND"
-
 
 #: bodies larger than this are parsed on a worker thread (a 21 MB body took 0.4 s)
 INLINE_PARSE_BYTES = 1 << 20
@@ -124,7 +117,7 @@ class Router:
         self.health_client: httpx.AsyncClient | None = None
         self.placement = Placement(self.pool)
         self.book = Book(cfg, self.placement, self.metrics)
-        self.signer = LegSigner(cfg.kv_secret)
+        self.signer = LegSigner(cfg.keys)
         self.legs: Legs | None = None
         #: the cache-aware policy's tokenizer and KV index (--policy cache-aware)
         self.cache: CachePolicy | None = None
@@ -145,15 +138,6 @@ class Router:
                               keepalive_expiry=KEEPALIVE_EXPIRY_S)
         # router -> instance traffic is internal: no proxies from the environment
         transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
-        if os.environ.get(LEG_BACKEND_ENV, "coalescing") == "coalescing":
-            # the same pool on kvpush.router.net's sockets: a request leaves in one send
-            # (docs/ROUTER.md, "The relay"); KVPUSH_ROUTER_LEG_BACKEND=anyio keeps
-            # httpx's own, for side-by-side measurements
-            transport._pool = httpcore.AsyncConnectionPool(
-                max_connections=limits.max_connections,
-                max_keepalive_connections=limits.max_keepalive_connections,
-                keepalive_expiry=limits.keepalive_expiry,
-                network_backend=CoalescingBackend())
         return httpx.AsyncClient(
             # every wait but connecting: the bound of an answer's start (each later read
             # of a stream has its own, shorter bound: Legs.relay)
@@ -178,7 +162,7 @@ class Router:
         RouterConfigError / RouterStartupError), start the health loop."""
         self.client = self.make_client()
         self.health_client = self.make_health_client()
-        self.legs = Legs(self.cfg, self.book, self.client, self.signer)
+        self.legs = Legs(self.cfg, self.book, self.client)
         try:
             if self.cfg.discover is not None:
                 await self._start_discovery()
@@ -201,13 +185,23 @@ class Router:
                                                         self.client)
             self.cache.start()
             self.tokenizer = self.cache.tokenizer
-        elif self.cfg.kv_secret is not None:  # for the front over the engine cores
+        else:  # for the front over the engine cores (kvpush instances)
             self.tokenizer = PromptTokenizer(self.cfg.tokenizer)
             self._tokenizer_load = asyncio.create_task(
                 load_model_tokenizer(self.tokenizer, self.cfg, self.pool, self.client),
                 name="kvpush-tokenizer-load")
         self._health = asyncio.create_task(self.pool.health_loop(self.health_client),
                                            name="kvpush-health-loop")
+
+    def tokenizer_loading(self) -> asyncio.Task | None:
+        """The model tokenizer's load, while it runs (the cache-aware policy's, or the
+        front's)."""
+        return self.cache.loading if self.cache is not None else self._tokenizer_load
+
+    async def cores_ready(self, timeout: float = STARTING_WAIT_S) -> str | None:
+        """Why requests cannot take the engine cores yet (waiting at most ``timeout``
+        s for the tokenizer and the links), or None."""
+        return await self.cores.ready(self.tokenizer, self.tokenizer_loading(), timeout)
 
     def routing_state(self) -> RoutingState:
         """Whether the router routes as configured: a cache-aware router is starting
@@ -244,6 +238,8 @@ class Router:
     async def _start_discovery(self) -> None:
         """Watch the etcd prefix; each instance that joins is checked at once."""
         from kvpush.router.discover import EtcdLink
+
+        assert self.cfg.discover is not None
 
         def on_join(inst: Instance) -> None:
             assert self.health_client is not None
@@ -339,8 +335,14 @@ async def _handle(router: Router, request: Request,
     job = Job(rid=new_request_id(kind), kind=kind, path=path, body={}, stream=False,
               arrival=arrival, client_rid=request.headers.get("x-request-id"),
               on_done=router.admission.leave)
-    if router.cores.serving(router.tokenizer):
-        return await router.cores.serve(request, kind, raw, job)
+    if router.cores.wanted():  # kvpush instances: over their engine cores only
+        why = await router.cores_ready()
+        if why is None:
+            return await router.cores.serve(request, kind, raw, job)
+        router.book.close(job, "unavailable", 503)
+        return APIError(f"the router is starting: {why}", status_code=503,
+                        code="starting").response(
+            headers={"X-Request-Id": job.rid, "Retry-After": str(RETRY_AFTER_S)})
     headers = {"X-Request-Id": job.rid}
     try:
         big = len(raw) > INLINE_PARSE_BYTES  # ~20 ms a MB: off the event loop
@@ -361,13 +363,13 @@ async def _handle(router: Router, request: Request,
             await router.cache.plan(job, len(raw))
         gone, result = await unless_disconnected(legs.dispatch(job), request.receive)
     except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI body
-        err = to_api_error(exc)
-        if err is None:
+        error = to_api_error(exc)
+        if error is None:
             logger.exception("error routing request %s", job.rid)
-            err = internal_error()
-        job.error = err.message
-        await legs.close(job, outcome_for(err.status_code), err.status_code)
-        return router.for_client(err).response(headers=headers)
+            error = internal_error()
+        job.error = error.message
+        await legs.close(job, outcome_for(error.status_code), error.status_code)
+        return router.for_client(error).response(headers=headers)
     if gone:
         await legs.close(job, "abort", 499)
         return Response(status_code=499)
@@ -450,9 +452,12 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
     async def tokens(request: Request, which: Literal["tokenize", "detokenize"]) -> Response:
         """The engine-core front's /tokenize or /detokenize (the model's tokenizer), else
         a decode instance's (HTTP legs: vLLM's too)."""
-        if router.cores.serving(router.tokenizer):
+        if router.cores.wanted():
+            why = await router.cores_ready()
             front = router.cores.front
-            assert front is not None
+            if why is not None or front is None:
+                return APIError(f"the router is starting: {why}", status_code=503,
+                                code="starting").response()
             return await front.tokens(request, getattr(front.prompts, which))
         try:
             raw = await read_body_within(request, router.cfg.body_timeout_s)
@@ -491,6 +496,10 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
                            status_code=503)
             return JSONResponse({**err.body(), **extra}, status_code=err.status_code)
         routing = router.routing_state()
+        if not routing.starting and router.cores.wanted() \
+                and not router.cores.serving(router.tokenizer):
+            routing = RoutingState("starting", "the links to the instances' engine cores "
+                                   "are connecting, or the model's tokenizer is loading")
         if routing.starting:
             err = APIError(f"the router is starting: {routing.why}", status_code=503,
                            code="starting")
@@ -500,8 +509,7 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
                 "routing": routing.routing,
                 # how legs reach the instances: their engine cores' request planes, or
                 # their HTTP APIs (kvpush.router.core_front)
-                "legs": ("engine cores" if router.cores.serving(router.tokenizer)
-                         else "http"), **extra}
+                "legs": "engine cores" if router.cores.wanted() else "http", **extra}
         if routing.degraded:
             body["degraded"] = routing.why
         return JSONResponse(body)

@@ -43,7 +43,7 @@ class CachePolicy:
         self.cfg, self.pool, self.metrics, self.client = cfg, pool, metrics, client
         self.tokenizer = PromptTokenizer(cfg.tokenizer)
         self.index = KVIndex(self._fetch_snapshot, retry_s=cfg.health_interval_s,
-                             keys=cfg.kv_secret.events if cfg.kv_secret else None)
+                             keys=cfg.keys.events if cfg.keys else None)
         self._load: asyncio.Task | None = None
         pool.on_info = self._on_info
         pool.on_remove.append(self._on_remove)
@@ -65,7 +65,7 @@ class CachePolicy:
         self.index.update(inst, inst.url, None)
 
     async def _fetch_snapshot(self, url: str) -> Snapshot:
-        keys = self.cfg.kv_secret  # (with the API key: the client's)
+        keys = self.cfg.keys  # (with the API key: the client's)
         r = await self.client.get(url + "/kv/cache_blocks", timeout=self.cfg.health_timeout_s,
                                   headers=keys.member_header()
                                   if isinstance(keys, RouterKeys) else None)

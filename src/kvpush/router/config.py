@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from kvpush.crypto.auth import grant_key
 from kvpush.crypto.curve import REQUEST_PLANE_PURPOSE, CurveKeys, derive_curve_keys
@@ -17,6 +17,9 @@ from kvpush.crypto.membership import card_key, member_view_token, proof_key
 from kvpush.discovery.instance_spec import InstanceSpec
 from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.server.member_view import member_header
+
+if TYPE_CHECKING:
+    from kvpush.discovery.target import EtcdTarget
 
 Mode = Literal["push", "pull", "colocated"]
 Policy = Literal["round-robin", "least-outstanding", "cache-aware"]
@@ -135,7 +138,7 @@ class RouterConfig:
     load_weight: float = 1.0
     #: --discover: the etcd prefix instances register under (a
     #: kvpush.discovery.target.EtcdTarget; None: the static lists only)
-    discover: object | None = None
+    discover: EtcdTarget | None = None
     #: --discover: discovered instances taken at most; cards beyond are ignored (logged
     #: at a bounded rate) until places free up
     max_instances: int = 256
@@ -188,6 +191,12 @@ class RouterConfig:
                 "they get traffic")
         if self.max_instances < 1:
             raise RouterConfigError("max_instances must be at least 1")
+
+    @property
+    def keys(self) -> RouterKeys | None:
+        """The keys derived from the cluster secret (None: the router has none)."""
+        assert not isinstance(self.kv_secret, bytes)  # (replaced in __post_init__)
+        return self.kv_secret
 
     @property
     def needs_prefill(self) -> bool:

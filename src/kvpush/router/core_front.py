@@ -1,28 +1,32 @@
-"""Whether and how a request is served over the engine cores: the router's
-:class:`OpenAIFront` (kvpush.server.app) over a :class:`ClusterEngine`.
+"""The router's front over kvpush instances' engine cores: its :class:`OpenAIFront`
+(kvpush.server.app) over a :class:`ClusterEngine`.
 
-A request takes this path when the router holds the cluster secret and the model's
-tokenizer, and every healthy instance has a request plane, a proven one for at least
-one decode; else it takes the HTTP legs (kvpush.router.legs: vLLM instances, a router
-whose tokenizer is still loading, or ``KVPUSH_ROUTER_PATH=http`` for side-by-side
-measurements). The front is built once, from a decode instance's ``/kv/info`` (the
-served model's name, its context, its vocabulary, and its ``--chat-template`` if it
-was given one: the router renders chats for the cores).
+A kvpush instance (its /kv/info names a request plane) is reached over its engine core
+only: a request that arrives while the router is starting (the model's tokenizer
+loading, a core's link handshaking) waits for that, woken by the events themselves, at
+most ``STARTING_WAIT_S``, then gets a 503 "starting". The HTTP legs
+(kvpush.router.legs) are for vLLM instances. The front is built once, from a decode
+instance's ``/kv/info`` (the served model's name, its context, its vocabulary, and its
+``--chat-template`` if it was given one: the router renders chats for the cores).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-import os
+import time
 from typing import TYPE_CHECKING, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from kvpush.aio import within
 from kvpush.router.cluster_engine import ClusterEngine
 from kvpush.router.config import RouterConfig
 from kvpush.router.job import Job, outcome_for
 from kvpush.router.life import Book, RequestLife
+from kvpush.router.pool import Instance
 from kvpush.router.senders import CoreSender, remote_core
 from kvpush.router.wire import LegSigner
 from kvpush.server.app import FrontSettings, OpenAIFront
@@ -30,10 +34,17 @@ from kvpush.server.app import FrontSettings, OpenAIFront
 if TYPE_CHECKING:
     from kvpush.router.prompts import PromptTokenizer
 
+
+def has_plane(inst: Instance) -> bool:
+    """Whether ``inst`` is a kvpush instance with a request plane (its /kv/info names
+    one): the router reaches it over its engine core."""
+    return bool((inst.info or {}).get("request_plane"))
+
 log = logging.getLogger("kvpush.router")
 
-#: environment variable that keeps kvpush instances on the HTTP legs (``http``)
-ROUTER_PATH_ENV = "KVPUSH_ROUTER_PATH"
+#: how long a request that arrives while the router is starting (the tokenizer loading,
+#: the engine cores' links handshaking) waits for it before a 503 "starting"
+STARTING_WAIT_S = 10.0
 
 
 class CoreFront:
@@ -46,15 +57,21 @@ class CoreFront:
         self.cluster: ClusterEngine | None = None
         self.front: OpenAIFront | None = None
 
+    def wanted(self) -> bool:
+        """Whether the healthy instances are kvpush instances: reached over their engine
+        cores only (the HTTP legs are for vLLM instances)."""
+        return any(i.healthy and has_plane(i) for i in self.pool.instances)
+
     def serving(self, tokenizer: PromptTokenizer | None) -> bool:
-        """Whether requests take the engine cores now (builds the front on first use)."""
-        keys = self.cfg.kv_secret
-        if (keys is None or tokenizer is None or not tokenizer.ready
-                or os.environ.get(ROUTER_PATH_ENV) == "http"):
+        """Whether requests can take the engine cores now (builds the front on first
+        use): the model's tokenizer is loaded and every healthy instance's core is
+        linked and proved the secret."""
+        if tokenizer is None or not tokenizer.ready:
             return False
         if self.sender is None:
-            self.sender = CoreSender(self.pool, remote_core(keys.request_plane,
-                                                            tokenizer.tokenizer))
+            keys = self.cfg.keys
+            plane = keys.request_plane if keys is not None else None
+            self.sender = CoreSender(self.pool, remote_core(plane, tokenizer.tokenizer))
             self.pool.link_up = self.sender.link_up
             life = RequestLife(self.cfg, self.book, self.sender, self.signer,
                                tokenizer.tokenizer)
@@ -62,22 +79,50 @@ class CoreFront:
         if not self.sender.serves():
             return False
         if self.front is None:
-            assert self.cluster is not None
-            inst = next(i for i in self.pool.by_role["decode"] if i.healthy and i.info)
-            info = inst.info
-            assert info is not None
-            template = info.get("chat_template")
-            if isinstance(template, str):  # the instance's --chat-template, not the model's
-                tokenizer.tokenizer.chat_template = template
-                log.info("chats are rendered with %s's --chat-template", inst.url)
-            settings = FrontSettings(str(info.get("model")), int(info["max_model_len"]),
-                                     int(info["vocab_size"]), "router", self.cfg.mode)
-            self.front = OpenAIFront(self.cluster, settings,  # type: ignore[arg-type]
-                                     max_waiting_requests=0,
-                                     body_timeout_s=self.cfg.body_timeout_s,
-                                     engine_gauges=False)
-            self.front.on_job = self.cluster.note_stream
+            self._build_front(tokenizer)
         return True
+
+    async def ready(self, tokenizer: PromptTokenizer | None, loading: asyncio.Task | None,
+                    timeout: float) -> str | None:
+        """Wait (at most ``timeout`` s, on the events themselves) until requests can take
+        the engine cores; why they cannot, or None."""
+        deadline = time.monotonic() + timeout
+        if tokenizer is not None and not tokenizer.ready and loading is not None:
+            with contextlib.suppress(asyncio.TimeoutError, Exception):
+                await within(asyncio.shield(loading), timeout)
+        if tokenizer is None or not tokenizer.ready:
+            why = tokenizer.why if tokenizer is not None else None
+            return f"the model's tokenizer is not loaded{f' ({why})' if why else ''}"
+        if self.serving(tokenizer):
+            return None
+        assert self.sender is not None
+        for inst in [i for i in self.pool.instances if i.healthy and has_plane(i)]:
+            link = self.sender.link(inst)
+            if link is not None and not link.connected:
+                await link.wait_connected(max(0.0, deadline - time.monotonic()))
+        if self.serving(tokenizer):
+            return None
+        return "the links to the instances' engine cores are still connecting"
+
+    def _build_front(self, tokenizer: PromptTokenizer) -> None:
+        """The OpenAI front, from a decode instance's /kv/info: the served model's name,
+        its context, its vocabulary, and its ``--chat-template`` if it was given one
+        (the router renders chats for the cores)."""
+        assert self.cluster is not None
+        inst = next(i for i in self.pool.by_role["decode"] if i.healthy and i.info)
+        info = inst.info
+        assert info is not None
+        template = info.get("chat_template")
+        if isinstance(template, str):  # the instance's --chat-template, not the model's
+            tokenizer.tokenizer.chat_template = template
+            log.info("chats are rendered with %s's --chat-template", inst.url)
+        settings = FrontSettings(str(info.get("model")), int(info["max_model_len"]),
+                                 int(info["vocab_size"]), "router", self.cfg.mode)
+        self.front = OpenAIFront(self.cluster, settings,  # type: ignore[arg-type]
+                                 max_waiting_requests=0,
+                                 body_timeout_s=self.cfg.body_timeout_s,
+                                 engine_gauges=False)
+        self.front.on_job = self.cluster.note_stream
 
     async def serve(self, request: Request, kind: Literal["completion", "chat"],
                     raw: bytes, job: Job) -> Response:

@@ -208,7 +208,7 @@ class EtcdLink:
         touched = self._drop(key)
         try:
             card = decode(value)
-            keys = self.pool.cfg.kv_secret
+            keys = self.pool.cfg.keys
             bad = (signature_problem(card, keys.card_key) if isinstance(keys, RouterKeys)
                    else "the router has no cluster secret to check its signature with")
             if bad is not None:

@@ -26,10 +26,12 @@ router's log names them, with the request id the client has as ``X-Request-Id``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 from fastapi.responses import Response
@@ -45,7 +47,6 @@ from kvpush.router.wire import (
     AnswerTooLarge,
     ErrorFrames,
     FrameTooLong,
-    LegSigner,
     prefill_body,
     push_decode_params,
     read_answer,
@@ -65,37 +66,14 @@ CONNECTION_LOST = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError,
                    httpx.WriteError, httpx.RemoteProtocolError)
 
 
-def _body_code(content: bytes) -> str | None:
-    try:
-        err = json.loads(content).get("error")
-    except (ValueError, AttributeError):
-        return None
-    return err.get("code") if isinstance(err, dict) else None
-
-
-class DecodeCannotServe(Exception):
-    """A decode instance answered 503 ``unavailable``: it cannot serve at all (its step
-    loop or KV transfer thread died), and refused the request before doing anything."""
-
-    def __init__(self, content: bytes, retry_after: str | None) -> None:
-        try:
-            message = str(json.loads(content)["error"]["message"])
-        except (ValueError, KeyError, TypeError):
-            message = "unavailable"
-        super().__init__(message)
-        self.content, self.retry_after, self.message = content, retry_after, message
-
-
 class Legs:
-    def __init__(self, cfg: RouterConfig, book: Book, client: httpx.AsyncClient,
-                 signer: LegSigner) -> None:
+    def __init__(self, cfg: RouterConfig, book: Book, client: httpx.AsyncClient) -> None:
         self.cfg = cfg
         self.book = book
         self.placement = book.placement
         self.pool = book.placement.pool
         self.metrics = book.metrics
         self.client = client
-        self.signer = signer
         self._background: set[asyncio.Task] = set()  # fire-and-forget aborts
 
     # ------------------------------------------------------------------ entry point
@@ -161,7 +139,7 @@ class Legs:
             job.legs_sent = time.perf_counter()
             try:
                 r = await self._prefill_leg(
-                    job, p, self._signed_prefill_body(job, p, tid), tid)
+                    job, p, prefill_body(job.body, tid), tid)
             finally:
                 self.pool.release(p)
             if r.never_sent or r.lost:
@@ -193,15 +171,7 @@ class Legs:
                                  "mode?)", f"prefill instance {p.url} answered without "
                                  "kv_transfer_params")
             d = self.placement.pick_decode(job)
-            try:
-                result = await self._decode_leg(
-                    job, d, {**job.body, "kv_transfer_params": kv}, tid)
-            except BaseException:
-                self._abort_transfer(p, tid)  # prefill's lent blocks have no reader
-                raise
-            if isinstance(result, Response) and result.status_code != 200:
-                self._abort_transfer(p, tid)
-            return result
+            return await self._decode_leg(job, d, {**job.body, "kv_transfer_params": kv}, tid)
 
     async def _push(self, job: Job, p: Instance) -> Response | httpx.Response:
         tried: set[Instance] = set()
@@ -216,10 +186,10 @@ class Legs:
             d_body = {**job.body, "kv_transfer_params": push_decode_params(p, tid)}
             job.legs_sent = time.perf_counter()
             p_task = asyncio.create_task(
-                self._prefill_leg(job, p, self._signed_prefill_body(job, p, tid), tid))
+                self._prefill_leg(job, p, prefill_body(job.body, tid), tid))
             job.p_task = p_task
             job.parts += 1
-            p_task.add_done_callback(lambda _t, j=job, i=p: self.book.prefill_done(j, i))
+            p_task.add_done_callback(functools.partial(self.book.prefill_done, job, p))
             d_task = asyncio.create_task(self._decode_leg(job, d, d_body, tid))
             try:
                 await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -247,41 +217,14 @@ class Legs:
                 result = d_task.result() if d_task.done() else await d_task
                 if isinstance(result, Response) and result.status_code != 200:
                     p_task.cancel()  # decode refused it: prefill's KV has no destination
-                    self._abort_transfer(p, tid)
                 return result
             except BaseException:
                 # client gone, or decode's leg failed without an answer: the KV has no
-                # destination, so prefill's leg goes too, and what prefill already holds
-                # for it (a finished leg waiting for a registration that will not come)
-                # is released now rather than at the end of its lease
+                # destination, so prefill's leg goes too
                 p_task.cancel()
-                self._abort_transfer(p, tid)
                 await _cancel(d_task)
                 await self.close_upstream(job)
                 raise
-
-    def _signed_prefill_body(self, job: Job, p: Instance, tid: str) -> dict[str, Any]:
-        """The prefill leg's body, its params signed for ``p``. They name no decode
-        instance: in push a decode leg that cannot connect is sent to another decode
-        under the same transfer id while this leg runs."""
-        body = prefill_body(job.body, tid)
-        body["kv_transfer_params"] = self.signer.sign(body["kv_transfer_params"], p,
-                                                      "prefill")
-        return body
-
-    def _abort_transfer(self, p: Instance, tid: str) -> None:
-        """Tell prefill to release what it holds for ``tid`` now (fire and forget; its
-        lease would free it later anyway)."""
-        async def send() -> None:
-            try:
-                await self.client.post(f"{p.url}/kv/abort", json=self.signer.abort(tid, p),
-                                       timeout=5)
-            except Exception:  # noqa: BLE001 - best effort
-                logger.debug("abort of transfer %s on %s failed", tid, p.url, exc_info=True)
-
-        task = asyncio.create_task(send())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     # ------------------------------------------------------------------ legs
 
@@ -305,13 +248,8 @@ class Legs:
             r.content_type = resp.headers.get("content-type")
             outcome = "ok" if resp.status_code == 200 else "http_error"
             if resp.status_code != 200:
-                if job.mode == "push" and _body_code(r.content) == "prefill_not_needed":
-                    # decode's registration (a full prefix hit) reached prefill before
-                    # this leg did: nothing to compute, and nothing is wrong
-                    outcome = "skipped"
-                else:
-                    text = r.content[:300].decode("utf-8", "replace")
-                    r.error = f"HTTP {resp.status_code}: {text}"
+                text = r.content[:300].decode("utf-8", "replace")
+                r.error = f"HTTP {resp.status_code}: {text}"
         except CONNECTION_LOST as e:
             r.error = describe_error(e)
             r.never_sent = isinstance(e, NEVER_SENT)
@@ -344,19 +282,9 @@ class Legs:
         while True:
             try:
                 return await self._send_decode(job, d, body, tid)
-            except (*NEVER_SENT, DecodeCannotServe) as e:
+            except NEVER_SENT as e:
                 tried.add(d)
                 why = describe_error(e)
-                if isinstance(e, DecodeCannotServe):
-                    # it refused the request before doing anything (its step loop or
-                    # transfer thread is dead): out of rotation now, not at its next
-                    # health check, and the request goes to another decode
-                    why = "it cannot serve (HTTP 503: " + e.message + ")"
-                    if not any(i.healthy and i not in tried
-                               for i in self.pool.by_role["decode"]):
-                        self.pool.mark_failed(d, f"decode leg: {why}")
-                        return relay_error(503, e.content, "decode", d, job.rid,
-                                           self.pool.engine_ids(), e.retry_after)
                 self.pool.mark_failed(d, f"decode leg: {why}")
                 if not any(i.healthy and i not in tried for i in self.pool.by_role["decode"]):
                     raise fail(job, 502, f"the decode instance could not be reached "
@@ -369,10 +297,6 @@ class Legs:
                            tid: str) -> Response | httpx.Response:
         """One decode leg on ``d`` (held by the job: Legs.close releases it), its
         ``kv_transfer_params`` signed for ``d`` (a retry elsewhere signs them anew)."""
-        kv = body.get("kv_transfer_params")
-        if kv is not None:
-            body = {**body, "kv_transfer_params": self.signer.sign(kv, d, "decode",
-                                                                   job.prefill)}
         req = self.client.build_request("POST", d.url + job.path, json=body,
                                         headers={"X-Request-Id": tid})
         job.d_sent = time.perf_counter()
@@ -401,8 +325,6 @@ class Legs:
         finally:
             await self.close_upstream(job)
         if resp.status_code != 200:
-            if resp.status_code == 503 and _body_code(content) == "unavailable":
-                raise DecodeCannotServe(content, resp.headers.get("retry-after"))
             return relay_error(resp.status_code, content, "decode", d, job.rid,
                                self.pool.engine_ids(), resp.headers.get("retry-after"))
         return Response(content, status_code=200,
@@ -439,7 +361,7 @@ class Legs:
         d = job.decode
         assert d is not None
         frames = ErrorFrames(self.pool.engine_ids(), self.cfg.max_frame_bytes)
-        chunks = resp.aiter_bytes()
+        chunks = cast("AsyncGenerator[bytes, None]", resp.aiter_bytes())
         try:
             while True:
                 wait = (self.cfg.first_byte_timeout_s if job.first_byte is None

@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -117,7 +118,8 @@ class Book:
         self.metrics.request_s.labels(mode, job.outcome).observe(job.ended - job.arrival)
         self.part_done(job)
 
-    def prefill_done(self, job: Job, p: Instance) -> None:
+    def prefill_done(self, job: Job, p: Instance, _leg: object = None) -> None:
+        """Prefill's leg on ``p`` is over (a done callback of its task)."""
         self.placement.pool.release(p)
         self.part_done(job)
 
@@ -222,7 +224,7 @@ class RequestLife:
 
     # ---- placement -----------------------------------------------------------------
     def _placed(self, job: Job, prompt: list[int], params: SamplingParams
-                ) -> AsyncIterator[EngineOutput]:
+                ) -> AsyncGenerator[EngineOutput, None]:
         """Decode's outputs, its legs placed now."""
         cfg = self.cfg
         self.placement.route(job, prompt, params)
@@ -279,13 +281,13 @@ class RequestLife:
 
     # ---- legs ------------------------------------------------------------------------
     async def _alone(self, job: Job, prompt: list[int], params: SamplingParams
-                     ) -> AsyncIterator[EngineOutput]:
+                     ) -> AsyncGenerator[EngineOutput, None]:
         d = self._pick_decode(job)
         async for out in self._decode(job, d, job.new_transfer_id(), prompt, params, None):
             yield out
 
     def _fallback(self, job: Job, prompt: list[int], params: SamplingParams
-                  ) -> AsyncIterator[EngineOutput]:
+                  ) -> AsyncGenerator[EngineOutput, None]:
         job.mode, job.prefill = "fallback", None
         return self._alone(job, prompt, params)
 
@@ -295,7 +297,7 @@ class RequestLife:
         return tid, self.signer.sign(prefill_params(tid), p, "prefill")
 
     async def _push(self, job: Job, p: Instance, prompt: list[int], params: SamplingParams
-                    ) -> AsyncIterator[EngineOutput]:
+                    ) -> AsyncGenerator[EngineOutput, None]:
         """Both legs at once. Prefill lost before decode's first output (its KV had not
         all landed): decode's leg is withdrawn and the pair starts again with another
         prefill instance (or decode alone, with --fallback-local-prefill)."""
@@ -312,7 +314,7 @@ class RequestLife:
             p_task = asyncio.create_task(self._prefill(job, p, tid, prompt, params, p_kv))
             job.p_task = p_task
             job.parts += 1
-            p_task.add_done_callback(lambda _t, i=p: self.book.prefill_done(job, i))
+            p_task.add_done_callback(functools.partial(self.book.prefill_done, job, p))
             outs = self._decode(job, d, tid, prompt, params, d_kv)
             finished = False
             try:
@@ -329,12 +331,12 @@ class RequestLife:
                                    f"prefill instance {p.url}: its way was lost")
                     self.placement.release_decode(job)
                     if other is None:
-                        async for out in self._fallback(job, prompt, params):
-                            yield out
+                        async for alone in self._fallback(job, prompt, params):
+                            yield alone
                         return
                     p = other
                     continue
-                out = await first
+                out: EngineOutput | None = await first
                 while out is not None:
                     finished = out.finished and out.finish_reason is not FinishReason.ERROR
                     yield out
@@ -347,7 +349,7 @@ class RequestLife:
                     self.sender.release(p, tid)
 
     async def _pull(self, job: Job, p: Instance, prompt: list[int], params: SamplingParams
-                    ) -> AsyncIterator[EngineOutput]:
+                    ) -> AsyncGenerator[EngineOutput, None]:
         """Prefill's leg, then decode's with what prefill lent. Prefill lost during its
         leg: another prefill, a new transfer id (or decode alone, with
         --fallback-local-prefill)."""
@@ -423,7 +425,7 @@ class RequestLife:
 
     async def _decode(self, job: Job, d: Instance, tid: str, prompt: list[int],
                       params: SamplingParams, kv: dict[str, Any] | None
-                      ) -> AsyncIterator[EngineOutput]:
+                      ) -> AsyncGenerator[EngineOutput, None]:
         """Decode's outputs; DecodeLost when its way is gone (the instance left the
         rotation at the drop)."""
         job.d_sent = time.perf_counter()

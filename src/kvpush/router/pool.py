@@ -25,6 +25,7 @@ All state is touched from the event loop only, so picks need no lock.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -311,7 +312,7 @@ class Pool:
             if r.status_code != 200:
                 self._down(inst, f"/health answered HTTP {r.status_code}")
                 return
-            keys = self.cfg.kv_secret
+            keys = self.cfg.keys
             if isinstance(keys, RouterKeys):
                 # no API key, no prompt, no grant before the proof (kvpush.router.admit);
                 # proved at every check: another server at its address is caught there
@@ -460,7 +461,7 @@ class Pool:
                 task = asyncio.create_task(self.check(client, inst),
                                            name=f"kvpush-check {inst.url}")
                 self._checks[inst] = task
-                task.add_done_callback(lambda t, i=inst: self._check_done(i, t))
+                task.add_done_callback(functools.partial(self._check_done, inst))
                 started.append(task)
         return started
 

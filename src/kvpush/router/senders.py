@@ -92,11 +92,14 @@ class CoreLink(Protocol):
 
     def has_streams(self) -> bool: ...
 
+    async def wait_connected(self, timeout: float) -> bool: ...
+
     def close(self) -> None: ...
 
 
-def remote_core(keys: CurveKeys, tokenizer: Any) -> Callable[[str], CoreLink]:
-    """Links to real engine cores: a started RemoteCore per request-plane address."""
+def remote_core(keys: CurveKeys | None, tokenizer: Any) -> Callable[[str], CoreLink]:
+    """Links to real engine cores: a started RemoteCore per request-plane address
+    (``keys`` None: plain planes, a cluster without a secret)."""
     def connect(address: str) -> CoreLink:
         core = RemoteCore(address, keys, tokenizer)
         core.start()

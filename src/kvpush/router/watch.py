@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from types import TracebackType
+from typing import Literal
 
 
 class LegLost(Exception):
@@ -70,7 +71,7 @@ class LegWatch:
         self._task.cancel()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> bool:
+                 tb: TracebackType | None) -> Literal[False]:
         self.watches.discard(self)
         if self._handle is not None:
             self._handle.cancel()

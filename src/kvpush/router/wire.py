@@ -65,13 +65,6 @@ class LegSigner:
         return self._signer.sign(params, role=role, engine_id=to.engine_id,
                                  peer_engine_id=peer.engine_id if peer else None)
 
-    def abort(self, tid: str, to: Instance) -> dict[str, Any]:
-        """The /kv/abort body for the prefill instance ``to`` (kvpush.server.kv_abort),
-        signed for it."""
-        from kvpush.server.kv_abort import abort_body
-
-        return self.sign(abort_body(tid), to, "prefill")
-
 
 def client_kv_params_problem(body: dict[str, Any]) -> str | None:
     """Why the router refuses a client's body: ``kv_transfer_params`` are cluster-

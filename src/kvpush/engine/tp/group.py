@@ -296,7 +296,7 @@ class RankGroup:
         socks += [(r, s, "KV") for r, s in enumerate(self._kv_socks, 1)]
         deadline = time.monotonic() + ADMIT_TIMEOUT_S
         for r, sock, what in socks:
-            if not sock.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            if not sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
                 raise ConfigError(f"tensor-parallel rank {r} did not prove itself on its "
                                   f"{what} socket in {ADMIT_TIMEOUT_S:.0f} s")
             if not hmac.compare_digest(sock.recv(zmq.NOBLOCK), self._token):

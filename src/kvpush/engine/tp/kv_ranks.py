@@ -91,7 +91,7 @@ class RankProxy(KVTransport):
 
     def __init__(self, sock: zmq.Socket, rank: int) -> None:
         self.sock, self.rank, self.name = sock, rank, f"rank {rank}"
-        self.stats = None  # type: ignore[assignment]  (the rank's transport keeps them)
+        self.stats = None  # type: ignore[assignment]  # the rank's transport keeps them
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(KVState)
         self._states: dict[int, XferState] = {}
@@ -124,8 +124,8 @@ class RankProxy(KVTransport):
         if self.dead is not None:
             raise TransferPostError(self.dead)
         handle, self._next = self._next, self._next + 1
-        self._send(KVPost(handle, op, peer, [tuple(r) for r in local],
-                          [tuple(r) for r in remote]))
+        self._send(KVPost(handle, op, peer, [(r[0], r[1]) for r in local],
+                          [(r[0], r[1]) for r in remote]))
         self._states[handle] = XferState.PENDING
         return handle
 
