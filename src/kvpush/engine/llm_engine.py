@@ -291,6 +291,7 @@ class LLMEngine:
         if ready.error is not None:
             return [rejected(req.request_id, RequestError(
                 f"structured output: {ready.error}", "response_format"))]
+        assert req.params.structured is not None  # (only a guided request compiles)
         req.grammar = self.grammars.grammar(req.params.structured)
         self._queue(req, kv)
         return []
