@@ -162,7 +162,7 @@ class Router:
         RouterConfigError / RouterStartupError), start the health loop."""
         self.client = self.make_client()
         self.health_client = self.make_health_client()
-        self.legs = Legs(self.cfg, self.book, self.client)
+        self.legs = Legs(self.cfg, self.book, self.client, self.signer)
         try:
             if self.cfg.discover is not None:
                 await self._start_discovery()

@@ -47,6 +47,7 @@ from kvpush.router.wire import (
     AnswerTooLarge,
     ErrorFrames,
     FrameTooLong,
+    LegSigner,
     prefill_body,
     push_decode_params,
     read_answer,
@@ -67,13 +68,15 @@ CONNECTION_LOST = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError,
 
 
 class Legs:
-    def __init__(self, cfg: RouterConfig, book: Book, client: httpx.AsyncClient) -> None:
+    def __init__(self, cfg: RouterConfig, book: Book, client: httpx.AsyncClient,
+                 signer: LegSigner) -> None:
         self.cfg = cfg
         self.book = book
         self.placement = book.placement
         self.pool = book.placement.pool
         self.metrics = book.metrics
         self.client = client
+        self.signer = signer
         self._background: set[asyncio.Task] = set()  # fire-and-forget aborts
 
     # ------------------------------------------------------------------ entry point
@@ -139,7 +142,7 @@ class Legs:
             job.legs_sent = time.perf_counter()
             try:
                 r = await self._prefill_leg(
-                    job, p, prefill_body(job.body, tid), tid)
+                    job, p, self._signed_prefill_body(job, p, tid), tid)
             finally:
                 self.pool.release(p)
             if r.never_sent or r.lost:
@@ -186,7 +189,7 @@ class Legs:
             d_body = {**job.body, "kv_transfer_params": push_decode_params(p, tid)}
             job.legs_sent = time.perf_counter()
             p_task = asyncio.create_task(
-                self._prefill_leg(job, p, prefill_body(job.body, tid), tid))
+                self._prefill_leg(job, p, self._signed_prefill_body(job, p, tid), tid))
             job.p_task = p_task
             job.parts += 1
             p_task.add_done_callback(functools.partial(self.book.prefill_done, job, p))
@@ -225,6 +228,15 @@ class Legs:
                 await _cancel(d_task)
                 await self.close_upstream(job)
                 raise
+
+    def _signed_prefill_body(self, job: Job, p: Instance, tid: str) -> dict[str, Any]:
+        """The prefill leg's body, its params signed for ``p`` (vLLM with kvpush's
+        connector checks them: LegSigner). They name no decode instance: in push a
+        decode leg that cannot connect goes to another decode under the same id."""
+        body = prefill_body(job.body, tid)
+        body["kv_transfer_params"] = self.signer.sign(body["kv_transfer_params"], p,
+                                                      "prefill")
+        return body
 
     # ------------------------------------------------------------------ legs
 
@@ -297,6 +309,10 @@ class Legs:
                            tid: str) -> Response | httpx.Response:
         """One decode leg on ``d`` (held by the job: Legs.close releases it), its
         ``kv_transfer_params`` signed for ``d`` (a retry elsewhere signs them anew)."""
+        kv = body.get("kv_transfer_params")
+        if kv is not None:
+            body = {**body, "kv_transfer_params": self.signer.sign(kv, d, "decode",
+                                                                   job.prefill)}
         req = self.client.build_request("POST", d.url + job.path, json=body,
                                         headers={"X-Request-Id": tid})
         job.d_sent = time.perf_counter()
