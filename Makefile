@@ -108,7 +108,7 @@ soak: venv
 	$(PY) benchmarks/soak.py --modes push,pull
 
 ## ruff, then the import contracts of pyproject.toml (docs/ARCHITECTURE.md (Layers): the layer order, no
-## import cycles inside a package, the router runs no engine), then mypy over the router and the engine.
+## import cycles inside a package, the router runs no engine), then mypy over the router, the engine and the server.
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(LINT_IMPORTS)

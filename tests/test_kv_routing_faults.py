@@ -204,31 +204,6 @@ def test_full_decode_is_passed_over_for_one_with_room(cluster, router):
     assert _requests(router, c.d1) == d1_before + 1 and _decisions(router, "local") == 1
 
 
-def test_decode_refusing_the_local_leg_sends_it_remote_elsewhere(cluster, router):
-    """D1 caches the prompt and has room, but three push legs waiting for their KV fill
-    its waiting-request bound: it answers the local leg 429. The router sends the
-    request again with a prefill leg, to D2: D1 would refuse that leg too."""
-    c = cluster
-    prefix = _prompt(460)
-    _complete(c.d1.url, prefix, max_tokens=1)
-    wait_until(lambda: _cached_blocks(router, c.d1, prefix) == 10, 10, "D1 holds it")
-    holds = [_hold(c.d1, c.p, _prompt(470 + 10 * k, 8)) for k in range(D1_MAX_WAITING)]
-    try:
-        wait_until(lambda: metric_value(httpx.get(c.d1.url + "/metrics").text,
-                                        "kvpush_http_requests_waiting") == D1_MAX_WAITING,
-                   10, "D1's waiting-request bound reached")
-        d1_before, d2_before = _requests(router, c.d1), _requests(router, c.d2)
-        _check(router, c, prefix + _prompt(480, 4))
-        assert _requests(router, c.d1) == d1_before + 1  # the refused local leg
-        assert _requests(router, c.d2) == d2_before + 1  # the push leg
-        assert _decisions(router, "remote") == 1 and _decisions(router, "local") == 0
-        m = httpx.get(c.d1.url + "/metrics").text
-        assert metric_value(m, "kvpush_http_queue_full_total") >= 1
-    finally:
-        for s in holds:
-            s.close()
-
-
 def test_lost_event_batch_is_repaired_by_a_snapshot(cluster, router):
     """The router's SUB socket misses one batch of D1's (a real publisher; the batch is
     dropped where the router receives it, as a slow subscriber's are): the router does

@@ -52,8 +52,9 @@ class FakeCore:
     false, on_lost, the stream ends with an error), as RemoteCore's does."""
 
     def __init__(self, address: str, role: str, lose_after: int | None = None,
-                 connected: bool = True) -> None:
+                 connected: bool = True, dies: bool = False) -> None:
         self.address, self.role, self.lose_after = address, role, lose_after
+        self.dies = dies  # at lose_after its core's loop dies (the link stays up)
         self.proven, self.connected = True, connected
         self.fatal: str | None = None
         self.requests: list[tuple[str, list[int], dict | None]] = []
@@ -76,9 +77,12 @@ class FakeCore:
             self.open -= 1
 
     def _lose(self, request_id: str) -> EngineOutput:
-        self.connected = False
+        if self.dies:  # as RemoteCore's _loop_died: fatal set, then on_lost
+            self.fatal = "the KV transfer thread died"
+        else:
+            self.connected = False
         if self.on_lost is not None:
-            self.on_lost("the engine core connection was lost")
+            self.on_lost(self.fatal or "the engine core connection was lost")
         return EngineOutput(request_id, [], finish_reason=FinishReason.ERROR,
                             failure=RequestFailure("the engine core connection was lost"))
 
@@ -205,6 +209,22 @@ def test_a_decode_lost_mid_stream_is_migrated_and_the_stream_goes_on(mode):
     assert all(i.in_flight == 0 for i in pool.instances)
 
 
+def test_a_decode_whose_core_died_is_left_and_its_request_migrated():
+    """A decode whose core's loop died (its transfer thread, say) while its connection
+    stays up: it leaves the rotation at once and the request goes on elsewhere."""
+    cores = {"http://p0:1": FakeCore("p0:7", "prefill"),
+             "http://d0:1": FakeCore("d0:7", "decode", lose_after=2, dies=True),
+             "http://d1:1": FakeCore("d1:7", "decode")}
+    engine, pool, sender = _engine("push", cores)
+
+    outs, job = asyncio.run(_run(engine, max_tokens=5))
+
+    assert [t for o in outs for t in o.new_token_ids] == list(range(3, 8))
+    (d0,) = [i for i in pool.instances if i.url == "http://d0:1"]
+    assert not d0.healthy and not sender.usable(d0)
+    assert _metric(engine, "migrations", "core_died") == 1 and job.outcome == "ok"
+
+
 def test_migration_gives_up_at_its_limit_and_with_no_decode_left():
     cores = {"http://p0:1": FakeCore("p0:7", "prefill"),
              "http://d0:1": FakeCore("d0:7", "decode", lose_after=2),
@@ -290,4 +310,4 @@ def test_a_core_connection_that_drops_takes_its_instance_out_of_rotation_at_once
     cores["http://p0:1"].connected = False
     cores["http://p0:1"].on_lost("the engine core connection was lost")
     assert not p0.healthy and "connection was lost" in (p0.last_error or "")
-    assert sender.serves()  # what is healthy is usable: the cores path stays
+    assert not sender.serves()  # pull mode: no prefill left to send a leg to

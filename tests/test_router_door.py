@@ -215,36 +215,6 @@ def test_a_huge_prompt_is_refused_by_its_size_and_health_stays_quick(tiny_llama)
         d.stop()
 
 
-def test_a_decode_that_cannot_serve_sends_the_request_elsewhere(tiny_llama):
-    """A decode whose transfer thread died answers 503 ``unavailable``: the router takes
-    it out of rotation at once and sends the request to the other decode (old main
-    passed the 503 on to clients until the next failed health check)."""
-    d1 = FakeInstance("both", "both-1", str(tiny_llama))
-    d2 = FakeInstance("both", "both-2", str(tiny_llama))
-    router = None
-    try:
-        # health checks far apart: only the 503 itself can take d1 out
-        router = RouterThread("colocated", [], [d1.url, d2.url], kv_secret=None,
-                              health_interval_s=60)
-        d1.cannot_serve = True
-        for _ in range(4):
-            r = httpx.post(router.url + "/v1/completions", content=BODY, timeout=10)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == "from both-2"
-        assert len(d1.bodies) == 1  # tried once, then out of rotation
-        state = {i["url"]: i for i in router.instances()}
-        assert not state[d1.url]["healthy"]
-        # the last decode that cannot serve: its 503 reaches the client, scrubbed
-        d2.cannot_serve = True
-        r = httpx.post(router.url + "/v1/completions", content=BODY, timeout=10)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
-    finally:
-        if router is not None:
-            router.stop()
-        d1.stop()
-        d2.stop()
-
-
 def test_a_body_trickled_after_its_answer_is_closed_at_the_header_deadline():
     """A client without the key sends headers announcing a 100 kB body, gets its 401, and
     goes on sending the body a byte every 0.3 s. uvicorn discards that body and each byte

@@ -106,11 +106,15 @@ class CoreLoop:
     def kv_info(self) -> dict:
         """What /kv/info shows: identity, role, transfer mode, layout, blocks, where the
         KV cache events are published (``kv_events``; null without prefix caching) and
-        the request plane's "host:port" (``request_plane``; null without a cluster secret)."""
+        the request plane's "host:port" (``request_plane``; null when it has none) and
+        whether it takes only the cluster's members (``request_plane_members``: CURVE
+        keys from the secret; false: a plain plane, --insecure-kv-params)."""
         info = self.engine.kv_info()
         info["engine_id"] = info.get("engine_id") or self.engine_id
         info["kv_events"] = self.kv_events.info() if self.kv_events is not None else None
         info["request_plane"] = self.request_plane
+        kvt = self.engine.config.kv_transfer
+        info["request_plane_members"] = bool(getattr(kvt, "side_channel_secret", None))
         return info
 
     # ---- the loop (its own thread) ---------------------------------------------------

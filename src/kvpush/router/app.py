@@ -192,6 +192,10 @@ class Router:
                 name="kvpush-tokenizer-load")
         self._health = asyncio.create_task(self.pool.health_loop(self.health_client),
                                            name="kvpush-health-loop")
+        if wait and self.cores.wanted():  # serving from the start: tokenizer and links
+            why = await self.cores_ready(self.cfg.startup_timeout_s)
+            if why is not None:
+                logger.warning("not serving yet: %s (requests wait for it, then 503)", why)
 
     def tokenizer_loading(self) -> asyncio.Task | None:
         """The model tokenizer's load, while it runs (the cache-aware policy's, or the

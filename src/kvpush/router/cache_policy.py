@@ -45,7 +45,7 @@ class CachePolicy:
         self.index = KVIndex(self._fetch_snapshot, retry_s=cfg.health_interval_s,
                              keys=cfg.keys.events if cfg.keys else None)
         self._load: asyncio.Task | None = None
-        pool.on_info = self._on_info
+        pool.on_info.append(self._on_info)
         pool.on_remove.append(self._on_remove)
         for inst in pool.instances:  # checked once already (start-up)
             if inst.healthy:

@@ -35,10 +35,13 @@ if TYPE_CHECKING:
     from kvpush.router.prompts import PromptTokenizer
 
 
-def has_plane(inst: Instance) -> bool:
-    """Whether ``inst`` is a kvpush instance with a request plane (its /kv/info names
-    one): the router reaches it over its engine core."""
-    return bool((inst.info or {}).get("request_plane"))
+def has_plane(inst: Instance, members: bool) -> bool:
+    """Whether the router reaches ``inst`` over its engine core: a kvpush instance whose
+    /kv/info names a request plane the router can join (``members``: it holds the
+    cluster secret; a router without it joins only plain planes)."""
+    info = inst.info or {}
+    return bool(info.get("request_plane")) and (
+        members or not info.get("request_plane_members", True))
 
 log = logging.getLogger("kvpush.router")
 
@@ -60,7 +63,8 @@ class CoreFront:
     def wanted(self) -> bool:
         """Whether the healthy instances are kvpush instances: reached over their engine
         cores only (the HTTP legs are for vLLM instances)."""
-        return any(i.healthy and has_plane(i) for i in self.pool.instances)
+        members = self.cfg.keys is not None
+        return any(i.healthy and has_plane(i, members) for i in self.pool.instances)
 
     def serving(self, tokenizer: PromptTokenizer | None) -> bool:
         """Whether requests can take the engine cores now (builds the front on first
@@ -76,9 +80,12 @@ class CoreFront:
             life = RequestLife(self.cfg, self.book, self.sender, self.signer,
                                tokenizer.tokenizer)
             self.cluster = ClusterEngine(life)
-        if not self.sender.serves():
+        # links handshaking: wait; an instance role missing: the request life's 503
+        if not self.sender.serves() and self.pool.ready():
             return False
         if self.front is None:
+            if not any(i.healthy and i.info for i in self.pool.by_role["decode"]):
+                return False
             self._build_front(tokenizer)
         return True
 
@@ -95,11 +102,23 @@ class CoreFront:
             return f"the model's tokenizer is not loaded{f' ({why})' if why else ''}"
         if self.serving(tokenizer):
             return None
-        assert self.sender is not None
-        for inst in [i for i in self.pool.instances if i.healthy and has_plane(i)]:
-            link = self.sender.link(inst)
-            if link is not None and not link.connected:
-                await link.wait_connected(max(0.0, deadline - time.monotonic()))
+        sender = self.sender
+        assert sender is not None
+        members = self.cfg.keys is not None
+        links = [sender.link(i) for i in self.pool.instances
+                 if i.healthy and has_plane(i, members)]
+        pending = {asyncio.ensure_future(link.wait_connected(timeout))
+                   for link in links if link is not None and not link.connected}
+        try:
+            while pending and not self.serving(tokenizer):
+                left = deadline - time.monotonic()
+                done, pending = await asyncio.wait(pending, timeout=max(0.0, left),
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    break
+        finally:
+            for task in pending:
+                task.cancel()
         if self.serving(tokenizer):
             return None
         return "the links to the instances' engine cores are still connecting"

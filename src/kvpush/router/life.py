@@ -252,22 +252,30 @@ class RequestLife:
         """A prefill instance a leg can leave for now, not one of ``tried``."""
         while True:
             p = self.placement.pick("prefill", job, tried)
-            if p is None or self.sender.usable(p):
+            if p is None or self._usable(p):
                 return p
             self.pool.release(p)
             tried.add(p)
 
     def _pick_decode(self, job: Job) -> Instance:
-        """A decode instance a leg can leave for now: one whose way is gone leaves the
-        rotation and another is picked."""
+        """A decode instance a leg can leave for now."""
         tried: set[Instance] = set()
         while True:
             d = self.placement.pick_decode(job, tried)
-            if self.sender.usable(d):
+            if self._usable(d):
                 return d
             tried.add(d)
-            self.pool.mark_failed(d, "its engine core is not connected")
-            self.metrics.retries.labels("decode").inc()
+
+    def _usable(self, inst: Instance) -> bool:
+        """Whether a leg can leave for ``inst`` now. One whose way is gone leaves the
+        rotation (the leg goes to another: a retry); one still handshaking is only
+        passed over."""
+        if self.sender.usable(inst):
+            return True
+        if not self.sender.handshaking(inst):
+            self.pool.mark_failed(inst, "its engine core is not connected")
+            self.metrics.retries.labels(inst.role).inc()
+        return False
 
     def _retry_prefill(self, job: Job, p: Instance, tried: set[Instance]) -> Instance | None:
         """Prefill ``p`` was lost: another prefill instance (None: none)."""

@@ -152,7 +152,7 @@ class Pool:
         self.running = False
         #: called with each instance whose check passed, its /kv/info just read (the
         #: router's KV index follows the instance's event source from it)
-        self.on_info: Callable[[Instance], None] | None = None
+        self.on_info: list[Callable[[Instance], None]] = []
         #: called with each instance that left the pool (remove_instance): the KV index,
         #: the link to its engine core
         self.on_remove: list[Callable[[Instance], None]] = []
@@ -367,8 +367,8 @@ class Pool:
             return
         old = inst.engine_id if inst.info is not None else None
         inst.info = info
-        if self.on_info is not None:
-            self.on_info(inst)
+        for listener in self.on_info:
+            listener(inst)
         if not inst.healthy:
             inst.healthy = True
             inst.last_error = None

@@ -73,6 +73,10 @@ class LegSender(Protocol):
         reader: decode refused or failed, or the client left)."""
         ...
 
+    def handshaking(self, inst: Instance) -> bool:
+        """Whether the way to ``inst`` is still being set up (not lost: passed over)."""
+        ...
+
 
 class CoreLink(Protocol):
     """What the sender uses of a link to one engine core (RemoteCore)."""
@@ -118,6 +122,9 @@ class CoreSender:
         #: links of instances that left the pool, closed once their streams are over
         self._leaving: set[CoreLink] = set()
         pool.on_remove.append(self._forget)
+        # an instance's link is made (and its handshake done) when it enters the
+        # rotation, not by the first request that would take it
+        pool.on_info.append(self._linked)
 
     def link(self, inst: Instance) -> CoreLink | None:
         """The link to ``inst``'s engine core (made on first sight of its request plane,
@@ -140,12 +147,23 @@ class CoreSender:
         core.on_lost = lost
         return core
 
+    def _linked(self, inst: Instance) -> None:
+        self.link(inst)
+
     def serves(self) -> bool:
-        """Whether every healthy instance's core is linked and proved the secret (until
-        then requests wait, or take the HTTP legs)."""
-        healthy = [i for i in self.pool.instances if i.healthy]
-        return bool(healthy) and all(self.link(i) is not None and self.usable(i)
-                                     for i in healthy)
+        """Whether a leg can leave now for a decode (and a prefill, where the router
+        needs one): a healthy instance whose core is linked and proved the secret. Every
+        healthy instance gets its link here; one still handshaking is skipped."""
+        usable = {"prefill": False, "decode": False}
+        for inst in self.pool.instances:
+            if inst.healthy and self.link(inst) is not None and self.usable(inst):
+                usable[inst.role] = True
+        return usable["decode"] and (usable["prefill"] or not self.pool.cfg.needs_prefill)
+
+    def handshaking(self, inst: Instance) -> bool:
+        """Whether ``inst``'s link has not finished its first handshake yet."""
+        core = self._links.get(inst.url)
+        return core is not None and not core.proven
 
     def link_up(self, inst: Instance) -> bool:
         """Whether ``inst``'s engine core link is connected now."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -30,12 +31,12 @@ ADMIN_KEY_HELP = ("the key of the operator views (/metrics; the router's /router
                   "(default: $KVPUSH_ADMIN_KEY). Prefer the environment variable")
 
 
-def resolve_admin_key(flag: str | None, env: dict[str, str] | None = None) -> str | None:
+def resolve_admin_key(flag: str | None, env: Mapping[str, str] | None = None) -> str | None:
     """``--admin-key`` or else ``$KVPUSH_ADMIN_KEY``, stripped like the API key (a
     bearer token is compared stripped, so a trailing newline could never match; empty:
     none)."""
-    env = os.environ if env is None else env
-    value = flag if flag is not None else env.get(ADMIN_KEY_ENV, "")
+    environ: Mapping[str, str] = os.environ if env is None else env
+    value = flag if flag is not None else environ.get(ADMIN_KEY_ENV, "")
     return value.strip() or None
 
 

@@ -282,7 +282,7 @@ class OpenAIFront:
             # raising RequestError there, and a refusal must be a plain 4xx, not an error
             # event inside a 200 stream.
             async def first_output() -> RequestOutput | None:
-                return await anext(gen, None)  # type: ignore[arg-type]
+                return await anext(gen, None)
 
             gone, first = await unless_disconnected(first_output(), request.receive)
             slot.release()  # no longer waiting: generating (or ended)
@@ -347,7 +347,7 @@ class OpenAIFront:
             last = out
             if out.finish_reason is FinishReason.ERROR:
                 break
-            out = await anext(gen, None)  # type: ignore[arg-type]
+            out = await anext(gen, None)
         failed = last is not None and last.finish_reason is FinishReason.ERROR
         if not fmt.done:
             fmt.abort_open()
@@ -370,13 +370,13 @@ class OpenAIFront:
             out, last = first, None
             while out is not None:  # to the stream's end: every choice of the request
                 timer.on_output(len(out.new_token_ids), time.perf_counter(), out)
-                frame = fmt.stream_chunk(out)
-                if frame is not None:
-                    yield frame
+                chunk = fmt.stream_chunk(out)
+                if chunk is not None:
+                    yield chunk
                 last = out
                 if out.finish_reason is FinishReason.ERROR:
                     break
-                out = await anext(gen, None)  # type: ignore[arg-type]
+                out = await anext(gen, None)
             out = last
             failed = out is not None and out.finish_reason is FinishReason.ERROR
             if out is None or not (fmt.done or failed):  # ended before its choices did
@@ -428,8 +428,9 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
                          body_timeout_s)
     cfg = engine.config
     #: /kv/abort's check (kv_abort.py): the router's signature, where params are signed
-    abort_signer = (ParamsSigner(cfg.kv_transfer.side_channel_secret)
-                    if cfg.kv_transfer.enabled and cfg.kv_transfer.params_signed else None)
+    secret_ = cfg.kv_transfer.side_channel_secret
+    abort_signer = (ParamsSigner(secret_)
+                    if secret_ is not None and cfg.kv_transfer.params_signed else None)
     secret = cfg.kv_transfer.side_channel_secret
     prover = Prover(secret, advertise_url) if secret else None
 

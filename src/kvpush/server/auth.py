@@ -16,7 +16,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -31,11 +31,11 @@ OPEN_PATHS = frozenset({"/health", "/kv/prove"})
 REJECT_REASONS = ("missing", "invalid")
 
 
-def resolve_api_key(flag: str | None, env: dict[str, str] | None = None) -> str | None:
+def resolve_api_key(flag: str | None, env: Mapping[str, str] | None = None) -> str | None:
     """The key from ``--api-key`` or else ``$KVPUSH_API_KEY``; None (no auth) if neither
     is set or the value is empty."""
-    env = os.environ if env is None else env
-    key = flag if flag is not None else env.get(API_KEY_ENV)
+    environ: Mapping[str, str] = os.environ if env is None else env
+    key = flag if flag is not None else environ.get(API_KEY_ENV)
     if key is None:
         return None
     key = key.strip()
@@ -114,7 +114,7 @@ class SecretError(ValueError):
     """The side-channel secret could not be read (the CLI prints it, exit 2)."""
 
 
-def resolve_kv_secret(path: str | None, env: dict[str, str] | None = None,
+def resolve_kv_secret(path: str | None, env: Mapping[str, str] | None = None,
                       allow_loose: bool = False) -> tuple[bytes | None, str | None]:
     """(secret, warning) from ``--kv-secret-file PATH`` or else ``$KVPUSH_KV_SECRET``.
 
@@ -123,7 +123,7 @@ def resolve_kv_secret(path: str | None, env: dict[str, str] | None = None,
     ``allow_loose`` (``--allow-loose-secret-file``): then ``warning`` says so. No
     secret: (None, None).
     """
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     if path is not None:
         try:
             st = os.stat(path)
@@ -140,7 +140,7 @@ def resolve_kv_secret(path: str | None, env: dict[str, str] | None = None,
             if not allow_loose:
                 raise SecretError(f"{warning} (or pass --allow-loose-secret-file)")
         return secret, warning
-    value = env.get(KV_SECRET_ENV, "").strip()
+    value = environ.get(KV_SECRET_ENV, "").strip()
     return (value.encode() if value else None), None
 
 

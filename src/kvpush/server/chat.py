@@ -231,15 +231,18 @@ class PromptBuilder:
         large or, for a chat, when it has many messages."""
         # a structured output's grammar may take a while to compile the first time
         heavy = body_bytes > INLINE_BODY_BYTES or req.constrained
-        make: Callable[[Any, str, float], Job]
+        make: Callable[[], Job]
         if isinstance(req, ChatCompletionRequest):
             heavy = heavy or len(req.messages) > INLINE_MESSAGES
-            make = self.chat_job
+            chat = req
+            make = lambda: self.chat_job(chat, request_id, arrival)  # noqa: E731
         else:
-            make = self.completion_job
+            assert isinstance(req, CompletionRequest)
+            completion = req
+            make = lambda: self.completion_job(completion, request_id, arrival)  # noqa: E731
         if not heavy:
-            return make(req, request_id, arrival)
-        return await self._in_worker(lambda: make(req, request_id, arrival))
+            return make()
+        return await self._in_worker(make)
 
     def serves(self, model: str) -> bool:
         """Whether ``model`` names the served model: its name, or a folder path ending in
@@ -370,7 +373,7 @@ class PromptBuilder:
             top_k=0 if req.top_k is None else req.top_k,
             seed=req.seed,
             stop=tuple(req.stop or ()),
-            stop_token_ids=tuple(req.stop_token_ids or ()),
+            stop_token_ids=frozenset(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,

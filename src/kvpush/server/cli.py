@@ -11,7 +11,7 @@ import logging
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvpush import cli_types
 from kvpush.logs import LOG_FORMATS, PROBE_ENDPOINTS
@@ -663,8 +663,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         return _serve(args, config, engine, listener, api_key, log, registration)
     finally:
-        if args.engine_core == "process":
-            engine.close()  # no-op after a clean shutdown; else the core goes too
+        if args.engine_core == "process":  # no-op after a clean shutdown; else the core goes
+            cast("CoreClient", engine).close()
 
 
 def _serve(args: argparse.Namespace, config, engine, listener, api_key, log,

@@ -121,7 +121,7 @@ def to_api_error(exc: BaseException) -> APIError | None:
             status_code=getattr(exc, "status_code", 400),
         )
     if isinstance(exc, (ValidationError, RequestValidationError)):
-        return from_validation_errors(list(exc.errors()))
+        return from_validation_errors([dict(e) for e in exc.errors()])
     if isinstance(exc, StarletteHTTPException):  # e.g. 413 from the body-size limit
         return APIError(str(exc.detail), status_code=exc.status_code)
     return None

@@ -140,7 +140,7 @@ class SamplingRequest(_Model):
     @field_validator(*UNHONOURED)
     @classmethod
     def _unhonoured(cls, v: Any, info: ValidationInfo) -> Any:
-        if v is None or v in UNHONOURED[info.field_name]:
+        if v is None or v in UNHONOURED[str(info.field_name)]:
             return v
         raise ValueError(f"{info.field_name} is not supported by this server (it would be "
                          "ignored, so the request is refused)")

@@ -110,5 +110,5 @@ class Prover:
         side_channel = side if isinstance(side, str) else None
         return {"url": url, "engine_id": engine_id, "role": role,
                 "side_channel": side_channel,
-                "mac": proof_mac(self._key, nonce=nonce, url=url, engine_id=engine_id,
+                "mac": proof_mac(self._key, nonce=str(nonce), url=url, engine_id=engine_id,
                                  role=role, side_channel=side_channel)}

@@ -59,11 +59,12 @@ def _given(req: SamplingRequest) -> list[tuple[str, StructuredOutput]]:
         if value is None:
             continue
         if kind is GrammarKind.JSON_SCHEMA:
-            spec = _schema_text(value, param)
+            spec = _schema_text(value if isinstance(value, (dict, str)) else str(value),
+                                param)
         elif kind is GrammarKind.CHOICE:
             spec = json.dumps(value)
         else:
-            spec = value
+            spec = str(value)
         out.append((param, StructuredOutput(kind, spec)))
     return out
 
