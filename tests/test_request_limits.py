@@ -289,10 +289,9 @@ def test_second_leg_of_a_pair_is_admitted_over_the_bound(fake_model: tuple[Any, 
 
 def test_push_pair_refused_by_decode_frees_every_block(tiny_llama: Path,
                                                         tmp_path: Path) -> None:
-    """A real push pair behind the router, both instances bounded at one waiting
-    request: a burst gets 200s and 429s (decode refuses its leg; prefill's legs are
-    second legs and are never refused), the router relays decode's 429, and afterwards
-    every block is free on both instances."""
+    """A real push pair behind a router bounded at two outstanding requests (its legs go
+    over the engine cores, past the instances' own HTTP bound): a burst gets 200s and
+    429s, and afterwards every block is free on both instances."""
     flags = ("--kv-transfer", "push", "--num-blocks", "64", "--block-size", "16",
              "--max-model-len", "512", "--max-waiting-requests", "1")
     p, d = start_instances(tiny_llama, [("prefill", ("--role", "prefill", *flags)),
@@ -300,7 +299,7 @@ def test_push_pair_refused_by_decode_frees_every_block(tiny_llama: Path,
     router = None
     try:
         start = {inst.name: inst.get("/kv/info")["num_free_blocks"] for inst in (p, d)}
-        router = RouterThread("push", [p.url], [d.url])
+        router = RouterThread("push", [p.url], [d.url], max_outstanding_requests=2)
         prompt = "the quick brown fox jumps over the lazy dog " * 20
 
         async def burst() -> list[httpx.Response]:
@@ -316,17 +315,13 @@ def test_push_pair_refused_by_decode_frees_every_block(tiny_llama: Path,
         assert 200 in statuses and 429 in statuses, statuses
         for r in rs:
             if r.status_code == 429:
-                assert_error(r, 429, code="queue_full")
-                assert r.headers.get("retry-after") == "1"  # decode's, passed on
+                assert_error(r, 429, code="too_many_requests")
+                assert r.headers.get("retry-after") == "1"
         for inst in (p, d):
             info = inst.wait_all_free()
             assert info["num_free_blocks"] == start[inst.name]
-        d_metrics = httpx.get(d.url + "/metrics", timeout=5).text
-        p_metrics = httpx.get(p.url + "/metrics", timeout=5).text
-        assert metric_value(d_metrics, "kvpush_http_queue_full_total") == statuses.count(429)
-        assert metric_value(p_metrics, "kvpush_http_queue_full_total") == 0
-        assert metric_value(d_metrics, "kvpush_http_requests_waiting") == 0
-        assert metric_value(p_metrics, "kvpush_http_requests_waiting") == 0
+        assert metric_value(router.metrics(), "kvpush_router_requests_total",
+                            'outcome="overloaded"') == statuses.count(429)
     finally:
         if router is not None:
             router.stop()

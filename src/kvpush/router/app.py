@@ -73,6 +73,10 @@ ROUTER_ADMIN_PATHS = ADMIN_PATHS | {"/router/instances"}
 #: never sends on a connection the instance is closing at that moment.
 KEEPALIVE_EXPIRY_S = 3.0
 
+#: how long /health waits for the engine cores' links (made when the tokenizer has
+#: loaded) before it says "starting"
+HEALTH_WAIT_S = 1.0
+
 #: bodies larger than this are parsed on a worker thread (a 21 MB body took 0.4 s)
 INLINE_PARSE_BYTES = 1 << 20
 
@@ -500,10 +504,10 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
                            status_code=503)
             return JSONResponse({**err.body(), **extra}, status_code=err.status_code)
         routing = router.routing_state()
-        if not routing.starting and router.cores.wanted() \
-                and not router.cores.serving(router.tokenizer):
-            routing = RoutingState("starting", "the links to the instances' engine cores "
-                                   "are connecting, or the model's tokenizer is loading")
+        if not routing.starting and router.cores.wanted():
+            why = await router.cores_ready(HEALTH_WAIT_S)  # a handshake takes ms
+            if why is not None:
+                routing = RoutingState("starting", why)
         if routing.starting:
             err = APIError(f"the router is starting: {routing.why}", status_code=503,
                            code="starting")
