@@ -147,3 +147,55 @@ def _router(prefill: list[str], decode: list[str], **kw) -> RouterThread:
 
 def _in_flight(rt: RouterThread, inst) -> int:
     return next(s for s in rt.instances() if s["url"] == inst.url)["in_flight"]
+
+
+@pytest.mark.slow
+def test_smollm2_migrated_answer_equals_the_undisturbed_one(tmp_path):
+    """On a real model (SmolLM2, installed by `make model`) a greedy answer whose decode
+    is SIGKILLed mid-stream equals the undisturbed answer token for token."""
+    from kvpush.models.registry import models_dir
+    from router_helpers import start_instances
+
+    model = models_dir() / "smollm2-135m"
+    if not (model / "config.json").exists():
+        pytest.skip("SmolLM2 is not installed (make model)")
+    push = ("--kv-transfer", "push", "--block-size", "16", "--num-blocks", "256",
+            "--max-model-len", "1024")
+    p, d0, d1 = start_instances(model, [("P", ("--role", "prefill", *push)),
+                                        ("D0", ("--role", "decode", *push)),
+                                        ("D1", ("--role", "decode", *push))], tmp_path)
+    rt = None
+    body = {"messages": [{"role": "user", "content": "Tell me about the sea."}],
+            "max_tokens": 120, "temperature": 0, "stream": True}
+    try:
+        rt = over_cores(RouterThread("push", [p.url], [d0.url, d1.url]))
+        with httpx.Client(timeout=120) as c:
+            ref = _chat_text(c, rt.url, body)
+            parts: list[str] = []
+            with c.stream("POST", rt.url + "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    frame = json.loads(line[6:])
+                    assert "error" not in frame, frame
+                    parts += [ch["delta"].get("content") or "" for ch in frame["choices"]]
+                    if len(parts) == 20:  # its decode dies mid-answer
+                        victim = d0 if _in_flight(rt, d0) else d1
+                        victim.kill()
+        assert "".join(parts) == ref
+        assert metric_value(rt.metrics(), "kvpush_router_migrations_total") == 1
+    finally:
+        if rt is not None:
+            rt.stop()
+        for inst in (p, d0, d1):
+            inst.stop()
+
+
+def _chat_text(c: httpx.Client, url: str, body: dict) -> str:
+    parts = []
+    with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                frame = json.loads(line[6:])
+                parts += [ch["delta"].get("content") or "" for ch in frame["choices"]]
+    return "".join(parts)
