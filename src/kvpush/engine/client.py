@@ -20,31 +20,14 @@ from kvpush.kv_transfer.record import TransferCounters, TransferRecord
 from kvpush.sampling_params import SamplingParams
 
 
-class EngineClient(Protocol):
-    config: EngineConfig
+class FrontEngine(Protocol):
+    """What the OpenAI front (kvpush.server.app.OpenAIFront) uses of its engine: an
+    instance's EngineClient, or the router's ClusterEngine over many engine cores."""
+
     tokenizer: Any
 
-    def start(self) -> None:
-        """Start serving (called on the running event loop)."""
-        ...
-
-    async def shutdown(self) -> None: ...
-
     def health_problem(self) -> str | None:
-        """Why this instance cannot serve (the 503 of /health), or None."""
-        ...
-
-    def starting(self) -> str | None:
-        """Start-up work still running (/health's 503 "starting"; requests are queued
-        meanwhile), or None once the engine steps at full speed."""
-        ...
-
-    def stats(self) -> EngineStats:
-        """The scheduler's gauges as of the engine's last report."""
-        ...
-
-    def kv_stats(self) -> TransferCounters | None:
-        """Transfer counters as of the engine's last report (None for role both)."""
+        """Why requests cannot be served (a 503), or None."""
         ...
 
     def generate(
@@ -61,6 +44,29 @@ class EngineClient(Protocol):
     def kv_params(self, raw: object) -> KVTransferParams | None:
         """A request's ``kv_transfer_params`` checked once and typed (RequestError: a
         400; 403 when not the router's); None when it has none."""
+        ...
+
+
+class EngineClient(FrontEngine, Protocol):
+    config: EngineConfig
+
+    def start(self) -> None:
+        """Start serving (called on the running event loop)."""
+        ...
+
+    async def shutdown(self) -> None: ...
+
+    def starting(self) -> str | None:
+        """Start-up work still running (/health's 503 "starting"; requests are queued
+        meanwhile), or None once the engine steps at full speed."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """The scheduler's gauges as of the engine's last report."""
+        ...
+
+    def kv_stats(self) -> TransferCounters | None:
+        """Transfer counters as of the engine's last report (None for role both)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -137,10 +137,8 @@ class CoreFront:
             log.info("chats are rendered with %s's --chat-template", inst.url)
         settings = FrontSettings(str(info.get("model")), int(info["max_model_len"]),
                                  int(info["vocab_size"]), "router", self.cfg.mode)
-        self.front = OpenAIFront(self.cluster, settings,  # type: ignore[arg-type]
-                                 max_waiting_requests=0,
-                                 body_timeout_s=self.cfg.body_timeout_s,
-                                 engine_gauges=False)
+        self.front = OpenAIFront(self.cluster, settings, max_waiting_requests=0,
+                                 body_timeout_s=self.cfg.body_timeout_s)
         self.front.on_job = self.cluster.note_stream
 
     async def serve(self, request: Request, kind: Literal["completion", "chat"],

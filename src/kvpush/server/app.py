@@ -35,8 +35,8 @@ from kvpush import __version__
 from kvpush.aio import within
 from kvpush.config import EngineConfig
 from kvpush.crypto.auth import ParamsSigner
-from kvpush.engine.client import EngineClient
-from kvpush.engine.outputs import FinishReason, RequestOutput
+from kvpush.engine.client import EngineClient, FrontEngine
+from kvpush.engine.outputs import EngineStats, FinishReason, RequestOutput
 from kvpush.server import chat
 from kvpush.server.admin_key import protect
 from kvpush.server.admission import (
@@ -166,12 +166,14 @@ def new_request_id(kind: Literal["completion", "chat"]) -> str:
 
 
 class OpenAIFront:
-    """The OpenAI request handlers over one EngineClient: an instance's engine, or the
-    router's cluster of engine cores (kvpush.router.cluster_engine)."""
+    """The OpenAI request handlers over one FrontEngine: an instance's engine, or the
+    router's cluster of engine cores (kvpush.router.cluster_engine). ``gauges``: the
+    engine's own (None: a front over many engines, the router)."""
 
-    def __init__(self, engine: EngineClient, settings: FrontSettings,
+    def __init__(self, engine: FrontEngine, settings: FrontSettings,
                  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
-                 body_timeout_s: float = 30.0, engine_gauges: bool = True) -> None:
+                 body_timeout_s: float = 30.0,
+                 gauges: Callable[[], EngineStats] | None = None) -> None:
         self.engine = engine
         self.body_timeout_s = body_timeout_s
         self.kv_role = settings.role
@@ -180,7 +182,7 @@ class OpenAIFront:
         self.model_name = settings.model_name
         self.max_model_len = settings.max_model_len
         self.token_texts = chat.TokenTexts(engine.tokenizer)
-        self.metrics = ServerMetrics(engine.stats if engine_gauges else None,
+        self.metrics = ServerMetrics(gauges,
                                      lambda: engine.health_problem() is None,
                                      self.model_name)
         self.metrics.register_waiting(self.waiting)
@@ -425,7 +427,7 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
     the engine cores renders chats with it.
     """
     server = OpenAIFront(engine, FrontSettings.of(engine.config), max_waiting_requests,
-                         body_timeout_s)
+                         body_timeout_s, gauges=engine.stats)
     cfg = engine.config
     #: /kv/abort's check (kv_abort.py): the router's signature, where params are signed
     secret_ = cfg.kv_transfer.side_channel_secret
