@@ -34,6 +34,8 @@ from kvpush.server.app import FrontSettings, OpenAIFront
 if TYPE_CHECKING:
     from kvpush.router.prompts import PromptTokenizer
 
+log = logging.getLogger("kvpush.router")
+
 
 def has_plane(inst: Instance, members: bool) -> bool:
     """Whether the router reaches ``inst`` over its engine core: a kvpush instance whose
@@ -43,7 +45,6 @@ def has_plane(inst: Instance, members: bool) -> bool:
     return bool(info.get("request_plane")) and (
         members or not info.get("request_plane_members", True))
 
-log = logging.getLogger("kvpush.router")
 
 #: how long a request that arrives while the router is starting (the tokenizer loading,
 #: the engine cores' links handshaking) waits for it before a 503 "starting"
@@ -60,16 +61,20 @@ class CoreFront:
         self.cluster: ClusterEngine | None = None
         self.front: OpenAIFront | None = None
 
+    def _over_cores(self) -> list[Instance]:
+        """The healthy instances the router reaches over their engine cores."""
+        members = self.cfg.keys is not None
+        return [i for i in self.pool.instances if i.healthy and has_plane(i, members)]
+
     def wanted(self) -> bool:
         """Whether the healthy instances are kvpush instances: reached over their engine
-        cores only (the HTTP legs are for vLLM instances)."""
-        members = self.cfg.keys is not None
-        return any(i.healthy and has_plane(i, members) for i in self.pool.instances)
+        cores only (the HTTP legs are for instances without a request plane)."""
+        return bool(self._over_cores())
 
     def serving(self, tokenizer: PromptTokenizer | None) -> bool:
         """Whether requests can take the engine cores now (builds the front on first
-        use): the model's tokenizer is loaded and every healthy instance's core is
-        linked and proved the secret."""
+        use): the model's tokenizer is loaded and a leg can leave for a decode (and a
+        prefill where needed), or a role is missing (the request life's 503 says so)."""
         if tokenizer is None or not tokenizer.ready:
             return False
         if self.sender is None:
@@ -95,7 +100,7 @@ class CoreFront:
         the engine cores; why they cannot, or None."""
         deadline = time.monotonic() + timeout
         if tokenizer is not None and not tokenizer.ready and loading is not None:
-            with contextlib.suppress(asyncio.TimeoutError, Exception):
+            with contextlib.suppress(Exception):  # (a failed load: the tokenizer's why)
                 await within(asyncio.shield(loading), timeout)
         if tokenizer is None or not tokenizer.ready:
             why = tokenizer.why if tokenizer is not None else None
@@ -104,9 +109,7 @@ class CoreFront:
             return None
         sender = self.sender
         assert sender is not None
-        members = self.cfg.keys is not None
-        links = [sender.link(i) for i in self.pool.instances
-                 if i.healthy and has_plane(i, members)]
+        links = [sender.link(i) for i in self._over_cores()]
         pending = {asyncio.ensure_future(link.wait_connected(timeout))
                    for link in links if link is not None and not link.connected}
         try:

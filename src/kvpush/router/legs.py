@@ -386,8 +386,7 @@ class Legs:
                     chunk = await anext(chunks, None)
                 if chunk is None:
                     break
-                if job.first_byte is None:
-                    self.book.first_byte(job)
+                self.book.first_byte(job)  # (the first chunk's; Book keeps the first)
                 out = frames.feed(chunk)
                 if out:
                     yield out
