@@ -33,6 +33,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from router_overhead import child, free_port, model_or_tiny  # noqa: E402
 
+from kvpush.bench.metrics import percentile  # noqa: E402
+
 
 class Load:
     """Requests sent at Poisson times from one thread each; their fates."""
@@ -101,11 +103,9 @@ def _instance(url: str, port: int) -> dict:
     return next(i for i in insts if i["url"].endswith(f":{port}"))
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(1e3 * xs[min(len(xs) - 1, int(q * len(xs)))], 1)
+def _ms(xs: list[float], q: float) -> float | None:
+    """The ``q``-th percentile of ``xs`` seconds, in ms (kvpush bench's; None: none)."""
+    return round(1e3 * percentile(xs, q), 1) if xs else None
 
 
 def main() -> int:
@@ -159,9 +159,9 @@ def main() -> int:
             "failed": sum(not r["ok"] for r in res),
             "errors": sorted({r.get("error", "short") for r in res if not r["ok"]})[:5],
             "in_flight_at_kill": len(hit), "migrations": migrations,
-            "ttft_ms_p50": _pct([r["ttft"] for r in res if r["ttft"]], 0.5),
-            "ttft_ms_p99": _pct([r["ttft"] for r in res if r["ttft"]], 0.99),
-            "in_flight_ttft_ms_p99": _pct([r["ttft"] for r in hit if r["ttft"]], 0.99),
+            "ttft_ms_p50": _ms([r["ttft"] for r in res if r["ttft"]], 50),
+            "ttft_ms_p99": _ms([r["ttft"] for r in res if r["ttft"]], 99),
+            "in_flight_ttft_ms_p99": _ms([r["ttft"] for r in hit if r["ttft"]], 99),
             "in_flight_e2e_s_max": round(max((r["end"] - r["start"] for r in hit),
                                              default=0), 2),
             "back_in_rotation_s": None if back is None else round(back, 2),
