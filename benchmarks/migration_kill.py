@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from router_overhead import child, free_port, model_or_tiny  # noqa: E402
+from router_overhead import child, free_port, listener_pid, model_or_tiny  # noqa: E402
 
 from kvpush.bench.metrics import percentile  # noqa: E402
 
@@ -125,9 +125,8 @@ def main() -> int:
                 str(port), "--policy", "round-robin", "--health-interval", "0.5",
                 "--restart-backoff", "0.5"]
         with child(argv, tmpdir / "up.log", f"http://127.0.0.1:{port}", timeout=300) as url:
-            up_pid = int(os.popen(f"ss -ltnpH 'sport = :{port}'").read()
-                         .split("pid=")[1].split(",")[0])
-            up_pid = int(Path(f"/proc/{up_pid}/stat").read_text().rsplit(")", 1)[1]
+            router_pid = listener_pid(port)
+            up_pid = int(Path(f"/proc/{router_pid}/stat").read_text().rsplit(")", 1)[1]
                          .split()[1])  # the router's parent: `kvpush up`
             load = Load(url, args)
             t0 = time.monotonic()
