@@ -1,14 +1,17 @@
-"""A stand-in instance for tests of the router's logic: an ASGI app that answers
-``/health`` and, when given one, ``/kv/info``; each test adds the routes it scripts
-(completions, models, aborts) to it. Serve it with ``server_helpers.uvicorn_server``."""
+"""Stand-in instances for tests of the router's logic: an ASGI app that answers
+``/health`` and, when given one, ``/kv/info``, to which each test adds the routes it
+scripts; and a vLLM-like one (:func:`vllm_like`) the router reaches over HTTP. Serve
+them with ``server_helpers.uvicorn_server``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 
 def stand_in(kv_info: dict[str, Any] | Callable[[], dict[str, Any]] | None = None) -> FastAPI:
@@ -31,6 +34,60 @@ def stand_in(kv_info: dict[str, Any] | Callable[[], dict[str, Any]] | None = Non
 
 def push_kv_info(role: str, engine_id: str, side_port: int, kv_transfer: str = "push",
                  **extra: Any) -> dict[str, Any]:
-    """The /kv/info of a P/D instance with a side channel on 127.0.0.1:``side_port``."""
+    """The /kv/info of a P/D instance with a side channel on 127.0.0.1:``side_port`` and
+    a plain request plane (by default at an address nothing answers: a router's legs
+    to it find no engine core)."""
     return {"engine_id": engine_id, "role": role, "kv_transfer": kv_transfer,
-            "side_channel_host": "127.0.0.1", "side_channel_port": side_port, **extra}
+            "side_channel_host": "127.0.0.1", "side_channel_port": side_port,
+            "request_plane": "127.0.0.1:9", "request_plane_members": False, **extra}
+
+
+def add_models(app: FastAPI, model_root: str, model_id: str = "tiny") -> None:
+    """vLLM's ``/v1/models``: the served model's name, its folder (the router loads its
+    tokenizer from there) and its context."""
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_id, "root": model_root, "max_model_len": 128}]})
+
+
+def vllm_like(model_root: str, bodies: list[dict[str, Any]] | None = None,
+              tokens: tuple[int, ...] = (5, 6, 7), frame_delay_s: float = 0.0) -> FastAPI:
+    """A stand-in vLLM instance (no /kv/info): ``/v1/completions`` answers with
+    ``tokens`` (up to max_tokens) as vLLM does when asked for ``return_token_ids``,
+    streaming one frame a token (every ``frame_delay_s``) or whole; a prefill leg
+    (``do_remote_decode``) gets its one token and ``kv_transfer_params`` as vLLM's NIXL
+    connector answers them. Every body is appended to ``bodies``."""
+    app = stand_in()
+    add_models(app, model_root)
+    seen = bodies if bodies is not None else []
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await request.json()
+        seen.append(body)
+        out = list(tokens[:body.get("max_tokens") or 16])
+        if not body.get("stream"):
+            answer: dict[str, Any] = {"id": "c", "object": "text_completion", "choices": [
+                {"index": 0, "text": "", "token_ids": out, "finish_reason": "length"}]}
+            if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+                answer["kv_transfer_params"] = {
+                    "do_remote_prefill": True, "do_remote_decode": False,
+                    "remote_engine_id": "vllm-prefill", "remote_block_ids": [1],
+                    "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}
+            return JSONResponse(answer)
+
+        async def frames() -> AsyncIterator[bytes]:
+            for i, t in enumerate(out):
+                if frame_delay_s:
+                    await asyncio.sleep(frame_delay_s)
+                last = i == len(out) - 1
+                choice = {"index": 0, "text": "", "token_ids": [t],
+                          "finish_reason": "length" if last else None}
+                yield b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(frames(), media_type="text/event-stream")
+
+    return app

@@ -16,10 +16,11 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from kvpush.discovery.instance_spec import parse_instance
+from kvpush.engine.inputs import SubmitRequest
+from kvpush.engine.outputs import RequestFailure
 from kvpush.kv_cache.block_pool import hash_prefix_blocks
 from kvpush.kv_cache.events import (
     TOPIC,
@@ -32,7 +33,6 @@ from kvpush.kv_cache.events import (
 from kvpush.router.cache_policy import CachePolicy
 from kvpush.router.config import RouterConfig
 from kvpush.router.decide import (
-    DEFAULT_ANSWER_TOKENS,
     Decision,
     Route,
     cost,
@@ -46,6 +46,7 @@ from router_helpers import metric_value, wait_until
 from stand_in import push_kv_info, stand_in
 
 BS = 4  # block size of the fake instances
+VOCAB = 1 << 17  # the fake instances take any id of the tiny models' tokenizers
 
 
 def H(i: int) -> bytes:
@@ -167,9 +168,8 @@ def test_decode_legs_charge_and_release_their_tokens():
     policy = CachePolicy.__new__(CachePolicy)  # the charge only (no index, no tokenizer)
     policy.cfg = cfg
     policy.cached_tokens = lambda inst, route: 0  # type: ignore[method-assign]
-    job = Job(rid="r", kind="completion", path="/v1/completions",
-              body={"prompt": list(range(40)), "max_tokens": 24}, stream=False, arrival=0.0)
-    job.route = Route(list(range(40)), answer_tokens=24)  # (as plan() makes it)
+    job = Job(rid="r", kind="completion", stream=False, arrival=0.0)
+    job.route = Route(list(range(40)), answer_tokens=24)  # (as Placement.route makes it)
     policy.picked(job, d1)
     assert d1.tokens_in_flight == 64
     policy.picked(job, d2)  # sent again elsewhere: the first charge moves
@@ -309,23 +309,29 @@ def test_kv_index_follows_a_publisher_through_gap_and_restart():
 
 
 class FakeInstance:
-    """A kvpush-like instance over HTTP: /health, /kv/info (with kv_events),
-    /v1/models, /kv/cache_blocks, and completions that record what they were sent."""
+    """A kvpush-like instance: /health, /kv/info (with kv_events and a plain request
+    plane, tests/fake_plane.py), /v1/models, /kv/cache_blocks; its plane records what
+    each leg carried (``bodies``: the prompt's ids and the leg's kv_transfer_params) and
+    answers it with one token."""
 
     def __init__(self, role: str, engine_id: str, model_root: str) -> None:
         import uvicorn
+
+        from fake_plane import FakePlane
 
         self.role, self.engine_id, self.root = role, engine_id, model_root
         self.pub = FakePublisher(engine_id)
         self.bodies: list[dict[str, Any]] = []
         self.refuse_local = False
-        #: answer every completion 503 "unavailable" (a dead step loop or transfer thread)
+        #: refuse every leg 503 "unavailable" (a dead step loop or transfer thread)
         self.cannot_serve = False
         #: answer /v1/models 503 (an instance not ready to name its model)
         self.models_fail = False
+        self.plane = FakePlane(self._answer)
         app = stand_in(lambda: push_kv_info(  # the publisher's identity changes at a restart
             role, self.pub.engine_id, 9, block_size=BS, num_free_blocks=10,
-            num_total_blocks=10, max_model_len=128,
+            num_total_blocks=10, max_model_len=128, model="tiny", vocab_size=VOCAB,
+            request_plane=self.plane.address, request_plane_members=False,
             kv_events={"endpoint": self.pub.endpoint, "block_size": BS}))
 
         @app.get("/kv/cache_blocks")
@@ -339,28 +345,6 @@ class FakeInstance:
             return {"object": "list", "data": [{"id": "tiny", "root": self.root,
                                                 "max_model_len": 128}]}
 
-        @app.post("/kv/abort")
-        async def abort() -> Any:
-            return {"status": "aborting"}
-
-        @app.post("/v1/completions")
-        async def completions(request: Request) -> Any:
-            body = await request.json()
-            self.bodies.append(body)
-            if self.cannot_serve:
-                return JSONResponse({"error": {"message": "this instance cannot serve "
-                                               "requests: the KV transfer thread died",
-                                               "type": "server_error",
-                                               "code": "unavailable"}}, status_code=503)
-            if self.refuse_local and body.get("kv_transfer_params") is None:
-                # what a full kvpush decode answers (server/admission.py); a 503
-                # "unavailable" means it cannot serve at all (test_router_door.py)
-                return JSONResponse({"error": {"message": "full", "type": "x",
-                                               "code": "queue_full"}}, status_code=429)
-            return {"id": "c", "object": "text_completion", "model": "tiny",
-                    "choices": [{"index": 0, "text": f"from {self.pub.engine_id}",
-                                 "finish_reason": "length"}]}
-
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -370,6 +354,19 @@ class FakeInstance:
                                        kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         wait_until(lambda: self.server.started, 10, f"{engine_id} started")
+
+    def _answer(self, cmd: SubmitRequest) -> list[int] | RequestFailure:
+        body: dict[str, Any] = {"prompt": list(cmd.prompt_token_ids)}
+        if cmd.kv_transfer_params is not None:
+            body["kv_transfer_params"] = cmd.kv_transfer_params
+        self.bodies.append(body)
+        if self.cannot_serve:
+            return RequestFailure("this instance cannot serve requests: the KV transfer "
+                                  "thread died", True, None, "unavailable", 503)
+        if self.refuse_local and cmd.kv_transfer_params is None:
+            # what a full kvpush decode refuses a request with (server/admission.py)
+            return RequestFailure("full", True, None, "queue_full", 429)
+        return [7]
 
     def cache_prompt(self, ids: list[int]) -> None:
         """Cache (and announce) the full blocks of ``ids``, as an instance that has
@@ -381,6 +378,7 @@ class FakeInstance:
         self.thread.join(10)
         self.sock.close()
         self.pub.close()
+        self.plane.close()
 
 
 @pytest.fixture
@@ -455,7 +453,6 @@ def test_router_sends_a_cached_prompt_to_its_decode_alone(cluster, tiny_llama, c
         r = c.post(router.url + "/v1/completions",
                    json={"prompt": ids + [5, 6, 7], "max_tokens": 4})
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == f"from {first.engine_id}"
         assert len(p.bodies) == 1
         assert "kv_transfer_params" not in first.bodies[-1]
         assert first.bodies[-1]["prompt"] == ids + [5, 6, 7]
@@ -505,8 +502,7 @@ def test_router_faults_restart_gap_and_full_decode(cluster, tiny_llama):
         wait_until(lambda: _synced(router, d2), 10, "d2 synced")
         d2.refuse_local = True
         n1, n2 = len(d1.bodies), len(d2.bodies)
-        r = send()
-        assert r.json()["choices"][0]["text"] == "from decode-1"
+        send()
         _prefill_legs(p, 2)
         assert len(d2.bodies) == n2 + 1 and "kv_transfer_params" not in d2.bodies[-1]
         assert len(d1.bodies) == n1 + 1 and d1.bodies[-1]["kv_transfer_params"]
@@ -521,26 +517,23 @@ def test_router_faults_restart_gap_and_full_decode(cluster, tiny_llama):
         _prefill_legs(p, 3)  # no decode holds the prompt: remote
 
 
-def test_a_planned_route_carries_the_answer_bound_its_decode_leg_is_charged():
-    """plan() gives the route the request's answer bound (max_completion_tokens, then
-    max_tokens, else the default): prompt + bound is what a decode leg is charged."""
-
-    class Tokenizer:  # the prompt's ids only
-        async def prompt_ids(self, kind, body, nbytes):
-            return list(range(10))
-
-        def too_long(self, kind, body):
-            return None
-
+def test_a_route_carries_the_answer_bound_its_decode_leg_is_charged():
+    """Placement.route gives a cache-aware request's route its prompt, its cache salt and
+    its answer bound (the front's max_tokens: max_completion_tokens, max_tokens, else
+    what the context leaves): prompt + bound is what a decode leg is charged. Without
+    the cache-aware policy a request has no route."""
     from kvpush.router.job import Job
+    from kvpush.router.placement import Placement
+    from kvpush.sampling_params import SamplingParams
 
-    policy = CachePolicy.__new__(CachePolicy)
-    policy.tokenizer = Tokenizer()
-    bounds = []
-    for extra in ({"max_tokens": 7}, {"max_completion_tokens": 5, "max_tokens": 7}, {}):
-        job = Job(rid="r", kind="completion", path="/v1/completions",
-                  body={"prompt": "x", **extra}, stream=False, arrival=0.0)
-        asyncio.run(policy.plan(job, 1))
-        assert job.route is not None and job.body["prompt"] == list(range(10))
-        bounds.append(job.route.answer_tokens)
-    assert bounds == [7, 5, DEFAULT_ANSWER_TOKENS]
+    cfg = RouterConfig(mode="push", prefill=(parse_instance("http://127.0.0.1:9"),),
+                       decode=(parse_instance("http://127.0.0.1:1"),))
+    placement = Placement(Pool(cfg))
+    job = Job(rid="r", kind="completion", stream=False, arrival=0.0)
+    placement.route(job, list(range(10)), SamplingParams(max_tokens=7))
+    assert job.route is None
+    placement.cache = CachePolicy.__new__(CachePolicy)
+    placement.route(job, list(range(10)), SamplingParams(max_tokens=7, cache_salt="t"))
+    assert job.route is not None
+    assert (job.route.token_ids, job.route.answer_tokens, job.route.cache_salt) == (
+        list(range(10)), 7, "t")

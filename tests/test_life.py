@@ -23,7 +23,7 @@ from kvpush.router.life import Book, RequestLife
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.placement import Placement
 from kvpush.router.pool import Pool
-from kvpush.router.senders import CoreSender
+from kvpush.router.senders import CoreSender, Senders
 from kvpush.router.wire import LegSigner
 from kvpush.sampling_params import SamplingParams
 from kvpush.server.errors import APIError
@@ -120,7 +120,7 @@ class FakeCore:
 
 
 def _engine(mode: str, cores: dict[str, FakeCore], **kw: Any
-            ) -> tuple[ClusterEngine, Pool, CoreSender]:
+            ) -> tuple[ClusterEngine, Pool, Senders]:
     prefill = tuple(parse_instance(u) for u, c in cores.items() if c.role == "prefill")
     decode = tuple(parse_instance(u) for u, c in cores.items() if c.role == "decode")
     cfg = RouterConfig(mode=mode, prefill=prefill, decode=decode, **kw)  # type: ignore[arg-type]
@@ -130,7 +130,8 @@ def _engine(mode: str, cores: dict[str, FakeCore], **kw: Any
         inst.healthy = True
         inst.info = {"request_plane": cores[inst.url].address, "engine_id": inst.url,
                      "side_channel_host": "127.0.0.1", "side_channel_port": 9}
-    sender = CoreSender(pool, by_address.__getitem__)
+    # every instance here answers /kv/info: kvpush instances, over their cores only
+    sender = Senders(CoreSender(pool, by_address.__getitem__), http=None)  # type: ignore[arg-type]
     assert sender.serves()  # every healthy instance linked
     book = Book(cfg, Placement(pool), RouterMetrics(pool))
     return ClusterEngine(RequestLife(cfg, book, sender, LegSigner(None), Chars())), pool, sender
@@ -138,7 +139,7 @@ def _engine(mode: str, cores: dict[str, FakeCore], **kw: Any
 
 async def _run(engine: ClusterEngine, max_tokens: int = 2, rid: str = "r1", n: int = 1
                ) -> tuple[list[RequestOutput], Job]:
-    job = Job(rid=rid, kind="completion", path="/v1/completions", body={}, stream=True,
+    job = Job(rid=rid, kind="completion", stream=True,
               arrival=0.0)
     engine.jobs[rid] = job
     outs = [o async for o in engine.generate(rid, [1, 2, 3],
@@ -266,7 +267,7 @@ def test_an_instance_that_leaves_the_pool_has_its_core_link_closed():
     pool.remove_instance("http://d0:1")
 
     assert cores["http://d0:1"].closed and not cores["http://p0:1"].closed
-    assert sender.link(next(iter(pool.instances))) is cores["http://p0:1"]
+    assert sender.cores.link(next(iter(pool.instances))) is cores["http://p0:1"]
 
 
 def test_a_request_in_flight_on_a_leaving_instance_finishes_before_its_link_closes():
@@ -276,7 +277,7 @@ def test_a_request_in_flight_on_a_leaving_instance_finishes_before_its_link_clos
     d = cores["http://d0:1"]
 
     async def run() -> list[RequestOutput]:
-        job = Job(rid="r1", kind="completion", path="/v1/completions", body={},
+        job = Job(rid="r1", kind="completion",
                   stream=True, arrival=0.0)
         engine.jobs["r1"] = job
         outs = []
@@ -303,8 +304,8 @@ def test_a_core_connection_that_drops_takes_its_instance_out_of_rotation_at_once
     old = cores["http://d0:1"]
     d0.info = {"request_plane": "d0:8", "engine_id": d0.url}  # restarted: a new plane
     new = FakeCore("d0:8", "decode")
-    sender._connect = {"d0:8": new}.__getitem__  # noqa: SLF001
-    assert sender.link(d0) is new and old.closed
+    sender.cores._connect = {"d0:8": new}.__getitem__  # noqa: SLF001
+    assert sender.cores.link(d0) is new and old.closed
     old.on_lost("gone")
     assert d0.healthy
     cores["http://p0:1"].connected = False

@@ -18,15 +18,13 @@ import time
 
 import httpx
 import pytest
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
 
 from etcd_helpers import EtcdServer, require_etcd
 from kvpush.discovery.card import Card, encode
 from kvpush.discovery.target import parse_target
 from router_helpers import RouterThread, signed, wait_until
 from server_helpers import uvicorn_server
-from stand_in import stand_in
+from stand_in import vllm_like
 
 require_etcd()
 
@@ -35,18 +33,6 @@ pytestmark = pytest.mark.timeout(240)
 CARDS = int(os.environ.get("KVPUSH_FLOOD_CARDS", "2000"))
 #: a /health answer slower than this while the cards arrive or leave fails the test
 HEALTH_BOUND_S = 2.0  # a stall is many seconds; 1 s was crossed on a busy host (1.1 s)
-
-
-def backend() -> FastAPI:
-    """A colocated instance without /kv/info (taken on the operator's word)."""
-    app = stand_in()
-
-    @app.post("/v1/completions")
-    async def completions() -> Response:
-        return JSONResponse({"id": "x", "object": "text_completion", "choices": [
-            {"index": 0, "text": "ok", "finish_reason": "length"}]})
-
-    return app
 
 
 def b64(data: bytes | str) -> str:
@@ -117,16 +103,21 @@ class Probe:
         self._thread.join(30)
 
 
-def test_a_flood_of_cards_is_bounded(tmp_path, caplog):
+def test_a_flood_of_cards_is_bounded(tmp_path, caplog, tiny_llama):
     caplog.set_level(logging.INFO, "kvpush.router")
     etcd = EtcdServer(tmp_path / "etcd", tmp_path)
     cards = [card(k) for k in range(CARDS)]
     try:
-        with uvicorn_server(backend()) as url:
+        # a colocated vLLM-like instance without /kv/info (taken on the operator's word)
+        with uvicorn_server(vllm_like(str(tiny_llama))) as url:
             rt = RouterThread("colocated", [], [url],
                               discover=parse_target(etcd.url("flood")))
             try:
                 link = rt.router.discovery
+                # serving first (the tokenizer loads after start-up with --discover):
+                # the probe measures the flood, not the start
+                wait_until(lambda: httpx.get(rt.url + "/health", timeout=5).status_code
+                           == 200, 20, "the router serving")
                 probe = Probe(rt.url)
                 wait_until(lambda: probe.rounds >= 5, 10, "requests before the flood")
                 t0 = time.monotonic()

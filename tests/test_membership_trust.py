@@ -30,7 +30,8 @@ SECRET = b"s" * 32
 URL = "http://127.0.0.1:8001"
 INFO = {"role": "decode", "engine_id": "decode-1", "side_channel": "127.0.0.1:5000",
         "kv_transfer": "push", "model": "m", "block_size": 16,
-        "layout": {"num_layers": 2}, "kv_params_signed": False}
+        "layout": {"num_layers": 2}, "kv_params_signed": False,
+        "request_plane": "127.0.0.1:5001"}
 
 
 def answering(info: dict, secret: bytes | None = SECRET, prove: bool = True,

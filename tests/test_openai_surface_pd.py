@@ -66,17 +66,20 @@ def test_router_tokenize_detokenize_version_match_an_instance(cluster, routers) 
             assert c.get(url + "/version").json() == {"version": kvpush.__version__}
 
 
-def test_router_on_http_legs_relays_tokenize_to_a_decode(fake_model) -> None:
-    """Over an instance without a request plane (vLLM, or a plain `kvpush serve` without
-    the cluster secret: HTTP legs) the router relays /tokenize and /detokenize to a
-    healthy decode instance."""
+def test_router_over_vllm_instances_tokenizes_as_an_instance(fake_model) -> None:
+    """Over vLLM instances (HTTP legs) the router's /tokenize and /detokenize are its
+    front's, with the model's tokenizer (from the decode's /v1/models): the answers a
+    kvpush instance of the same model gives."""
     from fake_engine import FakeEngine
     from kvpush.server.app import build_app
     from server_helpers import uvicorn_server
+    from stand_in import vllm_like
 
+    config, _ = fake_model
     body = {"messages": [{"role": "user", "content": "hello"}], "return_token_strs": True}
-    with uvicorn_server(build_app(FakeEngine(*fake_model, token_delay=0))) as inst:
-        rt = RouterThread("colocated", [], [inst], kv_secret=None)
+    with uvicorn_server(build_app(FakeEngine(*fake_model, token_delay=0))) as inst, \
+            uvicorn_server(vllm_like(str(config.model.path))) as vllm:
+        rt = RouterThread("colocated", [], [vllm], kv_secret=None)
         try:
             with httpx.Client(timeout=30) as c:
                 assert c.get(rt.url + "/health").json()["legs"] == "http"

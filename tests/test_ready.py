@@ -92,7 +92,8 @@ def test_router_health_waits_for_the_tokenizer(tiny_llama, monkeypatch):
     d = FakeInstance("decode", "decode-1", str(tiny_llama))
     router = None
     try:
-        router = RouterThread("push", [p.url], [d.url], kv_secret=None, policy="cache-aware")
+        router = RouterThread("push", [p.url], [d.url], kv_secret=None, policy="cache-aware",
+                              wait=False)
         r = httpx.get(router.url + "/health", timeout=5)
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "starting"
@@ -110,19 +111,23 @@ def test_router_health_waits_for_the_tokenizer(tiny_llama, monkeypatch):
         d.stop()
 
 
-def test_router_without_a_tokenizer_says_it_runs_degraded(tmp_path):
+def test_router_without_a_tokenizer_says_it_cannot_serve(tmp_path):
     """A model root that does not exist on this host and an id that is no model: the
-    tokenizer cannot load, and /health says so (200, ``degraded``, and why)."""
+    tokenizer cannot load, and /health says so (503 ``no_tokenizer``, and why), as does
+    a request (the router renders and tokenizes every request)."""
     p = FakeInstance("prefill", "prefill-1", str(tmp_path / "nowhere"))
     d = FakeInstance("decode", "decode-1", str(tmp_path / "nowhere"))
     router = None
     try:
         router = RouterThread("push", [p.url], [d.url], kv_secret=None, policy="cache-aware")
-        wait_until(lambda: httpx.get(router.url + "/health", timeout=5).status_code == 200,
-                   20, "router up")
-        body = httpx.get(router.url + "/health", timeout=5).json()
-        assert body["status"] == "degraded" and body["routing"] == "blind", body
-        assert "tokenizer" in body["degraded"]
+        wait_until(lambda: httpx.get(router.url + "/health", timeout=5).status_code == 503
+                   and "no_tokenizer" in httpx.get(router.url + "/health", timeout=5).text,
+                   20, "the tokenizer's load failed")
+        err = httpx.get(router.url + "/health", timeout=5).json()["error"]
+        assert "tokenizer" in err["message"] and "--tokenizer" in err["message"], err
+        r = httpx.post(router.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert r.status_code == 503 and "tokenizer" in r.json()["error"]["message"], r.text
+        assert not p.bodies and not d.bodies
     finally:
         if router is not None:
             router.stop()
@@ -143,13 +148,14 @@ def test_router_health_without_cache_aware_policy_is_plain(tiny_llama):
         d.stop()
 
 
-def test_up_banner_says_loudly_when_the_router_runs_degraded(monkeypatch):
+def test_up_banner_says_loudly_when_the_router_cannot_serve(monkeypatch):
     from kvpush.cluster import cli as up
 
     router = SimpleNamespace(url="http://127.0.0.1:9")
-    answers = {"status": "degraded", "routing": "blind", "degraded": "no tokenizer (x)"}
+    answers: dict = {"error": {"message": "the router cannot serve without the model's "
+                               "tokenizer (x)", "code": "no_tokenizer"}}
     monkeypatch.setattr(httpx, "get", lambda *a, **k: SimpleNamespace(json=lambda: answers))
     line = up._router_routing(router)  # type: ignore[arg-type]
-    assert line is not None and "DEGRADED" in line and "no tokenizer (x)" in line
+    assert line is not None and "WARNING" in line and "tokenizer (x)" in line
     answers = {"status": "ok", "routing": "cache-aware"}
     assert "cache-aware" in (up._router_routing(router) or "")  # type: ignore[arg-type]

@@ -26,7 +26,6 @@ import pytest
 from kvpush.discovery.instance_spec import InstanceSpecError, parse_instance
 from kvpush.router.config import RouterConfig, RouterConfigError
 from kvpush.router.pool import Pool
-from kvpush.router.wire import ErrorFrames
 from router_helpers import (
     CHATS,
     PROMPTS,
@@ -36,6 +35,7 @@ from router_helpers import (
     answer_text,
     body,
     chat_body,
+    cluster_secret,
     metric_value,
     reference_answers,
     sse_text,
@@ -199,6 +199,33 @@ def test_instance_specs():
                      decode=(parse_instance("http://h:1"),))
 
 
+def test_kvpush_and_vllm_instances_are_not_paired():
+    """A kvpush prefill (it answers /kv/info) next to healthy vLLM decodes, or a vLLM
+    prefill next to kvpush decodes, stays out of the rotation with the reason (their KV
+    layouts differ: a transfer between them would give wrong tokens); instances of one
+    kind pair as before, and a colocated router mixes kinds freely."""
+    kvpush = {"engine_id": "p-1", "role": "prefill", "kv_transfer": "pull",
+              "request_plane": "127.0.0.1:9", "request_plane_members": False,
+              "side_channel_host": "127.0.0.1", "side_channel_port": 5600}
+    cfg = RouterConfig(mode="pull", prefill=(parse_instance("127.0.0.1:9000"),),
+                       decode=(parse_instance("127.0.0.1:9100"),))
+    pool = Pool(cfg)
+    (p,), (d,) = pool.by_role["prefill"], pool.by_role["decode"]
+    d.healthy, d.info = True, None  # a vLLM decode
+    why = pool.verify(p, kvpush)
+    assert why is not None and "a kvpush instance" in why and "layouts differ" in why
+    assert pool.verify(p, None) is None  # a vLLM prefill pairs with it
+    d.info = {**kvpush, "role": "decode"}  # now a kvpush decode
+    why = pool.verify(p, None)
+    assert why is not None and "a vLLM instance" in why
+    assert pool.verify(p, kvpush) is None
+    col = Pool(RouterConfig(mode="colocated", prefill=(),
+                            decode=(parse_instance("h:1"), parse_instance("h:2"))))
+    a, b = col.by_role["decode"]
+    a.healthy, a.info = True, None
+    assert col.verify(b, {**kvpush, "role": "both"}) is None
+
+
 def test_policies_pick_order():
     pool = _fake_pool("round-robin")
     ps = pool.by_role["prefill"]
@@ -278,14 +305,6 @@ def test_client_disconnect_aborts_both_legs(cluster):
         assert metric_value(rt.metrics(), "kvpush_router_instance_in_flight") == 0
     finally:
         rt.stop()
-
-
-def test_error_frames_notice_done():
-    f = ErrorFrames()
-    assert f.feed(b'data: {"choices": []}\n\ndata: [DO') == b'data: {"choices": []}\n\n'
-    assert not f.done
-    assert f.feed(b"NE]\n\n") == b"data: [DONE]\n\n"
-    assert f.done
 
 
 # ------------------------------------------------------------------ instances killed
@@ -486,9 +505,12 @@ def test_cli_refuses_misconfigured_or_missing_instances(cluster):
 def test_cli_serves_colocated(cluster, refs, tmp_path):
     port = free_port()
     log = open(tmp_path / "router.log", "w")  # noqa: SIM115 - closed below
+    # the router holds the cluster's secret: it joins the instance's request plane
+    env = {**os.environ, "KVPUSH_KV_SECRET": cluster_secret().decode()}
     proc = subprocess.Popen([sys.executable, "-m", "kvpush", "router", "--mode", "colocated",
                              "--decode", cluster.single.url, "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         def up() -> bool:

@@ -33,7 +33,7 @@ from fake_engine import FakeEngine
 from kvpush.server.app import MAX_BODY_BYTES, build_app
 from router_helpers import RouterThread, metric_value, wait_until
 from server_helpers import ServerProcess, free_port, uvicorn_server
-from stand_in import push_kv_info, stand_in
+from stand_in import add_models, stand_in, vllm_like
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,48 +56,48 @@ def _wait_engine_idle(engine: FakeEngine, timeout: float = 10.0) -> None:
 # ------------------------------------------------------------------ finding 7: bad input
 
 
-#: bodies that Python's parser accepts and its encoder refuses, each with the field the
-#: 400 must name
+#: bodies that Python's parser accepts and its encoder refuses
 UNENCODABLE = [
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "temperature": 1e999}',
-     "temperature"),
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1e999}', "max_tokens"),
-    ("/v1/completions", b'{"prompt": "a \\ud800 b", "max_tokens": 2}', "prompt"),
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "stop": ["x", "\\ud800"]}',
-     "stop[1]"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "temperature": 1e999}'),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1e999}'),
+    ("/v1/completions", b'{"prompt": "a \\ud800 b", "max_tokens": 2}'),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "stop": ["x", "\\ud800"]}'),
     ("/v1/chat/completions",
-     b'{"messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}',
-     "messages[0].content"),
+     b'{"messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}'),
 ]
 
 
-def test_bad_input_is_a_4xx_in_openai_shape(fake_model):
+def test_bad_input_is_a_4xx_in_openai_shape(fake_model, tiny_llama):
     """1e999, lone surrogates (in a prompt, a stop string, a chat message), a body nested
     too deeply and a body over 32 MiB: the router answers 400 / 413 in OpenAI's shape
-    (it answered 500, and a text/plain 413), as the instance itself does; the instance is
-    never bothered, and the router serves the next request."""
+    (it answered 500, and a text/plain 413), as the instance itself does; the instance
+    behind the router is never bothered, and the router serves the next request."""
     engine = FakeEngine(*fake_model, token_delay=0)
-    with uvicorn_server(build_app(engine)) as inst_url:
-        rt = RouterThread("colocated", [], [inst_url], kv_secret=None)
+    bodies: list[dict] = []
+    with uvicorn_server(build_app(engine)) as inst_url, \
+            uvicorn_server(vllm_like(str(tiny_llama), bodies)) as vllm_url:
+        rt = RouterThread("colocated", [], [vllm_url], kv_secret=None)
         try:
             with httpx.Client(timeout=30, headers={"content-type": "application/json"}) as c:
-                for path, raw, param in UNENCODABLE:
+                for path, raw in UNENCODABLE:
                     direct = c.post(inst_url + path, content=raw)
                     assert direct.status_code == 400, (raw, direct.text)
                     r = c.post(rt.url + path, content=raw)
                     assert r.status_code == 400, (raw, r.status_code, r.text)
+                    # the router's front is the instance's: the same answer, word for word
                     err = _openai_error(r)
-                    assert err["param"] == param and err["type"] == "invalid_request_error", err
+                    assert err == _openai_error(direct), (raw, err)
+                    assert err["type"] == "invalid_request_error", err
                 deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
                 r = c.post(rt.url + "/v1/completions", content=deep)
-                assert r.status_code == 400 and "nested" in _openai_error(r)["message"]
+                assert r.status_code == 400 and "JSON" in _openai_error(r)["message"]
                 big = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
                 r = c.post(rt.url + "/v1/completions", content=big)
                 assert r.status_code == 413, (r.status_code, r.text[:200])
                 assert _openai_error(r)["type"] == "invalid_request_error"
                 r = c.post(rt.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
                 assert r.status_code == 200, r.text
-            assert len(engine.requests) == 1  # only the good one reached the instance
+            assert len(bodies) == 1  # only the good one reached the instance
             m = rt.metrics()
             assert metric_value(m, "kvpush_router_requests_total", 'outcome="error"') == 0
             assert metric_value(m, "kvpush_router_requests_total",
@@ -113,11 +113,15 @@ PEER_ENGINE = "prefill-0badc0de"  # an engine the router does not know (a peer's
 PEER_ADDR = "10.9.8.7:5601"
 
 
-def scripted_instance(role: str, kv_transfer: str, engine_id: str, side_port: int,
-                      script: dict[str, str]) -> FastAPI:
-    """A stand-in instance whose /v1/completions answers per ``script["answer"]`` with
-    the kinds of errors a real one gives under faults, each naming internals."""
-    app = stand_in(push_kv_info(role, engine_id, side_port, kv_transfer))
+def scripted_instance(engine_id: str, side_port: int, script: dict[str, str],
+                      model_root: str) -> FastAPI:
+    """A stand-in vLLM instance whose /v1/completions answers per ``script["answer"]``
+    with the kinds of errors a real one gives under faults, each naming internals."""
+    app = stand_in()
+    add_models(app, model_root)
+
+    def frame(obj: dict) -> bytes:
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -135,32 +139,36 @@ def scripted_instance(role: str, kv_transfer: str, engine_id: str, side_port: in
             return JSONResponse({"object": "error", "message": f"bad request: {leak}",
                                  "type": "BadRequestError", "param": None, "code": 400},
                                 status_code=400)
+        token = {"choices": [{"index": 0, "text": "a", "token_ids": [5]}]}
+        last = {"choices": [{"index": 0, "text": "b", "token_ids": [6],
+                             "finish_reason": "length"}]}
         if answer == "stream-error":
             async def frames() -> AsyncIterator[bytes]:
-                yield b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+                yield frame(token)
                 body = {"error": {"message": f"the engine failed this request: {leak}",
                                   "type": "server_error", "param": None, "code": None}}
-                text = b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+                text = frame(body) + b"data: [DONE]\n\n"
                 yield text[:25]  # one frame over two chunks
                 yield text[25:]
             return StreamingResponse(frames(), media_type="text/event-stream")
         if answer == "done-then-hold":  # the whole answer, then the stream stays open
             async def held() -> AsyncIterator[bytes]:
-                yield b'data: {"choices": [{"index": 0, "text": "a"}]}\n\ndata: [DONE]\n\n'
+                yield frame(token) + frame(last) + b"data: [DONE]\n\n"
                 await asyncio.sleep(5)
             return StreamingResponse(held(), media_type="text/event-stream")
         # "no-kv": a pull prefill answer without kv_transfer_params
-        return JSONResponse({"id": "x", "object": "text_completion", "choices": []})
+        return JSONResponse({"id": "x", "object": "text_completion", "choices": [
+            {"index": 0, "text": "a", "token_ids": [5], "finish_reason": "length"}]})
 
     return app
 
 
-def test_client_hanging_up_after_done_counts_ok():
+def test_client_hanging_up_after_done_counts_ok(tiny_llama):
     """A client that closes the connection as soon as ``[DONE]`` arrives (kvpush bench
     and most SDKs do) got its whole answer: the router counts it ok, not abort, even
     while the instance's stream is still open behind the ``[DONE]``."""
-    inst = scripted_instance("both", "none", "both-1234abcd", free_port(),
-                             {"answer": "done-then-hold"})
+    inst = scripted_instance("both-1234abcd", free_port(), {"answer": "done-then-hold"},
+                             str(tiny_llama))
     with uvicorn_server(inst) as url:
         rt = RouterThread("colocated", [], [url], kv_secret=None)
         try:
@@ -191,7 +199,7 @@ def _assert_no_internals(text: str, secrets: list[str]) -> None:
     assert not re.search(r"\b\d{1,3}(\.\d{1,3}){3}\b|://|\[::1\]", text), text
 
 
-def test_client_errors_name_no_internal_host_port_or_engine(caplog):
+def test_client_errors_name_no_internal_host_port_or_engine(caplog, tiny_llama):
     """Every error a client can get from the router — its own (no healthy instance, a
     pull prefill answer without kv_transfer_params) and an instance's relayed (a JSON
     5xx, a text 5xx, vLLM's flat 4xx, an error frame in a stream, split over chunks) —
@@ -200,9 +208,10 @@ def test_client_errors_name_no_internal_host_port_or_engine(caplog):
     caplog.set_level(logging.WARNING, logger="kvpush.router")
     side = free_port()
     script = {"answer": "500-json"}
-    both = scripted_instance("both", "none", "both-1234abcd", side, script)
-    pull_p = scripted_instance("prefill", "pull", "vllm-prefill-east", side, {"answer": "no-kv"})
-    pull_d = scripted_instance("decode", "pull", "decode-77aa88bb", side, script)
+    root = str(tiny_llama)
+    both = scripted_instance("both-1234abcd", side, script, root)
+    pull_p = scripted_instance("vllm-prefill-east", side, {"answer": "no-kv"}, root)
+    pull_d = scripted_instance("decode-77aa88bb", side, script, root)
     texts: list[str] = []
     with uvicorn_server(both) as both_url, uvicorn_server(pull_p) as p_url, \
             uvicorn_server(pull_d) as d_url:
@@ -231,8 +240,8 @@ def test_client_errors_name_no_internal_host_port_or_engine(caplog):
                     sse = r.read().decode()
                 frames = [json.loads(line[6:]) for line in sse.split("\n\n")
                           if line.startswith("data: {")]
-                assert frames[0]["choices"][0]["text"] == "a"
-                assert "the engine failed" in frames[1]["error"]["message"], frames
+                assert frames[0]["choices"][0]["text"]  # the token before the error
+                assert "the engine failed" in frames[-1]["error"]["message"], frames
                 assert sse.endswith("data: [DONE]\n\n")
                 texts.append(sse)
         finally:
@@ -243,7 +252,7 @@ def test_client_errors_name_no_internal_host_port_or_engine(caplog):
         try:
             with httpx.Client(timeout=30) as c:
                 r = c.post(pull.url + "/v1/completions", json={"prompt": "hi"})
-                assert r.status_code == 502 and "kv_transfer_params" in r.text, r.text
+                assert r.status_code == 502 and "prefill instance failed" in r.text, r.text
                 texts.append(r.text)
                 rid = r.headers["x-request-id"]
                 r = c.post(dead.url + "/v1/completions", json={"prompt": "hi"})
@@ -258,7 +267,8 @@ def test_client_errors_name_no_internal_host_port_or_engine(caplog):
     for text in texts:
         _assert_no_internals(text, secrets)
     logged = [rec.getMessage() for rec in caplog.records]
-    assert any(rid in m and p_url in m for m in logged), logged  # the operator's view
+    assert any(rid in m and p_url in m and "kv_transfer_params" in m
+               for m in logged), logged  # the operator's view
 
 
 # ------------------------------------------------------------------ finding 8: frozen decode
@@ -336,13 +346,14 @@ def test_frozen_decode_ends_its_legs_within_seconds(tiny_llama, tmp_path):
 # ------------------------------------------------------------------ finding 8: bounded
 
 
-def test_requests_beyond_the_bound_get_429(fake_model):
+def test_requests_beyond_the_bound_get_429(tiny_llama):
     """With --max-outstanding-requests 2 and two streams open, a third request is a 429
     with Retry-After in OpenAI's shape, at once and without reaching the instance;
     counted in /metrics; once the streams are over the router takes requests again."""
-    engine = FakeEngine(*fake_model, token_delay=0.05)
+    bodies: list[dict] = []
     body = {"prompt": "one two three", "max_tokens": 60, "ignore_eos": True, "stream": True}
-    with uvicorn_server(build_app(engine)) as inst_url:
+    inst = vllm_like(str(tiny_llama), bodies, tokens=(5,) * 60, frame_delay_s=0.05)
+    with uvicorn_server(inst) as inst_url:
         rt = RouterThread("colocated", [], [inst_url], max_outstanding_requests=2,
                           kv_secret=None)
         try:
@@ -363,7 +374,7 @@ def test_requests_beyond_the_bound_get_429(fake_model):
                 assert r.headers["retry-after"] == "1"
                 err = _openai_error(r)
                 assert err["type"] == "rate_limit_error" and err["code"] == "too_many_requests"
-                assert len(engine.requests) == 2
+                assert len(bodies) == 2
             assert metric_value(rt.metrics(), "kvpush_router_requests_total",
                                 'outcome="overloaded"') == 1
             wait_until(lambda: metric_value(rt.metrics(),
@@ -374,7 +385,6 @@ def test_requests_beyond_the_bound_get_429(fake_model):
             assert r.status_code == 200, r.text
         finally:
             rt.stop()
-        _wait_engine_idle(engine)
 
 
 def test_leg_watch_ends_only_its_own_wait():

@@ -30,7 +30,8 @@ class StandIn:
     def __init__(self, engine_id: str, role: str = "decode") -> None:
         self.mode = "ok"
         self.info = {"engine_id": engine_id, "role": role, "kv_transfer": "push",
-                     "side_channel_host": "127.0.0.1", "side_channel_port": 5600}
+                     "side_channel_host": "127.0.0.1", "side_channel_port": 5600,
+                     "request_plane": "127.0.0.1:9", "request_plane_members": False}
         self.checks = 0  # /health requests answered in full
         self.sent = 0  # body bytes written
         self.checked = asyncio.Event()  # set at each answered /health

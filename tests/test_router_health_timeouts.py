@@ -14,7 +14,8 @@ from kvpush.router.config import RouterConfig
 from kvpush.router.pool import Pool
 
 INFO = {"engine_id": "decode-x", "role": "decode", "kv_transfer": "push",
-        "side_channel_host": "127.0.0.1", "side_channel_port": 5600}
+        "side_channel_host": "127.0.0.1", "side_channel_port": 5600,
+        "request_plane": "127.0.0.1:5601", "request_plane_members": False}
 
 
 def _run(behaviour: list[str], tolerated: int = 1, alone: bool = False,

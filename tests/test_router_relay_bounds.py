@@ -1,15 +1,16 @@
-"""The relay is bounded (issue 53, point 5): a stream frame without an end is cut at the
-frame cap with an error frame; a non-streaming answer (decode's, or a prefill leg's)
-above the answer cap is a 502; each stream byte is scanned for a frame end once; the
-router's memory stays within the caps and /health keeps answering meanwhile.
+"""The HTTP legs' reads are bounded (issue 53, point 5): a vLLM instance's stream frame
+without an end is cut at the frame cap with an error; a whole answer (a prefill leg's)
+above the answer cap fails its leg; each stream byte is scanned for a frame end once;
+the router's memory stays within the caps and /health keeps answering meanwhile.
 
-The instances are small fake apps in this process (uvicorn threads), which hold no
-cluster secret: the routers here have none either and take them on trust; every wait is
-bounded.
+The instances are small vLLM-like apps in this process (uvicorn threads); the routers
+load the tiny model's tokenizer from --tokenizer (the instances' /v1/models are huge
+too); every wait is bounded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -21,23 +22,27 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from kvpush.router.wire import ErrorFrames, FrameTooLong
+from kvpush.discovery.instance_spec import parse_instance
+from kvpush.router.config import RouterConfig
+from kvpush.router.http_sender import HttpSender
+from kvpush.router.pool import Pool
+from kvpush.router.wire import AnswerTooLarge
 from router_helpers import RouterThread
-from server_helpers import free_port, uvicorn_server
-from stand_in import push_kv_info, stand_in
+from server_helpers import uvicorn_server
+from stand_in import stand_in
 
 pytestmark = pytest.mark.timeout(120)
 
 MiB = 1 << 20
-FRAME = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+FRAME = b'data: {"choices": [{"index": 0, "text": "a", "token_ids": [5]}]}\n\n'
 
 
-def endless_instance(role: str, kv_transfer: str, total: int) -> FastAPI:
+def endless_instance(total: int) -> FastAPI:
     """An instance whose answers never end a frame: a stream of one frame, then
     ``total`` bytes without a frame end; a non-streaming answer of ``total`` bytes
     (chunked, no Content-Length), /v1/models too; with ``user: declared``, an answer
     whose Content-Length says ``total``."""
-    app = stand_in(push_kv_info(role, f"{role}-1234abcd", free_port(), kv_transfer))
+    app = stand_in()
 
     block = b"x" * (64 << 10)
 
@@ -99,33 +104,37 @@ def watched(url: str) -> Iterator[dict]:
 
 
 def test_frame_scan_is_linear_and_capped():
-    """4 MiB fed in 64-byte chunks without a frame end: each byte scanned once (the old
-    scanner re-scanned and copied the whole pending frame per chunk: minutes); then the
-    cap; a frame end straddling two chunks still cuts."""
-    frames = ErrorFrames(max_frame=4 * MiB)
-    piece = b"y" * 64
-    t0 = time.monotonic()
-    for _ in range(4 * MiB // 64):
-        assert frames.feed(piece) == b""
-    assert time.monotonic() - t0 < 5
-    with pytest.raises(FrameTooLong):
-        frames.feed(piece)
-    frames = ErrorFrames()
-    assert frames.feed(b"data: 1\n") == b""
-    assert frames.feed(b"\ndata: 2") == b"data: 1\n\n"
-    assert frames.feed(b"\n\n") == b"data: 2\n\n"
-    assert frames.feed(FRAME + b"data: [DO") == FRAME
-    assert frames.flush() == b"data: [DO"
+    """4 MiB fed in 64-byte chunks without a frame end: each byte scanned once (a
+    scanner that re-scans the pending frame per chunk takes minutes: the test's
+    timeout), then the cap; a frame end straddling two chunks still cuts."""
+    cfg = RouterConfig(mode="colocated", prefill=(), decode=(parse_instance("http://127.0.0.1:9"),),
+                       max_frame_bytes=4 * MiB)
+    pool = Pool(cfg)
+    sender = HttpSender(cfg, pool, None)  # type: ignore[arg-type]
+    inst = pool.instances[0]
+
+    async def frames(chunks: list[bytes]) -> list[bytes]:
+        async def body() -> AsyncIterator[bytes]:
+            for chunk in chunks:
+                yield chunk
+
+        resp = httpx.Response(200, content=body())
+        return [f async for f in sender._frames(resp, inst)]  # noqa: SLF001
+
+    with pytest.raises(AnswerTooLarge, match="without an end"):
+        asyncio.run(frames([b"y" * 64] * (4 * MiB // 64 + 1)))
+    assert asyncio.run(frames([b"data: 1\n", b"\ndata: 2", b"\n\n", FRAME + b"data: [DO",
+                               b"NE]\n\n"])) == [b"data: 1", b"data: 2", FRAME[:-2],
+                                                  b"data: [DONE]"]
 
 
-def test_endless_frame_and_huge_answers_are_cut():
-    """80 MiB of stream without a frame end: the client gets the first frame, then an
-    OpenAI error frame and [DONE]; a 300 MiB non-streaming answer, and one whose
-    Content-Length says 300 MiB, are 502s; a 300 MiB /v1/models is not relayed (503).
-    Within seconds, /health answering all along, the router's memory within the caps."""
-    inst = endless_instance("both", "none", 300 * MiB)
+def test_endless_frame_and_huge_answers_are_cut(tiny_llama):
+    """300 MiB of stream without a frame end: the client gets the first frame, then an
+    OpenAI error frame and [DONE]; a 300 MiB /v1/models is not relayed (503). Within
+    seconds, /health answering all along, the router's memory within the caps."""
+    inst = endless_instance(300 * MiB)
     with uvicorn_server(inst) as url:
-        rt = RouterThread("colocated", [], [url], kv_secret=None)
+        rt = RouterThread("colocated", [], [url], kv_secret=None, tokenizer=str(tiny_llama))
         try:
             with watched(rt.url) as seen, httpx.Client(timeout=60) as c:
                 t0 = time.monotonic()
@@ -135,16 +144,11 @@ def test_endless_frame_and_huge_answers_are_cut():
                     sse = r.read().decode()
                 took = time.monotonic() - t0
                 frames = [f for f in sse.split("\n\n") if f]
-                assert frames[0] == FRAME.decode().strip()
-                err = json.loads(frames[1].removeprefix("data: "))["error"]
+                assert json.loads(frames[0].removeprefix("data: "))["choices"][0]["text"]
+                err = json.loads(frames[-2].removeprefix("data: "))["error"]
                 assert "without an end" in err["message"], err
-                assert frames[2] == "data: [DONE]" and len(frames) == 3, frames
+                assert frames[-1] == "data: [DONE]", frames
                 assert took < 20, took
-                for user in ("chunked", "declared"):
-                    r = c.post(rt.url + "/v1/completions",
-                               json={"prompt": "hi", "user": user})
-                    assert r.status_code == 502, r.text
-                    assert "over the router's cap of 32 MiB" in r.json()["error"]["message"]
                 r = c.get(rt.url + "/v1/models")
                 assert r.status_code == 503, r.text
                 assert "no decode instance answered" in r.json()["error"]["message"]
@@ -161,16 +165,18 @@ def test_endless_frame_and_huge_answers_are_cut():
             rt.stop()
 
 
-def test_huge_prefill_answer_is_a_502():
-    """Pull mode: a prefill leg whose answer passes the cap fails like a broken answer
-    (no other prefill: 502), and the router reads no more of it."""
-    p = endless_instance("prefill", "pull", 300 * MiB)
-    d = endless_instance("decode", "pull", 0)
+@pytest.mark.parametrize("user", ["chunked", "declared"])
+def test_huge_prefill_answer_is_a_502(tiny_llama, user):
+    """Pull mode: a prefill leg whose answer passes the cap (read, or declared by its
+    Content-Length) fails like a broken answer (502), and the router reads no more of
+    it."""
+    p = endless_instance(300 * MiB)
+    d = endless_instance(0)
     with uvicorn_server(p) as p_url, uvicorn_server(d) as d_url:
-        rt = RouterThread("pull", [p_url], [d_url], kv_secret=None)
+        rt = RouterThread("pull", [p_url], [d_url], kv_secret=None, tokenizer=str(tiny_llama))
         try:
             with httpx.Client(timeout=60) as c:
-                r = c.post(rt.url + "/v1/completions", json={"prompt": "hi"})
+                r = c.post(rt.url + "/v1/completions", json={"prompt": "hi", "user": user})
             assert r.status_code == 502, r.text
             assert "cap of 32 MiB" in r.json()["error"]["message"], r.text
         finally:

@@ -221,7 +221,8 @@ def test_router_without_the_secret_refuses_instances_that_need_it():
         pool = Pool(cfg)
         inst = pool.by_role["decode"][0]
         return pool.verify(inst, {"role": "decode", "kv_transfer": "push",
-                                  "kv_params_signed": signed})
+                                  "kv_params_signed": signed, "request_plane": "h:1",
+                                  "request_plane_members": signed})
 
     why = problem(None, True)
     assert why is not None and "--kv-secret-file" in why

@@ -535,7 +535,7 @@ def _served_model(child: Child, headers: dict[str, str]) -> str | None:
 
 def _router_routing(router: Child) -> str | None:
     """How the router routes, from its /health (open without a key): a line for the
-    banner, loud when it runs degraded (no tokenizer: blind routing)."""
+    banner, loud when it cannot serve (no tokenizer)."""
     import httpx
 
     try:
@@ -544,8 +544,9 @@ def _router_routing(router: Child) -> str | None:
         return None
     if not isinstance(health, dict):
         return None
-    if health.get("status") == "degraded":
-        return f"  WARNING     the router runs DEGRADED: {health.get('degraded')}"
+    error = health.get("error")
+    if isinstance(error, dict) and error.get("code") == "no_tokenizer":
+        return f"  WARNING     {error.get('message')}"
     routing = health.get("routing")
     return f"  {'routing':<11} {routing}" if routing else None
 

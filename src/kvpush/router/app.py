@@ -1,7 +1,8 @@
 """The router's OpenAI-compatible front: ``build_app(router) -> FastAPI``.
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming and not) go through
-:class:`kvpush.router.legs.Legs`; ``GET /v1/models`` is a healthy decode instance's;
+the router's front (kvpush.router.front) and each one's request life
+(kvpush.router.life); ``GET /v1/models`` is a healthy decode instance's;
 ``/health`` says whether the router can serve; ``/router/instances`` shows the pool;
 ``/metrics`` is Prometheus.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -20,23 +21,14 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
-from starlette.types import Message, Receive, Scope, Send
 
 from kvpush import __version__
 from kvpush.aio import within
 from kvpush.router.cache_policy import CachePolicy, load_model_tokenizer
 from kvpush.router.config import RouterConfig
-from kvpush.router.core_front import STARTING_WAIT_S, CoreFront
-from kvpush.router.intake import (
-    RETRY_AFTER_S,
-    Admission,
-    check_encodable,
-    full_error,
-    load_body,
-    read_body_within,
-)
+from kvpush.router.front import STARTING_WAIT_S, RouterFront
+from kvpush.router.intake import RETRY_AFTER_S, Admission, full_error, read_body_within
 from kvpush.router.job import Job, outcome_for
-from kvpush.router.legs import Legs
 from kvpush.router.life import Book
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.placement import Placement
@@ -44,18 +36,12 @@ from kvpush.router.pool import CHECKS_AT_ONCE, Instance, Pool, describe_error
 from kvpush.router.prompts import PromptTokenizer, TokenizerState
 from kvpush.router.redact import scrub
 from kvpush.router.stopping import cancel_and_wait
-from kvpush.router.wire import (
-    AnswerTooLarge,
-    LegSigner,
-    client_kv_params_problem,
-    read_answer,
-    relay_error,
-)
+from kvpush.router.wire import AnswerTooLarge, LegSigner, read_answer, relay_error
 from kvpush.server.admin_key import ADMIN_PATHS, protect
-from kvpush.server.app import EventStreamResponse, new_request_id, unless_disconnected
+from kvpush.server.app import new_request_id
 from kvpush.server.auth import auth_header
 from kvpush.server.door import uvicorn_options
-from kvpush.server.errors import APIError, install_error_handlers, internal_error, to_api_error
+from kvpush.server.errors import APIError, install_error_handlers
 from kvpush.server.metrics import auth_rejected_counter
 from kvpush.server.openapi import install_openapi, request_body
 from kvpush.server.protocol import VersionResponse
@@ -77,15 +63,13 @@ KEEPALIVE_EXPIRY_S = 3.0
 #: loaded) before it says "starting"
 HEALTH_WAIT_S = 1.0
 
-#: bodies larger than this are parsed on a worker thread (a 21 MB body took 0.4 s)
-INLINE_PARSE_BYTES = 1 << 20
-
 
 @dataclass(frozen=True)
 class RoutingState:
-    """How the router routes now (``/health``'s ``routing``): its ``--policy`` when that
-    needs no tokenizer; with cache-aware, ``cache-aware``, ``blind`` (degraded: no
-    tokenizer) or ``starting`` (the tokenizer is still loading; /health is 503)."""
+    """How the router routes now (``/health``'s ``routing``): its ``--policy`` once the
+    model's tokenizer has loaded; ``starting`` while it loads (/health is 503);
+    ``failed`` when it cannot (503: the router renders and tokenizes every request, so
+    it serves nothing without it)."""
 
     routing: str
     why: str
@@ -95,8 +79,8 @@ class RoutingState:
         return self.routing == "starting"
 
     @property
-    def degraded(self) -> bool:
-        return self.routing == "blind"
+    def failed(self) -> bool:
+        return self.routing == "failed"
 
 #: --discover: how long start-up waits for the first view of etcd before serving without
 #: it (the router then answers /health, 503 until it has usable instances)
@@ -122,15 +106,14 @@ class Router:
         self.placement = Placement(self.pool)
         self.book = Book(cfg, self.placement, self.metrics)
         self.signer = LegSigner(cfg.keys)
-        self.legs: Legs | None = None
         #: the cache-aware policy's tokenizer and KV index (--policy cache-aware)
         self.cache: CachePolicy | None = None
         self._health: asyncio.Task | None = None
         #: --discover: the etcd watch that adds and drops instances (kvpush.router.discover)
         self.discovery: EtcdLink | None = None
         self._joins: set[asyncio.Task] = set()
-        #: the front over the engine cores (kvpush.router.core_front)
-        self.cores = CoreFront(cfg, self.book, self.signer)
+        #: the front every request goes through (kvpush.router.front)
+        self.front = RouterFront(cfg, self.book, self.signer)
         #: the model's tokenizer (the cache-aware policy's, or loaded for the front)
         self.tokenizer: PromptTokenizer | None = None
         self._tokenizer_load: asyncio.Task | None = None
@@ -166,7 +149,6 @@ class Router:
         RouterConfigError / RouterStartupError), start the health loop."""
         self.client = self.make_client()
         self.health_client = self.make_health_client()
-        self.legs = Legs(self.cfg, self.book, self.client, self.signer)
         try:
             if self.cfg.discover is not None:
                 await self._start_discovery()
@@ -189,15 +171,15 @@ class Router:
                                                         self.client)
             self.cache.start()
             self.tokenizer = self.cache.tokenizer
-        else:  # for the front over the engine cores (kvpush instances)
+        else:  # for the front
             self.tokenizer = PromptTokenizer(self.cfg.tokenizer)
             self._tokenizer_load = asyncio.create_task(
                 load_model_tokenizer(self.tokenizer, self.cfg, self.pool, self.client),
                 name="kvpush-tokenizer-load")
         self._health = asyncio.create_task(self.pool.health_loop(self.health_client),
                                            name="kvpush-health-loop")
-        if wait and self.cores.wanted():  # serving from the start: tokenizer and links
-            why = await self.cores_ready(self.cfg.startup_timeout_s)
+        if wait:  # serving from the start: tokenizer and links
+            why = await self.front_ready(self.cfg.startup_timeout_s)
             if why is not None:
                 logger.warning("not serving yet: %s (requests wait for it, then 503)", why)
 
@@ -206,36 +188,36 @@ class Router:
         front's)."""
         return self.cache.loading if self.cache is not None else self._tokenizer_load
 
-    async def cores_ready(self, timeout: float = STARTING_WAIT_S) -> str | None:
-        """Why requests cannot take the engine cores yet (waiting at most ``timeout``
-        s for the tokenizer and the links), or None."""
-        return await self.cores.ready(self.tokenizer, self.tokenizer_loading(), timeout)
+    async def front_ready(self, timeout: float = STARTING_WAIT_S) -> str | None:
+        """Why requests cannot be served yet (waiting at most ``timeout`` s for the
+        tokenizer and the engine cores' links), or None."""
+        assert self.client is not None
+        return await self.front.ready(self.tokenizer, self.tokenizer_loading(), self.client,
+                                      timeout)
 
     def routing_state(self) -> RoutingState:
-        """Whether the router routes as configured: a cache-aware router is starting
-        until its tokenizer has loaded (or failed to: then it runs degraded, blind)."""
-        if self.cfg.policy != "cache-aware":
-            return RoutingState(self.cfg.policy, "the configured policy")
-        if self.cache is None:
-            return RoutingState("starting", "the cache-aware policy is not started yet")
-        tok = self.cache.tokenizer
+        """Whether the router routes as configured: starting until the model's tokenizer
+        has loaded, failed if it cannot."""
+        tok = self.tokenizer
+        if tok is None:
+            return RoutingState("starting", "the router is not started yet")
         if tok.state is TokenizerState.READY:
-            return RoutingState("cache-aware", f"tokenizer {tok.source} loaded")
+            return RoutingState(self.cfg.policy, f"tokenizer {tok.source} loaded")
         if tok.state is TokenizerState.FAILED:
-            return RoutingState("blind", f"no tokenizer ({tok.why}): requests are routed "
-                                "round-robin with a prefill leg each, without the prefix "
-                                "caches")
+            return RoutingState("failed", f"the router cannot serve without the model's "
+                                f"tokenizer ({tok.why}): give it --tokenizer")
         return RoutingState("starting", f"loading the tokenizer {tok.source or ''}".strip())
 
     async def wait_routing(self, timeout: float) -> RoutingState:
         """Wait (at most ``timeout`` s) until the router routes as configured or is
-        known to run degraded; logs which, loudly when degraded."""
-        if self.cache is not None and self.cache.loading is not None:
+        known not to; logs which, loudly when it cannot serve."""
+        loading = self.tokenizer_loading()
+        if loading is not None:
             with suppress(asyncio.TimeoutError):
-                await within(asyncio.shield(self.cache.loading), timeout)
+                await within(asyncio.shield(loading), timeout)
         state = self.routing_state()
-        if state.degraded:
-            logger.warning("ROUTER DEGRADED: %s", state.why)
+        if state.failed:
+            logger.error("ROUTER CANNOT SERVE: %s", state.why)
         elif state.starting:
             logger.warning("the tokenizer has not loaded within %g s; /health answers 503 "
                            "until it has", timeout)
@@ -280,7 +262,7 @@ class Router:
             self.discovery = None
         await cancel_and_wait(list(self._joins), "checks of joined instances")
         await cancel_and_wait([self._health], "the health loop")
-        await self.cores.close()
+        await self.front.close()
         await cancel_and_wait([self._tokenizer_load], "the tokenizer's load")
         if self.cache is not None:
             await self.cache.close()
@@ -292,39 +274,9 @@ class Router:
         self._health = None
 
 
-class RelayStream(EventStreamResponse):
-    """Decode's SSE answer relayed to the client; ``on_close`` runs however it ends (even
-    when the client leaves before the first frame, when the generator never started)."""
-
-    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str],
-                 on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(events, headers)
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        held: list[Message] = []
-
-        async def send_joined(message: Message) -> None:
-            # the headers wait for the first chunk: both are written in one loop turn,
-            # and the door's transport sends them as one segment
-            if message["type"] == "http.response.start":
-                held.append(message)
-                return
-            if held:
-                await send(held.pop())
-            await send(message)
-
-        try:
-            await super().__call__(scope, receive, send_joined)
-        finally:
-            await self.on_close()
-
-
 async def _handle(router: Router, request: Request,
                   kind: Literal["completion", "chat"]) -> Response:
     arrival = time.perf_counter()
-    legs = router.legs
-    assert legs is not None
     # the body first (within its deadline), then a place: a slow client holds its own
     # connection, never one of the --max-outstanding-requests places
     try:
@@ -339,55 +291,16 @@ async def _handle(router: Router, request: Request,
         router.metrics.requests.labels(router.cfg.mode, "overloaded").inc()
         return full_error(router.admission.limit).response(
             headers={"Retry-After": str(RETRY_AFTER_S)})
-    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-    job = Job(rid=new_request_id(kind), kind=kind, path=path, body={}, stream=False,
-              arrival=arrival, client_rid=request.headers.get("x-request-id"),
+    job = Job(rid=new_request_id(kind), kind=kind, stream=False, arrival=arrival,
+              client_rid=request.headers.get("x-request-id"),
               on_done=router.admission.leave)
-    if router.cores.wanted():  # kvpush instances: over their engine cores only
-        why = await router.cores_ready()
-        if why is None:
-            return await router.cores.serve(request, kind, raw, job)
-        router.book.close(job, "unavailable", 503)
-        return APIError(f"the router is starting: {why}", status_code=503,
-                        code="starting").response(
-            headers={"X-Request-Id": job.rid, "Retry-After": str(RETRY_AFTER_S)})
-    headers = {"X-Request-Id": job.rid}
-    try:
-        big = len(raw) > INLINE_PARSE_BYTES  # ~20 ms a MB: off the event loop
-        loop = asyncio.get_running_loop()
-        body = await loop.run_in_executor(None, load_body, raw) if big else load_body(raw)
-        refused = client_kv_params_problem(body)
-        if refused:
-            raise APIError(refused, status_code=403, param="kv_transfer_params",
-                           code="kv_transfer_params_not_allowed")
-        if router.cache is not None:  # a prompt too long to route: refused by its size
-            router.cache.check_size(kind, body)
-        if big:
-            await loop.run_in_executor(None, check_encodable, body)
-        else:
-            check_encodable(body)
-        job.body, job.stream = body, body.get("stream") is True
-        if router.cache is not None:
-            await router.cache.plan(job, len(raw))
-        gone, result = await unless_disconnected(legs.dispatch(job), request.receive)
-    except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI body
-        error = to_api_error(exc)
-        if error is None:
-            logger.exception("error routing request %s", job.rid)
-            error = internal_error()
-        job.error = error.message
-        await legs.close(job, outcome_for(error.status_code), error.status_code)
-        return router.for_client(error).response(headers=headers)
-    if gone:
-        await legs.close(job, "abort", 499)
-        return Response(status_code=499)
-    if isinstance(result, httpx.Response):
-        return RelayStream(legs.relay(job, result), headers,
-                           on_close=lambda: legs.close(job, "abort", 200))
-    assert isinstance(result, Response)
-    result.headers["X-Request-Id"] = job.rid
-    await legs.close(job, outcome_for(result.status_code), result.status_code)
-    return result
+    why = await router.front_ready()
+    if why is None:
+        return await router.front.serve(request, kind, raw, job)
+    router.book.close(job, "unavailable", 503)
+    return APIError(f"the router is starting: {why}", status_code=503,
+                    code="starting").response(
+        headers={"X-Request-Id": job.rid, "Retry-After": str(RETRY_AFTER_S)})
 
 
 def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> FastAPI:
@@ -427,18 +340,15 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
     async def chat_completions(request: Request) -> Response:
         return await _handle(router, request, "chat")
 
-    async def from_decode(path: str, what: str, body: bytes | None = None) -> Response:
-        """The first healthy decode instance's answer to ``path`` (GET; POST of ``body``
-        when given), relayed."""
+    async def from_decode(path: str, what: str) -> Response:
+        """The first healthy decode instance's answer to GET ``path``, relayed."""
         assert router.client is not None
         tried = []
         for inst in router.pool.by_role["decode"]:
             if not inst.healthy:
                 continue
-            req = router.client.build_request(
-                "GET" if body is None else "POST", inst.url + path, content=body,
-                headers=None if body is None else {"Content-Type": "application/json"},
-                timeout=router.cfg.health_timeout_s)
+            req = router.client.build_request("GET", inst.url + path,
+                                              timeout=router.cfg.health_timeout_s)
             try:
                 r = await router.client.send(req, stream=True)
                 try:
@@ -458,22 +368,13 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
         return APIError(f"cannot {what}: {why}", status_code=503).response()
 
     async def tokens(request: Request, which: Literal["tokenize", "detokenize"]) -> Response:
-        """The engine-core front's /tokenize or /detokenize (the model's tokenizer), else
-        a decode instance's (HTTP legs: vLLM's too)."""
-        if router.cores.wanted():
-            why = await router.cores_ready()
-            front = router.cores.front
-            if why is not None or front is None:
-                return APIError(f"the router is starting: {why}", status_code=503,
-                                code="starting").response()
-            return await front.tokens(request, getattr(front.prompts, which))
-        try:
-            raw = await read_body_within(request, router.cfg.body_timeout_s)
-        except ClientDisconnect:
-            return Response(status_code=499)
-        except APIError as err:  # 413, 408
-            return err.response()
-        return await from_decode(f"/{which}", which, raw)
+        """The front's /tokenize or /detokenize (the model's tokenizer)."""
+        why = await router.front_ready()
+        front = router.front.front
+        if why is not None or front is None:
+            return APIError(f"the router is starting: {why}", status_code=503,
+                            code="starting").response()
+        return await front.tokens(request, getattr(front.prompts, which))
 
     @app.post("/tokenize", summary="Token ids of a prompt or a chat (vLLM's)",
               openapi_extra=request_body("TokenizeRequest"))
@@ -504,23 +405,22 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
                            status_code=503)
             return JSONResponse({**err.body(), **extra}, status_code=err.status_code)
         routing = router.routing_state()
-        if not routing.starting and router.cores.wanted():
-            why = await router.cores_ready(HEALTH_WAIT_S)  # a handshake takes ms
+        if routing.failed:
+            err = APIError(routing.why, status_code=503, code="no_tokenizer")
+            return JSONResponse({**err.body(), **extra}, status_code=err.status_code)
+        if not routing.starting:
+            why = await router.front_ready(HEALTH_WAIT_S)  # a handshake takes ms
             if why is not None:
                 routing = RoutingState("starting", why)
         if routing.starting:
             err = APIError(f"the router is starting: {routing.why}", status_code=503,
                            code="starting")
             return JSONResponse({**err.body(), **extra}, status_code=err.status_code)
-        body = {"status": "degraded" if routing.degraded else "ok",
-                "mode": router.cfg.mode, "healthy": counts,
-                "routing": routing.routing,
-                # how legs reach the instances: their engine cores' request planes, or
-                # their HTTP APIs (kvpush.router.core_front)
-                "legs": "engine cores" if router.cores.wanted() else "http", **extra}
-        if routing.degraded:
-            body["degraded"] = routing.why
-        return JSONResponse(body)
+        return JSONResponse({"status": "ok", "mode": router.cfg.mode, "healthy": counts,
+                             "routing": routing.routing,
+                             # how legs reach the instances: kvpush instances' engine
+                             # cores, vLLM instances' HTTP APIs (kvpush.router.senders)
+                             "legs": router.front.legs(), **extra})
 
     @app.get("/router/instances", summary="The instances, their identity and health")
     async def instances() -> Response:
@@ -534,7 +434,7 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
     @app.get("/metrics")
     async def metrics() -> Response:
         text = router.metrics.render()
-        text += router.cores.render_metrics()  # the front's (vllm:* included)
+        text += router.front.render_metrics()  # the front's (vllm:* included)
         return Response(text, media_type=router.metrics.content_type)
 
     install_openapi(app)

@@ -1,6 +1,6 @@
 """The cache-aware policy's state in a running router: the tokenizer, the KV index of
-every instance, and the per-request plan that :class:`kvpush.router.legs.Legs` follows
-(kvpush.router.decide has the rules).
+every instance, and each request's choices that :class:`kvpush.router.placement.Placement`
+asks for (kvpush.router.decide has the rules).
 
 Started by the router after its instances are usable: the index follows each instance's
 KV events as the health checks read its ``/kv/info`` (a restart, a new engine id, drops
@@ -21,7 +21,6 @@ from kvpush.router.config import RouterConfig, RouterKeys
 from kvpush.router.decide import (
     Decision,
     Route,
-    answer_tokens,
     cost_fn,
     decide,
     lacks_room,
@@ -30,9 +29,8 @@ from kvpush.router.job import Job
 from kvpush.router.kv_index import KVIndex, Snapshot, parse_snapshot
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, describe_error
-from kvpush.router.prompts import PromptTokenizer, model_max_len, model_source
+from kvpush.router.prompts import PromptTokenizer, model_id, model_max_len, model_source
 from kvpush.router.stopping import cancel_and_wait
-from kvpush.server.errors import APIError
 
 logger = logging.getLogger("kvpush.router")
 
@@ -90,27 +88,6 @@ class CachePolicy:
         await self.index.close()
 
     # ------------------------------------------------------------------ per request
-
-    async def plan(self, job: Job, body_bytes: int) -> None:
-        """Tokenize the job's prompt and attach its :class:`Route` (None: blind). A
-        completion's string prompt is replaced by its ids for both legs."""
-        self.check_size(job.kind, job.body)
-        ids = await self.tokenizer.prompt_ids(job.kind, job.body, body_bytes)
-        if ids is None:
-            return
-        salt = job.body.get("cache_salt")
-        job.route = Route(ids, cache_salt=salt if isinstance(salt, str) else None,
-                          answer_tokens=answer_tokens(job.body))
-        if job.kind == "completion" and not isinstance(job.body.get("prompt"), list):
-            job.body = {**job.body, "prompt": ids}
-
-    def check_size(self, kind: str, body: dict[str, Any]) -> None:
-        """A 400 (``context_length_exceeded``) for a prompt whose text alone is more
-        tokens than the model's context, judged by its size, before any tokenizing."""
-        too_long = self.tokenizer.too_long(kind, body)
-        if too_long is not None:
-            raise APIError(too_long, param="messages" if kind == "chat" else "prompt",
-                           code="context_length_exceeded")
 
     def cached_tokens(self, inst: object, route: Route) -> int:
         blocks = self.index.longest_prefix(inst, route.chain)
@@ -207,6 +184,7 @@ async def load_model_tokenizer(tok: PromptTokenizer, cfg: RouterConfig, pool: Po
                 continue
             source = model_source(models)
             tok.max_model_len = max(tok.max_model_len, model_max_len(models))
+            tok.served_model = tok.served_model or model_id(models)
             if source is not None:
                 break
         if source is not None or cfg.tokenizer or cfg.discover is None:

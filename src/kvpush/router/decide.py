@@ -51,16 +51,6 @@ DEFAULT_LOAD_WEIGHT = 1.0
 DEFAULT_ANSWER_TOKENS = 256
 
 
-def answer_tokens(body: dict) -> int:
-    """The answer's length bound a request names (max_completion_tokens, max_tokens),
-    else ``DEFAULT_ANSWER_TOKENS``."""
-    for key in ("max_completion_tokens", "max_tokens"):
-        n = body.get(key)
-        if type(n) is int and n > 0:
-            return n
-    return DEFAULT_ANSWER_TOKENS
-
-
 class Decision(str, enum.Enum):
     LOCAL = "local"  # decode alone, computing the uncached part itself
     REMOTE = "remote"  # a prefill leg as well (push or pull)
@@ -78,7 +68,7 @@ class Route:
     token_ids: list[int]
     #: the request's cache_salt: its chain is salted as the instances salt theirs
     cache_salt: str | None = None
-    #: the answer's length bound (:func:`answer_tokens`): with the prompt, the KV its
+    #: the answer's length bound (the request's max_tokens): with the prompt, the KV its
     #: decode leg may come to hold (the load the policy counts)
     answer_tokens: int = DEFAULT_ANSWER_TOKENS
     decision: Decision = Decision.REMOTE

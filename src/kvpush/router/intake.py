@@ -1,14 +1,10 @@
-"""What the router accepts from a client, at the door: the body size, JSON that the router
-can send on, and a bound on the requests it holds at once.
+"""What the router accepts from a client, at the door: the body size, its deadline, and a
+bound on the requests it holds at once (the body's JSON, and all that follows, is the
+front's: kvpush.server.app).
 
 * **Body size.** Bodies over ``MAX_BODY_BYTES`` (the instances' own limit) are a 413 in
   OpenAI's error shape. Starlette's ``max_body_size`` is not used: it swaps any answer
   to a request whose ``Content-Length`` is over the limit for a ``text/plain`` 413.
-* **JSON the legs can carry.** Python's parser accepts what its encoder refuses: numbers
-  that overflow a float (``1e999`` is ``inf``) and lone UTF-16 surrogates (``"\\ud800"``).
-  The instances answer 400 to both; the router, which re-encodes the body for each leg,
-  used to fail with a 500. :func:`load_body` parses once and :func:`check_encodable`
-  checks the body encodes, naming the first field that does not.
 * **Body deadline.** :func:`read_body_within`: the whole body within
   ``--body-timeout`` of the headers, else a 408 (the header deadline and the bound on
   connections are kvpush.server.door's).
@@ -22,11 +18,9 @@ can send on, and a bound on the requests it holds at once.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
-from typing import Any
 
 from fastapi import Request
 
@@ -73,72 +67,6 @@ async def read_body_within(request: Request, timeout: float,
 def _too_large(limit: int) -> APIError:
     return APIError(f"the request body is larger than {limit >> 20} MiB", status_code=413,
                     code="request_too_large")
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def load_body(raw: bytes) -> dict[str, Any]:
-    """The client's JSON object (a 400 when it is none); :func:`check_encodable` still
-    to do."""
-    try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except RecursionError:
-        raise APIError("could not parse the request body as JSON: nested too deeply") from None
-    except ValueError as e:  # UnicodeDecodeError included
-        raise APIError(f"could not parse the request body as JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object")
-    return body
-
-
-def check_encodable(body: dict[str, Any]) -> None:
-    """A 400 naming the first field the legs could not carry (``1e999``, a lone
-    surrogate), if any."""
-    try:
-        encode_json(body)
-    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
-        path, why = _first_unencodable(body, "", 0) or ("", "cannot be encoded as JSON")
-        raise APIError(f"{path}: {why}" if path else why, param=path or None) from None
-
-
-def encode_json(obj: Any) -> bytes:
-    """The JSON a leg carries: what httpx's ``json=`` makes (compact, UTF-8, no NaN)."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"),
-                      allow_nan=False).encode("utf-8")
-
-
-def _first_unencodable(obj: Any, path: str, depth: int) -> tuple[str, str] | None:
-    """(field path, reason) of the first value JSON cannot carry, or None (on the error
-    path only: it walks the whole body)."""
-    if depth > 500:
-        return path, "nested too deeply"
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return path, "the number is out of range (not a finite number)"
-    if isinstance(obj, str) and not _is_unicode(obj):
-        return path, "a lone surrogate (such as \\ud800) is not valid Unicode text"
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            if not _is_unicode(key):
-                return path, "a key holds a lone surrogate (not valid Unicode text)"
-            found = _first_unencodable(value, f"{path}.{key}" if path else key, depth + 1)
-            if found is not None:
-                return found
-    elif isinstance(obj, list):
-        for i, value in enumerate(obj):
-            found = _first_unencodable(value, f"{path}[{i}]", depth + 1)
-            if found is not None:
-                return found
-    return None
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class Admission:

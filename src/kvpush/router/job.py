@@ -1,14 +1,11 @@
 """One client request through the router and what happened to it (the fields of its
-request log line), a prefill leg's result, and the outcome a status counts as."""
+request log line), and the outcome a status counts as."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import httpx
 
 from kvpush.router.decide import Route
 from kvpush.router.pool import Instance
@@ -20,8 +17,6 @@ class Job:
 
     rid: str
     kind: str  # "completion" | "chat"
-    path: str
-    body: dict[str, Any]
     stream: bool
     arrival: float
     client_rid: str | None = None
@@ -47,8 +42,7 @@ class Job:
     status: int = 0
     outcome: str = ""
     error: str | None = None
-    #: decode's open streaming answer and the instance it holds (closed by Legs.close)
-    upstream: httpx.Response | None = None
+    #: the decode instance whose in-flight count the request holds (Placement)
     d_held: Instance | None = None
     #: the decode instance whose ``tokens_in_flight`` carries this job's ``d_tokens``
     #: (the cache-aware policy's load; released with the decode leg)
@@ -65,17 +59,6 @@ class Job:
         self.attempts += 1
         self.transfer_id = self.rid if self.attempts == 1 else f"{self.rid}-{self.attempts}"
         return self.transfer_id
-
-
-@dataclass
-class PrefillResult:
-    status: int | None = None  # None: no HTTP answer
-    content: bytes = b""
-    content_type: str | None = None
-    error: str | None = None
-    never_sent: bool = False
-    lost: bool = False
-    timed_out: bool = False
 
 
 def outcome_for(status: int) -> str:

@@ -13,7 +13,8 @@ Lifecycle of one request (``RequestLife.run``)::
       └─ no healthy decode (or prefill) ──▶ 503 naming the role
 
 * **place** (:class:`Placement`): ``colocated`` (decode alone, the router's mode),
-  ``local`` (decode's prefix cache holds most of the prompt), ``fallback`` (no healthy
+  ``local`` (decode's prefix cache holds most of the prompt; a decode that refuses it
+  as full gets it back with a prefill leg, on another decode), ``fallback`` (no healthy
   prefill, ``--fallback-local-prefill``), else ``push`` or ``pull``.
 * **legs**, each the engine's typed request to an instance (kvpush.router.senders):
   push sends prefill's and decode's at once under one transfer id and streams decode's
@@ -205,8 +206,9 @@ class RequestLife:
                      params: SamplingParams) -> None:
         """Raise the client's error unless the request may go on on another decode."""
         where = f"decode instance {lost.inst.url} ({lost.inst.engine_id}): {lost.why}"
-        said = ("the decode instance stopped answering (its engine core "
-                + ("died)" if lost.cause == "core_died" else "connection was lost)"))
+        said = ("the decode instance stopped answering ("
+                + ("its engine core died)" if lost.cause == "core_died"
+                   else "its connection was lost)"))
         if job.migrations >= self.cfg.migration_limit:
             limit = self.cfg.migration_limit
             raise fail(job, 502, said, f"{where}; not migrated (--migration-limit {limit}: "
@@ -237,14 +239,20 @@ class RequestLife:
             raise self.placement.unavailable(job, "decode")
         if self.placement.local(job):
             job.mode = "local"
-            return self._alone(job, prompt, params)
+            return self._local(job, prompt, params)
+        return self._remote(job, prompt, params)
+
+    def _remote(self, job: Job, prompt: list[int], params: SamplingParams
+                ) -> AsyncGenerator[EngineOutput, None]:
+        """Decode's outputs with a prefill leg (push or pull), or decode alone when no
+        prefill is healthy and --fallback-local-prefill allows it."""
         p = self._pick_prefill(job, set())
         if p is None:
-            if not cfg.fallback_local_prefill:
+            if not self.cfg.fallback_local_prefill:
                 raise self.placement.unavailable(job, "prefill")
             return self._fallback(job, prompt, params)
-        job.mode = cfg.mode
-        if cfg.mode == "pull":
+        job.mode = self.cfg.mode
+        if self.cfg.mode == "pull":
             return self._pull(job, p, prompt, params)
         return self._push(job, p, prompt, params)
 
@@ -293,6 +301,34 @@ class RequestLife:
         d = self._pick_decode(job)
         async for out in self._decode(job, d, job.new_transfer_id(), prompt, params, None):
             yield out
+
+    async def _local(self, job: Job, prompt: list[int], params: SamplingParams
+                     ) -> AsyncGenerator[EngineOutput, None]:
+        """Decode alone computes what its prefix cache lacks. A decode that refuses it
+        as full (429 or 503 before any output) while a prefill is healthy gets the
+        request with a prefill leg instead, on another decode where one is healthy (the
+        same one would most likely refuse that leg too)."""
+        outs = self._alone(job, prompt, params)
+        try:
+            first = await anext(outs, None)
+        except RequestError as e:
+            await outs.aclose()
+            if e.status_code not in (429, 503) or not self.pool.has_healthy("prefill") \
+                    or job.route is None:
+                raise
+            logger.info("request %s: decode refused the local prefill (%d); sending it "
+                        "with a prefill leg", job.rid, e.status_code)
+            job.route.local_refused = True
+            job.route.decision = Decision.REMOTE
+            job.d_refused = job.decode
+            outs = self._remote(job, prompt, params)
+            first = await anext(outs, None)
+        try:
+            while first is not None:
+                yield first
+                first = await anext(outs, None)
+        finally:
+            await outs.aclose()
 
     def _fallback(self, job: Job, prompt: list[int], params: SamplingParams
                   ) -> AsyncGenerator[EngineOutput, None]:
@@ -384,8 +420,8 @@ class RequestLife:
                     return
             why = (last.failure.message if last is not None and last.failure
                    else "it answered without kv_transfer_params")
-            raise fail(job, 502, "the prefill instance failed this request",
-                       f"prefill instance {p.url}: {why}")
+            raise fail(job, 502, "the prefill instance failed this request: "
+                       + scrub(why, self.pool.engine_ids()), f"prefill instance {p.url}: {why}")
         finished = False
         try:
             d = self._pick_decode(job)

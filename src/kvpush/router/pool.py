@@ -262,6 +262,9 @@ class Pool:
     def verify(self, inst: Instance, info: dict[str, Any] | None) -> str | None:
         """Why the router cannot use an instance with this /kv/info, or None."""
         mode = self.cfg.mode
+        mixed = self._mixed(inst, info)
+        if mixed is not None:
+            return mixed
         if info is None:  # no /kv/info: not kvpush (vLLM); trust the command line
             if inst.role == "prefill" and mode == "push" and inst.spec.explicit is None:
                 return ("it has no /kv/info (not a kvpush instance?) and its URL names no "
@@ -287,11 +290,36 @@ class Pool:
                     f"--mode {mode} (kvpush serve --kv-transfer {mode})")
         if inst.role == "prefill" and mode == "push" and identity_from_info(info) is None:
             return "its /kv/info has no side_channel_host/side_channel_port"
+        if not info.get("request_plane"):
+            return ("its /kv/info names no request plane: the router reaches a kvpush "
+                    "instance over its engine core (is it a kvpush older than the router?)")
+        if info.get("request_plane_members", True) and self.cfg.keys is None:
+            return ("its request plane admits the cluster's members only, and the router "
+                    "has no secret: give the router the instances' secret (kvpush router "
+                    "--kv-secret-file PATH, or KVPUSH_KV_SECRET), or run the instances "
+                    "with --insecure-kv-params")
         if mode != "colocated" and info.get("kv_params_signed") and not self.cfg.kv_secret:
             return ("it acts only on kv_transfer_params signed with the cluster secret, and "
                     "the router has none: give the router the instances' secret "
                     "(kvpush router --kv-secret-file PATH, or KVPUSH_KV_SECRET)")
         return None
+
+    def _mixed(self, inst: Instance, info: dict[str, Any] | None) -> str | None:
+        """Why ``inst`` cannot pair with the healthy instances of the other role: a
+        kvpush instance (it has /kv/info) and a vLLM one keep the KV in different layouts
+        (kvpush's region, vLLM's paged blocks), and no transfer maps one onto the other,
+        so a cluster's prefill and decode instances are of one kind."""
+        if self.cfg.mode == "colocated":
+            return None
+        other = "decode" if inst.role == "prefill" else "prefill"
+        kinds = {i.info is not None for i in self.by_role[other] if i.healthy}
+        mine = info is not None
+        if not kinds or mine in kinds:
+            return None
+        names = ("a vLLM", "kvpush") if not mine else ("a kvpush", "vLLM")
+        return (f"it is {names[0]} instance and the {other} instances are {names[1]} ones: "
+                "their KV layouts differ and no transfer maps one onto the other; run "
+                "prefill and decode instances of one kind")
 
     async def check(self, client: httpx.AsyncClient, inst: Instance) -> None:
         """One health check: /health then /kv/info; updates the instance in place.

@@ -1,7 +1,10 @@
 """How a leg reaches an instance: the :class:`LegSender` contract the request life
-(kvpush.router.life) drives, and :class:`CoreSender`, its engine-core side: each kvpush
+(kvpush.router.life) drives; :class:`CoreSender`, its engine-core side: each kvpush
 instance's engine core over its request plane (kvpush.engine.core_link.RemoteCore:
-ZMQ with CURVE keys from the cluster secret, msgspec).
+ZMQ with CURVE keys from the cluster secret, msgspec); and :class:`Senders`, which
+says once which way each instance takes: a kvpush instance (its /kv/info names a
+request plane) its engine core, a vLLM instance (no /kv/info) HTTP
+(kvpush.router.http_sender).
 
 A leg is the engine's own typed request: prompt token ids, sampling parameters, the
 ``kv_transfer_params`` signed for the instance it goes to (the core checks them), under
@@ -150,16 +153,6 @@ class CoreSender:
     def _linked(self, inst: Instance) -> None:
         self.link(inst)
 
-    def serves(self) -> bool:
-        """Whether a leg can leave now for a decode (and a prefill, where the router
-        needs one): a healthy instance whose core is linked and proved the secret. Every
-        healthy instance gets its link here; one still handshaking is skipped."""
-        usable = {"prefill": False, "decode": False}
-        for inst in self.pool.instances:
-            if inst.healthy and self.link(inst) is not None and self.usable(inst):
-                usable[inst.role] = True
-        return usable["decode"] and (usable["prefill"] or not self.pool.cfg.needs_prefill)
-
     def handshaking(self, inst: Instance) -> bool:
         """Whether ``inst``'s link has not finished its first handshake yet."""
         core = self._links.get(inst.url)
@@ -219,3 +212,51 @@ class CoreSender:
         self._links, self._leaving = {}, set()
         for core in cores:
             core.close()
+
+
+def over_core(inst: Instance) -> bool:
+    """Whether the router reaches ``inst`` over its engine core: a kvpush instance (it
+    answers /kv/info, which names its request plane; Pool.verify keeps one whose plane
+    the router cannot join out of the rotation). Else it is a vLLM instance: HTTP."""
+    return inst.info is not None
+
+
+class Senders:
+    """Each instance's way, said once (``over_core``): the LegSender the life drives."""
+
+    def __init__(self, cores: CoreSender, http: LegSender) -> None:
+        self.cores = cores
+        self.http = http
+
+    def of(self, inst: Instance) -> LegSender:
+        return self.cores if over_core(inst) else self.http
+
+    def serves(self) -> bool:
+        """Whether a leg can leave now for a decode (and a prefill, where the router
+        needs one). Every healthy kvpush instance gets its core link here; one still
+        handshaking is skipped."""
+        usable = {"prefill": False, "decode": False}
+        for inst in self.cores.pool.instances:
+            if not inst.healthy:
+                continue
+            if over_core(inst) and self.cores.link(inst) is None:
+                continue
+            if self.of(inst).usable(inst):
+                usable[inst.role] = True
+        return usable["decode"] and (usable["prefill"]
+                                     or not self.cores.pool.cfg.needs_prefill)
+
+    def usable(self, inst: Instance) -> bool:
+        return self.of(inst).usable(inst)
+
+    def lost(self, inst: Instance) -> Lost | None:
+        return self.of(inst).lost(inst)
+
+    def stream(self, leg: Leg) -> AsyncIterator[EngineOutput]:
+        return self.of(leg.inst).stream(leg)
+
+    def release(self, inst: Instance, transfer_id: str) -> None:
+        self.of(inst).release(inst, transfer_id)
+
+    def handshaking(self, inst: Instance) -> bool:
+        return self.of(inst).handshaking(inst)

@@ -1,6 +1,6 @@
-"""What the router puts on the wire: the prefill leg's body, push decode's
-``kv_transfer_params``, and what of an instance's errors reaches the client (its error
-answer, the error frames of its stream), scrubbed of internal names."""
+"""What the router puts on the wire: each leg's ``kv_transfer_params`` and their
+signature, and what of an instance's error answers reaches the client, scrubbed of
+internal names."""
 
 from __future__ import annotations
 
@@ -66,19 +66,6 @@ class LegSigner:
                                  peer_engine_id=peer.engine_id if peer else None)
 
 
-def client_kv_params_problem(body: dict[str, Any]) -> str | None:
-    """Why the router refuses a client's body: ``kv_transfer_params`` are cluster-
-    internal (the router makes its own for every leg), so a client may not send any."""
-    if body.get("kv_transfer_params") is None:
-        return None
-    return ("kv_transfer_params are cluster-internal: the router sets them for each leg, "
-            "and a client may not send its own")
-
-
-class FrameTooLong(Exception):
-    """Decode's stream held more than the frame cap without a frame end."""
-
-
 class AnswerTooLarge(Exception):
     """An instance's answer is larger than the router reads whole."""
 
@@ -98,93 +85,6 @@ async def read_answer(resp: httpx.Response, limit: int) -> bytes:
             raise AnswerTooLarge(f"its answer is over the router's cap of {limit >> 20} MiB")
         parts.append(chunk)
     return b"".join(parts)
-
-
-class ErrorFrames:
-    """Decode's SSE stream on its way to the client, cut at frame ends (a frame split
-    over two chunks goes out whole, with the second), with each in-band error frame
-    (``data: {"error": ...}``) scrubbed. ``errors`` keeps their messages as they came,
-    for the router's log; ``done`` says the ``data: [DONE]`` frame has gone out (a client
-    that hangs up after it received the whole answer). Each byte is scanned for a frame
-    end once; an unfinished frame longer than ``max_frame`` raises FrameTooLong."""
-
-    def __init__(self, engine_ids: Sequence[str] = (), max_frame: int = 4 << 20) -> None:
-        self.engine_ids = engine_ids
-        self.errors: list[str] = []
-        self.done = False
-        self.max_frame = max_frame
-        self._pending = bytearray()
-
-    def feed(self, chunk: bytes) -> bytes:
-        """What of the stream so far can go to the client now."""
-        pending = self._pending
-        if not pending:
-            end = chunk.rfind(b"\n\n")
-            if end < 0:
-                pending += chunk
-                self._check()
-                return b""
-            if end + 2 == len(chunk):
-                return self._clean(chunk)  # whole frames: the usual case
-            pending += memoryview(chunk)[end + 2:]
-            self._check()
-            return self._clean(chunk[:end + 2])
-        start = len(pending) - 1  # a frame end may straddle the old and the new bytes
-        pending += chunk
-        end = pending.rfind(b"\n\n", start)
-        if end < 0:
-            self._check()
-            return b""
-        out = bytes(pending[:end + 2])
-        del pending[:end + 2]
-        self._check()
-        return self._clean(out)
-
-    def _check(self) -> None:
-        if len(self._pending) > self.max_frame:
-            held = len(self._pending)
-            self._pending = bytearray()
-            raise FrameTooLong(f"a frame of its stream passed {held} bytes without an end "
-                               f"(the router's cap is {self.max_frame >> 20} MiB)")
-
-    def flush(self) -> bytes:
-        """The rest, once the stream has ended."""
-        data, self._pending = bytes(self._pending), bytearray()
-        return self._clean(data)
-
-    def _clean(self, data: bytes) -> bytes:
-        if data.endswith(b"data: [DONE]\n\n") or data.endswith(b"data: [DONE]"):
-            self.done = True
-        if b'data: {"error"' not in data:
-            return data
-        frames = data.split(b"\n\n")
-        for i, frame in enumerate(frames):
-            if not frame.startswith(b'data: {"error"'):
-                continue
-            try:
-                obj = json.loads(frame[6:])
-                self.errors.append(str(obj["error"].get("message")))
-            except (ValueError, AttributeError, TypeError, KeyError):
-                obj = None
-            body = scrub_error(obj, 500, self.engine_ids) or APIError(
-                "decode reported an error in its stream", status_code=500).body()
-            frames[i] = b"data: " + json.dumps(body).encode()
-        return b"\n\n".join(frames)
-
-
-def prefill_body(body: dict[str, Any], tid: str) -> dict[str, Any]:
-    """The prefill leg: the client's body, one token, no stream, and the KV instructions
-    (vLLM's field names; the None fields are what vLLM's own proxies send)."""
-    b = dict(body)
-    b["max_tokens"] = 1
-    if "max_completion_tokens" in b:
-        b["max_completion_tokens"] = 1
-    if "min_tokens" in b:
-        b["min_tokens"] = 0
-    b["stream"] = False
-    b.pop("stream_options", None)
-    b["kv_transfer_params"] = prefill_params(tid)
-    return b
 
 
 def prefill_params(tid: str) -> dict[str, Any]:

@@ -1,13 +1,16 @@
-"""The router's front over kvpush instances' engine cores: its :class:`OpenAIFront`
-(kvpush.server.app) over a :class:`ClusterEngine`.
+"""The router's front: its :class:`OpenAIFront` (kvpush.server.app) over a
+:class:`ClusterEngine`, so a routed request is parsed, rendered, tokenized, checked and
+formatted by the same code as an instance's, and lived once by its
+:class:`RequestLife` over the instances' :class:`Senders` (engine cores for kvpush
+instances, HTTP for vLLM instances).
 
-A kvpush instance (its /kv/info names a request plane) is reached over its engine core
-only: a request that arrives while the router is starting (the model's tokenizer
-loading, a core's link handshaking) waits for that, woken by the events themselves, at
-most ``STARTING_WAIT_S``, then gets a 503 "starting". The HTTP legs
-(kvpush.router.legs) are for vLLM instances. The front is built once, from a decode
-instance's ``/kv/info`` (the served model's name, its context, its vocabulary, and its
-``--chat-template`` if it was given one: the router renders chats for the cores).
+A request that arrives while the router is starting (the model's tokenizer loading, a
+core's link handshaking) waits for that, woken by the events themselves, at most
+``STARTING_WAIT_S``, then gets a 503 "starting". The front is built once, from a decode
+instance: a kvpush instance's ``/kv/info`` (the served model's name, its context, its
+vocabulary, and its ``--chat-template`` if it was given one: the router renders chats
+for the cores), or a vLLM instance's ``/v1/models`` (name and context; the vocabulary
+is the tokenizer's).
 """
 
 from __future__ import annotations
@@ -24,64 +27,63 @@ from fastapi.responses import Response
 from kvpush.aio import within
 from kvpush.router.cluster_engine import ClusterEngine
 from kvpush.router.config import RouterConfig
+from kvpush.router.http_sender import HttpSender
 from kvpush.router.job import Job, outcome_for
 from kvpush.router.life import Book, RequestLife
 from kvpush.router.pool import Instance
-from kvpush.router.senders import CoreSender, remote_core
+from kvpush.router.senders import CoreSender, Senders, over_core, remote_core
 from kvpush.router.wire import LegSigner
 from kvpush.server.app import FrontSettings, OpenAIFront
 
 if TYPE_CHECKING:
+    import httpx
+
     from kvpush.router.prompts import PromptTokenizer
 
 log = logging.getLogger("kvpush.router")
 
 
-def has_plane(inst: Instance, members: bool) -> bool:
-    """Whether the router reaches ``inst`` over its engine core: a kvpush instance whose
-    /kv/info names a request plane the router can join (``members``: it holds the
-    cluster secret; a router without it joins only plain planes)."""
-    info = inst.info or {}
-    return bool(info.get("request_plane")) and (
-        members or not info.get("request_plane_members", True))
-
+#: a vLLM decode's context when its /v1/models does not say it (vLLM checks each
+#: request against its own)
+UNKNOWN_CONTEXT = 1 << 30
 
 #: how long a request that arrives while the router is starting (the tokenizer loading,
 #: the engine cores' links handshaking) waits for it before a 503 "starting"
 STARTING_WAIT_S = 10.0
 
 
-class CoreFront:
+class RouterFront:
     def __init__(self, cfg: RouterConfig, book: Book, signer: LegSigner) -> None:
         self.cfg = cfg
         self.book = book
         self.pool = book.placement.pool
         self.signer = signer
-        self.sender: CoreSender | None = None
+        self.sender: Senders | None = None
         self.cluster: ClusterEngine | None = None
         self.front: OpenAIFront | None = None
 
     def _over_cores(self) -> list[Instance]:
         """The healthy instances the router reaches over their engine cores."""
-        members = self.cfg.keys is not None
-        return [i for i in self.pool.instances if i.healthy and has_plane(i, members)]
+        return [i for i in self.pool.instances if i.healthy and over_core(i)]
 
-    def wanted(self) -> bool:
-        """Whether the healthy instances are kvpush instances: reached over their engine
-        cores only (the HTTP legs are for instances without a request plane)."""
-        return bool(self._over_cores())
+    def legs(self) -> str:
+        """How legs reach the healthy instances (/health's ``legs``)."""
+        kinds = {over_core(i) for i in self.pool.instances if i.healthy}
+        return " and ".join(name for over, name in ((True, "engine cores"),
+                                                     (False, "http")) if over in kinds)
 
-    def serving(self, tokenizer: PromptTokenizer | None) -> bool:
-        """Whether requests can take the engine cores now (builds the front on first
-        use): the model's tokenizer is loaded and a leg can leave for a decode (and a
-        prefill where needed), or a role is missing (the request life's 503 says so)."""
+    def serving(self, tokenizer: PromptTokenizer | None, client: httpx.AsyncClient) -> bool:
+        """Whether requests can be served now (builds the front on first use): the
+        model's tokenizer is loaded and a leg can leave for a decode (and a prefill where
+        needed), or a role is missing (the request life's 503 says so)."""
         if tokenizer is None or not tokenizer.ready:
             return False
         if self.sender is None:
             keys = self.cfg.keys
             plane = keys.request_plane if keys is not None else None
-            self.sender = CoreSender(self.pool, remote_core(plane, tokenizer.tokenizer))
-            self.pool.link_up = self.sender.link_up
+            cores = CoreSender(self.pool, remote_core(plane, tokenizer.tokenizer))
+            self.pool.link_up = cores.link_up
+            self.sender = Senders(cores, HttpSender(self.cfg, self.pool, client))
             life = RequestLife(self.cfg, self.book, self.sender, self.signer,
                                tokenizer.tokenizer)
             self.cluster = ClusterEngine(life)
@@ -89,15 +91,15 @@ class CoreFront:
         if not self.sender.serves() and self.pool.ready():
             return False
         if self.front is None:
-            if not any(i.healthy and i.info for i in self.pool.by_role["decode"]):
+            if not any(i.healthy for i in self.pool.by_role["decode"]):
                 return False
             self._build_front(tokenizer)
         return True
 
     async def ready(self, tokenizer: PromptTokenizer | None, loading: asyncio.Task | None,
-                    timeout: float) -> str | None:
-        """Wait (at most ``timeout`` s, on the events themselves) until requests can take
-        the engine cores; why they cannot, or None."""
+                    client: httpx.AsyncClient, timeout: float) -> str | None:
+        """Wait (at most ``timeout`` s, on the events themselves) until requests can be
+        served; why they cannot, or None."""
         deadline = time.monotonic() + timeout
         if tokenizer is not None and not tokenizer.ready and loading is not None:
             with contextlib.suppress(Exception):  # (a failed load: the tokenizer's why)
@@ -105,15 +107,15 @@ class CoreFront:
         if tokenizer is None or not tokenizer.ready:
             why = tokenizer.why if tokenizer is not None else None
             return f"the model's tokenizer is not loaded{f' ({why})' if why else ''}"
-        if self.serving(tokenizer):
+        if self.serving(tokenizer, client):
             return None
         sender = self.sender
         assert sender is not None
-        links = [sender.link(i) for i in self._over_cores()]
+        links = [sender.cores.link(i) for i in self._over_cores()]
         pending = {asyncio.ensure_future(link.wait_connected(timeout))
                    for link in links if link is not None and not link.connected}
         try:
-            while pending and not self.serving(tokenizer):
+            while pending and not self.serving(tokenizer, client):
                 left = deadline - time.monotonic()
                 done, pending = await asyncio.wait(pending, timeout=max(0.0, left),
                                                    return_when=asyncio.FIRST_COMPLETED)
@@ -122,24 +124,30 @@ class CoreFront:
         finally:
             for task in pending:
                 task.cancel()
-        if self.serving(tokenizer):
+        if self.serving(tokenizer, client):
             return None
         return "the links to the instances' engine cores are still connecting"
 
     def _build_front(self, tokenizer: PromptTokenizer) -> None:
-        """The OpenAI front, from a decode instance's /kv/info: the served model's name,
-        its context, its vocabulary, and its ``--chat-template`` if it was given one
-        (the router renders chats for the cores)."""
+        """The OpenAI front, from a decode instance: a kvpush instance's /kv/info (the
+        served model's name, its context, its vocabulary, and its ``--chat-template`` if
+        it was given one: the router renders chats for the cores), else what a vLLM
+        instance's /v1/models said (kvpush.router.cache_policy.load_model_tokenizer)."""
         assert self.cluster is not None
-        inst = next(i for i in self.pool.by_role["decode"] if i.healthy and i.info)
+        decodes = [i for i in self.pool.by_role["decode"] if i.healthy]
+        inst = next((i for i in decodes if i.info), decodes[0])
         info = inst.info
-        assert info is not None
-        template = info.get("chat_template")
-        if isinstance(template, str):  # the instance's --chat-template, not the model's
-            tokenizer.tokenizer.chat_template = template
-            log.info("chats are rendered with %s's --chat-template", inst.url)
-        settings = FrontSettings(str(info.get("model")), int(info["max_model_len"]),
-                                 int(info["vocab_size"]), "router", self.cfg.mode)
+        if info is not None:
+            template = info.get("chat_template")
+            if isinstance(template, str):  # the instance's --chat-template
+                tokenizer.tokenizer.chat_template = template
+                log.info("chats are rendered with %s's --chat-template", inst.url)
+            settings = FrontSettings(str(info.get("model")), int(info["max_model_len"]),
+                                     int(info["vocab_size"]), "router", self.cfg.mode)
+        else:
+            settings = FrontSettings(tokenizer.served_model or str(tokenizer.source),
+                                     tokenizer.max_model_len or UNKNOWN_CONTEXT,
+                                     len(tokenizer.tokenizer), "router", self.cfg.mode)
         self.front = OpenAIFront(self.cluster, settings, max_waiting_requests=0,
                                  body_timeout_s=self.cfg.body_timeout_s)
         self.front.on_job = self.cluster.note_stream
@@ -165,6 +173,6 @@ class CoreFront:
 
     async def close(self) -> None:
         if self.sender is not None:
-            self.sender.close()
+            self.sender.cores.close()
         if self.front is not None:
             self.front.executor.shutdown(wait=False, cancel_futures=True)
