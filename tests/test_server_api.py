@@ -226,6 +226,29 @@ async def test_completion_stream(client: httpx.AsyncClient, tokenizer: Any) -> N
 
 
 @pytest.mark.anyio
+async def test_completion_return_token_ids(client: httpx.AsyncClient, tokenizer: Any) -> None:
+    """vLLM's return_token_ids: each choice says its token ids and the prompt's (a
+    stream: the prompt's with the first chunk, each chunk its new ids); without it the
+    answer has neither field."""
+    body = {"prompt": "hello world", "max_tokens": 6}
+    prompt = tokenizer.encode("hello world")
+    plain = (await client.post(C, json=body)).json()
+    assert "token_ids" not in plain["choices"][0]
+    whole = (await client.post(C, json={**body, "return_token_ids": True})).json()
+    choice = whole["choices"][0]
+    assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == 6
+    assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == choice["text"]
+    assert choice["text"] == plain["choices"][0]["text"]
+    r = await client.post(C, json={**body, "return_token_ids": True, "stream": True})
+    chunks = [e["choices"][0] for e in sse(r.text)[:-1]]
+    assert chunks[0]["prompt_token_ids"] == prompt
+    assert all(c["prompt_token_ids"] is None for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
+    r = await client.post(C, json={**body, "stream": True})
+    assert all("token_ids" not in e["choices"][0] for e in sse(r.text)[:-1])
+
+
+@pytest.mark.anyio
 async def test_stream_sends_a_chunk_per_token_even_with_text_held_back(
         client: httpx.AsyncClient, engine: FakeEngine, tokenizer: Any) -> None:
     # the fake answers with the prompt's tokens backwards: the byte-level pieces of

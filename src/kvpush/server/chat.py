@@ -422,7 +422,8 @@ class PromptBuilder:
                                        structured=self._structured(req))
         self._check_context(len(ids), max_tokens, "prompt")
         return Job(request_id, ids, params, arrival, bool(req.stream),
-                   bool(req.stream_options and req.stream_options.include_usage))
+                   bool(req.stream_options and req.stream_options.include_usage),
+                   return_token_ids=bool(req.return_token_ids))
 
     def chat_job(self, req: ChatCompletionRequest, request_id: str, arrival: float) -> Job:
         """Validate a chat request, render its messages and tokenize them."""

@@ -26,6 +26,7 @@ from kvpush.server.protocol import (
     ChatStreamChoice,
     ChatTokenLogprob,
     CompletionChoice,
+    CompletionChoiceIds,
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
@@ -77,6 +78,8 @@ class Choice:
     offset: int = 0
     lp: Any = None
     tools: ToolStream | None = None
+    #: its token ids so far (kept with return_token_ids)
+    token_ids: list[int] = field(default_factory=list)
 
 
 class Format:
@@ -201,13 +204,25 @@ class CompletionFormat(Format):
     def add(self, out: RequestOutput) -> None:
         choice = self._account(out)
         choice.text_parts.append(out.new_text)
+        if self.job.return_token_ids:
+            choice.token_ids += out.new_token_ids
         if choice.lp is not None:
             self._logprobs(out, choice, choice.lp)
+
+    def _choice_out(self, index: int, text: str, ids: list[int], prompt: bool = True,
+                    **kw: Any) -> CompletionChoice:
+        """A choice of the answer; with return_token_ids (vLLM's), its ``token_ids`` and
+        (``prompt``) the prompt's."""
+        if not self.job.return_token_ids:
+            return CompletionChoice(index=index, text=text, **kw)
+        return CompletionChoiceIds(index=index, text=text, token_ids=ids,
+                                   prompt_token_ids=self.job.prompt_ids if prompt else None,
+                                   **kw)
 
     def response(self) -> dict[str, Any]:
         return CompletionResponse(
             id=self.job.request_id, created=self.created, model=self.model,
-            choices=[CompletionChoice(index=c.index, text="".join(c.text_parts),
+            choices=[self._choice_out(c.index, "".join(c.text_parts), c.token_ids,
                                       logprobs=c.lp, finish_reason=c.finish_reason)
                      for c in self.choices],
             usage=self.usage(), kv_transfer_params=self.kv_transfer_params,
@@ -225,14 +240,17 @@ class CompletionFormat(Format):
             self._logprobs(out, choice, lp)
         if not out.new_token_ids and not out.new_text and not out.finished:
             return None  # one chunk per token, even one whose text is held back
-        if lp is None and not out.finished:
+        if lp is None and not out.finished and not self.job.return_token_ids:
             if choice.text_frame is None:
                 choice.text_frame = TextFrame(self._chunk(
                     [CompletionChoice(index=choice.index, text=_TEXT_MARK)]))
             return choice.text_frame(out.new_text)
         reason = choice.finish_reason if out.finished else None
-        return self._chunk([CompletionChoice(index=choice.index, text=out.new_text,
-                                             logprobs=lp, finish_reason=reason)])
+        first = not choice.token_ids  # the prompt's ids go with a choice's first tokens
+        if self.job.return_token_ids:
+            choice.token_ids += out.new_token_ids
+        return self._chunk([self._choice_out(choice.index, out.new_text, out.new_token_ids,
+                                             first, logprobs=lp, finish_reason=reason)])
 
     def stream_finish(self, reason: str) -> bytes:
         open_ = [c for c in self.choices if c.finish_reason is None]

@@ -14,7 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    Strict,
+    ValidationInfo,
+    field_validator,
+)
 
 from kvpush.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
@@ -168,6 +176,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: Int | None = None
     suffix: str | None = None
     best_of: Int | None = None
+    #: vLLM's: each choice carries its ``token_ids`` (and the first, ``prompt_token_ids``)
+    return_token_ids: Bool = False
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -282,12 +292,20 @@ class CompletionChoice(_Model):
     finish_reason: str | None = None
 
 
+class CompletionChoiceIds(CompletionChoice):
+    """A choice with return_token_ids (vLLM's): the tokens of its text, and the
+    prompt's."""
+
+    token_ids: list[int]
+    prompt_token_ids: list[int] | None = None
+
+
 class CompletionResponse(_Model):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[SerializeAsAny[CompletionChoice]]
     usage: UsageInfo | None = None
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -452,6 +470,8 @@ class Job:
     tools: ToolFormat | None = None
     #: finish_reason "tool_calls" when it calls them (not for a named tool_choice)
     tool_calls_finish: bool = True
+    #: completions: each choice says its token ids (vLLM's return_token_ids)
+    return_token_ids: bool = False
 
     @property
     def logprobs(self) -> int | None:
