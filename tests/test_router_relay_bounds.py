@@ -130,8 +130,8 @@ def test_frame_scan_is_linear_and_capped():
 
 def test_endless_frame_and_huge_answers_are_cut(tiny_llama):
     """300 MiB of stream without a frame end: the client gets the first frame, then an
-    OpenAI error frame and [DONE]; a 300 MiB /v1/models is not relayed (503). Within
-    seconds, /health answering all along, the router's memory within the caps."""
+    OpenAI error frame and [DONE]. Within seconds, /health answering all along, the
+    router's memory within the caps."""
     inst = endless_instance(300 * MiB)
     with uvicorn_server(inst) as url:
         rt = RouterThread("colocated", [], [url], kv_secret=None, tokenizer=str(tiny_llama))
@@ -149,9 +149,6 @@ def test_endless_frame_and_huge_answers_are_cut(tiny_llama):
                 assert "without an end" in err["message"], err
                 assert frames[-1] == "data: [DONE]", frames
                 assert took < 20, took
-                r = c.get(rt.url + "/v1/models")
-                assert r.status_code == 503, r.text
-                assert "no decode instance answered" in r.json()["error"]["message"]
                 assert time.monotonic() - t0 < 40
             assert seen["health_fails"] == 0, seen
             assert seen["health_max_s"] < 2.0, seen

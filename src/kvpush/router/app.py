@@ -2,7 +2,8 @@
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming and not) go through
 the router's front (kvpush.router.front) and each one's request life
-(kvpush.router.life); ``GET /v1/models`` is a healthy decode instance's;
+(kvpush.router.life); ``GET /v1/models``, ``/tokenize`` and ``/detokenize`` are the
+front's;
 ``/health`` says whether the router can serve; ``/router/instances`` shows the pool;
 ``/metrics`` is Prometheus.
 """
@@ -32,19 +33,19 @@ from kvpush.router.job import Job, outcome_for
 from kvpush.router.life import Book
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.placement import Placement
-from kvpush.router.pool import CHECKS_AT_ONCE, Instance, Pool, describe_error
+from kvpush.router.pool import CHECKS_AT_ONCE, Instance, Pool
 from kvpush.router.prompts import PromptTokenizer, TokenizerState
 from kvpush.router.redact import scrub
 from kvpush.router.stopping import cancel_and_wait
-from kvpush.router.wire import AnswerTooLarge, LegSigner, read_answer, relay_error
+from kvpush.router.wire import LegSigner
 from kvpush.server.admin_key import ADMIN_PATHS, protect
-from kvpush.server.app import new_request_id
+from kvpush.server.app import OpenAIFront, new_request_id
 from kvpush.server.auth import auth_header
 from kvpush.server.door import uvicorn_options
 from kvpush.server.errors import APIError, install_error_handlers
 from kvpush.server.metrics import auth_rejected_counter
 from kvpush.server.openapi import install_openapi, request_body
-from kvpush.server.protocol import VersionResponse
+from kvpush.server.protocol import ModelCard, ModelList, VersionResponse
 
 if TYPE_CHECKING:
     from kvpush.router.discover import EtcdLink
@@ -340,40 +341,20 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
     async def chat_completions(request: Request) -> Response:
         return await _handle(router, request, "chat")
 
-    async def from_decode(path: str, what: str) -> Response:
-        """The first healthy decode instance's answer to GET ``path``, relayed."""
-        assert router.client is not None
-        tried = []
-        for inst in router.pool.by_role["decode"]:
-            if not inst.healthy:
-                continue
-            req = router.client.build_request("GET", inst.url + path,
-                                              timeout=router.cfg.health_timeout_s)
-            try:
-                r = await router.client.send(req, stream=True)
-                try:
-                    content = await read_answer(r, router.cfg.max_answer_bytes)
-                finally:
-                    await r.aclose()
-            except (httpx.HTTPError, AnswerTooLarge) as e:
-                tried.append(f"{inst.url}: {describe_error(e)}")
-                continue
-            if r.status_code == 200:
-                return Response(content, media_type="application/json")
-            return relay_error(r.status_code, content, "decode", inst, path,
-                               router.pool.engine_ids())
-        if tried:
-            logger.warning("%s: no decode instance answered: %s", path, "; ".join(tried))
-        why = "no decode instance answered" if tried else "no healthy decode instance"
-        return APIError(f"cannot {what}: {why}", status_code=503).response()
-
-    async def tokens(request: Request, which: Literal["tokenize", "detokenize"]) -> Response:
-        """The front's /tokenize or /detokenize (the model's tokenizer)."""
+    async def front_or_503() -> tuple[OpenAIFront | None, Response | None]:
         why = await router.front_ready()
         front = router.front.front
         if why is not None or front is None:
-            return APIError(f"the router is starting: {why}", status_code=503,
-                            code="starting").response()
+            return None, APIError(f"the router is starting: {why}", status_code=503,
+                                  code="starting").response()
+        return front, None
+
+    async def tokens(request: Request, which: Literal["tokenize", "detokenize"]) -> Response:
+        """The front's /tokenize or /detokenize (the model's tokenizer)."""
+        front, starting = await front_or_503()
+        if front is None:
+            assert starting is not None
+            return starting
         return await front.tokens(request, getattr(front.prompts, which))
 
     @app.post("/tokenize", summary="Token ids of a prompt or a chat (vLLM's)",
@@ -392,7 +373,17 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return await from_decode("/v1/models", "list models")
+        """The served model, as the front knows it (its name and context from a decode,
+        its folder the tokenizer's)."""
+        front, starting = await front_or_503()
+        if front is None:
+            assert starting is not None
+            return starting
+        tok = router.tokenizer
+        card = ModelCard(id=front.model_name, created=front.created,
+                         root=str(tok.source) if tok is not None else None,
+                         max_model_len=front.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
     @app.get("/health")
     async def health() -> Response:

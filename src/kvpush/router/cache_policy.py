@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from kvpush.router.answers import fetch
 from kvpush.router.config import RouterConfig, RouterKeys
 from kvpush.router.decide import (
     Decision,
@@ -177,7 +178,8 @@ async def load_model_tokenizer(tok: PromptTokenizer, cfg: RouterConfig, pool: Po
             if not inst.healthy:  # proven first: an unproven URL gets no API key
                 continue
             try:
-                r = await client.get(inst.url + "/v1/models", timeout=cfg.health_timeout_s)
+                # (whole within the deadline and the health answers' cap)
+                r = await fetch(client, "GET", inst.url + "/v1/models", cfg.health_timeout_s)
                 models = r.json() if r.status_code == 200 else None
             except (httpx.HTTPError, ValueError) as e:
                 logger.info("/v1/models of %s: %s", inst.url, describe_error(e))

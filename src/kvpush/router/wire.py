@@ -1,49 +1,19 @@
 """What the router puts on the wire: each leg's ``kv_transfer_params`` and their
-signature, and what of an instance's error answers reaches the client, scrubbed of
-internal names."""
+signature; and the bounded read of an instance's whole answer."""
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from fastapi.responses import JSONResponse, Response
 
 from kvpush.router.pool import Instance
-from kvpush.router.redact import scrub, scrub_error
-from kvpush.server.errors import APIError
 
 if TYPE_CHECKING:
     from kvpush.router.config import RouterKeys
 
 logger = logging.getLogger("kvpush.router")
-
-
-def relay_error(status: int, content: bytes, role: str, inst: Instance, rid: str,
-                engine_ids: Sequence[str] = (), retry_after: str | None = None) -> Response:
-    """An instance's non-200 answer for the client: its status and its error in OpenAI's
-    shape (kvpush's own, or vLLM's converted) with internal addresses and engine ids
-    scrubbed (kvpush.router.redact), or a 502 when the body is no JSON error; the
-    router's log keeps the answer as it came, with the request id. ``retry_after``: the
-    instance's ``Retry-After`` (its 429 or 503), passed on."""
-    headers = {"Retry-After": retry_after} if retry_after and status in (429, 503) else None
-    snippet = content[:300].decode("utf-8", "replace").strip() or "(empty body)"
-    if status >= 500:
-        logger.warning("request %s: %s instance %s (%s) answered HTTP %d: %s", rid, role,
-                       inst.url, inst.engine_id, status, snippet)
-    try:
-        obj = json.loads(content)
-    except ValueError:
-        obj = None
-    body = scrub_error(obj, status, engine_ids)
-    if body is not None:
-        return JSONResponse(body, status_code=status, headers=headers)
-    text = scrub(snippet[:200], engine_ids)
-    return APIError(f"the {role} instance answered HTTP {status}: {text}",
-                    status_code=502 if status >= 500 else status).response(headers)
 
 
 class LegSigner:
