@@ -1,7 +1,7 @@
 """Ready means ready (issue 38, point 2): an instance's /health is 503 until its step
 thread's start-up work (the matmul autotune) is done; a cache-aware router's /health is
-503 "starting" until its tokenizer has loaded, and says "degraded" (blind routing) when
-it cannot load one. Every wait is bounded."""
+503 "starting" until its tokenizer has loaded, and 503 "no_tokenizer" when it cannot load
+one (it serves nothing without it). Every wait is bounded."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ asks for (kvpush.router.decide has the rules).
 Started by the router after its instances are usable: the index follows each instance's
 KV events as the health checks read its ``/kv/info`` (a restart, a new engine id, drops
 its index), and the tokenizer loads in the background. Until it has loaded, or when it
-cannot, requests are routed ``blind`` (round-robin, a prefill leg for each).
+cannot, the router serves nothing (kvpush.router.app, ``no_tokenizer``).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class CachePolicy:
         return lacks_room(route.prompt_tokens, free, bs)
 
     def cost(self, job: Job) -> Callable[[Instance], float] | None:
-        """``Pool.pick``'s cost for the job (None: blind, the configured order)."""
+        """``Pool.pick``'s cost for the job (None: no route, the configured order)."""
         if job.route is None:
             return None
         return cost_fn(job.route, self.cached_tokens, self.cfg.load_cost_tokens,
@@ -115,8 +115,8 @@ class CachePolicy:
     def decide(self, job: Job) -> Decision:
         """``local`` or ``remote`` for the decode instance the job would get now."""
         r = job.route
-        if r is None:
-            return Decision.BLIND
+        if r is None:  # (placed without its prompt: cannot be, Placement.route runs first)
+            return Decision.REMOTE
         d = self.pool.choose("decode", cost=self.cost(job))
         if d is None:
             return Decision.REMOTE  # the caller answers 503
@@ -154,8 +154,7 @@ class CachePolicy:
     def count(self, job: Job) -> None:
         """The decision and the cached token counts, into /metrics (once per request)."""
         r = job.route
-        if r is None:
-            self.metrics.decisions.labels(Decision.BLIND.value).inc()
+        if r is None:  # refused before it was placed: no decision
             return
         self.metrics.decisions.labels(r.decision.value).inc()
         if r.d_cached_tokens is not None:

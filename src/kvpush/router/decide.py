@@ -27,7 +27,6 @@ as much (a fresh prompt, or a prefix both cached), the prefill instance's core d
 same work without stalling decode's running streams. Otherwise a prefill leg goes too,
 to the prefill instance of lowest cost by its own cache (decision ``remote``), and
 decode skips the blocks it has.
-A request the router could not tokenize is routed as before (decision ``blind``).
 """
 
 from __future__ import annotations
@@ -54,7 +53,6 @@ DEFAULT_ANSWER_TOKENS = 256
 class Decision(str, enum.Enum):
     LOCAL = "local"  # decode alone, computing the uncached part itself
     REMOTE = "remote"  # a prefill leg as well (push or pull)
-    BLIND = "blind"  # no token ids: the configured fallback policy
 
 
 DECISIONS = tuple(d.value for d in Decision)

@@ -21,7 +21,7 @@ class Job:
     arrival: float
     client_rid: str | None = None
     mode: str = ""  # the path taken: push, pull, colocated, fallback, local
-    #: the cache-aware policy's facts (None: not tokenized, routed blind)
+    #: the cache-aware policy's facts (None: another policy, or not placed yet)
     route: Route | None = None
     prefill: Instance | None = None
     decode: Instance | None = None

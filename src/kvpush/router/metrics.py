@@ -104,8 +104,7 @@ class RouterMetrics:
                                        "--max-outstanding-requests", registry=r)
         self.decisions = Counter("kvpush_router_route_decisions",
                                  "Cache-aware decisions: local (decode alone), remote (a "
-                                 "prefill leg too), blind (not tokenized: the fallback "
-                                 "order)", ["decision"], registry=r)
+                                 "prefill leg too)", ["decision"], registry=r)
         for d in DECISIONS:
             self.decisions.labels(d)
         self.cached_tokens = Histogram("kvpush_router_cached_prompt_tokens",
