@@ -166,3 +166,50 @@ def test_decode_that_never_registers_frees_prefill_at_lease(cluster):
     assert until(lambda: metric(c["p"], USAGE) == 0.0, LEASE_S + 10), c["p"].tail()
     assert time.monotonic() - t0 <= LEASE_S + 10
     blocks_back(c)
+
+
+def test_a_decode_killed_mid_transfer_frees_prefill_at_lease(qwen3, tmp_path):
+    """A push pair of its own: the decode is SIGKILLed as a request's legs leave the
+    router (its KV on its way, or not yet registered): the client gets an error, not a
+    hang; the prefill's blocks are free within the lease, and the prefill goes on
+    serving."""
+    import threading
+
+    tag = uuid.uuid4().hex[:6]
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET)
+    secret_file.chmod(0o600)
+    procs = []
+    try:
+        p = vllm_instance(tmp_path, qwen3, "prefill", "0", engine_id=f"vp-{tag}",
+                          secret=SECRET)
+        procs.append(p)
+        d = vllm_instance(tmp_path, qwen3, "decode", "1", engine_id=f"vd-{tag}",
+                          secret=SECRET)
+        procs.append(d)
+        wait_ready([p, d])
+        r = router(tmp_path, "push", p, d, secret_file)
+        procs.append(r)
+        wait_ready([r], 60)
+        status, _, _ = complete(r.url, str(qwen3), PROMPTS[0], 4)  # the NIXL handshake
+        assert status == 200
+        got: dict = {}
+
+        def send() -> None:
+            got["answer"] = complete(r.url, str(qwen3), PROMPTS[2] * 3, 64)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        assert until(lambda: metric(p, "vllm:num_requests_running") > 0
+                     or metric(p, USAGE) > 0.0, 30, every=0.01)
+        d.kill()
+        t0 = time.monotonic()
+        sender.join(60)
+        assert not sender.is_alive() and got["answer"][0] >= 500, got
+        assert until(lambda: metric(p, USAGE) == 0.0, LEASE_S + 10), p.tail()
+        print(f"prefill's blocks free {time.monotonic() - t0:.1f} s after the kill")
+        status, _, body = complete(p.url, str(qwen3), PROMPTS[0], 4)  # serves on
+        assert status == 200, body
+    finally:
+        for proc in reversed(procs):
+            proc.stop()

@@ -35,7 +35,6 @@ from kvpush.router.metrics import RouterMetrics
 from kvpush.router.placement import Placement
 from kvpush.router.pool import CHECKS_AT_ONCE, Instance, Pool
 from kvpush.router.prompts import PromptTokenizer, TokenizerState
-from kvpush.router.redact import scrub
 from kvpush.router.stopping import cancel_and_wait
 from kvpush.router.wire import LegSigner
 from kvpush.server.admin_key import ADMIN_PATHS, protect
@@ -250,12 +249,6 @@ class Router:
             logger.warning("no view of %s yet: starting without it", self.cfg.discover)
         if self._joins:
             await asyncio.wait(set(self._joins), timeout=self.cfg.health_timeout_s * 2)
-
-    def for_client(self, err: APIError) -> APIError:
-        """``err`` as a client may see it: no internal address or engine id (the log has
-        them)."""
-        err.message = scrub(err.message, self.pool.engine_ids())
-        return err
 
     async def close(self) -> None:
         if self.discovery is not None:
