@@ -34,6 +34,7 @@ from kvpush.bench.handoff import (
     compare_config,
     first_chunk_s,
     rotation,
+    timelines_on,
     tiny_model,
 )
 
@@ -49,7 +50,9 @@ def run(base_src: str, out: Path, lens: list[int], requests: int, warmup: int) -
     load = [os.getloadavg()]
     res: dict[str, dict[str, float]] = {}
     with contextlib.ExitStack() as stack:
+        timelines_on(stack)  # the hand-off lines the step figures come from
         clusters = {}
+        own = os.environ.get("PYTHONPATH")  # this checkout's (the docstring's src)
         for name in NAMES:  # a cluster's children take the environment it starts with
             if name == "push-main":
                 os.environ["PYTHONPATH"] = base_src
@@ -57,7 +60,10 @@ def run(base_src: str, out: Path, lens: list[int], requests: int, warmup: int) -
                 clusters[name] = stack.enter_context(Cluster(
                     ccfg, ModeSpec(name.split("-")[0], 1), str(model), out / "logs" / name))
             finally:
-                os.environ.pop("PYTHONPATH", None)
+                if own is None:
+                    os.environ.pop("PYTHONPATH", None)
+                else:
+                    os.environ["PYTHONPATH"] = own
         client = stack.enter_context(httpx.Client(timeout=120))
         served = client.get(clusters["push"].url + "/v1/models").json()["data"][0]["id"]
         rng = random.Random(0)

@@ -371,3 +371,35 @@ def test_a_peer_that_closes_its_sockets_is_seen_to_drop(channels):
     assert a.peer_gone(b.address) and a.stats.link_drops == 1
     a.forget(b.address)
     assert a.peer_gone(b.address)
+
+
+def test_a_pass_receives_only_the_frames_that_are_there(channels, monkeypatch):
+    """A ZMQ receive gives up the GIL, and on a busy core may wait a switch interval to
+    get it back: recv and take_dropped ask ZMQ_EVENTS first (which keeps it), so a pass
+    that finds one message makes one receive, none for idle monitors or the empty queue."""
+    secret = b"k" * 32
+    a, b = channels(secret=secret), channels(secret=secret)
+    a.send(b.address, b"hi")
+    assert recv_until(b, 1) == [(a.address, b"hi")]
+    b.send(a.address, b"ho")
+    assert recv_until(a, 1) == [(b.address, b"ho")]
+    deadline = time.monotonic() + 5
+    while not (a._links.links[b.address].up and b._links.links[a.address].up):
+        assert time.monotonic() < deadline, "the links did not come up"
+        assert a.recv(1) == [] and b.recv(1) == []  # (their monitors' events read)
+    a.send(b.address, b"again")
+    while not b.pending():
+        assert time.monotonic() < deadline, "the message did not arrive"
+        time.sleep(0.001)
+    receives: list[zmq.Socket] = []
+    real = zmq.Socket.recv_multipart
+
+    def counted(sock, *args, **kwargs):
+        receives.append(sock)
+        return real(sock, *args, **kwargs)
+
+    monkeypatch.setattr(zmq.Socket, "recv_multipart", counted)
+    assert b.recv(0) == [(a.address, b"again")]
+    assert b.take_dropped() == []
+    assert len(receives) == 1
+    assert b.recv(0) == [] and b.take_dropped() == [] and len(receives) == 1

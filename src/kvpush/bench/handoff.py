@@ -196,7 +196,7 @@ def compare_config(cfg: HandoffConfig, model: str, out_dir: Path) -> CompareConf
                          device=cfg.device, push_layers_per_write=cfg.push_layers_per_write)
 
 
-def _timelines_on(stack: contextlib.ExitStack) -> None:
+def timelines_on(stack: contextlib.ExitStack) -> None:
     """The instances' hand-off lines are DEBUG records: the clusters started within
     ``stack`` log them (their environment, kvpush.logs), whatever their level."""
     from kvpush.kv_transfer.timeline import log as timeline_log
@@ -222,7 +222,7 @@ def run_handoff(cfg: HandoffConfig, log=print) -> dict[str, Any]:
 
     cfg.validate()
     with contextlib.ExitStack() as stack:
-        _timelines_on(stack)
+        timelines_on(stack)
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpush-handoff-")))
         logs = cfg.log_dir or tmp / "logs"
         model = cfg.model or str(tiny_model(tmp / "model"))

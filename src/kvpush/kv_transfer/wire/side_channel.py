@@ -287,7 +287,7 @@ class SideChannel:
                 self._links.pump()
             if self._wake_r in events:
                 with contextlib.suppress(BlockingIOError, OSError):
-                    while os.read(self._wake_r, 4096):
+                    while len(os.read(self._wake_r, 4096)) == 4096:  # (a short read: empty)
                         pass
                 return self._drain()
 
@@ -321,6 +321,8 @@ class SideChannel:
             for event, value in monitor_events(self._router_mon):
                 self._reject(b"(a connection)", handshake_reason(event, value, server=True))
         for _ in range(MAX_BATCH):  # refused frames count too: a flood cannot hold us here
+            if not self.pending():  # (keeps the GIL, where a receive of nothing gives it up)
+                break
             try:
                 frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
