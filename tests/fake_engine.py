@@ -23,8 +23,10 @@ from typing import Any
 from kvpush.config import EngineConfig
 from kvpush.engine.outputs import EngineStats, FinishReason, RequestError, RequestOutput
 from kvpush.engine.request_stats import RequestStatsTracker
+from kvpush.kv_info import KVInfo
 from kvpush.kv_transfer.params import KVTransferParams
 from kvpush.sampling_params import SamplingParams
+from stand_in import make_kv_info
 
 
 def fake_logprob(i: int) -> float:
@@ -110,9 +112,9 @@ class FakeEngine:
     def kv_stats(self) -> None:
         return None  # role both: no transfers
 
-    async def kv_info(self) -> dict[str, Any]:
-        return {"engine_id": "fake", "role": "both", "kv_transfer": None,
-                "num_free_blocks": self.free_blocks, "num_total_blocks": self.num_blocks}
+    async def kv_info(self) -> KVInfo:
+        return make_kv_info(engine_id="fake", num_free_blocks=self.free_blocks,
+                            num_total_blocks=self.num_blocks)
 
     async def kv_cache_blocks(self) -> dict[str, Any] | None:
         return None  # no prefix caching here

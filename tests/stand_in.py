@@ -10,8 +10,11 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvpush.kv_info import KVInfo
 
 
 def stand_in(kv_info: dict[str, Any] | Callable[[], dict[str, Any]] | None = None) -> FastAPI:
@@ -32,14 +35,34 @@ def stand_in(kv_info: dict[str, Any] | Callable[[], dict[str, Any]] | None = Non
     return app
 
 
+#: a stand-in's /kv/info where its test says nothing else: a role-both tiny model
+BASE_INFO: dict[str, Any] = {
+    "engine_id": "stand-in", "role": "both", "kv_transfer": None, "side_channel": None,
+    "model": "tiny", "dtype": "float32", "dtype_reason": "asked for", "block_size": 16,
+    "max_model_len": 128, "vocab_size": 256, "layout": {}, "tensor_parallel_size": 1,
+    "tensor_parallel": None, "kv_memory": {}, "kv_events": None, "request_plane": None,
+    "request_plane_members": False}
+
+
+def make_kv_info(**fields: Any) -> KVInfo:
+    """A whole /kv/info: ``fields`` over BASE_INFO (checked as a router decodes it)."""
+    return msgspec.convert({**BASE_INFO, **fields}, KVInfo)
+
+
+def kv_info_body(**fields: Any) -> dict[str, Any]:
+    """make_kv_info's, as the JSON object an instance answers."""
+    return msgspec.to_builtins(make_kv_info(**fields))
+
+
 def push_kv_info(role: str, engine_id: str, side_port: int, kv_transfer: str = "push",
                  **extra: Any) -> dict[str, Any]:
     """The /kv/info of a P/D instance with a side channel on 127.0.0.1:``side_port`` and
     a plain request plane (by default at an address nothing answers: a router's legs
     to it find no engine core)."""
-    return {"engine_id": engine_id, "role": role, "kv_transfer": kv_transfer,
-            "side_channel_host": "127.0.0.1", "side_channel_port": side_port,
-            "request_plane": "127.0.0.1:9", "request_plane_members": False, **extra}
+    return kv_info_body(**{
+        "engine_id": engine_id, "role": role, "kv_transfer": kv_transfer,
+        "side_channel_host": "127.0.0.1", "side_channel_port": side_port,
+        "request_plane": "127.0.0.1:9", "request_plane_members": False, **extra})
 
 
 def add_models(app: FastAPI, model_root: str, model_id: str = "tiny") -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from msgspec.structs import replace
 
 from etcd_helpers import EtcdServer, require_etcd
 from kvpush.discovery.card import (
@@ -29,11 +30,12 @@ from kvpush.discovery.etcd import EtcdClient, EtcdError, prefix_end
 from kvpush.discovery.instance_spec import InstanceSpec
 from kvpush.discovery.target import EtcdAuth, TargetError, parse_target, resolve_auth
 from kvpush.router.config import RouterConfig, RouterConfigError
+from stand_in import make_kv_info
 
 SECRET = b"discovery-test-secret"
-INFO = {"role": "decode", "engine_id": "decode-1", "side_channel": "127.0.0.1:5000",
-        "kv_transfer": "push", "model": "m", "block_size": 16,
-        "layout": {"num_layers": 2}, "kv_params_signed": True, "num_free_blocks": 3}
+INFO = make_kv_info(role="decode", engine_id="decode-1", side_channel="127.0.0.1:5000",
+                    kv_transfer="push", model="m", block_size=16,
+                    layout={"num_layers": 2}, kv_params_signed=True, num_free_blocks=3)
 
 
 def _ns(**kw) -> argparse.Namespace:
@@ -97,10 +99,10 @@ def test_card_round_trip_and_checks():
     assert card.url == "http://127.0.0.1:8001"
     assert decode(encode(card)) == card
     assert mismatch(card, INFO) is None
-    why = mismatch(card, {**INFO, "engine_id": "decode-2", "side_channel": "1.2.3.4:1"})
+    why = mismatch(card, replace(INFO, engine_id="decode-2", side_channel="1.2.3.4:1"))
     assert why and "engine_id" in why and "side_channel" in why
-    assert mismatch(card, {**INFO, "kv_params_signed": False})
-    assert mismatch(card, {**INFO, "num_free_blocks": 99}) is None  # not identity
+    assert mismatch(card, replace(INFO, kv_params_signed=False))
+    assert mismatch(card, replace(INFO, num_free_blocks=99)) is None  # not identity
     for bad in (b"{", b"[]", encode(Card(version=2, url=card.url, role="decode",
                                               engine_id="e", model="m")),
                 encode(Card(version=1, url="ftp://h:1", role="decode", engine_id="e",

@@ -132,8 +132,8 @@ def test_serve_defaults_to_auto_and_kv_info_shows_the_dtype(tiny_llama):
     assert cfg.dtype == auto_dtype.choose("cpu").dtype
     engine = make_engine(tiny_llama, dtype="bfloat16")
     info = engine.kv_info()
-    assert info["dtype"] == "bfloat16" == info["layout"]["dtype"]
-    assert info["dtype_reason"] == "asked for"
+    assert info.dtype == "bfloat16" == info.layout["dtype"]
+    assert info.dtype_reason == "asked for"
     assert dtype_name(cfg.dtype) in ("float32", "bfloat16")
 
 

@@ -10,6 +10,7 @@ import time
 import uuid
 
 import httpx
+import msgspec
 import zmq
 
 from kvpush.crypto.curve import make_client
@@ -27,6 +28,7 @@ from kvpush.kv_cache.events import (
     decode_batch,
     encode_batch,
 )
+from kvpush.kv_info import KVEvents
 from kvpush.server.member_view import MEMBER_HEADER
 from server_helpers import TEST_KV_SECRET, ServerProcess
 
@@ -230,10 +232,10 @@ def test_publisher_numbers_batches_and_snapshots_match():
     mirror = Mirror(pub.endpoint)
     try:
         assert pub.endpoint.startswith("tcp://127.0.0.1:")
-        assert pub.info() == {"endpoint": pub.endpoint, "block_size": BS, "keyed": False}
+        assert pub.info() == KVEvents(pub.endpoint, BS, keyed=False)
         assert pub.snapshot().seq == 0 and pub.snapshot().hashes == []
         _warm_up(mirror, lambda i: pub.publish([BlockStored([_h(1000 + i)])]),
-                 lambda: pub.snapshot().to_json(), tries=100, wait_s=0.05)
+                 lambda: msgspec.to_builtins(pub.snapshot().to_blocks()), tries=100, wait_s=0.05)
         start = mirror.seq
         pub.publish([BlockStored([_h(1), _h(2)])])
         pub.publish([BlockRemoved([_h(1)]), BlockStored([_h(3)])])

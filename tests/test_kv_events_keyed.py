@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import zmq
 
 from kvpush.crypto.curve import make_client
@@ -16,6 +17,7 @@ from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.event_publisher import KVEventPublisher
 from kvpush.kv_cache.events import TOPIC, BlockStored, decode_batch
 from kvpush.router.kv_index import KVIndex, Snapshot
+from stand_in import make_kv_info
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 BS = 16
@@ -60,7 +62,7 @@ def test_a_non_member_gets_nothing_and_a_member_gets_only_tags():
             assert sock.poll(300) == 0  # never joined: its handshake was refused
         snap = pub.snapshot()
         assert set(snap.hashes) == {keys.tag(h) for h in raw}
-        assert pub.info()["keyed"] is True
+        assert pub.info().keyed is True
     finally:
         for s in (outsider, wrong, member):
             s.close(0)
@@ -74,7 +76,7 @@ def test_the_router_index_follows_a_keyed_publisher():
     keys = EventKeys.from_secret(SECRET)
     pub = KVEventPublisher("e1", BS, keys=keys)
     pub.start()
-    info = {"engine_id": "e1", "kv_events": pub.info()}
+    info = make_kv_info(engine_id="e1", kv_events=msgspec.to_builtins(pub.info()))
     raw = chain(PROMPT)
 
     async def fetch(url: str) -> Snapshot:
@@ -132,9 +134,9 @@ def test_a_prompt_chain_is_tagged_once_and_only_as_far_as_it_matches():
         insts = [object() for _ in range(3)]
         try:
             for n, inst in enumerate(insts):
-                kv.update(inst, f"http://i{n}", {"engine_id": f"e{n}", "kv_events": {
+                kv.update(inst, f"http://i{n}", make_kv_info(engine_id=f"e{n}", kv_events={
                     "endpoint": f"tcp://127.0.0.1:{9 + n}", "block_size": BS,
-                    "keyed": True}})
+                    "keyed": True}))
                 kv._followers[inst].index.hashes.update(k.tag(h) for h in raw[:n + 1])
             _CountingKeys.calls = 0
             for _ in range(5):

@@ -69,7 +69,7 @@ def test_engines_allocate_no_more_than_the_budget(tiny_llama):
             <= budget, role
         assert reserved <= runner.decode_cache.max_bytes
         assert (reserved > 0) == (role != "prefill"), role
-        info = engine.kv_info()["kv_memory"]
+        info = engine.kv_info().kv_memory
         assert info["budget_bytes"] == budget
         assert info["region_bytes"] + info["decode_cache_bytes"] <= budget
         assert info["decode_attention"] == "dense"

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import zmq
 from fastapi.responses import JSONResponse
@@ -43,7 +44,7 @@ from kvpush.router.decide import (
 from kvpush.router.kv_index import BatchResult, InstanceIndex, KVIndex, Snapshot
 from kvpush.router.pool import Pool
 from router_helpers import metric_value, wait_until
-from stand_in import push_kv_info, stand_in
+from stand_in import make_kv_info, push_kv_info, stand_in
 
 BS = 4  # block size of the fake instances
 VOCAB = 1 << 17  # the fake instances take any id of the tiny models' tokenizers
@@ -182,15 +183,15 @@ def test_decode_legs_charge_and_release_their_tokens():
 def test_an_instance_without_room_comes_after_those_with_room():
     assert not lacks_room(52, 13, 4) and lacks_room(53, 13, 4)  # every block, cached too
     pool, d1, d2 = _two_decode_pool()
-    d1.info = {"num_free_blocks": 2, "block_size": 4}  # their last /kv/info
-    d2.info = {"num_free_blocks": 40, "block_size": 4}
+    d1.info = make_kv_info(num_free_blocks=2, block_size=4)  # their last /kv/info
+    d2.info = make_kv_info(num_free_blocks=40, block_size=4)
     route = Route(list(range(52)))  # 13 blocks
     cached = {d1: 40, d2: 0}
     f = cost_fn(route, lambda i, _r: cached[i], 4, CachePolicy.no_room)
     assert pool.choose("decode", cost=f) is d2  # d1 holds the prefix but has no room
-    d2.info["num_free_blocks"] = 12  # both full: the cache decides among them
+    d2.info = make_kv_info(num_free_blocks=12, block_size=4)  # both full: the cache decides
     assert pool.choose("decode", cost=f) is d1
-    d2.info["num_free_blocks"] = 13
+    d2.info = make_kv_info(num_free_blocks=13, block_size=4)
     assert pool.choose("decode", cost=f) is d2
     d1.info = None  # no /kv/info (vLLM): room assumed, and d1's cache wins
     assert not CachePolicy.no_room(d1, route)
@@ -261,7 +262,8 @@ def test_kv_index_follows_a_publisher_through_gap_and_restart():
 
         kv = KVIndex(fetch, retry_s=0.05)
         key = object()
-        info = {"engine_id": "e1", "kv_events": {"endpoint": pub.endpoint, "block_size": BS}}
+        info = make_kv_info(engine_id="e1",
+                            kv_events={"endpoint": pub.endpoint, "block_size": BS})
         try:
             pub.publish(BlockStored([H(1)]))  # before the subscriber: the snapshot has it
             kv.update(key, "fake", info)
@@ -289,12 +291,12 @@ def test_kv_index_follows_a_publisher_through_gap_and_restart():
             assert idx.longest_prefix([H(1), H(2)]) == 0  # evicted: the index shrank
             # a restart: /kv/info shows a new engine id, the old index goes
             pub.restart("e2")
-            kv.update(key, "fake", {**info, "engine_id": "e2"})
+            kv.update(key, "fake", msgspec.structs.replace(info, engine_id="e2"))
             idx2 = kv.index(key)
             assert idx2 is not None and idx2 is not idx and idx2.hashes == set()
             pub.publish(BlockStored([H(7)]))
             await until(lambda: idx2.synced and idx2.hashes == {H(7)}, "after restart")
-            kv.update(key, "fake", {"engine_id": "e2", "kv_events": None})
+            kv.update(key, "fake", make_kv_info(engine_id="e2"))
             assert kv.index(key) is None  # prefix caching off: no index
         finally:
             await kv.close()

@@ -94,6 +94,12 @@ def _pool_inst(router: RouterThread, inst: Instance) -> Any:
     return next(i for i in router.router.pool.instances if i.url == inst.url)
 
 
+def _free_blocks(router: RouterThread, inst: Instance) -> int | None:
+    """The free blocks of ``inst`` as the router's last health check read them."""
+    info = _pool_inst(router, inst).info
+    return info.num_free_blocks if info is not None else None
+
+
 def _index(router: RouterThread, inst: Instance) -> InstanceIndex:
     idx = router.router.cache.index.index(_pool_inst(router, inst))
     assert idx is not None, f"no KV index for {inst.name}"
@@ -183,8 +189,8 @@ def test_full_decode_is_passed_over_for_one_with_room(cluster, router):
     holds = [_hold(c.d1, c.p, prefix + _prompt(100 + 60 * k, 56)) for k in range(2)]
     try:
         wait_until(lambda: c.d1.get("/kv/info")["num_free_blocks"] == 2, 10, "D1 full")
-        wait_until(lambda: (_pool_inst(router, c.d1).info or {}).get("num_free_blocks") == 2,
-                   10, "the router's health check saw D1 full")
+        wait_until(lambda: _free_blocks(router, c.d1) == 2, 10,
+                   "the router's health check saw D1 full")
         turn = prefix + _prompt(300, 12)  # 13 blocks: 3 more than the prefix, 2 free
         d1_before, d2_before = _requests(router, c.d1), _requests(router, c.d2)
         _check(router, c, turn)  # answered while the holds stand
@@ -196,8 +202,8 @@ def test_full_decode_is_passed_over_for_one_with_room(cluster, router):
         for s in holds:
             s.close()
     c.d1.wait_all_free()
-    wait_until(lambda: (_pool_inst(router, c.d1).info or {}).get("num_free_blocks")
-               == D_BLOCKS, 10, "the router saw D1 free again")
+    wait_until(lambda: _free_blocks(router, c.d1) == D_BLOCKS, 10,
+               "the router saw D1 free again")
     # D1 has room and still caches the prefix: the next turn is local to it
     d1_before = _requests(router, c.d1)
     _check(router, c, prefix + _prompt(400, 4))

@@ -27,6 +27,7 @@ from kvpush.router.senders import CoreSender, Senders
 from kvpush.router.wire import LegSigner
 from kvpush.sampling_params import SamplingParams
 from kvpush.server.errors import APIError
+from stand_in import make_kv_info
 
 
 class Chars:
@@ -128,8 +129,8 @@ def _engine(mode: str, cores: dict[str, FakeCore], **kw: Any
     by_address = {c.address: c for c in cores.values()}
     for inst in pool.instances:
         inst.healthy = True
-        inst.info = {"request_plane": cores[inst.url].address, "engine_id": inst.url,
-                     "side_channel_host": "127.0.0.1", "side_channel_port": 9}
+        inst.info = make_kv_info(request_plane=cores[inst.url].address, engine_id=inst.url,
+                                 side_channel_host="127.0.0.1", side_channel_port=9)
     # every instance here answers /kv/info: kvpush instances, over their cores only
     sender = Senders(CoreSender(pool, by_address.__getitem__), http=None)  # type: ignore[arg-type]
     assert sender.serves()  # every healthy instance linked
@@ -302,7 +303,7 @@ def test_a_core_connection_that_drops_takes_its_instance_out_of_rotation_at_once
     _, pool, sender = _engine("pull", cores)
     d0, p0 = sorted(pool.instances, key=lambda i: i.url)
     old = cores["http://d0:1"]
-    d0.info = {"request_plane": "d0:8", "engine_id": d0.url}  # restarted: a new plane
+    d0.info = make_kv_info(request_plane="d0:8", engine_id=d0.url)  # restarted: a new plane
     new = FakeCore("d0:8", "decode")
     sender.cores._connect = {"d0:8": new}.__getitem__  # noqa: SLF001
     assert sender.cores.link(d0) is new and old.closed

@@ -22,7 +22,7 @@ import pytest
 from etcd_helpers import EtcdServer, require_etcd
 from kvpush.discovery.target import parse_target
 from router_helpers import Instance, RouterThread, signed, start_instances, wait_until
-from stand_in import stand_in
+from stand_in import make_kv_info, stand_in
 
 require_etcd()  # skips the module, saying why, where no etcd binary can be had
 
@@ -241,8 +241,8 @@ def test_etcd_restart_keeps_view_and_catches_up(etcd, base):
         # the instances' leases survived (same data dir): they are still registered;
         # and a change made after the restart reaches the router
         wait_until(lambda: len(etcd.registered()) == 2, 10, "both keys still there")
-        ghost = card_from_info("http://127.0.0.1:9", {**d1.get("/kv/info"),
-                                                      "engine_id": "ghost"})
+        ghost = card_from_info("http://127.0.0.1:9", make_kv_info(**{**d1.get("/kv/info"),
+                                                                   "engine_id": "ghost"}))
         etcd.put("/kvpush/instances/decode/ghost", encode(signed(ghost)))
         wait_until(lambda: ghost.url in pool(rt), 2, "a card written after the restart")
         assert ghost.url not in healthy(rt)  # it does not answer: no traffic
@@ -281,14 +281,15 @@ def test_card_that_does_not_match_is_refused(etcd, base):
 
     p0, d1 = base.prefill, base.decode
     info = d1.get("/kv/info")
-    stale = card_from_info(d1.url, {**info, "engine_id": "not-d1"})
+    stale = card_from_info(d1.url, make_kv_info(**{**info, "engine_id": "not-d1"}))
 
     # signed (a stale card of the cluster's own), but the instance is not what it says
     etcd.put("/forged/instances/decode/not-d1", encode(signed(stale)))
     etcd.put("/forged/instances/decode/junk", b"{not a card")
     # unsigned: dropped before anything connects to the URL it names
     etcd.put("/forged/instances/decode/unsigned",
-             encode(card_from_info("http://127.0.0.1:9", {**info, "engine_id": "u"})))
+             encode(card_from_info("http://127.0.0.1:9",
+                                   make_kv_info(**{**info, "engine_id": "u"}))))
     rt = RouterThread("push", [p0.url], [], discover=parse_target(etcd.url("forged")))
     try:
         def state() -> dict:
@@ -322,7 +323,7 @@ def test_router_started_before_its_instances(etcd, base):
         for inst in (p0, d1):
             info = inst.get("/kv/info")
             etcd.put(f"/late/instances/{info['role']}/{info['engine_id']}",
-                     encode(signed(card_from_info(inst.url, info))))
+                     encode(signed(card_from_info(inst.url, make_kv_info(**info)))))
         wait_until(lambda: set(healthy(rt)) == {p0.url, d1.url}, 10, "both joined")
         tok = rt.router.cache.tokenizer
         wait_until(lambda: tok.state.value == "ready", 20, f"tokenizer loaded ({tok.why})")
@@ -351,7 +352,7 @@ def test_a_card_cannot_evict_a_working_instance(etcd, base, caplog):
         t.wait_count(4)
         info = d1.get("/kv/info")
         key = "/kvpush/instances/decode/impostor"
-        impostor = card_from_info(d1.url, {**info, "engine_id": "impostor"})
+        impostor = card_from_info(d1.url, make_kv_info(**{**info, "engine_id": "impostor"}))
         etcd.put(key, encode(signed(impostor)))
         wait_until(lambda: "impostor" in caplog.text, 5, "the card seen")
         before = next(i["requests"] for i in rt.instances() if i["url"] == d1.url)
@@ -397,7 +398,7 @@ def test_a_fake_copying_a_real_instance_is_never_admitted(etcd, base):
 
     with uvicorn_server(app) as fake_url:
         etcd.put("/fake/instances/decode/copy",
-                 encode(signed(card_from_info(fake_url, info))))
+                 encode(signed(card_from_info(fake_url, make_kv_info(**info)))))
         static = RouterThread("push", [p0.url], [fake_url], wait=False, api_key="router-key")
         found = RouterThread("push", [p0.url], [], discover=parse_target(etcd.url("fake")),
                              api_key="router-key")

@@ -15,6 +15,7 @@ import json
 import logging
 
 import httpx
+import msgspec
 import pytest
 
 from kvpush.crypto.membership import proof_key, proof_mac
@@ -22,16 +23,18 @@ from kvpush.discovery.card import card_from_info, encode, sign
 from kvpush.discovery.etcd import WatchEvent
 from kvpush.discovery.instance_spec import parse_instance
 from kvpush.discovery.target import parse_target
+from kvpush.kv_info import KVInfo
 from kvpush.router.config import RouterConfig
 from kvpush.router.discover import EtcdLink
 from kvpush.router.pool import Pool
+from stand_in import kv_info_body
 
 SECRET = b"s" * 32
 URL = "http://127.0.0.1:8001"
-INFO = {"role": "decode", "engine_id": "decode-1", "side_channel": "127.0.0.1:5000",
-        "kv_transfer": "push", "model": "m", "block_size": 16,
-        "layout": {"num_layers": 2}, "kv_params_signed": False,
-        "request_plane": "127.0.0.1:5001"}
+INFO = kv_info_body(role="decode", engine_id="decode-1", side_channel="127.0.0.1:5000",
+                    kv_transfer="push", model="m", block_size=16,
+                    layout={"num_layers": 2}, kv_params_signed=False,
+                    request_plane="127.0.0.1:5001", request_plane_members=True)
 
 
 def answering(info: dict, secret: bytes | None = SECRET, prove: bool = True,
@@ -68,7 +71,7 @@ def link_and_pool() -> tuple[EtcdLink, Pool]:
 
 def put(key: str, info: dict, revision: int, url: str = URL,
         secret: bytes | None = SECRET) -> WatchEvent:
-    card = card_from_info(url, info)
+    card = card_from_info(url, msgspec.convert(info, KVInfo))
     return WatchEvent("put", key, encode(sign(card, secret) if secret else card), revision)
 
 
@@ -118,7 +121,7 @@ def test_unsigned_and_forged_cards_are_dropped_before_connecting(caplog):
     link, pool = link_and_pool()
     link._apply([put("/t/instances/decode/a", INFO, 2, secret=None),
                  put("/t/instances/decode/b", INFO, 3, secret=b"another cluster secret")])
-    forged = sign(card_from_info(URL, INFO), SECRET)
+    forged = sign(card_from_info(URL, msgspec.convert(INFO, KVInfo)), SECRET)
     forged = encode(forged).replace(b"decode-1", b"decode-9")  # altered after signing
     link._apply([WatchEvent("put", "/t/instances/decode/c", forged, 4)])
     assert pool.instances == [] and link.cards == {}
@@ -198,13 +201,43 @@ def test_a_proven_instance_gets_the_key_and_a_vllm_one_only_from_the_command_lin
     asyncio.run(go())
 
 
+def test_a_malformed_kv_info_fails_the_check_and_says_why():
+    """An instance's /kv/info is untrusted input, decoded once as a whole (KVInfo): an
+    answer that is not a kvpush instance's keeps it out of rotation, the reason naming
+    what is wrong, until a check reads a good one."""
+    async def go() -> None:
+        pool = Pool(RouterConfig(mode="push", prefill=(parse_instance("127.0.0.1:8002"),),
+                                 decode=(parse_instance(URL),), kv_secret=SECRET))
+        inst = pool.find(URL)
+        missing = {k: v for k, v in INFO.items() if k != "max_model_len"}
+        for bad, says in ((missing, "max_model_len"),
+                          ({**INFO, "block_size": "16"}, "block_size"),
+                          ({**INFO, "side_channel_port": 0}, "side_channel_port"),
+                          ({**INFO, "kv_events": {"endpoint": 5}}, "kv_events.endpoint"),
+                          ([INFO], "object")):
+            client = answering(bad, proved=INFO)
+            await pool.check(client, inst)
+            await client.aclose()
+            assert not inst.healthy and inst.info is None
+            assert inst.misconfigured is not None
+            assert "malformed /kv/info" in inst.misconfigured, inst.misconfigured
+            assert says in inst.misconfigured, inst.misconfigured
+        good = answering(INFO)
+        await pool.check(good, inst)
+        await good.aclose()
+        assert inst.healthy and inst.misconfigured is None
+        assert inst.info is not None and inst.info.model == "m"
+
+    asyncio.run(go())
+
+
 def test_an_instance_proves_only_for_its_own_url():
     from kvpush.server.prove import ProveError, Prover
 
     prover = Prover(SECRET, advertise_url="http://decode-0.example:8000/")
 
-    async def info() -> dict:
-        return INFO
+    async def info() -> KVInfo:
+        return msgspec.convert(INFO, KVInfo)
 
     async def go() -> None:
         here = ("127.0.0.1", 8001)

@@ -239,7 +239,7 @@ def test_push_writes_layers_in_groups(model_factory, configured, layer_s, expect
         warm, prompt = random_prompts([20, 100], seed=31)  # 100: 6 full blocks and a part
         pd.submit("warm", warm, greedy(1))  # meet and register before the step we watch
         pd.run()
-        assert p.kv_info()["push_layers_per_write"] == min(configured, 4)
+        assert p.kv_info().push_layers_per_write == min(configured, 4)
         in_forward, groups, messages = [False], [], [0]  # groups: (layers, mid-step)
         now = [0.0]
         p.connector.side.clock = lambda: now[0]

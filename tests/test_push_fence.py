@@ -167,7 +167,7 @@ def assert_fenced(pair: Pair, rid: str = "r") -> list[int]:
     assert all(pair.d.scheduler.pool.ref_counts[b] > 0 for b in held)  # not free
     assert pair.d.connector.fenced_blocks == len(held)
     assert pair.d.connector.stats().blocks_fenced == len(held)
-    assert pair.d.kv_info()["num_fenced_blocks"] == len(held)
+    assert pair.d.kv_info().num_fenced_blocks == len(held)
     assert f"d-{rid}" not in pair.d.scheduler.requests
     return held
 

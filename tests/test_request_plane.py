@@ -83,7 +83,7 @@ async def remote(core: CoreClient, secret: bytes = SECRET) -> RemoteCore:
 
 
 async def free_blocks(core: CoreClient) -> int:
-    return (await core.kv_info())["num_free_blocks"]
+    return (await core.kv_info()).num_free_blocks
 
 
 async def settle(core: CoreClient, want: int, wait_s: float = WAIT_S) -> None:
@@ -99,10 +99,10 @@ def test_kv_info_and_hello_carry_the_request_plane(core):
 
     async def main() -> None:
         info = await core.kv_info()
-        assert info["request_plane"] == core.request_plane
+        assert info.request_plane == core.request_plane
         link = await remote(core)
         try:  # the utility call over the plane answers the same
-            assert (await link.kv_info())["request_plane"] == core.request_plane
+            assert (await link.kv_info()).request_plane == core.request_plane
         finally:
             link.close()
 

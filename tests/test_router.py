@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import msgspec
 import pytest
 
 from kvpush.discovery.instance_spec import InstanceSpecError, parse_instance
@@ -43,6 +44,7 @@ from router_helpers import (
     wait_until,
 )
 from server_helpers import free_port
+from stand_in import make_kv_info
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -204,9 +206,9 @@ def test_kvpush_and_vllm_instances_are_not_paired():
     prefill next to kvpush decodes, stays out of the rotation with the reason (their KV
     layouts differ: a transfer between them would give wrong tokens); instances of one
     kind pair as before, and a colocated router mixes kinds freely."""
-    kvpush = {"engine_id": "p-1", "role": "prefill", "kv_transfer": "pull",
-              "request_plane": "127.0.0.1:9", "request_plane_members": False,
-              "side_channel_host": "127.0.0.1", "side_channel_port": 5600}
+    kvpush = make_kv_info(engine_id="p-1", role="prefill", kv_transfer="pull",
+                          request_plane="127.0.0.1:9", request_plane_members=False,
+                          side_channel_host="127.0.0.1", side_channel_port=5600)
     cfg = RouterConfig(mode="pull", prefill=(parse_instance("127.0.0.1:9000"),),
                        decode=(parse_instance("127.0.0.1:9100"),))
     pool = Pool(cfg)
@@ -215,7 +217,7 @@ def test_kvpush_and_vllm_instances_are_not_paired():
     why = pool.verify(p, kvpush)
     assert why is not None and "a kvpush instance" in why and "layouts differ" in why
     assert pool.verify(p, None) is None  # a vLLM prefill pairs with it
-    d.info = {**kvpush, "role": "decode"}  # now a kvpush decode
+    d.info = msgspec.structs.replace(kvpush, role="decode")  # now a kvpush decode
     why = pool.verify(p, None)
     assert why is not None and "a vLLM instance" in why
     assert pool.verify(p, kvpush) is None
@@ -223,7 +225,7 @@ def test_kvpush_and_vllm_instances_are_not_paired():
                             decode=(parse_instance("h:1"), parse_instance("h:2"))))
     a, b = col.by_role["decode"]
     a.healthy, a.info = True, None
-    assert col.verify(b, {**kvpush, "role": "both"}) is None
+    assert col.verify(b, msgspec.structs.replace(kvpush, role="both")) is None
 
 
 def test_policies_pick_order():

@@ -20,6 +20,7 @@ from kvpush.discovery.instance_spec import parse_instance
 from kvpush.router.answers import ANSWER_CAP, AnswerTooLarge, fetch
 from kvpush.router.config import RouterConfig
 from kvpush.router.pool import Pool
+from stand_in import push_kv_info
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -29,9 +30,7 @@ class StandIn:
 
     def __init__(self, engine_id: str, role: str = "decode") -> None:
         self.mode = "ok"
-        self.info = {"engine_id": engine_id, "role": role, "kv_transfer": "push",
-                     "side_channel_host": "127.0.0.1", "side_channel_port": 5600,
-                     "request_plane": "127.0.0.1:9", "request_plane_members": False}
+        self.info = push_kv_info(role, engine_id, 5600)
         self.checks = 0  # /health requests answered in full
         self.sent = 0  # body bytes written
         self.checked = asyncio.Event()  # set at each answered /health

@@ -12,10 +12,9 @@ import httpx
 from kvpush.discovery.instance_spec import parse_instance
 from kvpush.router.config import RouterConfig
 from kvpush.router.pool import Pool
+from stand_in import push_kv_info
 
-INFO = {"engine_id": "decode-x", "role": "decode", "kv_transfer": "push",
-        "side_channel_host": "127.0.0.1", "side_channel_port": 5600,
-        "request_plane": "127.0.0.1:5601", "request_plane_members": False}
+INFO = push_kv_info("decode", "decode-x", 5600, request_plane="127.0.0.1:5601")
 
 
 def _run(behaviour: list[str], tolerated: int = 1, alone: bool = False,

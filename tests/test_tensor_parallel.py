@@ -126,17 +126,18 @@ def test_tp2_equals_tp1(model_factory, arch, preset):
         assert_all_blocks_free(engine)
         info = engine.kv_info()
         cfg = ModelConfig.from_dir(model)
-        assert info["tensor_parallel_size"] == 2
-        tp = info["tensor_parallel"]
+        assert info.tensor_parallel_size == 2
+        tp = info.tensor_parallel
+        assert tp is not None
         assert tp["kv_heads_replicated"] == (cfg.num_kv_heads < 2)
         assert [r["kv_heads"] for r in tp["ranks"]] == (
             [[0], [1]] if cfg.num_kv_heads == 2 else [[0], [0]])
-        assert info["layout"]["num_kv_heads"] == 1  # one rank's region
+        assert info.layout["num_kv_heads"] == 1  # one rank's region
         procs = engine.runner.group._procs
     finally:
         engine.shutdown()
     assert all(p.poll() is not None for p in procs)
-    assert make_engine(model).kv_info()["tensor_parallel_size"] == 1
+    assert make_engine(model).kv_info().tensor_parallel_size == 1
 
 
 # ---- a rank that dies ----------------------------------------------------------------

@@ -214,15 +214,16 @@ def test_router_without_the_secret_refuses_instances_that_need_it():
     from kvpush.discovery.instance_spec import parse_instance
     from kvpush.router.config import RouterConfig
     from kvpush.router.pool import Pool
+    from stand_in import make_kv_info
 
     def problem(secret: bytes | None, signed: bool) -> str | None:
         cfg = RouterConfig(mode="push", prefill=(parse_instance("127.0.0.1:9"),),
                            decode=(parse_instance("127.0.0.1:10"),), kv_secret=secret)
         pool = Pool(cfg)
         inst = pool.by_role["decode"][0]
-        return pool.verify(inst, {"role": "decode", "kv_transfer": "push",
-                                  "kv_params_signed": signed, "request_plane": "h:1",
-                                  "request_plane_members": signed})
+        return pool.verify(inst, make_kv_info(role="decode", kv_transfer="push",
+                                              kv_params_signed=signed, request_plane="h:1",
+                                              request_plane_members=signed))
 
     why = problem(None, True)
     assert why is not None and "--kv-secret-file" in why

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush import cli_types
 from kvpush.cli_types import role_tensor_parallel as role_tp
+from kvpush.kv_info import decode_kv_info
 from kvpush.logs import LOG_FORMATS
 from kvpush.server.admin_key import ADMIN_KEY_HELP
 
@@ -515,9 +516,10 @@ def _describe(child: Child, headers: dict[str, str]) -> str:
     extra = ""
     if child.spec.role in ("prefill", "decode"):
         try:
-            info = httpx.get(f"{child.url}/kv/info", timeout=2, headers=headers).json()
-            extra = f"  engine {info['engine_id']}, side channel {info['side_channel']}"
-        except (httpx.HTTPError, ValueError, KeyError):
+            info = decode_kv_info(httpx.get(f"{child.url}/kv/info", timeout=2,
+                                            headers=headers).content)
+            extra = f"  engine {info.engine_id}, side channel {info.side_channel}"
+        except (httpx.HTTPError, ValueError):  # (MalformedAnswer: a ValueError)
             pass
     return (f"  {child.name:<11} {child.url}  role {child.spec.role}, "
             f"TP {spec_tp(child.spec)}{extra}")

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from kvpush.crypto.membership import card_key, card_mac, card_mac_holds
+from kvpush.kv_info import KVInfo
 
 CARD_VERSION = 1
 
@@ -48,13 +49,12 @@ class CardError(ValueError):
     """A card a router cannot use."""
 
 
-def card_from_info(url: str, info: dict[str, Any]) -> Card:
-    return Card(version=CARD_VERSION, url=url.rstrip("/"), role=str(info.get("role")),
-                engine_id=str(info.get("engine_id") or ""), model=str(info.get("model")),
-                kv_transfer=info.get("kv_transfer"), side_channel=info.get("side_channel"),
-                request_plane=info.get("request_plane"),
-                block_size=info.get("block_size"), layout=info.get("layout"),
-                kv_params_signed=bool(info.get("kv_params_signed")))
+def card_from_info(url: str, info: KVInfo) -> Card:
+    return Card(version=CARD_VERSION, url=url.rstrip("/"), role=info.role,
+                engine_id=info.engine_id, model=info.model, kv_transfer=info.kv_transfer,
+                side_channel=info.side_channel, request_plane=info.request_plane,
+                block_size=info.block_size, layout=info.layout,
+                kv_params_signed=info.kv_params_signed is True)
 
 
 def _signed_bytes(card: Card) -> bytes:
@@ -106,7 +106,7 @@ def decode(data: bytes) -> Card:
     return card
 
 
-def mismatch(card: Card, info: dict[str, Any]) -> str | None:
+def mismatch(card: Card, info: KVInfo) -> str | None:
     """Why an instance whose ``/kv/info`` is ``info`` is not the one ``card`` names, or
     None when they agree."""
     have = card_from_info(card.url, info)

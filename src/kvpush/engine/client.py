@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from kvpush.config import EngineConfig
 from kvpush.engine.outputs import EngineStats, IterationStats, RequestOutput
+from kvpush.kv_info import CacheBlocks, KVInfo
 from kvpush.kv_transfer.params import KVTransferParams
 from kvpush.kv_transfer.record import TransferCounters, TransferRecord
 from kvpush.sampling_params import SamplingParams
@@ -71,11 +72,11 @@ class EngineClient(FrontEngine, Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    async def kv_info(self) -> dict[str, Any]:
+    async def kv_info(self) -> KVInfo:
         """What /kv/info shows (identity, role, layout, blocks, KV events)."""
         ...
 
-    async def kv_cache_blocks(self) -> dict[str, Any] | None:
+    async def kv_cache_blocks(self) -> CacheBlocks | None:
         """/kv/cache_blocks' body (None: prefix caching is off)."""
         ...
 

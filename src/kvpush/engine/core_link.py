@@ -53,6 +53,7 @@ from kvpush.engine.outputs import (
     RequestFailure,
 )
 from kvpush.engine.request_plane import HEARTBEAT, MAX_MESSAGE_BYTES
+from kvpush.kv_info import KVInfo
 from kvpush.kv_transfer.params import KVTransferParams
 from kvpush.kv_transfer.wire.link_watch import monitor_events
 from kvpush.sampling_params import SamplingParams
@@ -177,7 +178,7 @@ class RemoteCore(FrontEnd):
         self.start()
         return super().stream(request_id, prompt_token_ids, params, kv_transfer_params)
 
-    async def kv_info(self) -> dict[str, Any]:
+    async def kv_info(self) -> KVInfo:
         self.start()
         return await super().kv_info()
 

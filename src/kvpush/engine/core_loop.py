@@ -36,6 +36,7 @@ from kvpush.engine.request_stats import RequestStatsTracker
 from kvpush.engine.tp.group import RankDied
 from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.event_publisher import KVEventPublisher
+from kvpush.kv_info import KVInfo
 from kvpush.kv_transfer.links import TransferLinks
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class CoreLoop:
         if utilities is not None:
             utilities[Utility.KV_INFO] = self.kv_info
             if self.kv_events is not None:
-                utilities[Utility.KV_CACHE_BLOCKS] = lambda: self.kv_events.snapshot().to_json()
+                utilities[Utility.KV_CACHE_BLOCKS] = lambda: self.kv_events.snapshot().to_blocks()
         self._last_snapshot = 0.0
         #: what ended the loop other than a Shutdown (None while it runs or after one)
         self.fatal: BaseException | None = None
@@ -103,19 +104,15 @@ class CoreLoop:
         self.engine.scheduler.pool.record_events = True
         return publisher
 
-    def kv_info(self) -> dict:
-        """What /kv/info shows: identity, role, transfer mode, layout, blocks, where the
-        KV cache events are published (``kv_events``; null without prefix caching) and
-        the request plane's "host:port" (``request_plane``; null when it has none) and
-        whether it takes only the cluster's members (``request_plane_members``: CURVE
-        keys from the secret; false: a plain plane, --insecure-kv-params)."""
-        info = self.engine.kv_info()
-        info["engine_id"] = info.get("engine_id") or self.engine_id
-        info["kv_events"] = self.kv_events.info() if self.kv_events is not None else None
-        info["request_plane"] = self.request_plane
+    def kv_info(self) -> KVInfo:
+        """What /kv/info shows: the engine's (identity, role, transfer mode, layout,
+        blocks) with this loop's id, where it publishes KV cache events and its request
+        plane (kvpush.kv_info.KVInfo)."""
         kvt = self.engine.config.kv_transfer
-        info["request_plane_members"] = bool(getattr(kvt, "side_channel_secret", None))
-        return info
+        return self.engine.kv_info(
+            self.engine_id,
+            self.kv_events.info() if self.kv_events is not None else None,
+            self.request_plane, bool(getattr(kvt, "side_channel_secret", None)))
 
     # ---- the loop (its own thread) ---------------------------------------------------
     def run(self, post: Post) -> None:

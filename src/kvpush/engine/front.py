@@ -43,7 +43,9 @@ from kvpush.engine.outputs import (
     RequestFailure,
     RequestOutput,
     TransferRecord,
+    UtilityReply,
 )
+from kvpush.kv_info import CacheBlocks, KVInfo
 from kvpush.kv_transfer.params import KVTransferParams
 from kvpush.kv_transfer.record import TransferCounters
 from kvpush.sampling_params import SamplingParams
@@ -67,7 +69,7 @@ class FrontEnd:
         self._snapshot = snapshot
         self._sink: Callable[[TransferRecord], None] | None = None
         self._stats_sink: Callable[[IterationStats], None] | None = None
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, asyncio.Future[UtilityReply]] = {}
         self._call_seq = itertools.count()
         #: called on the event loop if the core dies without being stopped (CoreClient)
         self.on_death: Callable[[str], None] | None = None
@@ -127,20 +129,26 @@ class FrontEnd:
     def abort_transfer(self, transfer_id: str, why: str = "aborted by the router") -> None:
         self._send(AbortTransfer(transfer_id, why))
 
-    async def kv_info(self) -> dict[str, Any]:
-        return await self._utility(Utility.KV_INFO)
+    async def kv_info(self) -> KVInfo:
+        info = (await self._utility(Utility.KV_INFO)).kv_info
+        if info is None:
+            raise RuntimeError("the engine core answered a kv_info call without it")
+        return info
 
-    async def kv_cache_blocks(self) -> dict[str, Any] | None:
+    async def kv_cache_blocks(self) -> CacheBlocks | None:
         if self.config is not None and not self.config.cache.enable_prefix_caching:
             return None
-        return await self._utility(Utility.KV_CACHE_BLOCKS)
+        blocks = (await self._utility(Utility.KV_CACHE_BLOCKS)).kv_cache_blocks
+        if blocks is None:
+            raise RuntimeError("the engine core answered a kv_cache_blocks call without them")
+        return blocks
 
-    async def _utility(self, method: Utility) -> Any:
+    async def _utility(self, method: Utility) -> UtilityReply:
         problem = self._core_problem()
         if problem is not None:
             raise RequestError(problem, code="unavailable", status_code=503)
         call_id = next(self._call_seq)
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[UtilityReply] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
             self._send(UtilityCall(call_id, method))
@@ -241,7 +249,7 @@ class FrontEnd:
                 if reply.error is not None:
                     fut.set_exception(RuntimeError(reply.error))
                 else:
-                    fut.set_result(reply.result)
+                    fut.set_result(reply)
         if batch.fatal is not None:  # the loop's last batch: it takes nothing more
             self.fatal = batch.fatal
             self._loop_died(batch.fatal)

@@ -44,10 +44,12 @@ from kvpush.engine.outputs import (
     RequestError,
     RequestFailure,
     UtilityReply,
+    UtilityResult,
     rejected,
 )
 from kvpush.engine.tp.group import RankDied
 from kvpush.grammar import GrammarCompiler, GrammarError
+from kvpush.kv_info import KVEvents, KVInfo
 from kvpush.kv_transfer.actions import AbortRequest, EmitFirstToken, FailRequest, RejectRequest
 from kvpush.kv_transfer.commands import TransferUpdate
 from kvpush.kv_transfer.links import TransferLinks
@@ -100,7 +102,8 @@ class LLMEngine:
         #: set when a Shutdown command was applied: the loop ends
         self.stopping = False
         #: what a UtilityCall may ask for (the step loop's owner may add its own)
-        self.utilities: dict[Utility, Callable[[], Any]] = {Utility.KV_INFO: self.kv_info}
+        self.utilities: dict[Utility, Callable[[], UtilityResult]] = {
+            Utility.KV_INFO: self.kv_info}
         #: start-up work still to do on the stepping thread (prepare_step_thread), as
         #: /health's 503 "starting" says it; None once done
         self.starting: str | None = "starting: the step thread is timing its matmul kernels"
@@ -192,7 +195,7 @@ class LLMEngine:
         if fn is None:
             return UtilityReply(call.call_id, error=f"no utility {call.method.value!r} here")
         try:
-            return UtilityReply(call.call_id, fn())
+            return UtilityReply.of(call.call_id, fn())
         except Exception as e:  # noqa: BLE001 - the caller gets the error, the loop goes on
             log.exception("utility call %s failed", call.method.value)
             return UtilityReply(call.call_id, error=str(e))
@@ -444,34 +447,34 @@ class LLMEngine:
             req.first_token_time, req.arrival_time, req.scheduled_time, req.index, more,
         )
 
-    def kv_info(self) -> dict:
+    def kv_info(self, engine_id: str = "", kv_events: KVEvents | None = None,
+                request_plane: str | None = None,
+                request_plane_members: bool = False) -> KVInfo:
+        """What /kv/info shows, with the parts its core loop owns (CoreLoop.kv_info)."""
         s = self.stats()
         cache = self.config.cache
-        info = {
-            "engine_id": "",
-            "role": "both",
-            "kv_transfer": None,
-            "side_channel": None,
-            **(self.connector.info() if self.connector is not None else {}),
-            "model": self.config.served_model_name,
-            # weights' and activations' dtype (the KV cache's is the layout's) and why
-            "dtype": dtype_name(self.config.dtype),
-            "dtype_reason": self.config.dtype_reason,
-            "block_size": self.config.cache.block_size,
-            "max_model_len": self.max_model_len,
-            "vocab_size": self.config.model.vocab_size,
-            # one rank's KV region: its KV heads of every block (tensor_parallel)
-            "layout": dataclasses.asdict(self.runner.kv_region.layout),
+        ident: dict[str, Any] = {"engine_id": engine_id, "role": "both",
+                                 "kv_transfer": None, "side_channel": None}
+        if self.connector is not None:
+            ident.update(self.connector.info())
+        return KVInfo(
+            **ident,
+            model=self.config.served_model_name,
+            dtype=dtype_name(self.config.dtype),
+            dtype_reason=self.config.dtype_reason,
+            block_size=cache.block_size,
+            max_model_len=self.max_model_len,
+            vocab_size=self.config.model.vocab_size,
+            layout=dataclasses.asdict(self.runner.kv_region.layout),
             **self.runner.tp_info(),
-            "num_free_blocks": s.num_free_blocks,
-            "num_total_blocks": s.num_total_blocks,
-            # how --kv-cache-memory was split (kv_budget.py)
-            "kv_memory": {
-                **(cache.memory.as_dict() if cache.memory is not None else {}),
-                "decode_attention": cache.decode_attention,
-            },
-        }
-        return info
+            num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks,
+            kv_memory={**(cache.memory.as_dict() if cache.memory is not None else {}),
+                       "decode_attention": cache.decode_attention},
+            kv_events=kv_events,
+            request_plane=request_plane,
+            request_plane_members=request_plane_members,
+        )
 
     def snapshot(self) -> EngineSnapshot:
         """The gauges, transfer counters and start-up state as of now (step-loop thread)."""

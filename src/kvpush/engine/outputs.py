@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
 from kvpush.errors import RequestError
+from kvpush.kv_info import CacheBlocks, KVInfo
 from kvpush.kv_transfer.params import KVTransferParams
 from kvpush.kv_transfer.record import TransferCounters, TransferRecord
 from kvpush.sampling_params import TopLogprobs
@@ -112,12 +112,24 @@ class EngineSnapshot(msgspec.Struct, frozen=True):
     starting: str | None = None
 
 
+#: what a utility call answers (inputs.Utility: KV_INFO, KV_CACHE_BLOCKS)
+UtilityResult = KVInfo | CacheBlocks
+
+
 class UtilityReply(msgspec.Struct, frozen=True):
-    """The answer to an inputs.UtilityCall (``error`` set: it failed)."""
+    """The answer to an inputs.UtilityCall: the result in the field its method names
+    (``error`` set: it failed)."""
 
     call_id: int
-    result: Any = None
+    kv_info: KVInfo | None = None
+    kv_cache_blocks: CacheBlocks | None = None
     error: str | None = None
+
+    @classmethod
+    def of(cls, call_id: int, result: UtilityResult) -> UtilityReply:
+        if isinstance(result, KVInfo):
+            return cls(call_id, kv_info=result)
+        return cls(call_id, kv_cache_blocks=result)
 
 
 class FinishedRequestStats(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -46,7 +46,7 @@ from kvpush.engine.inputs import (
     request_of,
     submitted_id,
 )
-from kvpush.engine.outputs import EngineOutputs, UtilityReply, rejected
+from kvpush.engine.outputs import EngineOutputs, rejected
 from kvpush.errors import RequestError
 from kvpush.kv_transfer.wire.link_watch import monitor_events
 from kvpush.ratelog import LogBudget
@@ -317,7 +317,7 @@ class RequestPlane:
                 if n in self._by_n:
                     part = per.get(n) or per.setdefault(
                         n, EngineOutputs([], [], [], batch.snapshot))
-                    part.replies.append(UtilityReply(call_id, reply.result, reply.error))
+                    part.replies.append(msgspec.structs.replace(reply, call_id=call_id))
             if batch.fatal is not None:  # the loop died: every front hears why
                 for n in self._by_n:
                     part = per.setdefault(n, EngineOutputs([], [], [], batch.snapshot))

@@ -39,6 +39,7 @@ import zmq
 from kvpush.crypto.curve import ZapGuard, make_server
 from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.events import TOPIC, KVEvent, KVEventBatch, apply_events, encode_batch
+from kvpush.kv_info import CacheBlocks, KVEvents
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,10 @@ class CacheSnapshot:
     block_size: int
     hashes: list[bytes]
 
-    def to_json(self) -> dict:
-        """The body of ``GET /kv/cache_blocks``."""
-        return {"engine_id": self.engine_id, "seq": self.seq,
-                "block_size": self.block_size, "hashes": [h.hex() for h in self.hashes]}
+    def to_blocks(self) -> CacheBlocks:
+        """What ``GET /kv/cache_blocks`` shows of it."""
+        return CacheBlocks(self.engine_id, self.seq, self.block_size,
+                           [h.hex() for h in self.hashes])
 
 
 class KVEventPublisher:
@@ -96,10 +97,9 @@ class KVEventPublisher:
         self._thread: threading.Thread | None = None
         self.num_batches_sent = 0
 
-    def info(self) -> dict:
+    def info(self) -> KVEvents:
         """What ``/kv/info`` shows under ``kv_events``."""
-        return {"endpoint": self.endpoint, "block_size": self.block_size,
-                "keyed": self._keys is not None}
+        return KVEvents(self.endpoint, self.block_size, self._keys is not None)
 
     def start(self) -> None:
         if self._thread is None:

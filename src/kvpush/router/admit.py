@@ -17,11 +17,12 @@ before); a card in etcd never admits one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
+from msgspec import UNSET
 
 from kvpush.crypto.membership import new_nonce, proof_holds
+from kvpush.kv_info import KVInfo
 from kvpush.router.answers import Answer, fetch
 from kvpush.server.prove import PROVE_PATH
 
@@ -71,15 +72,14 @@ async def prove(client: httpx.AsyncClient, url: str, key: bytes, timeout: float)
     return Proven(engine_id, role, side)
 
 
-def identity_problem(proven: Proven, info: dict[str, Any]) -> str | None:
+def identity_problem(proven: Proven, info: KVInfo) -> str | None:
     """Why ``/kv/info`` does not name the identity proved, or None."""
-    side = info.get("side_channel")
-    host, port = info.get("side_channel_host"), info.get("side_channel_port")
-    if (host is not None or port is not None) and f"{host}:{port}" != side:
+    side = info.side_channel
+    host, port = info.side_channel_host, info.side_channel_port
+    if (host is not UNSET or port is not UNSET) and f"{host}:{port}" != side:
         return (f"its /kv/info names side channel {side!r} and {host}:{port}: "
                 "not one address")
-    have = (str(info.get("engine_id") or ""), str(info.get("role")),
-            side if isinstance(side, str) else None)
+    have = (info.engine_id, info.role, side)
     if have != (proven.engine_id, proven.role, proven.side_channel):
         return (f"its /kv/info (engine {have[0]!r}, role {have[1]}, side channel "
                 f"{have[2]!r}) is not the identity it proved (engine "

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from kvpush.kv_info import KVInfo
 from kvpush.router.answers import fetch
 from kvpush.router.config import RouterConfig, RouterKeys
 from kvpush.router.decide import (
@@ -56,9 +57,8 @@ class CachePolicy:
         self.index.update(inst, inst.url, inst.info)
         # the model's context, from any instance's /kv/info: with --tokenizer the
         # router may have started before any decode answered /v1/models (--discover)
-        n = inst.info.get("max_model_len") if inst.info else None
-        if isinstance(n, int) and n > self.tokenizer.max_model_len:
-            self.tokenizer.max_model_len = n
+        if inst.info is not None and inst.info.max_model_len > self.tokenizer.max_model_len:
+            self.tokenizer.max_model_len = inst.info.max_model_len
 
     def _on_remove(self, inst: Instance) -> None:  # left the pool: its index goes
         self.index.update(inst, inst.url, None)
@@ -99,11 +99,10 @@ class CachePolicy:
     def no_room(inst: object, route: Route) -> bool:
         """Whether the instance's last ``/kv/info`` (health check) shows too few free
         blocks for the prompt (False when it does not say: vLLM)."""
-        info = getattr(inst, "info", None) or {}
-        free, bs = info.get("num_free_blocks"), info.get("block_size")
-        if not isinstance(free, int) or not isinstance(bs, int) or bs < 1:
+        info = getattr(inst, "info", None)
+        if not isinstance(info, KVInfo) or not isinstance(info.num_free_blocks, int):
             return False
-        return lacks_room(route.prompt_tokens, free, bs)
+        return lacks_room(route.prompt_tokens, info.num_free_blocks, info.block_size)
 
     def cost(self, job: Job) -> Callable[[Instance], float] | None:
         """``Pool.pick``'s cost for the job (None: no route, the configured order)."""

@@ -135,15 +135,14 @@ class RouterFront:
         instance's /v1/models said (kvpush.router.cache_policy.load_model_tokenizer)."""
         assert self.cluster is not None
         decodes = [i for i in self.pool.by_role["decode"] if i.healthy]
-        inst = next((i for i in decodes if i.info), decodes[0])
+        inst = next((i for i in decodes if i.info is not None), decodes[0])
         info = inst.info
         if info is not None:
-            template = info.get("chat_template")
-            if isinstance(template, str):  # the instance's --chat-template
-                tokenizer.tokenizer.chat_template = template
+            if isinstance(info.chat_template, str):  # the instance's --chat-template
+                tokenizer.tokenizer.chat_template = info.chat_template
                 log.info("chats are rendered with %s's --chat-template", inst.url)
-            settings = FrontSettings(str(info.get("model")), int(info["max_model_len"]),
-                                     int(info["vocab_size"]), "router", self.cfg.mode)
+            settings = FrontSettings(info.model, info.max_model_len, info.vocab_size,
+                                     "router", self.cfg.mode)
         else:
             settings = FrontSettings(tokenizer.served_model or str(tokenizer.source),
                                      tokenizer.max_model_len or UNKNOWN_CONTEXT,

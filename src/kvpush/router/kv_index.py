@@ -45,6 +45,7 @@ from kvpush.kv_cache.events import (
     KVEventBatch,
     decode_batch,
 )
+from kvpush.kv_info import KVInfo, MalformedAnswer, decode_cache_blocks
 from kvpush.router.stopping import cancel_and_wait
 
 logger = logging.getLogger("kvpush.router.kv_index")
@@ -72,21 +73,14 @@ class Snapshot:
     hashes: frozenset[bytes]
 
 
-class _SnapshotWire(msgspec.Struct):
-    engine_id: str
-    seq: int
-    block_size: int
-    hashes: list[str]
-
-
 def parse_snapshot(data: bytes) -> Snapshot:
     """A ``/kv/cache_blocks`` answer (ValueError when malformed)."""
+    w = decode_cache_blocks(data)
     try:
-        w = msgspec.json.decode(data, type=_SnapshotWire)
         return Snapshot(w.engine_id, w.seq, w.block_size,
                         frozenset(bytes.fromhex(h) for h in w.hashes))
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise ValueError(f"malformed /kv/cache_blocks answer: {e}") from None
+    except ValueError as e:  # a hash that is not hex
+        raise MalformedAnswer(f"malformed /kv/cache_blocks answer: {e}") from None
 
 
 @dataclass(eq=False)
@@ -190,18 +184,12 @@ class EventSource:
     keyed: bool = False  # members only (CURVE), hashes published as keyed tags
 
 
-def event_source(url: str, info: dict[str, Any] | None) -> EventSource | None:
+def event_source(url: str, info: KVInfo | None) -> EventSource | None:
     """The instance's event source from its ``/kv/info`` (None: it publishes none)."""
-    if not info:
+    ev = info.kv_events if info is not None else None
+    if info is None or ev is None:
         return None
-    ev = info.get("kv_events")
-    if not isinstance(ev, dict):
-        return None
-    endpoint, bs = ev.get("endpoint"), ev.get("block_size")
-    if not isinstance(endpoint, str) or not endpoint or not isinstance(bs, int) or bs < 1:
-        return None
-    return EventSource(url, str(info.get("engine_id") or ""), endpoint, bs,
-                       ev.get("keyed") is True)
+    return EventSource(url, info.engine_id, ev.endpoint, ev.block_size, ev.keyed)
 
 
 #: fetches an instance's snapshot, given its URL
@@ -310,7 +298,7 @@ class KVIndex:
         #: so far (all keyed followers share the cluster's keys)
         self._tags: tuple[Sequence[bytes], list[bytes]] | None = None
 
-    def update(self, key: object, url: str, info: dict[str, Any] | None) -> None:
+    def update(self, key: object, url: str, info: KVInfo | None) -> None:
         src = event_source(url, info)
         cur = self._followers.get(key)
         if cur is not None and cur.src == src:

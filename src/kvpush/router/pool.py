@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from kvpush.discovery.instance_spec import Identity, InstanceSpec
+from kvpush.kv_info import KVInfo, MalformedAnswer, decode_kv_info
 from kvpush.router.admit import CannotProve, ProofFailed, Proven, identity_problem, prove
 from kvpush.router.answers import fetch
 from kvpush.router.config import RouterConfig, RouterConfigError, RouterKeys
@@ -67,7 +68,7 @@ class Instance:
     #: a role or mode the router cannot use (kept out of rotation until it changes)
     misconfigured: str | None = None
     #: the last /kv/info answer; None when the instance has no /kv/info (vLLM)
-    info: dict[str, Any] | None = None
+    info: KVInfo | None = None
     in_flight: int = 0
     #: KV tokens (prompt + answer bound) of the cache-aware router's decode legs in
     #: flight on it: its load in kvpush.router.decide's cost
@@ -108,27 +109,30 @@ class Instance:
 
     @property
     def engine_id(self) -> str:
-        if self.info is not None and self.info.get("engine_id"):
-            return str(self.info["engine_id"])
+        if self.info is not None and self.info.engine_id:
+            return self.info.engine_id
         if self.spec.explicit is not None:
             return self.spec.explicit.engine_id
         return self.url
 
     def state(self) -> dict[str, Any]:
+        free = total = None
+        if self.info is not None:
+            free, total = self.info.num_free_blocks, self.info.num_total_blocks
         return {"url": self.url, "role": self.role, "engine_id": self.engine_id,
                 "healthy": self.healthy, "in_flight": self.in_flight,
                 "tokens_in_flight": self.tokens_in_flight,
                 "requests": self.requests, "failures": self.failures,
                 "last_error": None if self.healthy else self.last_error,
                 "misconfigured": self.misconfigured,
-                "num_free_blocks": (self.info or {}).get("num_free_blocks"),
-                "num_total_blocks": (self.info or {}).get("num_total_blocks")}
+                "num_free_blocks": free if isinstance(free, int) else None,
+                "num_total_blocks": total if isinstance(total, int) else None}
 
 
-def identity_from_info(info: dict[str, Any]) -> Identity | None:
-    host, port = info.get("side_channel_host"), info.get("side_channel_port")
-    if isinstance(host, str) and host and isinstance(port, int) and 0 < port < 65536:
-        return Identity(str(info.get("engine_id") or ""), host, port)
+def identity_from_info(info: KVInfo) -> Identity | None:
+    host, port = info.side_channel_host, info.side_channel_port
+    if isinstance(host, str) and host and isinstance(port, int):
+        return Identity(info.engine_id, host, port)
     return None
 
 
@@ -259,7 +263,7 @@ class Pool:
 
     # ------------------------------------------------------------------ health checks
 
-    def verify(self, inst: Instance, info: dict[str, Any] | None) -> str | None:
+    def verify(self, inst: Instance, info: KVInfo | None) -> str | None:
         """Why the router cannot use an instance with this /kv/info, or None."""
         mode = self.cfg.mode
         mixed = self._mixed(inst, info)
@@ -278,7 +282,7 @@ class Pool:
             bads = [mismatch(card, info) for card in inst.cards]
             if None not in bads:
                 return bads[0]
-        role, kvt = info.get("role"), info.get("kv_transfer")
+        role, kvt = info.role, info.kv_transfer
         want = "both" if mode == "colocated" else inst.role
         if role != want:
             flag = "--decode" if inst.role == "decode" else "--prefill"
@@ -290,21 +294,21 @@ class Pool:
                     f"--mode {mode} (kvpush serve --kv-transfer {mode})")
         if inst.role == "prefill" and mode == "push" and identity_from_info(info) is None:
             return "its /kv/info has no side_channel_host/side_channel_port"
-        if not info.get("request_plane"):
+        if not info.request_plane:
             return ("its /kv/info names no request plane: the router reaches a kvpush "
                     "instance over its engine core (is it a kvpush older than the router?)")
-        if info.get("request_plane_members", True) and self.cfg.keys is None:
+        if info.request_plane_members and self.cfg.keys is None:
             return ("its request plane admits the cluster's members only, and the router "
                     "has no secret: give the router the instances' secret (kvpush router "
                     "--kv-secret-file PATH, or KVPUSH_KV_SECRET), or run the instances "
                     "with --insecure-kv-params")
-        if mode != "colocated" and info.get("kv_params_signed") and not self.cfg.kv_secret:
+        if mode != "colocated" and info.kv_params_signed is True and not self.cfg.kv_secret:
             return ("it acts only on kv_transfer_params signed with the cluster secret, and "
                     "the router has none: give the router the instances' secret "
                     "(kvpush router --kv-secret-file PATH, or KVPUSH_KV_SECRET)")
         return None
 
-    def _mixed(self, inst: Instance, info: dict[str, Any] | None) -> str | None:
+    def _mixed(self, inst: Instance, info: KVInfo | None) -> str | None:
         """Why ``inst`` cannot pair with the healthy instances of the other role: a
         kvpush instance (it has /kv/info) and a vLLM one keep the KV in different layouts
         (kvpush's region, vLLM's paged blocks), and no transfer maps one onto the other,
@@ -349,22 +353,21 @@ class Pool:
                 if bad is not None:
                     self._refuse(inst, bad)
                     return
-            if isinstance(keys, RouterKeys) and inst.proven is None:
-                info = None  # not kvpush, from the command line: /kv/info was 404
-            else:
+            info: KVInfo | None = None  # none: not kvpush (vLLM)
+            # (an instance that could not prove answered /kv/info 404 already: _prove)
+            if not isinstance(keys, RouterKeys) or inst.proven is not None:
                 members = keys.member_header() if isinstance(keys, RouterKeys) else {}
                 k = await fetch(client, "GET", inst.url + "/kv/info", timeout,
                                 headers=auth_header(self.cfg.api_key) | members)
-                if k.status_code == 404:
-                    info = None
-                elif k.status_code != 200:
+                if k.status_code == 200:
+                    try:
+                        info = decode_kv_info(k.content)
+                    except MalformedAnswer as e:  # not what a kvpush instance answers
+                        self._refuse(inst, str(e))
+                        return
+                elif k.status_code != 404:
                     self._down(inst, f"/kv/info answered HTTP {k.status_code}")
                     return
-                else:
-                    info = k.json()
-                    if not isinstance(info, dict):
-                        self._down(inst, "/kv/info did not answer a JSON object")
-                        return
         except (httpx.HTTPError, ValueError) as e:
             why = f"not answering: {describe_error(e)}"
             if inst.epoch == epoch and self._spared(inst, e):
@@ -475,8 +478,8 @@ class Pool:
     def engine_ids(self) -> list[str]:
         """Every engine id the pool knows (to keep them out of client-facing errors)."""
         ids = {i.spec.explicit.engine_id for i in self.instances if i.spec.explicit}
-        ids.update(str(i.info["engine_id"]) for i in self.instances
-                   if i.info is not None and i.info.get("engine_id"))
+        ids.update(i.info.engine_id for i in self.instances
+                   if i.info is not None and i.info.engine_id)
         return sorted(ids)
 
     def start_checks(self, client: httpx.AsyncClient) -> list[asyncio.Task]:

@@ -133,8 +133,8 @@ class CoreSender:
         """The link to ``inst``'s engine core (made on first sight of its request plane,
         remade when the address changes); None when its /kv/info names none. A link
         whose connection drops takes its instance out of the rotation at once."""
-        addr = (inst.info or {}).get("request_plane")
-        if not isinstance(addr, str) or not addr:
+        addr = inst.info.request_plane if inst.info is not None else None
+        if not addr:
             return None
         core = self._links.get(inst.url)
         if core is not None and core.address == addr:

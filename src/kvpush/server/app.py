@@ -13,7 +13,6 @@ the request and free its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
@@ -506,8 +506,8 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
             err = to_api_error(exc) or APIError(f"no KV info: {exc}", status_code=503)
             return err.response()
         if chat_template is not None:
-            info = {**info, "chat_template": chat_template}
-        return JSONResponse(info)
+            info = msgspec.structs.replace(info, chat_template=chat_template)
+        return Response(msgspec.json.encode(info), media_type="application/json")
 
     @app.post(PROVE_PATH, summary="Prove to a router that this instance holds the cluster "
                                   "secret (a challenge: nonce and URL)",
@@ -532,7 +532,7 @@ def build_app(engine: EngineClient, *, max_body_bytes: int = MAX_BODY_BYTES,
         snap = await engine.kv_cache_blocks()
         # up to num_blocks hashes: encoded off the event loop
         data = None if snap is None else await asyncio.to_thread(
-            lambda: json.dumps(snap).encode())
+            lambda: msgspec.json.encode(snap))
         if data is None:
             return APIError("this instance publishes no KV cache events (prefix caching "
                             "is off)", status_code=404).response()

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import hmac
 import json
-from typing import Any
 
+import msgspec
+from msgspec import UNSET
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvpush.crypto.membership import member_view_token
+from kvpush.kv_info import KVInfo
 from kvpush.server.auth import check_bearer
 
 #: the paths that are member views as a whole
@@ -62,11 +64,11 @@ class MemberViews:
             return check_bearer(auth, self._admin) is None
         return False
 
-    def kv_info(self, info: dict[str, Any], scope: Scope) -> dict[str, Any]:
+    def kv_info(self, info: KVInfo, scope: Scope) -> KVInfo:
         """``/kv/info`` as the caller may see it."""
         if self.opens(scope):
             return info
-        return {k: v for k, v in info.items() if k not in COUNT_FIELDS}
+        return msgspec.structs.replace(info, **dict.fromkeys(COUNT_FIELDS, UNSET))
 
 
 class MemberViewMiddleware:

@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvpush.crypto.membership import is_nonce, proof_key, proof_mac
+from kvpush.kv_info import KVInfo
 from kvpush.ratelog import LogBudget
 
 logger = logging.getLogger("kvpush.server")
@@ -84,7 +85,7 @@ class Prover:
             return False
 
     async def answer(self, body: bytes, local: tuple[str, int] | None,
-                     kv_info: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+                     kv_info: Callable[[], Awaitable[KVInfo]]) -> dict[str, Any]:
         """The proof for the challenge ``body``; ProveError when there is none to give."""
         if len(body) > MAX_CHALLENGE_BYTES:
             raise ProveError("challenge too large", 413)
@@ -105,9 +106,7 @@ class Prover:
             raise ProveError("not an IP URL of this instance (set --advertise-url to the "
                              "URL routers reach it at)", 403)
         info = await kv_info()
-        engine_id, role = str(info.get("engine_id") or ""), str(info.get("role"))
-        side = info.get("side_channel")
-        side_channel = side if isinstance(side, str) else None
+        engine_id, role, side_channel = info.engine_id, info.role, info.side_channel
         return {"url": url, "engine_id": engine_id, "role": role,
                 "side_channel": side_channel,
                 "mac": proof_mac(self._key, nonce=str(nonce), url=url, engine_id=engine_id,
