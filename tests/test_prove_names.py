@@ -11,10 +11,12 @@ import socket
 
 import pytest
 
+from kvpush.kv_info import KVInfo
 from kvpush.server.prove import ProveError, Prover
+from stand_in import make_kv_info
 
 SECRET = b"prove-names-test-secret-0123456789"
-INFO = {"engine_id": "decode-1", "role": "decode", "side_channel": "127.0.0.1:5000"}
+INFO = make_kv_info(engine_id="decode-1", role="decode", side_channel="127.0.0.1:5000")
 
 
 def test_a_host_name_is_refused_without_a_lookup(monkeypatch, caplog):
@@ -27,7 +29,7 @@ def test_a_host_name_is_refused_without_a_lookup(monkeypatch, caplog):
     monkeypatch.setattr(socket, "getaddrinfo", lookup)
     prover = Prover(SECRET)
 
-    async def info() -> dict:
+    async def info() -> KVInfo:
         return INFO
 
     async def go() -> None:
