@@ -261,10 +261,11 @@ def test_which_calls_run_on_onednn():
 
 def test_a_bf16_engine_runs_its_projections_at_padded_row_counts_only(tiny_llama,
                                                                       monkeypatch):
-    """Prompts of many lengths, batched (a 395-token prefill step, then decode steps of
-    8 rows): every projection call reaches the kernel at a padded row count, so the
-    shapes oneDNN compiles stay a bounded set however the steps' token counts vary;
-    the greedy tokens equal those of unpadded calls."""
+    """The engine runs every padded row count once at start (compiled then, on the
+    stepping thread); then prompts of many lengths, batched (a 395-token prefill step,
+    then decode steps of 8 rows): every projection call reaches the kernel at a padded
+    row count it ran at start, so oneDNN compiles nothing more however the steps' token
+    counts vary; the greedy tokens equal those of unpadded calls."""
     prompts = {f"r{i}": p for i, p in
                enumerate(random_prompts([3, 9, 17, 30, 41, 66, 100, 129], seed=7))}
     monkeypatch.setenv("KVPUSH_LINEAR", "aten")
@@ -276,11 +277,14 @@ def test_a_bf16_engine_runs_its_projections_at_padded_row_counts_only(tiny_llama
         return real(x, w, b)
 
     monkeypatch.setitem(lp.KERNELS, MKL, counting)
-    engine = make_engine(tiny_llama, dtype="bfloat16")
+    engine = make_engine(tiny_llama, dtype="bfloat16", max_num_batched_tokens=512)
     if not lp.on_onednn(MKL, engine.runner.model.lm_head):
         pytest.skip("torch here has no oneDNN: bf16 F.linear runs on its own kernels")
+    # built on this thread: every padded count up to 512 rows (logits: 64) already run
+    assert rows == {lp.padded_rows(n) for n in range(1, 513)}
+    compiled, rows = set(rows), set()
     got = run_to_completion(engine, prompts, greedy(6))
-    assert rows and all(lp.padded_rows(n) == n for n in rows)
+    assert rows and all(lp.padded_rows(n) == n for n in rows) and rows <= compiled
     monkeypatch.setattr(lp, "on_onednn", lambda k, w: False)
     assert run_to_completion(make_engine(tiny_llama, dtype="bfloat16"), prompts,
                              greedy(6)) == got

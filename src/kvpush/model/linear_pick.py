@@ -166,6 +166,20 @@ def padded(f: Linear) -> Linear:
     return on_padded_rows
 
 
+def compile_padded(lin: Linear, w: torch.Tensor, b: torch.Tensor | None,
+                   max_rows: int) -> int:
+    """Run ``lin`` once at every padded row count up to ``max_rows`` (zeros in): oneDNN
+    compiles all the shapes that a projection which pads can meet now, at start-up,
+    rather than on a later step's path, and the memory they hold is there from the
+    start. Returns the number of shapes run."""
+    sizes = sorted({padded_rows(n) for n in range(1, max_rows + 1)})
+    x = torch.zeros(sizes[-1], w.shape[1], dtype=w.dtype, device=w.device)
+    with torch.inference_mode():
+        for p in sizes:
+            lin(x[:p], w, b)
+    return len(sizes)
+
+
 def bucket_of(rows: int) -> int:
     """Index into ROW_BUCKETS (len(ROW_BUCKETS) for rows above the last bound)."""
     for i, bound in enumerate(ROW_BUCKETS):
@@ -202,6 +216,10 @@ class LinearPlan:
     tune_s: float = 0.0
     threads: int = 1
     timed_series: int = 0
+
+    def pads(self, w: torch.Tensor) -> bool:
+        """Whether some row count of ``w``'s projection runs on padded rows."""
+        return any(on_onednn(k, w) for k in self.choices[_shape(w)].kernels)
 
     def linear_for(self, w: torch.Tensor) -> Linear:
         kernels = self.choices[_shape(w)].kernels
