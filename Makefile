@@ -102,10 +102,13 @@ test-membership: venv
 test-faults: venv
 	$(PY) -m pytest -q -m faults tests/faults
 
-## Soak (benchmarks/SOAK.md): thousands of requests through `kvpush bench` against a
-## `kvpush up` cluster; no failures, no leaked blocks, flat resident memory.
+## Soak (benchmarks/SOAK.md): 64 streams through the router of a push `kvpush up` cluster
+## for 10 minutes (prompts of 64-448 tokens); no failures, no leaked blocks, and each
+## process's resident memory (engine cores included) within +32 MiB over the last 5.
 soak: venv
-	$(PY) benchmarks/soak.py --modes push,pull
+	$(PY) benchmarks/soak.py --modes push --streams 64 --duration 600 --window 300 \
+	    --warmup-prompts 1000 --input-len 256 --input-len-spread 0.75 --output-len 32 \
+	    --rss-margin-pct 0
 
 ## ruff, then the import contracts of pyproject.toml (docs/ARCHITECTURE.md (Layers): the layer order, no
 ## import cycles inside a package, the router runs no engine), then mypy over the router, the engine and the server.

@@ -2,8 +2,9 @@
 
 For each mode (push by default; pull too with ``--modes push,pull``) it starts
 `kvpush up` (1 prefill + 1 decode + router, tiny random Llama unless --model), samples
-every process's resident memory (VmRSS from /proc) once a second, runs `kvpush bench`
-(random prompts, Poisson arrivals), then checks:
+the resident memory (VmRSS from /proc) of every instance, its engine core and the
+router once a second, runs `kvpush bench` (random prompts, Poisson arrivals; or with
+--streams, that many requests in flight for --duration seconds), then checks:
 
 * no failed request: every request completed, but for those whose tokens all decode to
   empty text (the random model's doing, which bench counts as failed: each is replayed
@@ -16,6 +17,10 @@ every process's resident memory (VmRSS from /proc) once a second, runs `kvpush b
   run (Poisson at --request-rate, at most --max-concurrency in flight); for each process,
   the highest RSS sampled during the measured run exceeds the RSS at its start by at
   most max(--rss-margin-mib, --rss-margin-pct of it).
+* with --streams N: the warm-up run (--warmup-prompts) and then the measured run keep
+  N requests in flight, sent as fast as they are answered, for --duration seconds in
+  all (the measured run's size is the warm-up's rate times the time left); the RSS
+  check is over the last --window seconds of that load.
 
 Writes ``<out>/<mode>.json`` (bench result), ``<out>/<mode>_rss.csv`` (samples),
 ``<out>/summary.json`` and prints a Markdown table. Exit status 0 when every check
@@ -39,6 +44,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 KVPUSH = [sys.executable, "-m", "kvpush"]
@@ -122,7 +128,8 @@ class Up:
             raise RuntimeError("kvpush up did not start:\n" + "".join(lines[-30:]))
 
     def pids(self) -> dict[str, int]:
-        """name -> pid of each instance and the router (matched on --port)."""
+        """name -> pid of each instance (its API process), its engine core
+        (``<name>-core``) and the router (matched on --port)."""
         from kvpush.cluster.launcher import descendant_pids
 
         out = {}
@@ -134,6 +141,9 @@ class Up:
             for name, url in self.urls.items():
                 if url.endswith(f":{port}"):
                     out[name] = pid
+                    for child in descendant_pids(pid):
+                        if "kvpush.engine.core_proc" in cmdline(child):
+                            out[f"{name}-core"] = child
         return out
 
     def stop(self) -> None:
@@ -184,7 +194,8 @@ def rss_verdict(samples, name: str, cut: float, margin_mib: float, margin_pct: f
 NO_CONTENT = "the stream carried no content"
 
 
-def empty_text_requests(bench_result: dict, model: str, endpoint: str, args) -> list[int]:
+def empty_text_requests(bench_result: dict, model: str, endpoint: str, args,
+                        num_prompts: int, seed: int) -> list[int]:
     """Failed requests that are the model's, not the server's: the stream's tokens all
     decode to empty text (a random-weight model does this for about 1 prompt in 1000),
     which `kvpush bench` counts as failed. Each is replayed through the router without
@@ -195,8 +206,8 @@ def empty_text_requests(bench_result: dict, model: str, endpoint: str, args) -> 
     idx = [i for i, e in enumerate(bench_result["errors"]) if e == NO_CONTENT]
     if not idx:
         return []
-    reqs = random_prompts(PromptCodec(load_tokenizer(model)), args.num_prompts,
-                          args.input_len, args.output_len, args.seed)
+    reqs = random_prompts(PromptCodec(load_tokenizer(model)), num_prompts, args.input_len,
+                          args.output_len, seed, spread=args.input_len_spread)
     out = []
     for i in idx:
         r = httpx.post(endpoint + "/v1/completions", timeout=60, json={
@@ -207,6 +218,34 @@ def empty_text_requests(bench_result: dict, model: str, endpoint: str, args) -> 
                 and j["usage"]["completion_tokens"] == args.output_len):
             out.append(i)
     return out
+
+
+#: with --streams, the measured load is bench runs of about this many seconds each (sized
+#: by the previous run's pace), so that it lasts --duration however fast the host is
+CHUNK_S = 60.0
+
+
+def merged(runs: list[tuple[int, int, int, dict]]) -> dict:
+    """One bench result from consecutive runs' JSON: counts and time summed, latencies
+    over every request (a single run's JSON as it is)."""
+    if len(runs) == 1:
+        return runs[0][3]
+    js = [j for _, _, _, j in runs]
+    ttft = [t for j in js for t, e in zip(j["ttfts"], j["errors"]) if not e]
+    e2el = [t for j in js for t, e in zip(j["e2els"], j["errors"]) if not e]
+    outs = [n for j in js for n, e in zip(j["output_lens"], j["errors"]) if not e]
+    tpot = [(e - t) / (n - 1) for t, e, n in zip(ttft, e2el, outs) if n > 1]
+    duration = sum(j["duration"] for j in js)
+    completed = sum(j["completed"] for j in js)
+
+    def ms(xs: list[float], q: float) -> float:
+        return float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
+
+    return {"completed": completed, "failed": sum(j["failed"] for j in js),
+            "duration": duration, "request_throughput": completed / duration,
+            "median_ttft_ms": ms(ttft, 50), "p99_ttft_ms": ms(ttft, 99),
+            "median_tpot_ms": ms(tpot, 50), "median_e2el_ms": ms(e2el, 50),
+            "errors": [e for j in js for e in j["errors"]]}
 
 
 def run_mode(args, mode: str, model: str, out: Path, logs: Path) -> dict:
@@ -220,27 +259,53 @@ def run_mode(args, mode: str, model: str, out: Path, logs: Path) -> dict:
         pids = up.pids()
         sampler = Sampler(pids, args.sample_interval)
         sampler.start()
+        in_flight = args.streams or args.max_concurrency
         common = [*KVPUSH, "bench", "--url", up.endpoint, "--dataset", "random",
                   "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                  "--max-concurrency", str(args.max_concurrency), "--request-timeout", "60",
+                  "--input-len-spread", str(args.input_len_spread),
+                  "--max-concurrency", str(in_flight), "--request-timeout", "60",
                   "--no-progress"]
+        warm_seed = args.seed + 1000
+        warm_json = out / f"{mode}_warmup.json"
         warm = [*common, "--num-prompts", str(args.warmup_prompts), "--request-rate", "inf",
-                "--seed", str(args.seed + 1000), "--out", str(out / f"{mode}_warmup.json")]
+                "--seed", str(warm_seed), "--out", str(warm_json)]
         result["warmup_command"] = "kvpush " + " ".join(warm[3:])
+        load_t0 = time.monotonic()
         rc_warm = subprocess.run(warm, timeout=600, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.STDOUT).returncode
         result["warmup_exit"] = rc_warm
         cut = time.monotonic() - sampler.t0
-        bench_json = out / f"{mode}.json"
-        bench = [*common, "--num-prompts", str(args.num_prompts), "--request-rate",
-                 str(args.request_rate), "--seed", str(args.seed), "--label", f"soak-{mode}",
-                 "--out", str(bench_json)]
-        result["bench_command"] = "kvpush " + " ".join(bench[3:])
+        runs = []  # (seed, prompts, exit status, result JSON) of each measured bench run
+
+        def measured(n: int, rate: str, seed: int, limit: float) -> None:
+            path = out / f"{mode}_{len(runs)}.json" if args.streams else out / f"{mode}.json"
+            cmd = [*common, "--num-prompts", str(n), "--request-rate", rate, "--seed",
+                   str(seed), "--label", f"soak-{mode}", "--out", str(path)]
+            result.setdefault("bench_commands", []).append("kvpush " + " ".join(cmd[3:]))
+            with open(out / f"{mode}_bench.txt", "a") as txt:
+                rc = subprocess.run(cmd, timeout=limit + 300, stdout=txt,
+                                    stderr=subprocess.STDOUT).returncode
+            runs.append((seed, n, rc, json.loads(path.read_text())))
+
+        (out / f"{mode}_bench.txt").write_text("")
         t0 = time.monotonic()
-        rc = subprocess.run(bench, timeout=args.num_prompts / args.request_rate * 4 + 300,
-                            stdout=open(out / f"{mode}_bench.txt", "w"),  # noqa: SIM115
-                            stderr=subprocess.STDOUT).returncode
+        if args.streams:  # runs of about CHUNK_S at the last run's pace, to --duration
+            wj = json.loads(warm_json.read_text())
+            result["warmup_failed"] = wj["failed"]
+            result["warmup_empty_text"] = empty_text_requests(
+                wj, model, up.endpoint, args, args.warmup_prompts, warm_seed)
+            pace, seed = wj["request_throughput"], args.seed
+            while (left := args.duration - (time.monotonic() - load_t0)) > 5:
+                measured(max(in_flight, round(pace * min(left, CHUNK_S))), "inf", seed,
+                         4 * CHUNK_S)
+                pace, seed = runs[-1][3]["request_throughput"], seed + 1
+        else:
+            measured(args.num_prompts, str(args.request_rate), args.seed,
+                     args.num_prompts / args.request_rate * 4)
         result["bench_wall_s"] = round(time.monotonic() - t0, 1)
+        result["load_s"] = round(time.monotonic() - load_t0, 1)
+        if args.streams:  # the RSS check: the load's last --window seconds
+            cut = time.monotonic() - sampler.t0 - args.window
         # blocks: back to the start within the settle timeout
         deadline = time.monotonic() + args.settle_timeout
         while True:
@@ -255,10 +320,13 @@ def run_mode(args, mode: str, model: str, out: Path, logs: Path) -> dict:
             w.writerow(["t_s", *[f"{n}_rss_kib" for n in names]])
             for t, s in sampler.samples:
                 w.writerow([round(t, 2), *[s.get(n) for n in names]])
-        bj = json.loads(bench_json.read_text())
-        empty = empty_text_requests(bj, model, up.endpoint, args)
+        bj = merged(runs)
+        empty = [f"{seed}:{i}" for seed, n, _, j in runs
+                 for i in empty_text_requests(j, model, up.endpoint, args, n, seed)]
+        num_prompts = sum(n for _, n, _, _ in runs)
         result.update({
-            "bench_exit": rc,
+            "num_prompts": num_prompts,
+            "bench_exit": max(rc for _, _, rc, _ in runs),
             "completed": bj["completed"],
             "failed": bj["failed"],
             "empty_text": empty,  # counted failed by bench; the model's output, not a fault
@@ -277,7 +345,8 @@ def run_mode(args, mode: str, model: str, out: Path, logs: Path) -> dict:
             "measured_from_s": round(cut, 1),
         })
         result["requests_ok"] = result["real_failures"] == 0 and \
-            bj["completed"] + len(empty) == args.num_prompts
+            bj["completed"] + len(empty) == num_prompts and \
+            result.get("warmup_failed", 0) == len(result.get("warmup_empty_text", []))
         result["rss_ok"] = all(v["ok"] for v in result["rss"].values())
         result["ok"] = result["requests_ok"] and result["blocks_ok"] and result["rss_ok"]
         return result
@@ -295,7 +364,8 @@ def markdown(results: list[dict], args) -> str:
             f"{r['request_throughput']} | {r['median_ttft_ms']} | {r['p99_ttft_ms']} | "
             f"{r['median_tpot_ms']} | {'yes' if r['blocks_ok'] else 'NO'} | "
             f"{'yes' if r['rss_ok'] else 'NO'} |")
-    lines += ["", "| mode | process | RSS start MiB | after warm-up | peak after | end | "
+    since = f"last {args.window:g} s" if args.streams else "after warm-up"
+    lines += ["", f"| mode | process | RSS start MiB | {since}: at start | peak | end | "
               "growth | allowed | slope MiB/min |", "|---" * 9 + "|"]
     for r in results:
         for n, v in r["rss"].items():
@@ -324,6 +394,17 @@ def main() -> int:
                    help="most requests in flight, warm-up and measured run (default: 16)")
     p.add_argument("--warmup-prompts", type=int, default=300,
                    help="requests of the warm-up burst before RSS is measured (default: 300)")
+    p.add_argument("--streams", type=int, default=0,
+                   help="keep this many requests in flight for --duration seconds instead "
+                        "of Poisson arrivals (default: 0, Poisson)")
+    p.add_argument("--duration", type=float, default=600.0,
+                   help="with --streams: seconds of load, warm-up included (default: 600)")
+    p.add_argument("--window", type=float, default=300.0,
+                   help="with --streams: the RSS check covers the load's last this many "
+                        "seconds (default: 300)")
+    p.add_argument("--input-len-spread", type=float, default=0.0,
+                   help="prompt lengths drawn from input-len x [1 - F, 1 + F] (kvpush "
+                        "bench's flag; default: 0, all equal)")
     p.add_argument("--rss-margin-mib", type=float, default=32.0)
     p.add_argument("--rss-margin-pct", type=float, default=5.0)
     p.add_argument("--sample-interval", type=float, default=1.0)
@@ -347,8 +428,9 @@ def main() -> int:
             model = str(make_random_model(Path(tmp) / "tiny-llama", "llama", "tiny", seed=0))
         results = []
         for mode in args.modes.split(","):
-            print(f"soak: {mode} mode, {args.num_prompts} requests at "
-                  f"{args.request_rate}/s ...", flush=True)
+            load = (f"{args.streams} streams for {args.duration:g} s" if args.streams
+                    else f"{args.num_prompts} requests at {args.request_rate}/s")
+            print(f"soak: {mode} mode, {load} ...", flush=True)
             results.append(run_mode(args, mode, model, args.out, logs))
             print(json.dumps(results[-1], indent=1), flush=True)
     summary = {"args": {k: str(v) for k, v in vars(args).items()}, "results": results}

@@ -1,9 +1,10 @@
 """What structured outputs cost (issue 65, point 5), on an LLMEngine (no HTTP).
 
 * per token: B requests in steady decode, plain sampling against a JSON schema whose
-  string value lets a random model run on (``{"text": "..."}``), in alternating rounds
-  of N steps each; the median ms per token of each, their ratio, and the grammar's own
-  share of a guided step (mask fill + apply, token consume), timed by wrapping them;
+  string value must run on (``{"text": "..."}``, at least LONG_CHARS characters), in
+  alternating rounds of N steps each; the median ms per token of each, their ratio, and
+  the grammar's own share of a guided step (mask fill + apply, token consume), timed by
+  wrapping them;
 * time to first token of one request: with a schema compiled for the first time (a new
   one each trial), with the same schema again (cached), and plain; and what the first
   structured request of a process pays once (llguidance's tokenizer, built from the
@@ -33,8 +34,12 @@ if "PYTHONPATH" not in os.environ:
     sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-LONG = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
-        "additionalProperties": False}
+#: the per-token schema: a string that cannot close before LONG_CHARS characters, so
+#: every request of a batch is still generating after --steps (a real model closes a
+#: plain string within ~10 tokens, and a batch that thins out costs more per token)
+LONG_CHARS = 400
+LONG = {"type": "object", "properties": {"text": {"type": "string", "minLength": LONG_CHARS}},
+        "required": ["text"], "additionalProperties": False}
 
 
 def schema(i: int) -> dict:

@@ -35,7 +35,7 @@ from kvpush.bench.metrics import (
     std,
     summarize,
 )
-from kvpush.bench.settings import BenchConfig, arrival_offsets
+from kvpush.bench.settings import BenchConfig, BenchError, arrival_offsets
 from kvpush.cli import main
 from server_helpers import ServerProcess, free_port
 
@@ -105,6 +105,23 @@ def test_prompt_kinds_and_shared_prefixes(tokenizer):
     assert all(r.prompt.startswith("Pick as many lines as you can from these poem lines:\n"
                                    + sonnet_lines()[0]) for r in sonnet)
     assert len(sonnet_lines()) >= 100
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_random_prompt_lengths_spread(tokenizer, endpoint):
+    """--input-len-spread: each random prompt's length is drawn from input_len * [1 - s,
+    1 + s], exactly that many tokens, the same for the seed; 0 keeps them all equal."""
+    codec = PromptCodec(tokenizer, endpoint)
+    reqs = sample_requests(codec, "random", 40, 100, 8, seed=2, input_len_spread=0.5)
+    lens = [_count(codec, r.prompt) for r in reqs]
+    assert lens == [r.prompt_len for r in reqs]
+    assert all(50 <= n <= 150 for n in lens) and len(set(lens)) > 20
+    again = sample_requests(codec, "random", 40, 100, 8, seed=2, input_len_spread=0.5)
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]
+    with pytest.raises(BenchError, match="random data set only"):
+        BenchConfig(url="http://x", dataset="sonnet", input_len_spread=0.5).validate()
+    with pytest.raises(BenchError, match=r"in \[0, 1\)"):
+        BenchConfig(url="http://x", input_len_spread=1.0).validate()
 
 
 def test_dataset_errors(tokenizer):

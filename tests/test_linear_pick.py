@@ -217,3 +217,74 @@ def test_timed_calls_walk_through_the_shapes_weights(monkeypatch):
     assert lp.MIN_REPS * 2 <= len(seen) <= (lp.MAX_REPS + lp.WARM_CALLS) * 2
     assert all(a[1] != b[1] for a, b in zip(seen, seen[1:]))
     assert {i for k, i in seen if k is MKL} == {i for k, i in seen if k is DNN} == {0, 1, 2}
+
+
+def test_padded_rows_are_few_sizes_at_most_a_quarter_over():
+    """oneDNN compiles and caches a kernel per row count (issue 67, point 5): the row
+    counts it runs at are 36 sizes for every count from 1 to 1,024, none more than 25 %
+    over the rows asked for, and each size maps to itself."""
+    sizes = [lp.padded_rows(n) for n in range(1, 1025)]
+    assert sizes[:8] == list(range(1, 9))
+    assert all(n <= p <= 1.25 * n for n, p in zip(range(1, 1025), sizes, strict=True))
+    assert sizes == sorted(sizes)
+    assert len(set(sizes)) == 36
+    assert all(lp.padded_rows(p) == p for p in set(sizes))
+    assert [lp.padded_rows(n) for n in (9, 17, 33, 65, 129, 1025)] == [10, 20, 40, 80, 160, 1280]
+
+
+def test_onednn_calls_run_on_padded_rows_and_give_the_unpadded_rows(monkeypatch):
+    seen: list[int] = []
+
+    def recorder(x, w, b=None):
+        seen.append(x.shape[0])
+        return F.linear(x, w, b)
+
+    monkeypatch.setitem(lp.KERNELS, DNN, recorder)
+    monkeypatch.setitem(lp.KERNELS, MKL, recorder)
+    lin = lp.dispatcher((MKL, DNN, DNN, DNN), (False, True, True, True))
+    w, b = torch.randn(16, 8), torch.randn(16)
+    for rows in (1, 7, 9, 30, 65, 300):
+        x = torch.randn(rows, 8)
+        y = lin(x, w, b)
+        assert y.shape == (rows, 16) and y.is_contiguous()
+        torch.testing.assert_close(y, F.linear(x, w, b))
+    assert seen == [1, 7, 10, 32, 80, 320]
+
+
+def test_which_calls_run_on_onednn():
+    """oneDNN's own linear always; F.linear when torch sends it there (bf16/fp16 on a
+    CPU), not in fp32 (MKL)."""
+    w32, w16 = torch.empty(4, 4), torch.empty(4, 4, dtype=torch.bfloat16)
+    assert lp.on_onednn(DNN, w32) and not lp.on_onednn(MKL, w32)
+    assert lp.on_onednn(MKL, w16) == torch.backends.mkldnn.is_available()
+
+
+def test_a_bf16_engine_runs_its_projections_at_padded_row_counts_only(tiny_llama,
+                                                                      monkeypatch):
+    """The engine runs every padded row count once at start (compiled then, on the
+    stepping thread); then prompts of many lengths, batched (a 395-token prefill step,
+    then decode steps of 8 rows): every projection call reaches the kernel at a padded
+    row count it ran at start, so oneDNN compiles nothing more however the steps' token
+    counts vary; the greedy tokens equal those of unpadded calls."""
+    prompts = {f"r{i}": p for i, p in
+               enumerate(random_prompts([3, 9, 17, 30, 41, 66, 100, 129], seed=7))}
+    monkeypatch.setenv("KVPUSH_LINEAR", "aten")
+    rows: set[int] = set()
+    real = F.linear
+
+    def counting(x, w, b=None):
+        rows.add(x.shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setitem(lp.KERNELS, MKL, counting)
+    engine = make_engine(tiny_llama, dtype="bfloat16", max_num_batched_tokens=512)
+    if not lp.on_onednn(MKL, engine.runner.model.lm_head):
+        pytest.skip("torch here has no oneDNN: bf16 F.linear runs on its own kernels")
+    # built on this thread: every padded count up to 512 rows (logits: 64) already run
+    assert rows == {lp.padded_rows(n) for n in range(1, 513)}
+    compiled, rows = set(rows), set()
+    got = run_to_completion(engine, prompts, greedy(6))
+    assert rows and all(lp.padded_rows(n) == n for n in rows) and rows <= compiled
+    monkeypatch.setattr(lp, "on_onednn", lambda k, w: False)
+    assert run_to_completion(make_engine(tiny_llama, dtype="bfloat16"), prompts,
+                             greedy(6)) == got

@@ -98,6 +98,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     d.add_argument("--input-len", "--random-input-len", type=cli_types.positive_int,
                    default=1024, metavar="TOKENS",
                    help="prompt tokens per request, exactly (default: 1024)")
+    d.add_argument("--input-len-spread", type=float, default=0.0, metavar="FRACTION",
+                   help="random data set: each prompt's length drawn uniformly from "
+                        "input-len x [1 - F, 1 + F] (vLLM's --random-range-ratio, prompts "
+                        "only; default: 0, exactly input-len)")
     d.add_argument("--output-len", "--random-output-len", type=cli_types.positive_int,
                    default=128, metavar="TOKENS",
                    help="output tokens per request (max_tokens, ignore_eos; default: 128)")
@@ -201,6 +205,7 @@ def run_bench(args: argparse.Namespace) -> int:
     endpoint = args.endpoint or ("chat" if args.dataset == "multi-turn" else "completions")
     config = BenchConfig(
         url=args.url, model=args.model, dataset=args.dataset, input_len=args.input_len,
+        input_len_spread=args.input_len_spread,
         output_len=args.output_len, num_prompts=args.num_prompts,
         request_rate=args.request_rate, max_concurrency=args.max_concurrency,
         seed=args.seed, endpoint=endpoint, **multi_turn_kwargs(args),

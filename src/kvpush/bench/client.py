@@ -188,7 +188,7 @@ def prepare_requests(config: BenchConfig,
                                         config.output_len, config.seed)
     return sample_requests(codec, config.dataset, config.num_prompts, config.input_len,
                            config.output_len, config.seed, config.effective_prefix_len(),
-                           config.prompt_type)
+                           config.prompt_type, config.input_len_spread)
 
 
 # ------------------------------------------------------------------------ the requests

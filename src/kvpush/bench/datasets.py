@@ -192,12 +192,19 @@ def _check_lengths(codec: PromptCodec, input_len: int, output_len: int,
 
 
 def random_prompts(codec: PromptCodec, num: int, input_len: int, output_len: int,
-                   seed: int = 0, token_ids: bool = True) -> list[SampleRequest]:
-    """``num`` prompts of random tokens, each exactly ``input_len`` tokens."""
-    _check_lengths(codec, input_len, output_len)
+                   seed: int = 0, token_ids: bool = True,
+                   spread: float = 0.0) -> list[SampleRequest]:
+    """``num`` prompts of random tokens, each exactly ``input_len`` tokens, or with
+    ``spread`` > 0 of a length drawn uniformly from input_len * [1 - spread, 1 + spread]
+    (vLLM's --random-range-ratio, for the prompts only)."""
+    lo, hi = int(input_len * (1 - spread)), int(input_len * (1 + spread))
+    _check_lengths(codec, lo, output_len)
     rng = random.Random(f"random:{seed}")
+    lens = random.Random(f"random-lengths:{seed}")
     out = []
     for _ in range(num):
+        if spread:
+            input_len = lens.randint(lo, hi)
         if token_ids and codec.endpoint == "completions":
             sp = codec.special_prefix
             prompt: str | list[int] = sp + codec.random_ids(rng, input_len - len(sp))
@@ -266,7 +273,8 @@ def sonnet_prompts(codec: PromptCodec, num: int, input_len: int, output_len: int
 
 def sample_requests(codec: PromptCodec, dataset: str, num: int, input_len: int,
                     output_len: int, seed: int = 0, prefix_len: int | None = None,
-                    prompt_type: str = "auto") -> list[SampleRequest]:
+                    prompt_type: str = "auto",
+                    input_len_spread: float = 0.0) -> list[SampleRequest]:
     """The prompts of one benchmark run (see the module docstring for each data set).
 
     ``prompt_type``: ``"auto"`` sends token ids where the endpoint takes them (random and
@@ -282,7 +290,8 @@ def sample_requests(codec: PromptCodec, dataset: str, num: int, input_len: int,
                            "shared-prefix data set")
     ids = prompt_type != "text"
     if dataset == "random":
-        return random_prompts(codec, num, input_len, output_len, seed, token_ids=ids)
+        return random_prompts(codec, num, input_len, output_len, seed, token_ids=ids,
+                              spread=input_len_spread)
     if dataset == "shared-prefix":
         if prefix_len is None:
             prefix_len = input_len // 2

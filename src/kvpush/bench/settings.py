@@ -35,6 +35,9 @@ class BenchConfig:
     model: str | None = None
     dataset: str = "random"
     input_len: int = 1024
+    #: random data set: each prompt's length drawn uniformly from input_len * [1 - s,
+    #: 1 + s] (0: exactly input_len)
+    input_len_spread: float = 0.0
     output_len: int = 128
     num_prompts: int = 100
     #: Requests per second (Poisson arrivals); ``math.inf`` sends all at once.
@@ -87,6 +90,10 @@ class BenchConfig:
                              f"{', '.join(ENDPOINTS)}")
         if self.prompt_type not in PROMPT_TYPES:
             raise BenchError(f"unknown prompt type {self.prompt_type!r}")
+        if not 0 <= self.input_len_spread < 1:
+            raise BenchError(f"input_len_spread must be in [0, 1), got {self.input_len_spread}")
+        if self.input_len_spread and self.dataset != "random":
+            raise BenchError("input_len_spread is for the random data set only")
         for name in ("input_len", "output_len", "num_prompts"):
             if getattr(self, name) < 1:
                 raise BenchError(f"{name} must be at least 1, got {getattr(self, name)}")

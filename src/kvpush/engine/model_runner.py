@@ -63,6 +63,10 @@ class ModelRunner:
             self.shard)
         if self.shard is not None:
             self.model.all_reduce = all_reduce
+        # the most rows a step's projections and its logits take (linear_pick.py's padded
+        # shapes are compiled up to these on the stepping thread)
+        self.model.step_rows = (config.scheduler.max_num_batched_tokens,
+                                config.scheduler.max_num_seqs)
         # this rank's KV heads only (all of them on one rank)
         self.kv_region = KVRegion(self.model.cfg, config.cache, config.device)
         self.default_generator = torch.Generator().manual_seed(config.seed)

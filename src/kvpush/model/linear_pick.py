@@ -24,6 +24,15 @@ matmul).
 Timings are taken on the calling thread at its torch thread count, so the model tunes
 itself from the thread that runs its steps (``DecoderModel.ensure_linears``). Tests
 inject a :data:`Timer` to make the choice deterministic.
+
+oneDNN compiles a kernel for every input shape it meets and keeps it in its primitive
+cache (1,024 entries; here 0.7 MiB of resident memory and 1-3 ms of compiling each, at
+any weight size). A projection called at every row count that the steps make (decode
+batches of 1 to max_num_seqs, prefill chunks of 1 to max_num_batched_tokens) filled
+that cache within minutes of varied load and then kept evicting and compiling: the
+engine cores' memory grew by hundreds of MiB under load (issue 67, point 5). So every
+call that runs on oneDNN (:func:`on_onednn`) has its rows padded up to
+:func:`padded_rows`: at most 25 % more rows, and a few dozen shapes per weight.
 """
 
 from __future__ import annotations
@@ -125,6 +134,52 @@ def onednn_usable(device: str, dtype: torch.dtype) -> bool:
         return False
 
 
+def padded_rows(rows: int) -> int:
+    """The row count a oneDNN call runs at: ``rows`` up to 8, then rounded up to four
+    sizes per doubling (10, 12, 14, 16, 20, ..., 64, 80, 96, 112, 128, 160, ...): at
+    most 25 % more rows, 8 + 4 * log2(max_rows / 8) shapes in all (36 up to 1,024)."""
+    step = 1 << max(0, (rows - 1).bit_length() - 3)
+    return -(-rows // step) * step
+
+
+def on_onednn(kernel: Kernel, w: torch.Tensor) -> bool:
+    """Whether ``kernel`` runs on oneDNN for weight ``w``: its own linear, and F.linear in
+    bf16 or fp16 on a CPU (torch's matmul sends those to oneDNN)."""
+    if kernel is Kernel.ONEDNN:
+        return True
+    return (w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16)
+            and torch.backends.mkldnn.is_available())
+
+
+def padded(f: Linear) -> Linear:
+    """``f`` run on its input's rows padded with zero rows up to :func:`padded_rows`;
+    the padding's output rows are dropped (a view of the first rows)."""
+
+    def on_padded_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        n = x.shape[0]
+        p = padded_rows(n)
+        if p == n:
+            return f(x, w, b)
+        return f(F.pad(x, (0, 0, 0, p - n)), w, b)[:n]
+
+    return on_padded_rows
+
+
+def compile_padded(lin: Linear, w: torch.Tensor, b: torch.Tensor | None,
+                   max_rows: int) -> int:
+    """Run ``lin`` once at every padded row count up to ``max_rows`` (zeros in): oneDNN
+    compiles all the shapes that a projection which pads can meet now, at start-up,
+    rather than on a later step's path, and the memory they hold is there from the
+    start. Returns the number of shapes run."""
+    sizes = sorted({padded_rows(n) for n in range(1, max_rows + 1)})
+    x = torch.zeros(sizes[-1], w.shape[1], dtype=w.dtype, device=w.device)
+    with torch.inference_mode():
+        for p in sizes:
+            lin(x[:p], w, b)
+    return len(sizes)
+
+
 def bucket_of(rows: int) -> int:
     """Index into ROW_BUCKETS (len(ROW_BUCKETS) for rows above the last bound)."""
     for i, bound in enumerate(ROW_BUCKETS):
@@ -162,8 +217,13 @@ class LinearPlan:
     threads: int = 1
     timed_series: int = 0
 
+    def pads(self, w: torch.Tensor) -> bool:
+        """Whether some row count of ``w``'s projection runs on padded rows."""
+        return any(on_onednn(k, w) for k in self.choices[_shape(w)].kernels)
+
     def linear_for(self, w: torch.Tensor) -> Linear:
-        return dispatcher(self.choices[_shape(w)].kernels)
+        kernels = self.choices[_shape(w)].kernels
+        return dispatcher(kernels, tuple(on_onednn(k, w) for k in kernels))
 
     def describe(self) -> str:
         head = (f"linear kernels ({self.mode.value}, {self.threads} thread(s), "
@@ -176,10 +236,14 @@ def _shape(w: torch.Tensor) -> tuple[int, int]:
     return (int(w.shape[0]), int(w.shape[1]))
 
 
-def dispatcher(kernels: Sequence[Kernel]) -> Linear:
+def dispatcher(kernels: Sequence[Kernel], pads: Sequence[bool] | None = None) -> Linear:
     """The callable for one weight: the kernel itself when every bucket agrees, else a
-    function that looks the kernel up by the input's row count (a tuple index)."""
-    fns = [KERNELS[k] for k in kernels]
+    function that looks the kernel up by the input's row count (a tuple index).
+    ``pads[i]``: bucket i's kernel runs on :func:`padded` rows (default: none does)."""
+    pads = pads or (False,) * len(kernels)
+    fn_of = {(k, p): padded(KERNELS[k]) if p else KERNELS[k]
+             for k, p in zip(kernels, pads, strict=True)}
+    fns = [fn_of[k, p] for k, p in zip(kernels, pads, strict=True)]
     if all(f is fns[0] for f in fns):
         return fns[0]
     last = ROW_BUCKETS[-1]

@@ -9,6 +9,7 @@ layer is four matmuls.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from kvpush.model.attention import AttentionMetadata, paged_attention
 from kvpush.model.linear_pick import (
     LinearPlan,
     Timer,
+    compile_padded,
     linear_mode,
     needs_timing,
     onednn_usable,
@@ -103,6 +105,10 @@ class DecoderModel:
         self.linear_plan: LinearPlan | None = None
         self.layer_linears: list[tuple[Callable, ...]] = []
         self.head_linear: Callable | None = None
+        #: (most rows of a step's projections, most logits rows): set by the runner; the
+        #: padded shapes up to them are compiled once on the stepping thread
+        self.step_rows: tuple[int, int] | None = None
+        self.rows_compiled_s: float | None = None
         if not self._linears_need_timing():
             self.tune_linears()
         # fp32: torch's fused RMSNorm (one op instead of seven; the same fp32 math as
@@ -151,9 +157,27 @@ class DecoderModel:
     def ensure_linears(self) -> None:
         """Tune the projections if not done yet: called by the thread that will run
         the steps, once its torch thread count is set (the choice can differ between
-        1 and 2 threads), and by the first ``forward`` otherwise."""
+        1 and 2 threads), and by the first ``forward`` otherwise. Then, once, every
+        padded row count a step can make is run through the projections that pad
+        (:func:`compile_padded`), at this thread count, which oneDNN's cache keys on."""
         if self.linear_plan is None:
             self.tune_linears()
+        if self.rows_compiled_s is None and self.step_rows is not None:
+            t0 = time.perf_counter()
+            rows, logits_rows = self.step_rows
+            lw = self.layers[0]  # every layer's projections have layer 0's shapes
+            lins = zip(self.layer_linears[0], (lw.qkv, lw.o, lw.gate_up, lw.down),
+                       (lw.qkv_bias, lw.o_bias, lw.gate_up_bias, lw.down_bias), strict=True)
+            lins = [(*lwb, rows) for lwb in lins]
+            lins.append((self.head_linear, self.lm_head, None, logits_rows))
+            plan = self.linear_plan
+            assert plan is not None
+            shapes = sum(compile_padded(lin, w, b, n) for lin, w, b, n in lins
+                         if plan.pads(w))
+            self.rows_compiled_s = time.perf_counter() - t0
+            if shapes:
+                log.info("projections compiled at %d padded row counts in %.0f ms", shapes,
+                         self.rows_compiled_s * 1e3)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.fused_norm:
