@@ -105,8 +105,7 @@ def decisions(client: httpx.Client, base: str) -> str:
     counts = [f"{name} {float(n):.0f}" for name, n in found if float(n) > 0]
     return (", ".join(counts) or "none counted") + (
         " (local: decode computed the prompt itself, too short or too well cached for a "
-        "prefill leg to pay; remote: prefill computed it and pushed the KV; blind: the "
-        "router's tokenizer was still loading, so it pushed as a plain router does)")
+        "prefill leg to pay; remote: prefill computed it and pushed the KV)")
 
 
 def stop_cluster(up: subprocess.Popen, children: set[int]) -> bool:
