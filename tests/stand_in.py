@@ -79,7 +79,8 @@ def vllm_like(model_root: str, bodies: list[dict[str, Any]] | None = None,
               tokens: tuple[int, ...] = (5, 6, 7), frame_delay_s: float = 0.0) -> FastAPI:
     """A stand-in vLLM instance (no /kv/info): ``/v1/completions`` answers with
     ``tokens`` (up to max_tokens) as vLLM does when asked for ``return_token_ids``,
-    streaming one frame a token (every ``frame_delay_s``) or whole; a prefill leg
+    streaming one frame a token (every ``frame_delay_s``; each of ``n`` choices the same
+    tokens, with made-up logprobs when asked) or whole; a prefill leg
     (``do_remote_decode``) gets its one token and ``kv_transfer_params`` as vLLM's NIXL
     connector answers them. Every body is appended to ``bodies``."""
     app = stand_in()
@@ -106,9 +107,15 @@ def vllm_like(model_root: str, bodies: list[dict[str, Any]] | None = None,
                 if frame_delay_s:
                     await asyncio.sleep(frame_delay_s)
                 last = i == len(out) - 1
-                choice = {"index": 0, "text": "", "token_ids": [t],
-                          "finish_reason": "length" if last else None}
-                yield b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
+                for index in range(body.get("n") or 1):  # n > 1: the same tokens each
+                    choice: dict[str, Any] = {"index": index, "text": "", "token_ids": [t],
+                                              "finish_reason": "length" if last else None}
+                    if body.get("logprobs") is not None:  # (return_tokens_as_token_ids)
+                        top = {f"token_id:{t + k}": -0.5 * (k + 1)
+                               for k in range(body["logprobs"] or 1)}
+                        choice["logprobs"] = {"token_logprobs": [-0.5], "tokens": [
+                            f"token_id:{t}"], "top_logprobs": [top], "text_offset": [0]}
+                    yield b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(frames(), media_type="text/event-stream")

@@ -346,6 +346,31 @@ def test_frozen_decode_ends_its_legs_within_seconds(tiny_llama, tmp_path):
 # ------------------------------------------------------------------ finding 8: bounded
 
 
+def test_vllm_legs_carry_n_and_logprobs(tiny_llama):
+    """Over a vLLM instance's HTTP legs, n > 1 and logprobs come back as the router's
+    front formats them: n choices (each the instance's tokens), each token's logprob
+    and its top alternatives (read from vLLM's token_id:N keys); the leg asked vLLM for
+    n, logprobs and token ids."""
+    bodies: list[dict] = []
+    with uvicorn_server(vllm_like(str(tiny_llama), bodies)) as url:
+        rt = RouterThread("colocated", [], [url], kv_secret=None)
+        try:
+            r = httpx.post(rt.url + "/v1/completions", timeout=30, json={
+                "prompt": "hi", "max_tokens": 3, "n": 2, "logprobs": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+            choices = r.json()["choices"]
+            assert [c["index"] for c in choices] == [0, 1]
+            assert choices[0]["text"] == choices[1]["text"] != ""
+            lp = choices[0]["logprobs"]
+            assert lp["token_logprobs"] == [-0.5, -0.5, -0.5], lp
+            assert all(len(top) >= 2 for top in lp["top_logprobs"]), lp
+            leg = bodies[-1]
+            assert (leg["n"], leg["logprobs"], leg["return_token_ids"]) == (2, 2, True)
+            assert leg["return_tokens_as_token_ids"] is True
+        finally:
+            rt.stop()
+
+
 def test_requests_beyond_the_bound_get_429(tiny_llama):
     """With --max-outstanding-requests 2 and two streams open, a third request is a 429
     with Retry-After in OpenAI's shape, at once and without reaching the instance;
