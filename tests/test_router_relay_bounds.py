@@ -23,10 +23,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvpush.discovery.instance_spec import parse_instance
+from kvpush.router.answers import AnswerTooLarge
 from kvpush.router.config import RouterConfig
 from kvpush.router.http_sender import HttpSender
 from kvpush.router.pool import Pool
-from kvpush.router.wire import AnswerTooLarge
 from router_helpers import RouterThread
 from server_helpers import uvicorn_server
 from stand_in import stand_in

@@ -1,5 +1,6 @@
-"""An instance's answer to a health check (``/health``, ``/kv/prove``, ``/kv/info``),
-read whole within a deadline and a size cap.
+"""An instance's answer read whole within a size cap (:func:`read_capped`: a health
+check's, a vLLM prefill leg's), and a health check's (``/health``, ``/kv/prove``,
+``/kv/info``) within a deadline too.
 
 httpx's timeout bounds each read, not the answer: an instance that trickles a byte a
 second never times out. :func:`fetch` bounds the whole exchange (connect, headers,
@@ -23,7 +24,7 @@ ANSWER_CAP = 1 << 20
 
 
 class AnswerTooLarge(ValueError):
-    """The answer went past ANSWER_CAP bytes (a failed check)."""
+    """An instance's answer (or one frame of its stream) went past the router's cap."""
 
 
 @dataclass(frozen=True)
@@ -39,18 +40,28 @@ class Answer:
         return self.content.decode(errors="replace")
 
 
+async def read_capped(resp: httpx.Response, limit: int, what: str = "its answer") -> bytes:
+    """The body of an open (``stream=True``) answer, read until ``limit`` bytes at most:
+    AnswerTooLarge past it (by its Content-Length, before reading any)."""
+    cap = f"the router's cap of {limit >> 20} MiB"
+    size = resp.headers.get("content-length", "")
+    if size.isdigit() and int(size) > limit:
+        raise AnswerTooLarge(f"{what} is {int(size)} bytes, more than {cap}")
+    body = bytearray()
+    async for chunk in resp.aiter_bytes():
+        body += chunk
+        if len(body) > limit:
+            raise AnswerTooLarge(f"{what} is more than {cap}")
+    return bytes(body)
+
+
 async def fetch(client: httpx.AsyncClient, method: str, url: str, timeout: float,
                 **kw: Any) -> Answer:
     """``method url`` answered whole within ``timeout`` seconds and ANSWER_CAP bytes."""
     async def read() -> Answer:
         async with client.stream(method, url, timeout=timeout, **kw) as r:
-            body = bytearray()
-            async for chunk in r.aiter_bytes():
-                body += chunk
-                if len(body) > ANSWER_CAP:
-                    raise AnswerTooLarge(f"{httpx.URL(url).path} answered more than "
-                                         f"{ANSWER_CAP} bytes")
-            return Answer(r.status_code, bytes(body))
+            what = f"{httpx.URL(url).path}'s answer"
+            return Answer(r.status_code, await read_capped(r, ANSWER_CAP, what))
 
     try:
         return await within(read(), timeout)

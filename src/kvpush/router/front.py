@@ -31,7 +31,7 @@ from kvpush.router.http_sender import HttpSender
 from kvpush.router.job import Job, outcome_for
 from kvpush.router.life import Book, RequestLife
 from kvpush.router.pool import Instance
-from kvpush.router.senders import CoreSender, Senders, over_core, remote_core
+from kvpush.router.senders import CoreSender, Senders, remote_core
 from kvpush.router.wire import LegSigner
 from kvpush.server.app import FrontSettings, OpenAIFront
 
@@ -64,11 +64,11 @@ class RouterFront:
 
     def _over_cores(self) -> list[Instance]:
         """The healthy instances the router reaches over their engine cores."""
-        return [i for i in self.pool.instances if i.healthy and over_core(i)]
+        return [i for i in self.pool.instances if i.healthy and i.kvpush]
 
     def legs(self) -> str:
         """How legs reach the healthy instances (/health's ``legs``)."""
-        kinds = {over_core(i) for i in self.pool.instances if i.healthy}
+        kinds = {i.kvpush for i in self.pool.instances if i.healthy}
         return " and ".join(name for over, name in ((True, "engine cores"),
                                                      (False, "http")) if over in kinds)
 

@@ -30,11 +30,11 @@ import httpx
 from kvpush.engine.outputs import EngineOutput, FinishReason, RequestFailure
 from kvpush.errors import RequestError
 from kvpush.kv_transfer.params import KVTransferParams
+from kvpush.router.answers import AnswerTooLarge, read_capped
 from kvpush.router.pool import Instance, Pool, describe_error
 from kvpush.router.redact import scrub, scrub_error
 from kvpush.router.senders import Leg, Lost
 from kvpush.router.watch import LegLost, LegWatch
-from kvpush.router.wire import AnswerTooLarge, read_answer
 from kvpush.sampling_params import GrammarKind, StructuredOutput
 
 if TYPE_CHECKING:
@@ -143,6 +143,8 @@ class HttpSender:
                 return
             async for out in self._events(resp, inst, tid, leg.params.n):
                 yield out
+        except RequestError:  # its refusal: the request's error
+            raise
         except (httpx.HTTPError, OSError, LegLost, StreamStopped) as e:
             # its way is gone: out of the rotation (a failed health check that ended
             # the wait took it out already)
@@ -150,9 +152,7 @@ class HttpSender:
             if not isinstance(e, LegLost):
                 self.pool.mark_failed(inst, f"{inst.role} leg: {why}")
             yield _failed(tid, f"the {inst.role} instance failed: {why}")
-        except (AnswerTooLarge, ValueError) as e:  # a broken answer (RequestError: raised)
-            if isinstance(e, RequestError):
-                raise
+        except ValueError as e:  # a broken answer: over a cap (AnswerTooLarge), no JSON
             yield _failed(tid, f"the {inst.role} instance's answer was broken: {e}")
         finally:
             if resp is not None:
@@ -162,7 +162,7 @@ class HttpSender:
     async def _whole(self, resp: httpx.Response, inst: Instance) -> bytes:
         """The answer, read whole within ``max_answer_bytes``."""
         with LegWatch(inst.watches, "its answer", self.cfg.request_timeout_s):
-            return await read_answer(resp, self.cfg.max_answer_bytes)
+            return await read_capped(resp, self.cfg.max_answer_bytes)
 
     async def _frames(self, resp: httpx.Response, inst: Instance) -> AsyncIterator[bytes]:
         """The stream's SSE frames (``data: ...``), each within ``max_frame_bytes``; the

@@ -97,6 +97,12 @@ class Instance:
     cards: tuple[Any, ...] = ()
 
     @property
+    def kvpush(self) -> bool:
+        """Whether it is a kvpush instance (it answers /kv/info; a vLLM one does not):
+        reached over its engine core, its KV in kvpush's layout."""
+        return self.info is not None
+
+    @property
     def url(self) -> str:
         return self.spec.url
 
@@ -316,8 +322,8 @@ class Pool:
         if self.cfg.mode == "colocated":
             return None
         other = "decode" if inst.role == "prefill" else "prefill"
-        kinds = {i.info is not None for i in self.by_role[other] if i.healthy}
-        mine = info is not None
+        kinds = {i.kvpush for i in self.by_role[other] if i.healthy}
+        mine = info is not None  # (inst.kvpush once this answer is kept)
         if not kinds or mine in kinds:
             return None
         names = ("a vLLM", "kvpush") if not mine else ("a kvpush", "vLLM")

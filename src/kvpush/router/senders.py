@@ -214,22 +214,16 @@ class CoreSender:
             core.close()
 
 
-def over_core(inst: Instance) -> bool:
-    """Whether the router reaches ``inst`` over its engine core: a kvpush instance (it
-    answers /kv/info, which names its request plane; Pool.verify keeps one whose plane
-    the router cannot join out of the rotation). Else it is a vLLM instance: HTTP."""
-    return inst.info is not None
-
-
 class Senders:
-    """Each instance's way, said once (``over_core``): the LegSender the life drives."""
+    """Each instance's way, said once (``Instance.kvpush``: its engine core, else
+    HTTP): the LegSender the life drives."""
 
     def __init__(self, cores: CoreSender, http: LegSender) -> None:
         self.cores = cores
         self.http = http
 
     def of(self, inst: Instance) -> LegSender:
-        return self.cores if over_core(inst) else self.http
+        return self.cores if inst.kvpush else self.http
 
     def serves(self) -> bool:
         """Whether a leg can leave now for a decode (and a prefill, where the router
@@ -239,7 +233,7 @@ class Senders:
         for inst in self.cores.pool.instances:
             if not inst.healthy:
                 continue
-            if over_core(inst) and self.cores.link(inst) is None:
+            if inst.kvpush and self.cores.link(inst) is None:
                 continue
             if self.of(inst).usable(inst):
                 usable[inst.role] = True

@@ -1,12 +1,10 @@
 """What the router puts on the wire: each leg's ``kv_transfer_params`` and their
-signature; and the bounded read of an instance's whole answer."""
+signature."""
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Any
-
-import httpx
 
 from kvpush.router.pool import Instance
 
@@ -34,27 +32,6 @@ class LegSigner:
             return params
         return self._signer.sign(params, role=role, engine_id=to.engine_id,
                                  peer_engine_id=peer.engine_id if peer else None)
-
-
-class AnswerTooLarge(Exception):
-    """An instance's answer is larger than the router reads whole."""
-
-
-async def read_answer(resp: httpx.Response, limit: int) -> bytes:
-    """The body of an open (``stream=True``) answer, read until ``limit`` bytes at most:
-    AnswerTooLarge past it (by its Content-Length, before reading any)."""
-    size = resp.headers.get("content-length", "")
-    if size.isdigit() and int(size) > limit:
-        raise AnswerTooLarge(f"its answer is {int(size)} bytes, over the router's cap "
-                             f"of {limit >> 20} MiB")
-    parts: list[bytes] = []
-    total = 0
-    async for chunk in resp.aiter_bytes():
-        total += len(chunk)
-        if total > limit:
-            raise AnswerTooLarge(f"its answer is over the router's cap of {limit >> 20} MiB")
-        parts.append(chunk)
-    return b"".join(parts)
 
 
 def prefill_params(tid: str) -> dict[str, Any]:
