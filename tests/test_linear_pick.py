@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from engine_helpers import greedy, hf_greedy, make_engine, run_to_completion
 from kvpush.model import linear_pick as lp
 from kvpush.model.linear_pick import Kernel, LinearMode
+from kvpush.model.shapes import padded_size
 from test_engine_behaviour import random_prompts
 
 MKL, DNN = Kernel.ATEN, Kernel.ONEDNN
@@ -223,13 +224,13 @@ def test_padded_rows_are_few_sizes_at_most_a_quarter_over():
     """oneDNN compiles and caches a kernel per row count (issue 67, point 5): the row
     counts it runs at are 36 sizes for every count from 1 to 1,024, none more than 25 %
     over the rows asked for, and each size maps to itself."""
-    sizes = [lp.padded_rows(n) for n in range(1, 1025)]
+    sizes = [padded_size(n) for n in range(1, 1025)]
     assert sizes[:8] == list(range(1, 9))
     assert all(n <= p <= 1.25 * n for n, p in zip(range(1, 1025), sizes, strict=True))
     assert sizes == sorted(sizes)
     assert len(set(sizes)) == 36
-    assert all(lp.padded_rows(p) == p for p in set(sizes))
-    assert [lp.padded_rows(n) for n in (9, 17, 33, 65, 129, 1025)] == [10, 20, 40, 80, 160, 1280]
+    assert all(padded_size(p) == p for p in set(sizes))
+    assert [padded_size(n) for n in (9, 17, 33, 65, 129, 1025)] == [10, 20, 40, 80, 160, 1280]
 
 
 def test_onednn_calls_run_on_padded_rows_and_give_the_unpadded_rows(monkeypatch):
@@ -281,10 +282,10 @@ def test_a_bf16_engine_runs_its_projections_at_padded_row_counts_only(tiny_llama
     if not lp.on_onednn(MKL, engine.runner.model.lm_head):
         pytest.skip("torch here has no oneDNN: bf16 F.linear runs on its own kernels")
     # built on this thread: every padded count up to 512 rows (logits: 64) already run
-    assert rows == {lp.padded_rows(n) for n in range(1, 513)}
+    assert rows == {padded_size(n) for n in range(1, 513)}
     compiled, rows = set(rows), set()
     got = run_to_completion(engine, prompts, greedy(6))
-    assert rows and all(lp.padded_rows(n) == n for n in rows) and rows <= compiled
+    assert rows and all(padded_size(n) == n for n in rows) and rows <= compiled
     monkeypatch.setattr(lp, "on_onednn", lambda k, w: False)
     assert run_to_completion(make_engine(tiny_llama, dtype="bfloat16"), prompts,
                              greedy(6)) == got

@@ -8,7 +8,10 @@ path it replaces.
 * a decode group whose slots all have the group's length runs SDPA without a mask:
   the same output as with the all-zero mask;
 * small weights go to ``F.linear`` in every ``KVPUSH_LINEAR`` mode, untimed (the
-  timed choice for larger ones: tests/test_linear_pick.py).
+  timed choice for larger ones: tests/test_linear_pick.py);
+* prompt attention on a CPU runs at padded lengths (issue 67, point 5): the real rows
+  equal attention at the unpadded length, and prompts of every length from 2 to 300
+  meet a few dozen shapes, not 299.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from engine_helpers import greedy, make_engine, run_to_completion
+from kvpush.model import attention
 from kvpush.model.attention import build_metadata, paged_attention
+from kvpush.model.shapes import padded_size
 from test_engine_behaviour import random_prompts
 
 
@@ -94,3 +99,52 @@ def test_small_weights_use_f_linear_untimed(tiny_llama, monkeypatch):
         assert all(f is F.linear for lin in model.layer_linears for f in lin), mode
         assert model.head_linear is F.linear
         assert model.linear_plan is not None and model.linear_plan.timed_series == 0
+
+
+def _reference(q, k, v, start_pos, scale):
+    """Causal attention of ``q`` ([n, H, D]) at positions start_pos.. over ``k``/``v``
+    ([ctx, H, D]), unpadded, in float64."""
+    n, ctx = q.shape[0], k.shape[0]
+    w = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    q_pos = torch.arange(start_pos, start_pos + n)[:, None]
+    w = w.masked_fill(torch.arange(ctx)[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", w.softmax(-1), v.double())
+
+
+def test_padded_prompt_attention_equals_the_unpadded_one():
+    g = torch.Generator().manual_seed(1)
+    bs, hkv, d = 4, 2, 8  # heads equal KV heads: no grouping in the reference
+    # a fresh prompt of 11 tokens (padded to 12) and a chunk of 9 after 13 cached
+    # tokens (queries padded to 10, context of 22 to 24)
+    region = torch.zeros(16, 2, bs, hkv, d)
+    md = build_metadata([(0, 11, [0, 1, 2]), (13, 9, [3, 4, 5, 6, 7, 8])], bs, "cpu")
+    assert [s.padded for s in md.prefills] == [padded_size(11), padded_size(9)] == [12, 10]
+    assert md.prefills[1].mask.shape == (10, padded_size(22)) == (10, 24)
+    cached = torch.randn(13, 2, hkv, d, generator=g)
+    for p in range(13):  # the cached context of the second request
+        region[[3, 4, 5, 6][p // bs], :, p % bs] = cached[p]
+    q = torch.randn(20, hkv, d, generator=g)
+    kv_new = torch.randn(20, 2, hkv, d, generator=g)
+    out = paged_attention(q, kv_new, region, md, d**-0.5)
+    first = _reference(q[:11], kv_new[:11, 0], kv_new[:11, 1], 0, d**-0.5)
+    ctx = torch.cat([cached, kv_new[11:]])
+    second = _reference(q[11:], ctx[:, 0], ctx[:, 1], 13, d**-0.5)
+    assert torch.allclose(out[:11].double(), first, atol=1e-5)
+    assert torch.allclose(out[11:].double(), second, atol=1e-5)
+
+
+def test_prompts_of_every_length_meet_few_attention_shapes(monkeypatch):
+    shapes: set[tuple[int, ...]] = set()
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        shapes.add((*q.shape, *k.shape))
+        return sdpa(q, k, v, **kw)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    bs, hkv, d = 16, 1, 4
+    region = torch.zeros(20, 2, bs, hkv, d)
+    for n in range(2, 301):
+        blocks = list(range(-(-n // bs)))
+        md = build_metadata([(0, n, blocks)], bs, "cpu")
+        paged_attention(torch.zeros(n, hkv, d), torch.zeros(n, 2, hkv, d), region, md, 1.0)
+    assert len(shapes) == len({padded_size(n) for n in range(2, 301)}) <= 40

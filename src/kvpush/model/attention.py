@@ -16,7 +16,10 @@ source of truth (the KV transfer reads and writes it). Then:
   chunks by :mod:`kvpush.model.paged_decode`;
 * each prefill chunk is attended on its own: a chunk that starts at position 0 uses its
   fresh K/V and a causal mask; a chunk after cached or earlier-chunk tokens gathers its
-  blocks and masks with the offset causal pattern.
+  blocks and masks with the offset causal pattern. On a CPU both run at padded lengths
+  (:func:`~kvpush.model.shapes.padded_size` queries and keys, the padding after the
+  real tokens, so the causal pattern keeps every real query off it): torch's CPU flash
+  attention keeps a kernel per shape it meets, which every new prompt length grew.
 
 Queries are grouped by KV head (``[B, Hkv, H/Hkv, D]`` for decodes) rather than using
 ``enable_gqa``, and every SDPA input is 4-D: 3-D inputs or GQA broadcasting send CPU
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpush.model.paged_decode import paged_decode_attention
+from kvpush.model.shapes import padded_size
 
 
 @dataclass
@@ -40,7 +44,9 @@ class PrefillSpan:
     end: int
     start_pos: int  # sequence position of the first token
     block_ids: torch.Tensor | None  # None when start_pos == 0 (fresh K/V suffice)
-    mask: torch.Tensor | None  # [q, ctx] additive float, None when start_pos == 0
+    # [padded q, padded ctx] additive float, None when start_pos == 0
+    mask: torch.Tensor | None
+    padded: int  # the query rows attention runs at (>= end - start)
 
 
 @dataclass
@@ -91,6 +97,11 @@ def build_metadata(
     chunks: list[tuple[int, int, list[int]]], block_size: int, device: str
 ) -> AttentionMetadata:
     """``chunks``: (start_pos, num_tokens, block_ids) per request, in batch order."""
+    on_cpu = torch.device(device).type == "cpu"
+
+    def pad(n: int) -> int:
+        return padded_size(n) if on_cpu else n
+
     slot_blocks: list[int] = []
     slot_offsets: list[int] = []
     dec_idx: list[int] = []
@@ -113,12 +124,16 @@ def build_metadata(
             dec_tables.append(block_ids[:nb])
             dec_lens.append(ctx)
         elif start_pos == 0:
-            prefills.append(PrefillSpan(t, t + n, 0, None, None))
+            prefills.append(PrefillSpan(t, t + n, 0, None, None, pad(n)))
         else:
-            q_pos = torch.arange(start_pos, ctx).unsqueeze(1)
-            k_pos = torch.arange(ctx).unsqueeze(0)
+            # padded queries sit after the real ones and padded keys after the context:
+            # the causal pattern keeps every real query off the padding, and every
+            # padded query still sees a key (no row of -inf only)
+            q_pos = torch.arange(start_pos, start_pos + pad(n)).unsqueeze(1)
+            k_pos = torch.arange(pad(ctx)).unsqueeze(0)
             # additive float mask: SDPA would convert a bool one in every layer
-            mask = torch.zeros((n, ctx)).masked_fill_(k_pos > q_pos, float("-inf"))
+            mask = torch.zeros((pad(n), pad(ctx))).masked_fill_(k_pos > q_pos,
+                                                                float("-inf"))
             prefills.append(
                 PrefillSpan(
                     t,
@@ -126,6 +141,7 @@ def build_metadata(
                     start_pos,
                     torch.tensor(block_ids[:nb], dtype=torch.long, device=device),
                     mask.to(device),
+                    pad(n),
                 )
             )
         t += n
@@ -518,21 +534,29 @@ def paged_attention(
     gqa = group != 1
     k, v = kv_model[:, 0], kv_model[:, 1]
     for span in md.prefills:
-        qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        n = span.end - span.start
+        qp = _rows(q[span.start : span.end], span.padded)  # [1, H, padded, D]
         if span.block_ids is None:
-            kp = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
-            vp = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            kp = _rows(k[span.start : span.end], span.padded)
+            vp = _rows(v[span.start : span.end], span.padded)
             o = F.scaled_dot_product_attention(
                 qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa
             )
         else:
             span.mask = mask_as(span.mask, q)
-            ctx = span.mask.shape[1]
+            ctx, width = span.start_pos + n, span.mask.shape[1]
             kc, vc = _gather(layer_kv, span.block_ids)
-            kp = kc[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            vp = vc[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            kp = _rows(kc[:ctx].to(q.dtype), width)
+            vp = _rows(vc[:ctx].to(q.dtype), width)
             o = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=span.mask, scale=scale, enable_gqa=gqa
             )
-        out[span.start : span.end] = o[0].transpose(0, 1)
+        out[span.start : span.end] = o[0, :, :n].transpose(0, 1)
     return out
+
+
+def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` ([n, H, D]) as SDPA's [1, H, rows, D], zero rows after the n real ones."""
+    if x.shape[0] < rows:
+        x = F.pad(x, (0, 0, 0, 0, 0, rows - x.shape[0]))
+    return x.transpose(0, 1).unsqueeze(0)

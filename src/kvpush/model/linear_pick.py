@@ -32,7 +32,7 @@ batches of 1 to max_num_seqs, prefill chunks of 1 to max_num_batched_tokens) fil
 that cache within minutes of varied load and then kept evicting and compiling: the
 engine cores' memory grew by hundreds of MiB under load (issue 67, point 5). So every
 call that runs on oneDNN (:func:`on_onednn`) has its rows padded up to
-:func:`padded_rows`: at most 25 % more rows, and a few dozen shapes per weight.
+:func:`~kvpush.model.shapes.padded_size`: at most 25 % more rows, and a few dozen shapes per weight.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ from enum import Enum
 
 import torch
 import torch.nn.functional as F
+
+from kvpush.model.shapes import padded_size
 
 log = logging.getLogger("kvpush.model")
 
@@ -134,14 +136,6 @@ def onednn_usable(device: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def padded_rows(rows: int) -> int:
-    """The row count a oneDNN call runs at: ``rows`` up to 8, then rounded up to four
-    sizes per doubling (10, 12, 14, 16, 20, ..., 64, 80, 96, 112, 128, 160, ...): at
-    most 25 % more rows, 8 + 4 * log2(max_rows / 8) shapes in all (36 up to 1,024)."""
-    step = 1 << max(0, (rows - 1).bit_length() - 3)
-    return -(-rows // step) * step
-
-
 def on_onednn(kernel: Kernel, w: torch.Tensor) -> bool:
     """Whether ``kernel`` runs on oneDNN for weight ``w``: its own linear, and F.linear in
     bf16 or fp16 on a CPU (torch's matmul sends those to oneDNN)."""
@@ -152,13 +146,13 @@ def on_onednn(kernel: Kernel, w: torch.Tensor) -> bool:
 
 
 def padded(f: Linear) -> Linear:
-    """``f`` run on its input's rows padded with zero rows up to :func:`padded_rows`;
+    """``f`` run on its input's rows padded with zero rows up to :func:`padded_size`;
     the padding's output rows are dropped (a view of the first rows)."""
 
     def on_padded_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
                        ) -> torch.Tensor:
         n = x.shape[0]
-        p = padded_rows(n)
+        p = padded_size(n)
         if p == n:
             return f(x, w, b)
         return f(F.pad(x, (0, 0, 0, p - n)), w, b)[:n]
@@ -172,7 +166,7 @@ def compile_padded(lin: Linear, w: torch.Tensor, b: torch.Tensor | None,
     compiles all the shapes that a projection which pads can meet now, at start-up,
     rather than on a later step's path, and the memory they hold is there from the
     start. Returns the number of shapes run."""
-    sizes = sorted({padded_rows(n) for n in range(1, max_rows + 1)})
+    sizes = sorted({padded_size(n) for n in range(1, max_rows + 1)})
     x = torch.zeros(sizes[-1], w.shape[1], dtype=w.dtype, device=w.device)
     with torch.inference_mode():
         for p in sizes:
