@@ -33,9 +33,14 @@ WHY = "tensor-parallel rank 1 was killed by SIGKILL"
 
 
 def _stream(url: str, body: dict, lines: list[str]) -> float:
-    """Read an SSE stream into ``lines``; when it ended (monotonic)."""
+    """Read an SSE stream into ``lines``; when it ended (monotonic). A leg whose request
+    reached its instance only after the kill (a loaded host) is answered with an error
+    status instead of a stream: its body goes into ``lines`` as the last event."""
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200, r.read()
+        if r.status_code != 200:
+            assert r.status_code >= 500, r.read()
+            lines.append("data: " + r.read().decode())
+            return time.monotonic()
         for line in r.iter_lines():
             lines.append(line)
     return time.monotonic()
