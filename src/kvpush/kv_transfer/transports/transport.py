@@ -7,6 +7,10 @@ against our region and the peer's *as announced* (:class:`TransferPostError` bef
 memory is touched), then polled with :meth:`KVTransport.state`; nothing blocks or spins:
 the owning transfer thread calls :meth:`KVTransport.progress` between its waits.
 
+A :class:`PreparedTransport` also prepares a descriptor list once (our region's, and
+each peer's as announced: rows of equally spaced descriptors) and posts by indices into
+two such lists, leaving the per-post descriptor building and matching out.
+
 Implementations: :class:`~kvpush.kv_transfer.transports.nixl_transport.NixlTransport`
 (NIXL over UCX) and ``kvpush_testing.inproc_transport.InProcTransport`` (memmove, tests).
 """
@@ -18,13 +22,15 @@ import enum
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import msgspec
 import numpy as np
 
 Op = Literal["WRITE", "READ"]
 Range = tuple[int, int]  # (absolute address, length in bytes)
+#: ``count`` descriptors of ``length`` bytes, ``stride`` bytes apart from ``address``
+Row = tuple[int, int, int, int]  # (address, length, stride, count)
 METADATA_VERSION = 1
 
 
@@ -141,6 +147,144 @@ class KVTransport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release everything; the transport is unusable afterwards. Idempotent."""
+
+
+class PreparedTransport(KVTransport):
+    """A transport that posts by index into descriptor lists it prepared once."""
+
+    @abc.abstractmethod
+    def prepare(self, peer: str | None, rows: tuple[Row, ...]) -> int:
+        """The handle of the prepared list of ``rows``' descriptors, numbered row by row,
+        in our region (``peer`` None) or in ``peer``'s as it announced it. One list per
+        peer and one of ours: the same rows again give the same handle (a dictionary
+        look-up), other rows replace the list; a peer's list goes with the peer
+        (:meth:`remove_peer`, new metadata), every list with :meth:`close`.
+        TransferPostError if a descriptor lies outside the region or the peer is unknown."""
+
+    @abc.abstractmethod
+    def post_prepared(self, op: Op, peer: str, local: int, local_idx: np.ndarray,
+                      remote: int, remote_idx: np.ndarray) -> int:
+        """:meth:`KVTransport.post` of descriptor ``local_idx[i]`` of our prepared list
+        ``local`` paired with ``remote_idx[i]`` of ``peer``'s list ``remote`` (int32
+        arrays); TransferPostError if either list is gone, an index is out of its list or
+        the lengths of a pair differ."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a transport keeps of one prepared list (the library's handle aside)."""
+
+    peer: str | None
+    rows: tuple[Row, ...]
+    count: int  # descriptors in the list
+    length: int  # their length when every row's is the same, else 0
+    lengths: np.ndarray | None  # (count,) int64 when rows differ in length, else None
+
+
+K = TypeVar("K")
+
+
+class PreparedLists(Generic[K]):
+    """A transport's prepared lists, ours and one per peer, each under a handle, with
+    what the transport keeps of each (``K``: the library's handle, the expanded pairs)."""
+
+    def __init__(self) -> None:
+        self._lists: dict[int, tuple[Prepared, K]] = {}
+        self._of: dict[str | None, int] = {}  # peer (None: ours) -> its list's handle
+        self._next = 1
+
+    def find(self, peer: str | None, rows: tuple[Row, ...]) -> int | None:
+        """The handle of ``peer``'s list if it was prepared from ``rows``."""
+        handle = self._of.get(peer)
+        return handle if handle is not None and self._lists[handle][0].rows == rows else None
+
+    def add(self, info: Prepared, kept: K) -> tuple[int, K | None]:
+        """Keep a new list for ``info.peer``: (its handle, the list it replaced's)."""
+        old = self.pop(info.peer)
+        handle, self._next = self._next, self._next + 1
+        self._lists[handle] = (info, kept)
+        self._of[info.peer] = handle
+        return handle, old
+
+    def pop(self, peer: str | None) -> K | None:
+        """Forget ``peer``'s list (None: ours); what was kept of it, if any."""
+        handle = self._of.pop(peer, None)
+        return None if handle is None else self._lists.pop(handle)[1]
+
+    def clear(self) -> list[K]:
+        """Forget every list; what was kept of each."""
+        kept = [k for _, k in self._lists.values()]
+        self._lists.clear()
+        self._of.clear()
+        return kept
+
+    def pair(self, peer: str, local: int, remote: int
+             ) -> tuple[tuple[Prepared, K], tuple[Prepared, K]]:
+        """Our list ``local`` and ``peer``'s list ``remote``; TransferPostError if
+        either is not (or no longer) that."""
+        mine, theirs = self._lists.get(local), self._lists.get(remote)
+        if mine is None or mine[0].peer is not None:
+            raise TransferPostError(f"no prepared list {local} of ours")
+        if theirs is None or theirs[0].peer != peer:
+            raise TransferPostError(f"no prepared list {remote} of {peer!r}")
+        return mine, theirs
+
+
+def prepared_list(peer: str | None, rows: tuple[Row, ...], region: RegionInfo | None
+                  ) -> Prepared:
+    """Check ``rows`` against ``region`` (TransferPostError) and describe their list."""
+    if region is None:
+        raise TransferPostError("no region registered" if peer is None
+                                else f"peer {peer!r} announced no region")
+    if not rows:
+        raise TransferPostError("a prepared list needs at least one row")
+    for i, (addr, length, stride, count) in enumerate(rows):
+        if length <= 0 or count <= 0 or stride < 0:
+            raise TransferPostError(f"row {i} ({addr:#x}, {length}, {stride}, {count}) is "
+                                    "empty or goes backwards")
+        if not (region.contains(addr, length)
+                and region.contains(addr + (count - 1) * stride, length)):
+            raise TransferPostError(f"row {i} leaves the region [{region.base:#x}, "
+                                    f"+{region.nbytes})")
+    counts = [r[3] for r in rows]
+    lengths = {r[1] for r in rows}
+    per = None if len(lengths) == 1 else np.repeat([r[1] for r in rows], counts)
+    return Prepared(peer, rows, sum(counts), lengths.pop() if per is None else 0, per)
+
+
+def check_prepared(op: str, local: Prepared, local_idx: np.ndarray, remote: Prepared,
+                   remote_idx: np.ndarray) -> int:
+    """Check a post by indices (else TransferPostError); returns its bytes."""
+    if op not in ("WRITE", "READ"):
+        raise TransferPostError(f"unknown op {op!r}")
+    n = len(local_idx)
+    if n != len(remote_idx):
+        raise TransferPostError(f"{n} local indices but {len(remote_idx)} remote")
+    if n == 0:
+        raise TransferPostError("empty transfer")
+    for side, idx, lst in (("local", local_idx, local), ("remote", remote_idx, remote)):
+        if int(idx.min()) < 0 or int(idx.max()) >= lst.count:
+            raise TransferPostError(f"{side} index out of its list of {lst.count}")
+    if local.lengths is None and remote.lengths is None:
+        if local.length != remote.length:
+            raise TransferPostError(f"local length {local.length} != remote {remote.length}")
+        return n * local.length
+    loc = local.lengths[local_idx] if local.lengths is not None else np.full(n, local.length)
+    rem = remote.lengths[remote_idx] if remote.lengths is not None \
+        else np.full(n, remote.length)
+    if (loc != rem).any():
+        i = int(np.argmax(loc != rem))
+        raise TransferPostError(f"pair {i}: local length {loc[i]} != remote {rem[i]}")
+    return int(loc.sum())
+
+
+def index_runs(local_idx: np.ndarray, remote_idx: np.ndarray) -> int:
+    """Runs of indices consecutive on both sides: the descriptors a post comes to where
+    each run lies in one row whose stride is its length (NIXL merges such neighbours)."""
+    if len(local_idx) < 2:
+        return len(local_idx)
+    breaks = (np.diff(local_idx) != 1) | (np.diff(remote_idx) != 1)
+    return 1 + int(np.count_nonzero(breaks))
 
 
 def validate_post(op: str, local: Sequence[Range], remote: Sequence[Range],
