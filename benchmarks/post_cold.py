@@ -6,12 +6,12 @@ Two processes over real NIXL (``kvpush.sim.loopback.LoopbackPair``), the tiny Qw
 shape (3 layers, 2 KV heads x 32, bf16, 32-token blocks), contiguous blocks. Each post
 WRITEs 128 or 1024 tokens; "cold" runs a stand-in for a step before each post (a sweep
 of 64 MiB and a 2048 x 2048 bf16 matmul, one thread), as the engine's transfer thread
-posts right after the step. Each is timed twice, with what builds it as the transfer
-thread builds it: "descs" posts descriptor lists (``layer_block_descs``, ``post``:
-``get_xfer_descs`` + ``initialize_xfer``), "prepped" posts by index into
-the two regions' prepared lists as the transfer thread does (``block_indices`` of the
-blocks, ``post_prepared``: ``make_prepped_xfer``; the lists prepared once). Prints the
-median post's wall and CPU time and the median of each NIXL call in it.
+posts right after the step. Each is timed twice, built as the transfer thread builds
+it: "descs" posts descriptor lists (``layer_block_descs``, ``post``: ``get_xfer_descs``
++ ``initialize_xfer``), "prepped" posts by index into the two regions' prepared lists
+(``block_indices``, ``post_prepared``: ``make_prepped_xfer``; the lists are prepared at
+the first post). Prints the median post's wall and CPU time and the median of each NIXL
+call in it.
 """
 
 from __future__ import annotations
@@ -52,8 +52,6 @@ def main() -> None:
                     spent.setdefault(_n, []).append(time.perf_counter() - t)
             setattr(agent, name, timed)
         lay = pair.layout
-        lists = (pair.tr.prepare(None, layer_rows(pair.kv.data_ptr(), lay)),
-                 pair.tr.prepare(pair.peer_name, layer_rows(pair.remote_base, lay)))
         every = range(lay.num_layers)
 
         def by_descs(blocks: int) -> int:
@@ -63,7 +61,9 @@ def main() -> None:
         def by_index(blocks: int) -> int:
             li = block_indices(lay, range(blocks), every)
             ri = block_indices(lay, range(100, 100 + blocks), every)
-            return pair.tr.post_prepared("WRITE", pair.peer_name, lists[0], li, lists[1], ri)
+            return pair.tr.post_prepared("WRITE", pair.peer_name,
+                                         layer_rows(pair.kv.data_ptr(), lay), li,
+                                         layer_rows(pair.remote_base, lay), ri)
 
         for cold in (False, True):
             for blocks in (4, 32):

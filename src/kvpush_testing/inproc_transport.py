@@ -36,6 +36,7 @@ from kvpush.kv_transfer.transports.transport import (
     METADATA_VERSION,
     Op,
     PeerMetadata,
+    Prepared,
     PreparedLists,
     PreparedTransport,
     Range,
@@ -142,26 +143,24 @@ class InProcTransport(PreparedTransport):
         return self._post(op, peer, lambda region: validate_post(op, local, remote,
                                                                  self._region, region))
 
-    def prepare(self, peer: str | None, rows: tuple[Row, ...]) -> int:
-        """Our list or ``peer``'s (see PreparedTransport.prepare)."""
-        with self._lock:
-            if self._closed:
-                raise TransferPostError(f"{self.name}: transport closed")
-            if (handle := self._lists.find(peer, rows)) is not None:
-                return handle
-            if peer is not None and peer not in self._peers:
-                raise TransferPostError(f"{self.name}: unknown peer {peer!r}")
-            region = self._region if peer is None else self._peers[peer]
-            return self._lists.add(prepared_list(peer, rows, region), _expand(rows))[0]
-
-    def post_prepared(self, op: Op, peer: str, local: int, local_idx: np.ndarray,
-                      remote: int, remote_idx: np.ndarray) -> int:
-        """Post by indices into two prepared lists (see PreparedTransport.post_prepared)."""
-        def pairs(_region: RegionInfo) -> tuple[np.ndarray, np.ndarray]:
-            (mine, lpairs), (theirs, rpairs) = self._lists.pair(peer, local, remote)
+    def post_prepared(self, op: Op, peer: str, local: tuple[Row, ...],
+                      local_idx: Sequence[int], remote: tuple[Row, ...],
+                      remote_idx: Sequence[int]) -> int:
+        """Post by index into prepared lists (see PreparedTransport.post_prepared)."""
+        def pairs(region: RegionInfo) -> tuple[np.ndarray, np.ndarray]:
+            mine, lpairs = self._prepared(None, local, self._region)
+            theirs, rpairs = self._prepared(peer, remote, region)
             check_prepared(op, mine, local_idx, theirs, remote_idx)
-            return lpairs[local_idx], rpairs[remote_idx]
+            return lpairs[list(local_idx)], rpairs[list(remote_idx)]
         return self._post(op, peer, pairs)
+
+    def _prepared(self, peer: str | None, rows: tuple[Row, ...],
+                  region: RegionInfo | None) -> tuple[Prepared, np.ndarray]:
+        got = self._lists.get(peer, rows)
+        if got is None:
+            got = (prepared_list(peer, rows, region), _expand(rows))
+            self._lists.add(*got)
+        return got
 
     def _post(self, op: Op, peer: str,
               pairs: Callable[[RegionInfo], tuple[np.ndarray, np.ndarray]]) -> int:

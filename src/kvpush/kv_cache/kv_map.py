@@ -37,8 +37,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from kvpush.config import HEAD_MAJOR
 from kvpush.kv_cache.kv_region import KVLayout
 
@@ -194,16 +192,17 @@ def layer_rows(base: int, layout: KVLayout) -> tuple[tuple[int, int, int, int], 
                   layout.block_bytes, layout.num_blocks) for layer in range(layout.num_layers))
 
 
-def block_indices(layout: KVLayout, blocks: Sequence[int], layers: range) -> np.ndarray:
-    """The :func:`layer_rows` indices (int32) of ``blocks`` in ``layers``, layer by
-    layer, blocks in their order; ValueError if a block or layer is out of range."""
-    ids = np.asarray(blocks, dtype=np.int64)
-    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= layout.num_blocks):
+def block_indices(layout: KVLayout, blocks: Sequence[int], layers: range) -> list[int]:
+    """The :func:`layer_rows` indices of ``blocks`` in ``layers``, layer by layer,
+    blocks in their order; ValueError if a block or layer is out of range. Builtins
+    only: on the transfer thread right after a step numpy's calls cost ~20x their warm
+    time (``benchmarks/post_cold.py``)."""
+    if blocks and (min(blocks) < 0 or max(blocks) >= layout.num_blocks):
         raise ValueError(f"block ids out of range [0, {layout.num_blocks})")
     if layers.step != 1 or layers.start < 0 or layers.stop > layout.num_layers:
         raise ValueError(f"layers {layers} out of range [0, {layout.num_layers})")
-    firsts = np.arange(layers.start, layers.stop, dtype=np.int64) * layout.num_blocks
-    return (firsts[:, None] + ids[None, :]).ravel().astype(np.int32)
+    n = layout.num_blocks
+    return [layer * n + block for layer in layers for block in blocks]
 
 
 def piece_descs(heads: range, local: RankKV, local_layout: KVLayout,

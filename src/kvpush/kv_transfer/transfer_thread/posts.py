@@ -18,14 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from kvpush.kv_cache.kv_map import (
     RankKV,
     block_indices,
     head_map,
     hello_ranks,
     layer_rows,
+    paired_runs,
     piece_descs,
 )
 from kvpush.kv_cache.kv_region import KVLayout
@@ -36,7 +35,6 @@ from kvpush.kv_transfer.transports.transport import (
     PreparedTransport,
     TransferPostError,
     XferState,
-    index_runs,
 )
 from kvpush.kv_transfer.wire import messages as m
 
@@ -46,8 +44,9 @@ class _Indexed:
     """A piece as indices into the two regions' prepared lists (``kv_map.layer_rows``)."""
 
     transport: PreparedTransport
-    local: np.ndarray
-    remote: np.ndarray
+    local: list[int]
+    remote: list[int]
+    descriptors: int  # runs of blocks consecutive on both sides, times the layers
 
 
 class Posts:
@@ -117,7 +116,8 @@ class Posts:
             if len(local) != len(remote):
                 raise ValueError(f"{len(local)} local blocks but {len(remote)} remote")
             return _Indexed(transport, block_indices(self.own.layout, local, layers),
-                            block_indices(layout, remote, layers))
+                            block_indices(layout, remote, layers),
+                            len(paired_runs(local, remote)) * len(layers))
         return piece_descs(heads, mine, self.own.layout, local, theirs, layout, remote,
                            layers)
 
@@ -125,13 +125,10 @@ class Posts:
                       theirs: RankKV, layout: KVLayout) -> tuple[int, int, int]:
         """Post ``piece`` into the two regions' prepared lists: (inner handle,
         descriptors, bytes)."""
-        transport = piece.transport
-        lists = (transport.prepare(None, layer_rows(mine.base_address, self.own.layout)),
-                 transport.prepare(name, layer_rows(theirs.base_address, layout)))
-        inner = transport.post_prepared(op, name, lists[0], piece.local, lists[1],
-                                        piece.remote)
-        return (inner, index_runs(piece.local, piece.remote),
-                len(piece.local) * self.own.layout.block_bytes)
+        inner = piece.transport.post_prepared(
+            op, name, layer_rows(mine.base_address, self.own.layout), piece.local,
+            layer_rows(theirs.base_address, layout), piece.remote)
+        return inner, piece.descriptors, len(piece.local) * self.own.layout.block_bytes
 
     def _agent(self, rank: int, metadata: bytes) -> str:
         """Our rank ``rank``'s transport's name for the peer rank of ``metadata``."""

@@ -38,6 +38,7 @@ from kvpush.kv_transfer.transports.transport import (
     METADATA_VERSION,
     Op,
     PeerMetadata,
+    Prepared,
     PreparedLists,
     PreparedTransport,
     Range,
@@ -49,7 +50,6 @@ from kvpush.kv_transfer.transports.transport import (
     check_prepared,
     decode_metadata,
     encode_metadata,
-    index_runs,
     prepared_list,
     validate_post,
 )
@@ -94,7 +94,7 @@ class NixlTransport(PreparedTransport):
         self._reg_descs: Any = None
         self._peers: dict[str, PeerMetadata] = {}
         self._xfers: dict[int, _Xfer] = {}
-        self._lists: PreparedLists[Any] = PreparedLists()  # nixl_prepped_dlist_handles
+        self._lists: PreparedLists[Any] = PreparedLists()  # nixl_prepped_dlist_handle
         self._leaked: list[Any] = []  # library handles whose release failed
         self._next_handle = 1
         self._closed = False
@@ -168,38 +168,11 @@ class NixlTransport(PreparedTransport):
         """Validate, create and start a transfer (over cma: blocks for the copy)."""
         return self._timed(lambda: self._post_locked(op, peer, local, remote))
 
-    def prepare(self, peer: str | None, rows: tuple[Row, ...]) -> int:
-        """Prepare (or find) our list or ``peer``'s (PreparedTransport.prepare)."""
-        with self._lock:
-            if self._closed:
-                raise TransferPostError(f"{self.name}: transport closed")
-            handle = self._lists.find(peer, rows)
-            if handle is not None:
-                return handle
-            if peer is None:
-                region, (mem, dev) = self._region, self._mem
-            elif (meta := self._peers.get(peer)) is not None:
-                region, (mem, dev) = meta.region, nixl_mem(meta.region.device)
-            else:
-                raise TransferPostError(f"{self.name}: unknown peer {peer!r}")
-            info = prepared_list(peer, rows, region)
-            arr = np.array([(a, n, dev, stride, count) for a, n, stride, count in rows],
-                           dtype=np.uint64)
-            self._bind_device()
-            try:
-                dlist = self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", arr, mem,
-                                                    self._backends)
-            except Exception as exc:  # the library refused the rows
-                raise TransferPostError(f"{self.name}: preparing a list "
-                                        f"{'of ours' if peer is None else 'of ' + repr(peer)}"
-                                        f" failed: {exc!r}") from exc
-            handle, old = self._lists.add(info, dlist)
-            self._release_list(old)
-            return handle
-
-    def post_prepared(self, op: Op, peer: str, local: int, local_idx: np.ndarray,
-                      remote: int, remote_idx: np.ndarray) -> int:
-        """Check and start a transfer between two prepared lists (over cma: blocks for
+    def post_prepared(self, op: Op, peer: str, local: tuple[Row, ...],
+                      local_idx: Sequence[int], remote: tuple[Row, ...],
+                      remote_idx: Sequence[int]) -> int:
+        """Check and start a transfer by index between our list of ``local`` rows and
+        ``peer``'s of ``remote`` rows, each prepared on first use (over cma: blocks for
         the copy)."""
         return self._timed(lambda: self._post_prepared_locked(op, peer, local, local_idx,
                                                               remote, remote_idx))
@@ -235,19 +208,37 @@ class NixlTransport(PreparedTransport):
             agent.get_xfer_descs(rdesc, peer_mem), peer, b"", self._backends),
             len(loc), int(loc[:, 1].sum()))
 
-    def _post_prepared_locked(self, op: Op, peer: str, local: int, local_idx: np.ndarray,
-                              remote: int, remote_idx: np.ndarray) -> int:
-        self._open_peer(peer)
-        try:
-            (mine, lh), (theirs, rh) = self._lists.pair(peer, local, remote)
-        except TransferPostError as e:
-            raise TransferPostError(f"{self.name}: {e}") from None
+    def _post_prepared_locked(self, op: Op, peer: str, local: tuple[Row, ...],
+                              local_idx: Sequence[int], remote: tuple[Row, ...],
+                              remote_idx: Sequence[int]) -> int:
+        meta = self._open_peer(peer)
+        mine, lh = self._prepared(None, local, self._region, self._mem)
+        theirs, rh = self._prepared(peer, remote, meta.region, nixl_mem(meta.region.device))
         nbytes = check_prepared(op, mine, local_idx, theirs, remote_idx)
-        self._bind_device()
         agent = self._agent
         return self._start(op, peer, lambda: agent.make_prepped_xfer(
             op, lh, local_idx, rh, remote_idx, b"", self._backends),
-            index_runs(local_idx, remote_idx), nbytes)
+            len(local_idx), nbytes)
+
+    def _prepared(self, peer: str | None, rows: tuple[Row, ...], region: RegionInfo | None,
+                  mem: tuple[str, int]) -> tuple[Prepared, Any]:
+        """``peer``'s prepared list of ``rows`` (None: ours), prepared now if it is not."""
+        got = self._lists.get(peer, rows)
+        if got is not None:
+            return got
+        info = prepared_list(peer, rows, region)
+        arr = np.array([(a, n, mem[1], stride, count) for a, n, stride, count in rows],
+                       dtype=np.uint64)
+        self._bind_device()
+        try:
+            dlist = self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", arr, mem[0],
+                                                self._backends)
+        except Exception as exc:  # the library refused the rows
+            whose = "ours" if peer is None else repr(peer) + "'s"
+            raise TransferPostError(f"{self.name}: preparing {whose} list failed: "
+                                    f"{exc!r}") from exc
+        self._release_list(self._lists.add(info, dlist))
+        return info, dlist
 
     def _open_peer(self, peer: str) -> PeerMetadata:
         if self._closed:

@@ -153,21 +153,17 @@ class PreparedTransport(KVTransport):
     """A transport that posts by index into descriptor lists it prepared once."""
 
     @abc.abstractmethod
-    def prepare(self, peer: str | None, rows: tuple[Row, ...]) -> int:
-        """The handle of the prepared list of ``rows``' descriptors, numbered row by row,
-        in our region (``peer`` None) or in ``peer``'s as it announced it. One list per
-        peer and one of ours: the same rows again give the same handle (a dictionary
-        look-up), other rows replace the list; a peer's list goes with the peer
-        (:meth:`remove_peer`, new metadata), every list with :meth:`close`.
-        TransferPostError if a descriptor lies outside the region or the peer is unknown."""
-
-    @abc.abstractmethod
-    def post_prepared(self, op: Op, peer: str, local: int, local_idx: np.ndarray,
-                      remote: int, remote_idx: np.ndarray) -> int:
-        """:meth:`KVTransport.post` of descriptor ``local_idx[i]`` of our prepared list
-        ``local`` paired with ``remote_idx[i]`` of ``peer``'s list ``remote`` (int32
-        arrays); TransferPostError if either list is gone, an index is out of its list or
-        the lengths of a pair differ."""
+    def post_prepared(self, op: Op, peer: str, local: tuple[Row, ...],
+                      local_idx: Sequence[int], remote: tuple[Row, ...],
+                      remote_idx: Sequence[int]) -> int:
+        """:meth:`KVTransport.post` of descriptor ``local_idx[i]`` of the list of our
+        region's ``local`` rows paired with ``remote_idx[i]`` of the list of ``peer``'s
+        ``remote`` rows (numbered row by row). A list is prepared on its first use and
+        kept: one of ours and one per peer (other rows replace it; a peer's goes with
+        the peer: :meth:`remove_peer`, new metadata; all with :meth:`close`).
+        TransferPostError if a row leaves its region, an index its list, or the lengths
+        of a pair differ. The stats count each index a descriptor (the library may merge
+        neighbours contiguous on both sides)."""
 
 
 @dataclass(frozen=True)
@@ -185,49 +181,34 @@ K = TypeVar("K")
 
 
 class PreparedLists(Generic[K]):
-    """A transport's prepared lists, ours and one per peer, each under a handle, with
-    what the transport keeps of each (``K``: the library's handle, the expanded pairs)."""
+    """A transport's prepared lists, ours (peer None) and one per peer, each with what
+    the transport keeps of it (``K``: the library's handle, the expanded pairs)."""
 
     def __init__(self) -> None:
-        self._lists: dict[int, tuple[Prepared, K]] = {}
-        self._of: dict[str | None, int] = {}  # peer (None: ours) -> its list's handle
-        self._next = 1
+        self._lists: dict[str | None, tuple[Prepared, K]] = {}
 
-    def find(self, peer: str | None, rows: tuple[Row, ...]) -> int | None:
-        """The handle of ``peer``'s list if it was prepared from ``rows``."""
-        handle = self._of.get(peer)
-        return handle if handle is not None and self._lists[handle][0].rows == rows else None
+    def get(self, peer: str | None, rows: tuple[Row, ...]) -> tuple[Prepared, K] | None:
+        """``peer``'s list if it was prepared from ``rows``."""
+        got = self._lists.get(peer)
+        return got if got is not None and (got[0].rows is rows or got[0].rows == rows) \
+            else None
 
-    def add(self, info: Prepared, kept: K) -> tuple[int, K | None]:
-        """Keep a new list for ``info.peer``: (its handle, the list it replaced's)."""
+    def add(self, info: Prepared, kept: K) -> K | None:
+        """Keep a new list for ``info.peer``; what was kept of the one it replaced."""
         old = self.pop(info.peer)
-        handle, self._next = self._next, self._next + 1
-        self._lists[handle] = (info, kept)
-        self._of[info.peer] = handle
-        return handle, old
+        self._lists[info.peer] = (info, kept)
+        return old
 
     def pop(self, peer: str | None) -> K | None:
         """Forget ``peer``'s list (None: ours); what was kept of it, if any."""
-        handle = self._of.pop(peer, None)
-        return None if handle is None else self._lists.pop(handle)[1]
+        got = self._lists.pop(peer, None)
+        return None if got is None else got[1]
 
     def clear(self) -> list[K]:
         """Forget every list; what was kept of each."""
         kept = [k for _, k in self._lists.values()]
         self._lists.clear()
-        self._of.clear()
         return kept
-
-    def pair(self, peer: str, local: int, remote: int
-             ) -> tuple[tuple[Prepared, K], tuple[Prepared, K]]:
-        """Our list ``local`` and ``peer``'s list ``remote``; TransferPostError if
-        either is not (or no longer) that."""
-        mine, theirs = self._lists.get(local), self._lists.get(remote)
-        if mine is None or mine[0].peer is not None:
-            raise TransferPostError(f"no prepared list {local} of ours")
-        if theirs is None or theirs[0].peer != peer:
-            raise TransferPostError(f"no prepared list {remote} of {peer!r}")
-        return mine, theirs
 
 
 def prepared_list(peer: str | None, rows: tuple[Row, ...], region: RegionInfo | None
@@ -252,9 +233,10 @@ def prepared_list(peer: str | None, rows: tuple[Row, ...], region: RegionInfo | 
     return Prepared(peer, rows, sum(counts), lengths.pop() if per is None else 0, per)
 
 
-def check_prepared(op: str, local: Prepared, local_idx: np.ndarray, remote: Prepared,
-                   remote_idx: np.ndarray) -> int:
-    """Check a post by indices (else TransferPostError); returns its bytes."""
+def check_prepared(op: str, local: Prepared, local_idx: Sequence[int], remote: Prepared,
+                   remote_idx: Sequence[int]) -> int:
+    """Check a post by indices (else TransferPostError); returns its bytes. Builtins
+    only: right after a step numpy's calls cost ~20x their warm time (post_cold.py)."""
     if op not in ("WRITE", "READ"):
         raise TransferPostError(f"unknown op {op!r}")
     n = len(local_idx)
@@ -263,28 +245,20 @@ def check_prepared(op: str, local: Prepared, local_idx: np.ndarray, remote: Prep
     if n == 0:
         raise TransferPostError("empty transfer")
     for side, idx, lst in (("local", local_idx, local), ("remote", remote_idx, remote)):
-        if int(idx.min()) < 0 or int(idx.max()) >= lst.count:
+        if min(idx) < 0 or max(idx) >= lst.count:
             raise TransferPostError(f"{side} index out of its list of {lst.count}")
     if local.lengths is None and remote.lengths is None:
         if local.length != remote.length:
             raise TransferPostError(f"local length {local.length} != remote {remote.length}")
         return n * local.length
-    loc = local.lengths[local_idx] if local.lengths is not None else np.full(n, local.length)
-    rem = remote.lengths[remote_idx] if remote.lengths is not None \
+    loc = local.lengths[list(local_idx)] if local.lengths is not None \
+        else np.full(n, local.length)
+    rem = remote.lengths[list(remote_idx)] if remote.lengths is not None \
         else np.full(n, remote.length)
     if (loc != rem).any():
         i = int(np.argmax(loc != rem))
         raise TransferPostError(f"pair {i}: local length {loc[i]} != remote {rem[i]}")
     return int(loc.sum())
-
-
-def index_runs(local_idx: np.ndarray, remote_idx: np.ndarray) -> int:
-    """Runs of indices consecutive on both sides: the descriptors a post comes to where
-    each run lies in one row whose stride is its length (NIXL merges such neighbours)."""
-    if len(local_idx) < 2:
-        return len(local_idx)
-    breaks = (np.diff(local_idx) != 1) | (np.diff(remote_idx) != 1)
-    return 1 + int(np.count_nonzero(breaks))
 
 
 def validate_post(op: str, local: Sequence[Range], remote: Sequence[Range],
