@@ -215,6 +215,7 @@ class NixlTransport(PreparedTransport):
         mine, lh = self._prepared(None, local, self._region, self._mem)
         theirs, rh = self._prepared(peer, remote, meta.region, nixl_mem(meta.region.device))
         nbytes = check_prepared(op, mine, local_idx, theirs, remote_idx)
+        self._bind_device()
         agent = self._agent
         return self._start(op, peer, lambda: agent.make_prepped_xfer(
             op, lh, local_idx, rh, remote_idx, b"", self._backends),
