@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from kvpush.kv_cache.kv_map import layer_block_descs, paired_runs
+from kvpush.kv_cache.kv_map import block_indices, layer_block_descs, layer_rows, paired_runs
 from kvpush.kv_cache.kv_region import KVLayout
 from kvpush.kv_transfer.transports.transport import (
     KVTransport,
@@ -326,6 +326,54 @@ def test_nixl_peer_initiated_write_needs_our_progress(nixl_pair):
     assert "error" in ans
 
 
+@requires_nixl
+def test_nixl_prepared_lists_write_by_index_and_refuse_bad_posts(nixl_pair):
+    """Posts by index into our prepared list and the peer's land exactly there; what
+    cannot be posted is refused before anything is written."""
+    ours, buf, peer, name = nixl_pair
+    g = torch.Generator().manual_seed(11)
+    buf.copy_(torch.randint(0, 256, (LOCAL_SIZE,), dtype=torch.uint8, generator=g))
+    pb, cb, n = buf.data_ptr(), peer.base, 4096
+    mine = ((pb, n, n, 16), (pb + (128 << 10), n, 2 * n, 8))  # 24 descriptors
+    theirs = ((cb + 8192, n, n, 64),)
+    descs, before = ours.stats.descs_posted, bytearray(peer.get(8192, 64 * n))
+    li, ri = [0, 1, 2, 17], [5, 6, 7, 3]
+    h = ours.post_prepared("WRITE", name, mine, li, theirs, ri)
+    assert wait_done(ours, h) is XferState.DONE
+    ours.release(h)
+    assert ours.stats.descs_posted == descs + 4  # an index a descriptor (NIXL merges)
+    src = buf.numpy().tobytes()
+    local_off = [i * n if i < 16 else (128 << 10) + (i - 16) * 2 * n for i in li]
+    writes = [(8192 + r * n, src[lo:lo + n]) for lo, r in zip(local_off, ri)]
+    for off, data in writes:
+        before[off - 8192:off - 8192 + n] = data
+    assert peer.get(8192, 64 * n) == bytes(before)  # those blocks and nothing else
+
+    sha, fails = peer.sha(), ours.stats.post_failures
+    half = ((pb, n // 2, n, 16),)  # other lengths than the peer's
+    bad = [
+        ("WRITE", name, half, [0], theirs, [0]),
+        ("WRITE", "nobody", mine, [0], theirs, [0]),
+        ("WRITE", name, mine, [24], theirs, [0]),
+        ("WRITE", name, mine, [0], theirs, [-1]),
+        ("WRITE", name, mine, [0, 1], theirs, [0]),
+        ("WRITE", name, mine, [], theirs, []),
+        ("COPY", name, mine, [0], theirs, [0]),
+        ("WRITE", name, ((pb, n, n, 257),), [0], theirs, [0]),  # past our region
+        ("WRITE", name, mine, [0], ((cb - 1, 64, 64, 1),), [0]),  # before the peer's
+        ("WRITE", name, (), [0], theirs, [0]),
+    ]
+    for args in bad:
+        with pytest.raises(TransferPostError):
+            ours.post_prepared(*args)
+    assert ours.stats.post_failures == fails + len(bad)
+    assert peer.sha() == sha
+    h = ours.post_prepared("READ", name, mine, [3], theirs, [5])
+    assert wait_done(ours, h) is XferState.DONE
+    ours.release(h)
+    assert buf[3 * n:4 * n].numpy().tobytes() == writes[0][1]
+
+
 # -- descriptor coalescing -------------------------------------------------------------
 
 
@@ -543,6 +591,40 @@ def test_inproc_moves_kv_blocks_with_layer_block_descs(inproc):
         for b in range(12):
             if (layer, b) not in touched:
                 assert int(dk[layer, b].sum()) == 0
+
+
+def test_inproc_prepared_lists_move_kv_blocks_and_go_with_the_peer(inproc):
+    """Whole blocks by index (kv_map.layer_rows, block_indices) move what
+    layer_block_descs does; a peer's list goes when the peer does."""
+    lay_p, lay_d = layout(8, num_layers=3, block_bytes=64), layout(12, num_layers=3, block_bytes=64)
+    p, pbuf = inproc("p", 3 * 8 * 64, seed=6)
+    d, dbuf = inproc("d", 3 * 12 * 64)
+    connect(p, d)
+    pblocks, dblocks, layers = [1, 2, 3, 6], [9, 10, 4, 5], range(0, 2)
+    mine, theirs = layer_rows(pbuf.data_ptr(), lay_p), layer_rows(dbuf.data_ptr(), lay_d)
+    li, ri = block_indices(lay_p, pblocks, layers), block_indices(lay_d, dblocks, layers)
+    h = p.post_prepared("WRITE", d.name, mine, li, theirs, ri)
+    assert p.state(h) is XferState.DONE
+    pk, dk = pbuf.view(3, 8, 64), dbuf.view(3, 12, 64)
+    for layer in range(3):
+        for b in range(12):
+            src = pblocks[dblocks.index(b)] if b in dblocks and layer in layers else None
+            assert torch.equal(dk[layer, b], pk[layer, src]) if src is not None \
+                else int(dk[layer, b].sum()) == 0
+    assert d.name in p._lists._lists
+    p.remove_peer(d.name)
+    assert d.name not in p._lists._lists  # the peer's list went with it
+    with pytest.raises(TransferPostError):
+        p.post_prepared("WRITE", d.name, mine, li, theirs, ri)
+    connect(p, d)
+    assert p.state(p.post_prepared("WRITE", d.name, mine, li, theirs, ri)) is XferState.DONE
+    with pytest.raises(TransferPostError):  # past the peer's region
+        p.post_prepared("WRITE", d.name, mine, li,
+                        layer_rows(dbuf.data_ptr(), layout(13, block_bytes=64)), ri)
+    with pytest.raises(ValueError):
+        block_indices(lay_p, [8], layers)
+    with pytest.raises(ValueError):
+        block_indices(lay_p, [0], range(2, 4))
 
 
 def test_package_imports_without_nixl_module():

@@ -15,6 +15,9 @@ transfer is next looked at (:meth:`state` or :meth:`progress`); until then the t
 is untouched, which also models "the source must stay stable until DONE". A transfer
 failed by ``FaultPlan.fail_transfers`` writes nothing and ends FAILED (at its due time).
 
+Prepared lists (``prepare``/``post_prepared``) are expanded into (address, length)
+arrays once; a post by indices takes its pairs from them and goes on as ``post``.
+
 Thread-safe (one lock per instance, one for the registry).
 """
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,16 +34,21 @@ import numpy as np
 
 from kvpush.kv_transfer.transports.transport import (
     METADATA_VERSION,
-    KVTransport,
     Op,
     PeerMetadata,
+    Prepared,
+    PreparedLists,
+    PreparedTransport,
     Range,
     RegionInfo,
+    Row,
     TransferPostError,
     TransportStats,
     XferState,
+    check_prepared,
     decode_metadata,
     encode_metadata,
+    prepared_list,
     validate_post,
 )
 from kvpush_testing.faults import FaultPlan
@@ -63,7 +71,14 @@ class _Xfer:
     state: XferState = XferState.PENDING
 
 
-class InProcTransport(KVTransport):
+def _expand(rows: tuple[Row, ...]) -> np.ndarray:
+    parts = [np.stack([addr + stride * np.arange(count, dtype=np.int64),
+                       np.full(count, length, dtype=np.int64)], axis=1)
+             for addr, length, stride, count in rows]
+    return np.concatenate(parts)
+
+
+class InProcTransport(PreparedTransport):
     """memmove-based transport between engines of one process, with fault injection."""
 
     kind = KIND
@@ -77,6 +92,8 @@ class InProcTransport(KVTransport):
         self._region: RegionInfo | None = None
         self._peers: dict[str, RegionInfo] = {}
         self._xfers: dict[int, _Xfer] = {}
+        #: each with its descriptors as (N, 2) int64 (address, length)
+        self._lists: PreparedLists[np.ndarray] = PreparedLists()
         self._next_handle = 1
         self._lock = threading.Lock()
         self._closed = False
@@ -108,6 +125,8 @@ class InProcTransport(KVTransport):
         """Remember a peer's region from its metadata; returns its name."""
         meta = decode_metadata(metadata, KIND)
         with self._lock:
+            if self._peers.get(meta.name) != meta.region:
+                self._lists.pop(meta.name)
             self._peers[meta.name] = meta.region
         return meta.name
 
@@ -115,17 +134,37 @@ class InProcTransport(KVTransport):
         """Forget a peer (transfers already posted still finish)."""
         with self._lock:
             self._peers.pop(peer, None)
+            self._lists.pop(peer)
 
     # -- transfers --------------------------------------------------------------------
 
-    def post(
-        self,
-        op: Op,
-        peer: str,
-        local: Sequence[Range],
-        remote: Sequence[Range],
-    ) -> int:
+    def post(self, op: Op, peer: str, local: Sequence[Range], remote: Sequence[Range]) -> int:
         """Validate and post a transfer (see KVTransport.post)."""
+        return self._post(op, peer, lambda region: validate_post(op, local, remote,
+                                                                 self._region, region))
+
+    def post_prepared(self, op: Op, peer: str, local: tuple[Row, ...],
+                      local_idx: Sequence[int], remote: tuple[Row, ...],
+                      remote_idx: Sequence[int]) -> int:
+        """Post by index into prepared lists (see PreparedTransport.post_prepared)."""
+        def pairs(region: RegionInfo) -> tuple[np.ndarray, np.ndarray]:
+            mine, lpairs = self._prepared(None, local, self._region)
+            theirs, rpairs = self._prepared(peer, remote, region)
+            check_prepared(op, mine, local_idx, theirs, remote_idx)
+            return lpairs[list(local_idx)], rpairs[list(remote_idx)]
+        return self._post(op, peer, pairs)
+
+    def _prepared(self, peer: str | None, rows: tuple[Row, ...],
+                  region: RegionInfo | None) -> tuple[Prepared, np.ndarray]:
+        got = self._lists.get(peer, rows)
+        if got is None:
+            got = (prepared_list(peer, rows, region), _expand(rows))
+            self._lists.add(*got)
+        return got
+
+    def _post(self, op: Op, peer: str,
+              pairs: Callable[[RegionInfo], tuple[np.ndarray, np.ndarray]]) -> int:
+        """Post the (local, remote) pairs ``pairs`` gives for the peer's region."""
         t0 = time.perf_counter()
         with self._lock:
             try:
@@ -136,7 +175,7 @@ class InProcTransport(KVTransport):
                 peer_region = self._peers.get(peer)
                 if peer_region is None:
                     raise TransferPostError(f"{self.name}: unknown peer {peer!r}")
-                loc, rem = validate_post(op, local, remote, self._region, peer_region)
+                loc, rem = pairs(peer_region)
                 with self._registry_lock:
                     if self._registry.get(peer) != peer_region:
                         raise TransferPostError(f"{self.name}: peer {peer!r} is gone")
@@ -190,6 +229,7 @@ class InProcTransport(KVTransport):
             self._closed = True
             self._xfers.clear()
             self._peers.clear()
+            self._lists.clear()
             with self._registry_lock:
                 if self._region is not None and self._registry.get(self.name) == self._region:
                     del self._registry[self.name]

@@ -21,6 +21,9 @@ both sides (any layout). Otherwise both regions must be head-major (``[layer, bl
 K|V, head, token, dim]``): a head range of one block's K (or V) is then one contiguous
 range on each side, so a piece costs one descriptor per layer, block and K|V, each a
 whole block's worth of tokens of its heads (never one per token or per head).
+A transport with prepared lists moves whole blocks by index instead: each region is one
+list of a descriptor per (layer, block) (:func:`layer_rows`), and a post is the indices
+of its layers' blocks on both sides (:func:`block_indices`).
 
 **The check** (:func:`pair_problems`), at the handshake on both sides: the same model
 KV heads, layers, block size, head size and dtype; each side's ranks cover every KV
@@ -29,6 +32,7 @@ head with equal shares that match its region; different shares need head-major o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -178,6 +182,27 @@ def layer_block_descs(local_base: int, local_layout: KVLayout, local_blocks: Seq
             local.append((local_base + loff, llen))
             remote.append((remote_base + roff, rlen))
     return local, remote
+
+
+@functools.lru_cache(maxsize=64)
+def layer_rows(base: int, layout: KVLayout) -> tuple[tuple[int, int, int, int], ...]:
+    """A region's prepared-list rows: one a layer, a descriptor a block, so that
+    descriptor ``layer * num_blocks + block`` is that layer of that block."""
+    return tuple((base + layout.range_of(layer, 0, 1)[0], layout.block_bytes,
+                  layout.block_bytes, layout.num_blocks) for layer in range(layout.num_layers))
+
+
+def block_indices(layout: KVLayout, blocks: Sequence[int], layers: range) -> list[int]:
+    """The :func:`layer_rows` indices of ``blocks`` in ``layers``, layer by layer,
+    blocks in their order; ValueError if a block or layer is out of range. Builtins
+    only: on the transfer thread right after a step numpy's calls cost ~20x their warm
+    time (``benchmarks/post_cold.py``)."""
+    if blocks and (min(blocks) < 0 or max(blocks) >= layout.num_blocks):
+        raise ValueError(f"block ids out of range [0, {layout.num_blocks})")
+    if layers.step != 1 or layers.start < 0 or layers.stop > layout.num_layers:
+        raise ValueError(f"layers {layers} out of range [0, {layout.num_layers})")
+    n = layout.num_blocks
+    return [layer * n + block for layer in layers for block in blocks]
 
 
 def piece_descs(heads: range, local: RankKV, local_layout: KVLayout,

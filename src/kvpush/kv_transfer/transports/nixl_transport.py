@@ -9,6 +9,12 @@ docs/MEASURED.md) ``post()`` does the copy and returns it DONE, blocking its thr
 released) meanwhile: post from the transfer thread, never the step loop. Each descriptor
 has a fixed cost, nearly all UCX's: coalesce small pieces.
 
+Prepared lists (:class:`~kvpush.kv_transfer.transports.transport.PreparedTransport`):
+``prep_xfer_dlist`` of strided rows (NIXL's Nx5 form: one row a layer, a descriptor a
+block), once for our region and once per peer; a post is ``make_prepped_xfer`` with two
+index arrays, which NIXL merges where neighbours are contiguous on both sides. A peer's
+list is released with the peer, ours at :meth:`~NixlTransport.close`.
+
 Relied on (nixl 1.5.1): ``add_remote_agent`` returns the name as *bytes*; adding the same
 metadata twice is fine; a WRITE's target needs no initiator metadata. NIXL notifications
 are not used. UCX's CUDA transports need a CUDA context current on the calling thread
@@ -22,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,16 +36,21 @@ import numpy as np
 
 from kvpush.kv_transfer.transports.transport import (
     METADATA_VERSION,
-    KVTransport,
     Op,
     PeerMetadata,
+    Prepared,
+    PreparedLists,
+    PreparedTransport,
     Range,
     RegionInfo,
+    Row,
     TransferPostError,
     TransportStats,
     XferState,
+    check_prepared,
     decode_metadata,
     encode_metadata,
+    prepared_list,
     validate_post,
 )
 
@@ -63,7 +74,7 @@ class _Xfer:
     state: XferState
 
 
-class NixlTransport(KVTransport):
+class NixlTransport(PreparedTransport):
     """KV transport over a NIXL agent without progress thread. Thread-safe (one lock
     around every agent call), meant to be used from one transfer thread."""
 
@@ -83,6 +94,7 @@ class NixlTransport(KVTransport):
         self._reg_descs: Any = None
         self._peers: dict[str, PeerMetadata] = {}
         self._xfers: dict[int, _Xfer] = {}
+        self._lists: PreparedLists[Any] = PreparedLists()  # nixl_prepped_dlist_handle
         self._leaked: list[Any] = []  # library handles whose release failed
         self._next_handle = 1
         self._closed = False
@@ -146,6 +158,7 @@ class NixlTransport(KVTransport):
     def _remove_locked(self, peer: str) -> None:
         if self._peers.pop(peer, None) is None:
             return
+        self._release_list(self._lists.pop(peer))
         try:
             self._agent.remove_remote_agent(peer)
         except Exception as exc:  # already gone in the library
@@ -153,10 +166,23 @@ class NixlTransport(KVTransport):
 
     def post(self, op: Op, peer: str, local: Sequence[Range], remote: Sequence[Range]) -> int:
         """Validate, create and start a transfer (over cma: blocks for the copy)."""
+        return self._timed(lambda: self._post_locked(op, peer, local, remote))
+
+    def post_prepared(self, op: Op, peer: str, local: tuple[Row, ...],
+                      local_idx: Sequence[int], remote: tuple[Row, ...],
+                      remote_idx: Sequence[int]) -> int:
+        """Check and start a transfer by index between our list of ``local`` rows and
+        ``peer``'s of ``remote`` rows, each prepared on first use (over cma: blocks for
+        the copy)."""
+        return self._timed(lambda: self._post_prepared_locked(op, peer, local, local_idx,
+                                                              remote, remote_idx))
+
+    def _timed(self, post: Callable[[], int]) -> int:
+        """Run ``post`` under the lock, counting it in the stats."""
         t0 = time.perf_counter()
         with self._lock:
             try:
-                handle = self._post_locked(op, peer, local, remote)
+                handle = post()
             except TransferPostError:
                 self.stats.post_failures += 1
                 raise
@@ -166,11 +192,7 @@ class NixlTransport(KVTransport):
 
     def _post_locked(self, op: Op, peer: str, local: Sequence[Range],
                      remote: Sequence[Range]) -> int:
-        if self._closed:
-            raise TransferPostError(f"{self.name}: transport closed")
-        meta = self._peers.get(peer)
-        if meta is None:
-            raise TransferPostError(f"{self.name}: unknown peer {peer!r}")
+        meta = self._open_peer(peer)
         loc, rem = validate_post(op, local, remote, self._region, meta.region)
         self._bind_device()
         peer_mem, peer_dev = nixl_mem(meta.region.device)
@@ -180,11 +202,59 @@ class NixlTransport(KVTransport):
         rdesc = np.empty((len(rem), 3), dtype=np.uint64)
         rdesc[:, :2] = rem
         rdesc[:, 2] = peer_dev
+        agent = self._agent
+        return self._start(op, peer, lambda: agent.initialize_xfer(
+            op, agent.get_xfer_descs(ldesc, self._mem[0]),
+            agent.get_xfer_descs(rdesc, peer_mem), peer, b"", self._backends),
+            len(loc), int(loc[:, 1].sum()))
+
+    def _post_prepared_locked(self, op: Op, peer: str, local: tuple[Row, ...],
+                              local_idx: Sequence[int], remote: tuple[Row, ...],
+                              remote_idx: Sequence[int]) -> int:
+        meta = self._open_peer(peer)
+        mine, lh = self._prepared(None, local, self._region, self._mem)
+        theirs, rh = self._prepared(peer, remote, meta.region, nixl_mem(meta.region.device))
+        nbytes = check_prepared(op, mine, local_idx, theirs, remote_idx)
+        self._bind_device()
+        agent = self._agent
+        return self._start(op, peer, lambda: agent.make_prepped_xfer(
+            op, lh, local_idx, rh, remote_idx, b"", self._backends),
+            len(local_idx), nbytes)
+
+    def _prepared(self, peer: str | None, rows: tuple[Row, ...], region: RegionInfo | None,
+                  mem: tuple[str, int]) -> tuple[Prepared, Any]:
+        """``peer``'s prepared list of ``rows`` (None: ours), prepared now if it is not."""
+        got = self._lists.get(peer, rows)
+        if got is not None:
+            return got
+        info = prepared_list(peer, rows, region)
+        arr = np.array([(a, n, mem[1], stride, count) for a, n, stride, count in rows],
+                       dtype=np.uint64)
+        self._bind_device()
+        try:
+            dlist = self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", arr, mem[0],
+                                                self._backends)
+        except Exception as exc:  # the library refused the rows
+            whose = "ours" if peer is None else repr(peer) + "'s"
+            raise TransferPostError(f"{self.name}: preparing {whose} list failed: "
+                                    f"{exc!r}") from exc
+        self._release_list(self._lists.add(info, dlist))
+        return info, dlist
+
+    def _open_peer(self, peer: str) -> PeerMetadata:
+        if self._closed:
+            raise TransferPostError(f"{self.name}: transport closed")
+        meta = self._peers.get(peer)
+        if meta is None:
+            raise TransferPostError(f"{self.name}: unknown peer {peer!r}")
+        return meta
+
+    def _start(self, op: Op, peer: str, make: Callable[[], Any], descs: int,
+               nbytes: int) -> int:
+        """Create the library's transfer with ``make`` and start it; our handle."""
         xh = None
         try:
-            xh = self._agent.initialize_xfer(
-                op, self._agent.get_xfer_descs(ldesc, self._mem[0]),
-                self._agent.get_xfer_descs(rdesc, peer_mem), peer, b"", self._backends)
+            xh = make()
             status = self._agent.transfer(xh)
         except Exception as exc:  # every library error is a failed post
             self._release_lib(xh)
@@ -197,8 +267,8 @@ class NixlTransport(KVTransport):
         state = XferState.DONE if status == "DONE" else XferState.PENDING
         self._xfers[handle] = _Xfer(xh, state)
         self.stats.posts += 1
-        self.stats.descs_posted += len(loc)
-        self.stats.bytes_posted += int(loc[:, 1].sum())
+        self.stats.descs_posted += descs
+        self.stats.bytes_posted += nbytes
         if state is XferState.DONE:
             self.stats.done += 1
         return handle
@@ -248,6 +318,8 @@ class NixlTransport(KVTransport):
             self._xfers.clear()
             for peer in list(self._peers):
                 self._remove_locked(peer)
+            for dlist in self._lists.clear():
+                self._release_list(dlist)
             for xh in self._leaked:
                 self._release_lib(xh, keep=False)
             self._leaked.clear()
@@ -266,6 +338,15 @@ class NixlTransport(KVTransport):
         import torch
         torch.cuda.set_device(self._mem[1])
         self._bound.device = self._mem[1]
+
+    def _release_list(self, dlist: Any) -> None:
+        """Release a prepared list's library handle (None: nothing)."""
+        if dlist is None:
+            return
+        try:
+            dlist.release()
+        except Exception as exc:  # the library keeps it until the agent goes
+            logger.warning("%s: release of a prepared list failed: %r", self.name, exc)
 
     def _release_lib(self, xh: Any, keep: bool = True) -> None:
         """Release a library handle; if NIXL refuses (still active), retry later."""
