@@ -150,6 +150,36 @@ def test_fronts_with_the_same_request_id_get_only_their_own_outputs(core):
     run(core, main)
 
 
+async def link_free(link: RemoteCore, ok: Callable[[int], bool], what: str) -> int:
+    """The link's view of the core's free blocks, once ``ok`` holds for it (bounded)."""
+    for _ in range(int(WAIT_S / 0.01)):
+        stats = link.latest_stats()
+        if stats is not None and ok(stats.num_free_blocks):
+            return stats.num_free_blocks
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the link never saw {what}: {link.latest_stats()}")
+
+
+def test_an_idle_links_free_blocks_follow_the_core_while_its_own_front_drives_it(core):
+    """A router's link that sends nothing but its Hello sees the core's free blocks as
+    the instance's own API process takes and frees them: the core hands each new
+    snapshot to every front, not only with that front's own outputs."""
+    async def main() -> None:
+        link = await remote(core)
+        try:
+            total = core.stats().num_total_blocks
+            await link_free(link, lambda free: free == total, "every block free")
+            outs = core.generate("long", PROMPT, greedy(MAX_LEN - len(PROMPT)))
+            await anext(outs)  # running on the instance's own front: its blocks taken
+            await link_free(link, lambda free: free < total - 1, "blocks taken")
+            await outs.aclose()  # aborted: its blocks are free again
+            await link_free(link, lambda free: free == total, "the blocks freed")
+        finally:
+            link.close()
+
+    run(core, main)
+
+
 def test_a_wrong_secret_never_proves_and_gets_nothing(core):
     async def main() -> None:
         start = await free_blocks(core)

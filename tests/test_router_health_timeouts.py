@@ -17,6 +17,19 @@ from stand_in import push_kv_info
 INFO = push_kv_info("decode", "decode-x", 5600, request_plane="127.0.0.1:5601")
 
 
+class _Links:
+    """The pool's view of the core links: every one up, or none; no gauges."""
+
+    def __init__(self, up: bool) -> None:
+        self.up = up
+
+    def link_up(self, inst: object) -> bool:
+        return self.up
+
+    def latest_stats(self, inst: object) -> None:
+        return None
+
+
 def _run(behaviour: list[str], tolerated: int = 1, alone: bool = False,
          link_up: bool = False) -> list[bool]:
     """Health after each check, the instance answering per ``behaviour`` (ok, timeout,
@@ -26,7 +39,7 @@ def _run(behaviour: list[str], tolerated: int = 1, alone: bool = False,
                        decode=tuple(parse_instance(u) for u in decodes),
                        slow_checks_tolerated=tolerated)
     pool = Pool(cfg)
-    pool.link_up = lambda inst: link_up
+    pool.cores = _Links(link_up)
     d = pool.by_role["decode"][0]
     if not alone:
         pool.by_role["decode"][1].healthy = True

@@ -13,6 +13,10 @@ core then ends at once with an error, and every utility call waiting fails. ZMQ
 reconnects by itself (``connected`` again); requests sent meanwhile are refused with a
 503 at once (``IMMEDIATE``: nothing queues for a connection that is not up). ZMTP
 heartbeats close a connection to a core that went silent within a few seconds.
+
+Each connection opens with a ``Hello``: the core answers with its latest snapshot and
+sends every new one after it, whichever front's requests it runs, so ``latest_stats``
+(its free blocks, running and waiting requests) follows the core while the link idles.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from kvpush.engine.inputs import (
     AbortRemote,
     AbortRequests,
     FrontCommand,
+    Hello,
     SubmitRequest,
     UtilityCall,
 )
@@ -150,6 +155,12 @@ class RemoteCore(FrontEnd):
         if self._own_ctx:
             self._ctx.term()
 
+    def latest_stats(self) -> EngineStats | None:
+        """The core's gauges as its latest snapshot says; None while no connection is
+        up, or before the core's first snapshot on this one."""
+        seen = self.connected and self._snapshot is not NO_SNAPSHOT
+        return self._snapshot.stats if seen else None
+
     # ---- FrontEnd -------------------------------------------------------------------
     def _core_problem(self) -> str | None:
         if self._closed:
@@ -250,9 +261,12 @@ class RemoteCore(FrontEnd):
                 self._refused = None
                 self.fatal = None  # (a core at this address again: a new one)
                 self._up.set()
+                self._sock.getsockopt(zmq.EVENTS)  # (attaches the connection's pipe)
+                self._send(Hello())
             elif event == zmq.EVENT_DISCONNECTED:
                 if self.connected:
                     self.connected = False
+                    self._snapshot = NO_SNAPSHOT
                     self._up.clear()
                     why = self.fatal or f"the engine core connection was lost ({self.address})"
                     log.warning("%s", why)

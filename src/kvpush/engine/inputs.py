@@ -10,9 +10,10 @@ tells them apart), applied by ``LLMEngine.process_inbox`` between two steps.
 * :class:`Shutdown`: stop the loop.
 
 Other fronts (routers) reach the core over its request plane (``engine/request_plane.py``)
-with :data:`PlaneCommand`: :class:`SubmitRequest` (not yet checked: its
-``kv_transfer_params`` are the raw, router-signed wire dict), :class:`AbortRemote`,
-:class:`AbortTransfer` and :class:`UtilityCall`. The plane checks them and puts the
+with :data:`PlaneCommand`: :class:`Hello` (on each connection: the core's snapshots
+from then on), :class:`SubmitRequest` (not yet checked: its ``kv_transfer_params`` are
+the raw, router-signed wire dict), :class:`AbortRemote`, :class:`AbortTransfer` and
+:class:`UtilityCall`. The plane checks them and puts the
 commands above in the inbox, under ids that start with :data:`REMOTE_MARK`.
 
 The transfer thread's updates (``kv_transfer.commands.TransferUpdate``) reach the same
@@ -102,12 +103,17 @@ class AbortRemote(msgspec.Struct, tag=True, frozen=True):
     request_ids: list[str]
 
 
+class Hello(msgspec.Struct, tag=True, frozen=True):
+    """A remote front's first word on a connection: the plane answers with the core's
+    latest snapshot and sends it every later one (its gauges: the router's free blocks)."""
+
+
 #: what a remote front sends the core's request plane
-PlaneCommand = SubmitRequest | AbortRemote | AbortTransfer | UtilityCall
+PlaneCommand = Hello | SubmitRequest | AbortRemote | AbortTransfer | UtilityCall
 #: what a front (FrontEnd) sends its core: its own API process's, or a remote front's
 FrontCommand = EngineCommand | PlaneCommand
 #: the commands only a remote front sends
-PLANE_ONLY = (SubmitRequest, AbortRemote)
+PLANE_ONLY = (Hello, SubmitRequest, AbortRemote)
 
 
 def submitted_id(payload: bytes) -> str | None:

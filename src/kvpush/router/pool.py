@@ -19,6 +19,12 @@ also ends every leg still waiting on the instance (kvpush.router.watch): a froze
 instance keeps its connections open, and its legs would otherwise wait for their whole
 read timeout.
 
+Which facts come from where: ``/kv/info`` (at each check) says what an instance is (its
+identity, role, transfer mode, block size, request plane); ``/health`` whether its HTTP
+API answers (for a kvpush instance whose core link is up, not a judge: ``_spared``); a
+kvpush instance's gauges (free blocks, running and waiting requests) come from its
+engine core link alone (``stats``: the core's latest snapshot, kvpush.router.senders).
+
 All state is touched from the event loop only, so picks need no lock.
 """
 
@@ -30,7 +36,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
@@ -41,6 +47,9 @@ from kvpush.router.answers import fetch
 from kvpush.router.config import RouterConfig, RouterConfigError, RouterKeys
 from kvpush.router.watch import LegWatch, end_all
 from kvpush.server.auth import auth_header
+
+if TYPE_CHECKING:
+    from kvpush.engine.outputs import EngineStats
 
 logger = logging.getLogger("kvpush.router")
 
@@ -121,18 +130,16 @@ class Instance:
             return self.spec.explicit.engine_id
         return self.url
 
-    def state(self) -> dict[str, Any]:
-        free = total = None
-        if self.info is not None:
-            free, total = self.info.num_free_blocks, self.info.num_total_blocks
+    def state(self, stats: EngineStats | None) -> dict[str, Any]:
+        """/router/instances' entry (``stats``: its core's gauges, Pool.stats)."""
         return {"url": self.url, "role": self.role, "engine_id": self.engine_id,
                 "healthy": self.healthy, "in_flight": self.in_flight,
                 "tokens_in_flight": self.tokens_in_flight,
                 "requests": self.requests, "failures": self.failures,
                 "last_error": None if self.healthy else self.last_error,
                 "misconfigured": self.misconfigured,
-                "num_free_blocks": free if isinstance(free, int) else None,
-                "num_total_blocks": total if isinstance(total, int) else None}
+                "num_free_blocks": stats.num_free_blocks if stats is not None else None,
+                "num_total_blocks": stats.num_total_blocks if stats is not None else None}
 
 
 def identity_from_info(info: KVInfo) -> Identity | None:
@@ -147,6 +154,14 @@ def describe_error(exc: BaseException) -> str:
     text = str(exc).strip()
     name = type(exc).__name__
     return f"{name}: {text}" if text else name
+
+
+class CoreView(Protocol):
+    """What the pool reads of the links to kvpush instances' engine cores."""
+
+    def link_up(self, inst: Instance) -> bool: ...
+
+    def latest_stats(self, inst: Instance) -> EngineStats | None: ...
 
 
 class Pool:
@@ -166,9 +181,9 @@ class Pool:
         #: called with each instance that left the pool (remove_instance): the KV index,
         #: the link to its engine core
         self.on_remove: list[Callable[[Instance], None]] = []
-        #: whether an instance's engine core link is up now (the router's CoreSender
-        #: says; an instance it links is not judged by its HTTP probe)
-        self.link_up: Callable[[Instance], bool] = lambda _inst: False
+        #: the links to kvpush instances' engine cores (the router's CoreSender, once
+        #: its front is built; None: no link yet)
+        self.cores: CoreView | None = None
         self._check_slots = asyncio.Semaphore(CHECKS_AT_ONCE)
         #: the checks running now, by instance (start_checks)
         self._checks: dict[Instance, asyncio.Task] = {}
@@ -251,6 +266,16 @@ class Pool:
         chosen.in_flight += 1
         chosen.requests += 1
         return chosen
+
+    def link_up(self, inst: Instance) -> bool:
+        """Whether ``inst``'s engine core link is up (then its HTTP probe does not judge
+        it)."""
+        return self.cores is not None and self.cores.link_up(inst)
+
+    def stats(self, inst: Instance) -> EngineStats | None:
+        """A kvpush instance's gauges as its engine core's latest snapshot says (over
+        its link); None for a vLLM instance, or before its link has one."""
+        return self.cores.latest_stats(inst) if self.cores is not None else None
 
     @staticmethod
     def release(inst: Instance) -> None:

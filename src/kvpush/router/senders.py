@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpush.engine.core_link import RemoteCore
-from kvpush.engine.outputs import EngineOutput
+from kvpush.engine.outputs import EngineOutput, EngineStats
 from kvpush.router.pool import Instance, Pool
 
 if TYPE_CHECKING:
@@ -91,6 +91,8 @@ class CoreLink(Protocol):
     on_lost: Callable[[str], None] | None
 
     def health_problem(self) -> str | None: ...
+
+    def latest_stats(self) -> EngineStats | None: ...
 
     def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                kv_transfer_params: dict | None = None) -> AsyncIterator[EngineOutput]: ...
@@ -162,6 +164,12 @@ class CoreSender:
         """Whether ``inst``'s engine core link is connected now."""
         core = self._links.get(inst.url)
         return core is not None and core.connected
+
+    def latest_stats(self, inst: Instance) -> EngineStats | None:
+        """``inst``'s gauges as its core's latest snapshot says (None: no link, or none
+        yet)."""
+        core = self._links.get(inst.url)
+        return core.latest_stats() if core is not None else None
 
     # ---- LegSender -----------------------------------------------------------------
     def usable(self, inst: Instance) -> bool:
