@@ -380,7 +380,7 @@ class FakeInstance:
     def _answer(self, cmd: SubmitRequest) -> list[int] | RequestFailure:
         body: dict[str, Any] = {"prompt": list(cmd.prompt_token_ids)}
         if cmd.kv_transfer_params is not None:
-            body["kv_transfer_params"] = cmd.kv_transfer_params
+            body["kv_transfer_params"] = cmd.kv_transfer_params.wire()
         self.bodies.append(body)
         if self.cannot_serve:
             return RequestFailure("this instance cannot serve requests: the KV transfer "

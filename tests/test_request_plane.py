@@ -19,6 +19,7 @@ from kvpush.config import EngineConfig, KVTransferConfig
 from kvpush.engine.core_client import CoreClient
 from kvpush.engine.core_link import RemoteCore, plane_keys
 from kvpush.engine.outputs import FinishReason, RequestError
+from kvpush.kv_transfer.params import WireKVParams
 from kvpush.sampling_params import SamplingParams
 from kvpush_testing.links import InProcLinks
 
@@ -63,7 +64,8 @@ def run(local: CoreClient, main: Callable[[], Awaitable[None]]) -> None:
 
 
 async def tokens(front, rid: str, prompt: list[int], params: SamplingParams,
-                 kv: dict | None = None) -> tuple[list[int], str, FinishReason | None]:
+                 kv: WireKVParams | dict | None = None
+                 ) -> tuple[list[int], str, FinishReason | None]:
     ids: list[int] = []
     text = ""
     reason = None
@@ -304,8 +306,8 @@ def test_a_refusal_is_the_request_error_the_instance_would_raise(core):
             assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
             with pytest.raises(RequestError) as e:  # the router did not sign them
                 await tokens(link, "unsigned", PROMPT, greedy(4),
-                             {"do_remote_prefill": True, "transfer_id": "t",
-                              "remote_host": "127.0.0.1", "remote_port": 1})
+                             WireKVParams(do_remote_prefill=True, transfer_id="t",
+                                          remote_host="127.0.0.1", remote_port=1))
             assert e.value.status_code == 403
             with pytest.raises(RequestError) as local:
                 await tokens(core, "unsigned", PROMPT, greedy(4),

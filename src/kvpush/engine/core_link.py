@@ -2,7 +2,7 @@
 (kvpush.engine.request_plane), for fronts other than the core's own API process (the
 router). It is a FrontEnd: the same streams, detokenizers and stop strings, aborts on
 close, errors; only the checks are the core's (the plane runs RequestChecker on each
-``SubmitRequest``, with the raw, router-signed ``kv_transfer_params``; a refusal comes
+``SubmitRequest``, with ``kv_transfer_params`` as the router signed them; a refusal comes
 back as the RequestError the instance's own API would raise).
 
 One DEALER, a CURVE client with the keys derived from the cluster secret; the event loop
@@ -59,7 +59,7 @@ from kvpush.engine.outputs import (
 )
 from kvpush.engine.request_plane import HEARTBEAT, MAX_MESSAGE_BYTES
 from kvpush.kv_info import KVInfo
-from kvpush.kv_transfer.params import KVTransferParams
+from kvpush.kv_transfer.params import GivenKVParams, WireKVParams
 from kvpush.kv_transfer.wire.link_watch import monitor_events
 from kvpush.sampling_params import SamplingParams
 
@@ -171,19 +171,20 @@ class RemoteCore(FrontEnd):
         return f"no connection to the engine core at {self.address}{why}"
 
     def _add(self, internal: str, prompt_token_ids: list[int], params: SamplingParams,
-             kv_transfer_params: KVTransferParams | dict | None
+             kv_transfer_params: GivenKVParams | None
              ) -> tuple[FrontCommand, SamplingParams]:
         """The core checks it (its own instance's RequestChecker); a prefill leg's
         stream has one choice, as the core runs it (RequestChecker.leg_params)."""
-        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
-            raise TypeError("RemoteCore takes kv_transfer_params as the wire dict")
-        add = SubmitRequest(internal, list(prompt_token_ids), params, kv_transfer_params)
-        if kv_transfer_params is not None and kv_transfer_params.get("do_remote_decode"):
+        kv = kv_transfer_params
+        if kv is not None and not isinstance(kv, WireKVParams):
+            raise TypeError("RemoteCore takes kv_transfer_params as WireKVParams")
+        add = SubmitRequest(internal, list(prompt_token_ids), params, kv)
+        if kv is not None and kv.do_remote_decode:
             params = dataclasses.replace(params, n=1)
         return add, params
 
     def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               kv_transfer_params: KVTransferParams | dict | None = None
+               kv_transfer_params: GivenKVParams | None = None
                ) -> AsyncIterator[EngineOutput]:
         """FrontEnd.stream, with ``kv_transfer_params`` as the router signed them."""
         self.start()

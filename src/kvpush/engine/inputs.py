@@ -11,8 +11,8 @@ tells them apart), applied by ``LLMEngine.process_inbox`` between two steps.
 
 Other fronts (routers) reach the core over its request plane (``engine/request_plane.py``)
 with :data:`PlaneCommand`: :class:`Hello` (on each connection: the core's snapshots
-from then on), :class:`SubmitRequest` (not yet checked: its ``kv_transfer_params`` are
-the raw, router-signed wire dict), :class:`AbortRemote`, :class:`AbortTransfer` and
+from then on), :class:`SubmitRequest` (not yet checked: its ``kv_transfer_params`` as
+the router signed them, a WireKVParams), :class:`AbortRemote`, :class:`AbortTransfer` and
 :class:`UtilityCall`. The plane checks them and puts the
 commands above in the inbox, under ids that start with :data:`REMOTE_MARK`.
 
@@ -28,7 +28,7 @@ import enum
 
 import msgspec
 
-from kvpush.kv_transfer.params import KVTransferParams
+from kvpush.kv_transfer.params import KVTransferParams, WireKVParams
 from kvpush.sampling_params import SamplingParams
 
 
@@ -89,12 +89,12 @@ REMOTE_MARK = "~"
 
 class SubmitRequest(msgspec.Struct, tag=True, frozen=True):
     """A remote front's request: checked by the core's request plane (RequestChecker),
-    ``kv_transfer_params`` as the router signed them (the wire dict)."""
+    ``kv_transfer_params`` as the router signed them."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: WireKVParams | None = None
 
 
 class AbortRemote(msgspec.Struct, tag=True, frozen=True):

@@ -26,9 +26,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvpush.engine.core_link import RemoteCore
 from kvpush.engine.outputs import EngineOutput, EngineStats
 from kvpush.router.pool import Instance, Pool
+from kvpush.router.wire import LegKV
 
 if TYPE_CHECKING:
     from kvpush.crypto.curve import CurveKeys
+    from kvpush.kv_transfer.params import WireKVParams
     from kvpush.sampling_params import SamplingParams
 
 
@@ -51,7 +53,7 @@ class Leg:
     prompt: list[int]
     params: SamplingParams
     #: the leg's kv_transfer_params, signed for ``inst`` (None: a plain request)
-    kv: dict[str, Any] | None
+    kv: LegKV | None
 
 
 class LegSender(Protocol):
@@ -95,7 +97,8 @@ class CoreLink(Protocol):
     def latest_stats(self) -> EngineStats | None: ...
 
     def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               kv_transfer_params: dict | None = None) -> AsyncIterator[EngineOutput]: ...
+               kv_transfer_params: WireKVParams | None = None
+               ) -> AsyncIterator[EngineOutput]: ...
 
     def abort_transfer(self, transfer_id: str, why: str = ...) -> None: ...
 
@@ -187,6 +190,7 @@ class CoreSender:
 
     async def stream(self, leg: Leg) -> AsyncIterator[EngineOutput]:
         core = self._links[leg.inst.url]
+        assert not isinstance(leg.kv, dict)  # (a kvpush instance's: LegSigner)
         outs = core.stream(leg.transfer_id, leg.prompt, leg.params, leg.kv)
         try:
             async for out in outs:
