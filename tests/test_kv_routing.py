@@ -180,41 +180,30 @@ def test_decode_legs_charge_and_release_their_tokens():
     assert (d1.tokens_in_flight, d2.tokens_in_flight) == (0, 0)
 
 
-class _Gauges:
-    """The pool's view of the core links: each instance's free blocks, as its core's
-    latest snapshot would say (absent: no snapshot yet)."""
-
-    def __init__(self) -> None:
-        self.free: dict[Any, int] = {}
-
-    def link_up(self, inst: Any) -> bool:
-        return True
-
-    def latest_stats(self, inst: Any) -> EngineStats | None:
-        free = self.free.get(inst)
-        return None if free is None else EngineStats(0, 0, free, 64, 0, 0, 0)
-
-
 def test_an_instance_without_room_comes_after_those_with_room():
     assert not lacks_room(52, 13, 4) and lacks_room(53, 13, 4)  # every block, cached too
     pool, d1, d2 = _two_decode_pool()
     d1.info = d2.info = make_kv_info(block_size=4)
-    pool.cores = gauges = _Gauges()
-    gauges.free = {d1: 2, d2: 40}  # their cores' latest snapshots
+    free = {d1: 2, d2: 40}  # as their cores' latest snapshots say
+
+    def gauges(inst: Any) -> EngineStats | None:
+        return EngineStats(0, 0, free[inst], 64, 0, 0, 0) if inst in free else None
+
+    pool.core_stats = gauges
     policy = CachePolicy.__new__(CachePolicy)  # the room check only
     policy.pool = pool
     route = Route(list(range(52)))  # 13 blocks
     cached = {d1: 40, d2: 0}
     f = cost_fn(route, lambda i, _r: cached[i], 4, policy.no_room)
     assert pool.choose("decode", cost=f) is d2  # d1 holds the prefix but has no room
-    gauges.free[d2] = 12  # both full: the cache decides
+    free[d2] = 12  # both full: the cache decides
     assert pool.choose("decode", cost=f) is d1
-    gauges.free[d2] = 13
+    free[d2] = 13
     assert pool.choose("decode", cost=f) is d2
-    del gauges.free[d1]  # no snapshot from its core (yet): room assumed, d1's cache wins
+    del free[d1]  # no snapshot from its core (yet): room assumed, d1's cache wins
     assert not policy.no_room(d1, route)
     assert pool.choose("decode", cost=f) is d1
-    d1.info, gauges.free[d1] = None, 0  # no /kv/info (vLLM): room assumed
+    d1.info, free[d1] = None, 0  # no /kv/info (vLLM): room assumed
     assert not policy.no_room(d1, route)
 
 

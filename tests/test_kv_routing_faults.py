@@ -97,7 +97,7 @@ def _pool_inst(router: RouterThread, inst: Instance) -> Any:
 def _free_blocks(router: RouterThread, inst: Instance) -> int | None:
     """The free blocks of ``inst`` as the router sees them: its core's latest snapshot,
     over the router's link to it."""
-    stats = router.router.pool.stats(_pool_inst(router, inst))
+    stats = router.router.pool.core_stats(_pool_inst(router, inst))
     return stats.num_free_blocks if stats is not None else None
 
 

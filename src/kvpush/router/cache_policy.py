@@ -97,7 +97,7 @@ class CachePolicy:
     def no_room(self, inst: Instance, route: Route) -> bool:
         """Whether the instance's engine core, as its latest snapshot says, has too few
         free blocks for the prompt (False when it does not say: vLLM, no link yet)."""
-        stats = self.pool.stats(inst)
+        stats = self.pool.core_stats(inst)
         if stats is None or inst.info is None:
             return False
         return lacks_room(route.prompt_tokens, stats.num_free_blocks, inst.info.block_size)

@@ -19,11 +19,9 @@ also ends every leg still waiting on the instance (kvpush.router.watch): a froze
 instance keeps its connections open, and its legs would otherwise wait for their whole
 read timeout.
 
-Which facts come from where: ``/kv/info`` (at each check) says what an instance is (its
-identity, role, transfer mode, block size, request plane); ``/health`` whether its HTTP
-API answers (for a kvpush instance whose core link is up, not a judge: ``_spared``); a
-kvpush instance's gauges (free blocks, running and waiting requests) come from its
-engine core link alone (``stats``: the core's latest snapshot, kvpush.router.senders).
+``/kv/info`` says what an instance is (identity, role, mode, block size, request
+plane); a kvpush instance's gauges (free blocks, requests) come from its engine core
+link alone (``core_stats``), which, while up, also spares it a failed HTTP check.
 
 All state is touched from the event loop only, so picks need no lock.
 """
@@ -36,7 +34,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -131,7 +129,7 @@ class Instance:
         return self.url
 
     def state(self, stats: EngineStats | None) -> dict[str, Any]:
-        """/router/instances' entry (``stats``: its core's gauges, Pool.stats)."""
+        """/router/instances' entry (``stats``: Pool.core_stats)."""
         return {"url": self.url, "role": self.role, "engine_id": self.engine_id,
                 "healthy": self.healthy, "in_flight": self.in_flight,
                 "tokens_in_flight": self.tokens_in_flight,
@@ -156,14 +154,6 @@ def describe_error(exc: BaseException) -> str:
     return f"{name}: {text}" if text else name
 
 
-class CoreView(Protocol):
-    """What the pool reads of the links to kvpush instances' engine cores."""
-
-    def link_up(self, inst: Instance) -> bool: ...
-
-    def latest_stats(self, inst: Instance) -> EngineStats | None: ...
-
-
 class Pool:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
@@ -181,9 +171,9 @@ class Pool:
         #: called with each instance that left the pool (remove_instance): the KV index,
         #: the link to its engine core
         self.on_remove: list[Callable[[Instance], None]] = []
-        #: the links to kvpush instances' engine cores (the router's CoreSender, once
-        #: its front is built; None: no link yet)
-        self.cores: CoreView | None = None
+        #: a kvpush instance's gauges as its engine core's latest snapshot says, over a
+        #: link that is up (the router's CoreSender; None: no such link, or vLLM)
+        self.core_stats: Callable[[Instance], EngineStats | None] = lambda _inst: None
         self._check_slots = asyncio.Semaphore(CHECKS_AT_ONCE)
         #: the checks running now, by instance (start_checks)
         self._checks: dict[Instance, asyncio.Task] = {}
@@ -266,16 +256,6 @@ class Pool:
         chosen.in_flight += 1
         chosen.requests += 1
         return chosen
-
-    def link_up(self, inst: Instance) -> bool:
-        """Whether ``inst``'s engine core link is up (then its HTTP probe does not judge
-        it)."""
-        return self.cores is not None and self.cores.link_up(inst)
-
-    def stats(self, inst: Instance) -> EngineStats | None:
-        """A kvpush instance's gauges as its engine core's latest snapshot says (over
-        its link); None for a vLLM instance, or before its link has one."""
-        return self.cores.latest_stats(inst) if self.cores is not None else None
 
     @staticmethod
     def release(inst: Instance) -> None:
@@ -472,7 +452,7 @@ class Pool:
         request still takes it out at once."""
         if not inst.healthy:
             return False
-        if isinstance(e, httpx.HTTPError) and self.link_up(inst):
+        if isinstance(e, httpx.HTTPError) and self.core_stats(inst) is not None:
             return True
         if not isinstance(e, httpx.TimeoutException):
             return False

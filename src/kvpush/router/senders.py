@@ -163,14 +163,9 @@ class CoreSender:
         core = self._links.get(inst.url)
         return core is not None and not core.proven
 
-    def link_up(self, inst: Instance) -> bool:
-        """Whether ``inst``'s engine core link is connected now."""
-        core = self._links.get(inst.url)
-        return core is not None and core.connected
-
     def latest_stats(self, inst: Instance) -> EngineStats | None:
-        """``inst``'s gauges as its core's latest snapshot says (None: no link, or none
-        yet)."""
+        """``inst``'s gauges as its core's latest snapshot says (None: no link up, or
+        no snapshot on it yet)."""
         core = self._links.get(inst.url)
         return core.latest_stats() if core is not None else None
 
