@@ -13,7 +13,9 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import pytest
+import zmq
 
 from kvpush.config import EngineConfig, KVTransferConfig
 from kvpush.engine.core_client import CoreClient
@@ -180,6 +182,46 @@ def test_an_idle_links_free_blocks_follow_the_core_while_its_own_front_drives_it
             link.close()
 
     run(core, main)
+
+
+def test_the_plane_hands_each_new_snapshot_to_every_front_once(tiny_llama):
+    """The plane alone: a front's Hello is answered with the latest snapshot; after it
+    each new snapshot reaches it, one that equals the last is not sent again, and the
+    local front gets every batch as it was."""
+    from kvpush.engine.checks import RequestChecker
+    from kvpush.engine.inputs import Hello
+    from kvpush.engine.outputs import EngineOutputs, EngineSnapshot, EngineStats
+    from kvpush.engine.request_plane import RequestPlane
+
+    config = EngineConfig.build(tiny_llama, max_model_len=MAX_LEN)
+    plane = RequestPlane(queue.SimpleQueue(), RequestChecker(config), "127.0.0.1", 0, None)
+    plane.start()
+    ctx = zmq.Context()
+    front = ctx.socket(zmq.DEALER)
+    front.setsockopt(zmq.LINGER, 0)
+    front.setsockopt(zmq.RCVTIMEO, int(WAIT_S * 1000))
+    dec = msgspec.msgpack.Decoder(EngineOutputs)
+
+    def snap(free: int) -> EngineOutputs:
+        return EngineOutputs(snapshot=EngineSnapshot(EngineStats(0, 0, free, 9, 0, 0, 0)))
+
+    def seen() -> int:
+        got = dec.decode(front.recv())
+        assert got.snapshot is not None and not got.outputs
+        return got.snapshot.stats.num_free_blocks
+
+    try:
+        assert plane.split(snap(9)) == snap(9)  # no front yet: the local front's alone
+        front.connect(f"tcp://{plane.address}")
+        front.send(msgspec.msgpack.encode(Hello()))
+        assert seen() == 9
+        for free in (7, 7, 5, 5, 3):
+            assert plane.split(snap(free)) == snap(free)
+        assert [seen(), seen(), seen()] == [7, 5, 3]  # (in order: no 7 or 5 twice)
+    finally:
+        front.close()
+        ctx.term()
+        plane.close()
 
 
 def test_a_wrong_secret_never_proves_and_gets_nothing(core):

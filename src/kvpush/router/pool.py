@@ -19,10 +19,6 @@ also ends every leg still waiting on the instance (kvpush.router.watch): a froze
 instance keeps its connections open, and its legs would otherwise wait for their whole
 read timeout.
 
-``/kv/info`` says what an instance is (identity, role, mode, block size, request
-plane); a kvpush instance's gauges (free blocks, requests) come from its engine core
-link alone (``core_stats``), which, while up, also spares it a failed HTTP check.
-
 All state is touched from the event loop only, so picks need no lock.
 """
 
@@ -128,8 +124,7 @@ class Instance:
             return self.spec.explicit.engine_id
         return self.url
 
-    def state(self, stats: EngineStats | None) -> dict[str, Any]:
-        """/router/instances' entry (``stats``: Pool.core_stats)."""
+    def state(self, stats: EngineStats | None) -> dict[str, Any]:  # (Pool.core_stats)
         return {"url": self.url, "role": self.role, "engine_id": self.engine_id,
                 "healthy": self.healthy, "in_flight": self.in_flight,
                 "tokens_in_flight": self.tokens_in_flight,
@@ -171,8 +166,9 @@ class Pool:
         #: called with each instance that left the pool (remove_instance): the KV index,
         #: the link to its engine core
         self.on_remove: list[Callable[[Instance], None]] = []
-        #: a kvpush instance's gauges as its engine core's latest snapshot says, over a
-        #: link that is up (the router's CoreSender; None: no such link, or vLLM)
+        #: a kvpush instance's gauges (free blocks, requests: not /kv/info's) as its
+        #: engine core's latest snapshot says, over a link that is up (the router's
+        #: CoreSender; None: no such link, or vLLM)
         self.core_stats: Callable[[Instance], EngineStats | None] = lambda _inst: None
         self._check_slots = asyncio.Semaphore(CHECKS_AT_ONCE)
         #: the checks running now, by instance (start_checks)
