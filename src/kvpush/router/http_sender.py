@@ -20,7 +20,6 @@ the protocol takes its instance out of the rotation (``Pool.mark_failed``): that
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -40,8 +39,6 @@ from kvpush.sampling_params import GrammarKind, StructuredOutput
 if TYPE_CHECKING:
     from kvpush.router.config import RouterConfig
     from kvpush.sampling_params import SamplingParams
-
-logger = logging.getLogger("kvpush.router")
 
 
 class StreamStopped(Exception):

@@ -4,7 +4,6 @@ vLLM instance's as JSON."""
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from kvpush.kv_transfer.params import WireKVParams
@@ -12,8 +11,6 @@ from kvpush.router.pool import Instance
 
 if TYPE_CHECKING:
     from kvpush.router.config import RouterKeys
-
-logger = logging.getLogger("kvpush.router")
 
 #: a leg's kv_transfer_params: a kvpush instance's struct, a vLLM instance's JSON
 LegKV = WireKVParams | dict[str, Any]
