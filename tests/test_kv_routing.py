@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 
 from kvpush.discovery.instance_spec import parse_instance
 from kvpush.engine.inputs import SubmitRequest
-from kvpush.engine.outputs import RequestFailure
+from kvpush.engine.outputs import EngineStats, RequestFailure
 from kvpush.kv_cache.block_pool import hash_prefix_blocks
 from kvpush.kv_cache.events import (
     TOPIC,
@@ -183,19 +183,28 @@ def test_decode_legs_charge_and_release_their_tokens():
 def test_an_instance_without_room_comes_after_those_with_room():
     assert not lacks_room(52, 13, 4) and lacks_room(53, 13, 4)  # every block, cached too
     pool, d1, d2 = _two_decode_pool()
-    d1.info = make_kv_info(num_free_blocks=2, block_size=4)  # their last /kv/info
-    d2.info = make_kv_info(num_free_blocks=40, block_size=4)
+    d1.info = d2.info = make_kv_info(block_size=4)
+    free = {d1: 2, d2: 40}  # as their cores' latest snapshots say
+
+    def gauges(inst: Any) -> EngineStats | None:
+        return EngineStats(0, 0, free[inst], 64, 0, 0, 0) if inst in free else None
+
+    pool.core_stats = gauges
+    policy = CachePolicy.__new__(CachePolicy)  # the room check only
+    policy.pool = pool
     route = Route(list(range(52)))  # 13 blocks
     cached = {d1: 40, d2: 0}
-    f = cost_fn(route, lambda i, _r: cached[i], 4, CachePolicy.no_room)
+    f = cost_fn(route, lambda i, _r: cached[i], 4, policy.no_room)
     assert pool.choose("decode", cost=f) is d2  # d1 holds the prefix but has no room
-    d2.info = make_kv_info(num_free_blocks=12, block_size=4)  # both full: the cache decides
+    free[d2] = 12  # both full: the cache decides
     assert pool.choose("decode", cost=f) is d1
-    d2.info = make_kv_info(num_free_blocks=13, block_size=4)
+    free[d2] = 13
     assert pool.choose("decode", cost=f) is d2
-    d1.info = None  # no /kv/info (vLLM): room assumed, and d1's cache wins
-    assert not CachePolicy.no_room(d1, route)
+    del free[d1]  # no snapshot from its core (yet): room assumed, d1's cache wins
+    assert not policy.no_room(d1, route)
     assert pool.choose("decode", cost=f) is d1
+    d1.info, free[d1] = None, 0  # no /kv/info (vLLM): room assumed
+    assert not policy.no_room(d1, route)
 
 
 def test_route_chain_matches_the_instances_hashes():
@@ -360,7 +369,7 @@ class FakeInstance:
     def _answer(self, cmd: SubmitRequest) -> list[int] | RequestFailure:
         body: dict[str, Any] = {"prompt": list(cmd.prompt_token_ids)}
         if cmd.kv_transfer_params is not None:
-            body["kv_transfer_params"] = cmd.kv_transfer_params
+            body["kv_transfer_params"] = cmd.kv_transfer_params.wire()
         self.bodies.append(body)
         if self.cannot_serve:
             return RequestFailure("this instance cannot serve requests: the KV transfer "

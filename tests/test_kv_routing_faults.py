@@ -95,9 +95,10 @@ def _pool_inst(router: RouterThread, inst: Instance) -> Any:
 
 
 def _free_blocks(router: RouterThread, inst: Instance) -> int | None:
-    """The free blocks of ``inst`` as the router's last health check read them."""
-    info = _pool_inst(router, inst).info
-    return info.num_free_blocks if info is not None else None
+    """The free blocks of ``inst`` as the router sees them: its core's latest snapshot,
+    over the router's link to it."""
+    stats = router.router.pool.core_stats(_pool_inst(router, inst))
+    return stats.num_free_blocks if stats is not None else None
 
 
 def _index(router: RouterThread, inst: Instance) -> InstanceIndex:
@@ -176,10 +177,11 @@ def _prompt(start: int, n: int = 40) -> list[int]:
 
 def test_full_decode_is_passed_over_for_one_with_room(cluster, router):
     """D1 caches the prompt's prefix, but push legs waiting for their KV hold all but 2
-    of its blocks (and pin the prefix). A real decode queues a request it has no blocks
-    for until running requests end; the router, seeing D1's free blocks in its last
-    /kv/info, sends the request to D2 with a prefill leg instead, and it is answered
-    while D1 is still full. Once D1 has room again, the next turn is local to D1."""
+    of its blocks (and pin the prefix), sent to D1's own API, not through the router. A
+    real decode queues a request it has no blocks for until running requests end; the
+    router, seeing D1's free blocks in the snapshots its core link brings, sends the
+    request to D2 with a prefill leg instead, and it is answered while D1 is still full.
+    Once D1 has room again, the next turn is local to D1."""
     c = cluster
     prefix = _prompt(0)
     _complete(c.d1.url, prefix, max_tokens=1)  # D1 caches the prefix (10 blocks)
@@ -190,7 +192,7 @@ def test_full_decode_is_passed_over_for_one_with_room(cluster, router):
     try:
         wait_until(lambda: c.d1.get("/kv/info")["num_free_blocks"] == 2, 10, "D1 full")
         wait_until(lambda: _free_blocks(router, c.d1) == 2, 10,
-                   "the router's health check saw D1 full")
+                   "the router's core link saw D1 full")
         turn = prefix + _prompt(300, 12)  # 13 blocks: 3 more than the prefix, 2 free
         d1_before, d2_before = _requests(router, c.d1), _requests(router, c.d2)
         _check(router, c, turn)  # answered while the holds stand

@@ -15,7 +15,7 @@ import pytest
 
 from kvpush.discovery.instance_spec import parse_instance
 from kvpush.engine.outputs import EngineOutput, FinishReason, RequestFailure, RequestOutput
-from kvpush.kv_transfer.params import KVTransferParams
+from kvpush.kv_transfer.params import KVTransferParams, WireKVParams
 from kvpush.router.cluster_engine import ClusterEngine
 from kvpush.router.config import RouterConfig
 from kvpush.router.job import Job
@@ -58,7 +58,7 @@ class FakeCore:
         self.dies = dies  # at lose_after its core's loop dies (the link stays up)
         self.proven, self.connected = True, connected
         self.fatal: str | None = None
-        self.requests: list[tuple[str, list[int], dict | None]] = []
+        self.requests: list[tuple[str, list[int], WireKVParams | None]] = []
         self.aborted: list[str] = []
         self.closed = False
         self.open = 0  # streams open now
@@ -68,7 +68,7 @@ class FakeCore:
         return None if self.connected else "not connected"
 
     async def stream(self, request_id: str, prompt: list[int], params: SamplingParams,
-                     kv: dict | None = None) -> AsyncIterator[EngineOutput]:
+                     kv: WireKVParams | None = None) -> AsyncIterator[EngineOutput]:
         self.requests.append((request_id, list(prompt), kv))
         self.open += 1
         try:
@@ -166,7 +166,7 @@ def test_a_pull_prefill_core_lost_mid_request_goes_to_another_prefill():
     assert not p0.healthy  # out of rotation at once
     # decode got the second prefill's lend, under the second transfer id
     (rid, _, kv) = cores["http://d0:1"].requests[0]
-    assert rid == job.transfer_id and kv is not None and kv["transfer_id"] == job.transfer_id
+    assert rid == job.transfer_id and kv is not None and kv.transfer_id == job.transfer_id
     assert _metric(engine, "retries", "prefill") == 1
     assert all(i.in_flight == 0 for i in pool.instances)
 

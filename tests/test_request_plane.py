@@ -13,12 +13,15 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import pytest
+import zmq
 
 from kvpush.config import EngineConfig, KVTransferConfig
 from kvpush.engine.core_client import CoreClient
 from kvpush.engine.core_link import RemoteCore, plane_keys
 from kvpush.engine.outputs import FinishReason, RequestError
+from kvpush.kv_transfer.params import WireKVParams
 from kvpush.sampling_params import SamplingParams
 from kvpush_testing.links import InProcLinks
 
@@ -63,7 +66,8 @@ def run(local: CoreClient, main: Callable[[], Awaitable[None]]) -> None:
 
 
 async def tokens(front, rid: str, prompt: list[int], params: SamplingParams,
-                 kv: dict | None = None) -> tuple[list[int], str, FinishReason | None]:
+                 kv: WireKVParams | dict | None = None
+                 ) -> tuple[list[int], str, FinishReason | None]:
     ids: list[int] = []
     text = ""
     reason = None
@@ -148,6 +152,76 @@ def test_fronts_with_the_same_request_id_get_only_their_own_outputs(core):
                 link.close()
 
     run(core, main)
+
+
+async def link_free(link: RemoteCore, ok: Callable[[int], bool], what: str) -> int:
+    """The link's view of the core's free blocks, once ``ok`` holds for it (bounded)."""
+    for _ in range(int(WAIT_S / 0.01)):
+        stats = link.latest_stats()
+        if stats is not None and ok(stats.num_free_blocks):
+            return stats.num_free_blocks
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the link never saw {what}: {link.latest_stats()}")
+
+
+def test_an_idle_links_free_blocks_follow_the_core_while_its_own_front_drives_it(core):
+    """A router's link that sends nothing but its Hello sees the core's free blocks as
+    the instance's own API process takes and frees them: the core hands each new
+    snapshot to every front, not only with that front's own outputs."""
+    async def main() -> None:
+        link = await remote(core)
+        try:
+            total = core.stats().num_total_blocks
+            await link_free(link, lambda free: free == total, "every block free")
+            outs = core.generate("long", PROMPT, greedy(MAX_LEN - len(PROMPT)))
+            await anext(outs)  # running on the instance's own front: its blocks taken
+            await link_free(link, lambda free: free < total - 1, "blocks taken")
+            await outs.aclose()  # aborted: its blocks are free again
+            await link_free(link, lambda free: free == total, "the blocks freed")
+        finally:
+            link.close()
+
+    run(core, main)
+
+
+def test_the_plane_hands_each_new_snapshot_to_every_front_once(tiny_llama):
+    """The plane alone: a front's Hello is answered with the latest snapshot; after it
+    each new snapshot reaches it, one that equals the last is not sent again, and the
+    local front gets every batch as it was."""
+    from kvpush.engine.checks import RequestChecker
+    from kvpush.engine.inputs import Hello
+    from kvpush.engine.outputs import EngineOutputs, EngineSnapshot, EngineStats
+    from kvpush.engine.request_plane import RequestPlane
+
+    config = EngineConfig.build(tiny_llama, max_model_len=MAX_LEN)
+    plane = RequestPlane(queue.SimpleQueue(), RequestChecker(config), "127.0.0.1", 0, None)
+    plane.start()
+    ctx = zmq.Context()
+    front = ctx.socket(zmq.DEALER)
+    front.setsockopt(zmq.LINGER, 0)
+    front.setsockopt(zmq.RCVTIMEO, int(WAIT_S * 1000))
+    dec = msgspec.msgpack.Decoder(EngineOutputs)
+
+    def snap(free: int) -> EngineOutputs:
+        return EngineOutputs(snapshot=EngineSnapshot(EngineStats(0, 0, free, 9, 0, 0, 0)))
+
+    def seen() -> int:
+        got = dec.decode(front.recv())
+        assert got.snapshot is not None and not got.outputs
+        return got.snapshot.stats.num_free_blocks
+
+    try:
+        assert plane.split(snap(9)) == snap(9)  # no front yet: the local front's alone
+        front.connect(f"tcp://{plane.address}")
+        front.send(msgspec.msgpack.encode(Hello()))
+        assert seen() == 9
+        for free in (7, 7, 5, 5, 3):
+            assert plane.split(snap(free)) == snap(free)
+        assert [seen(), seen(), seen()] == [7, 5, 3]  # (in order: no 7 or 5 twice)
+    finally:
+        front.close()
+        ctx.term()
+        plane.close()
 
 
 def test_a_wrong_secret_never_proves_and_gets_nothing(core):
@@ -274,8 +348,8 @@ def test_a_refusal_is_the_request_error_the_instance_would_raise(core):
             assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
             with pytest.raises(RequestError) as e:  # the router did not sign them
                 await tokens(link, "unsigned", PROMPT, greedy(4),
-                             {"do_remote_prefill": True, "transfer_id": "t",
-                              "remote_host": "127.0.0.1", "remote_port": 1})
+                             WireKVParams(do_remote_prefill=True, transfer_id="t",
+                                          remote_host="127.0.0.1", remote_port=1))
             assert e.value.status_code == 403
             with pytest.raises(RequestError) as local:
                 await tokens(core, "unsigned", PROMPT, greedy(4),

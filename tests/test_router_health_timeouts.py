@@ -10,6 +10,7 @@ import asyncio
 import httpx
 
 from kvpush.discovery.instance_spec import parse_instance
+from kvpush.engine.outputs import EngineStats
 from kvpush.router.config import RouterConfig
 from kvpush.router.pool import Pool
 from stand_in import push_kv_info
@@ -26,7 +27,8 @@ def _run(behaviour: list[str], tolerated: int = 1, alone: bool = False,
                        decode=tuple(parse_instance(u) for u in decodes),
                        slow_checks_tolerated=tolerated)
     pool = Pool(cfg)
-    pool.link_up = lambda inst: link_up
+    stats = EngineStats(0, 0, 1, 1, 0, 0, 0)  # (a link up has its core's gauges)
+    pool.core_stats = lambda inst: stats if link_up else None
     d = pool.by_role["decode"][0]
     if not alone:
         pool.by_role["decode"][1].healthy = True

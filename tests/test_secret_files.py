@@ -3,6 +3,7 @@ by `kvpush serve` and `kvpush router` unless forced (it used to be only a warnin
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvpush.cli import build_parser
@@ -49,8 +50,9 @@ def test_the_router_keeps_only_keys_derived_from_the_secret(loose):
     and the event keys; grants it signs verify at an instance holding the secret."""
     import dataclasses
 
-    from kvpush.crypto.auth import ParamsSigner
+    from kvpush.crypto.auth import ParamsForbidden, ParamsSigner
     from kvpush.crypto.curve import derive_curve_keys
+    from kvpush.kv_transfer.params import KVTransferParams, WireKVParams
     from kvpush.router.config import RouterKeys
     from kvpush.router.wire import LegSigner
 
@@ -69,8 +71,17 @@ def test_the_router_keeps_only_keys_derived_from_the_secret(loose):
     assert dataclasses.replace(cfg, max_connections=7).kv_secret is keys  # kept as is
 
     class Inst:
-        info = {"engine_id": "p1"}
+        kvpush = True
         engine_id = "p1"
 
-    signed = LegSigner(keys).sign({"transfer_id": "t"}, Inst(), "prefill")
-    assert ParamsSigner(secret).verify(signed, role="prefill", engine_id="p1")
+    # a kvpush instance's: the request plane's struct, whose fields the signature covers
+    signed = LegSigner(keys).sign({"transfer_id": "t", "tp_size": 1}, Inst(), "prefill")
+    assert isinstance(signed, WireKVParams) and signed.transfer_id == "t"
+    check = ParamsSigner(secret)
+    assert check.verify(signed.wire(), role="prefill", engine_id="p1")
+    assert KVTransferParams.parse(signed, "prefill", check, "p1").transfer_id == "t"
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(signed), type=WireKVParams)
+    assert KVTransferParams.parse(back, "prefill", check, "p1").grant is not None
+    with pytest.raises(ParamsForbidden):  # altered on the way
+        KVTransferParams.parse(msgspec.structs.replace(back, transfer_id="u"), "prefill",
+                               check, "p1")

@@ -14,7 +14,7 @@ import dataclasses
 from kvpush.config import EngineConfig
 from kvpush.errors import RequestError
 from kvpush.kv_cache.block_pool import hash_prompt_chain
-from kvpush.kv_transfer.params import KVTransferParams, chain_problem
+from kvpush.kv_transfer.params import GivenKVParams, KVTransferParams, chain_problem
 from kvpush.sampling_params import SamplingParams
 
 
@@ -58,7 +58,7 @@ class RequestChecker:
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict | KVTransferParams | None = None,
+        kv_transfer_params: GivenKVParams | None = None,
     ) -> tuple[KVTransferParams | None, SamplingParams]:
         """Raise RequestError for a request this instance can never serve; returns its
         typed kv_transfer_params and the sampling parameters it runs with."""

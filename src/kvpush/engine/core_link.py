@@ -2,7 +2,7 @@
 (kvpush.engine.request_plane), for fronts other than the core's own API process (the
 router). It is a FrontEnd: the same streams, detokenizers and stop strings, aborts on
 close, errors; only the checks are the core's (the plane runs RequestChecker on each
-``SubmitRequest``, with the raw, router-signed ``kv_transfer_params``; a refusal comes
+``SubmitRequest``, with ``kv_transfer_params`` as the router signed them; a refusal comes
 back as the RequestError the instance's own API would raise).
 
 One DEALER, a CURVE client with the keys derived from the cluster secret; the event loop
@@ -13,6 +13,10 @@ core then ends at once with an error, and every utility call waiting fails. ZMQ
 reconnects by itself (``connected`` again); requests sent meanwhile are refused with a
 503 at once (``IMMEDIATE``: nothing queues for a connection that is not up). ZMTP
 heartbeats close a connection to a core that went silent within a few seconds.
+
+Each connection opens with a ``Hello``: the core answers with its latest snapshot and
+sends every new one after it, whichever front's requests it runs, so ``latest_stats``
+(its free blocks, running and waiting requests) follows the core while the link idles.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from kvpush.engine.inputs import (
     AbortRemote,
     AbortRequests,
     FrontCommand,
+    Hello,
     SubmitRequest,
     UtilityCall,
 )
@@ -54,7 +59,7 @@ from kvpush.engine.outputs import (
 )
 from kvpush.engine.request_plane import HEARTBEAT, MAX_MESSAGE_BYTES
 from kvpush.kv_info import KVInfo
-from kvpush.kv_transfer.params import KVTransferParams
+from kvpush.kv_transfer.params import GivenKVParams, WireKVParams
 from kvpush.kv_transfer.wire.link_watch import monitor_events
 from kvpush.sampling_params import SamplingParams
 
@@ -150,6 +155,12 @@ class RemoteCore(FrontEnd):
         if self._own_ctx:
             self._ctx.term()
 
+    def latest_stats(self) -> EngineStats | None:
+        """The core's gauges as its latest snapshot says; None while no connection is
+        up, or before the core's first snapshot on this one."""
+        seen = self.connected and self._snapshot is not NO_SNAPSHOT
+        return self._snapshot.stats if seen else None
+
     # ---- FrontEnd -------------------------------------------------------------------
     def _core_problem(self) -> str | None:
         if self._closed:
@@ -160,19 +171,20 @@ class RemoteCore(FrontEnd):
         return f"no connection to the engine core at {self.address}{why}"
 
     def _add(self, internal: str, prompt_token_ids: list[int], params: SamplingParams,
-             kv_transfer_params: KVTransferParams | dict | None
+             kv_transfer_params: GivenKVParams | None
              ) -> tuple[FrontCommand, SamplingParams]:
         """The core checks it (its own instance's RequestChecker); a prefill leg's
         stream has one choice, as the core runs it (RequestChecker.leg_params)."""
-        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
-            raise TypeError("RemoteCore takes kv_transfer_params as the wire dict")
-        add = SubmitRequest(internal, list(prompt_token_ids), params, kv_transfer_params)
-        if kv_transfer_params is not None and kv_transfer_params.get("do_remote_decode"):
+        kv = kv_transfer_params
+        if kv is not None and not isinstance(kv, WireKVParams):
+            raise TypeError("RemoteCore takes kv_transfer_params as WireKVParams")
+        add = SubmitRequest(internal, list(prompt_token_ids), params, kv)
+        if kv is not None and kv.do_remote_decode:
             params = dataclasses.replace(params, n=1)
         return add, params
 
     def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               kv_transfer_params: KVTransferParams | dict | None = None
+               kv_transfer_params: GivenKVParams | None = None
                ) -> AsyncIterator[EngineOutput]:
         """FrontEnd.stream, with ``kv_transfer_params`` as the router signed them."""
         self.start()
@@ -250,9 +262,12 @@ class RemoteCore(FrontEnd):
                 self._refused = None
                 self.fatal = None  # (a core at this address again: a new one)
                 self._up.set()
+                self._sock.getsockopt(zmq.EVENTS)  # (attaches the connection's pipe)
+                self._send(Hello())
             elif event == zmq.EVENT_DISCONNECTED:
                 if self.connected:
                     self.connected = False
+                    self._snapshot = NO_SNAPSHOT
                     self._up.clear()
                     why = self.fatal or f"the engine core connection was lost ({self.address})"
                     log.warning("%s", why)

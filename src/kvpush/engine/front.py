@@ -46,7 +46,7 @@ from kvpush.engine.outputs import (
     UtilityReply,
 )
 from kvpush.kv_info import CacheBlocks, KVInfo
-from kvpush.kv_transfer.params import KVTransferParams
+from kvpush.kv_transfer.params import GivenKVParams, KVTransferParams
 from kvpush.kv_transfer.record import TransferCounters
 from kvpush.sampling_params import SamplingParams
 
@@ -85,7 +85,7 @@ class FrontEnd:
         raise NotImplementedError
 
     def _add(self, internal: str, prompt_token_ids: list[int], params: SamplingParams,
-             kv_transfer_params: KVTransferParams | dict | None
+             kv_transfer_params: GivenKVParams | None
              ) -> tuple[FrontCommand, SamplingParams]:
         """The command that adds a request under ``internal`` and the sampling
         parameters its stream runs with; RequestError if it is refused here. Here:
@@ -161,7 +161,7 @@ class FrontEnd:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: KVTransferParams | dict | None = None,
+        kv_transfer_params: GivenKVParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs as text (:meth:`stream` through one
         RequestStream: the detokenizer, stop strings)."""
@@ -175,7 +175,7 @@ class FrontEnd:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: KVTransferParams | dict | None = None,
+        kv_transfer_params: GivenKVParams | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Stream a request's core outputs (token ids). ``request_id`` is the caller's
         (X-Request-Id); the core runs it under a unique internal id, so an id reused

@@ -10,9 +10,10 @@ tells them apart), applied by ``LLMEngine.process_inbox`` between two steps.
 * :class:`Shutdown`: stop the loop.
 
 Other fronts (routers) reach the core over its request plane (``engine/request_plane.py``)
-with :data:`PlaneCommand`: :class:`SubmitRequest` (not yet checked: its
-``kv_transfer_params`` are the raw, router-signed wire dict), :class:`AbortRemote`,
-:class:`AbortTransfer` and :class:`UtilityCall`. The plane checks them and puts the
+with :data:`PlaneCommand`: :class:`Hello` (on each connection: the core's snapshots
+from then on), :class:`SubmitRequest` (not yet checked: its ``kv_transfer_params`` as
+the router signed them, a WireKVParams), :class:`AbortRemote`, :class:`AbortTransfer` and
+:class:`UtilityCall`. The plane checks them and puts the
 commands above in the inbox, under ids that start with :data:`REMOTE_MARK`.
 
 The transfer thread's updates (``kv_transfer.commands.TransferUpdate``) reach the same
@@ -27,7 +28,7 @@ import enum
 
 import msgspec
 
-from kvpush.kv_transfer.params import KVTransferParams
+from kvpush.kv_transfer.params import KVTransferParams, WireKVParams
 from kvpush.sampling_params import SamplingParams
 
 
@@ -88,12 +89,12 @@ REMOTE_MARK = "~"
 
 class SubmitRequest(msgspec.Struct, tag=True, frozen=True):
     """A remote front's request: checked by the core's request plane (RequestChecker),
-    ``kv_transfer_params`` as the router signed them (the wire dict)."""
+    ``kv_transfer_params`` as the router signed them."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: WireKVParams | None = None
 
 
 class AbortRemote(msgspec.Struct, tag=True, frozen=True):
@@ -102,12 +103,17 @@ class AbortRemote(msgspec.Struct, tag=True, frozen=True):
     request_ids: list[str]
 
 
+class Hello(msgspec.Struct, tag=True, frozen=True):
+    """A remote front's first word on a connection: the plane answers with the core's
+    latest snapshot and sends it every later one (its gauges: the router's free blocks)."""
+
+
 #: what a remote front sends the core's request plane
-PlaneCommand = SubmitRequest | AbortRemote | AbortTransfer | UtilityCall
+PlaneCommand = Hello | SubmitRequest | AbortRemote | AbortTransfer | UtilityCall
 #: what a front (FrontEnd) sends its core: its own API process's, or a remote front's
 FrontCommand = EngineCommand | PlaneCommand
 #: the commands only a remote front sends
-PLANE_ONLY = (SubmitRequest, AbortRemote)
+PLANE_ONLY = (Hello, SubmitRequest, AbortRemote)
 
 
 def submitted_id(payload: bytes) -> str | None:

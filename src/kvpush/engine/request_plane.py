@@ -5,13 +5,18 @@ of a cluster run without one on a trusted network: --insecure-kv-params, plain T
     front (RemoteCore: DEALER) ──CURVE/TCP──▶ ROUTER, ``kvpush-request-plane`` thread:
       SubmitRequest: RequestChecker, then AddRequest("~<n>/<its id>") ─▶ engine.inbox
     EngineOutputs, one per turn and front ◀── its queue ◀── ``split`` (on the step loop)
+    EngineSnapshot, each new one, to every front ◀──┘ (Hello: the latest, at once)
 
 CURVE keys come from the cluster secret (purpose ``request plane``) and ZAP admits only
 the cluster's client key: an endpoint that cannot finish the handshake reaches nothing.
 Each connection is a front numbered ``n``, whose requests run as ``~<n>/<its id>``
 (FrontEnd never starts an id with ``~``). ``split`` takes the remote outputs and utility
 replies (negative call ids, assigned here) out of each batch and hands them over through
-a queue and an eventfd; the local API process gets the rest as before. Only that queue
+a queue and an eventfd, with each snapshot that differs from the last one handed over
+(at most one per ``core_loop.SNAPSHOT_S`` while the core is busy, and one when it
+idles): every front gets it, so a router's view of the core's gauges (its free blocks)
+follows the core whichever front drives it. The local API process gets the rest as
+before. Only that queue
 and the inbox cross threads. A front that vanishes (its connection closes, or is silent
 past the ZMTP heartbeat timeout) or stops reading (``SNDHWM``) has its live requests
 aborted. (ROUTER_NOTIFY is a draft option, not in pyzmq's libzmq: the monitor's
@@ -40,13 +45,14 @@ from kvpush.engine.inputs import (
     AbortRequests,
     AbortTransfer,
     AddRequest,
+    Hello,
     PlaneCommand,
     SubmitRequest,
     UtilityCall,
     request_of,
     submitted_id,
 )
-from kvpush.engine.outputs import EngineOutputs, rejected
+from kvpush.engine.outputs import EngineOutputs, EngineSnapshot, rejected
 from kvpush.errors import RequestError
 from kvpush.kv_transfer.wire.link_watch import monitor_events
 from kvpush.ratelog import LogBudget
@@ -131,6 +137,10 @@ class RequestPlane:
         #: set by the plane's thread before a front's first command reaches the inbox:
         #: until then ``split`` hands every batch to the local front untouched
         self.in_use = False
+        #: the newest snapshot of a batch ``split`` saw (a Hello's answer), and the last
+        #: one it handed over (the step loop's)
+        self._latest: EngineSnapshot | None = None
+        self._handed: EngineSnapshot | None = None
         self._thread = threading.Thread(target=self._run, name="kvpush-request-plane",
                                         daemon=True)
         self._fronts: dict[bytes, _Front] = {}  # (the rest: the plane thread's own)
@@ -165,14 +175,22 @@ class RequestPlane:
         """Hand the remote fronts' outputs and replies of ``batch`` to the plane's thread;
         returns the rest, for the local front (None: nothing for it), with the request
         metrics of every front's requests (the instance's /metrics exports them)."""
+        snapshot = batch.snapshot
+        if snapshot is not None:
+            self._latest = snapshot  # (before ``in_use`` is read: a Hello sees it)
         if not self.in_use:
             return batch
         mine = [o for o in batch.outputs if o.request_id.startswith(REMOTE_MARK)]
         calls = [r for r in batch.replies if r.call_id < 0]
-        if not mine and not calls and batch.fatal is None:
+        new = snapshot is not None and snapshot != self._handed
+        if mine or calls or new or batch.fatal is not None:
+            if new:
+                self._handed = snapshot
+            self._queue.put(EngineOutputs(mine, [], calls, snapshot if new else None,
+                                          batch.fatal))
+            os.eventfd_write(self._wake, 1)
+        if not mine and not calls:
             return batch
-        self._queue.put(EngineOutputs(mine, [], calls, batch.snapshot, batch.fatal))
-        os.eventfd_write(self._wake, 1)
         outputs = [o for o in batch.outputs if not o.request_id.startswith(REMOTE_MARK)]
         replies = [r for r in batch.replies if r.call_id >= 0]
         if not (outputs or replies or batch.transfers or batch.snapshot is not None
@@ -262,6 +280,10 @@ class RequestPlane:
                                   "cannot decode: %s", front.n, e)
             return
         match cmd:
+            case Hello():
+                self.in_use = True  # (before ``_latest`` is read: split hands on the rest)
+                if self._latest is not None:
+                    self._send(front, EngineOutputs(snapshot=self._latest), drop=False)
             case SubmitRequest():
                 self._submit(front, cmd)
             case AbortRemote(request_ids=ids):
@@ -324,11 +346,19 @@ class RequestPlane:
                     part.fatal = batch.fatal
             for n, part in per.items():
                 self._send(self._by_n[n], part)
+            if batch.snapshot is not None:  # every other front: the snapshot alone
+                alone = EngineOutputs(snapshot=batch.snapshot)
+                for n in [n for n in self._by_n if n not in per]:
+                    self._send(self._by_n[n], alone, drop=False)
 
-    def _send(self, front: _Front, batch: EngineOutputs) -> None:
+    def _send(self, front: _Front, batch: EngineOutputs, drop: bool = True) -> None:
+        """``drop``: a front that stopped reading is gone (else, for a snapshot alone,
+        it is skipped: the next one will do)."""
         try:
             self._sock.send_multipart([front.ident, self._enc.encode(batch)], zmq.NOBLOCK)
         except zmq.Again:
+            if not drop:
+                return
             log.warning("request plane %s: front ~%d stopped reading (%d batches queued)",
                         self.address, front.n, SNDHWM)
             self._drop(front, "it stopped reading")

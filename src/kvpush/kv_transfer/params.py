@@ -1,15 +1,17 @@
 """A request's ``kv_transfer_params`` (vLLM's names), checked once where it enters the
-instance, and the checks of block ids and hash chains a peer or a request brings."""
+instance (:class:`KVTransferParams`), their form on an engine core's request plane
+(:class:`WireKVParams`), and the checks of block ids and hash chains a peer or a
+request brings."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from kvpush.crypto.auth import Grant, ParamsSigner
+from kvpush.crypto.auth import GRANT_KEY, SIGNATURE_KEY, Grant, ParamsSigner
 from kvpush.errors import RequestError
 
 _T = TypeVar("_T")
@@ -91,9 +93,12 @@ class KVTransferParams:
     def parse(cls, params: object, role: str, signer: ParamsSigner | None = None,
               engine_id: str = "") -> KVTransferParams:
         """Check the wire fields an instance of ``role`` reads (RequestError, a 400, if
-        malformed). With a ``signer`` they must be the router's, signed for ``engine_id``
-        (ParamsForbidden, 403, if not). Types and bounds are the msgspec schemas'; what a
-        schema cannot say (printable ids, distinct blocks, the grant's peer) is here."""
+        malformed), as JSON or a request plane (WireKVParams) brings them. With a
+        ``signer`` they must be the router's, signed for ``engine_id`` (ParamsForbidden,
+        403, if not). Types and bounds are the msgspec schemas'; what a schema cannot say
+        (printable ids, distinct blocks, the grant's peer) is here."""
+        if isinstance(params, WireKVParams):
+            params = params.wire()
         if not isinstance(params, dict):
             raise RequestError("kv_transfer_params must be an object", "kv_transfer_params")
         grant = signer.verify(params, role=role, engine_id=engine_id) if signer else None
@@ -129,6 +134,50 @@ class KVTransferParams:
                    remote_engine_id=engine, remote_request_id=rp.remote_request_id,
                    remote_block_ids=blocks, prompt_hashes=hashes,
                    lend_expires_ms=rp.lend_expires_ms)
+
+
+class SignedGrant(msgspec.Struct, frozen=True):
+    """A grant as the router signs it (crypto.auth; a null peer is signed as null)."""
+
+    role: str
+    engine_id: str
+    peer_engine_id: str | None
+    expires_ms: int
+
+
+class WireKVParams(msgspec.Struct, frozen=True, omit_defaults=True,
+                   rename={"grant": GRANT_KEY, "signature": SIGNATURE_KEY}):
+    """A leg's ``kv_transfer_params`` on an engine core's request plane: the fields a
+    kvpush instance reads (vLLM's names; false or null: absent, not sent) and, where the
+    cluster has a secret, the router's grant and its signature, which covers ``wire()``
+    (exactly these fields). The core checks them as it checks a JSON set (``parse``)."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    transfer_id: str | None = None
+    remote_engine_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_request_id: str | None = None
+    remote_block_ids: list[int] | None = None
+    prompt_hashes: list[str] | None = None  # (hex)
+    lend_expires_ms: int | None = None
+    grant: SignedGrant | None = None
+    signature: str | None = None
+
+    @classmethod
+    def of(cls, params: dict[str, Any]) -> WireKVParams:
+        """The fields of a JSON set a kvpush instance reads (the others dropped)."""
+        return msgspec.convert(params, cls)
+
+    def wire(self) -> dict[str, Any]:
+        """As JSON carries them: the set the signature covers."""
+        return msgspec.to_builtins(self)
+
+
+#: a request's kv_transfer_params as a front hands them on: checked already (typed), as a
+#: request plane carries them, or as JSON (unchecked)
+GivenKVParams = KVTransferParams | WireKVParams | dict
 
 
 #: Hex digits of one hash of a prompt's chain (``hash_block_tokens``: 16 bytes).

@@ -426,7 +426,7 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
 
 
 def _instance_state(router: Router, inst: Instance) -> dict:
-    state = inst.state()
+    state = inst.state(router.pool.core_stats(inst))
     if router.cache is not None:
         state["kv_index"] = router.cache.state(inst)
     return state

@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 
-from kvpush.kv_info import KVInfo
 from kvpush.router.answers import fetch
 from kvpush.router.config import RouterConfig, RouterKeys
 from kvpush.router.decide import (
@@ -95,14 +94,13 @@ class CachePolicy:
         bs = self.index.block_size(inst)
         return route.cached_tokens(blocks, bs) if bs else 0
 
-    @staticmethod
-    def no_room(inst: object, route: Route) -> bool:
-        """Whether the instance's last ``/kv/info`` (health check) shows too few free
-        blocks for the prompt (False when it does not say: vLLM)."""
-        info = getattr(inst, "info", None)
-        if not isinstance(info, KVInfo) or not isinstance(info.num_free_blocks, int):
+    def no_room(self, inst: Instance, route: Route) -> bool:
+        """Whether the instance's engine core, as its latest snapshot says, has too few
+        free blocks for the prompt (False when it does not say: vLLM, no link yet)."""
+        stats = self.pool.core_stats(inst)
+        if stats is None or inst.info is None:
             return False
-        return lacks_room(route.prompt_tokens, info.num_free_blocks, info.block_size)
+        return lacks_room(route.prompt_tokens, stats.num_free_blocks, inst.info.block_size)
 
     def cost(self, job: Job) -> Callable[[Instance], float] | None:
         """``Pool.pick``'s cost for the job (None: no route, the configured order)."""

@@ -34,8 +34,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvpush.kv_cache.block_pool import BlockHash, hash_prefix_blocks
+
+_I = TypeVar("_I")  # an instance, as the caller's pool has them
 
 #: default of --local-prefill-max-tokens (docs/ROUTER.md: how it was chosen)
 DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 128
@@ -139,13 +142,13 @@ def decide(prompt_tokens: int, d_cached_tokens: int, p_cached_tokens: int | None
     return Decision.REMOTE
 
 
-def cost_fn(route: Route, cached_tokens: Callable[[object, Route], int],
+def cost_fn(route: Route, cached_tokens: Callable[[_I, Route], int],
             load_cost_tokens: int,
-            no_room: Callable[[object, Route], bool] = lambda _i, _r: False,
-            load_weight: float = 0.0) -> Callable[[object], float]:
+            no_room: Callable[[_I, Route], bool] = lambda _i, _r: False,
+            load_weight: float = 0.0) -> Callable[[_I], float]:
     """``Pool.choose``'s cost for ``route``: ``cached_tokens(instance, route)`` from the
     KV index, ``in_flight`` from the instance, ``FULL_COST`` where ``no_room``."""
-    def f(inst: object) -> float:
+    def f(inst: _I) -> float:
         c = cost(route.prompt_tokens, cached_tokens(inst, route),
                  getattr(inst, "in_flight", 0), load_cost_tokens,
                  getattr(inst, "tokens_in_flight", 0), load_weight)

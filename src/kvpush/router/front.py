@@ -82,7 +82,7 @@ class RouterFront:
             keys = self.cfg.keys
             plane = keys.request_plane if keys is not None else None
             cores = CoreSender(self.pool, remote_core(plane, tokenizer.tokenizer))
-            self.pool.link_up = cores.link_up
+            self.pool.core_stats = cores.latest_stats
             self.sender = Senders(cores, HttpSender(self.cfg, self.pool, client))
             life = RequestLife(self.cfg, self.book, self.sender, self.signer,
                                tokenizer.tokenizer)

@@ -20,7 +20,6 @@ the protocol takes its instance out of the rotation (``Pool.mark_failed``): that
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -29,7 +28,7 @@ import httpx
 
 from kvpush.engine.outputs import EngineOutput, FinishReason, RequestFailure
 from kvpush.errors import RequestError
-from kvpush.kv_transfer.params import KVTransferParams
+from kvpush.kv_transfer.params import KVTransferParams, WireKVParams
 from kvpush.router.answers import AnswerTooLarge, read_capped
 from kvpush.router.pool import Instance, Pool, describe_error
 from kvpush.router.redact import scrub, scrub_error
@@ -40,8 +39,6 @@ from kvpush.sampling_params import GrammarKind, StructuredOutput
 if TYPE_CHECKING:
     from kvpush.router.config import RouterConfig
     from kvpush.sampling_params import SamplingParams
-
-logger = logging.getLogger("kvpush.router")
 
 
 class StreamStopped(Exception):
@@ -75,7 +72,9 @@ def structured_outputs(spec: StructuredOutput) -> dict[str, Any]:
 def completion_body(leg: Leg) -> dict[str, Any]:
     """The leg as vLLM's ``/v1/completions`` takes it."""
     p: SamplingParams = leg.params
-    prefill = bool(leg.kv and leg.kv.get("do_remote_decode"))
+    kv = leg.kv  # (a vLLM instance's: JSON, LegSigner)
+    assert not isinstance(kv, WireKVParams)
+    prefill = bool(kv and kv.get("do_remote_decode"))
     body: dict[str, Any] = {
         "prompt": leg.prompt, "max_tokens": 1 if prefill else p.max_tokens,
         "n": 1 if prefill else p.n, "stream": not prefill, "return_token_ids": True,
@@ -95,8 +94,8 @@ def completion_body(leg: Leg) -> dict[str, Any]:
         body["return_tokens_as_token_ids"] = True
     if p.structured is not None:
         body["structured_outputs"] = structured_outputs(p.structured)
-    if leg.kv is not None:
-        body["kv_transfer_params"] = leg.kv
+    if kv is not None:
+        body["kv_transfer_params"] = kv
     return body
 
 

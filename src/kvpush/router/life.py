@@ -58,7 +58,7 @@ from kvpush.router.pool import Instance, Pool
 from kvpush.router.redact import scrub
 from kvpush.router.request_log import log_request
 from kvpush.router.senders import Leg, LegSender
-from kvpush.router.wire import LegSigner, prefill_params, push_decode_params
+from kvpush.router.wire import LegKV, LegSigner, prefill_params, push_decode_params
 from kvpush.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -335,7 +335,7 @@ class RequestLife:
         job.mode, job.prefill = "fallback", None
         return self._alone(job, prompt, params)
 
-    def _prefill_kv(self, job: Job, p: Instance) -> tuple[str, dict[str, Any]]:
+    def _prefill_kv(self, job: Job, p: Instance) -> tuple[str, LegKV]:
         tid = job.new_transfer_id()
         job.prefill = p
         return tid, self.signer.sign(prefill_params(tid), p, "prefill")
@@ -434,7 +434,7 @@ class RequestLife:
                 self.sender.release(p, tid)
 
     async def _prefill(self, job: Job, p: Instance, tid: str, prompt: list[int],
-                       params: SamplingParams, kv: dict[str, Any], reraise: bool = False
+                       params: SamplingParams, kv: LegKV, reraise: bool = False
                        ) -> EngineOutput | None:
         """Run prefill's leg to its end: its last output (None: none came). A refusal is
         the request's answer when ``reraise`` (pull), else only logged (push: decode's
@@ -468,7 +468,7 @@ class RequestLife:
         return last
 
     async def _decode(self, job: Job, d: Instance, tid: str, prompt: list[int],
-                      params: SamplingParams, kv: dict[str, Any] | None
+                      params: SamplingParams, kv: LegKV | None
                       ) -> AsyncGenerator[EngineOutput, None]:
         """Decode's outputs; DecodeLost when its way is gone (the instance left the
         rotation at the drop)."""

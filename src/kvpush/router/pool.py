@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -41,6 +41,9 @@ from kvpush.router.answers import fetch
 from kvpush.router.config import RouterConfig, RouterConfigError, RouterKeys
 from kvpush.router.watch import LegWatch, end_all
 from kvpush.server.auth import auth_header
+
+if TYPE_CHECKING:
+    from kvpush.engine.outputs import EngineStats
 
 logger = logging.getLogger("kvpush.router")
 
@@ -121,18 +124,15 @@ class Instance:
             return self.spec.explicit.engine_id
         return self.url
 
-    def state(self) -> dict[str, Any]:
-        free = total = None
-        if self.info is not None:
-            free, total = self.info.num_free_blocks, self.info.num_total_blocks
+    def state(self, stats: EngineStats | None) -> dict[str, Any]:  # (Pool.core_stats)
         return {"url": self.url, "role": self.role, "engine_id": self.engine_id,
                 "healthy": self.healthy, "in_flight": self.in_flight,
                 "tokens_in_flight": self.tokens_in_flight,
                 "requests": self.requests, "failures": self.failures,
                 "last_error": None if self.healthy else self.last_error,
                 "misconfigured": self.misconfigured,
-                "num_free_blocks": free if isinstance(free, int) else None,
-                "num_total_blocks": total if isinstance(total, int) else None}
+                "num_free_blocks": stats.num_free_blocks if stats is not None else None,
+                "num_total_blocks": stats.num_total_blocks if stats is not None else None}
 
 
 def identity_from_info(info: KVInfo) -> Identity | None:
@@ -166,9 +166,10 @@ class Pool:
         #: called with each instance that left the pool (remove_instance): the KV index,
         #: the link to its engine core
         self.on_remove: list[Callable[[Instance], None]] = []
-        #: whether an instance's engine core link is up now (the router's CoreSender
-        #: says; an instance it links is not judged by its HTTP probe)
-        self.link_up: Callable[[Instance], bool] = lambda _inst: False
+        #: a kvpush instance's gauges (free blocks, requests: not /kv/info's) as its
+        #: engine core's latest snapshot says, over a link that is up (the router's
+        #: CoreSender; None: no such link, or vLLM)
+        self.core_stats: Callable[[Instance], EngineStats | None] = lambda _inst: None
         self._check_slots = asyncio.Semaphore(CHECKS_AT_ONCE)
         #: the checks running now, by instance (start_checks)
         self._checks: dict[Instance, asyncio.Task] = {}
@@ -447,7 +448,7 @@ class Pool:
         request still takes it out at once."""
         if not inst.healthy:
             return False
-        if isinstance(e, httpx.HTTPError) and self.link_up(inst):
+        if isinstance(e, httpx.HTTPError) and self.core_stats(inst) is not None:
             return True
         if not isinstance(e, httpx.TimeoutException):
             return False

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpush.engine.core_link import RemoteCore
-from kvpush.engine.outputs import EngineOutput
+from kvpush.engine.outputs import EngineOutput, EngineStats
 from kvpush.router.pool import Instance, Pool
+from kvpush.router.wire import LegKV
 
 if TYPE_CHECKING:
     from kvpush.crypto.curve import CurveKeys
+    from kvpush.kv_transfer.params import WireKVParams
     from kvpush.sampling_params import SamplingParams
 
 
@@ -51,7 +53,7 @@ class Leg:
     prompt: list[int]
     params: SamplingParams
     #: the leg's kv_transfer_params, signed for ``inst`` (None: a plain request)
-    kv: dict[str, Any] | None
+    kv: LegKV | None
 
 
 class LegSender(Protocol):
@@ -92,8 +94,11 @@ class CoreLink(Protocol):
 
     def health_problem(self) -> str | None: ...
 
+    def latest_stats(self) -> EngineStats | None: ...
+
     def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               kv_transfer_params: dict | None = None) -> AsyncIterator[EngineOutput]: ...
+               kv_transfer_params: WireKVParams | None = None
+               ) -> AsyncIterator[EngineOutput]: ...
 
     def abort_transfer(self, transfer_id: str, why: str = ...) -> None: ...
 
@@ -158,10 +163,11 @@ class CoreSender:
         core = self._links.get(inst.url)
         return core is not None and not core.proven
 
-    def link_up(self, inst: Instance) -> bool:
-        """Whether ``inst``'s engine core link is connected now."""
+    def latest_stats(self, inst: Instance) -> EngineStats | None:
+        """``inst``'s gauges as its core's latest snapshot says (None: no link up, or
+        no snapshot on it yet)."""
         core = self._links.get(inst.url)
-        return core is not None and core.connected
+        return core.latest_stats() if core is not None else None
 
     # ---- LegSender -----------------------------------------------------------------
     def usable(self, inst: Instance) -> bool:
@@ -179,6 +185,7 @@ class CoreSender:
 
     async def stream(self, leg: Leg) -> AsyncIterator[EngineOutput]:
         core = self._links[leg.inst.url]
+        assert not isinstance(leg.kv, dict)  # (a kvpush instance's: LegSigner)
         outs = core.stream(leg.transfer_id, leg.prompt, leg.params, leg.kv)
         try:
             async for out in outs:

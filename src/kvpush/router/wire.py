@@ -1,17 +1,19 @@
 """What the router puts on the wire: each leg's ``kv_transfer_params`` and their
-signature."""
+signature: a kvpush instance's as its request plane carries them (WireKVParams), a
+vLLM instance's as JSON."""
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
+from kvpush.kv_transfer.params import WireKVParams
 from kvpush.router.pool import Instance
 
 if TYPE_CHECKING:
     from kvpush.router.config import RouterKeys
 
-logger = logging.getLogger("kvpush.router")
+#: a leg's kv_transfer_params: a kvpush instance's struct, a vLLM instance's JSON
+LegKV = WireKVParams | dict[str, Any]
 
 
 class LegSigner:
@@ -27,11 +29,15 @@ class LegSigner:
         self._signer = ParamsSigner.from_key(keys.grant_key) if keys else None
 
     def sign(self, params: dict[str, Any], to: Instance, role: str,
-             peer: Instance | None = None) -> dict[str, Any]:
-        if self._signer is None or (to.info is None and to.spec.explicit is None):
-            return params
-        return self._signer.sign(params, role=role, engine_id=to.engine_id,
-                                 peer_engine_id=peer.engine_id if peer else None)
+             peer: Instance | None = None) -> LegKV:
+        """``params`` for ``to``: a kvpush instance's the fields it reads, signed as
+        such; a vLLM instance's as they are."""
+        if to.kvpush:
+            params = WireKVParams.of(params).wire()
+        if self._signer is not None and (to.kvpush or to.spec.explicit is not None):
+            params = self._signer.sign(params, role=role, engine_id=to.engine_id,
+                                       peer_engine_id=peer.engine_id if peer else None)
+        return WireKVParams.of(params) if to.kvpush else params
 
 
 def prefill_params(tid: str) -> dict[str, Any]:
