@@ -127,7 +127,10 @@ def test_disaggregated_top_logprobs_equal_single(pd, tiny_qwen3):
     assert leg.error is None and len(leg.top_logprobs) == 4
     for got, want in zip(leg.top_logprobs, ref, strict=True):
         assert [t for t, _ in got] == [t for t, _ in want]
-        assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-5)
+        # float32 summation order: pull's decode attends the prompt's last token over
+        # the moved KV at a padded width, the single instance over the fresh prompt
+        assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], rel=1e-5,
+                                                      abs=1e-5)
     if pd.mode == "push":
         assert pd.p_legs["r"].top_logprobs[0] == leg.top_logprobs[0]
     pd.settle()

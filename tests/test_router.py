@@ -45,6 +45,7 @@ from router_helpers import (
 )
 from server_helpers import free_port
 from stand_in import make_kv_info
+from waits import settled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,11 +112,15 @@ def test_outputs_equal_single_instance(cluster, refs, mode):
         n = len(results)
         # a prompt decode has never seen: its KV comes over (decode got the router's
         # kv_transfer_params and did not silently recompute)
-        before = transfers()
+        # (read once the counter has settled: an instance publishes its transfer
+        # counters with its next snapshot, a little after the answers they count)
+        before = settled(transfers)
         r = httpx.post(rt.url + "/v1/completions", timeout=60,
                        json=_body(f"{mode} fresh prompt {time.time()} " * 4))
         assert r.status_code == 200, r.text
-        assert transfers() - before == (0 if mode == "colocated" else 1)
+        want = 0 if mode == "colocated" else 1
+        wait_until(lambda: transfers() - before >= want, 10, "the fresh prompt's transfer")
+        assert settled(transfers) - before == want
         n += 1
         if mode != "colocated":  # push: prefill legs may still be draining
             # a repeated prompt is a full prefix hit on decode: its prefill leg ends "ok"
