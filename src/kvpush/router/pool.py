@@ -36,7 +36,7 @@ import httpx
 
 from kvpush.discovery.instance_spec import Identity, InstanceSpec
 from kvpush.kv_info import KVInfo, MalformedAnswer, decode_kv_info
-from kvpush.router.admit import CannotProve, ProofFailed, Proven, identity_problem, prove
+from kvpush.router.admit import NotAdmitted, Proven, admit, identity_problem
 from kvpush.router.answers import fetch
 from kvpush.router.config import RouterConfig, RouterConfigError, RouterKeys
 from kvpush.router.watch import LegWatch, end_all
@@ -356,12 +356,14 @@ class Pool:
                 # no API key, no prompt, no grant before the proof (kvpush.router.admit);
                 # proved at every check: another server at its address is caught there
                 inst.proven = None
-                bad = await self._prove(client, inst, keys.proof_key)
-                if bad is not None:
-                    self._refuse(inst, bad)
+                try:
+                    inst.proven = await admit(client, inst.url, keys.proof_key, timeout,
+                                              discovered=bool(inst.cards))
+                except NotAdmitted as e:
+                    self._refuse(inst, str(e))
                     return
             info: KVInfo | None = None  # none: not kvpush (vLLM)
-            # (an instance that could not prove answered /kv/info 404 already: _prove)
+            # (an instance that could not prove answered /kv/info 404 already: admit)
             if not isinstance(keys, RouterKeys) or inst.proven is not None:
                 members = keys.member_header() if isinstance(keys, RouterKeys) else {}
                 k = await fetch(client, "GET", inst.url + "/kv/info", timeout,
@@ -415,29 +417,6 @@ class Pool:
         elif old is not None and old != inst.engine_id:
             logger.info("%s instance %s restarted: engine %s -> %s", inst.role, inst.url, old,
                         inst.engine_id)
-
-    async def _prove(self, client: httpx.AsyncClient, inst: Instance,
-                     key: bytes) -> str | None:
-        """Prove ``inst`` (sets ``inst.proven``); why it cannot be admitted, or None.
-        Raises httpx errors (a failed check)."""
-        timeout = self.cfg.health_timeout_s
-        try:
-            inst.proven = await prove(client, inst.url, key, timeout)
-            return None
-        except ProofFailed as e:
-            return f"it did not prove that it holds the cluster secret: {e}"
-        except CannotProve:
-            pass
-        if inst.cards:
-            return ("it cannot prove that it holds the cluster secret (/kv/prove: 404), and "
-                    "instances that cannot prove are admitted only from the router's own "
-                    "command line, never from etcd")
-        k = await fetch(client, "GET", inst.url + "/kv/info", timeout)  # without the key
-        if k.status_code == 404:  # not kvpush (vLLM): on the operator's word
-            return None
-        return ("it answers /kv/info like a kvpush instance but cannot prove that it holds "
-                "the cluster secret (/kv/prove: 404): give it the router's secret "
-                "(--kv-secret-file), or it is not the instance it claims to be")
 
     def _spared(self, inst: Instance, e: Exception) -> bool:
         """Whether a check that failed with ``e`` leaves ``inst`` in rotation: its engine
