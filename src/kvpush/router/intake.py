@@ -26,6 +26,7 @@ from fastapi import Request
 
 from kvpush.aio import within
 from kvpush.server.app import MAX_BODY_BYTES
+from kvpush.server.body_limit import too_large
 from kvpush.server.errors import APIError
 
 logger = logging.getLogger("kvpush.router")
@@ -42,13 +43,13 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     ``ClientDisconnect`` when the client goes away meanwhile."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
+        raise too_large(limit)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise _too_large(limit)
+            raise too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -62,11 +63,6 @@ async def read_body_within(request: Request, timeout: float,
     except asyncio.TimeoutError:  # (3.10: not the builtin)
         raise APIError(f"the request body did not arrive within {timeout:g} s",
                        status_code=408, code="request_timeout") from None
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(f"the request body is larger than {limit >> 20} MiB", status_code=413,
-                    code="request_too_large")
 
 
 class Admission:
