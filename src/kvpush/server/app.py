@@ -167,7 +167,7 @@ def new_request_id(kind: Literal["completion", "chat"]) -> str:
 
 class OpenAIFront:
     """The OpenAI request handlers over one FrontEngine: an instance's engine, or the
-    router's cluster of engine cores (kvpush.router.cluster_engine). ``gauges``: the
+    router's cluster of engine cores (kvpush.router.front). ``gauges``: the
     engine's own (None: a front over many engines, the router)."""
 
     def __init__(self, engine: FrontEngine, settings: FrontSettings,
