@@ -32,6 +32,7 @@ from kvpush.kv_cache.events import (
     KVEventBatch,
     encode_batch,
 )
+from kvpush.kv_info import CacheBlocks
 from kvpush.router.config import RouterConfig
 from kvpush.router.decide import (
     Decision,
@@ -41,7 +42,7 @@ from kvpush.router.decide import (
     lacks_room,
 )
 from kvpush.router.job import Job
-from kvpush.router.kv_index import BatchResult, InstanceIndex, KVIndex, Snapshot
+from kvpush.router.kv_index import BatchResult, InstanceIndex, KVIndex
 from kvpush.router.placement import Placement
 from kvpush.router.pool import Pool
 from router_helpers import metric_value, wait_until
@@ -59,13 +60,18 @@ def batch(seq: int, *events: Any, engine: str = "e1") -> KVEventBatch:
     return KVEventBatch(engine, seq, list(events))
 
 
+def snapshot(engine: str, seq: int, *hashes: bytes) -> CacheBlocks:
+    """A ``/kv/cache_blocks`` answer: every hash cached, as of batch ``seq``."""
+    return CacheBlocks(engine, seq, BS, [h.hex() for h in hashes])
+
+
 # ---------------------------------------------------------------------- the index, pure
 
 
 def test_index_applies_batches_in_order_and_shrinks_on_eviction():
     idx = InstanceIndex("e1", BS)
     assert idx.on_batch(batch(1, BlockStored([H(1)]))) is BatchResult.BUFFERED  # unsynced
-    assert idx.on_snapshot(Snapshot("e1", 0, BS, frozenset()))
+    assert idx.on_snapshot(snapshot("e1", 0))
     assert idx.hashes == {H(1)} and idx.seq == 1 and idx.synced
     assert idx.on_batch(batch(2, BlockStored([H(2), H(3)]))) is BatchResult.APPLIED
     assert idx.longest_prefix([H(1), H(2), H(3), H(4)]) == 3
@@ -78,23 +84,23 @@ def test_index_applies_batches_in_order_and_shrinks_on_eviction():
 
 def test_index_gap_takes_a_snapshot_and_applies_later_batches():
     idx = InstanceIndex("e1", BS)
-    idx.on_snapshot(Snapshot("e1", 5, BS, frozenset({H(1)})))
+    idx.on_snapshot(snapshot("e1", 5, H(1)))
     assert idx.on_batch(batch(7, BlockStored([H(9)]))) is BatchResult.GAP  # 6 lost
     assert not idx.synced and idx.hashes == {H(1)}  # stale, still serving
     assert idx.on_batch(batch(8, BlockStored([H(10)]))) is BatchResult.BUFFERED
     # a snapshot older than the lost batch leaves a gap: not synced yet
-    assert not idx.on_snapshot(Snapshot("e1", 5, BS, frozenset({H(1)})))
+    assert not idx.on_snapshot(snapshot("e1", 5, H(1)))
     # the snapshot as of batch 7 (6 and 7 in it), then 8 from the buffer
-    assert idx.on_snapshot(Snapshot("e1", 7, BS, frozenset({H(1), H(2), H(9)})))
+    assert idx.on_snapshot(snapshot("e1", 7, H(1), H(2), H(9)))
     assert idx.synced and idx.seq == 8 and idx.hashes == {H(1), H(2), H(9), H(10)}
 
 
 def test_index_restart_drops_everything():
     idx = InstanceIndex("e1", BS)
-    idx.on_snapshot(Snapshot("e1", 3, BS, frozenset({H(1), H(2)})))
+    idx.on_snapshot(snapshot("e1", 3, H(1), H(2)))
     assert idx.on_batch(batch(1, BlockStored([H(5)]), engine="e2")) is BatchResult.RESTART
     assert idx.engine_id == "e2" and idx.hashes == set() and not idx.synced
-    assert idx.on_snapshot(Snapshot("e2", 0, BS, frozenset()))
+    assert idx.on_snapshot(snapshot("e2", 0))
     assert idx.hashes == {H(5)} and idx.seq == 1
 
 
@@ -261,10 +267,8 @@ def test_kv_index_follows_a_publisher_through_gap_and_restart():
     pub = FakePublisher()
 
     async def main() -> None:
-        async def fetch(url: str) -> Snapshot:
-            s = pub.snapshot_json()
-            return Snapshot(s["engine_id"], s["seq"], s["block_size"],
-                            frozenset(bytes.fromhex(h) for h in s["hashes"]))
+        async def fetch(url: str) -> CacheBlocks:
+            return msgspec.convert(pub.snapshot_json(), CacheBlocks)
 
         kv = KVIndex(fetch, retry_s=0.05)
         key = object()

@@ -18,10 +18,11 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from kvpush.kv_info import CacheBlocks, decode_cache_blocks
 from kvpush.router.config import RouterKeys
 from kvpush.router.decide import FULL_COST, Decision, Route, cost, decide, lacks_room
 from kvpush.router.job import Job
-from kvpush.router.kv_index import KVIndex, Snapshot, parse_snapshot
+from kvpush.router.kv_index import KVIndex
 from kvpush.router.pool import Instance, Pool
 from kvpush.server.errors import APIError
 
@@ -44,14 +45,14 @@ class Placement:
     def follow(self, client: httpx.AsyncClient) -> None:
         """Cache-aware: follow the KV events of every instance whose check passes (those
         healthy now at once), snapshots over ``client``."""
-        async def fetch_snapshot(url: str) -> Snapshot:
+        async def fetch_snapshot(url: str) -> CacheBlocks:
             keys = self.cfg.keys  # (with the API key: the client's)
             r = await client.get(url + "/kv/cache_blocks", timeout=self.cfg.health_timeout_s,
                                  headers=keys.member_header()
                                  if isinstance(keys, RouterKeys) else None)
             if r.status_code != 200:
                 raise RuntimeError(f"/kv/cache_blocks answered HTTP {r.status_code}")
-            return parse_snapshot(r.content)
+            return decode_cache_blocks(r.content)
 
         index = self.index = KVIndex(fetch_snapshot, retry_s=self.cfg.health_interval_s,
                                      keys=self.cfg.keys.events if self.cfg.keys else None)
