@@ -184,16 +184,13 @@ class Router:
         """Watch the etcd prefix; each instance that joins is checked at once."""
         from kvpush.router.discover import EtcdLink
 
-        assert self.cfg.discover is not None
-
         def on_join(inst: Instance) -> None:
             assert self.health_client is not None
             task = asyncio.create_task(self.pool.check(self.health_client, inst))
             self._joins.add(task)
             task.add_done_callback(self._joins.discard)
 
-        self.discovery = EtcdLink(self.cfg.discover, self.pool, self.cfg.mode, on_join,
-                                  self.cfg.max_instances)
+        self.discovery = EtcdLink(self.pool, on_join)
         self.discovery.start()
         # the first view, if etcd answers soon; else the router starts with what it has
         # (the static instances, or none: /health 503) and the link catches up
