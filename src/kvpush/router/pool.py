@@ -309,10 +309,6 @@ class Pool:
                     "has no secret: give the router the instances' secret (kvpush router "
                     "--kv-secret-file PATH, or KVPUSH_KV_SECRET), or run the instances "
                     "with --insecure-kv-params")
-        if mode != "colocated" and info.kv_params_signed is True and not self.cfg.kv_secret:
-            return ("it acts only on kv_transfer_params signed with the cluster secret, and "
-                    "the router has none: give the router the instances' secret "
-                    "(kvpush router --kv-secret-file PATH, or KVPUSH_KV_SECRET)")
         return None
 
     def _mixed(self, inst: Instance, info: KVInfo | None) -> str | None:
