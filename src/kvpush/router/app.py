@@ -26,7 +26,7 @@ from kvpush import __version__
 from kvpush.aio import within
 from kvpush.router.config import RouterConfig
 from kvpush.router.front import STARTING_WAIT_S, RouterFront
-from kvpush.router.intake import RETRY_AFTER_S, Admission, full_error, read_body_within
+from kvpush.router.intake import RETRY_AFTER_S, Admission, full_error
 from kvpush.router.job import Job, outcome_for
 from kvpush.router.life import Book
 from kvpush.router.metrics import RouterMetrics
@@ -36,8 +36,9 @@ from kvpush.router.prompts import PromptTokenizer, TokenizerState, load_model_to
 from kvpush.router.stopping import cancel_and_wait
 from kvpush.router.wire import LegSigner
 from kvpush.server.admin_key import ADMIN_PATHS, protect
-from kvpush.server.app import OpenAIFront, new_request_id
+from kvpush.server.app import MAX_BODY_BYTES, OpenAIFront, new_request_id, read_body_within
 from kvpush.server.auth import auth_header
+from kvpush.server.body_limit import BodyLimitMiddleware
 from kvpush.server.door import uvicorn_options
 from kvpush.server.errors import APIError, install_error_handlers
 from kvpush.server.metrics import auth_rejected_counter
@@ -264,13 +265,17 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
         finally:
             await router.close()
 
-    # no max_body_size: Starlette's limit answers text/plain; the handlers read bodies
-    # through kvpush.router.intake.read_body (an OpenAI-style 413) and no other route
-    # reads one
+    # no max_body_size: Starlette's limit answers text/plain (BodyLimitMiddleware: JSON)
     app = FastAPI(title="kvpush router", summary="OpenAI-compatible P/D router",
                   lifespan=lifespan)
     app.state.router = router
     install_error_handlers(app)
+
+    def too_large(scope: Any) -> None:  # a request refused before its handler: counted
+        if scope["path"] in ("/v1/completions", "/v1/chat/completions"):
+            router.metrics.requests.labels(router.cfg.mode, "client_error").inc()
+
+    app.add_middleware(BodyLimitMiddleware, limit=MAX_BODY_BYTES, on_reject=too_large)
     protect(app, router.cfg.api_key, router.cfg.admin_key, ROUTER_ADMIN_PATHS,
             on_reject=lambda reason: router.auth_rejected.labels(reason).inc())
 
