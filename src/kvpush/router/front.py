@@ -7,10 +7,7 @@ cores for kvpush instances, HTTP for vLLM instances).
 A request that arrives while the router is starting (the model's tokenizer loading, a
 core's link handshaking) waits for that, woken by the events themselves, at most
 ``STARTING_WAIT_S``, then gets a 503 "starting". The front is built once, from a decode
-instance: a kvpush instance's ``/kv/info`` (the served model's name, its context, its
-vocabulary, and its ``--chat-template`` if it was given one: the router renders chats
-for the cores), or a vLLM instance's ``/v1/models`` (name and context; the vocabulary
-is the tokenizer's).
+instance (``RouterFront._build_front``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
-"""The instances behind the router: identity, health, in-flight counts, and the policy
-that picks one for each leg.
+"""The instances behind the router: identity, health, in-flight counts, and the pick of
+one for each leg.
 
 Every instance is checked at start-up and every ``health_interval_s`` after, each on its
-own (a slow instance delays only its own next check), each answer read whole within
-``health_timeout_s`` and a size cap (kvpush.router.answers):
-``GET /health`` must answer 200; with the cluster secret, the instance must prove it
-holds it (``POST /kv/prove``, kvpush.router.admit) at every check, before it gets the
-API key; ``GET /kv/info`` must show the
-identity proved and the role and transfer mode the router uses it for (kvpush
-instances). An instance from the command line whose ``/kv/prove`` and ``/kv/info``
-answer 404 (vLLM) is taken on the operator's word, with the identity given in its URL
-spec; one from etcd never is. An
+own, each answer read whole within ``health_timeout_s`` and a size cap
+(kvpush.router.answers): ``GET /health`` must answer 200; with the cluster secret the
+instance is admitted first, at every check (kvpush.router.admit); ``GET /kv/info`` must
+show the identity proved and the role and transfer mode the router uses it for. An
 instance that fails a check, or on which a request hits a connection error, leaves the
-rotation at once (but for one check in a row that only timed out: a busy instance, not
-a dead one); the next check that passes brings it back, with its identity read
-again (a restarted instance has a new engine id and side-channel port). A failed check
-also ends every leg still waiting on the instance (kvpush.router.watch): a frozen
-instance keeps its connections open, and its legs would otherwise wait for their whole
-read timeout.
+rotation at once (but for checks that only time out, ``slow_checks_tolerated`` in a
+row, or while its engine core link is up); the next check that passes brings it back,
+its identity read again. A failed check also ends every leg still waiting on the
+instance (kvpush.router.watch).
 
 All state is touched from the event loop only, so picks need no lock.
 """
