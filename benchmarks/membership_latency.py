@@ -30,7 +30,7 @@ s = EtcdServer(d / "data", d)
 async def main() -> None:
     t = parse_target(s.url())
     pool = Pool(RouterConfig(mode="push", prefill=(), decode=(), discover=t))
-    link = EtcdLink(t, pool, "push", lambda i: None)
+    link = EtcdLink(pool, lambda i: None)
     link.start()
     await link.synced.wait()
     c = EtcdClient(t)

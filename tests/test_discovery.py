@@ -227,7 +227,7 @@ def test_register_and_discover_with_auth(etcd_auth, caplog):
         pool = Pool(RouterConfig(mode="push", prefill=(), decode=(), discover=target,
                                  kv_secret=SECRET))
         joined = []
-        link = EtcdLink(target, pool, "push", joined.append)
+        link = EtcdLink(pool, joined.append)
         link.start()
         reg = Registrar(target, card, ttl_s=2)
         reg.start()
@@ -384,7 +384,7 @@ def test_register_and_discover_over_tls(tmp_path):
         await no_cert.aclose()
         pool = Pool(RouterConfig(mode="push", prefill=(), decode=(), discover=target,
                                  kv_secret=SECRET))
-        link = EtcdLink(target, pool, "push", lambda inst: None)
+        link = EtcdLink(pool, lambda inst: None)
         link.start()
         reg = Registrar(target, card, ttl_s=3)
         reg.start()

@@ -16,7 +16,8 @@ from kvpush.kv_cache.block_pool import hash_prompt_chain
 from kvpush.kv_cache.event_keys import EventKeys
 from kvpush.kv_cache.event_publisher import KVEventPublisher
 from kvpush.kv_cache.events import TOPIC, BlockStored, decode_batch
-from kvpush.router.kv_index import KVIndex, Snapshot
+from kvpush.kv_info import CacheBlocks
+from kvpush.router.kv_index import KVIndex
 from stand_in import make_kv_info
 
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -79,9 +80,9 @@ def test_the_router_index_follows_a_keyed_publisher():
     info = make_kv_info(engine_id="e1", kv_events=msgspec.to_builtins(pub.info()))
     raw = chain(PROMPT)
 
-    async def fetch(url: str) -> Snapshot:
+    async def fetch(url: str) -> CacheBlocks:
         s = pub.snapshot()
-        return Snapshot(s.engine_id, s.seq, s.block_size, frozenset(s.hashes))
+        return CacheBlocks(s.engine_id, s.seq, s.block_size, [h.hex() for h in s.hashes])
 
     async def main() -> None:
         kv, blind = KVIndex(fetch, retry_s=0.05, keys=keys), KVIndex(fetch, retry_s=0.05)
@@ -126,7 +127,7 @@ def test_a_prompt_chain_is_tagged_once_and_only_as_far_as_it_matches():
     keys = _CountingKeys(k.hash_key, k.curve)
     raw = [bytes([i % 256, i // 256]) * 8 for i in range(512)]
 
-    async def fetch(url: str) -> Snapshot:
+    async def fetch(url: str) -> CacheBlocks:
         raise RuntimeError("not used")
 
     async def main() -> None:

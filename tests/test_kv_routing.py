@@ -6,6 +6,7 @@ lost, a decode that refuses a local request. Every wait is bounded."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import threading
@@ -31,17 +32,18 @@ from kvpush.kv_cache.events import (
     KVEventBatch,
     encode_batch,
 )
-from kvpush.router.cache_policy import CachePolicy
+from kvpush.kv_info import CacheBlocks
 from kvpush.router.config import RouterConfig
 from kvpush.router.decide import (
     Decision,
     Route,
     cost,
-    cost_fn,
     decide,
     lacks_room,
 )
-from kvpush.router.kv_index import BatchResult, InstanceIndex, KVIndex, Snapshot
+from kvpush.router.job import Job
+from kvpush.router.kv_index import BatchResult, InstanceIndex, KVIndex
+from kvpush.router.placement import Placement
 from kvpush.router.pool import Pool
 from router_helpers import metric_value, wait_until
 from stand_in import make_kv_info, push_kv_info, stand_in
@@ -58,13 +60,18 @@ def batch(seq: int, *events: Any, engine: str = "e1") -> KVEventBatch:
     return KVEventBatch(engine, seq, list(events))
 
 
+def snapshot(engine: str, seq: int, *hashes: bytes) -> CacheBlocks:
+    """A ``/kv/cache_blocks`` answer: every hash cached, as of batch ``seq``."""
+    return CacheBlocks(engine, seq, BS, [h.hex() for h in hashes])
+
+
 # ---------------------------------------------------------------------- the index, pure
 
 
 def test_index_applies_batches_in_order_and_shrinks_on_eviction():
     idx = InstanceIndex("e1", BS)
     assert idx.on_batch(batch(1, BlockStored([H(1)]))) is BatchResult.BUFFERED  # unsynced
-    assert idx.on_snapshot(Snapshot("e1", 0, BS, frozenset()))
+    assert idx.on_snapshot(snapshot("e1", 0))
     assert idx.hashes == {H(1)} and idx.seq == 1 and idx.synced
     assert idx.on_batch(batch(2, BlockStored([H(2), H(3)]))) is BatchResult.APPLIED
     assert idx.longest_prefix([H(1), H(2), H(3), H(4)]) == 3
@@ -77,23 +84,23 @@ def test_index_applies_batches_in_order_and_shrinks_on_eviction():
 
 def test_index_gap_takes_a_snapshot_and_applies_later_batches():
     idx = InstanceIndex("e1", BS)
-    idx.on_snapshot(Snapshot("e1", 5, BS, frozenset({H(1)})))
+    idx.on_snapshot(snapshot("e1", 5, H(1)))
     assert idx.on_batch(batch(7, BlockStored([H(9)]))) is BatchResult.GAP  # 6 lost
     assert not idx.synced and idx.hashes == {H(1)}  # stale, still serving
     assert idx.on_batch(batch(8, BlockStored([H(10)]))) is BatchResult.BUFFERED
     # a snapshot older than the lost batch leaves a gap: not synced yet
-    assert not idx.on_snapshot(Snapshot("e1", 5, BS, frozenset({H(1)})))
+    assert not idx.on_snapshot(snapshot("e1", 5, H(1)))
     # the snapshot as of batch 7 (6 and 7 in it), then 8 from the buffer
-    assert idx.on_snapshot(Snapshot("e1", 7, BS, frozenset({H(1), H(2), H(9)})))
+    assert idx.on_snapshot(snapshot("e1", 7, H(1), H(2), H(9)))
     assert idx.synced and idx.seq == 8 and idx.hashes == {H(1), H(2), H(9), H(10)}
 
 
 def test_index_restart_drops_everything():
     idx = InstanceIndex("e1", BS)
-    idx.on_snapshot(Snapshot("e1", 3, BS, frozenset({H(1), H(2)})))
+    idx.on_snapshot(snapshot("e1", 3, H(1), H(2)))
     assert idx.on_batch(batch(1, BlockStored([H(5)]), engine="e2")) is BatchResult.RESTART
     assert idx.engine_id == "e2" and idx.hashes == set() and not idx.synced
-    assert idx.on_snapshot(Snapshot("e2", 0, BS, frozenset()))
+    assert idx.on_snapshot(snapshot("e2", 0))
     assert idx.hashes == {H(5)} and idx.seq == 1
 
 
@@ -161,23 +168,18 @@ def test_kv_tokens_in_flight_spread_the_load():
 
 
 def test_decode_legs_charge_and_release_their_tokens():
-    from kvpush.router.job import Job
-
     pool, d1, d2 = _two_decode_pool()
-    cfg = RouterConfig(mode="push", prefill=(parse_instance("http://127.0.0.1:9"),),
-                       decode=(parse_instance("http://127.0.0.1:1"),), policy="cache-aware")
-    policy = CachePolicy.__new__(CachePolicy)  # the charge only (no index, no tokenizer)
-    policy.cfg = cfg
-    policy.cached_tokens = lambda inst, route: 0  # type: ignore[method-assign]
+    placement = Placement(pool)  # the charge only (no KV index: nothing cached)
     job = Job(rid="r", kind="completion", stream=False, arrival=0.0)
     job.route = Route(list(range(40)), answer_tokens=24)  # (as Placement.route makes it)
-    policy.picked(job, d1)
+    assert placement.pick_decode(job, {d2}) is d1
     assert d1.tokens_in_flight == 64
-    policy.picked(job, d2)  # sent again elsewhere: the first charge moves
+    assert placement.pick_decode(job, {d1}) is d2  # sent again elsewhere: the charge moves
     assert (d1.tokens_in_flight, d2.tokens_in_flight) == (0, 64)
-    policy.released(job)
-    policy.released(job)  # idempotent
+    placement.release_decode(job)
+    placement.release_decode(job)  # idempotent
     assert (d1.tokens_in_flight, d2.tokens_in_flight) == (0, 0)
+    assert d1.in_flight == d2.in_flight == 0
 
 
 def test_an_instance_without_room_comes_after_those_with_room():
@@ -190,11 +192,12 @@ def test_an_instance_without_room_comes_after_those_with_room():
         return EngineStats(0, 0, free[inst], 64, 0, 0, 0) if inst in free else None
 
     pool.core_stats = gauges
-    policy = CachePolicy.__new__(CachePolicy)  # the room check only
-    policy.pool = pool
-    route = Route(list(range(52)))  # 13 blocks
+    policy = Placement(pool)
     cached = {d1: 40, d2: 0}
-    f = cost_fn(route, lambda i, _r: cached[i], 4, policy.no_room)
+    policy.cached_tokens = lambda i, _r: cached[i]  # type: ignore[method-assign]
+    job = Job(rid="r", kind="completion", stream=False, arrival=0.0)
+    route = job.route = Route(list(range(52)))  # 13 blocks
+    f = policy.cost(job)
     assert pool.choose("decode", cost=f) is d2  # d1 holds the prefix but has no room
     free[d2] = 12  # both full: the cache decides
     assert pool.choose("decode", cost=f) is d1
@@ -264,10 +267,8 @@ def test_kv_index_follows_a_publisher_through_gap_and_restart():
     pub = FakePublisher()
 
     async def main() -> None:
-        async def fetch(url: str) -> Snapshot:
-            s = pub.snapshot_json()
-            return Snapshot(s["engine_id"], s["seq"], s["block_size"],
-                            frozenset(bytes.fromhex(h) for h in s["hashes"]))
+        async def fetch(url: str) -> CacheBlocks:
+            return msgspec.convert(pub.snapshot_json(), CacheBlocks)
 
         kv = KVIndex(fetch, retry_s=0.05)
         key = object()
@@ -438,8 +439,8 @@ def _synced(router: Any, inst: FakeInstance) -> bool:
 
 def test_router_sends_a_cached_prompt_to_its_decode_alone(cluster, tiny_llama, caplog):
     router, p, d1, d2 = cluster
-    cache = router.router.cache
-    wait_until(lambda: cache.tokenizer.ready, 30, "tokenizer loaded from /v1/models")
+    tok = router.router.tokenizer
+    wait_until(lambda: tok.ready, 30, "tokenizer loaded from /v1/models")
     from kvpush.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(tiny_llama))
@@ -487,8 +488,8 @@ def test_router_sends_a_cached_prompt_to_its_decode_alone(cluster, tiny_llama, c
 
 def test_router_faults_restart_gap_and_full_decode(cluster, tiny_llama):
     router, p, d1, d2 = cluster
-    cache = router.router.cache
-    wait_until(lambda: cache.tokenizer.ready, 30, "tokenizer loaded")
+    tok = router.router.tokenizer
+    wait_until(lambda: tok.ready, 30, "tokenizer loaded")
     ids = list(range(3, 40))
     with httpx.Client(timeout=30) as c:
         def send() -> httpx.Response:
@@ -533,8 +534,6 @@ def test_a_route_carries_the_answer_bound_its_decode_leg_is_charged():
     its answer bound (the front's max_tokens: max_completion_tokens, max_tokens, else
     what the context leaves): prompt + bound is what a decode leg is charged. Without
     the cache-aware policy a request has no route."""
-    from kvpush.router.job import Job
-    from kvpush.router.placement import Placement
     from kvpush.sampling_params import SamplingParams
 
     cfg = RouterConfig(mode="push", prefill=(parse_instance("http://127.0.0.1:9"),),
@@ -543,7 +542,7 @@ def test_a_route_carries_the_answer_bound_its_decode_leg_is_charged():
     job = Job(rid="r", kind="completion", stream=False, arrival=0.0)
     placement.route(job, list(range(10)), SamplingParams(max_tokens=7))
     assert job.route is None
-    placement.cache = CachePolicy.__new__(CachePolicy)
+    placement = Placement(Pool(dataclasses.replace(cfg, policy="cache-aware")))
     placement.route(job, list(range(10)), SamplingParams(max_tokens=7, cache_salt="t"))
     assert job.route is not None
     assert (job.route.token_ids, job.route.answer_tokens, job.route.cache_salt) == (

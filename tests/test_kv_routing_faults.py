@@ -77,7 +77,7 @@ def router(cluster) -> Iterator[RouterThread]:
                      policy="cache-aware", local_prefill_max_tokens=LOCAL_MAX,
                      load_cost_tokens=4)
     try:
-        wait_until(lambda: r.router.cache.tokenizer.ready, 30, "tokenizer loaded")
+        wait_until(lambda: r.router.tokenizer.ready, 30, "tokenizer loaded")
         for d in (cluster.d1, cluster.d2):
             wait_until(lambda d=d: _index(r, d).synced, 10, f"{d.name}'s index synced")
         yield r
@@ -102,7 +102,7 @@ def _free_blocks(router: RouterThread, inst: Instance) -> int | None:
 
 
 def _index(router: RouterThread, inst: Instance) -> InstanceIndex:
-    idx = router.router.cache.index.index(_pool_inst(router, inst))
+    idx = router.router.placement.index.index(_pool_inst(router, inst))
     assert idx is not None, f"no KV index for {inst.name}"
     return idx
 
@@ -111,7 +111,7 @@ def _cached_blocks(router: RouterThread, inst: Instance, ids: list[int]) -> int:
     """Leading full blocks of ``ids`` the router believes ``inst`` caches (the router's
     own lookup: the instances' events are keyed with the cluster secret, issue 40)."""
     _index(router, inst)
-    return router.router.cache.index.longest_prefix(_pool_inst(router, inst),
+    return router.router.placement.index.longest_prefix(_pool_inst(router, inst),
                                                     lambda bs: hash_prefix_blocks(ids, bs))
 
 
@@ -230,7 +230,7 @@ def test_lost_event_batch_is_repaired_by_a_snapshot(cluster, router):
 
     idx.on_batch = lossy  # type: ignore[method-assign]
     def snapshots() -> int:
-        return router.router.cache.index.state(_pool_inst(router, c.d1))["snapshots"]
+        return router.router.placement.index.state(_pool_inst(router, c.d1))["snapshots"]
 
     gaps, snaps = idx.gaps, snapshots()
     ids = _prompt(500)

@@ -16,7 +16,6 @@ import pytest
 from kvpush.discovery.instance_spec import parse_instance
 from kvpush.engine.outputs import EngineOutput, FinishReason, RequestFailure, RequestOutput
 from kvpush.kv_transfer.params import KVTransferParams, WireKVParams
-from kvpush.router.cluster_engine import ClusterEngine
 from kvpush.router.config import RouterConfig
 from kvpush.router.job import Job
 from kvpush.router.life import Book, RequestLife
@@ -120,8 +119,8 @@ class FakeCore:
         self.closed = True
 
 
-def _engine(mode: str, cores: dict[str, FakeCore], **kw: Any
-            ) -> tuple[ClusterEngine, Pool, Senders]:
+def _life(mode: str, cores: dict[str, FakeCore], **kw: Any
+          ) -> tuple[RequestLife, Pool, Senders]:
     prefill = tuple(parse_instance(u) for u, c in cores.items() if c.role == "prefill")
     decode = tuple(parse_instance(u) for u, c in cores.items() if c.role == "decode")
     cfg = RouterConfig(mode=mode, prefill=prefill, decode=decode, **kw)  # type: ignore[arg-type]
@@ -135,30 +134,29 @@ def _engine(mode: str, cores: dict[str, FakeCore], **kw: Any
     sender = Senders(CoreSender(pool, by_address.__getitem__), http=None)  # type: ignore[arg-type]
     assert sender.serves()  # every healthy instance linked
     book = Book(cfg, Placement(pool), RouterMetrics(pool))
-    return ClusterEngine(RequestLife(cfg, book, sender, LegSigner(None), Chars())), pool, sender
+    return RequestLife(cfg, book, sender, LegSigner(None), Chars()), pool, sender
 
 
-async def _run(engine: ClusterEngine, max_tokens: int = 2, rid: str = "r1", n: int = 1
+async def _run(life: RequestLife, max_tokens: int = 2, rid: str = "r1", n: int = 1
                ) -> tuple[list[RequestOutput], Job]:
     job = Job(rid=rid, kind="completion", stream=True,
               arrival=0.0)
-    engine.jobs[rid] = job
-    outs = [o async for o in engine.generate(rid, [1, 2, 3],
-                                             SamplingParams(max_tokens=max_tokens, n=n))]
+    outs = [o async for o in life.run(job, [1, 2, 3],
+                                      SamplingParams(max_tokens=max_tokens, n=n))]
     return outs, job
 
 
-def _metric(engine: ClusterEngine, name: str, label: str) -> float:
-    return getattr(engine.life.metrics, name).labels(label)._value.get()  # noqa: SLF001
+def _metric(life: RequestLife, name: str, label: str) -> float:
+    return getattr(life.metrics, name).labels(label)._value.get()  # noqa: SLF001
 
 
 def test_a_pull_prefill_core_lost_mid_request_goes_to_another_prefill():
     cores = {"http://p0:1": FakeCore("p0:7", "prefill", lose_after=0),
              "http://p1:1": FakeCore("p1:7", "prefill"),
              "http://d0:1": FakeCore("d0:7", "decode")}
-    engine, pool, _ = _engine("pull", cores)
+    life, pool, _ = _life("pull", cores)
 
-    outs, job = asyncio.run(_run(engine))
+    outs, job = asyncio.run(_run(life))
 
     assert [o.new_token_ids for o in outs] == [[3], [4]]
     assert job.attempts == 2 and job.prefill is not None and job.prefill.url == "http://p1:1"
@@ -167,7 +165,7 @@ def test_a_pull_prefill_core_lost_mid_request_goes_to_another_prefill():
     # decode got the second prefill's lend, under the second transfer id
     (rid, _, kv) = cores["http://d0:1"].requests[0]
     assert rid == job.transfer_id and kv is not None and kv.transfer_id == job.transfer_id
-    assert _metric(engine, "retries", "prefill") == 1
+    assert _metric(life, "retries", "prefill") == 1
     assert all(i.in_flight == 0 for i in pool.instances)
 
 
@@ -175,17 +173,17 @@ def test_a_decode_whose_core_dropped_leaves_the_rotation_and_another_serves():
     cores = {"http://p0:1": FakeCore("p0:7", "prefill"),
              "http://d0:1": FakeCore("d0:7", "decode"),
              "http://d1:1": FakeCore("d1:7", "decode")}
-    engine, pool, _ = _engine("pull", cores)
+    life, pool, _ = _life("pull", cores)
     cores["http://d0:1"].connected = False  # dropped after it proved (usable() says no)
     (d0,) = [i for i in pool.instances if i.url == "http://d0:1"]
     pool._cursor["decode"] = d0.index  # noqa: SLF001 - round-robin would pick d0 next
 
-    outs, job = asyncio.run(_run(engine))
+    outs, job = asyncio.run(_run(life))
 
     assert [o.new_token_ids for o in outs] == [[3], [4]]
     assert job.decode is not None and job.decode.url == "http://d1:1"
     assert not d0.healthy and cores["http://d0:1"].requests == []
-    assert _metric(engine, "retries", "decode") == 1
+    assert _metric(life, "retries", "decode") == 1
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
@@ -193,9 +191,9 @@ def test_a_decode_lost_mid_stream_is_migrated_and_the_stream_goes_on(mode):
     cores = {"http://p0:1": FakeCore("p0:7", "prefill"),
              "http://d0:1": FakeCore("d0:7", "decode", lose_after=3),
              "http://d1:1": FakeCore("d1:7", "decode")}
-    engine, pool, _ = _engine(mode, cores)
+    life, pool, _ = _life(mode, cores)
 
-    outs, job = asyncio.run(_run(engine, max_tokens=8))
+    outs, job = asyncio.run(_run(life, max_tokens=8))
 
     tokens = [t for o in outs for t in o.new_token_ids]
     assert tokens == list(range(3, 11))  # none lost, none repeated
@@ -207,7 +205,7 @@ def test_a_decode_lost_mid_stream_is_migrated_and_the_stream_goes_on(mode):
     (_, prompt, _) = cores["http://d1:1"].requests[-1]
     assert prompt == [1, 2, 3, 3, 4, 5]
     assert job.migrations == 1 and job.outcome == "ok"
-    assert _metric(engine, "migrations", "connection_lost") == 1
+    assert _metric(life, "migrations", "connection_lost") == 1
     assert all(i.in_flight == 0 for i in pool.instances)
 
 
@@ -217,34 +215,34 @@ def test_a_decode_whose_core_died_is_left_and_its_request_migrated():
     cores = {"http://p0:1": FakeCore("p0:7", "prefill"),
              "http://d0:1": FakeCore("d0:7", "decode", lose_after=2, dies=True),
              "http://d1:1": FakeCore("d1:7", "decode")}
-    engine, pool, sender = _engine("push", cores)
+    life, pool, sender = _life("push", cores)
 
-    outs, job = asyncio.run(_run(engine, max_tokens=5))
+    outs, job = asyncio.run(_run(life, max_tokens=5))
 
     assert [t for o in outs for t in o.new_token_ids] == list(range(3, 8))
     (d0,) = [i for i in pool.instances if i.url == "http://d0:1"]
     assert not d0.healthy and not sender.usable(d0)
-    assert _metric(engine, "migrations", "core_died") == 1 and job.outcome == "ok"
+    assert _metric(life, "migrations", "core_died") == 1 and job.outcome == "ok"
 
 
 def test_migration_gives_up_at_its_limit_and_with_no_decode_left():
     cores = {"http://p0:1": FakeCore("p0:7", "prefill"),
              "http://d0:1": FakeCore("d0:7", "decode", lose_after=2),
              "http://d1:1": FakeCore("d1:7", "decode", lose_after=1)}
-    engine, _, _ = _engine("push", cores)
+    life, _, _ = _life("push", cores)
     with pytest.raises(APIError) as e:
-        asyncio.run(_run(engine, max_tokens=8))
+        asyncio.run(_run(life, max_tokens=8))
     assert e.value.status_code == 502 and "no other decode" in e.value.message
-    assert _metric(engine, "migrations", "connection_lost") == 1  # d0 -> d1, then none
+    assert _metric(life, "migrations", "connection_lost") == 1  # d0 -> d1, then none
 
     cores = {"http://p0:1": FakeCore("p0:7", "prefill"),
              "http://d0:1": FakeCore("d0:7", "decode", lose_after=2),
              "http://d1:1": FakeCore("d1:7", "decode")}
-    engine, _, _ = _engine("push", cores, migration_limit=0)
+    life, _, _ = _life("push", cores, migration_limit=0)
     with pytest.raises(APIError) as e:
-        asyncio.run(_run(engine, max_tokens=8))
+        asyncio.run(_run(life, max_tokens=8))
     assert "stopped answering" in e.value.message
-    assert _metric(engine, "migrations", "connection_lost") == 0
+    assert _metric(life, "migrations", "connection_lost") == 0
 
 
 def test_an_n_choices_request_is_not_migrated(caplog):
@@ -252,18 +250,18 @@ def test_an_n_choices_request_is_not_migrated(caplog):
     cores = {"http://p0:1": FakeCore("p0:7", "prefill"),
              "http://d0:1": FakeCore("d0:7", "decode", lose_after=2),
              "http://d1:1": FakeCore("d1:7", "decode")}
-    engine, _, _ = _engine("push", cores)
+    life, _, _ = _life("push", cores)
     with pytest.raises(APIError) as e:
-        asyncio.run(_run(engine, max_tokens=8, n=2))
+        asyncio.run(_run(life, max_tokens=8, n=2))
     assert e.value.status_code == 502 and "stopped answering" in e.value.message
     assert "an n > 1 request's choices" in caplog.text  # the logged detail
-    assert _metric(engine, "migrations", "connection_lost") == 0
+    assert _metric(life, "migrations", "connection_lost") == 0
 
 
 def test_an_instance_that_leaves_the_pool_has_its_core_link_closed():
     cores = {"http://p0:1": FakeCore("p0:7", "prefill"),
              "http://d0:1": FakeCore("d0:7", "decode")}
-    _, pool, sender = _engine("pull", cores)
+    _, pool, sender = _life("pull", cores)
 
     pool.remove_instance("http://d0:1")
 
@@ -274,15 +272,14 @@ def test_an_instance_that_leaves_the_pool_has_its_core_link_closed():
 def test_a_request_in_flight_on_a_leaving_instance_finishes_before_its_link_closes():
     cores = {"http://p0:1": FakeCore("p0:7", "prefill"),
              "http://d0:1": FakeCore("d0:7", "decode")}
-    engine, pool, _ = _engine("pull", cores)
+    life, pool, _ = _life("pull", cores)
     d = cores["http://d0:1"]
 
     async def run() -> list[RequestOutput]:
         job = Job(rid="r1", kind="completion",
                   stream=True, arrival=0.0)
-        engine.jobs["r1"] = job
         outs = []
-        async for out in engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=2)):
+        async for out in life.run(job, [1, 2, 3], SamplingParams(max_tokens=2)):
             outs.append(out)
             if len(outs) == 1:  # decode is streaming: its instance drains and leaves
                 pool.remove_instance("http://d0:1")
@@ -300,7 +297,7 @@ def test_a_core_connection_that_drops_takes_its_instance_out_of_rotation_at_once
     sender holds for it now (a replaced link's late drop changes nothing)."""
     cores = {"http://p0:1": FakeCore("p0:7", "prefill"),
              "http://d0:1": FakeCore("d0:7", "decode")}
-    _, pool, sender = _engine("pull", cores)
+    _, pool, sender = _life("pull", cores)
     d0, p0 = sorted(pool.instances, key=lambda i: i.url)
     old = cores["http://d0:1"]
     d0.info = make_kv_info(request_plane="d0:8", engine_id=d0.url)  # restarted: a new plane

@@ -188,7 +188,7 @@ def test_join_then_leave_by_drain(tiny_llama, etcd, base, logs):
         assert_all_ok(traffic.stop())
         assert len([k for k in etcd.registered() if "/decode/" in k]) == 2  # D1's, D2's
         # D0's KV index went with it: the router follows the others' events only
-        followed = {i.url for i in rt.router.cache.index._followers}
+        followed = {i.url for i in rt.router.placement.index._followers}
         assert followed == {p0.url, d1.url, d2.url}
         free_blocks_back([p0, d1, d2])
     finally:
@@ -325,7 +325,7 @@ def test_router_started_before_its_instances(etcd, base):
             etcd.put(f"/late/instances/{info['role']}/{info['engine_id']}",
                      encode(signed(card_from_info(inst.url, make_kv_info(**info)))))
         wait_until(lambda: set(healthy(rt)) == {p0.url, d1.url}, 10, "both joined")
-        tok = rt.router.cache.tokenizer
+        tok = rt.router.tokenizer
         wait_until(lambda: tok.state.value == "ready", 20, f"tokenizer loaded ({tok.why})")
         # ready means ready: 200 only once the tokenizer it routes with has loaded
         assert httpx.get(rt.url + "/health", timeout=5).status_code == 200

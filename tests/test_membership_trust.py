@@ -66,7 +66,7 @@ def link_and_pool() -> tuple[EtcdLink, Pool]:
     target = parse_target("etcd://127.0.0.1:1/t")
     pool = Pool(RouterConfig(mode="push", prefill=(), decode=(), discover=target,
                              kv_secret=SECRET))
-    return EtcdLink(target, pool, "push", lambda inst: None), pool
+    return EtcdLink(pool, lambda inst: None), pool
 
 
 def put(key: str, info: dict, revision: int, url: str = URL,

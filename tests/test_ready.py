@@ -83,9 +83,9 @@ def test_router_health_waits_for_the_tokenizer(tiny_llama, monkeypatch):
     gate = threading.Event()
     load = PromptTokenizer.load
 
-    async def slow_load(self: PromptTokenizer, source: Any, executor: Any = None) -> bool:
+    async def slow_load(self: PromptTokenizer, source: Any) -> bool:
         await asyncio.get_running_loop().run_in_executor(None, gate.wait, 20)
-        return await load(self, source, executor)
+        return await load(self, source)
 
     monkeypatch.setattr(PromptTokenizer, "load", slow_load)
     p = FakeInstance("prefill", "prefill-1", str(tiny_llama))

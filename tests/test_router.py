@@ -545,12 +545,14 @@ def test_cli_serves_colocated(cluster, refs, tmp_path):
     assert "outcome=ok" in text and "HTTP Request" not in text  # no httpx line per check
 
 
-def test_load_weight_must_be_finite():
+def test_load_weight_must_be_finite(capsys):
     """--load-weight inf passed the check (inf >= 0) and made an idle instance's cost
     inf * 0 = nan, which no comparison orders (failed before: no error)."""
-    for bad in (float("inf"), float("nan"), -1.0):
-        with pytest.raises(RouterConfigError, match="load_weight"):
-            RouterConfig(mode="colocated", prefill=(), decode=(parse_instance("h:1"),),
-                         load_weight=bad)
-    assert RouterConfig(mode="colocated", prefill=(), decode=(parse_instance("h:1"),),
-                        load_weight=0.0).load_weight == 0.0
+    from kvpush.cli import build_parser
+
+    argv = ["router", "--mode", "colocated", "--decode", "h:1", "--load-weight"]
+    for bad in ("inf", "nan", "-1"):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args([*argv, bad])
+        assert e.value.code == 2 and "--load-weight" in capsys.readouterr().err
+    assert build_parser().parse_args([*argv, "0"]).load_weight == 0.0

@@ -176,8 +176,8 @@ def test_a_huge_prompt_is_refused_by_its_size_and_health_stays_quick(tiny_llama)
         router = RouterThread("push", [p.url], [d.url], kv_secret=None, policy="cache-aware")
         wait_until(lambda: httpx.get(router.url + "/health", timeout=5).json().get("routing")
                    == "cache-aware", 20, "tokenizer loaded")
-        cache = router.router.cache
-        assert cache is not None and cache.tokenizer.max_model_len == 128
+        front = router.router.front.front
+        assert front is not None and front.max_model_len == 128
         poller = threading.Thread(target=poll_health, daemon=True)
         poller.start()
         body = json.dumps({"prompt": "hello world " * (21_000_000 // 12),
@@ -257,8 +257,8 @@ def test_the_context_is_learned_from_kv_info_when_v1_models_does_not_answer(tiny
                               tokenizer=str(tiny_llama))
         wait_until(lambda: httpx.get(router.url + "/health", timeout=5).json().get("routing")
                    == "cache-aware", 20, "tokenizer loaded")
-        cache = router.router.cache
-        assert cache is not None and cache.tokenizer.max_model_len == 128
+        front = router.router.front.front
+        assert front is not None and front.max_model_len == 128
         body = json.dumps({"prompt": "hello world " * 200_000, "max_tokens": 4}).encode()
         r = httpx.post(router.url + "/v1/completions", content=body, timeout=30,
                        headers={"Content-Type": "application/json"})

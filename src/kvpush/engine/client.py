@@ -23,7 +23,7 @@ from kvpush.sampling_params import SamplingParams
 
 class FrontEngine(Protocol):
     """What the OpenAI front (kvpush.server.app.OpenAIFront) uses of its engine: an
-    instance's EngineClient, or the router's ClusterEngine over many engine cores."""
+    instance's EngineClient, or the router's RouterFront over many engine cores."""
 
     tokenizer: Any
 

@@ -2,10 +2,11 @@
 prefill and decode legs (push: at once; pull: one after the other) to healthy instances.
 
 Modules: ``config`` (flags as plain data), ``pool`` (instances, identity from /kv/info,
-health, policies), ``legs`` (push/pull/colocated orchestration) and ``job`` (one
-request's state), ``watch`` (waits ended by a failed health check), ``intake`` (body
-limit, JSON the legs can carry, the outstanding-request bound), ``redact`` and ``wire``
-(what reaches the wire and the client), ``metrics``, ``app`` (FastAPI front,
-:class:`~kvpush.router.app.Router`), ``cli``. Nothing heavy is imported
-here, so ``kvpush --help`` stays fast.
+health), ``placement`` (which instance takes a leg; the cache-aware policy with
+``decide`` and ``kv_index``), ``life`` (one request's life: legs, retries, migration,
+outcome) over ``senders`` (engine cores) and ``http_sender`` (vLLM), ``front`` (the
+OpenAI front over the life), ``job`` (one request's record), ``watch``, ``intake``,
+``redact`` and ``wire`` (what reaches the wire and the client), ``metrics``, ``app``
+(the FastAPI app, :class:`~kvpush.router.app.Router`), ``cli``. Nothing heavy is
+imported here, so ``kvpush --help`` stays fast.
 """

@@ -1,7 +1,7 @@
 """Proof before traffic: an instance gets no API key, no prompt and no grant until it
 has shown that it holds the cluster secret (kvpush.crypto.membership).
 
-:func:`prove` sends ``POST /kv/prove`` with a fresh nonce and the URL the router reaches
+:func:`admit` sends ``POST /kv/prove`` with a fresh nonce and the URL the router reaches
 the instance at, without the API key, and checks the MAC of the answer (engine id,
 role, side channel) with the router's proof key. The pool (kvpush.router.pool) proves an
 instance at every health check, before it reads its ``/kv/info`` with the API key, and
@@ -36,39 +36,53 @@ class Proven:
     side_channel: str | None
 
 
-class CannotProve(Exception):
-    """The instance has no ``/kv/prove`` to answer with (404)."""
+class NotAdmitted(Exception):
+    """Why an instance gets no traffic: it did not prove that it holds the cluster
+    secret, or cannot and may not be taken on the operator's word."""
 
 
-class ProofFailed(Exception):
-    """The instance answered, but its answer proves nothing."""
+def _failed(why: str) -> NotAdmitted:
+    return NotAdmitted(f"it did not prove that it holds the cluster secret: {why}")
 
 
-async def prove(client: httpx.AsyncClient, url: str, key: bytes, timeout: float) -> Proven:
-    """Challenge the instance at ``url``; its proven identity (raises CannotProve,
-    ProofFailed, or httpx errors)."""
+async def admit(client: httpx.AsyncClient, url: str, key: bytes, timeout: float,
+                discovered: bool) -> Proven | None:
+    """Challenge the instance at ``url``: its proven identity, or None for one that
+    cannot prove (``/kv/prove`` 404) and is not kvpush (``/kv/info`` 404 without the
+    key: vLLM) from the command line (not ``discovered``), taken on the operator's
+    word. Raises NotAdmitted, or httpx errors (a failed check)."""
     nonce = new_nonce()
     r = await fetch(client, "POST", url + PROVE_PATH, timeout,
                     json={"nonce": nonce, "url": url})
     if r.status_code == 404:
-        raise CannotProve(f"{PROVE_PATH} answered HTTP 404")
+        if discovered:
+            raise NotAdmitted("it cannot prove that it holds the cluster secret "
+                              "(/kv/prove: 404), and instances that cannot prove are "
+                              "admitted only from the router's own command line, never "
+                              "from etcd")
+        if (await fetch(client, "GET", url + "/kv/info", timeout)).status_code == 404:
+            return None
+        raise NotAdmitted("it answers /kv/info like a kvpush instance but cannot prove "
+                          "that it holds the cluster secret (/kv/prove: 404): give it the "
+                          "router's secret (--kv-secret-file), or it is not the instance "
+                          "it claims to be")
     if r.status_code != 200:
-        raise ProofFailed(f"{PROVE_PATH} answered HTTP {r.status_code}: {_message(r)}")
+        raise _failed(f"{PROVE_PATH} answered HTTP {r.status_code}: {_message(r)}")
     try:
         body = r.json()
     except ValueError:
         body = None
     if not isinstance(body, dict):
-        raise ProofFailed(f"{PROVE_PATH} did not answer a JSON object")
+        raise _failed(f"{PROVE_PATH} did not answer a JSON object")
     engine_id, role, side = body.get("engine_id"), body.get("role"), body.get("side_channel")
     if not (isinstance(engine_id, str) and isinstance(role, str)
             and (side is None or isinstance(side, str))):
-        raise ProofFailed(f"{PROVE_PATH} answered a malformed proof")
+        raise _failed(f"{PROVE_PATH} answered a malformed proof")
     if body.get("url") != url or not proof_holds(
             key, body.get("mac"), nonce=nonce, url=url, engine_id=engine_id, role=role,
             side_channel=side):
-        raise ProofFailed("its proof does not verify: it does not hold this cluster's "
-                          "secret (or answered for another URL)")
+        raise _failed("its proof does not verify: it does not hold this cluster's "
+                      "secret (or answered for another URL)")
     return Proven(engine_id, role, side)
 
 

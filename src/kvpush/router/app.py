@@ -14,8 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
@@ -25,21 +24,21 @@ from starlette.requests import ClientDisconnect
 
 from kvpush import __version__
 from kvpush.aio import within
-from kvpush.router.cache_policy import CachePolicy, load_model_tokenizer
 from kvpush.router.config import RouterConfig
 from kvpush.router.front import STARTING_WAIT_S, RouterFront
-from kvpush.router.intake import RETRY_AFTER_S, Admission, full_error, read_body_within
+from kvpush.router.intake import RETRY_AFTER_S, Admission, full_error
 from kvpush.router.job import Job, outcome_for
 from kvpush.router.life import Book
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.placement import Placement
 from kvpush.router.pool import CHECKS_AT_ONCE, Instance, Pool
-from kvpush.router.prompts import PromptTokenizer, TokenizerState
+from kvpush.router.prompts import PromptTokenizer, TokenizerState, load_model_tokenizer
 from kvpush.router.stopping import cancel_and_wait
 from kvpush.router.wire import LegSigner
 from kvpush.server.admin_key import ADMIN_PATHS, protect
-from kvpush.server.app import OpenAIFront, new_request_id
+from kvpush.server.app import MAX_BODY_BYTES, OpenAIFront, new_request_id, read_body_within
 from kvpush.server.auth import auth_header
+from kvpush.server.body_limit import BodyLimitMiddleware
 from kvpush.server.door import uvicorn_options
 from kvpush.server.errors import APIError, install_error_handlers
 from kvpush.server.metrics import auth_rejected_counter
@@ -63,24 +62,6 @@ KEEPALIVE_EXPIRY_S = 3.0
 #: loaded) before it says "starting"
 HEALTH_WAIT_S = 1.0
 
-
-@dataclass(frozen=True)
-class RoutingState:
-    """How the router routes now (``/health``'s ``routing``): its ``--policy`` once the
-    model's tokenizer has loaded; ``starting`` while it loads (/health is 503);
-    ``failed`` when it cannot (503: the router renders and tokenizes every request, so
-    it serves nothing without it)."""
-
-    routing: str
-    why: str
-
-    @property
-    def starting(self) -> bool:
-        return self.routing == "starting"
-
-    @property
-    def failed(self) -> bool:
-        return self.routing == "failed"
 
 #: --discover: how long start-up waits for the first view of etcd before serving without
 #: it (the router then answers /health, 503 until it has usable instances)
@@ -106,16 +87,15 @@ class Router:
         self.placement = Placement(self.pool)
         self.book = Book(cfg, self.placement, self.metrics)
         self.signer = LegSigner(cfg.keys)
-        #: the cache-aware policy's tokenizer and KV index (--policy cache-aware)
-        self.cache: CachePolicy | None = None
         self._health: asyncio.Task | None = None
         #: --discover: the etcd watch that adds and drops instances (kvpush.router.discover)
         self.discovery: EtcdLink | None = None
         self._joins: set[asyncio.Task] = set()
+        #: the model's tokenizer (the front renders and tokenizes every request with it:
+        #: the router serves nothing until it has loaded)
+        self.tokenizer = PromptTokenizer(cfg.tokenizer)
         #: the front every request goes through (kvpush.router.front)
-        self.front = RouterFront(cfg, self.book, self.signer)
-        #: the model's tokenizer (the cache-aware policy's, or loaded for the front)
-        self.tokenizer: PromptTokenizer | None = None
+        self.front = RouterFront(cfg, self.book, self.signer, self.tokenizer)
         self._tokenizer_load: asyncio.Task | None = None
 
     def make_client(self) -> httpx.AsyncClient:
@@ -146,14 +126,16 @@ class Router:
 
     async def start(self, wait: bool = True) -> None:
         """Open the clients, wait for the instances (see Pool.wait_ready; raises
-        RouterConfigError / RouterStartupError), start the health loop."""
+        RouterConfigError / RouterStartupError), start the health loop; with ``wait``
+        (but --discover: serving now) for the tokenizer and the core links too."""
         self.client = self.make_client()
         self.health_client = self.make_health_client()
+        # --discover: instances come and go: serve soon, /health says when ready
+        discovering = self.cfg.discover is not None
         try:
-            if self.cfg.discover is not None:
+            if discovering:
                 await self._start_discovery()
-                wait = False  # instances come and go: serve now, /health says when ready
-            if wait:
+            if wait and not discovering:
                 await self.pool.wait_ready(self.health_client, self.cfg.startup_timeout_s)
             else:
                 await self.pool.check_all(self.health_client)
@@ -167,69 +149,41 @@ class Router:
             await self.health_client.aclose()
             raise
         if self.cfg.policy == "cache-aware":
-            self.cache = self.placement.cache = CachePolicy(self.cfg, self.pool, self.metrics,
-                                                        self.client)
-            self.cache.start()
-            self.tokenizer = self.cache.tokenizer
-        else:  # for the front
-            self.tokenizer = PromptTokenizer(self.cfg.tokenizer)
-            self._tokenizer_load = asyncio.create_task(
-                load_model_tokenizer(self.tokenizer, self.cfg, self.pool, self.client),
-                name="kvpush-tokenizer-load")
+            self.placement.follow(self.client)
+        self._tokenizer_load = asyncio.create_task(
+            load_model_tokenizer(self.tokenizer, self.cfg, self.pool, self.client),
+            name="kvpush-tokenizer-load")
         self._health = asyncio.create_task(self.pool.health_loop(self.health_client),
                                            name="kvpush-health-loop")
-        if wait:  # serving from the start: tokenizer and links
-            why = await self.front_ready(self.cfg.startup_timeout_s)
-            if why is not None:
-                logger.warning("not serving yet: %s (requests wait for it, then 503)", why)
+        if wait and not discovering:
+            await self.wait_serving(self.cfg.startup_timeout_s)
 
-    def tokenizer_loading(self) -> asyncio.Task | None:
-        """The model tokenizer's load, while it runs (the cache-aware policy's, or the
-        front's)."""
-        return self.cache.loading if self.cache is not None else self._tokenizer_load
+    async def wait_serving(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until requests can be served; logs whether they
+        can, loudly when the router cannot serve at all."""
+        why = await self.front_ready(timeout)
+        tok = self.tokenizer
+        if tok.state is TokenizerState.FAILED:
+            logger.error("ROUTER CANNOT SERVE: %s", self.no_tokenizer())
+        elif why is not None:
+            logger.warning("not serving yet: %s (requests wait for it, then 503)", why)
+        else:
+            logger.info("ready: %s routing (tokenizer %s loaded)", self.cfg.policy,
+                        tok.source)
+
+    def no_tokenizer(self) -> str:
+        return (f"the router cannot serve without the model's tokenizer "
+                f"({self.tokenizer.why}): give it --tokenizer")
 
     async def front_ready(self, timeout: float = STARTING_WAIT_S) -> str | None:
         """Why requests cannot be served yet (waiting at most ``timeout`` s for the
         tokenizer and the engine cores' links), or None."""
         assert self.client is not None
-        return await self.front.ready(self.tokenizer, self.tokenizer_loading(), self.client,
-                                      timeout)
-
-    def routing_state(self) -> RoutingState:
-        """Whether the router routes as configured: starting until the model's tokenizer
-        has loaded, failed if it cannot."""
-        tok = self.tokenizer
-        if tok is None:
-            return RoutingState("starting", "the router is not started yet")
-        if tok.state is TokenizerState.READY:
-            return RoutingState(self.cfg.policy, f"tokenizer {tok.source} loaded")
-        if tok.state is TokenizerState.FAILED:
-            return RoutingState("failed", f"the router cannot serve without the model's "
-                                f"tokenizer ({tok.why}): give it --tokenizer")
-        return RoutingState("starting", f"loading the tokenizer {tok.source or ''}".strip())
-
-    async def wait_routing(self, timeout: float) -> RoutingState:
-        """Wait (at most ``timeout`` s) until the router routes as configured or is
-        known not to; logs which, loudly when it cannot serve."""
-        loading = self.tokenizer_loading()
-        if loading is not None:
-            with suppress(asyncio.TimeoutError):
-                await within(asyncio.shield(loading), timeout)
-        state = self.routing_state()
-        if state.failed:
-            logger.error("ROUTER CANNOT SERVE: %s", state.why)
-        elif state.starting:
-            logger.warning("the tokenizer has not loaded within %g s; /health answers 503 "
-                           "until it has", timeout)
-        else:
-            logger.info("ready: %s routing (%s)", state.routing, state.why)
-        return state
+        return await self.front.ready(self._tokenizer_load, self.client, timeout)
 
     async def _start_discovery(self) -> None:
         """Watch the etcd prefix; each instance that joins is checked at once."""
         from kvpush.router.discover import EtcdLink
-
-        assert self.cfg.discover is not None
 
         def on_join(inst: Instance) -> None:
             assert self.health_client is not None
@@ -237,8 +191,7 @@ class Router:
             self._joins.add(task)
             task.add_done_callback(self._joins.discard)
 
-        self.discovery = EtcdLink(self.cfg.discover, self.pool, self.cfg.mode, on_join,
-                                  self.cfg.max_instances)
+        self.discovery = EtcdLink(self.pool, on_join)
         self.discovery.start()
         # the first view, if etcd answers soon; else the router starts with what it has
         # (the static instances, or none: /health 503) and the link catches up
@@ -258,9 +211,7 @@ class Router:
         await cancel_and_wait([self._health], "the health loop")
         await self.front.close()
         await cancel_and_wait([self._tokenizer_load], "the tokenizer's load")
-        if self.cache is not None:
-            await self.cache.close()
-            self.cache = None
+        await self.placement.close()
         if self.client is not None:
             await self.client.aclose()
         if self.health_client is not None:
@@ -314,13 +265,17 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
         finally:
             await router.close()
 
-    # no max_body_size: Starlette's limit answers text/plain; the handlers read bodies
-    # through kvpush.router.intake.read_body (an OpenAI-style 413) and no other route
-    # reads one
+    # no max_body_size: Starlette's limit answers text/plain (BodyLimitMiddleware: JSON)
     app = FastAPI(title="kvpush router", summary="OpenAI-compatible P/D router",
                   lifespan=lifespan)
     app.state.router = router
     install_error_handlers(app)
+
+    def too_large(scope: Any) -> None:  # a request refused before its handler: counted
+        if scope["path"] in ("/v1/completions", "/v1/chat/completions"):
+            router.metrics.requests.labels(router.cfg.mode, "client_error").inc()
+
+    app.add_middleware(BodyLimitMiddleware, limit=MAX_BODY_BYTES, on_reject=too_large)
     protect(app, router.cfg.api_key, router.cfg.admin_key, ROUTER_ADMIN_PATHS,
             on_reject=lambda reason: router.auth_rejected.labels(reason).inc())
 
@@ -372,9 +327,8 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
         if front is None:
             assert starting is not None
             return starting
-        tok = router.tokenizer
         card = ModelCard(id=front.model_name, created=front.created,
-                         root=str(tok.source) if tok is not None else None,
+                         root=str(router.tokenizer.source),
                          max_model_len=front.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
@@ -388,20 +342,18 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
             err = APIError(f"the router cannot serve: healthy instances {counts}",
                            status_code=503)
             return JSONResponse({**err.body(), **extra}, status_code=err.status_code)
-        routing = router.routing_state()
-        if routing.failed:
-            err = APIError(routing.why, status_code=503, code="no_tokenizer")
+        tok = router.tokenizer
+        if tok.state is TokenizerState.FAILED:
+            err = APIError(router.no_tokenizer(), status_code=503, code="no_tokenizer")
             return JSONResponse({**err.body(), **extra}, status_code=err.status_code)
-        if not routing.starting:
-            why = await router.front_ready(HEALTH_WAIT_S)  # a handshake takes ms
-            if why is not None:
-                routing = RoutingState("starting", why)
-        if routing.starting:
-            err = APIError(f"the router is starting: {routing.why}", status_code=503,
+        why = (await router.front_ready(HEALTH_WAIT_S) if tok.ready  # a handshake takes ms
+               else f"loading the tokenizer {tok.source or ''}".strip())
+        if why is not None:
+            err = APIError(f"the router is starting: {why}", status_code=503,
                            code="starting")
             return JSONResponse({**err.body(), **extra}, status_code=err.status_code)
         return JSONResponse({"status": "ok", "mode": router.cfg.mode, "healthy": counts,
-                             "routing": routing.routing,
+                             "routing": router.cfg.policy,
                              # how legs reach the instances: kvpush instances' engine
                              # cores, vLLM instances' HTTP APIs (kvpush.router.senders)
                              "legs": router.front.legs(), **extra})
@@ -427,8 +379,8 @@ def build_app(router: Router, *, manage: bool = True, wait: bool = True) -> Fast
 
 def _instance_state(router: Router, inst: Instance) -> dict:
     state = inst.state(router.pool.core_stats(inst))
-    if router.cache is not None:
-        state["kv_index"] = router.cache.state(inst)
+    if router.placement.index is not None:
+        state["kv_index"] = router.placement.index.state(inst)
     return state
 
 
@@ -440,10 +392,8 @@ async def serve_forever(router: Router, host: str, port: int, log_level: str,
 
     await router.start(wait=True)
     try:
-        # --discover: decodes (and so the tokenizer's source) may join later; serve soon,
-        # /health says 503 "starting" until the tokenizer has loaded
-        await router.wait_routing(FIRST_VIEW_S if router.cfg.discover is not None
-                                  else router.cfg.startup_timeout_s)
+        if router.cfg.discover is not None:  # decodes (the tokenizer's source) join later
+            await router.wait_serving(FIRST_VIEW_S)
         app = build_app(router, manage=False)
         cfg = router.cfg
         server = uvicorn.Server(uvicorn.Config(

@@ -69,7 +69,7 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     ca.add_argument("--tokenizer", metavar="PATH_OR_NAME",
                     help="the model's tokenizer (default: the model the decode instances "
                          "serve, from their /v1/models); it must be the instances' own. "
-                         "Without one the router routes round-robin with a prefill leg")
+                         "The router renders and tokenizes every request with it")
     ca.add_argument("--local-prefill-max-tokens", type=cli_types.non_negative_int,
                     default=128, metavar="N",
                     help="decode computes the prompt itself, without a prefill leg, when "
@@ -79,7 +79,8 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                     metavar="N",
                     help="what one leg in flight on an instance weighs against prompt "
                          "tokens it has cached (default: 64)")
-    ca.add_argument("--load-weight", type=float, default=1.0, metavar="W",
+    ca.add_argument("--load-weight", type=cli_types.non_negative_float, default=1.0,
+                    metavar="W",
                     help="what one KV token (prompt + answer bound) of a decode leg in "
                          "flight on an instance weighs against a prompt token it would "
                          "compute (default: 1.0; docs/ROUTER.md, Placement)")

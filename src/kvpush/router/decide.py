@@ -1,21 +1,17 @@
 """The cache-aware policy: which decode, which prefill, and whether a prefill leg is
 worth sending at all (docs/ROUTER.md, "Cache-aware routing").
 
-For a request whose prompt the router has tokenized, each instance's cost is the
-prompt tokens it would still have to compute, plus its load: ``load_cost_tokens`` for
-each leg it has in flight and ``load_weight`` for each KV token its decode legs in
-flight will hold (their prompts and answers, as the router sent them; in the spirit of
-Dynamo's KV router, whose cost adds a worker's active decode blocks to the blocks it
-would prefill)::
+Each instance's cost is the prompt tokens it would still have to compute, plus its
+load: ``load_cost_tokens`` for each leg it has in flight and ``load_weight`` for each
+KV token its decode legs in flight will hold (their prompts and answers)::
 
     cost(i) = (prompt_tokens - cached_tokens(i)) + load_cost_tokens * in_flight(i)
               + load_weight * tokens_in_flight(i)
               (+ FULL_COST when i has no room for the prompt)
 
-An instance has no room when its last ``/kv/info`` (read by every health check) shows
-fewer free KV blocks than the prompt fills (``lacks_room``): a kvpush instance queues a
-request it has no blocks for until running requests end, so such an instance is chosen
-only when every instance is as full, and then by the same cost.
+An instance has no room when its engine core's latest snapshot shows fewer free KV
+blocks than the prompt fills (``lacks_room``): such an instance is chosen only when
+every instance is as full, and then by the same cost.
 
 Decode is the healthy decode instance of lowest cost (ties in round-robin order). It
 gets the request alone, without ``kv_transfer_params``, and computes the rest itself
@@ -32,22 +28,10 @@ decode skips the blocks it has.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from kvpush.kv_cache.block_pool import BlockHash, hash_prefix_blocks
 
-_I = TypeVar("_I")  # an instance, as the caller's pool has them
-
-#: default of --local-prefill-max-tokens (docs/ROUTER.md: how it was chosen)
-DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 128
-#: default of --load-cost-tokens: what one leg in flight on an instance weighs against
-#: prompt tokens it holds
-DEFAULT_LOAD_COST_TOKENS = 64
-#: default of --load-weight: what one KV token of a decode leg in flight weighs against a
-#: prompt token to compute (docs/ROUTER.md, "Placement")
-DEFAULT_LOAD_WEIGHT = 1.0
 #: the answer length assumed for a request that names none (OpenAI's chat default is
 #: "up to the context"; this is what the load counts for it)
 DEFAULT_ANSWER_TOKENS = 256
@@ -109,22 +93,14 @@ FULL_COST = 1e9
 
 
 def lacks_room(prompt_tokens: int, num_free_blocks: int, block_size: int) -> bool:
-    """Whether ``num_free_blocks`` free blocks cannot hold the prompt now.
-
-    Counts every block the prompt fills, its cached ones too: an instance's free blocks
-    include its cached blocks that no request uses, and the scheduler takes a hit on
-    such a block out of the free ones (``Scheduler._admit``). So this is sufficient for
-    the request to be admitted at once whatever the router's index believes, and too
-    strict only when the cached prefix is in use by other requests (then the instance
-    needs fewer): a wrong "no room" costs compute elsewhere, a wrong "room" a wait."""
+    """Whether ``num_free_blocks`` free blocks cannot hold the prompt now: every block
+    the prompt fills counts, its cached ones too (the free blocks include cached blocks
+    no request uses, and the scheduler takes a hit on one out of them)."""
     return num_free_blocks < -(-prompt_tokens // block_size)
 
 
 #: a decode that lacks at most this many tokens computes them itself even when a
-#: prefill instance holds as much of the prompt: at 16 uncached tokens a local prefill
-#: answered sooner than a prefill leg and stalled running streams no more; at 32 they
-#: were even, and a 32-token tail of a prefix both held was slower locally
-#: (docs/ROUTER.md, the threshold's table and the prefix-hit rerun)
+#: prefill instance holds as much of the prompt (docs/ROUTER.md, the threshold's table)
 LOCAL_ALWAYS_TOKENS = 16
 
 
@@ -141,16 +117,3 @@ def decide(prompt_tokens: int, d_cached_tokens: int, p_cached_tokens: int | None
         return Decision.LOCAL
     return Decision.REMOTE
 
-
-def cost_fn(route: Route, cached_tokens: Callable[[_I, Route], int],
-            load_cost_tokens: int,
-            no_room: Callable[[_I, Route], bool] = lambda _i, _r: False,
-            load_weight: float = 0.0) -> Callable[[_I], float]:
-    """``Pool.choose``'s cost for ``route``: ``cached_tokens(instance, route)`` from the
-    KV index, ``in_flight`` from the instance, ``FULL_COST`` where ``no_room``."""
-    def f(inst: _I) -> float:
-        c = cost(route.prompt_tokens, cached_tokens(inst, route),
-                 getattr(inst, "in_flight", 0), load_cost_tokens,
-                 getattr(inst, "tokens_in_flight", 0), load_weight)
-        return c + FULL_COST if no_room(inst, route) else c
-    return f

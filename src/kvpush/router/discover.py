@@ -40,7 +40,6 @@ from typing import Any
 from kvpush.discovery.card import Card, CardError, decode, mismatch, signature_problem
 from kvpush.discovery.etcd import EtcdClient, EtcdError, KeyValue, WatchEvent
 from kvpush.discovery.instance_spec import InstanceSpec
-from kvpush.discovery.target import EtcdTarget
 from kvpush.ratelog import LogBudget
 from kvpush.router.config import RouterKeys
 from kvpush.router.pool import Instance, Pool
@@ -52,8 +51,6 @@ logger = logging.getLogger("kvpush.router")
 PROBE_S = 1.0
 #: seconds between tries to reach etcd again
 RETRY_S = 0.5
-#: discovered instances a router takes at most (--max-instances)
-DEFAULT_MAX_INSTANCES = 256
 #: (key or URL, reason) pairs remembered so that each is logged once; past this many
 #: the memory starts again (a flood of ever new cards cannot grow it without bound)
 MAX_REMEMBERED = 4096
@@ -79,17 +76,19 @@ def group_for(mode: str, role: str) -> str | None:
 
 
 class EtcdLink:
-    def __init__(self, target: EtcdTarget, pool: Pool, mode: str,
-                 on_join: Callable[[Instance], None],
-                 max_instances: int = DEFAULT_MAX_INSTANCES) -> None:
-        self.target, self.pool, self.mode, self.on_join = target, pool, mode, on_join
-        self.max_instances = max_instances
+    """The pool's view of the instances registered under its ``--discover`` prefix."""
+
+    def __init__(self, pool: Pool, on_join: Callable[[Instance], None]) -> None:
+        cfg = pool.cfg
+        assert cfg.discover is not None
+        self.target, self.pool, self.mode, self.on_join = cfg.discover, pool, cfg.mode, on_join
+        self.max_instances = cfg.max_instances
         #: URLs with usable cards left out because the pool holds max_instances
         #: discovered instances already (taken in, oldest first, as places free up)
         self.waiting: dict[str, None] = {}
         #: joins, leaves and ignored cards, logged at a bounded rate
         self.log = LogBudget(logger)
-        self.client = EtcdClient(target)
+        self.client = EtcdClient(self.target)
         self.state = LinkState.CONNECTING
         self.last_error: str | None = None
         self.since = time.time()

@@ -274,17 +274,16 @@ def _refusal(status: int, content: bytes, role: str, engine_ids: list[str]) -> R
         obj = json.loads(content)
     except ValueError:
         obj = None
-    body = scrub_error(obj, status, engine_ids)
-    if body is None:
+    err = scrub_error(obj, status, engine_ids)
+    if err is None:
         said = scrub(content[:200].decode("utf-8", "replace").strip(), engine_ids)
         return RequestError(f"the {role} instance answered HTTP {status}: {said}",
                             status_code=502 if status >= 500 else status)
-    err = body["error"]
-    return RequestError(err["message"], err.get("param"), err.get("code"), status)
+    return err
 
 
 def _in_band_error(tid: str, event: dict[str, Any], engine_ids: list[str]) -> EngineOutput:
-    body = scrub_error(event, 500, engine_ids) or {}
-    message = (body.get("error") or {}).get("message") or "the instance reported an error"
+    err = scrub_error(event, 500, engine_ids)
+    message = str(err) if err is not None else "the instance reported an error"
     return EngineOutput(tid, [], finish_reason=FinishReason.ERROR,
-                        failure=RequestFailure(str(message), status_code=500))
+                        failure=RequestFailure(message, status_code=500))

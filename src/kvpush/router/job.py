@@ -42,11 +42,9 @@ class Job:
     status: int = 0
     outcome: str = ""
     error: str | None = None
-    #: the decode instance whose in-flight count the request holds (Placement)
+    #: the decode instance whose in-flight count the request holds (Placement), and
+    #: the KV tokens its leg is charged there (cache-aware: its ``tokens_in_flight``)
     d_held: Instance | None = None
-    #: the decode instance whose ``tokens_in_flight`` carries this job's ``d_tokens``
-    #: (the cache-aware policy's load; released with the decode leg)
-    d_charged: Instance | None = None
     d_tokens: int = 0
     #: parts still running: the client's answer, plus a prefill leg draining after it
     parts: int = 1

@@ -45,7 +45,7 @@ from kvpush.kv_cache.events import (
     KVEventBatch,
     decode_batch,
 )
-from kvpush.kv_info import KVInfo, MalformedAnswer, decode_cache_blocks
+from kvpush.kv_info import CacheBlocks, KVInfo
 from kvpush.router.stopping import cancel_and_wait
 
 logger = logging.getLogger("kvpush.router.kv_index")
@@ -61,26 +61,6 @@ class BatchResult(enum.Enum):
     BUFFERED = "buffered"  # waiting for a snapshot
     GAP = "gap"  # a batch was lost: a snapshot is needed
     RESTART = "restart"  # another engine id: the index was dropped
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """``GET /kv/cache_blocks``: every hash cached, as of batch ``seq``."""
-
-    engine_id: str
-    seq: int
-    block_size: int
-    hashes: frozenset[bytes]
-
-
-def parse_snapshot(data: bytes) -> Snapshot:
-    """A ``/kv/cache_blocks`` answer (ValueError when malformed)."""
-    w = decode_cache_blocks(data)
-    try:
-        return Snapshot(w.engine_id, w.seq, w.block_size,
-                        frozenset(bytes.fromhex(h) for h in w.hashes))
-    except ValueError as e:  # a hash that is not hex
-        raise MalformedAnswer(f"malformed /kv/cache_blocks answer: {e}") from None
 
 
 @dataclass(eq=False)
@@ -135,12 +115,15 @@ class InstanceIndex:
         self._apply(batch)
         return BatchResult.APPLIED
 
-    def on_snapshot(self, snap: Snapshot) -> bool:
-        """Install ``snap`` and the buffered batches after it; False when they do not
-        follow on from it (a batch between them was lost: take another snapshot)."""
+    def on_snapshot(self, snap: CacheBlocks) -> bool:
+        """Install ``snap`` (``GET /kv/cache_blocks``: every hash cached, as of batch
+        ``seq``) and the buffered batches after it; False when they do not follow on
+        from it (a batch between them was lost: take another snapshot). ValueError,
+        nothing changed, for a hash that is not hex."""
+        hashes = {bytes.fromhex(h) for h in snap.hashes}
         if snap.engine_id != self.engine_id:
             self.reset(snap.engine_id)
-        self.hashes = set(snap.hashes)
+        self.hashes = hashes
         self.block_size = snap.block_size
         self.seq = snap.seq
         later = sorted((b for b in self.pending if b.engine_id == self.engine_id
@@ -193,7 +176,7 @@ def event_source(url: str, info: KVInfo | None) -> EventSource | None:
 
 
 #: fetches an instance's snapshot, given its URL
-FetchSnapshot = Callable[[str], Awaitable[Snapshot]]
+FetchSnapshot = Callable[[str], Awaitable[CacheBlocks]]
 
 
 class _Follower:
@@ -257,7 +240,7 @@ class _Follower:
     async def _snapshot_until_synced(self) -> None:
         while True:
             try:
-                snap = await self.fetch(self.src.url)
+                synced = self.index.on_snapshot(await self.fetch(self.src.url))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - retried; the index just stays stale
@@ -266,7 +249,7 @@ class _Follower:
                 await asyncio.sleep(self.retry_s)
                 continue
             self.snapshots += 1
-            if self.index.on_snapshot(snap):
+            if synced:
                 return
             await asyncio.sleep(0)  # batches lost between snapshot and stream: again
 

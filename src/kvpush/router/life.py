@@ -113,7 +113,13 @@ class Book:
         if outcome == "abort" and job.p_task is not None and not job.p_task.done():
             job.p_task.cancel()  # the client is gone: so is the reason to prefill
         job.ended = time.perf_counter()
-        self.placement.count(job)
+        r = job.route
+        if r is not None:  # the cache-aware decision (none: refused before placement)
+            self.metrics.decisions.labels(r.decision.value).inc()
+            for role, n in (("decode", r.d_cached_tokens), ("prefill", r.p_cached_tokens)):
+                if n is not None:
+                    self.metrics.cached_tokens.labels(role).observe(n)
+            self.metrics.prompt_tokens.observe(r.prompt_tokens)
         mode = job.mode or self.cfg.mode
         self.metrics.requests.labels(mode, job.outcome).inc()
         self.metrics.request_s.labels(mode, job.outcome).observe(job.ended - job.arrival)

@@ -34,8 +34,6 @@ OUTCOMES = ("ok", "client_error", "unavailable", "error", "abort", "overloaded")
 PATHS = ("push", "pull", "colocated", "fallback", "local")
 #: prompt tokens (buckets of the cached-token histograms)
 TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-#: how a prefill leg ended
-PREFILL_OUTCOMES = ("ok", "http_error", "connection_error", "timeout", "cancelled")
 
 
 class _PoolCollector(Collector):

@@ -1,23 +1,16 @@
-"""The instances behind the router: identity, health, in-flight counts, and the policy
-that picks one for each leg.
+"""The instances behind the router: identity, health, in-flight counts, and the pick of
+one for each leg.
 
 Every instance is checked at start-up and every ``health_interval_s`` after, each on its
-own (a slow instance delays only its own next check), each answer read whole within
-``health_timeout_s`` and a size cap (kvpush.router.answers):
-``GET /health`` must answer 200; with the cluster secret, the instance must prove it
-holds it (``POST /kv/prove``, kvpush.router.admit) at every check, before it gets the
-API key; ``GET /kv/info`` must show the
-identity proved and the role and transfer mode the router uses it for (kvpush
-instances). An instance from the command line whose ``/kv/prove`` and ``/kv/info``
-answer 404 (vLLM) is taken on the operator's word, with the identity given in its URL
-spec; one from etcd never is. An
+own, each answer read whole within ``health_timeout_s`` and a size cap
+(kvpush.router.answers): ``GET /health`` must answer 200; with the cluster secret the
+instance is admitted first, at every check (kvpush.router.admit); ``GET /kv/info`` must
+show the identity proved and the role and transfer mode the router uses it for. An
 instance that fails a check, or on which a request hits a connection error, leaves the
-rotation at once (but for one check in a row that only timed out: a busy instance, not
-a dead one); the next check that passes brings it back, with its identity read
-again (a restarted instance has a new engine id and side-channel port). A failed check
-also ends every leg still waiting on the instance (kvpush.router.watch): a frozen
-instance keeps its connections open, and its legs would otherwise wait for their whole
-read timeout.
+rotation at once (but for checks that only time out, ``slow_checks_tolerated`` in a
+row, or while its engine core link is up); the next check that passes brings it back,
+its identity read again. A failed check also ends every leg still waiting on the
+instance (kvpush.router.watch).
 
 All state is touched from the event loop only, so picks need no lock.
 """
@@ -36,7 +29,7 @@ import httpx
 
 from kvpush.discovery.instance_spec import Identity, InstanceSpec
 from kvpush.kv_info import KVInfo, MalformedAnswer, decode_kv_info
-from kvpush.router.admit import CannotProve, ProofFailed, Proven, identity_problem, prove
+from kvpush.router.admit import NotAdmitted, Proven, admit, identity_problem
 from kvpush.router.answers import fetch
 from kvpush.router.config import RouterConfig, RouterConfigError, RouterKeys
 from kvpush.router.watch import LegWatch, end_all
@@ -309,10 +302,6 @@ class Pool:
                     "has no secret: give the router the instances' secret (kvpush router "
                     "--kv-secret-file PATH, or KVPUSH_KV_SECRET), or run the instances "
                     "with --insecure-kv-params")
-        if mode != "colocated" and info.kv_params_signed is True and not self.cfg.kv_secret:
-            return ("it acts only on kv_transfer_params signed with the cluster secret, and "
-                    "the router has none: give the router the instances' secret "
-                    "(kvpush router --kv-secret-file PATH, or KVPUSH_KV_SECRET)")
         return None
 
     def _mixed(self, inst: Instance, info: KVInfo | None) -> str | None:
@@ -356,12 +345,14 @@ class Pool:
                 # no API key, no prompt, no grant before the proof (kvpush.router.admit);
                 # proved at every check: another server at its address is caught there
                 inst.proven = None
-                bad = await self._prove(client, inst, keys.proof_key)
-                if bad is not None:
-                    self._refuse(inst, bad)
+                try:
+                    inst.proven = await admit(client, inst.url, keys.proof_key, timeout,
+                                              discovered=bool(inst.cards))
+                except NotAdmitted as e:
+                    self._refuse(inst, str(e))
                     return
             info: KVInfo | None = None  # none: not kvpush (vLLM)
-            # (an instance that could not prove answered /kv/info 404 already: _prove)
+            # (an instance that could not prove answered /kv/info 404 already: admit)
             if not isinstance(keys, RouterKeys) or inst.proven is not None:
                 members = keys.member_header() if isinstance(keys, RouterKeys) else {}
                 k = await fetch(client, "GET", inst.url + "/kv/info", timeout,
@@ -415,29 +406,6 @@ class Pool:
         elif old is not None and old != inst.engine_id:
             logger.info("%s instance %s restarted: engine %s -> %s", inst.role, inst.url, old,
                         inst.engine_id)
-
-    async def _prove(self, client: httpx.AsyncClient, inst: Instance,
-                     key: bytes) -> str | None:
-        """Prove ``inst`` (sets ``inst.proven``); why it cannot be admitted, or None.
-        Raises httpx errors (a failed check)."""
-        timeout = self.cfg.health_timeout_s
-        try:
-            inst.proven = await prove(client, inst.url, key, timeout)
-            return None
-        except ProofFailed as e:
-            return f"it did not prove that it holds the cluster secret: {e}"
-        except CannotProve:
-            pass
-        if inst.cards:
-            return ("it cannot prove that it holds the cluster secret (/kv/prove: 404), and "
-                    "instances that cannot prove are admitted only from the router's own "
-                    "command line, never from etcd")
-        k = await fetch(client, "GET", inst.url + "/kv/info", timeout)  # without the key
-        if k.status_code == 404:  # not kvpush (vLLM): on the operator's word
-            return None
-        return ("it answers /kv/info like a kvpush instance but cannot prove that it holds "
-                "the cluster secret (/kv/prove: 404): give it the router's secret "
-                "(--kv-secret-file), or it is not the instance it claims to be")
 
     def _spared(self, inst: Instance, e: Exception) -> bool:
         """Whether a check that failed with ``e`` leaves ``inst`` in rotation: its engine

@@ -15,11 +15,21 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from kvpush.router.answers import fetch
+from kvpush.router.pool import Pool, describe_error
+
+if TYPE_CHECKING:
+    import httpx
+
+    from kvpush.router.config import RouterConfig
 
 logger = logging.getLogger("kvpush.router")
+
 
 class TokenizerState(enum.Enum):
     NONE = "none"  # not loaded yet
@@ -28,41 +38,33 @@ class TokenizerState(enum.Enum):
     FAILED = "failed"
 
 
-def model_source(models: Any) -> str | None:
-    """The tokenizer to load from a ``/v1/models`` answer: the model's directory when it
-    exists on this host, else its id (None: the answer names no model)."""
+class _Card(msgspec.Struct):
+    id: str = ""
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class _Models(msgspec.Struct):
+    data: list[_Card]
+
+
+def first_model(answer: bytes) -> tuple[str | None, str | None, int]:
+    """A ``/v1/models`` answer's first model (kvpush's and vLLM's alike): the tokenizer
+    to load (its directory when it exists on this host, else its id), its name, and its
+    context (0: not said). None for what the answer does not name; ValueError when it
+    is not such an answer."""
     try:
-        card = models["data"][0]
-    except (KeyError, IndexError, TypeError):
-        return None
-    root = card.get("root") if isinstance(card, dict) else None
-    if isinstance(root, str) and root and Path(root).is_dir():
-        return root
-    mid = card.get("id") if isinstance(card, dict) else None
-    return mid if isinstance(mid, str) and mid else None
-
-
-def model_id(models: Any) -> str | None:
-    """The served model's name in a ``/v1/models`` answer (None: it names none)."""
-    try:
-        mid = models["data"][0].get("id")
-    except (KeyError, IndexError, TypeError, AttributeError):
-        return None
-    return mid if isinstance(mid, str) and mid else None
-
-
-def model_max_len(models: Any) -> int:
-    """The model's context from a ``/v1/models`` answer (kvpush and vLLM both say
-    ``max_model_len``), 0 when it does not say."""
-    try:
-        n = models["data"][0].get("max_model_len")
-    except (KeyError, IndexError, TypeError, AttributeError):
-        return 0
-    return n if isinstance(n, int) and n > 0 else 0
+        card = msgspec.json.decode(answer, type=_Models).data[0]
+    except (msgspec.DecodeError, IndexError) as e:
+        raise ValueError(f"not a /v1/models answer: {e}") from None
+    name = card.id or None
+    source = card.root if card.root and Path(card.root).is_dir() else name
+    return source, name, max(card.max_model_len or 0, 0)
 
 
 class PromptTokenizer:
-    """Token ids of a request's prompt, once a tokenizer is loaded (``load``)."""
+    """The model's tokenizer as the router loads it (``load``), and what it knows of the
+    model from ``/v1/models``."""
 
     def __init__(self, source: str | None = None) -> None:
         #: --tokenizer, or what /v1/models named
@@ -84,7 +86,7 @@ class PromptTokenizer:
         """The loaded tokenizer (None until ``ready``)."""
         return self._tok
 
-    async def load(self, source: str | None, executor: Executor | None = None) -> bool:
+    async def load(self, source: str | None) -> bool:
         """Load ``source`` (the --tokenizer flag wins over it) on a worker thread; logs
         and returns False when it cannot."""
         src = self.source or source
@@ -97,18 +99,43 @@ class PromptTokenizer:
         from kvpush.models.tokenizer import load_tokenizer
 
         try:
-            tok = await asyncio.get_running_loop().run_in_executor(executor, load_tokenizer,
-                                                                    src)
-        except Exception as e:  # noqa: BLE001 - the router works without one
+            tok = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, src)
+        except Exception as e:  # noqa: BLE001 - said: the router serves nothing
             self.state, self.why = TokenizerState.FAILED, f"{type(e).__name__}: {e}"
             logger.warning("cannot load the tokenizer %s (%s): the router cannot serve "
-                           "(give it --tokenizer)", src,
-                           self.why)
+                           "(give it --tokenizer)", src, self.why)
             return False
         self._tok, self.source, self.state = tok, src, TokenizerState.READY
         logger.info("tokenizer %s loaded", src)
         return True
 
-    def use(self, tokenizer: Any, source: str = "given") -> None:
-        """Use an already loaded tokenizer (tests)."""
-        self._tok, self.source, self.state = tokenizer, source, TokenizerState.READY
+
+async def load_model_tokenizer(tok: PromptTokenizer, cfg: RouterConfig, pool: Pool,
+                               client: httpx.AsyncClient) -> None:
+    """Load ``tok``: --tokenizer, else the model a healthy (proven) decode instance's
+    /v1/models names (with --discover, asked again until a decode has joined)."""
+    import httpx
+
+    source = None
+    while True:
+        for inst in pool.by_role["decode"]:
+            if not inst.healthy:  # proven first: an unproven URL gets no API key
+                continue
+            try:
+                # (whole within the deadline and the health answers' cap)
+                r = await fetch(client, "GET", inst.url + "/v1/models", cfg.health_timeout_s)
+                if r.status_code != 200:
+                    raise ValueError(f"HTTP {r.status_code}")
+                source, name, context = first_model(r.content)
+            except (httpx.HTTPError, ValueError) as e:
+                logger.info("/v1/models of %s: %s", inst.url, describe_error(e))
+                continue
+            tok.max_model_len = max(tok.max_model_len, context)
+            tok.served_model = tok.served_model or name
+            if source is not None:
+                break
+        if source is not None or cfg.tokenizer or cfg.discover is None:
+            break
+        # --discover: no decode has joined yet; ask again when one may have
+        await asyncio.sleep(cfg.health_interval_s)
+    await tok.load(source)

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from kvpush.server.errors import error_body, error_type_for
+from kvpush.errors import RequestError
 
 ADDRESS = "<internal address>"
 ENGINE = "<engine id>"
@@ -46,8 +46,8 @@ def scrub(text: str, engine_ids: Iterable[str] = ()) -> str:
     return text
 
 
-def scrub_error(obj: Any, status: int, engine_ids: Iterable[str] = ()) -> dict[str, Any] | None:
-    """An instance's error answer (parsed JSON) in OpenAI's shape, scrubbed: kvpush's
+def scrub_error(obj: Any, status: int, engine_ids: Iterable[str] = ()) -> RequestError | None:
+    """An instance's error answer (parsed JSON), scrubbed, with ``status``: kvpush's
     ``{"error": {...}}``, or vLLM's older flat ``{"object": "error", "message": ...}``.
     None when ``obj`` is neither (the caller words its own error)."""
     if not isinstance(obj, dict):
@@ -62,5 +62,4 @@ def scrub_error(obj: Any, status: int, engine_ids: Iterable[str] = ()) -> dict[s
         v = err.get(key)
         return scrub(v, ids) if isinstance(v, str) and v else None
 
-    return error_body(scrub(message, ids), text("type") or error_type_for(status),
-                      text("param"), text("code"))
+    return RequestError(scrub(message, ids), text("param"), text("code"), status)

@@ -159,6 +159,17 @@ class FrontSettings:
                    kvt.role if kvt.enabled else "both", kvt.mode)
 
 
+async def read_body_within(request: Request, timeout: float) -> bytes:
+    """The request's body, within ``timeout`` seconds (else an APIError 408;
+    ClientDisconnect when the client went away; past the body limit, the 413 of
+    BodyLimitMiddleware)."""
+    try:
+        return await within(request.body(), timeout)
+    except asyncio.TimeoutError:  # (3.10: not the builtin)
+        raise APIError(f"the request body did not arrive within {timeout:g} s",
+                       status_code=408, code="request_timeout") from None
+
+
 def new_request_id(kind: Literal["completion", "chat"]) -> str:
     """A fresh request id, as vLLM's OpenAI server makes them (the answer's ``id``):
     ``chatcmpl-<hex>`` for chats, ``cmpl-<hex>`` for completions."""
@@ -167,7 +178,7 @@ def new_request_id(kind: Literal["completion", "chat"]) -> str:
 
 class OpenAIFront:
     """The OpenAI request handlers over one FrontEngine: an instance's engine, or the
-    router's cluster of engine cores (kvpush.router.cluster_engine). ``gauges``: the
+    router's cluster of engine cores (kvpush.router.front). ``gauges``: the
     engine's own (None: a front over many engines, the router)."""
 
     def __init__(self, engine: FrontEngine, settings: FrontSettings,
@@ -211,20 +222,10 @@ class OpenAIFront:
 
     # ------------------------------------------------------------------- generation
 
-    async def read_body(self, request: Request) -> bytes:
-        """The request's body, within ``body_timeout_s`` (else an APIError 408;
-        ClientDisconnect when the client went away)."""
-        try:
-            return await within(request.body(), self.body_timeout_s)
-        except asyncio.TimeoutError:  # (3.10: not the builtin)
-            raise APIError(f"the request body did not arrive within "
-                           f"{self.body_timeout_s:g} s", status_code=408,
-                           code="request_timeout") from None
-
     async def handle(self, request: Request, kind: Literal["completion", "chat"]) -> Response:
         arrival = time.perf_counter()
         try:
-            body = await self.read_body(request)
+            body = await read_body_within(request, self.body_timeout_s)
         except ClientDisconnect:
             return Response(status_code=499)
         except APIError as err:
@@ -237,7 +238,7 @@ class OpenAIFront:
         """``/tokenize`` or ``/detokenize``: the body read, ``answer`` (PromptBuilder's
         tokenize or detokenize) as JSON, or an OpenAI error body."""
         try:
-            result = await answer(await self.read_body(request))
+            result = await answer(await read_body_within(request, self.body_timeout_s))
         except ClientDisconnect:
             return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI body

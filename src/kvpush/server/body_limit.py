@@ -5,10 +5,12 @@ request whose ``Content-Length`` is over the limit for one), so instances do not
 This ASGI middleware refuses a declared ``Content-Length`` over the limit before the
 app sees the request, and stops a chunked body once it has passed the limit: reading
 it raises an :class:`APIError` (413), which the app's error handlers answer like any
-other. The router has its own reader (router/intake.py) with the same answer.
+other. The router's app uses it too (``on_reject``: its request count).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -22,9 +24,12 @@ def too_large(limit: int) -> APIError:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int,
+                 on_reject: Callable[[Scope], None] | None = None) -> None:
         self.app = app
         self.limit = limit
+        #: called with each request refused by its Content-Length (the app never sees it)
+        self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -33,6 +38,8 @@ class BodyLimitMiddleware:
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 if value.isdigit() and int(value) > self.limit:
+                    if self.on_reject is not None:
+                        self.on_reject(scope)
                     await too_large(self.limit).response()(scope, receive, send)
                     return
                 break

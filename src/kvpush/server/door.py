@@ -22,7 +22,7 @@ with
 Its writes are coalesced (:class:`CoalescingTransport`): what is written to a client
 within one turn of the event loop leaves in one ``send``.
 
-The body's deadline is the handler's (the router: kvpush.router.intake.read_body_within,
+The body's deadline is the handler's (the router: kvpush.server.app.read_body_within,
 before a request takes a place; an instance: its request handler, before admission), so
 a slow body holds a connection, never a place. :func:`add_door_args` gives both CLIs the
 same three flags.
