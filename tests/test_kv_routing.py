@@ -41,7 +41,7 @@ from kvpush.router.decide import (
     decide,
     lacks_room,
 )
-from kvpush.router.job import Job
+from kvpush.router.job import RequestRecord
 from kvpush.router.kv_index import BatchResult, InstanceIndex, KVIndex
 from kvpush.router.placement import Placement
 from kvpush.router.pool import Pool
@@ -170,7 +170,7 @@ def test_kv_tokens_in_flight_spread_the_load():
 def test_decode_legs_charge_and_release_their_tokens():
     pool, d1, d2 = _two_decode_pool()
     placement = Placement(pool)  # the charge only (no KV index: nothing cached)
-    job = Job(rid="r", kind="completion", stream=False, arrival=0.0)
+    job = RequestRecord(rid="r", kind="completion", arrival=0.0)
     job.route = Route(list(range(40)), answer_tokens=24)  # (as Placement.route makes it)
     assert placement.pick_decode(job, {d2}) is d1
     assert d1.tokens_in_flight == 64
@@ -195,7 +195,7 @@ def test_an_instance_without_room_comes_after_those_with_room():
     policy = Placement(pool)
     cached = {d1: 40, d2: 0}
     policy.cached_tokens = lambda i, _r: cached[i]  # type: ignore[method-assign]
-    job = Job(rid="r", kind="completion", stream=False, arrival=0.0)
+    job = RequestRecord(rid="r", kind="completion", arrival=0.0)
     route = job.route = Route(list(range(52)))  # 13 blocks
     f = policy.cost(job)
     assert pool.choose("decode", cost=f) is d2  # d1 holds the prefix but has no room
@@ -539,7 +539,7 @@ def test_a_route_carries_the_answer_bound_its_decode_leg_is_charged():
     cfg = RouterConfig(mode="push", prefill=(parse_instance("http://127.0.0.1:9"),),
                        decode=(parse_instance("http://127.0.0.1:1"),))
     placement = Placement(Pool(cfg))
-    job = Job(rid="r", kind="completion", stream=False, arrival=0.0)
+    job = RequestRecord(rid="r", kind="completion", arrival=0.0)
     placement.route(job, list(range(10)), SamplingParams(max_tokens=7))
     assert job.route is None
     placement = Placement(Pool(dataclasses.replace(cfg, policy="cache-aware")))

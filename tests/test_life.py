@@ -17,7 +17,7 @@ from kvpush.discovery.instance_spec import parse_instance
 from kvpush.engine.outputs import EngineOutput, FinishReason, RequestFailure, RequestOutput
 from kvpush.kv_transfer.params import KVTransferParams, WireKVParams
 from kvpush.router.config import RouterConfig
-from kvpush.router.job import Job
+from kvpush.router.job import RequestRecord
 from kvpush.router.life import Book, RequestLife
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.placement import Placement
@@ -26,6 +26,7 @@ from kvpush.router.senders import CoreSender, Senders
 from kvpush.router.wire import LegSigner
 from kvpush.sampling_params import SamplingParams
 from kvpush.server.errors import APIError
+from kvpush.server.protocol import Job
 from stand_in import make_kv_info
 
 
@@ -137,10 +138,15 @@ def _life(mode: str, cores: dict[str, FakeCore], **kw: Any
     return RequestLife(cfg, book, sender, LegSigner(None), Chars()), pool, sender
 
 
+def _streamed(rid: str) -> RequestRecord:
+    """A streamed completion's record, as the front leaves it once parsed."""
+    return RequestRecord(rid=rid, kind="completion", arrival=0.0,
+                         parsed=Job(rid, [1, 2, 3], SamplingParams(), 0.0, True, False))
+
+
 async def _run(life: RequestLife, max_tokens: int = 2, rid: str = "r1", n: int = 1
-               ) -> tuple[list[RequestOutput], Job]:
-    job = Job(rid=rid, kind="completion", stream=True,
-              arrival=0.0)
+               ) -> tuple[list[RequestOutput], RequestRecord]:
+    job = _streamed(rid)
     outs = [o async for o in life.run(job, [1, 2, 3],
                                       SamplingParams(max_tokens=max_tokens, n=n))]
     return outs, job
@@ -276,8 +282,7 @@ def test_a_request_in_flight_on_a_leaving_instance_finishes_before_its_link_clos
     d = cores["http://d0:1"]
 
     async def run() -> list[RequestOutput]:
-        job = Job(rid="r1", kind="completion",
-                  stream=True, arrival=0.0)
+        job = _streamed("r1")
         outs = []
         async for out in life.run(job, [1, 2, 3], SamplingParams(max_tokens=2)):
             outs.append(out)

@@ -27,7 +27,7 @@ from kvpush.aio import within
 from kvpush.router.config import RouterConfig
 from kvpush.router.front import STARTING_WAIT_S, RouterFront
 from kvpush.router.intake import RETRY_AFTER_S, Admission, full_error
-from kvpush.router.job import Job, outcome_for
+from kvpush.router.job import RequestRecord, outcome_for
 from kvpush.router.life import Book
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.placement import Placement
@@ -236,7 +236,7 @@ async def _handle(router: Router, request: Request,
         router.metrics.requests.labels(router.cfg.mode, "overloaded").inc()
         return full_error(router.admission.limit).response(
             headers={"Retry-After": str(RETRY_AFTER_S)})
-    job = Job(rid=new_request_id(kind), kind=kind, stream=False, arrival=arrival,
+    job = RequestRecord(rid=new_request_id(kind), kind=kind, arrival=arrival,
               client_rid=request.headers.get("x-request-id"),
               on_done=router.admission.leave)
     why = await router.front_ready()

@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from kvpush.aio import within
 from kvpush.router.config import RouterConfig
 from kvpush.router.http_sender import HttpSender
-from kvpush.router.job import Job, outcome_for
+from kvpush.router.job import RequestRecord, outcome_for
 from kvpush.router.life import Book, RequestLife
 from kvpush.router.pool import Instance
 from kvpush.router.senders import CoreSender, Senders, remote_core
@@ -72,7 +72,7 @@ class RouterFront:
         self.life: RequestLife | None = None
         self.front: OpenAIFront | None = None
         #: the router's jobs by request id, from the handler to ``generate``
-        self.jobs: dict[str, Job] = {}
+        self.jobs: dict[str, RequestRecord] = {}
 
     def _over_cores(self) -> list[Instance]:
         """The healthy instances the router reaches over their engine cores."""
@@ -162,10 +162,10 @@ class RouterFront:
                                      len(tokenizer.tokenizer), "router", self.cfg.mode)
         self.front = OpenAIFront(self, settings, max_waiting_requests=0,
                                  body_timeout_s=self.cfg.body_timeout_s)
-        self.front.on_job = self.note_stream
+        self.front.on_job = self.note_parsed
 
     async def serve(self, request: Request, kind: Literal["completion", "chat"],
-                    raw: bytes, job: Job) -> Response:
+                    raw: bytes, job: RequestRecord) -> Response:
         """The request through the front; the job is closed by its life once its legs
         are over, or here when no leg was placed (a 4xx from parsing or the front's
         checks)."""
@@ -181,12 +181,11 @@ class RouterFront:
         return resp
 
     # ---- FrontEngine: what the OpenAIFront uses of its engine ------------------------
-    def note_stream(self, parsed: FrontJob) -> None:
-        """The front parsed the request: whether its client streams (the router's TTFT
-        counts streams only)."""
+    def note_parsed(self, parsed: FrontJob) -> None:
+        """The front parsed the request: its record holds the parsed request."""
         job = self.jobs.get(parsed.request_id)
         if job is not None:
-            job.stream = parsed.stream
+            job.parsed = parsed
 
     def health_problem(self) -> str | None:
         missing = [role for role in ("decode", "prefill")

@@ -1,24 +1,32 @@
-"""One client request through the router and what happened to it (the fields of its
-request log line), and the outcome a status counts as."""
+"""One client request's record in the router: what happened to it (the fields of its
+request log line) around the request itself, the front's one ``Job`` once parsed; and
+the outcome a status counts as."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvpush.router.decide import Route
 from kvpush.router.pool import Instance
 
+if TYPE_CHECKING:
+    from kvpush.server.protocol import Job
+
 
 @dataclass(eq=False)
-class Job:
-    """One client request and what happened to it (the request log line)."""
+class RequestRecord:
+    """One client request and what happened to it (the request log line). It exists
+    from the request's arrival, before any parsing (a 408 or 429 is logged with one),
+    and outlives the answer while a prefill leg drains."""
 
     rid: str
     kind: str  # "completion" | "chat"
-    stream: bool
     arrival: float
+    #: the request as the front parsed it (None: refused before or while parsing)
+    parsed: Job | None = None
     client_rid: str | None = None
     mode: str = ""  # the path taken: push, pull, colocated, fallback, local
     #: the cache-aware policy's facts (None: another policy, or not placed yet)
@@ -52,6 +60,11 @@ class Job:
     ended: float | None = None
     #: called once everything the request started is over (frees its admission place)
     on_done: Callable[[], None] | None = None
+
+    @property
+    def stream(self) -> bool:
+        """Whether its client streams (the router's TTFT counts streams only)."""
+        return self.parsed is not None and self.parsed.stream
 
     def new_transfer_id(self) -> str:
         self.attempts += 1

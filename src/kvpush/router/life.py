@@ -52,7 +52,7 @@ from kvpush.engine.output_processor import ChoiceTexts
 from kvpush.engine.outputs import EngineOutput, FinishReason, RequestOutput
 from kvpush.errors import RequestError
 from kvpush.router.decide import Decision
-from kvpush.router.job import Job, outcome_for
+from kvpush.router.job import RequestRecord, outcome_for
 from kvpush.router.placement import Placement, fail
 from kvpush.router.pool import Instance, Pool
 from kvpush.router.redact import scrub
@@ -87,7 +87,7 @@ class Book:
         self.placement = placement
         self.metrics = metrics
 
-    def first_byte(self, job: Job) -> None:
+    def first_byte(self, job: RequestRecord) -> None:
         if job.first_byte is not None:
             return
         now = time.perf_counter()
@@ -98,7 +98,7 @@ class Book:
         if job.stream:
             self.metrics.ttft_s.labels(job.mode).observe(now - job.arrival)
 
-    def close(self, job: Job, outcome: str, status: int | None = None) -> None:
+    def close(self, job: RequestRecord, outcome: str, status: int | None = None) -> None:
         """The client's answer is done (or abandoned): free what the request holds,
         count it. Idempotent."""
         if job.closed:
@@ -125,13 +125,13 @@ class Book:
         self.metrics.request_s.labels(mode, job.outcome).observe(job.ended - job.arrival)
         self.part_done(job)
 
-    def prefill_done(self, job: Job, p: Instance, _leg: object = None) -> None:
+    def prefill_done(self, job: RequestRecord, p: Instance, _leg: object = None) -> None:
         """Prefill's leg on ``p`` is over (a done callback of its task)."""
         self.placement.pool.release(p)
         self.part_done(job)
 
     @staticmethod
-    def part_done(job: Job) -> None:
+    def part_done(job: RequestRecord) -> None:
         job.parts -= 1
         if job.parts == 0:
             log_request(job)
@@ -153,7 +153,7 @@ class RequestLife:
         self.signer = signer
         self.tokenizer = tokenizer
 
-    async def run(self, job: Job, prompt: list[int], params: SamplingParams
+    async def run(self, job: RequestRecord, prompt: list[int], params: SamplingParams
                   ) -> AsyncIterator[RequestOutput]:
         """The request's text outputs, however many legs and instances carried it."""
         status, outcome = 200, "abort"
@@ -178,7 +178,7 @@ class RequestLife:
             self.book.close(job, outcome, status)
 
     # ---- migration -----------------------------------------------------------------
-    async def _migrating(self, job: Job, prompt: list[int], params: SamplingParams
+    async def _migrating(self, job: RequestRecord, prompt: list[int], params: SamplingParams
                          ) -> AsyncIterator[RequestOutput]:
         text = ChoiceTexts(job.rid, self.tokenizer, params)
         made: list[int] = []  # every token the client's stream has been given
@@ -208,7 +208,7 @@ class RequestLife:
             finally:
                 await outs.aclose()
 
-    def _may_migrate(self, job: Job, lost: DecodeLost, made: int,
+    def _may_migrate(self, job: RequestRecord, lost: DecodeLost, made: int,
                      params: SamplingParams) -> None:
         """Raise the client's error unless the request may go on on another decode."""
         where = f"decode instance {lost.inst.url} ({lost.inst.engine_id}): {lost.why}"
@@ -231,7 +231,7 @@ class RequestLife:
                        job.rid, where, made, job.migrations)
 
     # ---- placement -----------------------------------------------------------------
-    def _placed(self, job: Job, prompt: list[int], params: SamplingParams
+    def _placed(self, job: RequestRecord, prompt: list[int], params: SamplingParams
                 ) -> AsyncGenerator[EngineOutput, None]:
         """Decode's outputs, its legs placed now."""
         cfg = self.cfg
@@ -248,7 +248,7 @@ class RequestLife:
             return self._local(job, prompt, params)
         return self._remote(job, prompt, params)
 
-    def _remote(self, job: Job, prompt: list[int], params: SamplingParams
+    def _remote(self, job: RequestRecord, prompt: list[int], params: SamplingParams
                 ) -> AsyncGenerator[EngineOutput, None]:
         """Decode's outputs with a prefill leg (push or pull), or decode alone when no
         prefill is healthy and --fallback-local-prefill allows it."""
@@ -262,7 +262,7 @@ class RequestLife:
             return self._pull(job, p, prompt, params)
         return self._push(job, p, prompt, params)
 
-    def _pick_prefill(self, job: Job, tried: set[Instance]) -> Instance | None:
+    def _pick_prefill(self, job: RequestRecord, tried: set[Instance]) -> Instance | None:
         """A prefill instance a leg can leave for now, not one of ``tried``."""
         while True:
             p = self.placement.pick("prefill", job, tried)
@@ -271,7 +271,7 @@ class RequestLife:
             self.pool.release(p)
             tried.add(p)
 
-    def _pick_decode(self, job: Job) -> Instance:
+    def _pick_decode(self, job: RequestRecord) -> Instance:
         """A decode instance a leg can leave for now."""
         tried: set[Instance] = set()
         while True:
@@ -291,7 +291,8 @@ class RequestLife:
             self.metrics.retries.labels(inst.role).inc()
         return False
 
-    def _retry_prefill(self, job: Job, p: Instance, tried: set[Instance]) -> Instance | None:
+    def _retry_prefill(self, job: RequestRecord, p: Instance, tried: set[Instance]
+                       ) -> Instance | None:
         """Prefill ``p`` was lost: another prefill instance (None: none)."""
         tried.add(p)
         other = self._pick_prefill(job, tried)
@@ -302,13 +303,13 @@ class RequestLife:
         return other
 
     # ---- legs ------------------------------------------------------------------------
-    async def _alone(self, job: Job, prompt: list[int], params: SamplingParams
+    async def _alone(self, job: RequestRecord, prompt: list[int], params: SamplingParams
                      ) -> AsyncGenerator[EngineOutput, None]:
         d = self._pick_decode(job)
         async for out in self._decode(job, d, job.new_transfer_id(), prompt, params, None):
             yield out
 
-    async def _local(self, job: Job, prompt: list[int], params: SamplingParams
+    async def _local(self, job: RequestRecord, prompt: list[int], params: SamplingParams
                      ) -> AsyncGenerator[EngineOutput, None]:
         """Decode alone computes what its prefix cache lacks. A decode that refuses it
         as full (429 or 503 before any output) while a prefill is healthy gets the
@@ -336,17 +337,17 @@ class RequestLife:
         finally:
             await outs.aclose()
 
-    def _fallback(self, job: Job, prompt: list[int], params: SamplingParams
+    def _fallback(self, job: RequestRecord, prompt: list[int], params: SamplingParams
                   ) -> AsyncGenerator[EngineOutput, None]:
         job.mode, job.prefill = "fallback", None
         return self._alone(job, prompt, params)
 
-    def _prefill_kv(self, job: Job, p: Instance) -> tuple[str, LegKV]:
+    def _prefill_kv(self, job: RequestRecord, p: Instance) -> tuple[str, LegKV]:
         tid = job.new_transfer_id()
         job.prefill = p
         return tid, self.signer.sign(prefill_params(tid), p, "prefill")
 
-    async def _push(self, job: Job, p: Instance, prompt: list[int], params: SamplingParams
+    async def _push(self, job: RequestRecord, p: Instance, prompt: list[int], params: SamplingParams
                     ) -> AsyncGenerator[EngineOutput, None]:
         """Both legs at once. Prefill lost before decode's first output (its KV had not
         all landed): decode's leg is withdrawn and the pair starts again with another
@@ -398,7 +399,7 @@ class RequestLife:
                     p_task.cancel()
                     self.sender.release(p, tid)
 
-    async def _pull(self, job: Job, p: Instance, prompt: list[int], params: SamplingParams
+    async def _pull(self, job: RequestRecord, p: Instance, prompt: list[int], params: SamplingParams
                     ) -> AsyncGenerator[EngineOutput, None]:
         """Prefill's leg, then decode's with what prefill lent. Prefill lost during its
         leg: another prefill, a new transfer id (or decode alone, with
@@ -439,7 +440,7 @@ class RequestLife:
             if not finished:  # prefill's lent blocks have no reader
                 self.sender.release(p, tid)
 
-    async def _prefill(self, job: Job, p: Instance, tid: str, prompt: list[int],
+    async def _prefill(self, job: RequestRecord, p: Instance, tid: str, prompt: list[int],
                        params: SamplingParams, kv: LegKV, reraise: bool = False
                        ) -> EngineOutput | None:
         """Run prefill's leg to its end: its last output (None: none came). A refusal is
@@ -473,7 +474,7 @@ class RequestLife:
                 logger.warning("request %s: prefill's leg failed: %s", job.rid, error)
         return last
 
-    async def _decode(self, job: Job, d: Instance, tid: str, prompt: list[int],
+    async def _decode(self, job: RequestRecord, d: Instance, tid: str, prompt: list[int],
                       params: SamplingParams, kv: LegKV | None
                       ) -> AsyncGenerator[EngineOutput, None]:
         """Decode's outputs; DecodeLost when its way is gone (the instance left the

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from kvpush.kv_info import CacheBlocks, decode_cache_blocks
 from kvpush.router.config import RouterKeys
 from kvpush.router.decide import FULL_COST, Decision, Route, cost, decide, lacks_room
-from kvpush.router.job import Job
+from kvpush.router.job import RequestRecord
 from kvpush.router.kv_index import KVIndex
 from kvpush.router.pool import Instance, Pool
 from kvpush.server.errors import APIError
@@ -67,7 +67,7 @@ class Placement:
             await self.index.close()
 
     # ---- the request's facts -------------------------------------------------------
-    def route(self, job: Job, prompt: list[int], params: SamplingParams) -> None:
+    def route(self, job: RequestRecord, prompt: list[int], params: SamplingParams) -> None:
         """Attach the prompt's routing facts to the job (cache-aware)."""
         if self.cfg.policy == "cache-aware":
             job.route = Route(list(prompt), cache_salt=params.cache_salt,
@@ -89,7 +89,7 @@ class Placement:
             return False
         return lacks_room(route.prompt_tokens, stats.num_free_blocks, inst.info.block_size)
 
-    def cost(self, job: Job) -> Callable[[Instance], float] | None:
+    def cost(self, job: RequestRecord) -> Callable[[Instance], float] | None:
         """``Pool.pick``'s cost for the job (None: no route, the configured order)."""
         r, cfg = job.route, self.cfg
         if r is None:
@@ -101,7 +101,7 @@ class Placement:
             return c + FULL_COST if self.no_room(inst, r) else c
         return of
 
-    def local(self, job: Job) -> bool:
+    def local(self, job: RequestRecord) -> bool:
         """Whether decode alone should compute the prompt (cache-aware: the decode the
         job would get now holds most of it, decision ``local``)."""
         r = job.route
@@ -118,7 +118,8 @@ class Placement:
         return r.decision is Decision.LOCAL
 
     # ---- claims on instances -------------------------------------------------------
-    def pick(self, role: str, job: Job, exclude: Iterable[Instance] = ()) -> Instance | None:
+    def pick(self, role: str, job: RequestRecord, exclude: Iterable[Instance] = ()
+             ) -> Instance | None:
         """A healthy instance of ``role`` for one of the job's legs (its in-flight count
         taken: ``Pool.release``, or ``release_decode``), not one of ``exclude``."""
         inst = self.pool.pick(role, exclude, cost=self.cost(job))
@@ -128,7 +129,7 @@ class Placement:
                 job.route.p_cached_tokens = self.cached_tokens(inst, job.route)
         return inst
 
-    def pick_decode(self, job: Job, exclude: set[Instance] | None = None) -> Instance:
+    def pick_decode(self, job: RequestRecord, exclude: set[Instance] | None = None) -> Instance:
         """A decode instance for the job (held until ``release_decode``), not one of
         ``exclude``, or a 503 naming the missing role. Cache-aware, the KV its leg will
         hold (prompt and answer bound) is charged to it: the load others see."""
@@ -149,7 +150,7 @@ class Placement:
             d.tokens_in_flight += job.d_tokens
         return d
 
-    def release_decode(self, job: Job) -> None:
+    def release_decode(self, job: RequestRecord) -> None:
         """The job's decode leg is over (or moves elsewhere): its claim goes."""
         d = job.d_held
         if d is not None:
@@ -158,7 +159,7 @@ class Placement:
             job.d_held, job.d_tokens = None, 0
 
     # ---- refusals ------------------------------------------------------------------
-    def unavailable(self, job: Job, role: str) -> APIError:
+    def unavailable(self, job: RequestRecord, role: str) -> APIError:
         """The 503 for a request no healthy ``role`` instance can take (it names the
         role; the log names the instances and why each is out)."""
         why = "; ".join(f"{i.url}: {i.last_error}" for i in self.pool.by_role[role])
@@ -166,7 +167,7 @@ class Placement:
                     f"no healthy {role} instance: {why or 'none configured'}")
 
 
-def fail(job: Job, status: int, message: str, detail: str) -> APIError:
+def fail(job: RequestRecord, status: int, message: str, detail: str) -> APIError:
     """The client's error (``message``: no internal names), with ``detail`` (which may
     name them) logged under the request id."""
     logger.warning("request %s: %s", job.rid, detail)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import logging
 
-from kvpush.router.job import Job
+from kvpush.router.job import RequestRecord
 
 request_log = logging.getLogger("kvpush.router.requests")
 
 
-def log_request(job: Job) -> None:
+def log_request(job: RequestRecord) -> None:
     """The request's one line in ``kvpush.router.requests``, written when it ends:
     instances, legs, outcome, the cache-aware decision and the stage stamps."""
     def ms(v: float | None) -> str:
@@ -32,7 +32,7 @@ def log_request(job: Job) -> None:
         f" error={job.error!r}" if job.error else "", _route(job), _stamps(job))
 
 
-def _route(job: Job) -> str:
+def _route(job: RequestRecord) -> str:
     """The cache-aware policy's fields: decision, prompt and cached token counts."""
     r = job.route
     if r is None:
@@ -46,7 +46,7 @@ def _route(job: Job) -> str:
             f" p_cached={n(r.p_cached_tokens)}")
 
 
-def _stamps(job: Job) -> str:
+def _stamps(job: RequestRecord) -> str:
     """The job's stage times as ``t_r_*`` fields (perf_counter seconds: one clock with
     the instances' ``handoff`` lines on this host, kvpush.kv_transfer.timeline)."""
     stamps = {"r_in": job.arrival, "r_sent": job.legs_sent, "r_d_sent": job.d_sent,
