@@ -14,29 +14,33 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
 from etcd_helpers import EtcdServer  # noqa: E402
-from kvpush.discovery.card import card_from_info, encode  # noqa: E402
+from kvpush.discovery.card import card_from_info, encode, sign  # noqa: E402
 from kvpush.discovery.etcd import EtcdClient  # noqa: E402
 from kvpush.discovery.target import parse_target  # noqa: E402
 from kvpush.router.config import RouterConfig  # noqa: E402
 from kvpush.router.discover import EtcdLink  # noqa: E402
 from kvpush.router.pool import Pool  # noqa: E402
+from stand_in import make_kv_info  # noqa: E402
 
 INFO = {"role": "decode", "engine_id": "d", "side_channel": "127.0.0.1:1",
         "kv_transfer": "push", "model": "m"}
+SECRET = b"membership-latency-benchmark-secret"  # cards are signed with its card key
 d = pathlib.Path(tempfile.mkdtemp())
 s = EtcdServer(d / "data", d)
 
 
 async def main() -> None:
     t = parse_target(s.url())
-    pool = Pool(RouterConfig(mode="push", prefill=(), decode=(), discover=t))
+    pool = Pool(RouterConfig(mode="push", prefill=(), decode=(), discover=t,
+                             kv_secret=SECRET))
     link = EtcdLink(pool, lambda i: None)
     link.start()
     await link.synced.wait()
     c = EtcdClient(t)
     join, leave = [], []
     for k in range(30):
-        card = card_from_info(f"http://127.0.0.1:{20000 + k}", {**INFO, "engine_id": f"d{k}"})
+        card = sign(card_from_info(f"http://127.0.0.1:{20000 + k}",
+                                   make_kv_info(**{**INFO, "engine_id": f"d{k}"})), SECRET)
         key = f"/kvpush/instances/decode/d{k}"
         t0 = time.perf_counter()
         await c.put(key, encode(card))
