@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import timeit
 
-from kvpush.kv_transfer.transports.transport import layer_block_descs
+from kvpush.kv_cache.kv_map import layer_block_descs
 from kvpush.sim.loopback import kv_region, layout_of
 
 SHAPES = {  # name: (layers, blocks, kv heads, head dim, dtype), layers per WRITE
