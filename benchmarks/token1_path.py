@@ -139,8 +139,8 @@ def run(n: int, blocks: int) -> dict[str, tuple[list[float], list[float]]]:
     import torch
 
     torch.set_num_threads(1)
+    from kvpush.kv_cache.kv_map import layer_block_descs
     from kvpush.kv_transfer.transports.nixl_transport import NixlTransport
-    from kvpush.kv_transfer.transports.transport import layer_block_descs
     from kvpush.kv_transfer.wire import messages as m
     from kvpush.kv_transfer.wire.side_channel import SideChannel
     from kvpush.sim.loopback import kv_region, layout_of, wait_done
