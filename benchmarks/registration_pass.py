@@ -7,14 +7,16 @@ the signed ZMQ side channel as ``kvpush up`` runs them, a tiny random Qwen3.
 Per request, as the router's two legs land: decode's leg first (its step registers the
 blocks: ``PushRegister`` leaves), then prefill's, whose prefill step runs while the
 registration reaches prefill's transfer thread. Thread CPU clocks
-(``pthread_getcpuclockid``), medians over the requests, microseconds:
+(``time.thread_time_ns``, ``pthread_getcpuclockid``), medians, microseconds:
 
-* ``pass that handles the registration``: the whole ``run_once`` of prefill's transfer
-  thread that handled it, and its parts: the side channel's ``recv`` (drain, MAC check),
-  ``on_frame`` (decode, checks, record), the facts, poll, tick, flush;
-* ``prefill step``: the step thread's CPU in the prefill step, and the transfer thread's
-  CPU spent inside the same wall-clock window (it takes the GIL from the step), push and
-  pull (pull: the same pair in pull mode, the lend's leg alone);
+* per pass of push prefill's transfer thread, by what it handled (``Begin``,
+  ``registration``, ...): the whole ``run_once`` and its parts: the side channel's
+  ``recv`` (poll, drain, MAC check), ``on_frame`` (decode, checks, record), the facts,
+  ``poll`` (NIXL progress), tick, flush;
+* prefill's step from its layer hook ("p_step") to token #1 sampled ("p_first"): wall
+  time, the step thread's CPU, and the transfer thread's CPU inside that window (it takes
+  the GIL from the step), push and pull (pull: the same pair in pull mode). In one
+  process decode's threads compete for the GIL too: compare the CPU figures;
 * hot costs of the pieces alone: ``m.decode`` of a registration, ``ChannelAuth.check``.
 """
 
@@ -210,7 +212,6 @@ def main() -> None:
                          prompt_hashes=[bytes(32)] * (args.prompt_len // 16))
     payload = m.encode(reg)
     auth = ChannelAuth(SECRET, 60.0)
-    seal = auth.seal(b"127.0.0.1:5555", b"12345678", 1, payload)
     k = 2000
     t0 = time.thread_time_ns()
     for _ in range(k):
@@ -223,7 +224,6 @@ def main() -> None:
     for i in range(k):
         auth.seal(b"127.0.0.1:5555", b"abcdefgh", i + 1, payload)
     t3 = time.thread_time_ns()
-    del seal
     print(f"hot, us each: decode a registration {(t1 - t0) / k / 1000:.1f}, "
           f"MAC check {((t2 - t1) - (t3 - t2)) / k / 1000:.1f}, "
           f"seal {(t3 - t2) / k / 1000:.1f} ({len(payload)} bytes)")
