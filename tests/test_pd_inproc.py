@@ -605,6 +605,8 @@ def test_registration_after_prefill_finished(pd, tiny_qwen3):
     pd.submit("r", prompt, greedy(5))
     pd.run(until=lambda: pd.p_legs["r"].finished, timeout=10)
     assert pd.p.connector.holds.by_tid["r"].request_id is None  # finished, held
+    # the Begin goes with the step's hand-off: the transfer thread takes both at once
+    pd.run(until=lambda: pd.p.connector.worker.table.get("r") is not None, timeout=5)
     assert pd.p.connector.worker.table.get("r").reg is None  # and not registered yet
     pd.run(timeout=15)
     assert pd.d_legs["r"].tokens == single_outputs(tiny_qwen3, [prompt], 5)["r0"]

@@ -38,7 +38,7 @@ def block_ids_problem(ids: Sequence[int], num_blocks: int, what: str) -> str | N
 def chain_problem(theirs: Sequence[bytes], ours: Sequence[bytes], who: str,
                   we: str) -> str | None:
     """Why two prompts' hash chains say the prompts differ, or None."""
-    if list(theirs) == list(ours):
+    if tuple(theirs) == tuple(ours):
         return None
     if not theirs:
         return f"{who} side sent no hash chain of its prompt"

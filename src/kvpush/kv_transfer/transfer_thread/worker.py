@@ -86,14 +86,20 @@ class TransferWorker:
         self.queue: queue.SimpleQueue[c.StepMessage | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
         self._stopping = False
+        self._quiet_begins = hello.role == "prefill"
 
     # ---- other threads ----------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, msg: c.StepMessage) -> None:
+        """Queue ``msg`` and wake the thread; on prefill, Begins alone wake nobody: they
+        go with decode's registration (the pass it wakes takes the facts first), the
+        step's hand-off, or the wait's end (0.2 s at most), so that no pass of their own
+        takes the GIL from the step that follows them."""
         self.queue.put(msg)
-        self.channel.wake()
+        if not (self._quiet_begins and all(type(f) is c.Begin for f in msg.facts)):
+            self.channel.wake()
 
     def stop(self, timeout: float = 5.0) -> None:
         if self._stopping:

@@ -43,7 +43,7 @@ from kvpush.crypto.curve import (
     make_client,
     make_server,
 )
-from kvpush.kv_transfer.wire.link_watch import LinkWatch, monitor_events
+from kvpush.kv_transfer.wire.link_watch import NOBLOCK, POLLIN, LinkWatch, monitor_events
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class SideChannel:
                 if stream is None:
                     stream = self._streams[address] = (os.urandom(8), itertools.count(1))
                 frames.append(self.auth.seal(self._identity, stream[0], next(stream[1]), payload))
-            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            sock.send_multipart(frames, flags=NOBLOCK)
         except zmq.Again:  # the destination's queue (sndhwm) is full
             self.stats.dropped("queue_full")
             return False
@@ -293,7 +293,7 @@ class SideChannel:
 
     def pending(self) -> bool:
         """Whether a frame is ready to be received now (without waiting)."""
-        return not self._closed and bool(self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return not self._closed and bool(self._router.getsockopt(zmq.EVENTS) & POLLIN)
 
     def wake(self) -> None:
         """Make a waiting (or the next) ``recv`` return early. Safe from any thread."""
@@ -324,7 +324,7 @@ class SideChannel:
             if not self.pending():  # (keeps the GIL, where a receive of nothing gives it up)
                 break
             try:
-                frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
+                frames = self._router.recv_multipart(flags=NOBLOCK)
             except zmq.Again:
                 break
             if len(frames) not in (2, 3):
