@@ -11,7 +11,8 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -24,6 +25,7 @@ from kvpush.engine.outputs import FinishReason, RequestError
 from kvpush.kv_transfer.params import WireKVParams
 from kvpush.sampling_params import SamplingParams
 from kvpush_testing.links import InProcLinks
+from waits import wait_until
 
 SECRET = b"request-plane-test-secret-0123456789"
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -184,22 +186,35 @@ def test_an_idle_links_free_blocks_follow_the_core_while_its_own_front_drives_it
     run(core, main)
 
 
-def test_the_plane_hands_each_new_snapshot_to_every_front_once(tiny_llama):
-    """The plane alone: a front's Hello is answered with the latest snapshot; after it
-    each new snapshot reaches it, one that equals the last is not sent again, and the
-    local front gets every batch as it was."""
+@contextlib.contextmanager
+def plane_alone(model) -> Iterator[tuple[Any, zmq.Socket]]:
+    """A request plane over an inbox nothing reads (no secret), and one front's DEALER
+    socket, not yet connected; both closed after."""
     from kvpush.engine.checks import RequestChecker
-    from kvpush.engine.inputs import Hello
-    from kvpush.engine.outputs import EngineOutputs, EngineSnapshot, EngineStats
     from kvpush.engine.request_plane import RequestPlane
 
-    config = EngineConfig.build(tiny_llama, max_model_len=MAX_LEN)
+    config = EngineConfig.build(model, max_model_len=MAX_LEN)
     plane = RequestPlane(queue.SimpleQueue(), RequestChecker(config), "127.0.0.1", 0, None)
     plane.start()
     ctx = zmq.Context()
     front = ctx.socket(zmq.DEALER)
     front.setsockopt(zmq.LINGER, 0)
     front.setsockopt(zmq.RCVTIMEO, int(WAIT_S * 1000))
+    try:
+        yield plane, front
+    finally:
+        front.close()
+        ctx.term()
+        plane.close()
+
+
+def test_the_plane_hands_each_new_snapshot_to_every_front_once(tiny_llama):
+    """The plane alone: a front's Hello is answered with the latest snapshot; after it
+    each new snapshot reaches it, one that equals the last is not sent again, and the
+    local front gets every batch as it was."""
+    from kvpush.engine.inputs import Hello
+    from kvpush.engine.outputs import EngineOutputs, EngineSnapshot, EngineStats
+
     dec = msgspec.msgpack.Decoder(EngineOutputs)
 
     def snap(free: int) -> EngineOutputs:
@@ -210,7 +225,7 @@ def test_the_plane_hands_each_new_snapshot_to_every_front_once(tiny_llama):
         assert got.snapshot is not None and not got.outputs
         return got.snapshot.stats.num_free_blocks
 
-    try:
+    with plane_alone(tiny_llama) as (plane, front):
         assert plane.split(snap(9)) == snap(9)  # no front yet: the local front's alone
         front.connect(f"tcp://{plane.address}")
         front.send(msgspec.msgpack.encode(Hello()))
@@ -218,10 +233,25 @@ def test_the_plane_hands_each_new_snapshot_to_every_front_once(tiny_llama):
         for free in (7, 7, 5, 5, 3):
             assert plane.split(snap(free)) == snap(free)
         assert [seen(), seen(), seen()] == [7, 5, 3]  # (in order: no 7 or 5 twice)
-    finally:
-        front.close()
-        ctx.term()
-        plane.close()
+
+
+def test_outputs_go_to_the_front_they_name_not_by_their_ids(tiny_llama):
+    """The plane alone: each output goes to the front its ``front`` field names (0: the
+    local front), under the id that front gave it; the id's form decides nothing."""
+    from kvpush.engine.inputs import Hello
+    from kvpush.engine.outputs import EngineOutput, EngineOutputs
+
+    dec = msgspec.msgpack.Decoder(EngineOutputs)
+    with plane_alone(tiny_llama) as (plane, front):
+        front.connect(f"tcp://{plane.address}")
+        front.send(msgspec.msgpack.encode(Hello()))
+        wait_until(lambda: plane.in_use, WAIT_S, "the Hello taken")
+        local = EngineOutput("~1/looks-remote", [5])  # front 0 whatever its id says
+        remote = EngineOutput("~1/r1", [6], front=1)
+        kept = plane.split(EngineOutputs([local, remote]))
+        assert kept is not None and kept.outputs == [local]
+        got = dec.decode(front.recv())
+        assert [(o.request_id, o.new_token_ids) for o in got.outputs] == [("r1", [6])]
 
 
 def test_a_wrong_secret_never_proves_and_gets_nothing(core):

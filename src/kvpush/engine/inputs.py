@@ -14,7 +14,9 @@ with :data:`PlaneCommand`: :class:`Hello` (on each connection: the core's snapsh
 from then on), :class:`SubmitRequest` (not yet checked: its ``kv_transfer_params`` as
 the router signed them, a WireKVParams), :class:`AbortRemote`, :class:`AbortTransfer` and
 :class:`UtilityCall`. The plane checks them and puts the
-commands above in the inbox, under ids that start with :data:`REMOTE_MARK`.
+commands above in the inbox with their front's number (``AddRequest.front``, which
+every output of the request carries back), under ids that start with
+:data:`REMOTE_MARK` and the front's number, so that no two fronts' ids meet in the core.
 
 The transfer thread's updates (``kv_transfer.commands.TransferUpdate``) reach the same
 inbox as they are, and so does :class:`TransferThreadDied`, which ends the step loop
@@ -39,6 +41,9 @@ class AddRequest(msgspec.Struct, tag=True, frozen=True):
     kv_transfer_params: KVTransferParams | None = None
     #: monotonic time the request arrived at the front end
     arrival_time: float = 0.0
+    #: the front it came from: 0 the instance's own, n > 0 a request-plane front (its
+    #: outputs carry it back, so no front is found by parsing ids)
+    front: int = 0
 
 
 class AbortRequests(msgspec.Struct, tag=True, frozen=True):

@@ -164,7 +164,7 @@ class LLMEngine:
                     try:
                         self._admit(cmd)
                     except RequestError as e:
-                        outputs.append(rejected(cmd.request_id, e))
+                        outputs.append(rejected(cmd.request_id, e, cmd.front))
                 case AbortRequests(request_ids=ids):
                     for rid in ids:
                         outputs += self._abort_choices(rid)
@@ -251,6 +251,7 @@ class LLMEngine:
             prompt_token_ids=cmd.prompt_token_ids,
             params=cmd.params,
             max_total_tokens=self.max_model_len,
+            front=cmd.front,
         )
         if cmd.arrival_time:
             req.arrival_time = cmd.arrival_time
@@ -293,7 +294,7 @@ class LLMEngine:
         req, kv = entry
         if ready.error is not None:
             return [rejected(req.request_id, RequestError(
-                f"structured output: {ready.error}", "response_format"))]
+                f"structured output: {ready.error}", "response_format"), req.front)]
         assert req.params.structured is not None  # (only a guided request compiles)
         req.grammar = self.grammars.grammar(req.params.structured)
         self._queue(req, kv)
@@ -310,7 +311,7 @@ class LLMEngine:
                 FinishReason.ABORT if why is None else FinishReason.ERROR),
                 failure=None if why is None else RequestFailure(why),
                 num_prompt_tokens=waiting[0].num_prompt_tokens,
-                arrival_time=waiting[0].arrival_time)
+                arrival_time=waiting[0].arrival_time, front=waiting[0].front)
         if why is not None:
             return self._finish(req, FinishReason.ERROR, [], None, RequestFailure(why))
         return self._finish(req, FinishReason.ABORT, [], None)
@@ -390,6 +391,7 @@ class LLMEngine:
             req.output_id, [token], logprobs, top, None, None, None,
             req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens,
             req.first_token_time, req.arrival_time, req.scheduled_time, req.index,
+            front=req.front,
         )
 
     def _fork(self, parent: Request) -> None:
@@ -402,7 +404,7 @@ class LLMEngine:
         for i in reversed(range(1, parent.params.n)):
             child = Request(ids[i - 1], parent.prompt_token_ids, parent.params.choice(i),
                             parent.max_total_tokens, arrival_time=parent.arrival_time,
-                            index=i, output_id=parent.request_id)
+                            index=i, output_id=parent.request_id, front=parent.front)
             if spec is not None:
                 child.grammar = self.grammars.grammar(spec)  # (compiled: a copy)
             self.scheduler.fork(parent, child)
@@ -445,6 +447,7 @@ class LLMEngine:
             req.output_id, new_tokens, logprobs, top, reason, failure, kv_params or None,
             req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens,
             req.first_token_time, req.arrival_time, req.scheduled_time, req.index, more,
+            req.front,
         )
 
     def kv_info(self, engine_id: str = "", kv_events: KVEvents | None = None,

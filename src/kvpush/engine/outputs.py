@@ -73,6 +73,8 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     #: a finished choice's request has other choices still running (the request's last
     #: output is the one finished without it)
     more_choices: bool = False
+    #: the front the request came from (``AddRequest.front``: 0 the instance's own)
+    front: int = 0
 
     @property
     def finished(self) -> bool:
@@ -84,10 +86,11 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
         return self.finish_reason is not None and not self.more_choices
 
 
-def rejected(request_id: str, e: RequestError) -> EngineOutput:
+def rejected(request_id: str, e: RequestError, front: int = 0) -> EngineOutput:
     """A request refused before it ran (its front raises ``e`` again: an HTTP error)."""
     return EngineOutput(request_id, [], finish_reason=FinishReason.ERROR,
-                        failure=RequestFailure(str(e), True, e.param, e.code, e.status_code))
+                        failure=RequestFailure(str(e), True, e.param, e.code, e.status_code),
+                        front=front)
 
 
 class EngineStats(msgspec.Struct, frozen=True):

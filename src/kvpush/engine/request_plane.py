@@ -180,7 +180,7 @@ class RequestPlane:
             self._latest = snapshot  # (before ``in_use`` is read: a Hello sees it)
         if not self.in_use:
             return batch
-        mine = [o for o in batch.outputs if o.request_id.startswith(REMOTE_MARK)]
+        mine = [o for o in batch.outputs if o.front]
         calls = [r for r in batch.replies if r.call_id < 0]
         new = snapshot is not None and snapshot != self._handed
         if mine or calls or new or batch.fatal is not None:
@@ -191,7 +191,7 @@ class RequestPlane:
             os.eventfd_write(self._wake, 1)
         if not mine and not calls:
             return batch
-        outputs = [o for o in batch.outputs if not o.request_id.startswith(REMOTE_MARK)]
+        outputs = [o for o in batch.outputs if not o.front]
         replies = [r for r in batch.replies if r.call_id >= 0]
         if not (outputs or replies or batch.transfers or batch.snapshot is not None
                 or batch.fatal is not None or batch.stats is not None):
@@ -313,7 +313,8 @@ class RequestPlane:
             return
         front.live.add(rid)
         self.in_use = True
-        self._inbox.put(AddRequest(front.prefix + rid, cmd.prompt_token_ids, params, kv))
+        self._inbox.put(AddRequest(front.prefix + rid, cmd.prompt_token_ids, params, kv,
+                                   front=front.n))
 
     def _deliver(self) -> bool:
         """Send each front its part of the batches queued; False once told to stop."""
@@ -326,9 +327,9 @@ class RequestPlane:
                 return False
             per: dict[int, EngineOutputs] = {}
             for out in batch.outputs:
-                num, _, rid = out.request_id[1:].partition("/")
-                front = self._by_n.get(int(num))
+                front = self._by_n.get(out.front)
                 if front is not None:  # (else gone: its requests were aborted)
+                    rid = out.request_id[len(front.prefix):]
                     if out.request_finished:
                         front.live.discard(rid)
                     part = per.get(front.n) or per.setdefault(

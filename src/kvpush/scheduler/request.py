@@ -77,6 +77,8 @@ class Request:
     #: the first runs under its own id and answers under its request's (``output_id``)
     index: int = 0
     output_id: str = ""
+    #: the front it came from (``AddRequest.front``), which its outputs name
+    front: int = 0
 
     def __post_init__(self) -> None:
         if not self.output_id:
