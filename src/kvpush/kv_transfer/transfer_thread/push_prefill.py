@@ -34,11 +34,10 @@ def registration_problem(reg: m.PushRegister, num_blocks: int, block_size: int,
                          own_prompt_tokens: int,
                          own_hashes: Sequence[bytes]) -> str | None:
     """Why prefill must not act on decode's registration (``num_blocks``: decode's
-    region as its Hello announced it), or None. ``reg`` is as the side channel decoded
-    it: its block ids are ints (no bools), checked here by builtins first."""
-    ids = reg.block_ids
-    if ids and (min(ids) < 0 or max(ids) >= num_blocks) or len(set(ids)) != len(ids):
-        return block_ids_problem(ids, num_blocks, "registration")
+    region as its Hello announced it), or None."""
+    problem = block_ids_problem(reg.block_ids, num_blocks, "registration")
+    if problem:
+        return problem
     if not 0 <= reg.skip_blocks <= len(reg.block_ids):
         return f"registration skips {reg.skip_blocks} of its {len(reg.block_ids)} blocks"
     if reg.num_prompt_tokens != own_prompt_tokens:
