@@ -10,16 +10,16 @@ of a cluster run without one on a trusted network: --insecure-kv-params, plain T
 CURVE keys come from the cluster secret (purpose ``request plane``) and ZAP admits only
 the cluster's client key: an endpoint that cannot finish the handshake reaches nothing.
 Each connection is a front numbered ``n``, whose requests run as ``~<n>/<its id>``
-(FrontEnd never starts an id with ``~``). ``split`` takes the remote outputs and utility
+(FrontEnd never starts an id with ``~``) with ``AddRequest.front = n``, which their
+outputs carry back (``EngineOutput.front``). ``split`` takes the remote outputs and utility
 replies (negative call ids, assigned here) out of each batch and hands them over through
 a queue and an eventfd, with each snapshot that differs from the last one handed over
 (at most one per ``core_loop.SNAPSHOT_S`` while the core is busy, and one when it
 idles): every front gets it, so a router's view of the core's gauges (its free blocks)
-follows the core whichever front drives it. The local API process gets the rest as
-before. Only that queue
-and the inbox cross threads. A front that vanishes (its connection closes, or is silent
-past the ZMTP heartbeat timeout) or stops reading (``SNDHWM``) has its live requests
-aborted. (ROUTER_NOTIFY is a draft option, not in pyzmq's libzmq: the monitor's
+follows the core whichever front drives it. The local API process gets the rest.
+Only that queue and the inbox cross threads. A front that vanishes (its connection
+closes, or is silent past the ZMTP heartbeat timeout) or stops reading (``SNDHWM``) has
+its live requests aborted. (ROUTER_NOTIFY is a draft option, not in pyzmq's libzmq: the monitor's
 DISCONNECTED event, its value the fd, names the front whose first message had that
 ZMQ_SRCFD.)
 """
